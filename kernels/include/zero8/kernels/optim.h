@@ -1,0 +1,89 @@
+// Fused optimizer kernels: one pass per element dequantizes the states, updates in fp32, finds each
+// block's new scale, requantizes, and writes the parameter (and its fp32 master). The same kernel
+// runs 32-bit states. Raw kernels: arguments are validated by zero8/optim.h, not here.
+#pragma once
+
+#include <cstdint>
+
+#include "zero8/kernels/dispatch.h"
+#include "zero8/kernels/hd.h"
+#include "zero8/kernels/quant_map.h"
+
+namespace zero8::optim {
+
+enum class Algo : uint8_t { adam = 0, adamw, sgd, lion, rmsprop, adagrad, lamb, lars };
+const char* algo_name(Algo a);
+int algo_num_states(Algo a);          // 2 for adam/adamw/lamb, 1 for the others (sgd: 0 if momentum == 0)
+bool algo_has_trust_ratio(Algo a);    // lamb, lars: two phases (norms, then step)
+
+// Hyperparameters of one step. Names follow torch.optim; unused ones are ignored by an algorithm.
+struct Hyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;         // adam/adamw/lamb/lion beta1; sgd/lars momentum
+  float beta2 = 0.999f;       // adam/adamw/lamb/lion beta2; rmsprop alpha
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled for adamw, lion, lamb; L2 (added to the gradient) otherwise
+  float dampening = 0.0f;     // sgd
+  bool nesterov = false;      // sgd
+  bool bias_correction = true;// adam/adamw/lamb
+  float lr_decay = 0.0f;      // adagrad: lr / (1 + (step - 1) * lr_decay)
+  float initial_accumulator = 0.0f;  // adagrad (applied by state init, recorded for completeness)
+  float trust_coefficient = 0.001f;  // lars eta
+  float max_trust_ratio = 10.0f;     // lamb/lars: clip of the trust ratio (0: no clip)
+  int64_t step = 1;           // the 1-based number of this step (after increment), for bias correction
+  float grad_scale = 1.0f;    // the gradient is multiplied by this first (1/loss_scale * clip coef)
+};
+
+// One contiguous range of a flat parameter buffer. The range starts on a state-block boundary;
+// the last block may be partial. Optional segments split the range into tensors (for LAMB/LARS
+// per-tensor trust ratios): seg_offsets[0] = 0 < ... < seg_offsets[nseg] = n.
+struct StepArgs {
+  Algo algo = Algo::adamw;
+  Hyper h;
+  int64_t n = 0;
+  void* param = nullptr;            // n elements of param_dtype: written (rounded from the master)
+  DType param_dtype = DType::f32;
+  float* master = nullptr;          // fp32 master (required when param is 16-bit, else null)
+  const void* grad = nullptr;       // n elements of grad_dtype
+  DType grad_dtype = DType::f32;
+  int bits = 8;                     // 8: codes + scales; 32: fp32 states
+  int32_t block = 256;              // state block (8-bit)
+  uint8_t* code1 = nullptr;  float* absmax1 = nullptr;  const quant::QuantTable* map1 = nullptr;
+  uint8_t* code2 = nullptr;  float* absmax2 = nullptr;  const quant::QuantTable* map2 = nullptr;
+  float* state1 = nullptr;   float* state2 = nullptr;   // 32-bit states
+  int64_t nseg = 0;                 // 0: the whole range is one tensor
+  const int64_t* seg_offsets = nullptr;
+  const float* seg_trust = nullptr; // lamb/lars phase 2: trust ratio per segment (nseg or 1 values)
+  bool update_params = true;        // false: update states only (never used by the public API)
+};
+
+// Per-segment partial sums of the LAMB/LARS first phase: ||w||^2 and ||update||^2 (double, so that
+// sums reduced across ranks in any order stay well within fp32 tolerance).
+struct NormSums {
+  double w_sq = 0.0;
+  double u_sq = 0.0;
+};
+
+// Phase 1 of lamb/lars (reads only): out[s] for each segment (nseg or 1 entries).
+void optim_norms_ref(const StepArgs& a, NormSums* out);
+void optim_norms_avx2(const StepArgs& a, NormSums* out);
+void optim_norms_avx512(const StepArgs& a, NormSums* out);
+// The step (phase 2 for lamb/lars, using seg_trust).
+void optim_step_ref(const StepArgs& a);
+void optim_step_avx2(const StepArgs& a);
+void optim_step_avx512(const StepArgs& a);
+
+// Dispatch + OpenMP across blocks (threads = 0: OpenMP default).
+void optim_norms(const StepArgs& a, NormSums* out, Isa isa, int threads = 0);
+void optim_step(const StepArgs& a, Isa isa, int threads = 0);
+
+// Trust ratio from the reduced norms: as in the LAMB paper (You et al. 2020) and LARS (You et al.
+// 2017): ||w|| / ||u|| (times eta for lars), 1 when either norm is 0, clipped at max_trust_ratio.
+float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s);
+
+#if ZERO8_WITH_CUDA
+void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream);
+void optim_step_cuda(const StepArgs& a, void* stream);
+#endif
+
+}  // namespace zero8::optim

@@ -1,0 +1,99 @@
+// The 8-bit quantization maps (dynamic signed/unsigned, linear) and the element math that maps a
+// normalized value to a code: nearest (ties to the even code, never flipping a nonzero value's sign)
+// or stochastic. Host/device code: the CPU variants and the CUDA kernels call these same functions.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "zero8/kernels/hd.h"
+
+namespace zero8::quant {
+
+// A map of 256 sorted values plus the thresholds that make nearest-code search exact in float32.
+// Layout is part of the kernel ABI (passed by pointer to CPU and CUDA kernels): keep it POD.
+struct QuantTable {
+  float values[256];      // sorted ascending; code c decodes to values[c] * absmax
+  float thresholds[256];  // code(n) = #{i : n > thresholds[i]}; thresholds[255] = +inf
+  uint8_t zero_code;      // code used for zero blocks and non-finite blocks (nearest to 0, ties even)
+  uint8_t nonneg_first;   // smallest code with values[c] >= 0 (for the no-sign-flip rule)
+  uint8_t nonpos_last;    // largest code with values[c] <= 0
+  uint8_t has_neg_one;    // values[0] == -1: the map is symmetric enough for a positive absmax
+  uint8_t is_unsigned;    // values[0] >= 0
+  uint8_t pad_[3];
+};
+static_assert(sizeof(QuantTable) == 256 * 4 * 2 + 8, "QuantTable layout is part of the kernel ABI");
+
+enum class MapKind : uint8_t { dynamic_signed = 0, dynamic_unsigned = 1, linear_signed = 2, linear_unsigned = 3 };
+const char* map_kind_name(MapKind k);
+
+// The 256 values of a map. Dynamic maps are bit-identical to bitsandbytes' create_dynamic_map
+// (float32 arithmetic of torch's CPU linspace), see tests/data/dynamic_maps.txt.
+std::vector<float> map_values(MapKind kind);
+// Build the search table for any sorted 256-value map (throws zero8::Error if not sorted/finite).
+QuantTable table_build(const std::vector<float>& values);
+// Cached table of a standard map (built once, thread-safe).
+const QuantTable& table_get(MapKind kind);
+
+// ---- element math (host and device) ----
+
+// Scale of a block given its min and max element: the absmax, negated when the extreme element is
+// negative and the map cannot represent -1, so that the block's extreme element is reproduced exactly
+// (the dynamic signed map ends at -0.99297 but +1.0). Decoding is values[code] * scale either way.
+// Returns 0 for an all-zero block and NaN if the block holds a non-finite value (callers pass NaN
+// as max/min then).
+ZERO8_HD float quant_block_scale(float vmin, float vmax, const QuantTable& t) {
+  if (!(vmin == vmin) || !(vmax == vmax)) return vmin + vmax;  // NaN
+  float neg = -vmin;
+  float s = vmax >= neg ? vmax : (t.has_neg_one ? neg : vmin);
+  if (s - s != 0.0f) return f32_from_bits(0x7fc00000u);  // Inf
+  return s;
+}
+
+// Nearest code of a normalized value n (= x / scale): exact nearest map value, ties to even code.
+ZERO8_HD uint32_t quant_code_nearest(float n, const QuantTable& t) {
+  uint32_t c = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (uint32_t step = 128; step > 0; step >>= 1) c += (n > t.thresholds[c + step - 1]) ? step : 0u;
+  return c;
+}
+
+// Stochastic code: rounds to one of the two map values around n with probability proportional to
+// closeness, so E[decode] == n inside the map's range; u is uniform in [0, 1).
+ZERO8_HD uint32_t quant_code_stochastic(float n, float u, const QuantTable& t) {
+  if (!(n > t.values[0])) return 0;  // also NaN
+  if (n >= t.values[255]) return 255;
+  uint32_t lo = 0;  // largest code with values[lo] <= n
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (uint32_t step = 128; step > 0; step >>= 1) {
+    uint32_t c = lo + step;
+    if (c <= 255 && t.values[c] <= n) lo = c;
+  }
+  float a = t.values[lo], b = t.values[lo + 1];
+  float p = (n - a) / (b - a);
+  return u < p ? lo + 1 : lo;
+}
+
+// Apply the no-sign-flip rule: a nonzero x never decodes to a value of the opposite sign.
+ZERO8_HD uint32_t quant_code_keep_sign(uint32_t c, float n, const QuantTable& t) {
+  float v = t.values[c];
+  if (n > 0.0f && v < 0.0f) return t.nonneg_first;
+  if (n < 0.0f && v > 0.0f) return t.nonpos_last;
+  return c;
+}
+
+// Code of element x in a block of the given scale (the full rule, as every variant must compute it).
+ZERO8_HD uint32_t quant_encode_one(float x, float scale, const QuantTable& t, bool stochastic, float u) {
+  if (!(scale == scale) || scale == 0.0f) return t.zero_code;
+  float n = x / scale;
+  uint32_t c = stochastic ? quant_code_stochastic(n, u, t) : quant_code_nearest(n, t);
+  return quant_code_keep_sign(c, n, t);
+}
+
+ZERO8_HD float quant_decode_one(uint32_t code, float scale, const QuantTable& t) { return t.values[code] * scale; }
+
+}  // namespace zero8::quant

@@ -1,0 +1,88 @@
+// CPU feature detection and the ZERO8_ISA override.
+#include "zero8/kernels/dispatch.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "zero8/error.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
+namespace zero8 {
+namespace {
+
+#if defined(__x86_64__)
+uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t(edx) << 32) | eax;
+}
+#endif
+
+bool cpu_has(Isa isa) {
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12), f16c = c & (1u << 29);
+  if (!osxsave || !avx) return false;
+  const uint64_t xcr0 = xgetbv0();
+  if ((xcr0 & 0x6) != 0x6) return false;  // OS saves XMM and YMM state
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool avx2 = b & (1u << 5), bmi2 = b & (1u << 8);
+  if (isa == Isa::avx2) return avx2 && fma && f16c && bmi2;
+  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  const bool os512 = (xcr0 & 0xe6) == 0xe6;  // opmask, ZMM_Hi256, Hi16_ZMM
+  return avx2 && fma && f16c && bmi2 && f && dq && bw && vl && os512;
+#else
+  (void)isa;
+  return false;
+#endif
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "?";
+}
+
+bool isa_supported(Isa isa) {
+  if (isa == Isa::scalar) return true;
+#if ZERO8_WITH_X86_SIMD
+  static const bool has_avx2 = cpu_has(Isa::avx2), has_avx512 = cpu_has(Isa::avx512);
+  return isa == Isa::avx2 ? has_avx2 : has_avx512;
+#else
+  return false;
+#endif
+}
+
+Isa isa_best() {
+  if (isa_supported(Isa::avx512)) return Isa::avx512;
+  if (isa_supported(Isa::avx2)) return Isa::avx2;
+  return Isa::scalar;
+}
+
+// Environment: ZERO8_ISA = scalar | avx2 | avx512 forces the CPU variant (read once per process).
+Isa isa_active() {
+  static const Isa active = [] {
+    const char* env = std::getenv("ZERO8_ISA");
+    if (!env || !*env) return isa_best();
+    const std::string s(env);
+    for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
+      if (s != isa_name(isa)) continue;
+      if (!isa_supported(isa))
+        ZERO8_THROW(unsupported, "ZERO8_ISA=" << s << " but this CPU/OS or build cannot run " << s);
+      return isa;
+    }
+    ZERO8_THROW(invalid_argument, "ZERO8_ISA=" << s << " is not one of scalar, avx2, avx512");
+  }();
+  return active;
+}
+
+}  // namespace zero8

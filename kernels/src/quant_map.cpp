@@ -1,0 +1,133 @@
+// Construction of the quantization maps and of their exact search tables.
+#include "zero8/kernels/quant_map.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+
+#include "zero8/error.h"
+
+namespace zero8::quant {
+namespace {
+
+// torch's CPU linspace for float32 as built for AVX2 (the arithmetic bitsandbytes' maps were made
+// with): the scalar path and each vector's base use a fused multiply-add, the lanes of a vector add
+// k*step to the base; vectors come in pairs of 8 lanes and the tail is scalar.
+std::vector<float> linspace_f32(float start, float end, int64_t steps) {
+  std::vector<float> out(steps);
+  const float step = (end - start) / float(steps - 1);
+  const int64_t halfway = steps / 2;
+  auto at = [&](int64_t idx) {
+    return idx < halfway ? std::fma(step, float(idx), start) : std::fma(-step, float(steps - idx - 1), end);
+  };
+  int64_t i = 0;
+  for (; i + 16 <= steps; i += 16) {
+    for (int64_t v = i; v < i + 16; v += 8) {
+      const float base = at(v);
+      out[v] = base;
+      for (int k = 1; k < 8; ++k) out[v + k] = base + float(k) * step;
+    }
+  }
+  for (; i < steps; ++i) out[i] = at(i);
+  return out;
+}
+
+// "8-bit Optimizers via Block-wise Quantization" (Dettmers et al. 2022), dynamic tree quantization:
+// 7 decades 1e-6..1, per decade the midpoints of linspace(0.1, 1, k+1); plus 0 and 1.0.
+std::vector<float> dynamic_map(bool is_signed) {
+  const int max_exponent_bits = 7, non_sign_bits = 7;
+  std::vector<float> data;
+  for (int i = 0; i < max_exponent_bits; ++i) {
+    const int items = is_signed ? (1 << (i + non_sign_bits - max_exponent_bits)) + 1
+                                : (1 << (i + non_sign_bits - max_exponent_bits + 1)) + 1;
+    const std::vector<float> b = linspace_f32(0.1f, 1.0f, items);
+    const float scale = float(std::pow(10.0, double(-(max_exponent_bits - 1) + i)));
+    for (int k = 0; k + 1 < items; ++k) {
+      const float mean = (b[k] + b[k + 1]) / 2.0f;
+      data.push_back(scale * mean);
+      if (is_signed) data.push_back(-scale * mean);
+    }
+  }
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  ZERO8_ASSERT(data.size() == 256);
+  std::sort(data.begin(), data.end());
+  return data;
+}
+
+std::vector<float> linear_map(bool is_signed) {
+  std::vector<float> v(256);
+  for (int i = 0; i < 256; ++i) v[i] = is_signed ? float(-1.0 + 2.0 * i / 255.0) : float(i / 255.0);
+  return v;
+}
+
+}  // namespace
+
+const char* map_kind_name(MapKind k) {
+  switch (k) {
+    case MapKind::dynamic_signed: return "dynamic";
+    case MapKind::dynamic_unsigned: return "dynamic_unsigned";
+    case MapKind::linear_signed: return "linear";
+    case MapKind::linear_unsigned: return "linear_unsigned";
+  }
+  return "?";
+}
+
+std::vector<float> map_values(MapKind kind) {
+  switch (kind) {
+    case MapKind::dynamic_signed: return dynamic_map(true);
+    case MapKind::dynamic_unsigned: return dynamic_map(false);
+    case MapKind::linear_signed: return linear_map(true);
+    case MapKind::linear_unsigned: return linear_map(false);
+  }
+  ZERO8_THROW(invalid_argument, "invalid argument 'kind': unknown map kind " << int(kind));
+}
+
+QuantTable table_build(const std::vector<float>& values) {
+  ZERO8_CHECK_ARG(values.size() == 256, "values", "a map has 256 values, got " << values.size());
+  QuantTable t{};
+  for (int i = 0; i < 256; ++i) {
+    ZERO8_CHECK_ARG(std::isfinite(values[i]) && std::fabs(values[i]) <= 1.0f, "values",
+                    "value " << i << " = " << values[i] << " is not finite in [-1, 1]");
+    ZERO8_CHECK_ARG(i == 0 || values[i - 1] <= values[i], "values", "not sorted at index " << i);
+    t.values[i] = values[i];
+  }
+  // Threshold i separates code i from i+1: n goes above i iff n > M (the exact midpoint, in double),
+  // or n == M and i+1 is even. Expressed as one float compare n > T.
+  for (int i = 0; i < 255; ++i) {
+    const double m = (double(values[i]) + double(values[i + 1])) / 2.0;
+    float f = float(m);
+    if (double(f) == m) {
+      if ((i + 1) % 2 == 0) f = std::nextafter(f, -std::numeric_limits<float>::infinity());
+    } else if (double(f) > m) {
+      f = std::nextafter(f, -std::numeric_limits<float>::infinity());
+    }
+    t.thresholds[i] = f;
+  }
+  t.thresholds[255] = std::numeric_limits<float>::infinity();
+  t.zero_code = uint8_t(quant_code_nearest(0.0f, t));
+  int nonneg = 255, nonpos = 0;
+  for (int i = 255; i >= 0; --i)
+    if (values[i] >= 0.0f) nonneg = i;
+  for (int i = 0; i < 256; ++i)
+    if (values[i] <= 0.0f) nonpos = i;
+  t.nonneg_first = uint8_t(nonneg);
+  t.nonpos_last = uint8_t(nonpos);
+  t.has_neg_one = values[0] == -1.0f;
+  t.is_unsigned = values[0] >= 0.0f;
+  return t;
+}
+
+const QuantTable& table_get(MapKind kind) {
+  static QuantTable tables[4];
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (int k = 0; k < 4; ++k) tables[k] = table_build(map_values(MapKind(k)));
+  });
+  const int k = int(kind);
+  ZERO8_CHECK_ARG(k >= 0 && k < 4, "kind", "unknown map kind " << k);
+  return tables[k];
+}
+
+}  // namespace zero8::quant
