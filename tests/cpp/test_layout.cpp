@@ -1,0 +1,114 @@
+// Partition layout: a pure function of shapes, order, world size and block sizes (DESIGN.md, Sharding).
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "zero8/error.h"
+#include "zero8/layout.h"
+
+using namespace zero8::shard;
+
+static std::vector<ParamSpec> odd_params() {
+  // Sizes that are multiples of nothing in particular, one below min_8bit_size, one marked fp32.
+  return {{"embed", {1031, 37}}, {"ln.bias", {37}}, {"w1", {37, 997}}, {"emb.stable", {513, 11}, true},
+          {"w2", {4099}}, {"tiny", {4095}}};
+}
+
+TEST(Layout, GroupsAreDecidedOnWholeParameters) {
+  LayoutConfig cfg;
+  cfg.world = 3;
+  Layout l = Layout::build(odd_params(), cfg);
+  EXPECT_EQ(l.slots[0].group, Group::q8);
+  EXPECT_EQ(l.slots[1].group, Group::fp32);  // 37 < 4096
+  EXPECT_EQ(l.slots[2].group, Group::q8);
+  EXPECT_EQ(l.slots[3].group, Group::fp32);  // marked fp32 although 5643 >= 4096
+  EXPECT_EQ(l.slots[4].group, Group::q8);    // 4099 >= 4096
+  EXPECT_EQ(l.slots[5].group, Group::fp32);  // 4095 < 4096
+  EXPECT_EQ(l.group(Group::q8).numel, 1031 * 37 + 37 * 997 + 4099);
+  EXPECT_EQ(l.group(Group::fp32).numel, 37 + 513 * 11 + 4095);
+}
+
+TEST(Layout, PartitionsCoverEveryElementOnceAtBlockBoundaries) {
+  for (int world : {1, 2, 3, 4, 7}) {
+    for (int32_t sb : {64, 256, 4096}) {
+      for (int32_t wb : {64, 2048}) {
+        LayoutConfig cfg{world, sb, wb, 4096};
+        Layout l = Layout::build(odd_params(), cfg);
+        for (int g = 0; g < kNumGroups; ++g) {
+          const GroupLayout& gl = l.groups[g];
+          EXPECT_EQ(gl.chunk % sb, 0);
+          EXPECT_EQ(gl.chunk % wb, 0);
+          EXPECT_GE(gl.padded(), gl.numel);
+          EXPECT_LT(gl.padded() - gl.numel, int64_t(world) * gl.align) << "padding is at most one aligned unit per rank";
+          int64_t covered = 0;
+          for (int r = 0; r < world; ++r) {
+            if (gl.part_valid(r) > 0) {
+              EXPECT_EQ(gl.part_begin(r), covered);
+            }
+            covered += gl.part_valid(r);
+            if (gl.numel > 0 && gl.part_valid(r) > 0) {
+              EXPECT_EQ(gl.owner(gl.part_begin(r)), r);
+              EXPECT_EQ(gl.owner(gl.part_begin(r) + gl.part_valid(r) - 1), r);
+            }
+            if (r + 1 < world && gl.part_valid(r + 1) > 0) {
+              EXPECT_EQ(gl.part_valid(r), gl.chunk) << "padding only at the end";
+            }
+          }
+          EXPECT_EQ(covered, gl.numel);
+        }
+      }
+    }
+  }
+}
+
+TEST(Layout, IsAPureFunctionOfItsInputs) {
+  LayoutConfig cfg{4, 256, 2048, 4096};
+  Layout a = Layout::build(odd_params(), cfg), b = Layout::build(odd_params(), cfg);
+  for (size_t i = 0; i < a.slots.size(); ++i) {
+    EXPECT_EQ(a.slots[i].offset, b.slots[i].offset);
+    EXPECT_EQ(a.slots[i].group, b.slots[i].group);
+  }
+  // Offsets are in model order within each group and contiguous.
+  int64_t next[2] = {0, 0};
+  for (size_t i = 0; i < a.slots.size(); ++i) {
+    EXPECT_EQ(a.slots[i].offset, next[int(a.slots[i].group)]);
+    next[int(a.slots[i].group)] += a.slots[i].numel;
+  }
+}
+
+TEST(Layout, SegmentsSplitRangesAtTensorBoundaries) {
+  LayoutConfig cfg{2, 256, 2048, 4096};
+  Layout l = Layout::build(odd_params(), cfg);
+  const GroupLayout& gl = l.group(Group::q8);
+  int64_t total = 0;
+  for (int r = 0; r < 2; ++r) {
+    auto segs = l.segments(Group::q8, gl.part_begin(r), gl.part_end(r));
+    int64_t prev_end = gl.part_begin(r);
+    for (const Segment& s : segs) {
+      EXPECT_EQ(s.begin, prev_end);
+      EXPECT_LT(s.begin, s.end);
+      EXPECT_GE(s.begin, l.slots[s.param].offset);
+      EXPECT_LE(s.end, l.slots[s.param].offset + l.slots[s.param].numel);
+      prev_end = s.end;
+      total += s.end - s.begin;
+    }
+  }
+  EXPECT_EQ(total, gl.numel);
+}
+
+TEST(Layout, BadInputNamesTheProblem) {
+  auto msg = [](std::vector<ParamSpec> p, LayoutConfig c) {
+    try {
+      Layout::build(p, c);
+    } catch (const zero8::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(msg({{"a", {3}}, {"a", {4}}}, {}).find("duplicate parameter name 'a'"), std::string::npos);
+  EXPECT_NE(msg({{"", {3}}}, {}).find("empty name"), std::string::npos);
+  EXPECT_NE(msg({{"w", {3, -1}}}, {}).find("'w'"), std::string::npos);
+  EXPECT_NE(msg({{"w", {3}}}, {0, 256, 2048, 4096}).find("'world'"), std::string::npos);
+  EXPECT_NE(msg({{"w", {3}}}, {1, 100, 2048, 4096}).find("'state_block'"), std::string::npos);
+  EXPECT_NE(msg({{"w", {3}}}, {1, 256, 8192, 4096}).find("'wire_block'"), std::string::npos);
+}
