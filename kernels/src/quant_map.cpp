@@ -62,6 +62,41 @@ std::vector<float> linear_map(bool is_signed) {
   return v;
 }
 
+// The SIMD accelerator (see QuantTable::lut). With monotone thresholds the code is a monotone
+// function of n, so the codes at a bucket's two ends bound every code inside it; the widest bucket
+// sets the number of refinement steps. Maps with three equal values in a row can break monotony:
+// those keep the plain binary search.
+void table_build_lut(QuantTable& t) {
+  bool monotone = true;
+  for (int i = 0; i + 1 < 256; ++i) monotone = monotone && t.thresholds[i] <= t.thresholds[i + 1];
+  const float inf = std::numeric_limits<float>::infinity();
+  uint32_t steps = 0;
+  bool packed = true;
+  for (uint32_t j = 0; j < kQuantLutHalf; ++j) {
+    const uint32_t q = kQuantLutLo + j;
+    const bool clamped = j == 0 || j + 1 == kQuantLutHalf;  // spans more than one upper-16-bit pattern
+    const float lo = j == 0 ? 0.0f : f32_from_bits(q << kQuantLutShift);
+    const float hi = j + 1 == kQuantLutHalf ? inf : f32_from_bits(((q + 1) << kQuantLutShift) - 1);
+    for (const bool neg : {false, true}) {
+      const uint32_t c_lo = quant_code_nearest(neg ? -hi : lo, t), c_hi = quant_code_nearest(neg ? -lo : hi, t);
+      const uint32_t width = c_hi - c_lo;  // wraps to huge if not monotone
+      steps = std::max(steps, width);
+      // The packed form stores the one threshold inside the bucket by its lower 16 bits.
+      uint32_t low = neg ? 0u : 0xffffu;
+      if (width == 1 && monotone && !clamped) {
+        const uint32_t tb = f32_bits(t.thresholds[c_lo]);
+        if ((tb >> kQuantLutShift) != (q | (neg ? 0x8000u : 0u))) packed = false;
+        low = tb & 0xffffu;
+      } else if (width != 0) {
+        packed = false;
+      }
+      t.lut[j + (neg ? kQuantLutHalf : 0)] = (c_lo << 16) | low;
+    }
+  }
+  t.lut_steps = monotone && steps <= 7 ? uint8_t(steps) : kQuantLutNoSteps;
+  t.lut_packed = t.lut_steps != kQuantLutNoSteps && packed;
+}
+
 }  // namespace
 
 const char* map_kind_name(MapKind k) {
@@ -116,6 +151,7 @@ QuantTable table_build(const std::vector<float>& values) {
   t.nonpos_last = uint8_t(nonpos);
   t.has_neg_one = values[0] == -1.0f;
   t.is_unsigned = values[0] >= 0.0f;
+  table_build_lut(t);
   return t;
 }
 

@@ -13,7 +13,7 @@ namespace zero8::optim {
 
 enum class Algo : uint8_t { adam = 0, adamw, sgd, lion, rmsprop, adagrad, lamb, lars };
 const char* algo_name(Algo a);
-int algo_num_states(Algo a);          // 2 for adam/adamw/lamb, 1 for the others (sgd: 0 if momentum == 0)
+int algo_num_states(Algo a);          // 2 for adam/adamw/lamb, 1 for the others
 bool algo_has_trust_ratio(Algo a);    // lamb, lars: two phases (norms, then step)
 
 // Hyperparameters of one step. Names follow torch.optim; unused ones are ignored by an algorithm.
@@ -23,8 +23,8 @@ struct Hyper {
   float beta2 = 0.999f;       // adam/adamw/lamb/lion beta2; rmsprop alpha
   float eps = 1e-8f;
   float weight_decay = 0.0f;  // decoupled for adamw, lion, lamb; L2 (added to the gradient) otherwise
-  float dampening = 0.0f;     // sgd
-  bool nesterov = false;      // sgd
+  float dampening = 0.0f;     // sgd/lars
+  bool nesterov = false;      // sgd/lars
   bool bias_correction = true;// adam/adamw/lamb
   float lr_decay = 0.0f;      // adagrad: lr / (1 + (step - 1) * lr_decay)
   float initial_accumulator = 0.0f;  // adagrad (applied by state init, recorded for completeness)
@@ -33,6 +33,10 @@ struct Hyper {
   int64_t step = 1;           // the 1-based number of this step (after increment), for bias correction
   float grad_scale = 1.0f;    // the gradient is multiplied by this first (1/loss_scale * clip coef)
 };
+
+// Whether a step reads and writes state `which` (1 or 2): sgd and lars with momentum (beta1) 0 leave
+// their state untouched, and its pointers may then be null.
+bool optim_uses_state(Algo a, const Hyper& h, int which);
 
 // One contiguous range of a flat parameter buffer. The range starts on a state-block boundary;
 // the last block may be partial. Optional segments split the range into tensors (for LAMB/LARS
@@ -53,7 +57,8 @@ struct StepArgs {
   float* state1 = nullptr;   float* state2 = nullptr;   // 32-bit states
   int64_t nseg = 0;                 // 0: the whole range is one tensor
   const int64_t* seg_offsets = nullptr;
-  const float* seg_trust = nullptr; // lamb/lars phase 2: trust ratio per segment (nseg or 1 values)
+  const float* seg_trust = nullptr; // lamb/lars phase 2: trust ratio per segment (nseg or 1 values);
+                                    // null: 1 (the kernels; the validated API requires it)
   bool update_params = true;        // false: update states only (never used by the public API)
 };
 
@@ -73,7 +78,9 @@ void optim_step_ref(const StepArgs& a);
 void optim_step_avx2(const StepArgs& a);
 void optim_step_avx512(const StepArgs& a);
 
-// Dispatch + OpenMP across blocks (threads = 0: OpenMP default).
+// Dispatch + OpenMP across blocks (threads = 0: OpenMP default, at most one thread per 32768
+// elements; an explicit count is used as given). Results are bit-identical for every thread count
+// and ISA: the step is element-wise, and the norms follow the fixed order of optim_math.h.
 void optim_norms(const StepArgs& a, NormSums* out, Isa isa, int threads = 0);
 void optim_step(const StepArgs& a, Isa isa, int threads = 0);
 
@@ -82,6 +89,9 @@ void optim_step(const StepArgs& a, Isa isa, int threads = 0);
 float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s);
 
 #if ZERO8_WITH_CUDA
+// CUDA kernels: every pointer in StepArgs is a device pointer (maps, seg_offsets and seg_trust
+// included). optim_step_cuda is asynchronous on `stream`; optim_norms_cuda synchronizes it and
+// writes out_host (nseg or 1 entries).
 void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream);
 void optim_step_cuda(const StepArgs& a, void* stream);
 #endif

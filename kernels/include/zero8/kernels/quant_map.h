@@ -10,6 +10,16 @@
 
 namespace zero8::quant {
 
+// Buckets of the CPU search accelerator (QuantTable::lut): the sign, the binade and 7 mantissa bits of
+// n, over the binades 2^-24..2^-1 (smaller magnitudes share the first bucket of a sign, magnitudes
+// >= 1 the last). Fine enough that every standard map has at most one threshold inside a bucket.
+constexpr uint32_t kQuantLutShift = 16;                            // 23 - 7 mantissa bits
+constexpr uint32_t kQuantLutLo = 103u << 7;                        // |n| < 2^-24 * (1 + 2^-7)
+constexpr uint32_t kQuantLutHi = 127u << 7;                        // |n| >= 1
+constexpr uint32_t kQuantLutHalf = kQuantLutHi - kQuantLutLo + 1;  // 3073 buckets per sign
+constexpr uint32_t kQuantLutBuckets = 2 * kQuantLutHalf;
+constexpr uint8_t kQuantLutNoSteps = 255;
+
 // A map of 256 sorted values plus the thresholds that make nearest-code search exact in float32.
 // Layout is part of the kernel ABI (passed by pointer to CPU and CUDA kernels): keep it POD.
 struct QuantTable {
@@ -21,8 +31,25 @@ struct QuantTable {
   uint8_t has_neg_one;    // values[0] == -1: the map is symmetric enough for a positive absmax
   uint8_t is_unsigned;    // values[0] >= 0
   uint8_t pad_[3];
+  // Accelerator of quant_code_nearest for the CPU SIMD variants, same result (quant_code_nearest_lut):
+  // lut[quant_lut_index(n)] >> 16 is the code at the low end of n's bucket; lut_steps compare-and-
+  // increment steps (c += n > thresholds[c]) reach the exact code anywhere in the bucket. When
+  // lut_packed, the one threshold inside a bucket is n's upper 16 bits joined with the entry's lower
+  // 16 bits (0xffff / 0 for none in a positive / negative bucket): one table read per element.
+  uint8_t lut_steps;      // 0..7; kQuantLutNoSteps: thresholds not monotone, use the binary search
+  uint8_t lut_packed;
+  uint8_t lut_pad_[6];
+  uint32_t lut[kQuantLutBuckets];
 };
-static_assert(sizeof(QuantTable) == 256 * 4 * 2 + 8, "QuantTable layout is part of the kernel ABI");
+static_assert(sizeof(QuantTable) == 256 * 4 * 2 + 8 + 8 + kQuantLutBuckets * 4,
+              "QuantTable layout is part of the kernel ABI");
+
+ZERO8_HD uint32_t quant_lut_index(float n) {
+  const uint32_t u = f32_bits(n);
+  uint32_t q = (u & 0x7fffffffu) >> kQuantLutShift;
+  q = q < kQuantLutLo ? kQuantLutLo : (q > kQuantLutHi ? kQuantLutHi : q);
+  return q - kQuantLutLo + (u >> 31) * kQuantLutHalf;
+}
 
 enum class MapKind : uint8_t { dynamic_signed = 0, dynamic_unsigned = 1, linear_signed = 2, linear_unsigned = 3 };
 const char* map_kind_name(MapKind k);
@@ -60,6 +87,16 @@ ZERO8_HD uint32_t quant_code_nearest(float n, const QuantTable& t) {
   return c;
 }
 
+// quant_code_nearest through the accelerator, as the SIMD variants compute it (for tests and docs).
+ZERO8_HD uint32_t quant_code_nearest_lut(float n, const QuantTable& t) {
+  if (t.lut_steps == kQuantLutNoSteps) return quant_code_nearest(n, t);
+  const uint32_t e = t.lut[quant_lut_index(n)];
+  uint32_t c = e >> 16;
+  if (t.lut_packed) return c + (n > f32_from_bits((f32_bits(n) & 0xffff0000u) | (e & 0xffffu)) ? 1u : 0u);
+  for (uint32_t s = 0; s < t.lut_steps; ++s) c += n > t.thresholds[c] ? 1u : 0u;
+  return c;
+}
+
 // Stochastic code: rounds to one of the two map values around n with probability proportional to
 // closeness, so E[decode] == n inside the map's range; u is uniform in [0, 1).
 ZERO8_HD uint32_t quant_code_stochastic(float n, float u, const QuantTable& t) {
@@ -78,11 +115,15 @@ ZERO8_HD uint32_t quant_code_stochastic(float n, float u, const QuantTable& t) {
   return u < p ? lo + 1 : lo;
 }
 
-// Apply the no-sign-flip rule: a nonzero x never decodes to a value of the opposite sign.
-ZERO8_HD uint32_t quant_code_keep_sign(uint32_t c, float n, const QuantTable& t) {
-  float v = t.values[c];
-  if (n > 0.0f && v < 0.0f) return t.nonneg_first;
-  if (n < 0.0f && v > 0.0f) return t.nonpos_last;
+// Apply the no-sign-flip rule: a nonzero x never decodes to a value of the opposite sign. The sign is
+// n's sign bit, so the rule also holds when x / scale underflows to a signed zero (which matters for
+// maps without an exact 0, such as the signed linear map).
+ZERO8_HD uint32_t quant_code_keep_sign(uint32_t c, float x, float n, const QuantTable& t) {
+  if (x == 0.0f) return c;
+  const float v = t.values[c];
+  const bool negative = (f32_bits(n) >> 31) != 0;
+  if (!negative && v < 0.0f) return t.nonneg_first;
+  if (negative && v > 0.0f) return t.nonpos_last;
   return c;
 }
 
@@ -91,7 +132,7 @@ ZERO8_HD uint32_t quant_encode_one(float x, float scale, const QuantTable& t, bo
   if (!(scale == scale) || scale == 0.0f) return t.zero_code;
   float n = x / scale;
   uint32_t c = stochastic ? quant_code_stochastic(n, u, t) : quant_code_nearest(n, t);
-  return quant_code_keep_sign(c, n, t);
+  return quant_code_keep_sign(c, x, n, t);
 }
 
 ZERO8_HD float quant_decode_one(uint32_t code, float scale, const QuantTable& t) { return t.values[code] * scale; }

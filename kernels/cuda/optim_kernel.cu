@@ -1,0 +1,232 @@
+// CUDA fused optimizers: one CUDA block per state block dequantizes the states, applies the element
+// rule of optim_math.h, reduces the block's min/max, requantizes with quant_map.h, and writes the
+// parameter. Same element math as the CPU reference (nvcc --fmad=false), so CPU tests vouch for it.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "zero8/error.h"
+#include "zero8/kernels/optim.h"
+#include "zero8/kernels/optim_math.h"
+#include "zero8/kernels/quant_map.h"
+
+namespace zero8::optim {
+namespace {
+
+constexpr int kMaxThreads = 256;
+constexpr int kMaxPerThread = 4096 / kMaxThreads;  // elements per thread at the largest block
+
+#define ZERO8_CUDA_CHECK(expr)                                                            \
+  do {                                                                                    \
+    const cudaError_t e_ = (expr);                                                        \
+    if (e_ != cudaSuccess) ZERO8_THROW(internal, "CUDA error in " #expr ": " << cudaGetErrorString(e_)); \
+  } while (0)
+
+// Index of the segment holding element i (seg_offsets sorted, nseg + 1 entries).
+__device__ int64_t segment_of(const int64_t* offs, int64_t nseg, int64_t i) {
+  int64_t lo = 0, hi = nseg;  // offs[lo] <= i < offs[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offs[mid] <= i) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// Block-wide min/max/finite of the threads' values, combined as the reference does: accumulators
+// start at +0 and a value replaces one only when strictly smaller (larger), so partial results are
+// +0 or of one sign and any combination order gives the reference's answer.
+__device__ void block_minmax(float& vmin, float& vmax, int& finite) {
+  __shared__ float smin[kMaxThreads], smax[kMaxThreads];
+  __shared__ int sfin[kMaxThreads];
+  smin[threadIdx.x] = vmin;
+  smax[threadIdx.x] = vmax;
+  sfin[threadIdx.x] = finite;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const float a = smin[threadIdx.x + s], b = smax[threadIdx.x + s];
+      if (a < smin[threadIdx.x]) smin[threadIdx.x] = a;
+      if (b > smax[threadIdx.x]) smax[threadIdx.x] = b;
+      sfin[threadIdx.x] &= sfin[threadIdx.x + s];
+    }
+    __syncthreads();
+  }
+  vmin = smin[0];
+  vmax = smax[0];
+  finite = sfin[0];
+  __syncthreads();
+}
+
+// Encode the block's new fp32 values x[k] (element lo + threadIdx.x + k * blockDim.x).
+__device__ void block_encode(const float* x, int per, int64_t lo, int32_t len, const quant::QuantTable& t,
+                             uint8_t* codes, float* absmax_out) {
+  float vmin = 0.0f, vmax = 0.0f;
+  int finite = 1;
+#pragma unroll
+  for (int k = 0; k < kMaxPerThread; ++k) {
+    const int32_t j = int32_t(threadIdx.x) + k * int32_t(blockDim.x);
+    if (k >= per || j >= len) break;
+    const float v = x[k];
+    finite &= (v - v == 0.0f);
+    if (v < vmin) vmin = v;
+    if (v > vmax) vmax = v;
+  }
+  block_minmax(vmin, vmax, finite);
+  const float scale = finite ? quant::quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);
+#pragma unroll
+  for (int k = 0; k < kMaxPerThread; ++k) {
+    const int32_t j = int32_t(threadIdx.x) + k * int32_t(blockDim.x);
+    if (k >= per || j >= len) break;
+    codes[lo + j] = uint8_t(quant::quant_encode_one(x[k], scale, t, false, 0.0f));
+  }
+  if (threadIdx.x == 0) *absmax_out = scale;
+}
+
+__global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use2, bool trust_algo) {
+  const int64_t b = blockIdx.x;
+  const int64_t lo = b * a.block;
+  const int32_t len = int32_t(a.n - lo < a.block ? a.n - lo : a.block);
+  const int per = (a.block + int(blockDim.x) - 1) / int(blockDim.x);
+  const bool q8 = a.bits == 8;
+  const float scale1 = (q8 && use1) ? a.absmax1[b] : 0.0f;
+  const float scale2 = (q8 && use2) ? a.absmax2[b] : 0.0f;
+  // New states stay in registers until the block's scale is known (fully unrolled: no local memory).
+  float s1v[kMaxPerThread], s2v[kMaxPerThread];
+#pragma unroll
+  for (int k = 0; k < kMaxPerThread; ++k) {
+    const int32_t j = int32_t(threadIdx.x) + k * int32_t(blockDim.x);
+    s1v[k] = s2v[k] = 0.0f;
+    if (k >= per || j >= len) continue;
+    const int64_t i = lo + j;
+    float s1 = 0.0f, s2 = 0.0f;
+    if (use1) s1 = q8 ? quant::quant_decode_one(a.code1[i], scale1, *a.map1) : a.state1[i];
+    if (use2) s2 = q8 ? quant::quant_decode_one(a.code2[i], scale2, *a.map2) : a.state2[i];
+    float trust = 1.0f;
+    if (trust_algo && a.seg_trust) trust = a.seg_trust[a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, i) : 0];
+    const float g = dtype_load(a.grad, a.grad_dtype, i);
+    const float p0 = a.master ? a.master[i] : static_cast<const float*>(a.param)[i];
+    const float p = optim_update_one(a.algo, c, g, p0, s1, s2, trust);
+    if (a.update_params) {
+      if (a.master) a.master[i] = p;
+      dtype_store(a.param, a.param_dtype, i, p);
+    }
+    if (!q8) {
+      if (use1) a.state1[i] = s1;
+      if (use2) a.state2[i] = s2;
+    }
+    s1v[k] = s1;
+    s2v[k] = s2;
+  }
+  if (q8 && use1) block_encode(s1v, per, lo, len, *a.map1, a.code1, a.absmax1 + b);
+  if (q8 && use2) block_encode(s2v, per, lo, len, *a.map2, a.code2, a.absmax2 + b);
+}
+
+// Phase 1: for each piece (segment s within state block b) the block-reduced sums of p^2 and u^2,
+// stored at parts[b + s] (b + s is distinct for every piece since both only grow along the range).
+__global__ void optim_norms_kernel(StepArgs a, OptimConsts c, double* parts) {
+  __shared__ double sw[kMaxThreads], su[kMaxThreads];
+  const int64_t b = blockIdx.x;
+  const int64_t lo = b * a.block;
+  const int32_t len = int32_t(a.n - lo < a.block ? a.n - lo : a.block);
+  const bool lamb = a.algo == Algo::lamb, q8 = a.bits == 8;
+  const int64_t hi = lo + len;
+  int64_t s = a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, lo) : 0;
+  for (int64_t start = lo; start < hi; ++s) {
+    const int64_t end = a.nseg > 0 ? (a.seg_offsets[s + 1] < hi ? a.seg_offsets[s + 1] : hi) : hi;
+    double w = 0.0, u = 0.0;
+    for (int64_t i = start + threadIdx.x; i < end; i += blockDim.x) {
+      float s1 = 0.0f, s2 = 0.0f;
+      if (lamb) {
+        s1 = q8 ? quant::quant_decode_one(a.code1[i], a.absmax1[b], *a.map1) : a.state1[i];
+        s2 = q8 ? quant::quant_decode_one(a.code2[i], a.absmax2[b], *a.map2) : a.state2[i];
+      }
+      const float g = dtype_load(a.grad, a.grad_dtype, i);
+      const float p = a.master ? a.master[i] : static_cast<const float*>(a.param)[i];
+      const float d = optim_direction_one(a.algo, c, g, p, s1, s2);
+      w += double(p) * double(p);
+      u += double(d) * double(d);
+    }
+    sw[threadIdx.x] = w;
+    su[threadIdx.x] = u;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+      if (threadIdx.x < k) {
+        sw[threadIdx.x] += sw[threadIdx.x + k];
+        su[threadIdx.x] += su[threadIdx.x + k];
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      parts[2 * (b + s)] = sw[0];
+      parts[2 * (b + s) + 1] = su[0];
+    }
+    __syncthreads();
+    start = end;
+  }
+}
+
+// Per segment, the sum of its pieces in a fixed order (a warp: lane-strided partial sums, then a
+// fixed shuffle tree), so the result does not depend on scheduling.
+__global__ void optim_norms_reduce_kernel(const double* parts, int64_t nseg_eff, const int64_t* offs, int32_t block,
+                                          int64_t n, NormSums* out) {
+  const int64_t s = blockIdx.x;
+  if (s >= nseg_eff) return;
+  const int64_t first = offs ? offs[s] : 0, last = offs ? offs[s + 1] : n;  // element range of segment s
+  const int64_t b0 = first / block, b1 = (last - 1) / block;
+  double w = 0.0, u = 0.0;
+  for (int64_t bb = b0 + threadIdx.x; bb <= b1; bb += 32) {
+    w += parts[2 * (bb + s)];
+    u += parts[2 * (bb + s) + 1];
+  }
+  for (int k = 16; k > 0; k >>= 1) {
+    w += __shfl_down_sync(0xffffffffu, w, k);
+    u += __shfl_down_sync(0xffffffffu, u, k);
+  }
+  if (threadIdx.x == 0) {
+    out[s].w_sq = w;
+    out[s].u_sq = u;
+  }
+}
+
+int threads_for_block(int32_t block) { return block < kMaxThreads ? int(block) : kMaxThreads; }
+
+}  // namespace
+
+void optim_step_cuda(const StepArgs& a, void* stream) {
+  if (a.n <= 0) return;
+  const OptimConsts c = optim_consts(a.algo, a.h);
+  const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, static_cast<cudaStream_t>(stream)>>>(
+      a, c, use1, use2, algo_has_trust_ratio(a.algo));
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+}
+
+void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream) {
+  const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
+  if (a.n <= 0) {
+    for (int64_t s = 0; s < nseg; ++s) out_host[s] = NormSums{};
+    return;
+  }
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const OptimConsts c = optim_consts(a.algo, a.h);
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  const size_t nparts = size_t(nblocks + nseg);
+  double* parts = nullptr;
+  NormSums* out_dev = nullptr;
+  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&parts), 2 * nparts * sizeof(double), st));
+  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&out_dev), size_t(nseg) * sizeof(NormSums), st));
+  ZERO8_CUDA_CHECK(cudaMemsetAsync(parts, 0, 2 * nparts * sizeof(double), st));
+  optim_norms_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, parts);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+  optim_norms_reduce_kernel<<<unsigned(nseg), 32, 0, st>>>(parts, nseg, a.nseg > 0 ? a.seg_offsets : nullptr,
+                                                          a.block, a.n, out_dev);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+  ZERO8_CUDA_CHECK(cudaMemcpyAsync(out_host, out_dev, size_t(nseg) * sizeof(NormSums), cudaMemcpyDeviceToHost, st));
+  ZERO8_CUDA_CHECK(cudaFreeAsync(parts, st));
+  ZERO8_CUDA_CHECK(cudaFreeAsync(out_dev, st));
+  ZERO8_CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
+}  // namespace zero8::optim

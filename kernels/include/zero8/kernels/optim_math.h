@@ -1,0 +1,175 @@
+// Per-element update rules of the fused optimizers, shared by the scalar reference, the CUDA kernels
+// and (as the specification they mirror operation by operation) the SIMD variants. One rounding per
+// operation, no implicit FMA (-ffp-contract=off, nvcc --fmad=false): every variant gets the same bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "zero8/kernels/hd.h"
+#include "zero8/kernels/optim.h"
+
+namespace zero8::optim {
+
+// Scalars of one step, derived once on the host from Hyper (in double, rounded once to float) and
+// passed by value to every variant, so no variant recomputes a power or a bias correction itself.
+struct OptimConsts {
+  float grad_scale;    // g <- g * grad_scale before anything else
+  float lr;
+  float beta1, beta1_c;  // beta1 and 1 - beta1 (sgd/lars: momentum)
+  float beta2, beta2_c;  // beta2 and 1 - beta2 (rmsprop: alpha)
+  float eps;
+  float weight_decay;
+  float step_size;     // adam/adamw: lr sqrt(1 - beta2^t) / (1 - beta1^t) (Kingma & Ba's alpha_t);
+                       // adagrad: lr / (1 + (t - 1) lr_decay); others: lr
+  float eps_hat;       // adam/adamw/lamb: eps sqrt(1 - beta2^t) (Kingma & Ba's epsilon-hat); others: eps
+  float lamb_scale;    // lamb: sqrt(1 - beta2^t) / (1 - beta1^t)
+  float decay;         // adamw/lion: 1 - lr * weight_decay (decoupled decay factor)
+  float dampening_c;   // sgd/lars: 1 - dampening
+  int32_t first_step;  // sgd/lars: step == 1, the momentum buffer starts as the gradient (torch)
+  int32_t nesterov;    // sgd/lars
+  int32_t momentum;    // sgd/lars: beta1 != 0 (else the state is neither read nor written)
+};
+
+// Defined in optim_ref.cpp (not inline, so SIMD translation units compiled with other -m flags never
+// share a copy of it with the reference).
+OptimConsts optim_consts(Algo a, const Hyper& h);
+
+
+ZERO8_HD float optim_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
+// ---- Adam / AdamW ----
+// torch.optim.Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019): m <- b1 m + (1-b1) g,
+// v <- b2 v + (1-b2) g^2, p <- p - lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps), computed in the
+// equivalent form of Kingma & Ba's Section 2 (as bitsandbytes does): p <- p - alpha_t m / (sqrt(v) +
+// eps_hat), alpha_t = lr sqrt(1-b2^t)/(1-b1^t), eps_hat = eps sqrt(1-b2^t): one division, not two.
+// Adam adds the L2 term wd*p to the gradient; AdamW scales the parameter by (1 - lr wd) first.
+ZERO8_HD float optim_adam_one(const OptimConsts& c, bool decoupled, float g, float p, float& m, float& v) {
+  g = g * c.grad_scale;
+  if (decoupled) {
+    p = p * c.decay;
+  } else {
+    g = g + c.weight_decay * p;
+  }
+  m = c.beta1 * m + c.beta1_c * g;
+  v = c.beta2 * v + c.beta2_c * (g * g);
+  const float denom = optim_sqrt(v) + c.eps_hat;
+  return p - c.step_size * (m / denom);
+}
+
+// ---- SGD with momentum, and LARS ----
+// torch.optim.SGD: d = g + wd p; buf <- d on the first step, else momentum buf + (1 - dampening) d;
+// d <- d + momentum buf (Nesterov) or buf; p <- p - lr d. LARS (You et al. 2017, "Large Batch
+// Training of Convolutional Networks", as timm's Lars implements it) is the same with d scaled by the
+// per-tensor trust ratio eta ||p|| / ||g + wd p|| before the momentum (trust = 1 for plain SGD).
+ZERO8_HD float optim_sgd_one(const OptimConsts& c, float g, float p, float& buf, float trust) {
+  float d = g * c.grad_scale;
+  d = d + c.weight_decay * p;
+  d = d * trust;
+  if (c.momentum) {
+    buf = c.first_step ? d : c.beta1 * buf + c.dampening_c * d;
+    d = c.nesterov ? d + c.beta1 * buf : buf;
+  }
+  return p - c.lr * d;
+}
+
+// LARS phase 1: the vector whose norm is the denominator of the trust ratio, g + wd p.
+ZERO8_HD float optim_lars_direction(const OptimConsts& c, float g, float p) {
+  const float d = g * c.grad_scale;
+  return d + c.weight_decay * p;
+}
+
+// ---- Lion ----
+// Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Program 1: p <- p (1 - lr wd);
+// p <- p - lr sign(b1 m + (1-b1) g); m <- b2 m + (1-b2) g. sign(0) = 0 as torch.sign.
+ZERO8_HD float optim_lion_one(const OptimConsts& c, float g, float p, float& m) {
+  g = g * c.grad_scale;
+  p = p * c.decay;
+  const float u = c.beta1 * m + c.beta1_c * g;
+  const float s = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+  m = c.beta2 * m + c.beta2_c * g;
+  return p - c.lr * s;
+}
+
+// ---- RMSprop ----
+// torch.optim.RMSprop (Hinton's lecture 6e; not centered, no momentum): g <- g + wd p;
+// v <- alpha v + (1-alpha) g^2; p <- p - lr g / (sqrt(v) + eps). alpha is Hyper::beta2.
+ZERO8_HD float optim_rmsprop_one(const OptimConsts& c, float g, float p, float& v) {
+  g = g * c.grad_scale;
+  g = g + c.weight_decay * p;
+  v = c.beta2 * v + c.beta2_c * (g * g);
+  const float avg = optim_sqrt(v) + c.eps;
+  return p - c.lr * (g / avg);
+}
+
+// ---- Adagrad ----
+// torch.optim.Adagrad (Duchi et al. 2011): clr = lr / (1 + (t-1) lr_decay); g <- g + wd p;
+// s <- s + g^2 (s starts at initial_accumulator); p <- p - clr g / (sqrt(s) + eps).
+ZERO8_HD float optim_adagrad_one(const OptimConsts& c, float g, float p, float& s) {
+  g = g * c.grad_scale;
+  g = g + c.weight_decay * p;
+  s = s + g * g;
+  const float std_ = optim_sqrt(s) + c.eps;
+  return p - c.step_size * (g / std_);
+}
+
+// ---- LAMB ----
+// You et al. 2020, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
+// Algorithm 2: Adam moments, u = m_hat / (sqrt(v_hat) + eps) + wd p (decoupled decay inside the
+// update), p <- p - lr * trust * u with trust = ||p|| / ||u|| per tensor (two phases: norms, step).
+// m_hat / (sqrt(v_hat) + eps) is computed as lamb_scale * m / (sqrt(v) + eps_hat), as for Adam.
+// Updates m and v (phase 1 passes copies) and returns u.
+ZERO8_HD float optim_lamb_direction(const OptimConsts& c, float g, float p, float& m, float& v) {
+  g = g * c.grad_scale;
+  m = c.beta1 * m + c.beta1_c * g;
+  v = c.beta2 * v + c.beta2_c * (g * g);
+  const float denom = optim_sqrt(v) + c.eps_hat;
+  return c.lamb_scale * (m / denom) + c.weight_decay * p;
+}
+// lr_trust = lr * trust of the element's tensor (one float product, computed per segment).
+ZERO8_HD float optim_lamb_one(const OptimConsts& c, float g, float p, float& m, float& v, float lr_trust) {
+  const float u = optim_lamb_direction(c, g, p, m, v);
+  return p - lr_trust * u;
+}
+
+// One element of any algorithm: returns the new parameter, updates s1/s2 in place (unused states may
+// be any value). `trust` is the segment's trust ratio (lamb/lars; 1 otherwise).
+ZERO8_HD float optim_update_one(Algo a, const OptimConsts& c, float g, float p, float& s1, float& s2, float trust) {
+  switch (a) {
+    case Algo::adam: return optim_adam_one(c, false, g, p, s1, s2);
+    case Algo::adamw: return optim_adam_one(c, true, g, p, s1, s2);
+    case Algo::sgd: return optim_sgd_one(c, g, p, s1, 1.0f);
+    case Algo::lion: return optim_lion_one(c, g, p, s1);
+    case Algo::rmsprop: return optim_rmsprop_one(c, g, p, s1);
+    case Algo::adagrad: return optim_adagrad_one(c, g, p, s1);
+    case Algo::lamb: return optim_lamb_one(c, g, p, s1, s2, c.lr * trust);
+    case Algo::lars: return optim_sgd_one(c, g, p, s1, trust);
+  }
+  return p;
+}
+
+// Phase 1 of lamb/lars: the element of the vector whose norm forms the trust ratio's denominator
+// (states are read, not written).
+ZERO8_HD float optim_direction_one(Algo a, const OptimConsts& c, float g, float p, float s1, float s2) {
+  if (a == Algo::lamb) return optim_lamb_direction(c, g, p, s1, s2);
+  return optim_lars_direction(c, g, p);
+}
+
+// ---- norm reduction order (phase 1) ----
+// Squares are formed exactly in double (a float product fits in 53 bits). Within a piece (one
+// segment's part of one state block) element k of the piece goes to lane k % 8; the lanes combine as
+// ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)). Piece sums add up in order within a chunk of
+// kOptimNormChunk elements, chunk sums in order per segment. The chunk grid is fixed from the start
+// of the range, so the result is identical for every variant and every thread count.
+constexpr int64_t kOptimNormChunk = 16384;  // a multiple of every state block size (<= 4096)
+ZERO8_HD double optim_norm_lanes_sum(const double* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+}  // namespace zero8::optim

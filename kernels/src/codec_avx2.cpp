@@ -1,0 +1,327 @@
+// AVX2 variant of the block-wise codec (8 lanes, F16C for fp16). Codes, scales and decoded values are
+// bit-identical to the scalar reference: the same division x / scale, the same float compares against
+// the table's exact thresholds (through the bucket accelerator), the same stochastic draws; a block's
+// last len % 8 elements go through the reference's element functions.
+#include <immintrin.h>
+
+// GCC 12 flags the _mm*_undefined_*() placeholders inside its own intrinsic headers.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
+#include <algorithm>
+#include <cstring>
+
+#include "codec_internal.h"
+#include "zero8/kernels/codec.h"
+
+namespace zero8::quant {
+namespace {
+
+// How the nearest code is found (see QuantTable::lut): one read of the packed accelerator (every
+// standard map), the accelerator plus lut_steps threshold reads, or the reference's 8-step binary
+// search (non-monotone maps).
+enum class Search { packed, lut, binary };
+
+template <DType D>
+inline __m256 load8(const void* p, int64_t i) {
+  if constexpr (D == DType::f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    if constexpr (D == DType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+// float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 8 results as uint16.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  // |u| > 0x7f800000 as signed compare: the masked value is non-negative.
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+template <DType D>
+inline void store8(void* p, int64_t i, __m256 v) {
+  if constexpr (D == DType::f32) {
+    _mm256_storeu_ps(static_cast<float*>(p) + i, v);
+  } else {
+    const __m128i h = D == DType::bf16 ? to_bf16(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
+  }
+}
+
+// Low byte of each 32-bit lane, packed into the low 8 bytes.
+inline __m128i pack_bytes(__m256i c) {
+  const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(c, shuf), _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  return _mm256_castsi256_si128(b);
+}
+
+// quant_code_nearest for 8 lanes, as quant_code_nearest_lut computes it (a true compare is -1, so
+// subtracting it increments).
+template <Search S>
+inline __m256i code_nearest8(__m256 n, const QuantTable& t) {
+  if constexpr (S == Search::binary) {
+    __m256i c = _mm256_setzero_si256();
+    for (int step = 128; step > 0; step >>= 1) {
+      const __m256 th = _mm256_i32gather_ps(t.thresholds, _mm256_add_epi32(c, _mm256_set1_epi32(step - 1)), 4);
+      const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(n, th, _CMP_GT_OQ));
+      c = _mm256_add_epi32(c, _mm256_and_si256(gt, _mm256_set1_epi32(step)));
+    }
+    return c;
+  } else {
+    const __m256i u = _mm256_castps_si256(n);
+    __m256i q = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), kQuantLutShift);
+    q = _mm256_min_epu32(_mm256_max_epu32(q, _mm256_set1_epi32(kQuantLutLo)), _mm256_set1_epi32(kQuantLutHi));
+    q = _mm256_sub_epi32(q, _mm256_set1_epi32(kQuantLutLo));
+    q = _mm256_add_epi32(q, _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(kQuantLutHalf)));
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.lut), q, 4);
+    __m256i c = _mm256_srli_epi32(e, 16);
+    if constexpr (S == Search::packed) {
+      const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+      const __m256 th = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(u, hi), _mm256_andnot_si256(hi, e)));
+      return _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(n, th, _CMP_GT_OQ)));
+    } else {
+      for (int s = 0; s < t.lut_steps; ++s) {
+        const __m256 th = _mm256_i32gather_ps(t.thresholds, c, 4);
+        c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(n, th, _CMP_GT_OQ)));
+      }
+      return c;
+    }
+  }
+}
+
+inline __m256i select(__m256i a, __m256i b, __m256 mask) {
+  return _mm256_blendv_epi8(a, b, _mm256_castps_si256(mask));
+}
+
+// quant_code_stochastic for 8 lanes.
+inline __m256i code_stochastic8(__m256 n, __m256 u, const QuantTable& t) {
+  __m256i lo = _mm256_setzero_si256();  // largest code with values[lo] <= n, as the reference searches
+  for (int step = 128; step > 0; step >>= 1) {
+    const __m256i c = _mm256_add_epi32(lo, _mm256_set1_epi32(step));
+    const __m256 v = _mm256_i32gather_ps(t.values, c, 4);
+    lo = select(lo, c, _mm256_cmp_ps(v, n, _CMP_LE_OQ));
+  }
+  const __m256i hi = _mm256_min_epi32(_mm256_add_epi32(lo, _mm256_set1_epi32(1)), _mm256_set1_epi32(255));
+  const __m256 a = _mm256_i32gather_ps(t.values, lo, 4), b = _mm256_i32gather_ps(t.values, hi, 4);
+  const __m256 p = _mm256_div_ps(_mm256_sub_ps(n, a), _mm256_sub_ps(b, a));
+  __m256i c = select(lo, hi, _mm256_cmp_ps(u, p, _CMP_LT_OQ));
+  c = select(c, _mm256_set1_epi32(255), _mm256_cmp_ps(n, _mm256_set1_ps(t.values[255]), _CMP_GE_OQ));
+  return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_set1_ps(t.values[0]), _CMP_GT_OQ)));
+}
+
+// quant_code_keep_sign: values are sorted, so values[c] < 0 iff c < nonneg_first and values[c] > 0
+// iff c > nonpos_last (also when the map has no value of that sign: the replacement is then c itself).
+inline __m256i code_keep_sign8(__m256i c, __m256 x, __m256 n, const QuantTable& t) {
+  const __m256 nonzero = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+  const __m256 negative = _mm256_castsi256_ps(_mm256_srai_epi32(_mm256_castps_si256(n), 31));  // n's sign bit
+  c = select(c, _mm256_max_epi32(c, _mm256_set1_epi32(t.nonneg_first)), _mm256_andnot_ps(negative, nonzero));
+  return select(c, _mm256_min_epi32(c, _mm256_set1_epi32(t.nonpos_last)), _mm256_and_ps(negative, nonzero));
+}
+
+// 64-bit lane multiply by a constant from 32-bit products (AVX2 has no vpmullq).
+inline __m256i mullo64(__m256i z, uint64_t k) {
+  const __m256i klo = _mm256_set1_epi64x(int64_t(k & 0xffffffffu)), khi = _mm256_set1_epi64x(int64_t(k >> 32));
+  const __m256i lo = _mm256_mul_epu32(z, klo);
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(z, 32), klo), _mm256_mul_epu32(z, khi));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+}
+
+// rng_uniform(seed, index0 + lane) for 8 lanes (splitmix64 on two halves of 4 lanes).
+inline __m256 rng_uniform8(uint64_t seed, uint64_t index0) {
+  const __m256i base = _mm256_set1_epi64x(int64_t(seed * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull + index0));
+  auto mix = [](__m256i z) {
+    z = mullo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), 0xbf58476d1ce4e5b9ull);
+    z = mullo64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), 0x94d049bb133111ebull);
+    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+    // high 32 bits of each 64-bit lane into the low 128 bits
+    return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(z, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7)));
+  };
+  const __m128i r0 = mix(_mm256_add_epi64(base, _mm256_setr_epi64x(0, 1, 2, 3)));
+  const __m128i r1 = mix(_mm256_add_epi64(base, _mm256_setr_epi64x(4, 5, 6, 7)));
+  const __m256i r = _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-8f));
+}
+
+inline float hmin(__m256 v) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline uint32_t hmax_epu32(__m256i v) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
+
+// Scale of one block (elements [off, off + len) of x): min/max with +0 accumulators as the reference's
+// std::min/max (the accumulator is the second operand, so zeros and NaN never replace it), and an
+// exponent check for non-finite values.
+template <DType D>
+inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTable& t) {
+  __m256 vmin0 = _mm256_setzero_ps(), vmax0 = vmin0, vmin1 = vmin0, vmax1 = vmin0;
+  __m256i abits = _mm256_setzero_si256();
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  int32_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m256 v0 = load8<D>(x, off + i), v1 = load8<D>(x, off + i + 8);
+    vmin0 = _mm256_min_ps(v0, vmin0);
+    vmax0 = _mm256_max_ps(v0, vmax0);
+    vmin1 = _mm256_min_ps(v1, vmin1);
+    vmax1 = _mm256_max_ps(v1, vmax1);
+    abits = _mm256_max_epu32(abits, _mm256_and_si256(_mm256_castps_si256(v0), absmask));
+    abits = _mm256_max_epu32(abits, _mm256_and_si256(_mm256_castps_si256(v1), absmask));
+  }
+  for (; i + 8 <= len; i += 8) {
+    const __m256 v = load8<D>(x, off + i);
+    vmin0 = _mm256_min_ps(v, vmin0);
+    vmax0 = _mm256_max_ps(v, vmax0);
+    abits = _mm256_max_epu32(abits, _mm256_and_si256(_mm256_castps_si256(v), absmask));
+  }
+  bool finite = hmax_epu32(abits) < 0x7f800000u;
+  // Lanes hold +0 or negative (resp. positive) values only, never -0 or NaN: any reduction order agrees.
+  float vmin = hmin(_mm256_min_ps(vmin1, vmin0)), vmax = hmax(_mm256_max_ps(vmax1, vmax0));
+  for (; i < len; ++i) {
+    const float v = dtype_load(x, D, off + i);
+    finite = finite && (v - v == 0.0f);
+    vmin = std::min(vmin, v);
+    vmax = std::max(vmax, v);
+  }
+  return finite ? quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);
+}
+
+// Encode elements [off, off + len) of x into codes[0, len); index0 is the global index of element off.
+// prefetch: start of the input bytes to fetch while this block computes (as many as the block's), or null.
+template <DType D, Search S, bool kStochastic>
+float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t, uint8_t* codes, uint64_t seed,
+                   uint64_t index0, const char* prefetch) {
+  const float scale = block_scale<D>(x, off, len, t);
+  if (!(scale == scale) || scale == 0.0f) {
+    std::memset(codes, t.zero_code, size_t(len));
+    return scale;
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  int32_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    // Pass 2 is compute-bound, pass 1 memory-bound: fetch a block ahead while computing this one.
+    if (prefetch && i % 16 == 0) _mm_prefetch(prefetch + int64_t(i) * dtype_size(D), _MM_HINT_T0);
+    const __m256 v = load8<D>(x, off + i);
+    const __m256 n = _mm256_div_ps(v, s);
+    __m256i c;
+    if constexpr (kStochastic)
+      c = code_stochastic8(n, rng_uniform8(seed, index0 + uint64_t(i)), t);
+    else
+      c = code_nearest8<S>(n, t);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), pack_bytes(code_keep_sign8(c, v, n, t)));
+  }
+  for (; i < len; ++i) {
+    const float u = kStochastic ? rng_uniform(seed, index0 + uint64_t(i)) : 0.0f;
+    codes[i] = uint8_t(quant_encode_one(dtype_load(x, D, off + i), scale, t, kStochastic, u));
+  }
+  return scale;
+}
+
+template <DType D, Search S, bool kStochastic>
+void encode_range(const EncodeArgs& a) {
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  const int64_t esize = dtype_size(D);
+  // Prefetch about 8 KiB ahead: the next block for large blocks, a few blocks on for small ones.
+  const int64_t ahead = std::max<int64_t>(0, 8192 / esize - a.block);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * a.block;
+    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
+    const int64_t pf = lo + len + ahead;
+    const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
+    a.absmax[b] = encode_block<D, S, kStochastic>(a.x, lo, len, *a.table, a.codes + lo, a.seed,
+                                                   a.index_base + uint64_t(lo), prefetch);
+  }
+}
+
+template <DType D>
+void encode_dtype(const EncodeArgs& a) {
+  if (a.stochastic)
+    encode_range<D, Search::binary, true>(a);
+  else if (a.table->lut_packed)
+    encode_range<D, Search::packed, false>(a);
+  else if (a.table->lut_steps == kQuantLutNoSteps)
+    encode_range<D, Search::binary, false>(a);
+  else
+    encode_range<D, Search::lut, false>(a);
+}
+
+// y[off + i] (=, or += when kAccumulate) values[codes[i]] * scale for i < len.
+template <DType D, bool kAccumulate>
+void decode_block(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, void* y, int64_t off) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int32_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(t.values, c, 4), s);
+    if constexpr (kAccumulate) v = _mm256_add_ps(_mm256_loadu_ps(static_cast<float*>(y) + off + i), v);
+    store8<D>(y, off + i, v);
+  }
+  for (; i < len; ++i) {
+    const float v = quant_decode_one(codes[i], scale, t);
+    if constexpr (kAccumulate)
+      static_cast<float*>(y)[off + i] += v;
+    else
+      dtype_store(y, D, off + i, v);
+  }
+}
+
+template <DType D, bool kAccumulate>
+void decode_range(const DecodeArgs& a) {
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * a.block;
+    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
+    decode_block<D, kAccumulate>(a.codes + lo, len, a.absmax[b], *a.table, a.y, lo);
+  }
+}
+
+}  // namespace
+
+void quant_encode_avx2(const EncodeArgs& a) {
+  switch (a.dtype) {
+    case DType::f32: return encode_dtype<DType::f32>(a);
+    case DType::bf16: return encode_dtype<DType::bf16>(a);
+    case DType::f16: return encode_dtype<DType::f16>(a);
+  }
+}
+
+void quant_decode_avx2(const DecodeArgs& a) {
+  if (a.accumulate) return decode_range<DType::f32, true>(a);
+  switch (a.dtype) {
+    case DType::f32: return decode_range<DType::f32, false>(a);
+    case DType::bf16: return decode_range<DType::bf16, false>(a);
+    case DType::f16: return decode_range<DType::f16, false>(a);
+  }
+}
+
+float quant_block_encode_f32_avx2(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
+  if (t.lut_packed) return encode_block<DType::f32, Search::packed, false>(x, 0, len, t, codes, 0, 0, nullptr);
+  if (t.lut_steps == kQuantLutNoSteps)
+    return encode_block<DType::f32, Search::binary, false>(x, 0, len, t, codes, 0, 0, nullptr);
+  return encode_block<DType::f32, Search::lut, false>(x, 0, len, t, codes, 0, 0, nullptr);
+}
+
+void quant_block_decode_f32_avx2(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y) {
+  decode_block<DType::f32, false>(codes, len, scale, t, y, 0);
+}
+
+}  // namespace zero8::quant

@@ -1,0 +1,103 @@
+// Codec dispatch: picks the CPU variant for an Isa and splits the blocks across OpenMP threads.
+// Each thread runs the single-threaded variant on a whole-block sub-range (with its global
+// index_base), so the result does not depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+
+#include "zero8/error.h"
+#include "zero8/kernels/codec.h"
+
+namespace zero8::quant {
+namespace {
+
+// Below this many elements per thread a parallel region costs more than it saves (only used when
+// the caller leaves the thread count to us).
+constexpr int64_t kMinElementsPerThread = int64_t(1) << 16;
+
+int thread_count(int64_t n, int64_t nblocks, int threads) {
+  int64_t t = threads > 0 ? threads : std::min<int64_t>(omp_get_max_threads(), n / kMinElementsPerThread);
+  return int(std::max<int64_t>(1, std::min(t, nblocks)));
+}
+
+using EncodeFn = void (*)(const EncodeArgs&);
+using DecodeFn = void (*)(const DecodeArgs&);
+
+void check_isa(Isa isa) {
+  if (!isa_supported(isa)) ZERO8_THROW(unsupported, "codec variant '" << isa_name(isa) << "' cannot run on this CPU/build");
+}
+
+EncodeFn encode_variant(Isa isa) {
+  check_isa(isa);
+#if ZERO8_WITH_X86_SIMD
+  if (isa == Isa::avx512) return quant_encode_avx512;
+  if (isa == Isa::avx2) return quant_encode_avx2;
+#else
+  (void)isa;
+#endif
+  return quant_encode_ref;
+}
+
+DecodeFn decode_variant(Isa isa) {
+  check_isa(isa);
+#if ZERO8_WITH_X86_SIMD
+  if (isa == Isa::avx512) return quant_decode_avx512;
+  if (isa == Isa::avx2) return quant_decode_avx2;
+#else
+  (void)isa;
+#endif
+  return quant_decode_ref;
+}
+
+// Blocks [b0, b1) of a tensor of n elements: the element range [b0 * block, min(n, b1 * block)).
+struct Range {
+  int64_t lo, n, b0;
+};
+Range block_range(int64_t n, int32_t block, int64_t nblocks, int part, int parts) {
+  const int64_t b0 = nblocks * part / parts, b1 = nblocks * (part + 1) / parts;
+  const int64_t lo = b0 * block;
+  return {lo, std::min(n, b1 * block) - lo, b0};
+}
+
+}  // namespace
+
+void quant_encode(const EncodeArgs& a, Isa isa, int threads) {
+  const EncodeFn fn = encode_variant(isa);
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  const int nt = thread_count(a.n, nblocks, threads);
+  if (nt <= 1) return fn(a);
+#pragma omp parallel num_threads(nt)
+  {
+    const Range r = block_range(a.n, a.block, nblocks, omp_get_thread_num(), omp_get_num_threads());
+    if (r.n > 0) {
+      EncodeArgs s = a;
+      s.x = static_cast<const char*>(a.x) + r.lo * dtype_size(a.dtype);
+      s.n = r.n;
+      s.codes = a.codes + r.lo;
+      s.absmax = a.absmax + r.b0;
+      s.index_base = a.index_base + uint64_t(r.lo);
+      fn(s);
+    }
+  }
+}
+
+void quant_decode(const DecodeArgs& a, Isa isa, int threads) {
+  const DecodeFn fn = decode_variant(isa);
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  const int nt = thread_count(a.n, nblocks, threads);
+  if (nt <= 1) return fn(a);
+#pragma omp parallel num_threads(nt)
+  {
+    const Range r = block_range(a.n, a.block, nblocks, omp_get_thread_num(), omp_get_num_threads());
+    if (r.n > 0) {
+      DecodeArgs s = a;
+      s.codes = a.codes + r.lo;
+      s.absmax = a.absmax + r.b0;
+      s.n = r.n;
+      s.y = static_cast<char*>(a.y) + r.lo * dtype_size(a.dtype);
+      fn(s);
+    }
+  }
+}
+
+}  // namespace zero8::quant

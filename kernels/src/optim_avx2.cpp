@@ -1,0 +1,93 @@
+// AVX2 variant of the fused optimizers: 8 lanes of the loop in optim_simd.h, with the codec's AVX2
+// block helpers for the 8-bit states. Bit-identical to optim_ref.cpp (tests/cpp/test_optim.cpp).
+// GCC 12's intrinsic headers initialize their "undefined" vectors with themselves, which trips
+// -Wmaybe-uninitialized once inlined; the values are never read.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "codec_internal.h"
+
+#define ZERO8_OPTIM_BLOCK_DECODE quant::quant_block_decode_f32_avx2
+#define ZERO8_OPTIM_BLOCK_ENCODE quant::quant_block_encode_f32_avx2
+#include "optim_simd.h"
+
+namespace zero8::optim {
+namespace {
+
+struct V256 {
+  using F = __m256;
+  static constexpr int W = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  // 1 where u > 0, -1 where u < 0, else 0 (also NaN), as the scalar rule.
+  static F sign(F u) {
+    const F gt = _mm256_cmp_ps(u, zero(), _CMP_GT_OQ), lt = _mm256_cmp_ps(u, zero(), _CMP_LT_OQ);
+    return _mm256_or_ps(_mm256_and_ps(gt, set1(1.0f)), _mm256_and_ps(lt, set1(-1.0f)));
+  }
+  // Exact widening loads (as dtype_load): bf16 is the upper half of a float, fp16 via F16C.
+  static F load_grad(const void* g, DType t, int64_t j) {
+    if (t == DType::f32) return _mm256_loadu_ps(static_cast<const float*>(g) + j);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + j));
+    if (t == DType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+  }
+  // Rounding stores (as dtype_store): bf16 round to nearest even with quiet NaN, fp16 by vcvtps2ph
+  // (round to nearest even, the same NaN and overflow results as f32_to_f16).
+  static void store_param(void* p, DType t, int64_t j, F v) {
+    if (t == DType::f32) {
+      _mm256_storeu_ps(static_cast<float*>(p) + j, v);
+      return;
+    }
+    __m128i h;
+    if (t == DType::bf16) {
+      const __m256i u = _mm256_castps_si256(v);
+      const __m256i hi = _mm256_srli_epi32(u, 16);
+      // |u| <= 0x7fffffff, so the signed compare is the unsigned one.
+      const __m256i nan =
+          _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+      const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+      const __m256i q = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+      const __m256i sel = _mm256_blendv_epi8(r, q, nan);
+      h = _mm_packus_epi32(_mm256_castsi256_si128(sel), _mm256_extracti128_si256(sel, 1));  // values <= 0xffff
+    } else {
+      h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + j), h);
+  }
+  // Norm accumulation: 8 double lanes in two registers (lanes 0-3, 4-7), lane = k % 8.
+  struct Acc {
+    __m256d lo, hi;
+  };
+  static Acc acc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  static void acc_add_sq(Acc& acc, F x) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    acc.lo = _mm256_add_pd(acc.lo, _mm256_mul_pd(lo, lo));
+    acc.hi = _mm256_add_pd(acc.hi, _mm256_mul_pd(hi, hi));
+  }
+  // ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), as optim_norm_lanes_sum.
+  static double acc_sum(const Acc& acc) {
+    const __m256d t = _mm256_add_pd(acc.lo, acc.hi);
+    const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+  }
+  static F zero_tail(F x, int r) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(r), idx)));
+  }
+};
+
+}  // namespace
+
+void optim_step_avx2(const StepArgs& a) { simd_step_any<V256>(a); }
+void optim_norms_avx2(const StepArgs& a, NormSums* out) { simd_norms_any<V256>(a, out); }
+
+}  // namespace zero8::optim

@@ -1,0 +1,207 @@
+// Scalar reference of the fused optimizers: block by block, dequantize the states, apply the element
+// rule of optim_math.h, requantize, write the parameter. The plain definition every SIMD variant and
+// the CUDA kernels are checked against; also the algorithm tables, the step constants and the trust ratio.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "codec_internal.h"
+#include "zero8/kernels/optim.h"
+#include "zero8/kernels/optim_math.h"
+
+namespace zero8::optim {
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::adam: return "adam";
+    case Algo::adamw: return "adamw";
+    case Algo::sgd: return "sgd";
+    case Algo::lion: return "lion";
+    case Algo::rmsprop: return "rmsprop";
+    case Algo::adagrad: return "adagrad";
+    case Algo::lamb: return "lamb";
+    case Algo::lars: return "lars";
+  }
+  return "?";
+}
+
+int algo_num_states(Algo a) { return (a == Algo::adam || a == Algo::adamw || a == Algo::lamb) ? 2 : 1; }
+
+bool algo_has_trust_ratio(Algo a) { return a == Algo::lamb || a == Algo::lars; }
+
+bool optim_uses_state(Algo a, const Hyper& h, int which) {
+  if (which < 1 || which > algo_num_states(a)) return false;
+  if (a == Algo::sgd || a == Algo::lars) return h.beta1 != 0.0f;
+  return true;
+}
+
+OptimConsts optim_consts(Algo a, const Hyper& h) {
+  OptimConsts c{};
+  const double t = double(h.step);
+  const bool adam_like = a == Algo::adam || a == Algo::adamw || a == Algo::lamb;
+  const bool bc = h.bias_correction && adam_like;
+  const double bc1 = bc ? 1.0 - std::pow(double(h.beta1), t) : 1.0;
+  const double bc2 = bc ? 1.0 - std::pow(double(h.beta2), t) : 1.0;
+  c.grad_scale = h.grad_scale;
+  c.lr = h.lr;
+  c.beta1 = h.beta1;
+  c.beta1_c = float(1.0 - double(h.beta1));
+  c.beta2 = h.beta2;
+  c.beta2_c = float(1.0 - double(h.beta2));
+  c.eps = h.eps;
+  c.weight_decay = h.weight_decay;
+  const double bc2_sqrt = std::sqrt(bc2);
+  if (a == Algo::adam || a == Algo::adamw) {
+    c.step_size = float(double(h.lr) * bc2_sqrt / bc1);
+  } else if (a == Algo::adagrad) {
+    c.step_size = float(double(h.lr) / (1.0 + (t - 1.0) * double(h.lr_decay)));
+  } else {
+    c.step_size = h.lr;
+  }
+  c.eps_hat = adam_like ? float(double(h.eps) * bc2_sqrt) : h.eps;
+  c.lamb_scale = float(bc2_sqrt / bc1);
+  c.decay = float(1.0 - double(h.lr) * double(h.weight_decay));
+  c.dampening_c = float(1.0 - double(h.dampening));
+  c.first_step = h.step <= 1;
+  c.nesterov = h.nesterov;
+  c.momentum = h.beta1 != 0.0f;
+  return c;
+}
+
+float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s) {
+  if (!algo_has_trust_ratio(a)) return 1.0f;
+  const double w = std::sqrt(s.w_sq), u = std::sqrt(s.u_sq);
+  if (!(w > 0.0) || !(u > 0.0)) return 1.0f;  // also NaN norms: leave the update unscaled
+  double r = w / u;
+  if (a == Algo::lars) r *= double(h.trust_coefficient);
+  if (h.max_trust_ratio > 0.0f && r > double(h.max_trust_ratio)) r = double(h.max_trust_ratio);
+  return float(r);
+}
+
+namespace {
+
+// The states of one block as fp32: decoded into a local buffer (8-bit) or the state array itself
+// (32-bit); index with [i - off] for element i of the range.
+struct BlockStates {
+  float* s = nullptr;
+  int64_t off = 0;
+};
+
+BlockStates block_states_load(const StepArgs& a, int which, bool used, int64_t lo, int32_t len, float* buf) {
+  BlockStates st;
+  if (!used) return st;
+  if (a.bits == 32) {
+    st.s = which == 1 ? a.state1 : a.state2;
+    return st;
+  }
+  const uint8_t* codes = which == 1 ? a.code1 : a.code2;
+  const float* absmax = which == 1 ? a.absmax1 : a.absmax2;
+  const quant::QuantTable& t = which == 1 ? *a.map1 : *a.map2;
+  quant::quant_block_decode_f32_ref(codes + lo, len, absmax[lo / a.block], t, buf);
+  st.s = buf;
+  st.off = lo;
+  return st;
+}
+
+void block_states_store(const StepArgs& a, int which, bool used, int64_t lo, int32_t len, const float* buf) {
+  if (!used || a.bits == 32) return;
+  uint8_t* codes = which == 1 ? a.code1 : a.code2;
+  float* absmax = which == 1 ? a.absmax1 : a.absmax2;
+  const quant::QuantTable& t = which == 1 ? *a.map1 : *a.map2;
+  absmax[lo / a.block] = quant::quant_block_encode_f32_ref(buf, len, t, codes + lo);
+}
+
+float param_load(const StepArgs& a, int64_t i) {
+  return a.master ? a.master[i] : static_cast<const float*>(a.param)[i];
+}
+
+}  // namespace
+
+void optim_step_ref(const StepArgs& a) {
+  const OptimConsts c = optim_consts(a.algo, a.h);
+  const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
+  const bool trust_algo = algo_has_trust_ratio(a.algo);
+  std::vector<float> buf1(a.block), buf2(a.block);
+  int64_t seg = 0;
+  for (int64_t lo = 0; lo < a.n; lo += a.block) {
+    const int64_t hi = std::min<int64_t>(a.n, lo + a.block);
+    const int32_t len = int32_t(hi - lo);
+    const BlockStates st1 = block_states_load(a, 1, use1, lo, len, buf1.data());
+    const BlockStates st2 = block_states_load(a, 2, use2, lo, len, buf2.data());
+    for (int64_t i = lo; i < hi;) {
+      // One piece: the part of the block inside one segment (one trust ratio).
+      int64_t end = hi;
+      if (a.nseg > 0) {
+        while (a.seg_offsets[seg + 1] <= i) ++seg;
+        end = std::min<int64_t>(hi, a.seg_offsets[seg + 1]);
+      }
+      const float trust = (trust_algo && a.seg_trust) ? a.seg_trust[a.nseg > 0 ? seg : 0] : 1.0f;
+      for (; i < end; ++i) {
+        float unused1 = 0.0f, unused2 = 0.0f;
+        float& s1 = st1.s ? st1.s[i - st1.off] : unused1;
+        float& s2 = st2.s ? st2.s[i - st2.off] : unused2;
+        const float g = dtype_load(a.grad, a.grad_dtype, i);
+        const float p = optim_update_one(a.algo, c, g, param_load(a, i), s1, s2, trust);
+        if (a.update_params) {
+          if (a.master) a.master[i] = p;
+          dtype_store(a.param, a.param_dtype, i, p);
+        }
+      }
+    }
+    block_states_store(a, 1, use1, lo, len, buf1.data());
+    block_states_store(a, 2, use2, lo, len, buf2.data());
+  }
+}
+
+void optim_norms_ref(const StepArgs& a, NormSums* out) {
+  const OptimConsts c = optim_consts(a.algo, a.h);
+  const bool use1 = a.algo == Algo::lamb, use2 = a.algo == Algo::lamb;  // lars needs no state here
+  const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
+  for (int64_t s = 0; s < nseg; ++s) out[s] = NormSums{};
+  std::vector<float> buf1(a.block), buf2(a.block);
+  // Running sum of the current (chunk, segment) pair, folded into out[] when either changes.
+  NormSums acc{};
+  int64_t acc_seg = -1, acc_chunk = -1;
+  int64_t seg = 0;
+  for (int64_t lo = 0; lo < a.n; lo += a.block) {
+    const int64_t hi = std::min<int64_t>(a.n, lo + a.block);
+    const int32_t len = int32_t(hi - lo);
+    const BlockStates st1 = block_states_load(a, 1, use1, lo, len, buf1.data());
+    const BlockStates st2 = block_states_load(a, 2, use2, lo, len, buf2.data());
+    const int64_t chunk = lo / kOptimNormChunk;
+    for (int64_t i = lo; i < hi;) {
+      int64_t end = hi;
+      if (a.nseg > 0) {
+        while (a.seg_offsets[seg + 1] <= i) ++seg;
+        end = std::min<int64_t>(hi, a.seg_offsets[seg + 1]);
+      }
+      double lw[8] = {}, lu[8] = {};
+      for (const int64_t start = i; i < end; ++i) {
+        const float g = dtype_load(a.grad, a.grad_dtype, i);
+        const float p = param_load(a, i);
+        const float s1 = st1.s ? st1.s[i - st1.off] : 0.0f;
+        const float s2 = st2.s ? st2.s[i - st2.off] : 0.0f;
+        const float u = optim_direction_one(a.algo, c, g, p, s1, s2);
+        lw[(i - start) & 7] += double(p) * double(p);
+        lu[(i - start) & 7] += double(u) * double(u);
+      }
+      if (seg != acc_seg || chunk != acc_chunk) {
+        if (acc_seg >= 0) {
+          out[acc_seg].w_sq += acc.w_sq;
+          out[acc_seg].u_sq += acc.u_sq;
+        }
+        acc = NormSums{};
+        acc_seg = seg;
+        acc_chunk = chunk;
+      }
+      acc.w_sq += optim_norm_lanes_sum(lw);
+      acc.u_sq += optim_norm_lanes_sum(lu);
+    }
+  }
+  if (acc_seg >= 0) {
+    out[acc_seg].w_sq += acc.w_sq;
+    out[acc_seg].u_sq += acc.u_sq;
+  }
+}
+
+}  // namespace zero8::optim

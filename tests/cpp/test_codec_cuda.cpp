@@ -1,0 +1,197 @@
+// CUDA codec kernels against the CPU scalar reference (codes, scales and decodes compared exactly),
+// beside the CPU tests. Without a device (or a CUDA build) the device tests skip and say why; the
+// entry points' behaviour without a device is checked wherever it can be.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "zero8/error.h"
+#include "zero8/kernels/codec.h"
+#include "zero8/quant.h"
+
+#if ZERO8_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using namespace zero8;
+using namespace zero8::quant;
+
+#if ZERO8_WITH_CUDA
+bool cuda_device_present() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+#endif
+
+class CodecCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#if !ZERO8_WITH_CUDA
+    GTEST_SKIP() << "not built with CUDA";
+#else
+    if (!cuda_device_present()) GTEST_SKIP() << "no CUDA device on this machine";
+#endif
+  }
+};
+
+#if ZERO8_WITH_CUDA
+// A device buffer holding a copy of host bytes (freed on scope exit).
+struct DeviceBuffer {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n, const void* host = nullptr) : bytes(n) {
+    EXPECT_EQ(cudaMalloc(&p, n > 0 ? n : 1), cudaSuccess);
+    if (host) {
+      EXPECT_EQ(cudaMemcpy(p, host, n, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+  }
+  ~DeviceBuffer() { cudaFree(p); }
+  template <class T>
+  std::vector<T> get(size_t count) const {
+    std::vector<T> out(count);
+    EXPECT_EQ(cudaMemcpy(out.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+};
+
+// Inputs of every magnitude: normal, tiny, huge, zero blocks and a non-finite block.
+std::vector<float> make_input(int64_t n, int32_t block, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> g;
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = i / block;
+    const float scale = b % 4 == 0 ? 1.0f : b % 4 == 1 ? 1e-39f : b % 4 == 2 ? 1e30f : 0.0f;
+    x[size_t(i)] = g(rng) * scale;
+  }
+  if (n > 3 * block) x[size_t(3 * block + 1)] = std::numeric_limits<float>::infinity();
+  return x;
+}
+
+std::vector<uint16_t> to_dtype(const std::vector<float>& x, DType dt) {
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) dtype_store(out.data(), dt, int64_t(i), x[i]);
+  return out;
+}
+#endif
+
+TEST_F(CodecCuda, EncodeMatchesCpuReference) {
+#if ZERO8_WITH_CUDA
+  for (MapKind kind : {MapKind::dynamic_signed, MapKind::dynamic_unsigned, MapKind::linear_signed}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+      for (int32_t block : {64, 256, 2048, 4096}) {
+        for (bool stochastic : {false, true}) {
+          const int64_t n = 9 * int64_t(block) + 37;
+          const std::vector<float> xf = make_input(n, block, uint64_t(block) + uint64_t(dt));
+          const std::vector<uint16_t> xh = to_dtype(xf, dt);
+          const void* host_x = dt == DType::f32 ? static_cast<const void*>(xf.data()) : xh.data();
+          const int64_t nb = quant_num_blocks(n, block);
+          QuantizeOptions opt;
+          opt.stochastic = stochastic;
+          opt.seed = 42;
+          opt.index_base = 1000;
+          // CPU reference
+          std::vector<uint8_t> codes(static_cast<size_t>(n));
+          std::vector<float> scales(static_cast<size_t>(nb));
+          EncodeArgs a;
+          a.x = host_x;
+          a.dtype = dt;
+          a.n = n;
+          a.block = block;
+          a.table = &table_get(kind);
+          a.codes = codes.data();
+          a.absmax = scales.data();
+          a.stochastic = stochastic;
+          a.seed = opt.seed;
+          a.index_base = opt.index_base;
+          quant_encode_ref(a);
+          // device
+          DeviceBuffer dx(size_t(n) * size_t(dtype_size(dt)), host_x), dc(static_cast<size_t>(n)), ds(size_t(nb) * 4);
+          quantize_blockwise_cuda(dx.p, dt, n, block, kind, static_cast<uint8_t*>(dc.p), static_cast<float*>(ds.p), opt);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          EXPECT_EQ(dc.get<uint8_t>(static_cast<size_t>(n)), codes) << dtype_name(dt) << " block " << block;
+          const std::vector<float> got = ds.get<float>(static_cast<size_t>(nb));
+          EXPECT_EQ(0, std::memcmp(got.data(), scales.data(), size_t(nb) * 4)) << dtype_name(dt) << " block " << block;
+        }
+      }
+    }
+  }
+#endif
+}
+
+TEST_F(CodecCuda, DecodeMatchesCpuReference) {
+#if ZERO8_WITH_CUDA
+  const QuantTable& t = table_get(MapKind::dynamic_signed);
+  const int32_t block = 256;
+  const int64_t n = 33 * block + 5, nb = quant_num_blocks(n, block);
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> codes(static_cast<size_t>(n));
+  std::vector<float> scales(static_cast<size_t>(nb)), base(static_cast<size_t>(n));
+  for (auto& c : codes) c = uint8_t(rng());
+  for (auto& s : scales) s = float(int64_t(rng() % 2000) - 1000) * 1e-2f;
+  for (auto& b : base) b = float(int64_t(rng() % 2000) - 1000) * 1e-3f;
+  DeviceBuffer dc(size_t(n), codes.data()), ds(size_t(nb) * 4, scales.data());
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (bool accumulate : {false, true}) {
+      if (accumulate && dt != DType::f32) continue;
+      const size_t bytes = size_t(n) * size_t(dtype_size(dt));
+      std::vector<uint8_t> want(bytes);
+      if (accumulate) std::memcpy(want.data(), base.data(), bytes);
+      DeviceBuffer dy(bytes, accumulate ? base.data() : nullptr);
+      DecodeArgs a;
+      a.codes = codes.data();
+      a.absmax = scales.data();
+      a.n = n;
+      a.block = block;
+      a.table = &t;
+      a.y = want.data();
+      a.dtype = dt;
+      a.accumulate = accumulate;
+      quant_decode_ref(a);
+      dequantize_blockwise_cuda(static_cast<const uint8_t*>(dc.p), static_cast<const float*>(ds.p), n, block,
+                                MapKind::dynamic_signed, dy.p, dt, accumulate);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(dy.get<uint8_t>(bytes), want) << dtype_name(dt) << " accumulate " << accumulate;
+    }
+  }
+#endif
+}
+
+// The CUDA entries without CUDA or without a device: a clear zero8::Error, never a crash; and bad
+// arguments are reported as such before any device work.
+TEST(CodecCudaEntry, ExplainsWhenItCannotRun) {
+  std::vector<float> x(512, 1.0f), scales(2);
+  std::vector<uint8_t> codes(512);
+#if !ZERO8_WITH_CUDA
+  try {
+    quantize_blockwise_cuda(x.data(), DType::f32, 512, 256, MapKind::dynamic_signed, codes.data(), scales.data());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("not built with CUDA"), std::string::npos) << e.what();
+  }
+#else
+  try {
+    quantize_blockwise_cuda(x.data(), DType::f32, 512, 100, MapKind::dynamic_signed, codes.data(), scales.data());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("'block'"), std::string::npos) << e.what();
+  }
+  if (cuda_device_present()) GTEST_SKIP() << "a CUDA device is present: the no-device path cannot be exercised";
+  try {
+    table_get_device(MapKind::dynamic_signed);
+    ADD_FAILURE() << "no error without a device";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+  }
+#endif
+}
+
+}  // namespace

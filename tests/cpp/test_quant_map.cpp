@@ -1,0 +1,259 @@
+// Quantization maps and their search tables: the dynamic maps bit-identical to the reference table,
+// linear maps well formed, thresholds (and the SIMD bucket accelerator) giving the exact nearest value,
+// and table_build rejecting malformed maps.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "exact_nearest.h"
+#include "zero8/error.h"
+#include "zero8/kernels/quant_map.h"
+
+namespace {
+
+using zero8::f32_bits;
+using zero8::f32_from_bits;
+using namespace zero8::quant;
+
+constexpr MapKind kAllMaps[] = {MapKind::dynamic_signed, MapKind::dynamic_unsigned, MapKind::linear_signed,
+                                MapKind::linear_unsigned};
+
+// Reference table: "index signed_value signed_hex unsigned_value unsigned_hex", '#' comments.
+struct RefMaps {
+  std::vector<uint32_t> signed_bits, unsigned_bits;
+};
+RefMaps read_reference_maps() {
+  const std::string path = std::string(ZERO8_TEST_DATA_DIR) + "/dynamic_maps.txt";
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << "cannot open " << path;
+  RefMaps r;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    int index = -1;
+    std::string sv, sh, uv, uh;
+    ls >> index >> sv >> sh >> uv >> uh;
+    EXPECT_EQ(index, int(r.signed_bits.size())) << line;
+    r.signed_bits.push_back(uint32_t(std::stoul(sh, nullptr, 16)));
+    r.unsigned_bits.push_back(uint32_t(std::stoul(uh, nullptr, 16)));
+    // The decimal column must agree with the hex one (guards against a misparsed file).
+    EXPECT_EQ(std::stof(sv), f32_from_bits(r.signed_bits.back())) << line;
+    EXPECT_EQ(std::stof(uv), f32_from_bits(r.unsigned_bits.back())) << line;
+  }
+  return r;
+}
+
+// Independent nearest: argmin over all 256 values of the exact distance |n - v|, ties to the even code.
+uint32_t brute_nearest(float n, const float* v) { return zero8::test::exact_nearest(n, v); }
+
+// Floats around every threshold-relevant point of a map: each value, each exact midpoint (rounded both
+// ways) and their float neighbours, plus random and special values.
+std::vector<float> probe_points(const float* v, uint64_t seed) {
+  std::vector<float> pts;
+  auto around = [&](float f) {
+    float lo = f, hi = f;
+    pts.push_back(f);
+    for (int k = 0; k < 3; ++k) {
+      lo = std::nextafter(lo, -2.0f);
+      hi = std::nextafter(hi, 2.0f);
+      pts.push_back(lo);
+      pts.push_back(hi);
+    }
+  };
+  for (int i = 0; i < 256; ++i) around(v[i]);
+  for (int i = 0; i < 255; ++i) {
+    const double m = (double(v[i]) + double(v[i + 1])) / 2.0;
+    around(float(m));
+    around(std::nextafter(float(m), float(m) < m ? 2.0f : -2.0f));  // the float on m's other side
+  }
+  for (float s : {0.0f, -0.0f, 1.0f, -1.0f, 1e-45f, -1e-45f, 1e-38f, -1e-38f, 1.5f, -1.5f}) pts.push_back(s);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::uniform_real_distribution<float> expo(-40.0f, 0.0f);
+  for (int k = 0; k < 100000; ++k) pts.push_back(uni(rng));
+  for (int k = 0; k < 100000; ++k) pts.push_back((k % 2 ? -1.0f : 1.0f) * std::pow(10.0f, expo(rng)));
+  return pts;
+}
+
+TEST(QuantMap, DynamicMapsMatchReferenceBits) {
+  const RefMaps ref = read_reference_maps();
+  ASSERT_EQ(ref.signed_bits.size(), 256u);
+  ASSERT_EQ(ref.unsigned_bits.size(), 256u);
+  const std::vector<float> s = map_values(MapKind::dynamic_signed), u = map_values(MapKind::dynamic_unsigned);
+  for (int i = 0; i < 256; ++i) {
+    EXPECT_EQ(f32_bits(s[i]), ref.signed_bits[i]) << "signed index " << i;
+    EXPECT_EQ(f32_bits(u[i]), ref.unsigned_bits[i]) << "unsigned index " << i;
+    EXPECT_EQ(f32_bits(table_get(MapKind::dynamic_signed).values[i]), ref.signed_bits[i]) << i;
+    EXPECT_EQ(f32_bits(table_get(MapKind::dynamic_unsigned).values[i]), ref.unsigned_bits[i]) << i;
+  }
+}
+
+TEST(QuantMap, DynamicMapShape) {
+  const QuantTable& s = table_get(MapKind::dynamic_signed);
+  const QuantTable& u = table_get(MapKind::dynamic_unsigned);
+  // Signed: 127 negative values, one zero, 128 positive ending at exactly 1 (no -1, hence the signed scale).
+  EXPECT_EQ(s.values[255], 1.0f);
+  EXPECT_GT(s.values[0], -1.0f);
+  EXPECT_FALSE(s.has_neg_one);
+  EXPECT_EQ(s.values[s.zero_code], 0.0f);
+  EXPECT_EQ(s.nonneg_first, s.zero_code);
+  EXPECT_EQ(s.nonpos_last, s.zero_code);
+  EXPECT_EQ(s.zero_code, 127);
+  // Unsigned: starts at 0, ends at 1.
+  EXPECT_EQ(u.values[0], 0.0f);
+  EXPECT_EQ(u.values[255], 1.0f);
+  EXPECT_TRUE(u.is_unsigned);
+  EXPECT_EQ(u.zero_code, 0);
+  for (int i = 0; i + 1 < 256; ++i) {
+    EXPECT_LT(s.values[i], s.values[i + 1]) << i;
+    EXPECT_LT(u.values[i], u.values[i + 1]) << i;
+  }
+}
+
+TEST(QuantMap, LinearMapsAreEvenlySpaced) {
+  for (const bool is_signed : {true, false}) {
+    const std::vector<float> v = map_values(is_signed ? MapKind::linear_signed : MapKind::linear_unsigned);
+    ASSERT_EQ(v.size(), 256u);
+    EXPECT_EQ(v[0], is_signed ? -1.0f : 0.0f);
+    EXPECT_EQ(v[255], 1.0f);
+    const double step = (is_signed ? 2.0 : 1.0) / 255.0;
+    for (int i = 0; i + 1 < 256; ++i) {
+      // Each value is one float32 rounding of the exact grid point (error <= 2^-25 for |v| <= 1),
+      // so a step differs from the exact one by at most 2^-24.
+      EXPECT_NEAR(double(v[i + 1]) - double(v[i]), step, std::ldexp(1.0, -24)) << i;
+      EXPECT_NEAR(double(v[i]), (is_signed ? -1.0 : 0.0) + step * i, std::ldexp(1.0, -25)) << i;
+    }
+  }
+  // The signed linear map has no zero: zero blocks take the even code of the two values around 0.
+  const QuantTable& t = table_get(MapKind::linear_signed);
+  EXPECT_TRUE(t.has_neg_one);
+  EXPECT_EQ(t.zero_code, 128);
+  EXPECT_EQ(t.values[127], -t.values[128]);
+}
+
+TEST(QuantMap, ThresholdsGiveExactNearestIncludingMidpoints) {
+  for (MapKind kind : kAllMaps) {
+    const QuantTable& t = table_get(kind);
+    int64_t bad = 0, bad_lut = 0;
+    for (float n : probe_points(t.values, 7 + uint64_t(kind))) {
+      const uint32_t want = brute_nearest(n, t.values);
+      const uint32_t got = quant_code_nearest(n, t), got_lut = quant_code_nearest_lut(n, t);
+      if (got != want && bad++ < 5) ADD_FAILURE() << map_kind_name(kind) << " n=" << n << " want " << want << " got " << got;
+      if (got_lut != want && bad_lut++ < 5)
+        ADD_FAILURE() << map_kind_name(kind) << " (accelerator) n=" << n << " want " << want << " got " << got_lut;
+    }
+    EXPECT_EQ(bad, 0) << map_kind_name(kind);
+    EXPECT_EQ(bad_lut, 0) << map_kind_name(kind);
+  }
+}
+
+// The accelerator must agree with the threshold search over every float, which (the code being
+// monotone in n) is settled at each bucket's two ends and at every threshold's two sides.
+void expect_accelerator_exact(const QuantTable& t, const char* what) {
+  int64_t bad = 0;
+  auto check = [&](float n) {
+    if (quant_code_nearest_lut(n, t) != quant_code_nearest(n, t) && bad++ < 5)
+      ADD_FAILURE() << what << ": n=" << n << " lut " << quant_code_nearest_lut(n, t) << " search "
+                    << quant_code_nearest(n, t);
+  };
+  for (uint32_t q = 0; q <= 0x7fffu; ++q) {  // every upper-16-bit pattern of a finite |n|, both ends
+    if (q >= 0x7f80u) break;
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      check(f32_from_bits(sign | (q << 16)));
+      check(f32_from_bits(sign | (q << 16) | 0xffffu));
+      check(f32_from_bits(sign | (q << 16) | 0x8000u));
+    }
+  }
+  for (int i = 0; i < 255; ++i) {
+    const float th = t.thresholds[i];
+    check(th);
+    check(std::nextafter(th, 2.0f));
+    check(std::nextafter(th, -2.0f));
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+TEST(QuantMap, AcceleratorIsExactForStandardMaps) {
+  for (MapKind kind : kAllMaps) {
+    const QuantTable& t = table_get(kind);
+    EXPECT_EQ(t.lut_steps, 1) << map_kind_name(kind);  // one threshold per bucket at most
+    expect_accelerator_exact(t, map_kind_name(kind));
+  }
+  // The dynamic maps (optimizer states, wire data) take the one-read path.
+  EXPECT_TRUE(table_get(MapKind::dynamic_signed).lut_packed);
+  EXPECT_TRUE(table_get(MapKind::dynamic_unsigned).lut_packed);
+}
+
+std::vector<float> linspace(double a, double b, int k) {
+  std::vector<float> v(k);
+  for (int i = 0; i < k; ++i) v[i] = float(a + (b - a) * i / (k - 1));
+  return v;
+}
+
+TEST(QuantMap, AcceleratorFallsBackForUnusualMaps) {
+  {  // a dense cluster: several thresholds per bucket, refined by compare-and-increment steps
+    std::vector<float> v = linspace(-1.0, 0.5, 200), c = linspace(0.5 + 1e-3, 0.6, 56);
+    v.insert(v.end(), c.begin(), c.end());
+    const QuantTable t = table_build(v);
+    EXPECT_GE(t.lut_steps, 2);
+    EXPECT_LE(t.lut_steps, 7);
+    EXPECT_FALSE(t.lut_packed);
+    expect_accelerator_exact(t, "dense cluster");
+  }
+  {  // three equal values in a row: thresholds not monotone, plain binary search
+    std::vector<float> v = linspace(-1.0, 1.0, 256);
+    v[100] = v[101] = v[102];
+    const QuantTable t = table_build(v);
+    EXPECT_EQ(t.lut_steps, kQuantLutNoSteps);
+    expect_accelerator_exact(t, "triple value");
+  }
+  {  // values far below the accelerator's finest binade share its first bucket
+    std::vector<float> v = linspace(-1.0, 1.0, 256);
+    v[128] = 1e-30f;
+    v[129] = 2e-30f;
+    const QuantTable t = table_build(v);
+    EXPECT_FALSE(t.lut_packed);
+    expect_accelerator_exact(t, "tiny values");
+  }
+}
+
+void expect_values_error(const std::vector<float>& v, const char* what) {
+  try {
+    table_build(v);
+    ADD_FAILURE() << what << ": no error";
+  } catch (const zero8::Error& e) {
+    EXPECT_EQ(e.code(), zero8::ErrorCode::invalid_argument) << what;
+    EXPECT_NE(std::string(e.what()).find("'values'"), std::string::npos) << what << ": " << e.what();
+  }
+}
+
+TEST(QuantMap, TableBuildRejectsMalformedMaps) {
+  const std::vector<float> good = map_values(MapKind::dynamic_signed);
+  EXPECT_NO_THROW(table_build(good));
+  expect_values_error(std::vector<float>(good.begin(), good.end() - 1), "255 values");
+  std::vector<float> v = good;
+  v.push_back(1.0f);
+  expect_values_error(v, "257 values");
+  v = good;
+  std::swap(v[10], v[11]);
+  expect_values_error(v, "unsorted");
+  v = good;
+  v[3] = std::numeric_limits<float>::quiet_NaN();
+  expect_values_error(v, "NaN");
+  v = good;
+  v[255] = std::numeric_limits<float>::infinity();
+  expect_values_error(v, "Inf");
+  v = good;
+  v[255] = 1.5f;
+  expect_values_error(v, "outside [-1, 1]");
+}
+
+}  // namespace
