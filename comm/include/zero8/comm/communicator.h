@@ -1,0 +1,262 @@
+// zero8::comm::Communicator: the collectives the sharded optimizer and the pipeline engine need
+// (all-to-all, all-gather, reduce-scatter, all-reduce, broadcast, barrier, send/recv), byte counters,
+// sub-communicators for a pp x dp topology and node groups, and the failure contract (no call hangs).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace zero8::comm {
+
+// ---------------------------------------------------------------------------------------------
+// Contract (every backend)
+//
+// * Blocking: every call returns when this rank's part is complete: send buffers may be reused and
+//   receive buffers hold the result. Nothing is left in flight between calls (the NCCL backend
+//   enqueues on its stream and waits for it too, see comm_nccl.cpp).
+// * Collective: every rank of the communicator calls the same collectives in the same order with
+//   matching sizes (as in MPI). Sizes are validated locally; a mismatch across ranks is a usage error
+//   that the transport may report as a comm error or a timeout.
+// * Memory: buffers belong to the caller and must stay valid for the call. memory() says whether
+//   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
+//   overlap, except where an op says "in place".
+// * Threads: one thread at a time per communicator (and per world: sub-communicators share it).
+// * Determinism: reductions of floating values are identical on every rank. The single and MPI
+//   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
+//   reproducible and equal a serial reference; NCCL sums in its own (fixed) ring order.
+// * Failure: no call waits forever. If a peer process dies, a peer reports that it gave up, or the
+//   call exceeds timeout() seconds, EVERY surviving rank gets zero8::Error(ErrorCode::comm) naming
+//   the call ("all_reduce #12 on 'dp[stage 0]' (rank 1 of 4)"), and the peer(s) responsible or not
+//   heard from. The failure is job-wide: a death anywhere in the world fails calls on every
+//   communicator (ZeRO has no recovery, and a rank that carried on alone would only time out later),
+//   and once a rank has given up, its peers' next calls fail with its reason, even calls that could
+//   complete locally. After an error the process must exit with a non-zero status: the failed call's
+//   buffers may still be referenced by the transport, and every later call on this communicator,
+//   its parent and its children throws again. Destroying the communicators is allowed; the last one
+//   of a failed MPI world waits (at most 2 s) until the other ranks have raised their errors too,
+//   because mpirun kills every rank still running as soon as one exits non-zero. So: print the
+//   error and return non-zero from main. abort() instead kills the other survivors at once, before
+//   they can report their own view of the failure.
+//
+// MPI backend, how failures are seen (details in comm_mpi.cpp): every call that waits on peers is a
+// nonblocking MPI op polled with MPI_Test* against the deadline, so a stalled peer becomes a timeout.
+// Alongside MPI, each pair of ranks holds a TCP connection (the liveness mesh, set up at creation
+// over addresses exchanged with MPI_Allgather, ZERO8_COMM_IFADDR): the kernel closes a killed
+// process's sockets, so survivors see EOF within milliseconds (MPI's shared-memory transport would
+// just never complete), well inside the ~1 s before OpenMPI's mpirun (4.1, default settings)
+// terminates the job. A background thread watches the connections, relays "gave up: <reason>"
+// messages, and answers status queries, which is how a timed-out rank names the ranks that are not
+// in the call (and what they are doing) even while their main threads compute or sleep. A fork()ed
+// child closes its inherited copies, so a data-loader worker cannot hide its parent's death. Use
+// mpirun's defaults: `--enable-recovery` keeps survivors alive but makes mpirun exit 0 after
+// failures, and `--mca orte_abort_on_non_zero_status 0` leaves mpirun waiting after a death.
+//
+// Byte counters ("bytes sent") count the payload this rank sends to each other rank under the direct
+// algorithm of each op, independent of how the transport routes it (so they are exact and
+// comparable across backends): all_to_all(_v): bytes for peer p; all_gather(_v): own bytes to each
+// peer; reduce_scatter: peer p's range; all_reduce: the reduce-scatter + all-gather it is (n split
+// into size() near-equal parts, part p = [n*p/size, n*(p+1)/size): peer p gets part p and part
+// rank()); broadcast: the root sends the buffer to each peer; send: the buffer to the peer;
+// recv, barrier, split: 0. Bytes to self are never counted.
+// ---------------------------------------------------------------------------------------------
+
+// Environment (read by comm_env.cpp, the one place these are parsed):
+//   ZERO8_COMM_TIMEOUT  seconds before a collective gives up (default 300; per communicator: set_timeout)
+//   ZERO8_COMM_IFADDR   IPv4 address of this host for the MPI backend's liveness connections
+//                       (default: the address the hostname resolves to, else 127.0.0.1)
+//   ZERO8_COMM_NODE     node name used to form node groups (default: the hostname)
+
+enum class ReduceOp : uint8_t { sum = 0, max = 1, min = 2 };
+const char* reduce_op_name(ReduceOp op);
+
+// Element types of reductions (data movement ops take plain bytes).
+enum class ScalarType : uint8_t { u8 = 0, i32 = 1, i64 = 2, f32 = 3, f64 = 4 };
+const char* scalar_type_name(ScalarType t);
+int scalar_type_size(ScalarType t);
+template <class T> constexpr ScalarType scalar_type_of();
+template <> constexpr ScalarType scalar_type_of<uint8_t>() { return ScalarType::u8; }
+template <> constexpr ScalarType scalar_type_of<int32_t>() { return ScalarType::i32; }
+template <> constexpr ScalarType scalar_type_of<int64_t>() { return ScalarType::i64; }
+template <> constexpr ScalarType scalar_type_of<float>() { return ScalarType::f32; }
+template <> constexpr ScalarType scalar_type_of<double>() { return ScalarType::f64; }
+
+enum class MemSpace : uint8_t { host = 0, device = 1 };
+
+enum class OpKind : uint8_t {
+  all_to_all = 0, all_to_all_v, all_gather, all_gather_v, reduce_scatter, all_reduce, broadcast,
+  barrier, send, recv, split,
+};
+constexpr int kOpKinds = 11;
+const char* op_kind_name(OpKind k);
+
+struct OpStats {
+  uint64_t calls = 0;
+  uint64_t bytes = 0;                  // sent to other ranks (see "Byte counters" above)
+  double seconds = 0.0;                // wall time inside the calls
+  std::vector<uint64_t> bytes_to_peer; // size() entries; [rank()] is always 0
+};
+
+// A snapshot of a communicator's counters since creation or the last stats_reset().
+struct CommStats {
+  std::array<OpStats, kOpKinds> ops;
+  const OpStats& op(OpKind k) const { return ops[size_t(k)]; }
+  uint64_t bytes() const;                     // all kinds
+  std::vector<uint64_t> bytes_to_peer() const;  // all kinds, per peer
+};
+
+// Node grouping of a communicator (see node_groups()).
+struct NodeGroups;
+// The pp x dp grouping of a communicator (see topology_split()).
+struct Topology;
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& name() const { return name_; }  // "world", "dp[stage 1]", ... (set at split)
+  virtual std::string description() const = 0;      // backend, name, rank, size, host
+  virtual const char* backend() const = 0;           // "single", "mpi", "nccl"
+  virtual MemSpace memory() const = 0;
+  int world_rank(int r) const { return world_ranks_.at(size_t(r)); }  // rank r in the world communicator
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+
+  // Seconds a call may take before every rank raises a timeout error. Children inherit it at split.
+  double timeout() const { return timeout_s_; }
+  void set_timeout(double seconds);
+
+  CommStats stats() const { return stats_; }
+  void stats_reset();
+
+  // ---- data movement (byte buffers) ----
+  // send holds size() chunks of `bytes` each, chunk p goes to rank p; recv chunk p comes from rank p.
+  void all_to_all(const void* send, void* recv, int64_t bytes);
+  // Chunk p of send is [send_displs[p], +send_bytes[p]); recv chunk p (from rank p) is
+  // [recv_displs[p], +recv_bytes[p]). recv_bytes[p] must equal rank p's send_bytes[rank()].
+  void all_to_all_v(const void* send, const std::vector<int64_t>& send_bytes,
+                    const std::vector<int64_t>& send_displs, void* recv,
+                    const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs);
+  // recv = concatenation of every rank's `bytes` bytes, in rank order.
+  void all_gather(const void* send, void* recv, int64_t bytes);
+  // Rank p's send_bytes land at [recv_displs[p], +recv_bytes[p]); send_bytes == recv_bytes[rank()].
+  // In place: send == recv + recv_displs[rank()].
+  void all_gather_v(const void* send, int64_t send_bytes, void* recv, const std::vector<int64_t>& recv_bytes,
+                    const std::vector<int64_t>& recv_displs);
+  void broadcast(void* buf, int64_t bytes, int root);
+
+  // ---- reductions ----
+  // send holds sum(counts) elements, rank p's range at prefix offsets; recv (counts[rank()] elements)
+  // gets the reduction over ranks of this rank's range.
+  void reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, ScalarType type,
+                      ReduceOp op = ReduceOp::sum);
+  // recv = reduction over ranks of send (count elements). In place when send == recv.
+  // max/min propagate NaN (a NaN anywhere gives NaN), so a NaN norm or flag is never lost.
+  void all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op);
+  template <class T> void all_reduce(T* data, int64_t count, ReduceOp op) {
+    all_reduce(data, data, count, scalar_type_of<T>(), op);
+  }
+  template <class T> T all_reduce_value(T v, ReduceOp op) {
+    all_reduce(&v, &v, 1, scalar_type_of<T>(), op);
+    return v;
+  }
+
+  // ---- synchronization and point-to-point ----
+  void barrier();
+  // Blocking point-to-point (pipeline stages). Messages between a pair with the same tag arrive in
+  // order; recv must name the exact size. tag in [0, 32767].
+  void send(const void* buf, int64_t bytes, int peer, int tag = 0);
+  void recv(void* buf, int64_t bytes, int peer, int tag = 0);
+
+  // ---- sub-communicators ----
+  // Collective: ranks with the same color form a child, ordered by (key, rank). color < 0 (kNoColor)
+  // means "not a member": returns nullptr. The child shares the parent's process group resources
+  // (liveness, MPI/NCCL world) and may outlive the parent.
+  static constexpr int kNoColor = -1;
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name = "");
+
+  // Ends the whole job now (MPI_Abort; the single backend calls std::_Exit). Only for callers that
+  // cannot return from main; see "Failure" above.
+  [[noreturn]] virtual void abort(int exit_code) = 0;
+
+ protected:
+  Communicator(int rank, int size, std::string name, std::vector<int> world_ranks, double timeout_s);
+
+  // Backend primitives. Arguments are already validated and stats are kept by the caller; `kind`
+  // names the public op for error messages. Backends may override the reductions (the defaults
+  // fold on the host in rank order over do_all_to_all_v / do_all_gather_v).
+  virtual void do_all_to_all_v(const void* send, const int64_t* send_bytes, const int64_t* send_displs,
+                               void* recv, const int64_t* recv_bytes, const int64_t* recv_displs, OpKind kind) = 0;
+  virtual void do_all_gather_v(const void* send, int64_t send_bytes, void* recv, const int64_t* recv_bytes,
+                               const int64_t* recv_displs, OpKind kind) = 0;
+  virtual void do_broadcast(void* buf, int64_t bytes, int root) = 0;
+  virtual void do_barrier() = 0;
+  virtual void do_send(const void* buf, int64_t bytes, int peer, int tag) = 0;
+  virtual void do_recv(void* buf, int64_t bytes, int peer, int tag) = 0;
+  virtual std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) = 0;
+  virtual void do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type,
+                                 ReduceOp op);
+  virtual void do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op);
+  // The first failure: later calls fail fast with the same reason. Backends whose communicators
+  // share a process group (MPI, NCCL) override these to share one state across parent and children.
+  virtual void set_failed(const std::string& reason);
+  virtual bool failed() const { return !failure_.empty(); }
+  virtual std::string failure() const { return failure_; }
+
+  // Number of calls so far, this one included (for "all_reduce #12" in messages; every rank
+  // counts the same collective calls), and the label errors start with:
+  // "all_reduce #12 on 'world' (rank 0 of 4)".
+  uint64_t seq() const { return seq_; }
+  std::string op_label(OpKind kind) const;
+
+ private:
+  class Call;  // RAII timer + stats + failure check around one public call
+  void count_bytes(OpKind kind, int peer, int64_t bytes);
+
+  int rank_ = 0;
+  int size_ = 1;
+  std::string name_;
+  std::vector<int> world_ranks_;
+  double timeout_s_ = 300.0;
+  CommStats stats_;
+  uint64_t seq_ = 0;
+  std::string failure_;
+};
+
+// Backend factory. "single": one process. "mpi": MPI_COMM_WORLD (initializes MPI if needed and
+// finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI.
+// "auto": "mpi" when started by mpirun (OMPI_COMM_WORLD_SIZE or PMI_SIZE set) and built with MPI,
+// else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
+std::unique_ptr<Communicator> comm_create(const std::string& backend = "auto");
+bool comm_backend_available(const std::string& backend);  // compiled in (not: usable right now)
+
+// ---- topology helpers (collective over `world`, built on split) ----
+
+// pp x dp: rank = pp_stage * dp + dp_rank (stage-major, as DeepSpeed's PipeModelDataParallelTopology
+// with axes [pipe, data]), so a data-parallel group is `dp` consecutive ranks (usually one node)
+// and a pipeline group is the ranks with the same dp_rank, one per stage.
+struct Topology {
+  int pp = 1, dp = 1;
+  int pp_stage = 0, dp_rank = 0;
+  std::unique_ptr<Communicator> dp_group;  // "dp[stage s]": ZeRO shards within it; rank() == dp_rank
+  std::unique_ptr<Communicator> pp_group;  // "pp[dp d]": stage s is rank s; send/recv between stages
+};
+Topology topology_split(Communicator& world, int pp);  // world.size() must be a multiple of pp
+
+// Node = ranks with the same node name (ZERO8_COMM_NODE, default hostname). intra: the ranks of my
+// node ("node[i]"), ordered by rank; inter: one rank per node with my local rank ("inter[l]"), so
+// a hierarchical all-to-all runs intra-node, then inter-node among equal local ranks.
+struct NodeGroups {
+  int node = 0, nodes = 1;   // my node index (in order of first rank), number of nodes
+  int local_rank = 0, local_size = 1;
+  std::unique_ptr<Communicator> intra;
+  std::unique_ptr<Communicator> inter;
+};
+NodeGroups node_groups(Communicator& world);
+
+}  // namespace zero8::comm

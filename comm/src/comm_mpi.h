@@ -1,0 +1,104 @@
+// MPI backend internals, shared with the NCCL backend (which bootstraps, splits and watches its
+// peers through an MPI communicator). Every MPI call that waits on other ranks is nonblocking and
+// polled against a deadline and the liveness mesh, so no call can hang (see comm_mpi.cpp).
+#pragma once
+
+// The C API only: OpenMPI's and MPICH's C++ bindings would need their own library.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "liveness.h"
+#include "zero8/comm/communicator.h"
+
+namespace zero8::comm::detail {
+
+// Process-wide MPI state: initialization (owned or borrowed), a private duplicate of
+// MPI_COMM_WORLD, the liveness mesh, and the one failure reason all communicators share.
+class MpiWorld {
+ public:
+  static std::shared_ptr<MpiWorld> acquire();
+  ~MpiWorld();
+
+  MPI_Comm comm = MPI_COMM_NULL;  // dup of MPI_COMM_WORLD, errors returned (not fatal)
+  int rank = 0, size = 1;
+  bool owns_mpi = false;          // we called MPI_Init, so we call MPI_Finalize
+  std::unique_ptr<Liveness> live;
+  std::string failure;            // first failure (any communicator of this process)
+
+ private:
+  MpiWorld() = default;
+};
+
+// What a wait is for: names in messages, the collective's identity for peer queries, and the peers
+// that matter (a collective waits on every member; send/recv on one peer).
+struct WaitSpec {
+  std::string label;               // "all_reduce #3 on 'world' (rank 0 of 4)"
+  uint64_t comm_id = 0, seq = 0;
+  bool collective = true;
+  double timeout_s = 300.0;
+  const std::vector<int>* world_ranks = nullptr;  // comm rank -> world rank
+  int comm_rank = 0;
+  int p2p_peer = -1;               // comm rank of the peer of send/recv
+};
+
+// Polls done() until it returns true. Throws Error(comm) (after recording the failure in the
+// world and telling every peer) when a peer dies or gives up, or the deadline passes; the
+// message names the call and the peers responsible or not heard from.
+void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& done);
+[[noreturn]] void mpi_fail(MpiWorld& w, const WaitSpec& spec, const std::string& cause);
+
+class MpiComm final : public Communicator {
+ public:
+  MpiComm(std::shared_ptr<MpiWorld> world, MPI_Comm comm, std::string name, std::vector<int> world_ranks,
+          uint64_t id, double timeout_s);
+  ~MpiComm() override;
+
+  std::string description() const override;
+  const char* backend() const override { return "mpi"; }
+  MemSpace memory() const override { return MemSpace::host; }
+  [[noreturn]] void abort(int exit_code) override;
+
+  MpiWorld& world() const { return *world_; }
+  const std::shared_ptr<MpiWorld>& world_ptr() const { return world_; }
+  MPI_Comm mpi_comm() const { return comm_; }
+  uint64_t id() const { return id_; }
+  WaitSpec wait_spec(OpKind kind, int p2p_peer = -1) const;
+  // Split for another backend (NCCL): the MPI child plus its membership; nullptr when color < 0.
+  std::unique_ptr<MpiComm> split_mpi(int color, int key, const std::string& name, OpKind kind);
+
+  void set_failed(const std::string& reason) override;
+  bool failed() const override { return !world_->failure.empty(); }
+  std::string failure() const override { return world_->failure; }
+
+ protected:
+  void do_all_to_all_v(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,
+                       const int64_t* recv_bytes, const int64_t* recv_displs, OpKind kind) override;
+  void do_all_gather_v(const void* send, int64_t send_bytes, void* recv, const int64_t* recv_bytes,
+                       const int64_t* recv_displs, OpKind kind) override;
+  void do_broadcast(void* buf, int64_t bytes, int root) override;
+  void do_barrier() override;
+  void do_send(const void* buf, int64_t bytes, int peer, int tag) override;
+  void do_recv(void* buf, int64_t bytes, int peer, int tag) override;
+  std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override;
+
+ private:
+  void wait_requests(std::vector<MPI_Request>& reqs, OpKind kind, int p2p_peer = -1);
+  void check_mpi(int rc, OpKind kind, const char* call);
+
+  std::shared_ptr<MpiWorld> world_;
+  MPI_Comm comm_;
+  uint64_t id_;
+};
+
+}  // namespace zero8::comm::detail

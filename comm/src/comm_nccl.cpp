@@ -1,0 +1,289 @@
+// NCCL backend: collectives on device buffers, one CUDA stream per communicator. Bootstrapped over
+// MPI (rank 0's ncclUniqueId is broadcast by an MPI communicator, which also carries splits and the
+// liveness mesh); no TCP rendezvous. Communicators are created non-blocking (config.blocking = 0)
+// and every call waits by polling ncclCommGetAsyncError + cudaStreamQuery against the deadline and
+// the peers' liveness; on failure the NCCL communicator is aborted (ncclCommAbort) before throwing.
+// Built only with NCCL; without MPI as well, comm_create("nccl") says so.
+#include "backends.h"
+#include "zero8/error.h"
+
+#if ZERO8_WITH_MPI
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "comm_env.h"
+#include "comm_mpi.h"
+
+namespace zero8::comm::detail {
+namespace {
+
+ncclDataType_t nccl_type(ScalarType t) {
+  switch (t) {
+    case ScalarType::u8: return ncclUint8;
+    case ScalarType::i32: return ncclInt32;
+    case ScalarType::i64: return ncclInt64;
+    case ScalarType::f32: return ncclFloat32;
+    case ScalarType::f64: return ncclFloat64;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclComm final : public Communicator {
+ public:
+  NcclComm(std::unique_ptr<MpiComm> host, const std::string& name, int device)
+      : Communicator(host->rank(), host->size(), name, host->world_ranks(), host->timeout()),
+        host_(std::move(host)),
+        device_(device) {
+    init();
+  }
+
+  ~NcclComm() override {
+    if (nccl_ != nullptr) {
+      if (!failed()) {
+        // Flush and free; bounded, since a destructor must not hang either.
+        ncclCommFinalize(nccl_);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout());
+        ncclResult_t st = ncclInProgress;
+        while (std::chrono::steady_clock::now() < until) {
+          ncclCommGetAsyncError(nccl_, &st);
+          if (st != ncclInProgress) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+        if (st == ncclSuccess)
+          ncclCommDestroy(nccl_);
+        else
+          ncclCommAbort(nccl_);
+      } else {
+        ncclCommAbort(nccl_);
+      }
+    }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::string description() const override {
+    std::ostringstream os;
+    os << "nccl communicator '" << name() << "' (rank " << rank() << " of " << size() << ", CUDA device " << device_
+       << ", NCCL " << NCCL_MAJOR << "." << NCCL_MINOR << "." << NCCL_PATCH << "; bootstrap: " << host_->description()
+       << ")";
+    return os.str();
+  }
+  const char* backend() const override { return "nccl"; }
+  MemSpace memory() const override { return MemSpace::device; }
+  [[noreturn]] void abort(int exit_code) override {
+    if (nccl_ != nullptr) ncclCommAbort(nccl_);
+    host_->abort(exit_code);
+  }
+
+  void set_failed(const std::string& reason) override { host_->set_failed(reason); }
+  bool failed() const override { return host_->failed(); }
+  std::string failure() const override { return host_->failure(); }
+
+ protected:
+  void do_all_to_all_v(const void* send, const int64_t* sb, const int64_t* sd, void* recv, const int64_t* rb,
+                       const int64_t* rd, OpKind kind) override {
+    const char* s = static_cast<const char*>(send);
+    char* r = static_cast<char*>(recv);
+    const int me = rank();
+    if (sb[me] > 0) cuda_check(cudaMemcpyAsync(r + rd[me], s + sd[me], size_t(sb[me]), cudaMemcpyDeviceToDevice, stream_), kind);
+    nccl_check(ncclGroupStart(), kind, "ncclGroupStart");
+    for (int p = 0; p < size(); ++p) {
+      if (p == me) continue;
+      if (sb[p] > 0) nccl_check(ncclSend(s + sd[p], size_t(sb[p]), ncclUint8, p, nccl_, stream_), kind, "ncclSend");
+      if (rb[p] > 0) nccl_check(ncclRecv(r + rd[p], size_t(rb[p]), ncclUint8, p, nccl_, stream_), kind, "ncclRecv");
+    }
+    nccl_check(ncclGroupEnd(), kind, "ncclGroupEnd");
+    wait(kind);
+  }
+
+  void do_all_gather_v(const void* send, int64_t send_bytes, void* recv, const int64_t* rb, const int64_t* rd,
+                       OpKind kind) override {
+    char* r = static_cast<char*>(recv);
+    const int me = rank();
+    bool equal = true;
+    for (int p = 0; p < size(); ++p) equal = equal && rb[p] == send_bytes && rd[p] == send_bytes * p;
+    if (equal) {
+      nccl_check(ncclAllGather(send, recv, size_t(send_bytes), ncclUint8, nccl_, stream_), kind, "ncclAllGather");
+    } else {
+      if (send != r + rd[me] && send_bytes > 0)
+        cuda_check(cudaMemcpyAsync(r + rd[me], send, size_t(send_bytes), cudaMemcpyDeviceToDevice, stream_), kind);
+      nccl_check(ncclGroupStart(), kind, "ncclGroupStart");
+      for (int p = 0; p < size(); ++p) {
+        if (p == me) continue;
+        if (send_bytes > 0) nccl_check(ncclSend(send, size_t(send_bytes), ncclUint8, p, nccl_, stream_), kind, "ncclSend");
+        if (rb[p] > 0) nccl_check(ncclRecv(r + rd[p], size_t(rb[p]), ncclUint8, p, nccl_, stream_), kind, "ncclRecv");
+      }
+      nccl_check(ncclGroupEnd(), kind, "ncclGroupEnd");
+    }
+    wait(kind);
+  }
+
+  void do_broadcast(void* buf, int64_t bytes, int root) override {
+    nccl_check(ncclBroadcast(buf, buf, size_t(bytes), ncclUint8, root, nccl_, stream_), OpKind::broadcast,
+               "ncclBroadcast");
+    wait(OpKind::broadcast);
+  }
+
+  // Every call returns with its stream work complete, so a host barrier orders device work too.
+  void do_barrier() override { host_->barrier(); }
+
+  // NCCL matches messages per peer pair in call order; tags are not part of its matching.
+  void do_send(const void* buf, int64_t bytes, int peer, int) override {
+    nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, stream_), OpKind::send, "ncclSend");
+    wait(OpKind::send, peer);
+  }
+  void do_recv(void* buf, int64_t bytes, int peer, int) override {
+    nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, stream_), OpKind::recv, "ncclRecv");
+    wait(OpKind::recv, peer);
+  }
+
+  std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override {
+    std::unique_ptr<MpiComm> child = host_->split_mpi(color, key, name, OpKind::split);
+    if (!child) return nullptr;
+    return std::make_unique<NcclComm>(std::move(child), name, device_);
+  }
+
+  // NCCL's own reductions (ring order, identical on every rank; NCCL's max/min follow its own NaN rules).
+  void do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type, ReduceOp op) override {
+    const int n = size(), me = rank();
+    const int64_t es = scalar_type_size(type);
+    bool equal = true;
+    for (int p = 0; p < n; ++p) equal = equal && counts[p] == counts[0];
+    if (equal) {
+      nccl_check(ncclReduceScatter(send, recv, size_t(counts[0]), nccl_type(type), nccl_op(op), nccl_, stream_),
+                 OpKind::reduce_scatter, "ncclReduceScatter");
+    } else {
+      // Unequal ranges: one reduce per owner, grouped into a single launch.
+      nccl_check(ncclGroupStart(), OpKind::reduce_scatter, "ncclGroupStart");
+      int64_t off = 0;
+      for (int p = 0; p < n; ++p) {
+        const char* src = static_cast<const char*>(send) + off * es;
+        void* dst = p == me ? recv : const_cast<char*>(src);  // only the root's receive buffer is written
+        if (counts[p] > 0)
+          nccl_check(ncclReduce(src, dst, size_t(counts[p]), nccl_type(type), nccl_op(op), p, nccl_, stream_),
+                     OpKind::reduce_scatter, "ncclReduce");
+        off += counts[p];
+      }
+      nccl_check(ncclGroupEnd(), OpKind::reduce_scatter, "ncclGroupEnd");
+    }
+    wait(OpKind::reduce_scatter);
+  }
+
+  void do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) override {
+    nccl_check(ncclAllReduce(send, recv, size_t(count), nccl_type(type), nccl_op(op), nccl_, stream_),
+               OpKind::all_reduce, "ncclAllReduce");
+    wait(OpKind::all_reduce);
+  }
+
+ private:
+  WaitSpec spec(OpKind kind, int p2p_peer = -1) const {
+    WaitSpec s = host_->wait_spec(kind, p2p_peer);
+    s.label = op_label(kind);
+    s.seq = seq();
+    s.comm_id = host_->id() ^ 0x6e63636cull;  // "nccl": distinct from the bootstrap communicator's calls
+    return s;
+  }
+
+  [[noreturn]] void fail(OpKind kind, const std::string& cause, int p2p_peer = -1) {
+    if (nccl_ != nullptr) ncclCommAbort(nccl_);
+    nccl_ = nullptr;
+    mpi_fail(host_->world(), spec(kind, p2p_peer), cause);
+  }
+
+  void nccl_check(ncclResult_t rc, OpKind kind, const char* call) {
+    if (rc == ncclSuccess || rc == ncclInProgress) return;
+    fail(kind, std::string(call) + " failed: " + ncclGetErrorString(rc) + " (" + ncclGetLastError(nccl_) + ")");
+  }
+
+  void cuda_check(cudaError_t rc, OpKind kind) {
+    if (rc != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(rc));
+  }
+
+  // Until the communicator has issued everything (non-blocking mode) and the stream is idle.
+  void wait(OpKind kind, int p2p_peer = -1) {
+    const WaitSpec s = spec(kind, p2p_peer);
+    try {
+      mpi_wait(host_->world(), s, [&] {
+        ncclResult_t st = ncclSuccess;
+        ncclCommGetAsyncError(nccl_, &st);
+        if (st != ncclSuccess && st != ncclInProgress)
+          fail(kind, std::string("NCCL asynchronous error: ") + ncclGetErrorString(st), p2p_peer);
+        if (st == ncclInProgress) return false;
+        const cudaError_t q = cudaStreamQuery(stream_);
+        if (q == cudaErrorNotReady) return false;
+        if (q != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(q), p2p_peer);
+        return true;
+      });
+    } catch (...) {
+      // A timeout or a dead peer: stop NCCL's kernels before the error leaves.
+      if (nccl_ != nullptr) ncclCommAbort(nccl_);
+      nccl_ = nullptr;
+      throw;
+    }
+  }
+
+  void init() {
+    if (cudaSetDevice(device_) != cudaSuccess)
+      ZERO8_THROW(unsupported, "nccl communicator: cannot use CUDA device " << device_);
+    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess)
+      ZERO8_THROW(comm, "nccl communicator: cudaStreamCreate failed");
+    ncclUniqueId id;
+    std::memset(&id, 0, sizeof(id));
+    if (rank() == 0 && ncclGetUniqueId(&id) != ncclSuccess) std::memset(&id, 0, sizeof(id));
+    host_->broadcast(&id, int64_t(sizeof(id)), 0);
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;  // every NCCL call returns at once; we poll with a deadline instead
+    const ncclResult_t rc = ncclCommInitRankConfig(&nccl_, size(), id, rank(), &cfg);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      fail(OpKind::split, std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(rc));
+    wait(OpKind::split);
+  }
+
+  std::unique_ptr<MpiComm> host_;
+  ncclComm_t nccl_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  int device_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> nccl_create() {
+  // Check for a device before any collective, so every rank of a GPU-less job fails the same way.
+  int devices = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&devices);
+  if (rc != cudaSuccess || devices == 0)
+    ZERO8_THROW(unsupported, "communicator backend 'nccl': no CUDA device ("
+                                 << (rc != cudaSuccess ? cudaGetErrorString(rc) : "0 devices") << ")");
+  std::unique_ptr<Communicator> host = mpi_create();
+  // One GPU per rank of a node: the device is the rank's index among the ranks of its node.
+  const NodeGroups g = node_groups(*host);
+  std::unique_ptr<MpiComm> mpi(static_cast<MpiComm*>(host.release()));
+  return std::make_unique<NcclComm>(std::move(mpi), "world", g.local_rank % devices);
+}
+
+}  // namespace zero8::comm::detail
+
+#else  // NCCL without MPI
+
+namespace zero8::comm::detail {
+std::unique_ptr<Communicator> nccl_create() {
+  ZERO8_THROW(unsupported, "communicator backend 'nccl': zero8 was built with NCCL but without MPI, which the "
+                           "NCCL backend needs to bootstrap (configure with -DZERO8_MPI=ON)");
+}
+}  // namespace zero8::comm::detail
+
+#endif

@@ -1,0 +1,518 @@
+// The backend-independent half of Communicator: argument checks, byte counters, the deterministic
+// rank-order reductions built on all-to-all + all-gather, the topology helpers and comm_create().
+#include "zero8/comm/communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "backends.h"
+#include "comm_env.h"
+#include "zero8/error.h"
+
+namespace zero8::comm {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  return "?";
+}
+
+const char* scalar_type_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::u8: return "uint8";
+    case ScalarType::i32: return "int32";
+    case ScalarType::i64: return "int64";
+    case ScalarType::f32: return "float32";
+    case ScalarType::f64: return "float64";
+  }
+  return "?";
+}
+
+int scalar_type_size(ScalarType t) {
+  switch (t) {
+    case ScalarType::u8: return 1;
+    case ScalarType::i32: return 4;
+    case ScalarType::i64: return 8;
+    case ScalarType::f32: return 4;
+    case ScalarType::f64: return 8;
+  }
+  return 0;
+}
+
+const char* op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::all_to_all: return "all_to_all";
+    case OpKind::all_to_all_v: return "all_to_all_v";
+    case OpKind::all_gather: return "all_gather";
+    case OpKind::all_gather_v: return "all_gather_v";
+    case OpKind::reduce_scatter: return "reduce_scatter";
+    case OpKind::all_reduce: return "all_reduce";
+    case OpKind::broadcast: return "broadcast";
+    case OpKind::barrier: return "barrier";
+    case OpKind::send: return "send";
+    case OpKind::recv: return "recv";
+    case OpKind::split: return "split";
+  }
+  return "?";
+}
+
+uint64_t CommStats::bytes() const {
+  uint64_t b = 0;
+  for (const OpStats& s : ops) b += s.bytes;
+  return b;
+}
+
+std::vector<uint64_t> CommStats::bytes_to_peer() const {
+  std::vector<uint64_t> out;
+  for (const OpStats& s : ops) {
+    if (out.size() < s.bytes_to_peer.size()) out.resize(s.bytes_to_peer.size(), 0);
+    for (size_t p = 0; p < s.bytes_to_peer.size(); ++p) out[p] += s.bytes_to_peer[p];
+  }
+  return out;
+}
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Element-wise acc = acc (op) x. max/min propagate NaN so an overflow is never reduced away.
+template <class T> void fold_typed(T* acc, const T* x, int64_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      for (int64_t i = 0; i < n; ++i) acc[i] = T(acc[i] + x[i]);
+      break;
+    case ReduceOp::max:
+      for (int64_t i = 0; i < n; ++i) {
+        const T a = acc[i], b = x[i];
+        acc[i] = (a != a) ? a : (b != b) ? b : (b > a ? b : a);
+      }
+      break;
+    case ReduceOp::min:
+      for (int64_t i = 0; i < n; ++i) {
+        const T a = acc[i], b = x[i];
+        acc[i] = (a != a) ? a : (b != b) ? b : (b < a ? b : a);
+      }
+      break;
+  }
+}
+
+void fold(void* acc, const void* x, int64_t n, ScalarType t, ReduceOp op) {
+  switch (t) {
+    case ScalarType::u8: return fold_typed(static_cast<uint8_t*>(acc), static_cast<const uint8_t*>(x), n, op);
+    case ScalarType::i32: return fold_typed(static_cast<int32_t*>(acc), static_cast<const int32_t*>(x), n, op);
+    case ScalarType::i64: return fold_typed(static_cast<int64_t*>(acc), static_cast<const int64_t*>(x), n, op);
+    case ScalarType::f32: return fold_typed(static_cast<float*>(acc), static_cast<const float*>(x), n, op);
+    case ScalarType::f64: return fold_typed(static_cast<double*>(acc), static_cast<const double*>(x), n, op);
+  }
+}
+
+// Part p of n elements split into `parts` near-equal contiguous ranges (all_reduce's byte model).
+int64_t part_begin(int64_t n, int parts, int p) { return n * p / parts; }
+
+void check_scalar_type(ScalarType t) {
+  ZERO8_CHECK_ARG(scalar_type_size(t) > 0, "type", "unknown ScalarType " << int(t));
+}
+void check_reduce_op(ReduceOp op) {
+  ZERO8_CHECK_ARG(op == ReduceOp::sum || op == ReduceOp::max || op == ReduceOp::min, "op",
+                  "unknown ReduceOp " << int(op));
+}
+
+}  // namespace
+
+// Around every public call: fail fast after an earlier failure, number the call, time it.
+class Communicator::Call {
+ public:
+  Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(now_seconds()) {
+    ++c_.seq_;
+    if (c_.failed())
+      ZERO8_THROW(comm, c_.op_label(kind) << ": communicator unusable after an earlier failure: " << c_.failure());
+  }
+  ~Call() {
+    OpStats& s = c_.stats_.ops[size_t(kind_)];
+    s.calls += 1;
+    s.seconds += now_seconds() - t0_;
+  }
+
+ private:
+  Communicator& c_;
+  OpKind kind_;
+  double t0_;
+};
+
+Communicator::Communicator(int rank, int size, std::string name, std::vector<int> world_ranks, double timeout_s)
+    : rank_(rank), size_(size), name_(std::move(name)), world_ranks_(std::move(world_ranks)), timeout_s_(timeout_s) {
+  ZERO8_ASSERT(size_ >= 1 && rank_ >= 0 && rank_ < size_ && int(world_ranks_.size()) == size_);
+  stats_reset();
+}
+
+Communicator::~Communicator() = default;
+
+void Communicator::set_timeout(double seconds) {
+  ZERO8_CHECK_ARG(seconds > 0.0 && seconds <= 1e9, "seconds", "timeout must be in (0, 1e9], got " << seconds);
+  timeout_s_ = seconds;
+}
+
+void Communicator::stats_reset() {
+  for (OpStats& s : stats_.ops) s = OpStats{0, 0, 0.0, std::vector<uint64_t>(size_t(size_), 0)};
+}
+
+void Communicator::count_bytes(OpKind kind, int peer, int64_t bytes) {
+  if (peer == rank_ || bytes <= 0) return;
+  OpStats& s = stats_.ops[size_t(kind)];
+  s.bytes += uint64_t(bytes);
+  s.bytes_to_peer[size_t(peer)] += uint64_t(bytes);
+}
+
+std::string Communicator::op_label(OpKind kind) const {
+  std::ostringstream os;
+  os << op_kind_name(kind) << " #" << seq_ << " on '" << name_ << "' (rank " << rank_ << " of " << size_ << ")";
+  return os.str();
+}
+
+void Communicator::set_failed(const std::string& reason) {
+  if (failure_.empty()) failure_ = reason;
+}
+
+// ---- data movement ----
+
+void Communicator::all_to_all(const void* send, void* recv, int64_t bytes) {
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  ZERO8_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "send/recv", "null buffer");
+  Call call(*this, OpKind::all_to_all);
+  std::vector<int64_t> counts(size_t(size_), bytes), displs(static_cast<size_t>(size_));
+  for (int p = 0; p < size_; ++p) {
+    displs[size_t(p)] = bytes * p;
+    count_bytes(OpKind::all_to_all, p, bytes);
+  }
+  do_all_to_all_v(send, counts.data(), displs.data(), recv, counts.data(), displs.data(), OpKind::all_to_all);
+}
+
+void Communicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_bytes,
+                                const std::vector<int64_t>& send_displs, void* recv,
+                                const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs) {
+  const size_t n = size_t(size_);
+  ZERO8_CHECK_ARG(send_bytes.size() == n && send_displs.size() == n && recv_bytes.size() == n &&
+                      recv_displs.size() == n,
+                  "send_bytes/send_displs/recv_bytes/recv_displs", "each needs size() = " << size_ << " entries");
+  for (size_t p = 0; p < n; ++p) {
+    ZERO8_CHECK_ARG(send_bytes[p] >= 0 && send_displs[p] >= 0, "send_bytes/send_displs",
+                    "negative entry for rank " << p);
+    ZERO8_CHECK_ARG(recv_bytes[p] >= 0 && recv_displs[p] >= 0, "recv_bytes/recv_displs",
+                    "negative entry for rank " << p);
+    ZERO8_CHECK_ARG(send_bytes[p] == 0 || send != nullptr, "send", "null buffer");
+    ZERO8_CHECK_ARG(recv_bytes[p] == 0 || recv != nullptr, "recv", "null buffer");
+  }
+  ZERO8_CHECK_ARG(send_bytes[size_t(rank_)] == recv_bytes[size_t(rank_)], "recv_bytes",
+                  "the chunk to self must have the same size on both sides (send " << send_bytes[size_t(rank_)]
+                                                                                   << ", recv " << recv_bytes[size_t(rank_)] << ")");
+  Call call(*this, OpKind::all_to_all_v);
+  for (int p = 0; p < size_; ++p) count_bytes(OpKind::all_to_all_v, p, send_bytes[size_t(p)]);
+  do_all_to_all_v(send, send_bytes.data(), send_displs.data(), recv, recv_bytes.data(), recv_displs.data(),
+                  OpKind::all_to_all_v);
+}
+
+void Communicator::all_gather(const void* send, void* recv, int64_t bytes) {
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  ZERO8_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "send/recv", "null buffer");
+  Call call(*this, OpKind::all_gather);
+  std::vector<int64_t> counts(size_t(size_), bytes), displs(static_cast<size_t>(size_));
+  for (int p = 0; p < size_; ++p) {
+    displs[size_t(p)] = bytes * p;
+    count_bytes(OpKind::all_gather, p, bytes);
+  }
+  do_all_gather_v(send, bytes, recv, counts.data(), displs.data(), OpKind::all_gather);
+}
+
+void Communicator::all_gather_v(const void* send, int64_t send_bytes, void* recv,
+                                const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs) {
+  const size_t n = size_t(size_);
+  ZERO8_CHECK_ARG(recv_bytes.size() == n && recv_displs.size() == n, "recv_bytes/recv_displs",
+                  "each needs size() = " << size_ << " entries");
+  int64_t total = 0;
+  for (size_t p = 0; p < n; ++p) {
+    ZERO8_CHECK_ARG(recv_bytes[p] >= 0 && recv_displs[p] >= 0, "recv_bytes/recv_displs", "negative entry for rank " << p);
+    total += recv_bytes[p];
+  }
+  ZERO8_CHECK_ARG(send_bytes == recv_bytes[size_t(rank_)], "send_bytes",
+                  send_bytes << " != recv_bytes[rank()] = " << recv_bytes[size_t(rank_)]);
+  ZERO8_CHECK_ARG(send_bytes == 0 || send != nullptr, "send", "null buffer");
+  ZERO8_CHECK_ARG(total == 0 || recv != nullptr, "recv", "null buffer");
+  Call call(*this, OpKind::all_gather_v);
+  for (int p = 0; p < size_; ++p) count_bytes(OpKind::all_gather_v, p, send_bytes);
+  do_all_gather_v(send, send_bytes, recv, recv_bytes.data(), recv_displs.data(), OpKind::all_gather_v);
+}
+
+void Communicator::broadcast(void* buf, int64_t bytes, int root) {
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  ZERO8_CHECK_ARG(root >= 0 && root < size_, "root", root << " is not a rank of a communicator of size " << size_);
+  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  Call call(*this, OpKind::broadcast);
+  if (rank_ == root)
+    for (int p = 0; p < size_; ++p) count_bytes(OpKind::broadcast, p, bytes);
+  do_broadcast(buf, bytes, root);
+}
+
+// ---- reductions ----
+
+void Communicator::reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, ScalarType type,
+                                  ReduceOp op) {
+  check_scalar_type(type);
+  check_reduce_op(op);
+  ZERO8_CHECK_ARG(counts.size() == size_t(size_), "counts", "needs size() = " << size_ << " entries, got " << counts.size());
+  const int64_t es = scalar_type_size(type);
+  int64_t total = 0, my_begin = 0;
+  for (int p = 0; p < size_; ++p) {
+    ZERO8_CHECK_ARG(counts[size_t(p)] >= 0, "counts", "negative count for rank " << p);
+    if (p == rank_) my_begin = total;
+    total += counts[size_t(p)];
+  }
+  const int64_t mine = counts[size_t(rank_)];
+  ZERO8_CHECK_ARG(total == 0 || send != nullptr, "send", "null buffer");
+  ZERO8_CHECK_ARG(mine == 0 || recv != nullptr, "recv", "null buffer");
+  if (mine > 0 && total > 0) {
+    const char* s = static_cast<const char*>(send);
+    const char* r = static_cast<const char*>(recv);
+    ZERO8_CHECK_ARG(r + mine * es <= s || r >= s + total * es, "recv", "must not overlap send (no in-place reduce_scatter)");
+  }
+  (void)my_begin;
+  Call call(*this, OpKind::reduce_scatter);
+  for (int p = 0; p < size_; ++p) count_bytes(OpKind::reduce_scatter, p, counts[size_t(p)] * es);
+  do_reduce_scatter(send, recv, counts.data(), type, op);
+}
+
+void Communicator::all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) {
+  check_scalar_type(type);
+  check_reduce_op(op);
+  ZERO8_CHECK_ARG(count >= 0, "count", "must be >= 0, got " << count);
+  ZERO8_CHECK_ARG(count == 0 || (send != nullptr && recv != nullptr), "send/recv", "null buffer");
+  if (count > 0 && send != recv) {
+    const int64_t es = scalar_type_size(type);
+    const char* s = static_cast<const char*>(send);
+    const char* r = static_cast<const char*>(recv);
+    ZERO8_CHECK_ARG(r + count * es <= s || r >= s + count * es, "recv", "must equal send (in place) or not overlap it");
+  }
+  Call call(*this, OpKind::all_reduce);
+  const int64_t es = scalar_type_size(type);
+  const int64_t mine = part_begin(count, size_, rank_ + 1) - part_begin(count, size_, rank_);
+  for (int p = 0; p < size_; ++p) {
+    const int64_t part = part_begin(count, size_, p + 1) - part_begin(count, size_, p);
+    count_bytes(OpKind::all_reduce, p, (part + mine) * es);
+  }
+  do_all_reduce(send, recv, count, type, op);
+}
+
+// Default reduce-scatter: every rank sends peer p its range p (all-to-all), then folds the size()
+// contributions to its own range in rank order. Deterministic and equal to a serial left fold.
+void Communicator::do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type,
+                                     ReduceOp op) {
+  const int n = size_, me = rank_;
+  const int64_t es = scalar_type_size(type);
+  std::vector<int64_t> offset(size_t(n) + 1, 0);
+  for (int p = 0; p < n; ++p) offset[size_t(p) + 1] = offset[size_t(p)] + counts[p];
+  const int64_t mine = counts[me];
+  std::vector<char> slots(static_cast<size_t>(mine * es * n));
+  std::vector<int64_t> sb(static_cast<size_t>(n)), sd(static_cast<size_t>(n)), rb(static_cast<size_t>(n)), rd(static_cast<size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    sb[size_t(p)] = p == me ? 0 : counts[p] * es;
+    sd[size_t(p)] = offset[size_t(p)] * es;
+    rb[size_t(p)] = p == me ? 0 : mine * es;
+    rd[size_t(p)] = mine * es * p;
+  }
+  do_all_to_all_v(send, sb.data(), sd.data(), slots.data(), rb.data(), rd.data(), OpKind::reduce_scatter);
+  if (mine == 0) return;
+  auto contribution = [&](int q) -> const void* {
+    return q == me ? static_cast<const char*>(send) + offset[size_t(me)] * es : slots.data() + mine * es * q;
+  };
+  std::memcpy(recv, contribution(0), size_t(mine * es));
+  for (int q = 1; q < n; ++q) fold(recv, contribution(q), mine, type, op);
+}
+
+// Default all-reduce: reduce-scatter of near-equal parts (rank-order fold) then all-gather, the
+// bandwidth-optimal pair, so every rank ends with the same bits.
+void Communicator::do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) {
+  const int n = size_, me = rank_;
+  const int64_t es = scalar_type_size(type);
+  std::vector<int64_t> counts(static_cast<size_t>(n)), displs(static_cast<size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    displs[size_t(p)] = part_begin(count, n, p);
+    counts[size_t(p)] = part_begin(count, n, p + 1) - displs[size_t(p)];
+  }
+  const int64_t mine = counts[size_t(me)];
+  std::vector<char> slots(static_cast<size_t>(mine * es * n));
+  std::vector<int64_t> sb(static_cast<size_t>(n)), sd(static_cast<size_t>(n)), rb(static_cast<size_t>(n)), rd(static_cast<size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    sb[size_t(p)] = p == me ? 0 : counts[size_t(p)] * es;
+    sd[size_t(p)] = displs[size_t(p)] * es;
+    rb[size_t(p)] = p == me ? 0 : mine * es;
+    rd[size_t(p)] = mine * es * p;
+  }
+  do_all_to_all_v(send, sb.data(), sd.data(), slots.data(), rb.data(), rd.data(), OpKind::all_reduce);
+  // Fold into a separate buffer: in place, send's own part must stay readable until the fold ends.
+  std::vector<char> acc(static_cast<size_t>(mine * es));
+  auto contribution = [&](int q) -> const void* {
+    return q == me ? static_cast<const char*>(send) + displs[size_t(me)] * es : slots.data() + mine * es * q;
+  };
+  if (mine > 0) {
+    std::memcpy(acc.data(), contribution(0), size_t(mine * es));
+    for (int q = 1; q < n; ++q) fold(acc.data(), contribution(q), mine, type, op);
+    std::memcpy(static_cast<char*>(recv) + displs[size_t(me)] * es, acc.data(), size_t(mine * es));
+  }
+  for (int p = 0; p < n; ++p) {
+    counts[size_t(p)] *= es;
+    displs[size_t(p)] *= es;
+  }
+  do_all_gather_v(static_cast<char*>(recv) + displs[size_t(me)], counts[size_t(me)], recv, counts.data(),
+                  displs.data(), OpKind::all_reduce);
+}
+
+// ---- synchronization, point-to-point, split ----
+
+void Communicator::barrier() {
+  Call call(*this, OpKind::barrier);
+  do_barrier();
+}
+
+void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  ZERO8_CHECK_ARG(peer >= 0 && peer < size_ && peer != rank_, "peer",
+                  peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
+  ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
+  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  Call call(*this, OpKind::send);
+  count_bytes(OpKind::send, peer, bytes);
+  do_send(buf, bytes, peer, tag);
+}
+
+void Communicator::recv(void* buf, int64_t bytes, int peer, int tag) {
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  ZERO8_CHECK_ARG(peer >= 0 && peer < size_ && peer != rank_, "peer",
+                  peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
+  ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
+  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  Call call(*this, OpKind::recv);
+  do_recv(buf, bytes, peer, tag);
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
+  ZERO8_CHECK_ARG(color >= kNoColor, "color", "must be >= 0, or kNoColor (-1) to opt out, got " << color);
+  Call call(*this, OpKind::split);
+  std::unique_ptr<Communicator> child = do_split(color, key, name.empty() ? name_ + "/split" : name);
+  if (child) child->timeout_s_ = timeout_s_;
+  return child;
+}
+
+// ---- topology helpers ----
+
+Topology topology_split(Communicator& world, int pp) {
+  ZERO8_CHECK_ARG(pp >= 1 && world.size() % pp == 0, "pp",
+                  "the communicator size " << world.size() << " must be a multiple of the pipeline size " << pp);
+  Topology t;
+  t.pp = pp;
+  t.dp = world.size() / pp;
+  t.pp_stage = world.rank() / t.dp;
+  t.dp_rank = world.rank() % t.dp;
+  t.dp_group = world.split(t.pp_stage, world.rank(), "dp[stage " + std::to_string(t.pp_stage) + "]");
+  t.pp_group = world.split(t.dp_rank, world.rank(), "pp[dp " + std::to_string(t.dp_rank) + "]");
+  ZERO8_ASSERT(t.dp_group->rank() == t.dp_rank && t.pp_group->rank() == t.pp_stage);
+  return t;
+}
+
+NodeGroups node_groups(Communicator& world) {
+  // Fixed-size names keep this one all_gather; longer node names are compared by their prefix.
+  constexpr size_t kName = 256;
+  std::string node = detail::env_comm_node();
+  std::vector<char> mine(kName, 0), all(kName * size_t(world.size()), 0);
+  std::memcpy(mine.data(), node.data(), std::min(node.size(), kName - 1));
+  world.all_gather(mine.data(), all.data(), int64_t(kName));
+  auto name_of = [&](int r) { return std::string(all.data() + kName * size_t(r)); };
+  NodeGroups g;
+  std::vector<std::string> nodes;
+  for (int r = 0; r < world.size(); ++r) {
+    const std::string n = name_of(r);
+    const auto it = std::find(nodes.begin(), nodes.end(), n);
+    const int idx = int(it - nodes.begin());
+    if (it == nodes.end()) nodes.push_back(n);
+    if (r == world.rank()) g.node = idx;
+  }
+  g.nodes = int(nodes.size());
+  g.local_rank = 0;
+  g.local_size = 0;
+  const std::string me = name_of(world.rank());
+  for (int r = 0; r < world.size(); ++r) {
+    if (name_of(r) != me) continue;
+    if (r < world.rank()) ++g.local_rank;
+    ++g.local_size;
+  }
+  g.intra = world.split(g.node, world.rank(), "node[" + std::to_string(g.node) + "]");
+  g.inter = world.split(g.local_rank, world.rank(), "inter[" + std::to_string(g.local_rank) + "]");
+  return g;
+}
+
+// ---- factory ----
+
+namespace {
+// Set by mpirun (OpenMPI) or a PMI launcher (MPICH hydra, srun --mpi=pmi2).
+bool launched_by_mpi_launcher(int* size) {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    const char* s = std::getenv(var);
+    if (s != nullptr && *s != '\0') {
+      *size = std::atoi(s);
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace
+
+bool comm_backend_available(const std::string& backend) {
+  if (backend == "single" || backend == "auto") return true;
+  if (backend == "mpi") return ZERO8_WITH_MPI != 0;
+  if (backend == "nccl") return ZERO8_WITH_NCCL != 0;
+  return false;
+}
+
+std::unique_ptr<Communicator> comm_create(const std::string& backend) {
+  if (backend == "single") return detail::single_create();
+  if (backend == "mpi") {
+#if ZERO8_WITH_MPI
+    return detail::mpi_create();
+#else
+    ZERO8_THROW(unsupported, "communicator backend 'mpi': zero8 was not built with MPI (install OpenMPI, "
+                             "e.g. scripts/setup.sh, and configure with -DZERO8_MPI=ON)");
+#endif
+  }
+  if (backend == "nccl") {
+#if ZERO8_WITH_NCCL
+    return detail::nccl_create();
+#else
+    ZERO8_THROW(unsupported, "communicator backend 'nccl': zero8 was not built with NCCL (needs CUDA, NCCL "
+                             "and MPI; configure with -DZERO8_NCCL=ON -DZERO8_MPI=ON)");
+#endif
+  }
+  if (backend == "auto") {
+    int launched_size = 0;
+    if (!launched_by_mpi_launcher(&launched_size)) return detail::single_create();
+#if ZERO8_WITH_MPI
+    return detail::mpi_create();
+#else
+    // N copies of a single-process job would each train alone and silently disagree.
+    if (launched_size > 1)
+      ZERO8_THROW(unsupported, "communicator backend 'auto': started by an MPI launcher with "
+                                   << launched_size << " processes, but zero8 was not built with MPI");
+    return detail::single_create();
+#endif
+  }
+  ZERO8_THROW(invalid_argument, "invalid argument 'backend': unknown communicator backend '"
+                                    << backend << "' (expected auto, single, mpi or nccl)");
+}
+
+}  // namespace zero8::comm

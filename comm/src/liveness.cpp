@@ -1,0 +1,535 @@
+// Liveness mesh (see liveness.h). Wire protocol on each pair's TCP connection, all little-endian
+// framed messages {u32 type, u32 length, payload}: HELLO once from the connecting (higher) rank,
+// then BYE (clean exit), GIVEUP (reason text), QUERY (id) and STATE (answer to a query).
+#include "liveness.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <iomanip>
+#include <random>
+#include <sstream>
+
+#include "comm_env.h"
+#include "zero8/error.h"
+
+namespace zero8::comm::detail {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x7a38636du;  // "zc8m"
+constexpr uint32_t kHello = 1, kBye = 2, kGiveUp = 3, kQuery = 4, kState = 5;
+constexpr uint32_t kMaxFrame = 1u << 20;
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Exchanged with the backend's all-gather at setup.
+struct AddressRecord {
+  uint32_t magic;
+  uint32_t ipv4;   // network byte order
+  uint16_t port;   // network byte order
+  uint16_t pad;
+  int32_t rank;
+  uint64_t token;  // rank 0's value is the job's: a stray connection cannot join the mesh
+};
+static_assert(sizeof(AddressRecord) == 24, "AddressRecord is exchanged between processes");
+
+struct HelloFrame {
+  uint32_t type, len;
+  uint64_t token;
+  int32_t rank;
+  uint32_t pad;
+};
+static_assert(sizeof(HelloFrame) == 24, "HelloFrame crosses the wire");
+
+// The address to listen on: ZERO8_COMM_IFADDR, else what the hostname resolves to, else loopback.
+uint32_t resolve_listen_address(const std::string& ifaddr, std::string* text) {
+  in_addr a{};
+  if (!ifaddr.empty()) {
+    if (inet_pton(AF_INET, ifaddr.c_str(), &a) != 1)
+      ZERO8_THROW(invalid_argument, "invalid argument 'ZERO8_COMM_IFADDR': '" << ifaddr << "' is not an IPv4 address");
+  } else {
+    a.s_addr = htonl(INADDR_LOOPBACK);
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (getaddrinfo(host_name().c_str(), nullptr, &hints, &res) == 0 && res != nullptr) {
+      a = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+      freeaddrinfo(res);
+    }
+  }
+  char buf[INET_ADDRSTRLEN] = {0};
+  inet_ntop(AF_INET, &a, buf, sizeof(buf));
+  *text = buf;
+  return a.s_addr;
+}
+
+void set_common_options(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // A peer that stops reading (SIGSTOP) must not block us forever in send().
+  timeval tv{2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Wait until fd is ready for `events` or the deadline passes; false on timeout.
+bool poll_one(int fd, short events, double deadline) {
+  for (;;) {
+    const double left = deadline - now_s();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int r = poll(&p, 1, int(left * 1000) + 1);
+    if (r > 0) return true;
+    if (r < 0 && errno != EINTR) return false;
+  }
+}
+
+bool read_exact(int fd, void* buf, size_t n, double deadline) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    if (!poll_one(fd, POLLIN, deadline)) return false;
+    const ssize_t k = recv(fd, p, n, 0);
+    if (k == 0) return false;
+    if (k < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return false;
+    }
+    p += k;
+    n -= size_t(k);
+  }
+  return true;
+}
+
+bool write_all(int fd, const void* buf, size_t n) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += k;
+    n -= size_t(k);
+  }
+  return true;
+}
+
+template <class T> void put(std::string& s, const T& v) { s.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
+template <class T> T get(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+std::string seconds_text(double s) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << s << " s";
+  return os.str();
+}
+
+// The process's mesh (one per MPI world), for the fork handler.
+std::atomic<Liveness*> g_live{nullptr};
+void atfork_child() {
+  if (Liveness* l = g_live.load()) l->forget_after_fork();
+}
+
+}  // namespace
+
+Liveness::Liveness(int rank, int size, const std::string& ifaddr, double timeout_s, const AllGather& all_gather)
+    : rank_(rank), size_(size), peers_(size_t(size)) {
+  if (pipe2(wake_, O_CLOEXEC) != 0) ZERO8_THROW(comm, "liveness: pipe() failed: " << errno_text());
+  try {
+    setup(ifaddr, timeout_s, all_gather);
+  } catch (...) {
+    for (Peer& p : peers_)
+      if (p.fd >= 0) close(p.fd);
+    close(wake_[0]);
+    close(wake_[1]);
+    throw;
+  }
+  thread_ = std::make_unique<std::thread>([this] { run(); });
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &atfork_child); });
+  g_live.store(this);
+}
+
+void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGather& all_gather) {
+  std::string ip_text;
+  const uint32_t ip = resolve_listen_address(ifaddr, &ip_text);
+  const int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (lfd < 0) ZERO8_THROW(comm, "liveness: socket() failed: " << errno_text());
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{lfd};
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = ip;
+  sa.sin_port = 0;
+  // A rank that cannot listen still joins the address exchange (with port 0), so every rank
+  // fails at once with the reason instead of waiting for its connection until the timeout.
+  std::string listen_error;
+  if (bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    const std::string why = errno_text();
+    // The hostname may resolve to an address this host (container) does not have: loopback still
+    // serves every single-node job; a multi-node job then reports the address it cannot reach.
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (!ifaddr.empty() || bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0)
+      listen_error = "cannot listen on " + ip_text +
+                     (ifaddr.empty() ? " (the hostname's address; set ZERO8_COMM_IFADDR to this host's address): "
+                                     : " (ZERO8_COMM_IFADDR: is it an address of this host?): ") +
+                     why;
+    else
+      ip_text = "127.0.0.1";
+  }
+  if (listen_error.empty() && listen(lfd, size_ + 16) != 0) listen_error = "listen() failed: " + errno_text();
+  socklen_t len = sizeof(sa);
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
+  address_ = ip_text + ":" + std::to_string(ntohs(sa.sin_port));
+
+  AddressRecord mine{};
+  mine.magic = kMagic;
+  mine.ipv4 = sa.sin_addr.s_addr;
+  mine.port = listen_error.empty() ? sa.sin_port : 0;
+  mine.rank = rank_;
+  std::random_device rd;
+  mine.token = (uint64_t(rd()) << 32) ^ uint64_t(rd()) ^ uint64_t(getpid()) ^ uint64_t(now_s() * 1e9);
+  std::vector<AddressRecord> all(static_cast<size_t>(size_));
+  all_gather(&mine, all.data(), sizeof(AddressRecord));
+  if (!listen_error.empty()) ZERO8_THROW(comm, "liveness (rank " << rank_ << "): " << listen_error);
+  const uint64_t token = all[0].token;
+  for (int r = 0; r < size_; ++r) {
+    if (all[size_t(r)].magic != kMagic || all[size_t(r)].rank != r)
+      ZERO8_THROW(comm, "liveness: bad address record from rank " << r);
+    if (all[size_t(r)].port == 0)
+      ZERO8_THROW(comm, "liveness: rank " << r << " could not open its liveness socket (its own error says why)");
+  }
+
+  const double deadline = now_s() + timeout_s;
+  // Connect to every lower rank: completes against its listen backlog even before it accepts,
+  // so the order cannot deadlock.
+  for (int r = 0; r < rank_; ++r) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) ZERO8_THROW(comm, "liveness: socket() failed (raise 'ulimit -n'?): " << errno_text());
+    peers_[size_t(r)].fd = fd;
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_addr.s_addr = all[size_t(r)].ipv4;
+    to.sin_port = all[size_t(r)].port;
+    const int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    int rc = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to));
+    if (rc != 0 && errno == EINPROGRESS) {
+      if (!poll_one(fd, POLLOUT, deadline))
+        ZERO8_THROW(comm, "liveness: connecting to rank " << r << " timed out after " << timeout_s << " s");
+      int err = 0;
+      socklen_t el = sizeof(err);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+      rc = err == 0 ? 0 : -1;
+      errno = err;
+    }
+    if (rc != 0) {
+      char b[INET_ADDRSTRLEN] = {0};
+      inet_ntop(AF_INET, &to.sin_addr, b, sizeof(b));
+      ZERO8_THROW(comm, "liveness: cannot connect to rank " << r << " at " << b << ":" << ntohs(to.sin_port) << ": "
+                                                            << errno_text() << " (set ZERO8_COMM_IFADDR?)");
+    }
+    fcntl(fd, F_SETFL, fl);
+    set_common_options(fd);
+    HelloFrame h{kHello, 16, token, rank_, 0};
+    if (!write_all(fd, &h, sizeof(h))) ZERO8_THROW(comm, "liveness: hello to rank " << r << " failed: " << errno_text());
+  }
+  // Accept every higher rank.
+  int expected = size_ - 1 - rank_;
+  while (expected > 0) {
+    if (!poll_one(lfd, POLLIN, deadline)) {
+      std::ostringstream missing;
+      for (int r = rank_ + 1; r < size_; ++r)
+        if (peers_[size_t(r)].fd < 0) missing << " " << r;
+      ZERO8_THROW(comm, "liveness: ranks" << missing.str() << " did not connect to rank " << rank_ << " at " << address_
+                                          << " within " << timeout_s << " s");
+    }
+    const int fd = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    HelloFrame h{};
+    if (!read_exact(fd, &h, sizeof(h), deadline) || h.type != kHello || h.len != 16 || h.token != token ||
+        h.rank <= rank_ || h.rank >= size_ || peers_[size_t(h.rank)].fd >= 0) {
+      close(fd);  // not one of ours (or a duplicate): ignore it
+      continue;
+    }
+    set_common_options(fd);
+    peers_[size_t(h.rank)].fd = fd;
+    --expected;
+  }
+}
+
+Liveness::~Liveness() {
+  if (forked_) return;
+  Liveness* self = this;
+  g_live.compare_exchange_strong(self, nullptr);
+  if (!gave_up_)
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) send_frame(r, kBye, std::string());
+  stopping_.store(true);
+  const char c = 1;
+  (void)!write(wake_[1], &c, 1);
+  if (thread_ && thread_->joinable()) thread_->join();
+  for (Peer& p : peers_)
+    if (p.fd >= 0) close(p.fd);
+  close(wake_[0]);
+  close(wake_[1]);
+}
+
+void Liveness::send_frame(int peer, uint32_t type, const std::string& payload) {
+  Peer& p = peers_[size_t(peer)];
+  if (p.fd < 0) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (p.closed) return;
+  }
+  std::string frame;
+  put(frame, type);
+  put(frame, uint32_t(payload.size()));
+  frame += payload;
+  std::lock_guard<std::mutex> lk(p.send_mu);
+  (void)write_all(p.fd, frame.data(), frame.size());  // a dead peer: its EOF reaches the watcher
+}
+
+void Liveness::run() {
+  std::vector<pollfd> fds(size_t(size_) + 1);
+  fds[0] = {wake_[0], POLLIN, 0};
+  for (int r = 0; r < size_; ++r) fds[size_t(r) + 1] = {r == rank_ ? -1 : peers_[size_t(r)].fd, POLLIN, 0};
+  std::vector<char> buf(1 << 16);
+  while (!stopping_.load()) {
+    const int n = poll(fds.data(), nfds_t(fds.size()), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[0].revents != 0) {
+      char drain[64];
+      (void)!read(wake_[0], drain, sizeof(drain));
+      if (stopping_.load()) break;
+    }
+    for (int r = 0; r < size_; ++r) {
+      pollfd& f = fds[size_t(r) + 1];
+      if (f.fd < 0 || f.revents == 0) continue;
+      Peer& p = peers_[size_t(r)];
+      const ssize_t k = recv(f.fd, buf.data(), buf.size(), 0);
+      if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      bool ok = k > 0;
+      if (ok) {
+        p.inbuf.insert(p.inbuf.end(), buf.data(), buf.data() + k);
+        size_t off = 0;
+        while (ok && p.inbuf.size() - off >= 8) {
+          const uint32_t type = get<uint32_t>(p.inbuf.data() + off);
+          const uint32_t len = get<uint32_t>(p.inbuf.data() + off + 4);
+          if (len > kMaxFrame) {
+            ok = false;
+            break;
+          }
+          if (p.inbuf.size() - off < 8 + size_t(len)) break;
+          ok = handle_frame(r, type, p.inbuf.data() + off + 8, len);
+          off += 8 + size_t(len);
+        }
+        p.inbuf.erase(p.inbuf.begin(), p.inbuf.begin() + std::ptrdiff_t(off));
+      }
+      if (!ok) {
+        // EOF, a reset, or garbage: the peer is gone. Without a "bye" first, it died.
+        f.fd = -1;
+        std::lock_guard<std::mutex> lk(mu_);
+        p.closed = true;
+        if (!p.finished && !p.gave_up) {
+          Event e;
+          e.rank = r;
+          e.died = true;
+          events_.push_back(e);
+          alarm_.store(true, std::memory_order_release);
+        }
+        cv_.notify_all();
+      }
+    }
+  }
+}
+
+bool Liveness::handle_frame(int peer, uint32_t type, const char* payload, uint32_t len) {
+  switch (type) {
+    case kBye: {
+      std::lock_guard<std::mutex> lk(mu_);
+      peers_[size_t(peer)].finished = true;
+      cv_.notify_all();
+      return true;
+    }
+    case kGiveUp: {
+      std::lock_guard<std::mutex> lk(mu_);
+      peers_[size_t(peer)].gave_up = true;
+      Event e;
+      e.rank = peer;
+      e.reason.assign(payload, len);
+      events_.push_back(e);
+      alarm_.store(true, std::memory_order_release);
+      cv_.notify_all();
+      return true;
+    }
+    case kQuery: {
+      if (len != 8) return false;
+      const uint64_t id = get<uint64_t>(payload);
+      std::string reply;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        put(reply, id);
+        put(reply, uint8_t(in_op_ ? 1 : 0));
+        put(reply, op_comm_);
+        put(reply, op_seq_);
+        reply += state_text_locked(now_s());
+      }
+      send_frame(peer, kState, reply);
+      return true;
+    }
+    case kState: {
+      if (len < 25) return false;
+      PeerState s;
+      s.rank = peer;
+      s.answered = true;
+      const uint64_t id = get<uint64_t>(payload);
+      s.in_op = payload[8] != 0;
+      s.comm_id = get<uint64_t>(payload + 9);
+      s.seq = get<uint64_t>(payload + 17);
+      s.text.assign(payload + 25, len - 25);
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = answers_.find(id);
+      if (it != answers_.end()) it->second[peer] = s;
+      cv_.notify_all();
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
+std::string Liveness::state_text_locked(double now) const {
+  if (in_op_) return "in " + op_label_ + " for " + seconds_text(now - op_since_);
+  if (op_failed_) return "failed in " + op_label_ + " " + seconds_text(now - op_since_) + " ago";
+  if (op_label_.empty()) return "not in a communication call (none made yet)";
+  return "not in a communication call for " + seconds_text(now - op_since_) + " (last: " + op_label_ + ")";
+}
+
+void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& label) {
+  std::lock_guard<std::mutex> lk(mu_);
+  in_op_ = true;
+  op_failed_ = false;
+  op_comm_ = comm_id;
+  op_seq_ = seq;
+  op_label_ = label;
+  op_since_ = now_s();
+}
+
+void Liveness::op_end(bool failed) {
+  std::lock_guard<std::mutex> lk(mu_);
+  in_op_ = false;
+  op_failed_ = failed;
+  op_since_ = now_s();
+}
+
+void Liveness::wait_alarm(double seconds) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_for(lk, std::chrono::duration<double>(seconds), [&] { return alarm_.load(std::memory_order_acquire); });
+}
+
+std::vector<Liveness::Event> Liveness::events() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return events_;
+}
+
+bool Liveness::peer_finished(int rank) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return peers_[size_t(rank)].finished;
+}
+
+std::vector<Liveness::PeerState> Liveness::query(const std::vector<int>& ranks, double wait_s) {
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    id = next_query_++;
+    answers_[id];
+  }
+  std::string q;
+  put(q, id);
+  for (int r : ranks)
+    if (r != rank_) send_frame(r, kQuery, q);
+  std::vector<PeerState> out;
+  std::unique_lock<std::mutex> lk(mu_);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  auto all_in = [&] {
+    for (int r : ranks) {
+      if (r == rank_) continue;
+      const Peer& p = peers_[size_t(r)];
+      if (!p.closed && !answers_[id].count(r)) return false;
+    }
+    return true;
+  };
+  cv_.wait_until(lk, until, all_in);
+  for (int r : ranks) {
+    if (r == rank_) continue;
+    const Peer& p = peers_[size_t(r)];
+    auto it = answers_[id].find(r);
+    PeerState s;
+    if (it != answers_[id].end()) s = it->second;
+    s.rank = r;
+    s.dead = p.closed && !p.finished;
+    s.finished = p.finished;
+    out.push_back(s);
+  }
+  answers_.erase(id);
+  return out;
+}
+
+void Liveness::forget_after_fork() {
+  // Only async-signal-safe work: the watcher thread does not exist here, its mutexes may be held.
+  forked_ = true;
+  for (Peer& p : peers_)
+    if (p.fd >= 0) close(p.fd);
+  close(wake_[0]);
+  close(wake_[1]);
+  (void)thread_.release();  // its std::thread must not be destroyed (or joined) in this process
+}
+
+void Liveness::linger(double max_s, double grace_s) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::duration<double>(max_s);
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_until(lk, until, [&] {
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && !peers_[size_t(r)].closed && !peers_[size_t(r)].gave_up && !peers_[size_t(r)].finished)
+        return false;
+    return true;
+  });
+  lk.unlock();
+  const auto grace_end = std::min(until, std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s));
+  std::this_thread::sleep_until(grace_end);
+}
+
+void Liveness::give_up(const std::string& reason) {
+  if (gave_up_) return;
+  gave_up_ = true;
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) send_frame(r, kGiveUp, reason);
+}
+
+}  // namespace zero8::comm::detail

@@ -1,0 +1,111 @@
+// Peer liveness for multi-process backends: one TCP connection between every pair of ranks, watched
+// by a background thread. A process that dies (even by SIGKILL) has its sockets closed by the kernel,
+// so its peers see EOF at once; a rank that gives up tells the others why; and on a timeout a rank
+// can ask every peer what it is doing, to name the ranks it is waiting for.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace zero8::comm::detail {
+
+class Liveness {
+ public:
+  // all_gather(mine, all, bytes): the backend's own all-gather of a fixed-size record (used once,
+  // to exchange listening addresses). ifaddr: IPv4 address to listen on ("" = default, see .cpp).
+  using AllGather = std::function<void(const void* mine, void* all, size_t bytes)>;
+  Liveness(int rank, int size, const std::string& ifaddr, double timeout_s, const AllGather& all_gather);
+  ~Liveness();  // tells peers "bye" (a clean exit, not a death) unless this rank has failed
+  Liveness(const Liveness&) = delete;
+  Liveness& operator=(const Liveness&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const std::string& address() const { return address_; }  // "ip:port" this rank listens on
+
+  // What the main thread is doing, for peers' queries. comm_id/seq identify a collective call.
+  void op_begin(uint64_t comm_id, uint64_t seq, const std::string& label);
+  void op_end(bool failed);
+
+  // True once a peer died or gave up (cheap: an atomic load, polled by wait loops).
+  bool alarm() const { return alarm_.load(std::memory_order_acquire); }
+  // Sleep up to `seconds`, waking at once when the alarm rings (wait loops' idle phase).
+  void wait_alarm(double seconds);
+
+  struct Event {
+    int rank = -1;
+    bool died = false;       // connection closed without "bye" (else: the peer gave up)
+    std::string reason;      // the peer's own error message when it gave up
+  };
+  std::vector<Event> events() const;
+  bool peer_finished(int rank) const;  // said "bye": destroyed its communicator normally
+
+  // On a timeout: ask `ranks` what they are doing; waits up to wait_s for their answers.
+  struct PeerState {
+    int rank = -1;
+    bool answered = false;
+    bool dead = false;
+    bool finished = false;
+    bool in_op = false;
+    uint64_t comm_id = 0, seq = 0;  // its current or last call
+    std::string text;  // "in all_reduce #3 on 'world' (rank 1 of 4) for 2.0 s" / "not in a ..."
+  };
+  std::vector<PeerState> query(const std::vector<int>& ranks, double wait_s);
+
+  // This rank gives up: every live peer gets `reason`; no "bye" will be sent.
+  void give_up(const std::string& reason);
+  // After giving up: wait (at most max_s) until every peer has given up, exited or finished, then
+  // grace_s more. A failing job's first rank to exit makes mpirun kill the rest at once; lingering
+  // lets every survivor raise and report its own error first.
+  void linger(double max_s, double grace_s);
+
+  // In a fork()ed child (a data-loader worker): close the inherited sockets, so that this
+  // process's death is not hidden from its peers by a child holding copies, and do nothing else.
+  void forget_after_fork();
+
+ private:
+  struct Peer {
+    int fd = -1;
+    std::mutex send_mu;
+    std::vector<char> inbuf;
+    bool finished = false;  // said "bye"
+    bool gave_up = false;   // sent its reason: its exit that follows is not a death
+    bool closed = false;
+  };
+  void setup(const std::string& ifaddr, double timeout_s, const AllGather& all_gather);
+  void run();  // the watcher thread
+  bool handle_frame(int peer, uint32_t type, const char* payload, uint32_t len);
+  void send_frame(int peer, uint32_t type, const std::string& payload);
+  std::string state_text_locked(double now) const;
+
+  int rank_, size_;
+  std::string address_;
+  std::vector<Peer> peers_;
+  int wake_[2] = {-1, -1};
+  std::unique_ptr<std::thread> thread_;  // released (never joined) in a forked child
+  bool forked_ = false;
+  std::atomic<bool> alarm_{false};
+  std::atomic<bool> stopping_{false};
+  bool gave_up_ = false;
+
+  mutable std::mutex mu_;  // guards everything below and Peer::finished/closed
+  std::condition_variable cv_;
+  std::vector<Event> events_;
+  bool in_op_ = false;
+  bool op_failed_ = false;
+  uint64_t op_comm_ = 0, op_seq_ = 0;
+  std::string op_label_;
+  double op_since_ = 0.0;
+  uint64_t next_query_ = 1;
+  std::map<uint64_t, std::map<int, PeerState>> answers_;
+};
+
+}  // namespace zero8::comm::detail

@@ -1,0 +1,288 @@
+// The single-process communicator: every op is a local copy with the MPI semantics of size 1, no
+// byte is counted as sent, splits and topology helpers degenerate correctly; the factory's choices and
+// errors; bucket collectives at size 1 (the owner's own range is exact, all-gather round-trips).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "zero8/comm/communicator.h"
+#include "zero8/comm/quantized.h"
+#include "zero8/error.h"
+#include "zero8/kernels/codec.h"
+#include "zero8/kernels/dispatch.h"
+
+namespace zero8::comm {
+namespace {
+
+std::unique_ptr<Communicator> make_single() { return comm_create("single"); }
+
+TEST(CommSingle, Basics) {
+  auto c = make_single();
+  EXPECT_EQ(c->rank(), 0);
+  EXPECT_EQ(c->size(), 1);
+  EXPECT_STREQ(c->backend(), "single");
+  EXPECT_EQ(c->memory(), MemSpace::host);
+  EXPECT_EQ(c->name(), "world");
+  EXPECT_EQ(c->world_rank(0), 0);
+  EXPECT_NE(c->description().find("single"), std::string::npos);
+}
+
+TEST(CommSingle, FactoryChoicesAndErrors) {
+  // Outside any MPI launcher, "auto" is the single-process backend.
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  unsetenv("PMI_SIZE");
+  EXPECT_STREQ(comm_create("auto")->backend(), "single");
+  EXPECT_STREQ(comm_create()->backend(), "single");
+  try {
+    comm_create("gloo");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("gloo"), std::string::npos);
+  }
+  EXPECT_TRUE(comm_backend_available("single"));
+  EXPECT_EQ(comm_backend_available("mpi"), ZERO8_WITH_MPI != 0);
+  EXPECT_EQ(comm_backend_available("nccl"), ZERO8_WITH_NCCL != 0);
+  EXPECT_FALSE(comm_backend_available("gloo"));
+#if !ZERO8_WITH_MPI
+  try {
+    comm_create("mpi");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("not built with MPI"), std::string::npos) << e.what();
+  }
+  // Started by mpirun with 4 processes but unable to talk: refusing beats 4 silent solo runs.
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  try {
+    comm_create("auto");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("not built with MPI"), std::string::npos) << e.what();
+  }
+  setenv("OMPI_COMM_WORLD_SIZE", "1", 1);
+  EXPECT_STREQ(comm_create("auto")->backend(), "single");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+#endif
+#if !ZERO8_WITH_NCCL || !ZERO8_WITH_MPI
+  // Without NCCL, or with NCCL but without MPI to bootstrap it, "nccl" is unsupported, saying why.
+  try {
+    comm_create("nccl");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find(ZERO8_WITH_NCCL ? "without MPI" : "not built with NCCL"), std::string::npos)
+        << e.what();
+  }
+#endif
+}
+
+TEST(CommSingle, TimeoutFromEnvironment) {
+  setenv("ZERO8_COMM_TIMEOUT", "7.5", 1);
+  EXPECT_EQ(make_single()->timeout(), 7.5);
+  setenv("ZERO8_COMM_TIMEOUT", "soon", 1);
+  EXPECT_THROW(make_single(), Error);
+  setenv("ZERO8_COMM_TIMEOUT", "-3", 1);
+  EXPECT_THROW(make_single(), Error);
+  unsetenv("ZERO8_COMM_TIMEOUT");
+  EXPECT_EQ(make_single()->timeout(), 300.0);
+}
+
+TEST(CommSingle, DataMovementIsACopy) {
+  auto c = make_single();
+  std::vector<uint8_t> src(37), dst(37, 0);
+  std::iota(src.begin(), src.end(), uint8_t(1));
+  c->all_to_all(src.data(), dst.data(), 37);
+  EXPECT_EQ(src, dst);
+  std::fill(dst.begin(), dst.end(), 0);
+  c->all_gather(src.data(), dst.data(), 37);
+  EXPECT_EQ(src, dst);
+  // v-variants honour displacements.
+  std::vector<uint8_t> out(50, 0xAA);
+  c->all_to_all_v(src.data(), {20}, {3}, out.data(), {20}, {9});
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(out[size_t(9 + i)], src[size_t(3 + i)]);
+  EXPECT_EQ(out[8], 0xAA);
+  EXPECT_EQ(out[29], 0xAA);
+  std::vector<uint8_t> g(40, 0x11);
+  c->all_gather_v(src.data(), 11, g.data(), {11}, {5});
+  for (int i = 0; i < 11; ++i) EXPECT_EQ(g[size_t(5 + i)], src[size_t(i)]);
+  c->all_gather_v(g.data() + 5, 11, g.data(), {11}, {5});  // in place
+  for (int i = 0; i < 11; ++i) EXPECT_EQ(g[size_t(5 + i)], src[size_t(i)]);
+  std::vector<uint8_t> b = src;
+  c->broadcast(b.data(), 37, 0);
+  EXPECT_EQ(b, src);
+  c->barrier();
+}
+
+TEST(CommSingle, ReductionsReturnTheInput) {
+  auto c = make_single();
+  std::vector<float> x = {1.5f, -2.0f, std::nanf(""), 3.0f};
+  std::vector<float> y(4, 0.0f);
+  c->all_reduce(x.data(), y.data(), 4, ScalarType::f32, ReduceOp::sum);
+  EXPECT_EQ(std::memcmp(x.data(), y.data(), 16), 0);
+  std::vector<double> d = {1.0, 2.0};
+  c->all_reduce(d.data(), 2, ReduceOp::max);
+  EXPECT_EQ(d, (std::vector<double>{1.0, 2.0}));
+  std::vector<int64_t> rs_in = {4, 5, 6}, rs_out(3);
+  c->reduce_scatter(rs_in.data(), rs_out.data(), {3}, ScalarType::i64);
+  EXPECT_EQ(rs_out, rs_in);
+  EXPECT_EQ(c->all_reduce_value<int32_t>(9, ReduceOp::min), 9);
+}
+
+TEST(CommSingle, StatsCountCallsButNoBytes) {
+  auto c = make_single();
+  std::vector<float> x(100, 1.0f);
+  c->all_reduce(x.data(), 100, ReduceOp::sum);
+  c->all_gather(x.data(), x.data(), 0);
+  c->barrier();
+  const CommStats s = c->stats();
+  EXPECT_EQ(s.op(OpKind::all_reduce).calls, 1u);
+  EXPECT_EQ(s.op(OpKind::all_gather).calls, 1u);
+  EXPECT_EQ(s.op(OpKind::barrier).calls, 1u);
+  EXPECT_EQ(s.bytes(), 0u);
+  EXPECT_EQ(s.bytes_to_peer(), std::vector<uint64_t>{0});
+  c->stats_reset();
+  EXPECT_EQ(c->stats().op(OpKind::all_reduce).calls, 0u);
+}
+
+TEST(CommSingle, PointToPointHasNoPeer) {
+  auto c = make_single();
+  uint8_t b = 0;
+  EXPECT_THROW(c->send(&b, 1, 0), Error);
+  EXPECT_THROW(c->recv(&b, 1, 0), Error);
+  EXPECT_THROW(c->send(&b, 1, 1), Error);
+}
+
+TEST(CommSingle, SplitAndTopology) {
+  auto c = make_single();
+  c->set_timeout(42.0);
+  auto child = c->split(3, 0, "mine");
+  ASSERT_NE(child, nullptr);
+  EXPECT_EQ(child->size(), 1);
+  EXPECT_EQ(child->name(), "mine");
+  EXPECT_EQ(child->timeout(), 42.0);
+  EXPECT_EQ(c->split(Communicator::kNoColor, 0), nullptr);
+  EXPECT_THROW(c->split(-2, 0), Error);
+  Topology t = topology_split(*c, 1);
+  EXPECT_EQ(t.dp, 1);
+  EXPECT_EQ(t.pp, 1);
+  EXPECT_EQ(t.dp_group->size(), 1);
+  EXPECT_EQ(t.pp_group->size(), 1);
+  EXPECT_EQ(t.dp_group->name(), "dp[stage 0]");
+  EXPECT_THROW(topology_split(*c, 2), Error);
+  NodeGroups g = node_groups(*c);
+  EXPECT_EQ(g.nodes, 1);
+  EXPECT_EQ(g.local_rank, 0);
+  EXPECT_EQ(g.intra->size(), 1);
+  EXPECT_EQ(g.inter->size(), 1);
+}
+
+TEST(CommSingle, ArgumentChecks) {
+  auto c = make_single();
+  uint8_t b[4] = {0};
+  EXPECT_THROW(c->all_to_all(b, b, -1), Error);
+  EXPECT_THROW(c->all_to_all_v(b, {1, 1}, {0, 1}, b, {1, 1}, {0, 1}), Error);  // 2 entries for size 1
+  EXPECT_THROW(c->all_to_all_v(b, {2}, {0}, b, {1}, {0}), Error);              // self chunk mismatch
+  EXPECT_THROW(c->all_gather_v(b, 2, b, {3}, {0}), Error);
+  EXPECT_THROW(c->broadcast(b, 1, 1), Error);
+  EXPECT_THROW(c->reduce_scatter(b, b, {1}, ScalarType::u8), Error);  // recv overlaps send
+  EXPECT_THROW(c->all_reduce(b, b + 1, 2, ScalarType::u8, ReduceOp::sum), Error);  // partial overlap
+  EXPECT_THROW(c->all_reduce(b, b, 1, ScalarType(9), ReduceOp::sum), Error);
+  EXPECT_THROW(c->set_timeout(0), Error);
+}
+
+// ---- bucket collectives at size 1 ----
+
+std::vector<float> sample(int64_t n) {
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) x[size_t(i)] = std::ldexp(rng_uniform(5, uint64_t(i)) - 0.5f, int(i % 13) - 6);
+  return x;
+}
+
+TEST(CommSingle, WireBytes) {
+  EXPECT_EQ(wire_bytes(WireFormat::f32, 1000, 2048), 4000);
+  EXPECT_EQ(wire_bytes(WireFormat::bf16, 1000, 2048), 2000);
+  EXPECT_EQ(wire_bytes(WireFormat::int8, 2048 * 3 + 1, 2048), 2048 * 3 + 1 + 4 * 4);
+  EXPECT_EQ(wire_bytes(WireFormat::int8, 0, 2048), 0);
+}
+
+TEST(CommSingle, BucketReduceScatterOfOneRankIsExact) {
+  auto c = make_single();
+  const int64_t n = 2048 * 2 + 99;
+  const std::vector<float> x = sample(n);
+  for (WireFormat f : {WireFormat::f32, WireFormat::bf16, WireFormat::int8}) {
+    std::vector<float> out(static_cast<size_t>(n)), residual(static_cast<size_t>(n), 0.0f);
+    WireOptions opt;
+    opt.format = f;
+    bucket_reduce_scatter(*c, x.data(), n, {0, n}, out.data(), opt, residual.data());
+    // The owner's own contribution never crosses the wire, so it is never quantized.
+    EXPECT_EQ(std::memcmp(out.data(), x.data(), size_t(n) * 4), 0) << wire_format_name(f);
+    EXPECT_EQ(residual, std::vector<float>(size_t(n), 0.0f));
+  }
+}
+
+TEST(CommSingle, BucketAllGatherRoundTripsThroughTheWireFormat) {
+  auto c = make_single();
+  const int64_t n = 2048 * 2 + 99;
+  const std::vector<float> x = sample(n);
+  // int8: the same bits as encoding and decoding the bucket directly with the codec.
+  {
+    std::vector<uint8_t> codes(static_cast<size_t>(n));
+    std::vector<float> absmax(3), want(static_cast<size_t>(n)), got(static_cast<size_t>(n));
+    quant::EncodeArgs e;
+    e.x = x.data();
+    e.n = n;
+    e.block = 2048;
+    e.table = &quant::table_get(quant::MapKind::dynamic_signed);
+    e.codes = codes.data();
+    e.absmax = absmax.data();
+    quant::quant_encode_ref(e);
+    quant::DecodeArgs d;
+    d.codes = codes.data();
+    d.absmax = absmax.data();
+    d.n = n;
+    d.block = 2048;
+    d.table = e.table;
+    d.y = want.data();
+    quant::quant_decode_ref(d);
+    bucket_all_gather(*c, x.data(), n, {0, n}, got.data(), WireOptions{});
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), size_t(n) * 4), 0);
+    EXPECT_NE(std::memcmp(got.data(), x.data(), size_t(n) * 4), 0) << "int8 wire should be lossy";
+  }
+  {
+    WireOptions opt;
+    opt.format = WireFormat::bf16;
+    std::vector<float> got(static_cast<size_t>(n));
+    bucket_all_gather(*c, x.data(), n, {0, n}, got.data(), opt);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[size_t(i)], bf16_to_f32(f32_to_bf16(x[size_t(i)])));
+  }
+  {
+    WireOptions opt;
+    opt.format = WireFormat::f32;
+    std::vector<float> got(static_cast<size_t>(n));
+    bucket_all_gather(*c, x.data(), n, {0, n}, got.data(), opt);
+    EXPECT_EQ(got, x);
+  }
+}
+
+TEST(CommSingle, BucketArgumentChecks) {
+  auto c = make_single();
+  std::vector<float> x(100), out(100);
+  WireOptions opt;
+  EXPECT_THROW(bucket_reduce_scatter(*c, x.data(), 100, {0, 99}, out.data(), opt), Error);   // does not end at n
+  EXPECT_THROW(bucket_reduce_scatter(*c, x.data(), 100, {0}, out.data(), opt), Error);       // too few offsets
+  EXPECT_THROW(bucket_reduce_scatter(*c, x.data(), 100, {0, 100}, x.data(), opt), Error);    // out overlaps
+  opt.block = 1000;                                                                            // not a power of two
+  EXPECT_THROW(bucket_all_gather(*c, x.data(), 100, {0, 100}, out.data(), opt), Error);
+  opt.block = 2048;
+  opt.format = WireFormat(7);
+  EXPECT_THROW(bucket_all_gather(*c, x.data(), 100, {0, 100}, out.data(), opt), Error);
+}
+
+}  // namespace
+}  // namespace zero8::comm
