@@ -1,0 +1,598 @@
+// DeepSpeed JSON config: real configs parse with DeepSpeed's defaults and rules, every malformed file
+// in tests/data/configs/bad fails with its key path, unknown keys warn, the LR schedules match
+// lr_schedules.py at hand-computed points, and to_json round-trips.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "zero8/config.h"
+#include "zero8/error.h"
+
+namespace cfg = zero8::config;
+using zero8::ErrorCode;
+
+namespace {
+
+const std::string kConfigs = std::string(ZERO8_TEST_DATA_DIR) + "/configs/";
+
+cfg::Config parse(const std::string& text, int world = 1) { return cfg::parse_string(text, world, "test.json"); }
+
+// The error a parse raises (fails the test when there is none).
+zero8::Error parse_error(const std::string& text, int world = 1) {
+  try {
+    parse(text, world);
+  } catch (const zero8::Error& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no error for: " << text;
+  return zero8::Error(ErrorCode::internal, "");
+}
+
+bool has_warning(const cfg::Config& c, const std::string& sub) {
+  for (const auto& w : c.warnings)
+    if (w.find(sub) != std::string::npos) return true;
+  return false;
+}
+
+std::string all_warnings(const cfg::Config& c) {
+  std::string s;
+  for (const auto& w : c.warnings) s += w + "\n";
+  return s;
+}
+
+const char* code_name(ErrorCode c) {
+  switch (c) {
+    case ErrorCode::invalid_argument: return "invalid_argument";
+    case ErrorCode::unsupported: return "unsupported";
+    case ErrorCode::io: return "io";
+    case ErrorCode::comm: return "comm";
+    case ErrorCode::internal: return "internal";
+  }
+  return "?";
+}
+
+// Schedules are plain double arithmetic in the same order as lr_schedules.py; the expected values
+// below are closed forms derived by hand, so the two differ only by the rounding of a handful of
+// double operations (a few ulps, 2.2e-16 each): 1e-14 relative leaves a 45-ulp margin and still
+// catches any formula error, which shows at the 1e-3 level or above.
+constexpr double kRel = 1e-14;
+#define EXPECT_LR(actual, expected) EXPECT_NEAR((actual), (expected), kRel * std::fabs(expected) + 1e-300)
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Batch triple: train_batch_size = micro * gas * world, any two derive the third.
+
+TEST(ConfigBatch, AllThreeConsistent) {
+  const auto c = parse(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 2})", 4);
+  EXPECT_EQ(c.batch.train_batch_size, 32);
+  EXPECT_EQ(c.batch.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 2);
+}
+
+TEST(ConfigBatch, AnyTwoDeriveTheThird) {
+  auto c = parse(R"({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4})", 3);
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 4);  // 48 / (4 * 3)
+  c = parse(R"({"train_batch_size": 48, "gradient_accumulation_steps": 2})", 3);
+  EXPECT_EQ(c.batch.train_micro_batch_size_per_gpu, 8);  // 48 / (2 * 3)
+  c = parse(R"({"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 3})", 2);
+  EXPECT_EQ(c.batch.train_batch_size, 30);  // 5 * 3 * 2
+}
+
+TEST(ConfigBatch, OneAloneFollowsDeepSpeed) {
+  // train_batch_size alone: gas = 1, micro = tbs / world.
+  auto c = parse(R"({"train_batch_size": 64})", 4);
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.batch.train_micro_batch_size_per_gpu, 16);
+  // micro alone: gas = 1, tbs = micro * world.
+  c = parse(R"({"train_micro_batch_size_per_gpu": 6})", 4);
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.batch.train_batch_size, 24);
+}
+
+TEST(ConfigBatch, ErrorsNameKeysAndValues) {
+  auto e = parse_error(R"({"train_batch_size": 30})", 4);
+  EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+  EXPECT_NE(std::string(e.what()).find("test.json: train_batch_size: 30 is not divisible by world_size 4"),
+            std::string::npos) << e.what();
+  e = parse_error(R"({"train_batch_size": 50, "gradient_accumulation_steps": 4})", 3);
+  EXPECT_NE(std::string(e.what()).find("50 is not divisible by gradient_accumulation_steps 4 * world_size 3 = 12"),
+            std::string::npos) << e.what();
+  e = parse_error(R"({})");
+  EXPECT_NE(std::string(e.what()).find("train_batch_size: missing"), std::string::npos) << e.what();
+  e = parse_error(R"({"gradient_accumulation_steps": 2})");
+  EXPECT_NE(std::string(e.what()).find("gradient_accumulation_steps alone"), std::string::npos) << e.what();
+  // Integral floats are integers (5e8-style values are common in DeepSpeed configs).
+  EXPECT_EQ(parse(R"({"train_batch_size": 6.4e1})", 2).batch.train_micro_batch_size_per_gpu, 32);
+  EXPECT_THROW(cfg::parse_string("{\"train_batch_size\": 8}", 0), zero8::Error);  // world_size must be >= 1
+}
+
+// ------------------------------------------------------------------------------------------------
+// Real DeepSpeed configs.
+
+TEST(ConfigFiles, BertFp16AdamWarmupDecay) {
+  const auto c = cfg::parse_file(kConfigs + "bert_fp16_adam_warmup_decay.json", 4);
+  EXPECT_TRUE(c.warnings.empty()) << all_warnings(c);
+  EXPECT_EQ(c.batch.gradient_accumulation_steps, 2);  // 256 / (32 * 4)
+  EXPECT_EQ(c.steps_per_print, 100);
+  ASSERT_TRUE(c.optimizer.present);
+  EXPECT_EQ(c.optimizer.type, cfg::OptimizerType::adam);
+  EXPECT_EQ(c.optimizer.lr, 4e-4);
+  EXPECT_EQ(c.optimizer.eps, 1e-6);
+  EXPECT_FALSE(c.optimizer.bias_correction);
+  // "Adam" runs DeepSpeed's default adam_w_mode = true: decoupled weight decay.
+  EXPECT_TRUE(c.optimizer.adam_w_mode);
+  EXPECT_EQ(cfg::optimizer_algo(c.optimizer), zero8::optim::Algo::adamw);
+  EXPECT_EQ(c.scheduler.type, cfg::SchedulerType::warmup_decay_lr);
+  EXPECT_EQ(c.scheduler.warmup_type, cfg::WarmupType::linear);
+  EXPECT_EQ(c.scheduler.total_num_steps, 1000000);
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_EQ(c.fp16.loss_scale, 0.0);
+  EXPECT_EQ(c.zero.stage, 1);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.gradient_clipping, 1.0);
+  EXPECT_FALSE(c.zero8.enabled);
+  EXPECT_EQ(cfg::optimizer_state_bits(c), 32);
+  EXPECT_EQ(cfg::working_dtype(c), zero8::DType::f16);
+  const auto ls = cfg::loss_scaler_config(c);
+  EXPECT_TRUE(ls.dynamic);
+  EXPECT_EQ(ls.initial_scale_power, 16);
+  EXPECT_EQ(ls.scale_window, 1000);
+  EXPECT_EQ(ls.hysteresis, 2);
+  EXPECT_EQ(ls.min_scale, 1.0);
+}
+
+TEST(ConfigFiles, Zero2Fp16AdamWWithCommentsAndAuto) {
+  const auto c = cfg::parse_file(kConfigs + "zero2_fp16_adamw_warmup.json", 2);
+  EXPECT_EQ(c.batch.train_batch_size, 64);  // 8 * 4 * 2
+  EXPECT_EQ(c.zero.stage, 2);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 200000000);
+  EXPECT_TRUE(c.zero.overlap_comm);
+  EXPECT_TRUE(c.zero.round_robin_gradients);
+  EXPECT_EQ(c.optimizer.type, cfg::OptimizerType::adamw);
+  EXPECT_EQ(c.scheduler.type, cfg::SchedulerType::warmup_lr);
+  EXPECT_EQ(c.scheduler.warmup_type, cfg::WarmupType::log);  // DeepSpeed's default
+  // bf16.enabled "auto": DeepSpeed's pydantic section drops it, so the default (false) applies; noted.
+  EXPECT_FALSE(c.bf16.enabled);
+  ASSERT_EQ(c.warnings.size(), 1u) << all_warnings(c);
+  EXPECT_TRUE(has_warning(c, "zero2_fp16_adamw_warmup.json: bf16.enabled: \"auto\" is not resolved here"));
+}
+
+TEST(ConfigFiles, Bf16AdamWCosineZero2) {
+  const auto c = cfg::parse_file(kConfigs + "bf16_adamw_cosine_zero2.json", 8);
+  EXPECT_TRUE(c.warnings.empty()) << all_warnings(c);
+  EXPECT_EQ(c.batch.train_micro_batch_size_per_gpu, 8);  // 512 / (8 * 8)
+  EXPECT_TRUE(c.bf16.enabled);
+  EXPECT_EQ(cfg::working_dtype(c), zero8::DType::bf16);
+  EXPECT_FALSE(cfg::loss_scaler_config(c).dynamic);
+  EXPECT_EQ(cfg::loss_scaler_config(c).static_scale, 1.0);
+  EXPECT_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_EQ(c.scheduler.type, cfg::SchedulerType::warmup_cosine_lr);
+  EXPECT_EQ(c.scheduler.base_lr, 6e-4);
+  EXPECT_EQ(c.scheduler.cos_min_ratio, 0.1);
+  EXPECT_EQ(c.communication_data_type, cfg::CommDataType::bf16);
+  EXPECT_EQ(c.checkpoint.tag_validation, cfg::TagValidation::fail);
+  const auto h = cfg::optimizer_hyper(c.optimizer);
+  EXPECT_EQ(h.lr, 6e-4f);
+  EXPECT_EQ(h.beta2, 0.95f);
+  EXPECT_EQ(h.weight_decay, 0.1f);
+}
+
+TEST(ConfigFiles, Zero8LambOneCycle) {
+  const auto c = cfg::parse_file(kConfigs + "zero8_lamb_onecycle.json", 2);
+  EXPECT_TRUE(c.warnings.empty()) << all_warnings(c);
+  EXPECT_TRUE(c.zero8.enabled);  // the section turns zero8 on
+  EXPECT_TRUE(c.zero8.int8_params);
+  EXPECT_TRUE(c.zero8.error_feedback);
+  EXPECT_EQ(c.zero8.min_8bit_size, 16384);
+  EXPECT_EQ(c.zero8.comm_backend, cfg::CommBackend::mpi);
+  EXPECT_EQ(c.zero8.comm_timeout_s, 120.0);
+  EXPECT_EQ(c.zero8.checkpoint_keep_last, 3);
+  EXPECT_EQ(cfg::optimizer_state_bits(c), 8);
+  EXPECT_EQ(cfg::optimizer_display_name(c), "LAMB8bit");
+  EXPECT_EQ(cfg::optimizer_algo(c.optimizer), zero8::optim::Algo::lamb);
+  EXPECT_EQ(cfg::optimizer_hyper(c.optimizer).max_trust_ratio, 0.3f);
+  EXPECT_EQ(c.scheduler.type, cfg::SchedulerType::one_cycle);
+  EXPECT_EQ(c.scheduler.cycle_second_stair_count, 500);  // defaults to the first stair count
+  EXPECT_TRUE(c.scheduler.momentum_cycled);                // Lamb has betas
+  const auto l = cfg::layout_config(c);
+  EXPECT_EQ(l.world, 2);
+  EXPECT_EQ(l.state_block, 256);
+  EXPECT_EQ(l.wire_block, 2048);
+  EXPECT_EQ(l.min_8bit_size, 16384);
+}
+
+TEST(ConfigFiles, Zero1SgdNesterov) {
+  const auto c = cfg::parse_file(kConfigs + "zero1_sgd_nesterov.json", 8);
+  EXPECT_TRUE(c.warnings.empty()) << all_warnings(c);
+  EXPECT_EQ(c.batch.train_micro_batch_size_per_gpu, 128);
+  EXPECT_EQ(c.optimizer.type, cfg::OptimizerType::sgd);
+  EXPECT_TRUE(c.optimizer.nesterov);
+  const auto h = cfg::optimizer_hyper(c.optimizer);
+  EXPECT_EQ(h.beta1, 0.9f);  // sgd momentum travels in beta1
+  EXPECT_TRUE(h.nesterov);
+  EXPECT_EQ(cfg::optimizer_display_name(c), "SGD8bit");
+  // WarmupLR without warmup_max_lr ramps to the optimizer's lr (DeepSpeed reads the group lr).
+  EXPECT_EQ(c.scheduler.warmup_max_lr, 0.4);
+  EXPECT_EQ(c.zero8.state_block_size, 2048);
+  EXPECT_EQ(c.zero8.wire_block_size, 4096);
+  EXPECT_FALSE(c.zero8.int8_gradients);
+}
+
+TEST(ConfigFiles, MissingFileIsAnIoError) {
+  try {
+    cfg::parse_file(kConfigs + "does_not_exist.json", 1);
+    FAIL() << "no error";
+  } catch (const zero8::Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::io);
+    EXPECT_NE(std::string(e.what()).find("does_not_exist.json: cannot open"), std::string::npos) << e.what();
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Every malformed file fails with its code and a message carrying the key path (the table is shared
+// with the Python tests).
+
+TEST(ConfigErrors, MalformedFiles) {
+  std::ifstream in(kConfigs + "bad/expected.tsv");
+  ASSERT_TRUE(in) << "missing bad/expected.tsv";
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<std::string> f;
+    std::stringstream ss(line);
+    std::string cell;
+    while (std::getline(ss, cell, '\t')) f.push_back(cell);
+    ASSERT_EQ(f.size(), 4u) << line;
+    const std::string path = kConfigs + "bad/" + f[0];
+    SCOPED_TRACE(f[0]);
+    ++n;
+    try {
+      cfg::parse_file(path, std::stoi(f[1]));
+      ADD_FAILURE() << "no error";
+    } catch (const zero8::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_EQ(code_name(e.code()), f[2]) << msg;
+      EXPECT_NE(msg.find(f[3]), std::string::npos) << "message: " << msg << "\nexpected to contain: " << f[3];
+      EXPECT_EQ(msg.rfind(path, 0), 0u) << "the message starts with the file: " << msg;
+    }
+  }
+  EXPECT_GE(n, 35);
+}
+
+TEST(ConfigErrors, NestedTypesAndValues) {
+  auto e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9, "x"]}}})");
+  EXPECT_STREQ(e.what(), "test.json: optimizer.params.betas[1]: expected a number in [0, 1), got \"x\"");
+  e = parse_error(R"({"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "nvme"}}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  EXPECT_NE(std::string(e.what()).find("zero_optimization.offload_param.device"), std::string::npos) << e.what();
+  e = parse_error(R"({"train_batch_size": 8, "gradient_clipping": "auto"})");
+  EXPECT_NE(std::string(e.what()).find("test.json: gradient_clipping: \"auto\" is filled in by the Hugging Face"),
+            std::string::npos) << e.what();
+  e = parse_error(R"({"train_batch_size": 8, "gradient_clipping": -1})");
+  EXPECT_STREQ(e.what(), "test.json: gradient_clipping: expected a number >= 0, got -1");
+  e = parse_error(R"({"train_batch_size": 8, "fp16": {"enabled": true, "loss_scale": -2}})");
+  EXPECT_STREQ(e.what(), "test.json: fp16.loss_scale: expected a number >= 0, got -2");
+  e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb", "params": {"min_coeff": 20}}})");
+  EXPECT_NE(std::string(e.what()).find("optimizer.params.min_coeff: expected <= max_coeff 10"), std::string::npos);
+  e = parse_error(R"({"train_batch_size": 8, "zero_optimization": {"cpu_offload": true}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  e = parse_error(R"({"train_batch_size": 8, "elasticity": {"enabled": true}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"amsgrad": true}}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": 3}})");
+  EXPECT_STREQ(e.what(), "test.json: optimizer.type: expected a string, got 3");
+}
+
+TEST(ConfigErrors, MalformedJsonLineAndColumn) {
+  // Line 3 holds `"b": }`: the parser stops at the '}' (column 8).
+  auto e = parse_error("{\n  \"a\": 1,\n  \"b\": }\n");
+  EXPECT_EQ(std::string(e.what()).rfind("test.json:3:8: malformed JSON: ", 0), 0u) << e.what();
+  // Unterminated input: reported at the end (line 2, after the last character).
+  e = parse_error("{\"train_batch_size\": 8,\n \"x\": [1, 2");
+  EXPECT_EQ(std::string(e.what()).rfind("test.json:2:12: malformed JSON: ", 0), 0u) << e.what();
+  e = parse_error("");
+  EXPECT_EQ(std::string(e.what()).rfind("test.json:1:1: malformed JSON: ", 0), 0u) << e.what();
+  // Comments are accepted (DeepSpeed reads files with hjson).
+  EXPECT_EQ(parse("/* batch */ {\"train_batch_size\": 8 // global\n}").batch.train_batch_size, 8);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Unknown keys warn (with their path); nothing is printed and parsing goes on.
+
+TEST(ConfigWarnings, UnknownKeysWarnWithPath) {
+  const auto c = parse(R"({
+    "train_batch_size": 8,
+    "my_custom_key": 1,
+    "fp16": {"enabled": true, "loss_scael": 128},
+    "optimizer": {"type": "Adam", "adam_w_mode": false, "params": {"lr": 0.01, "momentum": 0.9}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_max_live_parameters": 1e9},
+    "zero8": {"state_block": 128}
+  })");
+  EXPECT_TRUE(has_warning(c, "test.json: my_custom_key: unknown key, ignored (DeepSpeed ignores"));
+  EXPECT_TRUE(has_warning(c, "test.json: fp16.loss_scael: unknown key"));
+  EXPECT_TRUE(has_warning(c, "test.json: optimizer.params.momentum: unknown key"));
+  // adam_w_mode belongs in params: DeepSpeed ignores it at this level, and so the default (true) holds.
+  EXPECT_TRUE(has_warning(c, "test.json: optimizer.adam_w_mode: unknown key"));
+  EXPECT_TRUE(c.optimizer.adam_w_mode);
+  EXPECT_TRUE(has_warning(c, "test.json: zero_optimization.reduce_bucket_size: \"auto\""));
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_TRUE(has_warning(c, "test.json: zero8.state_block: unknown key"));
+  // stage3_* keys are DeepSpeed's own and silently accepted.
+  EXPECT_FALSE(has_warning(c, "stage3_max_live_parameters"));
+  EXPECT_EQ(c.fp16.loss_scale, 0.0);  // the misspelled key did not apply
+  EXPECT_EQ(c.warnings.size(), 6u) << all_warnings(c);
+}
+
+TEST(ConfigWarnings, IgnoredFeaturesAndDeepSpeedQuirks) {
+  const auto c = parse(R"({
+    "train_batch_size": 8,
+    "sparse_attention": {"mode": "fixed"},
+    "progressive_layer_drop": {"enabled": true, "theta": 0.5},
+    "zero_optimization": {"stage": 1, "zero_quantized_gradients": true},
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                 "warmup_type": "linear"}}
+  })");
+  EXPECT_TRUE(has_warning(c, "sparse_attention: not implemented by zero8"));
+  EXPECT_TRUE(has_warning(c, "progressive_layer_drop: not implemented by zero8"));
+  EXPECT_TRUE(has_warning(c, "zero_optimization.zero_quantized_gradients: ZeRO++"));
+  // SGD has no betas: DeepSpeed's OneCycle turns momentum cycling off with a warning.
+  EXPECT_FALSE(c.scheduler.momentum_cycled);
+  EXPECT_TRUE(has_warning(c, "scheduler.params.cycle_momentum: momentum is not cycled: SGD has no betas"));
+  EXPECT_TRUE(has_warning(c, "scheduler.params.warmup_type: unknown key"));
+  // An unknown warmup_type falls back to log, as lr_schedules.py does.
+  const auto d = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {}},
+                           "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})");
+  EXPECT_EQ(d.scheduler.warmup_type, cfg::WarmupType::log);
+  EXPECT_TRUE(has_warning(d, "scheduler.params.warmup_type: unknown value \"cosine\""));
+  // The deprecated boolean ZeRO form means stage 1.
+  const auto z = parse(R"({"train_batch_size": 8, "zero_optimization": true, "allgather_size": 1e6})");
+  EXPECT_EQ(z.zero.stage, 1);
+  EXPECT_EQ(z.zero.allgather_bucket_size, 1000000);
+  EXPECT_TRUE(has_warning(z, "zero_optimization: the boolean form is deprecated"));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Optimizer mapping: DeepSpeed's type semantics and defaults.
+
+TEST(ConfigOptimizer, AdamWModeFollowsDeepSpeed) {
+  auto algo = [](const char* opt) {
+    return cfg::optimizer_algo(parse(std::string(R"({"train_batch_size": 8, "optimizer": )") + opt + "}").optimizer);
+  };
+  EXPECT_EQ(algo(R"({"type": "Adam"})"), zero8::optim::Algo::adamw);  // adam_w_mode defaults to true
+  EXPECT_EQ(algo(R"({"type": "Adam", "params": {"adam_w_mode": false}})"), zero8::optim::Algo::adam);
+  EXPECT_EQ(algo(R"({"type": "AdamW", "params": {"adam_w_mode": false}})"), zero8::optim::Algo::adamw);
+  EXPECT_EQ(algo(R"({"type": "adamw"})"), zero8::optim::Algo::adamw);  // case-insensitive, as DeepSpeed
+  EXPECT_EQ(algo(R"({"type": "LION"})"), zero8::optim::Algo::lion);
+  EXPECT_EQ(algo(R"({"type": "rmsprop"})"), zero8::optim::Algo::rmsprop);
+  EXPECT_EQ(algo(R"({"type": "Adagrad"})"), zero8::optim::Algo::adagrad);
+  EXPECT_EQ(algo(R"({"type": "LARS", "params": {"momentum": 0.9}})"), zero8::optim::Algo::lars);
+}
+
+TEST(ConfigOptimizer, PerTypeDefaults) {
+  auto opt = [](const char* o) {
+    return parse(std::string(R"({"train_batch_size": 8, "zero8": {}, "optimizer": )") + o + "}").optimizer;
+  };
+  const auto adagrad = opt(R"({"type": "Adagrad"})");  // torch.optim.Adagrad
+  EXPECT_EQ(adagrad.lr, 1e-2);
+  EXPECT_EQ(adagrad.eps, 1e-10);
+  const auto rms = opt(R"({"type": "RMSprop", "params": {"alpha": 0.9}})");  // torch.optim.RMSprop
+  EXPECT_EQ(rms.lr, 1e-2);
+  EXPECT_EQ(cfg::optimizer_hyper(rms).beta2, 0.9f);  // alpha travels in beta2
+  const auto lion = opt(R"({"type": "Lion"})");     // DeepSpeed FusedLion
+  EXPECT_EQ(lion.lr, 1e-3);
+  EXPECT_EQ(lion.beta2, 0.999);
+  const auto lamb = opt(R"({"type": "Lamb"})");     // DeepSpeed FusedLamb
+  EXPECT_EQ(lamb.max_coeff, 10.0);
+  EXPECT_EQ(lamb.min_coeff, 0.01);
+  const auto lars = opt(R"({"type": "LARS", "params": {"trust_coefficient": 0.02}})");
+  EXPECT_EQ(cfg::optimizer_hyper(lars).trust_coefficient, 0.02f);
+  const auto c = parse(R"({"train_batch_size": 8, "zero8": {"optim_bits": 32}, "optimizer": {"type": "Adam"}})");
+  EXPECT_EQ(cfg::optimizer_display_name(c), "AdamW32bit");
+  const auto off = parse(R"({"train_batch_size": 8, "zero8": {"enabled": false}, "optimizer": {"type": "Lion"}})");
+  EXPECT_FALSE(off.zero8.enabled);
+  EXPECT_EQ(cfg::optimizer_state_bits(off), 32);
+}
+
+TEST(ConfigPrecision, LossScalerMapping) {
+  auto c = parse(R"({"train_batch_size": 8, "fp16": {"enabled": true, "loss_scale": 128}})");
+  auto l = cfg::loss_scaler_config(c);
+  EXPECT_FALSE(l.dynamic);
+  EXPECT_EQ(l.static_scale, 128.0);
+  c = parse(R"({"train_batch_size": 8, "fp16": {"enabled": true, "initial_scale_power": 12, "hysteresis": 1,
+                 "loss_scale_window": 200, "consecutive_hysteresis": true, "min_loss_scale": 0}})");
+  l = cfg::loss_scaler_config(c);
+  EXPECT_TRUE(l.dynamic);
+  EXPECT_EQ(l.initial_scale_power, 12);
+  EXPECT_EQ(l.scale_window, 200);
+  EXPECT_EQ(l.hysteresis, 1);
+  EXPECT_TRUE(l.consecutive_hysteresis);
+  EXPECT_GT(l.min_scale, 0.0);  // 0 = no floor, kept positive for the scaler
+  EXPECT_LT(l.min_scale, 1e-300);
+  zero8::LossScaler scaler(l);  // accepted by the scaler's own validation
+  EXPECT_EQ(scaler.scale(), 4096.0);
+  // The old "bfloat16" name still works.
+  EXPECT_TRUE(parse(R"({"train_batch_size": 8, "bfloat16": {"enabled": true}})").bf16.enabled);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Schedules at hand-computed points. t is DeepSpeed's last_batch_iteration (-1 = at construction).
+
+TEST(ConfigSchedule, WarmupLRLogAndLinear) {
+  auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params":
+                 {"warmup_min_lr": 0.001, "warmup_max_lr": 0.011, "warmup_num_steps": 100}}})");
+  const auto& s = c.scheduler;
+  EXPECT_LR(cfg::lr_at(s, -1), 0.001);
+  EXPECT_LR(cfg::lr_at(s, 0), 0.001);               // log(1) / log(100) = 0
+  EXPECT_LR(cfg::lr_at(s, 9), 0.001 + 0.01 * 0.5);  // log(10) / log(100) = 1/2
+  EXPECT_LR(cfg::lr_at(s, 99), 0.011);              // log(100) / log(100) = 1
+  EXPECT_LR(cfg::lr_at(s, 100), 0.011);
+  EXPECT_LR(cfg::lr_at(s, 100000), 0.011);
+  c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params":
+            {"warmup_min_lr": 0.001, "warmup_max_lr": 0.011, "warmup_num_steps": 100, "warmup_type": "linear"}}})");
+  EXPECT_LR(cfg::lr_at(c.scheduler, 25), 0.001 + 0.01 * 0.25);
+  // warmup_num_steps 1 is raised to 2 (so that log(W) > 0): t = 0 is the minimum, t = 1 the maximum.
+  c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params":
+            {"warmup_min_lr": 0.5, "warmup_max_lr": 1.5, "warmup_num_steps": 1}}})");
+  EXPECT_LR(cfg::lr_at(c.scheduler, 0), 0.5);
+  EXPECT_LR(cfg::lr_at(c.scheduler, 1), 1.5);
+}
+
+TEST(ConfigSchedule, WarmupDecayLR) {
+  const auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params":
+      {"warmup_min_lr": 0, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "total_num_steps": 110,
+       "warmup_type": "linear"}}})");
+  const auto& s = c.scheduler;
+  EXPECT_LR(cfg::lr_at(s, 5), 0.05);    // 5/10 of the way up
+  EXPECT_LR(cfg::lr_at(s, 10), 0.1);    // (110 - 10) / (110 - 10) = 1
+  EXPECT_LR(cfg::lr_at(s, 60), 0.05);   // (110 - 60) / 100 = 0.5
+  EXPECT_LR(cfg::lr_at(s, 109), 0.001); // 1 / 100
+  EXPECT_EQ(cfg::lr_at(s, 110), 0.0);
+  EXPECT_EQ(cfg::lr_at(s, 500), 0.0);   // clamped at 0
+  // warmup_max_lr defaults to 0.001 for WarmupDecayLR (its constructor's default), not the optimizer's lr.
+  const auto d = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}})");
+  EXPECT_EQ(d.scheduler.warmup_max_lr, 0.001);
+}
+
+TEST(ConfigSchedule, WarmupCosineLR) {
+  const auto c = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 110, "warmup_num_steps": 10,
+       "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01, "warmup_type": "linear"}}})");
+  const auto& s = c.scheduler;
+  EXPECT_EQ(cfg::lr_at(s, -1), 0.0);             // lr_schedules.py returns 0 before the first step()
+  EXPECT_LR(cfg::lr_at(s, 0), 0.002 * 0.1);      // ratio = warmup_min_ratio
+  EXPECT_LR(cfg::lr_at(s, 5), 0.002 * (0.1 + 0.5 * 0.9));
+  // t = 59: progress (59 - 10 + 1) / (110 - 10) = 1/2, cos(pi/2) = 0: ratio 0.01 + 0.99 / 2. In double
+  // cos(pi/2) is 6.1e-17, which moves the lr by 0.002 * 0.99 * 3e-17 = 6e-20: hence the absolute 1e-18.
+  EXPECT_NEAR(cfg::lr_at(s, 59), 0.002 * (0.01 + 0.99 * 0.5), 1e-18);
+  // t = 34: progress 1/4, (1 + cos(pi/4)) / 2 = (1 + sqrt(1/2)) / 2.
+  EXPECT_LR(cfg::lr_at(s, 34), 0.002 * (0.01 + 0.99 * (1.0 + std::sqrt(0.5)) / 2.0));
+  EXPECT_LR(cfg::lr_at(s, 109), 0.002 * 0.01);   // progress 1: cos_min_ratio
+  EXPECT_LR(cfg::lr_at(s, 1000), 0.002 * 0.01);  // stays at the floor
+}
+
+TEST(ConfigSchedule, OneCycleLrAndMomentum) {
+  const auto c = parse(R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.99]}},
+      "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.011,
+       "cycle_first_step_size": 10, "cycle_second_step_size": 20, "decay_step_size": 5, "decay_lr_rate": 0.5,
+       "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.1}}})");
+  EXPECT_TRUE(c.warnings.empty()) << all_warnings(c);  // beta2 is already 0.99
+  const auto& s = c.scheduler;
+  ASSERT_TRUE(s.momentum_cycled);
+  // Cycle of 30 iterations, rising for 10 (step ratio 1/3), falling for 20.
+  EXPECT_LR(cfg::lr_at(s, -1), 0.001);
+  EXPECT_LR(cfg::momentum_at(s, -1), 0.85);            // construction sets cycle_min_mom
+  EXPECT_LR(cfg::lr_at(s, 4), 0.001 + 0.01 * 0.5);     // x = 5/30 = half of the rising 1/3
+  EXPECT_LR(cfg::momentum_at(s, 4), 0.95 - 0.1 * 0.5);
+  EXPECT_LR(cfg::lr_at(s, 9), 0.011);                  // peak at x = 1/3
+  EXPECT_LR(cfg::momentum_at(s, 9), 0.85);
+  EXPECT_LR(cfg::lr_at(s, 19), 0.001 + 0.01 * 0.5);    // x = 2/3: (2/3 - 1) / (1/3 - 1) = 1/2
+  EXPECT_LR(cfg::lr_at(s, 29), 0.001);                 // end of the cycle (x = 1 + 30/30 - 2 = 0)
+  EXPECT_LR(cfg::momentum_at(s, 29), 0.95);
+  // Decay: iteration 1 after the cycle is 1/5 of a decay step.
+  EXPECT_LR(cfg::lr_at(s, 30), 0.001 / (1.0 + 0.5 * 0.2));
+  EXPECT_LR(cfg::momentum_at(s, 30), 0.95 * (1.0 + 0.1 * 0.2));
+  EXPECT_LR(cfg::lr_at(s, 39), 0.001 / 2.0);           // 10 / 5 = 2 decay steps
+  EXPECT_LR(cfg::momentum_at(s, 39), 0.95 * 1.2);      // DeepSpeed grows momentum past 1 here too
+}
+
+TEST(ConfigSchedule, OneCycleStairsAndNoDecay) {
+  const auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params":
+      {"cycle_min_lr": 0.001, "cycle_max_lr": 0.011, "cycle_first_step_size": 10, "cycle_second_step_size": 20,
+       "cycle_first_stair_count": 2, "cycle_second_stair_count": 4}}})");
+  const auto& s = c.scheduler;
+  EXPECT_LR(cfg::lr_at(s, 3), 0.001);                 // 4 * 2 / 10 = 0.8 -> stair 0
+  EXPECT_LR(cfg::lr_at(s, 4), 0.001 + 0.01 * 0.5);    // 5 * 2 / 10 = 1 -> stair 1 of 2
+  EXPECT_LR(cfg::lr_at(s, 14), 0.001 + 0.01 * 0.75);  // (30 - 15) * 4 / 20 = 3 -> 3/4
+  EXPECT_LR(cfg::lr_at(s, 16), 0.001 + 0.01 * 0.5);   // (30 - 17) * 4 / 20 = 2.6 -> 2/4
+  EXPECT_LR(cfg::lr_at(s, 40), 0.001);                // decay_step_size 0: no decay
+  // No optimizer section: the caller's optimizer decides; momentum cycling stays on as configured.
+  EXPECT_TRUE(s.momentum_cycled);
+  EXPECT_LR(cfg::momentum_at(s, 40), 0.9);            // DeepSpeed's default cycle_max_mom
+  EXPECT_THROW(cfg::momentum_at(parse(R"({"train_batch_size": 8})").scheduler, 0), zero8::Error);
+}
+
+TEST(ConfigSchedule, LRRangeTest) {
+  auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "LRRangeTest", "params":
+      {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 10, "lr_range_test_step_rate": 2}}})");
+  EXPECT_LR(cfg::lr_at(c.scheduler, -1), 0.001);
+  EXPECT_LR(cfg::lr_at(c.scheduler, 4), 0.001 * (1 + 2 * 0.5));
+  c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "LRRangeTest", "params":
+      {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 10, "lr_range_test_step_rate": 2,
+       "lr_range_test_staircase": true}}})");
+  EXPECT_LR(cfg::lr_at(c.scheduler, 4), 0.001);            // floor(0.5) = 0
+  EXPECT_LR(cfg::lr_at(c.scheduler, 9), 0.001 * (1 + 2));  // floor(1) = 1
+}
+
+TEST(ConfigSchedule, BaseLrFromTheClientOptimizer) {
+  // No optimizer section: WarmupLR's maximum and WarmupCosineLR's scale come from the caller's optimizer.
+  auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                    "warmup_type": "linear"}}})");
+  EXPECT_THROW(cfg::lr_at(c.scheduler, 5), zero8::Error);
+  cfg::scheduler_set_base_lr(c.scheduler, 0.2);
+  EXPECT_LR(cfg::lr_at(c.scheduler, 5), 0.1);
+  c = parse(R"({"train_batch_size": 8})");
+  EXPECT_THROW(cfg::lr_at(c.scheduler, 0), zero8::Error);
+  cfg::scheduler_set_base_lr(c.scheduler, 0.3);
+  EXPECT_EQ(cfg::lr_at(c.scheduler, 7), 0.3);  // no scheduler: constant
+}
+
+// ------------------------------------------------------------------------------------------------
+// to_json: normalized and resolved; parsing it back gives the same config, with no warnings.
+
+TEST(ConfigJson, RoundTripEveryConfigFile) {
+  for (const char* name : {"bert_fp16_adam_warmup_decay.json", "zero2_fp16_adamw_warmup.json",
+                           "bf16_adamw_cosine_zero2.json", "zero8_lamb_onecycle.json", "zero1_sgd_nesterov.json"}) {
+    SCOPED_TRACE(name);
+    const auto c = cfg::parse_file(kConfigs + name, 4);
+    const std::string j = cfg::to_json(c);
+    const auto back = cfg::parse_string(j, 4, "normalized.json");
+    EXPECT_TRUE(back == c) << j;
+    EXPECT_TRUE(back.warnings.empty()) << all_warnings(back);
+    EXPECT_EQ(cfg::to_json(back), j);
+  }
+}
+
+TEST(ConfigJson, RoundTripEveryOptimizerAndSchedule) {
+  const char* optimizers[] = {
+      R"({"type": "Adam", "params": {"adam_w_mode": false, "betas": [0.8, 0.9], "eps": 1e-7}})",
+      R"({"type": "Lion", "params": {"lr": 3e-5, "weight_decay": 0.1}})",
+      R"({"type": "SGD", "params": {"momentum": 0.5, "dampening": 0.1}})",
+      R"({"type": "RMSprop", "params": {"alpha": 0.95}})",
+      R"({"type": "Adagrad", "params": {"lr_decay": 0.01, "initial_accumulator_value": 0.1}})",
+      R"({"type": "LARS", "params": {"momentum": 0.9, "nesterov": true, "trust_coefficient": 0.01}})"};
+  const char* schedulers[] = {
+      R"({"type": "WarmupLR", "params": {}})",
+      R"({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_momentum": false}})",
+      R"({"type": "LRRangeTest", "params": {"lr_range_test_staircase": true}})"};
+  for (const char* o : optimizers)
+    for (const char* s : schedulers) {
+      const std::string text = std::string(R"({"train_micro_batch_size_per_gpu": 3, "communication_data_type": "fp16",
+          "fp16": {"enabled": true, "loss_scale": 0, "min_loss_scale": 0.0001}, "zero8": {"seed": 18446744073709551615},
+          "optimizer": )") + o + R"(, "scheduler": )" + s + "}";
+      SCOPED_TRACE(text);
+      const auto c = parse(text, 2);
+      const auto back = cfg::parse_string(cfg::to_json(c), 2, "normalized.json");
+      EXPECT_TRUE(back == c) << cfg::to_json(c);
+      EXPECT_TRUE(back.warnings.empty()) << all_warnings(back);
+      EXPECT_EQ(back.zero8.seed, 18446744073709551615ull);
+    }
+  // Equality is real: a changed field breaks it.
+  auto a = parse(R"({"train_batch_size": 8})");
+  auto b = a;
+  EXPECT_TRUE(a == b);
+  b.zero8.wire_block_size = 1024;
+  EXPECT_FALSE(a == b);
+  b = a;
+  b.scheduler.warmup_max_lr = 0.5;
+  EXPECT_FALSE(a == b);
+}

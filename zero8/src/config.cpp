@@ -1,0 +1,1235 @@
+// DeepSpeed JSON config: parsing with key-path errors, DeepSpeed's defaults and resolution rules
+// (deepspeed/runtime/config.py, zero/config.py, precision_config.py, engine.py's optimizer choice),
+// the normalized dump for checkpoint manifests, and the LR schedules of deepspeed/runtime/lr_schedules.py.
+#include "zero8/config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <unordered_set>
+
+#include <nlohmann/json.hpp>
+
+#include "zero8/error.h"
+
+namespace zero8::config {
+
+namespace {
+
+// ordered_json keeps the file's key order, so warnings come out in reading order and to_json in ours.
+using json = nlohmann::ordered_json;
+
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
+constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+const char* const kAutoHint =
+    "\"auto\" is filled in by the Hugging Face Trainer's DeepSpeed integration before DeepSpeed reads the "
+    "config; DeepSpeed itself does not resolve it here: give a value";
+
+std::string lower(std::string s) {
+  for (char& ch : s) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+// A JSON value as the user wrote it, shortened for messages.
+std::string show(const json& v) {
+  std::string s = v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+std::string fmt_num(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+// An admissible interval for a number, which also words itself for error messages.
+struct Range {
+  double lo = -kInf, hi = kInf;
+  bool lo_open = false, hi_open = false;
+  bool contains(double x) const {
+    return (lo_open ? x > lo : x >= lo) && (hi_open ? x < hi : x <= hi);
+  }
+  std::string text() const {
+    const bool has_lo = lo > -kInf, has_hi = hi < kInf;
+    if (!has_lo && !has_hi) return "a number";
+    if (!has_hi) return std::string("a number ") + (lo_open ? "> " : ">= ") + fmt_num(lo);
+    if (!has_lo) return std::string("a number ") + (hi_open ? "< " : "<= ") + fmt_num(hi);
+    return "a number in " + std::string(lo_open ? "(" : "[") + fmt_num(lo) + ", " + fmt_num(hi) + (hi_open ? ")" : "]");
+  }
+};
+Range any_number() { return {}; }
+Range ge(double lo) { return {lo, kInf, false, false}; }
+Range gt(double lo) { return {lo, kInf, true, false}; }
+Range in_co(double lo, double hi) { return {lo, hi, false, true}; }  // [lo, hi)
+
+std::string int_range_text(int64_t lo, int64_t hi) {
+  if (lo == kI64Min && hi == kI64Max) return "an integer";
+  if (hi == kI64Max) return "an integer >= " + std::to_string(lo);
+  return "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+}
+
+// How a section treats the string "auto". DeepSpeed's pydantic sections (fp16, bf16,
+// zero_optimization and its offload blocks) drop "auto" values, so the default applies; everywhere
+// else DeepSpeed would use the string itself and fail later, so it is an error here.
+enum class Auto { reject, use_default };
+
+struct Ctx {
+  std::string source;
+  std::vector<std::string>* warnings = nullptr;
+};
+
+std::string join_path(const std::string& path, const std::string& key) {
+  return path.empty() ? key : path + "." + key;
+}
+
+[[noreturn]] void fail_at(const Ctx& ctx, const std::string& path, const std::string& msg,
+                          ErrorCode code = ErrorCode::invalid_argument) {
+  throw Error(code, ctx.source + ": " + (path.empty() ? std::string() : path + ": ") + msg);
+}
+
+void warn_at(const Ctx& ctx, const std::string& path, const std::string& msg) {
+  ctx.warnings->push_back(ctx.source + ": " + (path.empty() ? std::string() : path + ": ") + msg);
+}
+
+[[noreturn]] void fail_expected(const Ctx& ctx, const std::string& path, const std::string& what, const json& v) {
+  fail_at(ctx, path, "expected " + what + ", got " + show(v));
+}
+
+double value_num(const Ctx& ctx, const std::string& path, const json& v, const Range& r) {
+  if (!v.is_number()) fail_expected(ctx, path, r.text(), v);
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || !r.contains(x)) fail_expected(ctx, path, r.text(), v);
+  return x;
+}
+
+// Integers also accept integral floats (5e8 is how DeepSpeed configs write bucket sizes; pydantic
+// accepts them too).
+int64_t value_int(const Ctx& ctx, const std::string& path, const json& v, int64_t lo, int64_t hi) {
+  bool ok = false;
+  int64_t x = 0;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    ok = u <= uint64_t(kI64Max);
+    x = ok ? int64_t(u) : 0;
+  } else if (v.is_number_integer()) {
+    ok = true;
+    x = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    ok = std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9.2e18;
+    x = ok ? int64_t(d) : 0;
+  }
+  if (!ok || x < lo || x > hi) fail_expected(ctx, path, int_range_text(lo, hi), v);
+  return x;
+}
+
+// A view of one JSON object at a key path, which records the keys it read so that finish() can warn
+// about the rest. A missing section (nullptr) reads as all defaults.
+class Section {
+ public:
+  Section(Ctx& ctx, const json* obj, std::string path, Auto policy)
+      : ctx_(ctx), obj_(obj), path_(std::move(path)), policy_(policy) {}
+
+  bool present() const { return obj_ != nullptr; }
+  const std::string& path() const { return path_; }
+  std::string key_path(const std::string& key) const { return join_path(path_, key); }
+  Ctx& ctx() const { return ctx_; }
+
+  // The raw value (null included), marking the key as read; nullptr when absent.
+  const json* raw(const std::string& key) {
+    if (!obj_) return nullptr;
+    auto it = obj_->find(key);
+    if (it == obj_->end()) return nullptr;
+    seen_.insert(key);
+    return &*it;
+  }
+  bool has(const std::string& key) const { return obj_ && obj_->find(key) != obj_->end(); }
+  std::vector<std::string> keys() const {
+    std::vector<std::string> k;
+    if (obj_)
+      for (auto it = obj_->begin(); it != obj_->end(); ++it) k.push_back(it.key());
+    return k;
+  }
+
+  // The value to use, or nullptr for "take the default": absent, null, or "auto" where DeepSpeed drops it.
+  const json* find(const std::string& key) {
+    const json* v = raw(key);
+    if (!v || v->is_null()) return nullptr;
+    if (v->is_string() && v->get<std::string>() == "auto") {
+      if (policy_ == Auto::reject) fail_at(ctx_, key_path(key), kAutoHint);
+      warn_at(ctx_, key_path(key),
+              "\"auto\" is not resolved here: the default is used, as DeepSpeed does (the Hugging Face "
+              "Trainer fills \"auto\" in before DeepSpeed reads the config)");
+      return nullptr;
+    }
+    return v;
+  }
+
+  bool get_bool(const std::string& key, bool def) {
+    const json* v = find(key);
+    if (!v) return def;
+    if (!v->is_boolean()) fail_expected(ctx_, key_path(key), "a boolean (true or false)", *v);
+    return v->get<bool>();
+  }
+  double get_num(const std::string& key, double def, const Range& r) {
+    const json* v = find(key);
+    return v ? value_num(ctx_, key_path(key), *v, r) : def;
+  }
+  std::optional<double> get_num_opt(const std::string& key, const Range& r) {
+    const json* v = find(key);
+    if (!v) return std::nullopt;
+    return value_num(ctx_, key_path(key), *v, r);
+  }
+  int64_t get_int(const std::string& key, int64_t def, int64_t lo, int64_t hi = kI64Max) {
+    const json* v = find(key);
+    return v ? value_int(ctx_, key_path(key), *v, lo, hi) : def;
+  }
+  std::optional<int64_t> get_int_opt(const std::string& key, int64_t lo, int64_t hi = kI64Max) {
+    const json* v = find(key);
+    if (!v) return std::nullopt;
+    return value_int(ctx_, key_path(key), *v, lo, hi);
+  }
+  // auto_is_value: "auto" is one of the key's own values (zero8.comm_backend), not DeepSpeed's placeholder.
+  std::optional<std::string> get_str_opt(const std::string& key, bool auto_is_value = false) {
+    const json* v = auto_is_value ? raw(key) : find(key);
+    if (!v || v->is_null()) return std::nullopt;
+    if (!v->is_string()) fail_expected(ctx_, key_path(key), "a string", *v);
+    return v->get<std::string>();
+  }
+  // One of `names` (matched case-insensitively); returns its index.
+  int get_choice(const std::string& key, int def, const std::vector<std::string>& names, bool auto_is_value = false) {
+    const auto s = get_str_opt(key, auto_is_value);
+    if (!s) return def;
+    for (size_t i = 0; i < names.size(); ++i)
+      if (lower(*s) == lower(names[i])) return int(i);
+    std::string list;
+    for (size_t i = 0; i < names.size(); ++i) list += (i ? ", \"" : "\"") + names[i] + "\"";
+    fail_at(ctx_, key_path(key), "expected one of " + list + ", got \"" + *s + "\"");
+  }
+  Section child(const std::string& key, Auto policy) {
+    const json* v = find(key);
+    if (v && !v->is_object()) fail_expected(ctx_, key_path(key), "an object", *v);
+    return Section(ctx_, v, key_path(key), policy);
+  }
+
+  // A DeepSpeed key zero8 accepts and ignores without comment.
+  void ignore(const std::string& key) { raw(key); }
+  // A DeepSpeed key that asks for something zero8 does not do: fail (unsupported) when the value
+  // requests it (`active` tells), else accept.
+  template <class Active>
+  void reject_if(const std::string& key, Active active, const std::string& why) {
+    const json* v = raw(key);
+    if (v && active(*v)) fail_at(ctx_, key_path(key), why, ErrorCode::unsupported);
+  }
+  template <class Active>
+  void warn_if(const std::string& key, Active active, const std::string& why) {
+    const json* v = raw(key);
+    if (v && active(*v)) warn_at(ctx_, key_path(key), why);
+  }
+
+  [[noreturn]] void fail(const std::string& key, const std::string& msg,
+                         ErrorCode code = ErrorCode::invalid_argument) const {
+    fail_at(ctx_, key_path(key), msg, code);
+  }
+  void warn(const std::string& key, const std::string& msg) const { warn_at(ctx_, key_path(key), msg); }
+
+  // Warn once for every key that was not read. DeepSpeed ignores unknown top-level keys; `hint` says
+  // what DeepSpeed would do with an unknown key here when that differs.
+  void finish(const std::string& hint = "") {
+    if (!obj_) return;
+    for (auto it = obj_->begin(); it != obj_->end(); ++it)
+      if (!seen_.count(it.key()))
+        warn_at(ctx_, key_path(it.key()), "unknown key, ignored" + (hint.empty() ? std::string() : " " + hint));
+  }
+
+ private:
+  Ctx& ctx_;
+  const json* obj_;
+  std::string path_;
+  Auto policy_;
+  std::set<std::string> seen_;
+};
+
+bool is_true(const json& v) { return v.is_boolean() && v.get<bool>(); }
+bool is_enabled_section(const json& v) {
+  if (!v.is_object()) return false;
+  auto it = v.find("enabled");
+  return it != v.end() && is_true(*it);
+}
+bool is_non_null(const json& v) { return !v.is_null(); }
+
+// ---------------------------------------------------------------------------------------------------
+// JSON text -> tree, with line:column for syntax errors and DeepSpeed's duplicate-key rejection.
+
+struct LineCol {
+  int64_t line = 1, col = 1;
+};
+
+// nlohmann reports the count of bytes read when it failed; the offending byte is the last one read.
+LineCol line_col_at(const std::string& text, size_t bytes_read) {
+  const size_t i = std::min(bytes_read == 0 ? size_t(0) : bytes_read - 1, text.size());
+  LineCol lc;
+  size_t line_start = 0;
+  for (size_t k = 0; k < i; ++k)
+    if (text[k] == '\n') {
+      ++lc.line;
+      line_start = k + 1;
+    }
+  lc.col = int64_t(i - line_start) + 1;
+  return lc;
+}
+
+// Path of the key being parsed, for duplicate-key errors.
+struct ParseFrame {
+  bool is_array = false;
+  std::string key;
+  int64_t index = 0;
+  std::unordered_set<std::string> keys;
+};
+
+std::string frames_path(const std::vector<ParseFrame>& st) {
+  std::string p;
+  for (size_t i = 0; i + 1 < st.size(); ++i) {
+    const ParseFrame& f = st[i];
+    if (f.is_array) p += "[" + std::to_string(f.index) + "]";
+    else p = join_path(p, f.key);
+  }
+  return p;
+}
+
+json parse_json_text(const Ctx& ctx, const std::string& text) {
+  std::vector<ParseFrame> st;
+  std::string duplicate;
+  auto element_done = [&st]() {
+    if (!st.empty() && st.back().is_array) ++st.back().index;
+  };
+  json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& v) -> bool {
+    switch (ev) {
+      case json::parse_event_t::object_start: st.push_back(ParseFrame{}); break;
+      case json::parse_event_t::array_start: {
+        ParseFrame f;
+        f.is_array = true;
+        st.push_back(std::move(f));
+        break;
+      }
+      case json::parse_event_t::key: {
+        ParseFrame& f = st.back();
+        f.key = v.get<std::string>();
+        if (!f.keys.insert(f.key).second && duplicate.empty()) {
+          st.push_back(ParseFrame{});  // frames_path() names every frame but the innermost
+          duplicate = frames_path(st);
+          st.pop_back();
+        }
+        break;
+      }
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        st.pop_back();
+        element_done();
+        break;
+      case json::parse_event_t::value: element_done(); break;
+    }
+    return true;
+  };
+  json root;
+  try {
+    root = json::parse(text, cb, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const json::parse_error& e) {
+    const LineCol lc = line_col_at(text, e.byte);
+    // e.what() is "[json.exception.parse_error.N] parse error at line L, column C: <reason>".
+    std::string reason = e.what();
+    const size_t col = reason.find("column ");
+    const size_t colon = col == std::string::npos ? std::string::npos : reason.find(": ", col);
+    if (colon != std::string::npos) reason = reason.substr(colon + 2);
+    throw Error(ErrorCode::invalid_argument, ctx.source + ":" + std::to_string(lc.line) + ":" +
+                                                 std::to_string(lc.col) + ": malformed JSON: " + reason);
+  }
+  if (!duplicate.empty())
+    fail_at(ctx, duplicate, "duplicate key (DeepSpeed rejects duplicate keys too; only one value can apply)");
+  return root;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sections.
+
+int64_t mul_checked(const Ctx& ctx, int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) fail_at(ctx, "train_batch_size", "batch sizes overflow a 64-bit integer");
+  return r;
+}
+
+// DeepSpeed's _set_batch_related_parameters + _batch_assertion, with the division checked instead of
+// truncated (DeepSpeed divides with // and then fails its equality assertion).
+void parse_batch(Section& top, int world, Config& c) {
+  const Ctx& ctx = top.ctx();
+  const auto tbs = top.get_int_opt("train_batch_size", 1);
+  const auto mbs = top.get_int_opt("train_micro_batch_size_per_gpu", 1);
+  const auto gas = top.get_int_opt("gradient_accumulation_steps", 1);
+  const std::string rule =
+      " (DeepSpeed's rule: train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps "
+      "* world_size)";
+  const std::string w = std::to_string(world);
+  BatchConfig& b = c.batch;
+  if (tbs && mbs && gas) {
+    const int64_t prod = mul_checked(ctx, mul_checked(ctx, *mbs, *gas), world);
+    if (prod != *tbs)
+      fail_at(ctx, "train_batch_size",
+              std::to_string(*tbs) + " != train_micro_batch_size_per_gpu " + std::to_string(*mbs) +
+                  " * gradient_accumulation_steps " + std::to_string(*gas) + " * world_size " + w + " = " +
+                  std::to_string(prod) + rule);
+    b = {*tbs, *mbs, *gas};
+  } else if (tbs && mbs) {
+    const int64_t d = mul_checked(ctx, *mbs, world);
+    if (*tbs % d != 0)
+      fail_at(ctx, "train_batch_size",
+              std::to_string(*tbs) + " is not divisible by train_micro_batch_size_per_gpu " + std::to_string(*mbs) +
+                  " * world_size " + w + " = " + std::to_string(d) +
+                  ", so gradient_accumulation_steps cannot be derived" + rule);
+    b = {*tbs, *mbs, *tbs / d};
+  } else if (tbs && gas) {
+    const int64_t d = mul_checked(ctx, *gas, world);
+    if (*tbs % d != 0)
+      fail_at(ctx, "train_batch_size",
+              std::to_string(*tbs) + " is not divisible by gradient_accumulation_steps " + std::to_string(*gas) +
+                  " * world_size " + w + " = " + std::to_string(d) +
+                  ", so train_micro_batch_size_per_gpu cannot be derived" + rule);
+    b = {*tbs, *tbs / d, *gas};
+  } else if (mbs && gas) {
+    b = {mul_checked(ctx, mul_checked(ctx, *mbs, *gas), world), *mbs, *gas};
+  } else if (tbs) {
+    // DeepSpeed: gradient_accumulation_steps = 1, micro batch = train_batch_size / world_size.
+    if (*tbs % world != 0)
+      fail_at(ctx, "train_batch_size",
+              std::to_string(*tbs) + " is not divisible by world_size " + w +
+                  ", so train_micro_batch_size_per_gpu cannot be derived (gradient_accumulation_steps "
+                  "defaults to 1 when only train_batch_size is given)");
+    b = {*tbs, *tbs / world, 1};
+  } else if (mbs) {
+    b = {mul_checked(ctx, *mbs, world), *mbs, 1};  // DeepSpeed: gradient_accumulation_steps = 1
+  } else {
+    fail_at(ctx, "train_batch_size",
+            std::string("missing: give train_batch_size or train_micro_batch_size_per_gpu") +
+                (gas ? " (gradient_accumulation_steps alone does not determine the batch)" : "") + rule);
+  }
+}
+
+void parse_precision(Section& top, Config& c) {
+  {
+    Section s = top.child("fp16", Auto::use_default);
+    Fp16Config& f = c.fp16;
+    f.enabled = s.get_bool("enabled", false);
+    f.loss_scale = s.get_num("loss_scale", 0.0, ge(0.0));
+    f.initial_scale_power = int(s.get_int("initial_scale_power", 16, 0, 63));
+    f.loss_scale_window = s.get_int("loss_scale_window", 1000, 1);
+    f.hysteresis = int(s.get_int("hysteresis", 2, 1, kI32Max));
+    f.consecutive_hysteresis = s.get_bool("consecutive_hysteresis", false);
+    f.min_loss_scale = s.get_num("min_loss_scale", 1.0, ge(0.0));
+    f.auto_cast = s.get_bool("auto_cast", false);
+    s.ignore("fused_mode");
+    s.reject_if("fp16_master_weights_and_grads", is_true,
+                "fp16 master weights are not supported: zero8 keeps an fp32 master of each partition");
+    s.finish("(DeepSpeed rejects unknown fp16 keys)");
+  }
+  {
+    // "bfloat16" is DeepSpeed's old name, read only when "bf16" is absent.
+    const char* key = top.has("bf16") ? "bf16" : "bfloat16";
+    if (top.has("bf16") && top.has("bfloat16"))
+      top.warn("bfloat16", "ignored: \"bf16\" is also given and takes precedence, as in DeepSpeed");
+    top.ignore("bfloat16");
+    Section s = top.child(key, Auto::use_default);
+    Bf16Config& b = c.bf16;
+    b.enabled = s.get_bool("enabled", false);
+    b.immediate_grad_update = s.get_bool("immediate_grad_update", false);
+    b.check_grad_overflow = s.get_bool("check_grad_overflow", false);
+    s.reject_if("bf16_master_weights_and_grads", is_true,
+                "bf16 master weights are not supported: zero8 keeps an fp32 master of each partition");
+    s.reject_if("bf16_optimizer_states", is_true,
+                "bf16 optimizer states are not supported: zero8 keeps them as 8-bit blocks (or fp32)");
+    s.finish("(DeepSpeed rejects unknown bf16 keys)");
+  }
+  if (c.fp16.enabled && c.bf16.enabled)
+    fail_at(top.ctx(), "bf16.enabled", "fp16 and bf16 cannot both be enabled (DeepSpeed asserts the same)");
+}
+
+void parse_offload(Section& z, const std::string& key, const std::string& what) {
+  Section o = z.child(key, Auto::use_default);
+  if (!o.present()) return;
+  const int dev = o.get_choice("device", 0, {"none", "cpu", "nvme"});
+  if (dev != 0)
+    o.fail("device", what + " offload is not supported by zero8 (its 8-bit states already cut optimizer memory "
+                            "about 4x): use \"none\" or remove " + z.key_path(key),
+           ErrorCode::unsupported);
+  for (const char* k : {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline_read",
+                        "pipeline_write", "fast_init", "ratio", "super_offload", "convert_grad_on_cpu",
+                        "cpuadam_cores_perc"})
+    o.ignore(k);
+  o.finish("(DeepSpeed rejects unknown offload keys)");
+}
+
+void parse_zero(Section& top, Config& c) {
+  ZeroConfig& z = c.zero;
+  const json* raw = top.raw("zero_optimization");
+  if (raw && raw->is_boolean()) {
+    // DeepSpeed's deprecated form: true means stage 1, with "allgather_size" at the top level.
+    z.stage = raw->get<bool>() ? 1 : 0;
+    z.allgather_bucket_size = top.get_int("allgather_size", z.allgather_bucket_size, 1);
+    top.warn("zero_optimization", "the boolean form is deprecated (as in DeepSpeed): use {\"stage\": N}");
+    return;
+  }
+  top.ignore("allgather_size");
+  Section s = top.child("zero_optimization", Auto::use_default);
+  z.stage = int(s.get_int("stage", 0, 0, 3));
+  if (z.stage == 3)
+    s.fail("stage", "ZeRO stage 3 (parameter partitioning) is not supported by zero8: use stage 1 or 2",
+           ErrorCode::unsupported);
+  // Element counts; DeepSpeed allows 0, which no bucketing can use.
+  z.reduce_bucket_size = s.get_int("reduce_bucket_size", z.reduce_bucket_size, 1);
+  z.allgather_bucket_size = s.get_int("allgather_bucket_size", z.allgather_bucket_size, 1);
+  z.overlap_comm = s.get_bool("overlap_comm", false);  // DeepSpeed's default is true for stage 3 only
+  z.contiguous_gradients = s.get_bool("contiguous_gradients", true);
+  z.reduce_scatter = s.get_bool("reduce_scatter", true);
+  z.allgather_partitions = s.get_bool("allgather_partitions", true);
+  z.round_robin_gradients = s.get_bool("round_robin_gradients", false);
+  z.load_from_fp32_weights = s.get_bool("load_from_fp32_weights", true);
+  z.ignore_unused_parameters = s.get_bool("ignore_unused_parameters", true);
+  parse_offload(s, "offload_optimizer", "optimizer");
+  parse_offload(s, "offload_param", "parameter");
+  s.reject_if("cpu_offload", is_true, "optimizer offload is not supported by zero8");
+  s.reject_if("cpu_offload_param", is_true, "parameter offload is not supported by zero8");
+  s.reject_if("legacy_stage1", is_true, "the legacy stage 1 is gone from DeepSpeed too (>= 0.5.9)");
+  s.reject_if("zenflow", is_non_null, "ZenFlow is not supported by zero8");
+  const std::string zpp =
+      "ZeRO++ quantized communication is not used: zero8 sends its own int8 blocks (zero8.int8_gradients, "
+      "zero8.int8_params)";
+  s.warn_if("zero_quantized_gradients", is_true, zpp);
+  s.warn_if("zero_quantized_weights", is_true, zpp);
+  s.warn_if("zero_quantized_nontrainable_weights", is_true, zpp);
+  s.warn_if("zero_hpz_partition_size", [](const json& v) { return v.is_number() && v.get<double>() > 1; },
+            "hierarchical partitioning (ZeRO++ hpZ) is not implemented: ignored");
+  s.warn_if("mics_shard_size", [](const json& v) { return v.is_number() && v.get<double>() > 0; },
+            "MiCS sharding is not implemented: ignored");
+  // Tuning knobs of stage 3, offload and other DeepSpeed internals: accepted, no effect here.
+  for (const char* k : {"cpu_offload_use_pin_memory", "elastic_checkpoint", "sub_group_size",
+                        "use_multi_rank_bucket_allreduce", "mics_hierarchical_params_gather", "memory_efficient_linear",
+                        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+                        "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
+                        "zeropp_loco_param", "prefetch_bucket_size", "param_persistence_threshold",
+                        "model_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+                        "gather_16bit_weights_on_model_save", "module_granularity_threshold",
+                        "use_all_reduce_for_fetch_params", "allgather_sequential", "partition_stream_chunk_size"})
+    s.ignore(k);
+  for (const std::string& k : s.keys())
+    if (k.rfind("stage3_", 0) == 0) s.ignore(k);
+  s.finish("(DeepSpeed rejects unknown zero_optimization keys)");
+}
+
+const std::vector<std::string> kOptimizerNames = {"Adam", "AdamW", "Lamb", "Lion", "SGD", "RMSprop", "Adagrad", "LARS"};
+
+std::string supported_list(const std::vector<std::string>& names) {
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
+  return s;
+}
+
+void read_betas(Section& p, OptimizerConfig& o) {
+  const json* v = p.find("betas");
+  if (!v) return;
+  const std::string path = p.key_path("betas");
+  if (!v->is_array() || v->size() != 2) fail_expected(p.ctx(), path, "an array of two numbers [beta1, beta2]", *v);
+  o.beta1 = value_num(p.ctx(), path + "[0]", (*v)[0], in_co(0.0, 1.0));
+  o.beta2 = value_num(p.ctx(), path + "[1]", (*v)[1], in_co(0.0, 1.0));
+}
+
+// torch.optim flags that select an implementation, not the math: accepted and ignored.
+void ignore_torch_flags(Section& p) {
+  for (const char* k : {"foreach", "fused", "capturable", "differentiable", "set_grad_none"}) p.ignore(k);
+  p.reject_if("maximize", is_true, "maximize is not supported");
+}
+
+void parse_optimizer(Section& top, Config& c) {
+  OptimizerConfig& o = c.optimizer;
+  Section s = top.child("optimizer", Auto::reject);
+  if (!s.present()) return;
+  const auto type = s.get_str_opt("type");
+  if (!type) s.fail("type", "missing: name the optimizer (" + supported_list(kOptimizerNames) + ")");
+  const std::string t = lower(*type);
+  static const std::vector<std::string> deepspeed_only = {"onebitadam", "zerooneadam", "onebitlamb", "muadam",
+                                                          "muadamw",    "musgd",       "muon"};
+  if (std::find(deepspeed_only.begin(), deepspeed_only.end(), t) != deepspeed_only.end())
+    s.fail("type", "\"" + *type + "\" is a DeepSpeed optimizer zero8 does not implement; supported: " +
+                       supported_list(kOptimizerNames),
+           ErrorCode::unsupported);
+  int idx = -1;
+  for (size_t i = 0; i < kOptimizerNames.size(); ++i)
+    if (t == lower(kOptimizerNames[i])) idx = int(i);
+  if (idx < 0)
+    s.fail("type", "\"" + *type + "\" is not an optimizer zero8 implements (DeepSpeed would look it up in "
+                   "torch.optim); supported: " + supported_list(kOptimizerNames),
+           ErrorCode::unsupported);
+  o.present = true;
+  o.type = OptimizerType(idx);
+  s.ignore("legacy_fusion");
+
+  Section p = s.child("params", Auto::reject);
+  // DeepSpeed's engine rejects it for every optimizer.
+  if (p.raw("max_grad_norm"))
+    p.fail("max_grad_norm",
+           "not supported as an optimizer parameter (DeepSpeed rejects it too): use the top-level gradient_clipping");
+  const OptimizerType ty = o.type;
+  const bool adam_like = ty == OptimizerType::adam || ty == OptimizerType::adamw;
+  // Defaults of the optimizer DeepSpeed builds: FusedAdam/FusedLamb/FusedLion, torch.optim otherwise.
+  double lr_def = 1e-3, eps_def = 1e-8;
+  if (ty == OptimizerType::rmsprop || ty == OptimizerType::adagrad) lr_def = 1e-2;
+  if (ty == OptimizerType::adagrad) eps_def = 1e-10;
+  o.lr = p.get_num("lr", lr_def, ge(0.0));
+  if (adam_like || ty == OptimizerType::lamb || ty == OptimizerType::lion) read_betas(p, o);
+  if (ty != OptimizerType::lion && ty != OptimizerType::sgd && ty != OptimizerType::lars)
+    o.eps = p.get_num("eps", eps_def, ge(0.0));
+  o.weight_decay = p.get_num("weight_decay", 0.0, ge(0.0));
+  if (adam_like || ty == OptimizerType::lamb) o.bias_correction = p.get_bool("bias_correction", true);
+  if (adam_like) {
+    // engine.py: the name AdamW forces decoupled decay; Adam follows adam_w_mode, default true.
+    const bool w = p.get_bool("adam_w_mode", true);
+    o.adam_w_mode = ty == OptimizerType::adamw || w;
+    p.warn_if("torch_adam", is_true, "ignored: zero8 runs its own fused kernels, not torch.optim.Adam(W)");
+    p.reject_if("amsgrad", is_true, "AMSGrad is not supported (DeepSpeed's FusedAdam rejects it too)");
+    ignore_torch_flags(p);
+  }
+  if (ty == OptimizerType::lamb) {
+    o.max_coeff = p.get_num("max_coeff", 10.0, gt(0.0));
+    o.min_coeff = p.get_num("min_coeff", 0.01, ge(0.0));
+    if (o.min_coeff > o.max_coeff)
+      p.fail("min_coeff", "expected <= max_coeff " + fmt_num(o.max_coeff) + ", got " + fmt_num(o.min_coeff));
+    p.reject_if("eps_inside_sqrt", is_true, "eps inside the square root is not supported");
+    p.reject_if("amsgrad", is_true, "AMSGrad is not supported (DeepSpeed's FusedLamb rejects it too)");
+  }
+  if (ty == OptimizerType::sgd || ty == OptimizerType::lars) {
+    o.momentum = p.get_num("momentum", 0.0, ge(0.0));
+    o.dampening = p.get_num("dampening", 0.0, any_number());
+    o.nesterov = p.get_bool("nesterov", false);
+    // torch.optim.SGD raises the same.
+    if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0))
+      p.fail("nesterov", "Nesterov momentum requires momentum > 0 and dampening 0 (got momentum " +
+                             fmt_num(o.momentum) + ", dampening " + fmt_num(o.dampening) + ")");
+    ignore_torch_flags(p);
+  }
+  if (ty == OptimizerType::lars) o.trust_coefficient = p.get_num("trust_coefficient", 0.001, gt(0.0));
+  if (ty == OptimizerType::rmsprop) {
+    o.alpha = p.get_num("alpha", 0.99, ge(0.0));
+    p.reject_if("momentum", [](const json& v) { return v.is_number() && v.get<double>() != 0.0; },
+                "RMSprop with momentum is not supported (8-bit RMSprop keeps one state)");
+    p.reject_if("centered", is_true, "centered RMSprop is not supported");
+    ignore_torch_flags(p);
+  }
+  if (ty == OptimizerType::adagrad) {
+    o.lr_decay = p.get_num("lr_decay", 0.0, ge(0.0));
+    o.initial_accumulator_value = p.get_num("initial_accumulator_value", 0.0, ge(0.0));
+    ignore_torch_flags(p);
+  }
+  p.finish(std::string("(DeepSpeed would pass it to the ") + kOptimizerNames[size_t(idx)] +
+           " constructor, which rejects unknown arguments)");
+  s.finish("(DeepSpeed reads the optimizer's settings from optimizer.params only)");
+}
+
+const std::vector<std::string> kSchedulerNames = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                                                  "LRRangeTest"};
+
+void read_warmup_type(Section& p, SchedulerConfig& sc) {
+  const auto w = p.get_str_opt("warmup_type");
+  if (!w) return;
+  if (*w == "log") sc.warmup_type = WarmupType::log;
+  else if (*w == "linear") sc.warmup_type = WarmupType::linear;
+  else {
+    // lr_schedules.py does the same: a warning, then the log ramp.
+    p.warn("warmup_type", "unknown value \"" + *w + "\": the log warmup is used, as DeepSpeed does");
+    sc.warmup_type = WarmupType::log;
+  }
+}
+
+void parse_scheduler(Section& top, Config& c) {
+  SchedulerConfig& sc = c.scheduler;
+  if (c.optimizer.present) sc.base_lr = c.optimizer.lr;
+  Section s = top.child("scheduler", Auto::reject);
+  if (!s.present()) return;
+  const auto type = s.get_str_opt("type");
+  if (!type) s.fail("type", "missing: name the schedule (" + supported_list(kSchedulerNames) + ")");
+  int idx = -1;
+  for (size_t i = 0; i < kSchedulerNames.size(); ++i)
+    if (lower(*type) == lower(kSchedulerNames[i])) idx = int(i);
+  if (idx < 0)
+    s.fail("type", "\"" + *type + "\" is not a schedule zero8 implements (DeepSpeed would look it up in "
+                   "torch.optim.lr_scheduler); supported: " + supported_list(kSchedulerNames),
+           ErrorCode::unsupported);
+  sc.type = SchedulerType(idx + 1);
+  Section p = s.child("params", Auto::reject);
+  p.warn_if("last_batch_iteration", [](const json& v) { return !(v.is_number() && v.get<double>() == -1.0); },
+            "ignored: the schedule's position is restored from checkpoints");
+  switch (sc.type) {
+    case SchedulerType::warmup_lr:
+    case SchedulerType::warmup_decay_lr: {
+      const bool decay = sc.type == SchedulerType::warmup_decay_lr;
+      if (decay) {
+        const auto t = p.get_int_opt("total_num_steps", 1);
+        if (!t) p.fail("total_num_steps", "missing: WarmupDecayLR needs the total number of steps");
+        sc.total_num_steps = *t;
+      }
+      sc.warmup_min_lr = p.get_num("warmup_min_lr", 0.0, ge(0.0));
+      sc.warmup_max_lr = p.get_num_opt("warmup_max_lr", ge(0.0));
+      // WarmupLR defaults to the optimizer's lr; WarmupDecayLR's constructor default is 0.001.
+      if (!sc.warmup_max_lr) sc.warmup_max_lr = decay ? std::optional<double>(0.001) : sc.base_lr;
+      sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 1);
+      read_warmup_type(p, sc);
+      if (decay && sc.total_num_steps < sc.warmup_num_steps)
+        p.warn("total_num_steps", "is less than warmup_num_steps " + std::to_string(sc.warmup_num_steps) +
+                                      " (DeepSpeed warns the same)");
+      break;
+    }
+    case SchedulerType::warmup_cosine_lr: {
+      const auto t = p.get_int_opt("total_num_steps", 1);
+      if (!t) p.fail("total_num_steps", "missing: WarmupCosineLR needs the total number of steps");
+      sc.total_num_steps = *t;
+      sc.warmup_min_ratio = p.get_num("warmup_min_ratio", 0.0, ge(0.0));
+      sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 1);
+      sc.cos_min_ratio = p.get_num("cos_min_ratio", 0.0001, ge(0.0));
+      read_warmup_type(p, sc);
+      if (sc.total_num_steps < sc.warmup_num_steps)
+        p.warn("total_num_steps", "is less than warmup_num_steps " + std::to_string(sc.warmup_num_steps) +
+                                      " (DeepSpeed warns the same)");
+      break;
+    }
+    case SchedulerType::one_cycle: {
+      const auto lo = p.get_num_opt("cycle_min_lr", ge(0.0));
+      const auto hi = p.get_num_opt("cycle_max_lr", ge(0.0));
+      if (!lo) p.fail("cycle_min_lr", "missing: OneCycle needs cycle_min_lr and cycle_max_lr");
+      if (!hi) p.fail("cycle_max_lr", "missing: OneCycle needs cycle_min_lr and cycle_max_lr");
+      sc.cycle_min_lr = *lo;
+      sc.cycle_max_lr = *hi;
+      sc.decay_lr_rate = p.get_num("decay_lr_rate", 0.0, any_number());
+      sc.cycle_first_step_size = p.get_int("cycle_first_step_size", 2000, 1);
+      sc.cycle_second_step_size = p.get_int("cycle_second_step_size", sc.cycle_first_step_size, 1);
+      // lr_schedules.py's command-line default is -1; any count <= 0 means no staircase.
+      sc.cycle_first_stair_count = p.get_int("cycle_first_stair_count", 0, -1);
+      sc.cycle_second_stair_count = p.get_int("cycle_second_stair_count", sc.cycle_first_stair_count, -1);
+      sc.decay_step_size = p.get_int("decay_step_size", 0, 0);
+      sc.cycle_momentum = p.get_bool("cycle_momentum", true);
+      sc.cycle_min_mom = p.get_num("cycle_min_mom", 0.8, in_co(0.0, 1.0));
+      sc.cycle_max_mom = p.get_num("cycle_max_mom", 0.9, in_co(0.0, 1.0));
+      sc.decay_mom_rate = p.get_num("decay_mom_rate", 0.0, any_number());
+      const OptimizerType ot = c.optimizer.type;
+      const bool has_betas = ot == OptimizerType::adam || ot == OptimizerType::adamw ||
+                             ot == OptimizerType::lamb || ot == OptimizerType::lion;
+      sc.momentum_cycled = sc.cycle_momentum && (!c.optimizer.present || has_betas);
+      if (sc.cycle_momentum && c.optimizer.present && !has_betas)
+        p.warn("cycle_momentum", std::string("momentum is not cycled: ") + optimizer_type_name(ot) +
+                                     " has no betas (DeepSpeed disables it the same way)");
+      if (sc.momentum_cycled && c.optimizer.present && c.optimizer.beta2 != kOneCycleBeta2)
+        p.warn("cycle_momentum", "cycling sets betas to (momentum, 0.99) as DeepSpeed does: optimizer beta2 " +
+                                     fmt_num(c.optimizer.beta2) + " is replaced by 0.99");
+      break;
+    }
+    case SchedulerType::lr_range_test:
+      sc.lr_range_test_min_lr = p.get_num("lr_range_test_min_lr", 1e-3, ge(0.0));
+      sc.lr_range_test_step_size = p.get_int("lr_range_test_step_size", 2000, 1);
+      sc.lr_range_test_step_rate = p.get_num("lr_range_test_step_rate", 1.0, ge(0.0));
+      sc.lr_range_test_staircase = p.get_bool("lr_range_test_staircase", false);
+      break;
+    case SchedulerType::none: break;
+  }
+  p.finish("(DeepSpeed would pass it to the " + kSchedulerNames[size_t(idx)] +
+           " constructor, which rejects unknown arguments)");
+  s.finish("(DeepSpeed reads the schedule's settings from scheduler.params only)");
+}
+
+void parse_misc(Section& top, Config& c) {
+  c.gradient_clipping = top.get_num("gradient_clipping", 0.0, ge(0.0));
+  c.steps_per_print = top.get_int("steps_per_print", 10, 1);
+  c.wall_clock_breakdown = top.get_bool("wall_clock_breakdown", false);
+  c.prescale_gradients = top.get_bool("prescale_gradients", false);
+  c.gradient_predivide_factor = top.get_num("gradient_predivide_factor", 1.0, gt(0.0));
+  c.zero_allow_untested_optimizer = top.get_bool("zero_allow_untested_optimizer", false);
+  // Unset (null or absent): DeepSpeed derives it from the precision; so does zero8.
+  c.communication_data_type = CommDataType(1 + top.get_choice("communication_data_type", -1, {"fp32", "fp16", "bf16"}));
+  // Features that change what training computes and that zero8 does not implement.
+  top.reject_if("amp", is_enabled_section, "Apex AMP is not supported: use \"fp16\" or \"bf16\"");
+  top.reject_if("elasticity", is_enabled_section,
+                "elastic training is not supported: it rewrites the batch sizes zero8 was configured with");
+  // Model-side or data-side features: the caller's business; zero8 only notes that it does not apply them.
+  for (const char* k : {"torch_autocast", "progressive_layer_drop", "curriculum_learning", "data_efficiency",
+                        "eigenvalue"})
+    top.warn_if(k, is_enabled_section, "not implemented by zero8: ignored");
+  for (const char* k : {"sparse_attention", "weight_quantization", "compression_training", "quantize_training"})
+    top.warn_if(k, is_non_null, "not implemented by zero8: ignored");
+  top.warn_if("sparse_gradients", is_true, "sparse gradients are not implemented: gradients are reduced densely");
+  // Monitoring, profiling, I/O tuning and other DeepSpeed subsystems: accepted, no effect here.
+  for (const char* k : {"flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+                        "memory_breakdown", "dump_state", "dataloader_drop_last", "vocabulary_size", "timers",
+                        "zero_force_ds_cpu_optimizer", "disable_allgather", "autotuning", "aio", "nebula",
+                        "datastates", "log_level", "graph_harvesting", "seq_parallel_comm_data_type",
+                        "sequence_parallel_size", "use_data_before_expert_parallelism", "data_types", "compile",
+                        "hybrid_engine", "tensor_parallel", "expert_parallel", "activation_checkpointing",
+                        "pipeline", "gradient_allreduce_op", "managed_gradient_accumulation"})
+    top.ignore(k);
+}
+
+void parse_checkpoint(Section& top, Config& c) {
+  Section s = top.child("checkpoint", Auto::reject);
+  CheckpointConfig& k = c.checkpoint;
+  k.tag_validation = TagValidation(s.get_choice("tag_validation", 0, {"Warn", "Ignore", "Fail"}));
+  k.load_universal = s.get_bool("load_universal", false);
+  k.use_node_local_storage = s.get_bool("use_node_local_storage", false);
+  s.ignore("parallel_write");
+  s.ignore("writer");
+  s.finish();
+}
+
+bool is_pow2_block(int64_t b) { return b >= 64 && b <= 4096 && (b & (b - 1)) == 0; }
+
+void parse_zero8(Section& top, Config& c) {
+  Zero8Config& z = c.zero8;
+  Section s = top.child("zero8", Auto::reject);
+  z.enabled = s.get_bool("enabled", s.present());  // the section turns zero8 on unless it says otherwise
+  for (const char* key : {"state_block_size", "wire_block_size"}) {
+    const int64_t def = std::string(key) == "state_block_size" ? 256 : 2048;
+    const json* v = s.find(key);
+    int64_t b = def;
+    if (v) {
+      b = value_int(s.ctx(), s.key_path(key), *v, kI64Min, kI64Max);
+      if (!is_pow2_block(b)) fail_expected(s.ctx(), s.key_path(key), "a power of two in [64, 4096]", *v);
+    }
+    (std::string(key) == "state_block_size" ? z.state_block_size : z.wire_block_size) = int32_t(b);
+  }
+  z.int8_gradients = s.get_bool("int8_gradients", true);
+  z.int8_params = s.get_bool("int8_params", false);
+  z.error_feedback = s.get_bool("error_feedback", false);
+  if (z.error_feedback && !z.int8_gradients)
+    s.warn("error_feedback", "has no effect without int8_gradients (fp32 gradients have no quantization error)");
+  z.min_8bit_size = s.get_int("min_8bit_size", 4096, 0);
+  {
+    const json* v = s.find("optim_bits");
+    if (v) {
+      z.optim_bits = int(value_int(s.ctx(), s.key_path("optim_bits"), *v, kI64Min, kI64Max));
+      if (z.optim_bits != 8 && z.optim_bits != 32) fail_expected(s.ctx(), s.key_path("optim_bits"), "8 or 32", *v);
+    }
+  }
+  z.stochastic_rounding = s.get_bool("stochastic_rounding", false);
+  {
+    const json* v = s.find("seed");
+    if (v) {
+      if (v->is_number_unsigned()) z.seed = v->get<uint64_t>();
+      else z.seed = uint64_t(value_int(s.ctx(), s.key_path("seed"), *v, 0, kI64Max));
+    }
+  }
+  z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl"}, true));
+  z.comm_timeout_s = s.get_num("comm_timeout_s", 300.0, gt(0.0));
+  Section ck = s.child("checkpoint", Auto::reject);
+  z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
+  ck.finish();
+  s.finish();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+
+const char* optimizer_type_name(OptimizerType t) { return kOptimizerNames[size_t(t)].c_str(); }
+
+const char* scheduler_type_name(SchedulerType t) {
+  return t == SchedulerType::none ? "" : kSchedulerNames[size_t(t) - 1].c_str();
+}
+
+Config parse_string(const std::string& json_text, int world_size, const std::string& source_name) {
+  ZERO8_CHECK_ARG(world_size >= 1, "world_size", "must be >= 1, got " << world_size);
+  Config c;
+  c.source = source_name;
+  c.world_size = world_size;
+  Ctx ctx{source_name, &c.warnings};
+  const json root = parse_json_text(ctx, json_text);
+  if (!root.is_object()) fail_at(ctx, "", "the config must be a JSON object, got " + show(root));
+  Section top(ctx, &root, "", Auto::reject);
+  parse_batch(top, world_size, c);
+  parse_precision(top, c);
+  parse_zero(top, c);
+  parse_optimizer(top, c);
+  parse_scheduler(top, c);
+  parse_misc(top, c);
+  parse_checkpoint(top, c);
+  parse_zero8(top, c);
+  top.finish("(DeepSpeed ignores unknown top-level keys too)");
+  return c;
+}
+
+Config parse_file(const std::string& path, int world_size) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(ErrorCode::io, path + ": cannot open the config file: " + std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw Error(ErrorCode::io, path + ": cannot read the config file");
+  return parse_string(ss.str(), world_size, path);
+}
+
+std::string to_json(const Config& c, int indent) {
+  json j;
+  j["train_batch_size"] = c.batch.train_batch_size;
+  j["train_micro_batch_size_per_gpu"] = c.batch.train_micro_batch_size_per_gpu;
+  j["gradient_accumulation_steps"] = c.batch.gradient_accumulation_steps;
+  j["steps_per_print"] = c.steps_per_print;
+  j["gradient_clipping"] = c.gradient_clipping;
+  j["wall_clock_breakdown"] = c.wall_clock_breakdown;
+  j["prescale_gradients"] = c.prescale_gradients;
+  j["gradient_predivide_factor"] = c.gradient_predivide_factor;
+  j["zero_allow_untested_optimizer"] = c.zero_allow_untested_optimizer;
+  static const char* const comm_names[] = {"", "fp32", "fp16", "bf16"};
+  if (c.communication_data_type != CommDataType::unset)
+    j["communication_data_type"] = comm_names[int(c.communication_data_type)];
+
+  if (c.optimizer.present) {
+    const OptimizerConfig& o = c.optimizer;
+    const OptimizerType ty = o.type;
+    const bool adam_like = ty == OptimizerType::adam || ty == OptimizerType::adamw;
+    json p;
+    p["lr"] = o.lr;
+    if (adam_like || ty == OptimizerType::lamb || ty == OptimizerType::lion) p["betas"] = {o.beta1, o.beta2};
+    if (ty != OptimizerType::lion && ty != OptimizerType::sgd && ty != OptimizerType::lars) p["eps"] = o.eps;
+    p["weight_decay"] = o.weight_decay;
+    if (adam_like || ty == OptimizerType::lamb) p["bias_correction"] = o.bias_correction;
+    if (adam_like) p["adam_w_mode"] = o.adam_w_mode;
+    if (ty == OptimizerType::lamb) {
+      p["max_coeff"] = o.max_coeff;
+      p["min_coeff"] = o.min_coeff;
+    }
+    if (ty == OptimizerType::sgd || ty == OptimizerType::lars) {
+      p["momentum"] = o.momentum;
+      p["dampening"] = o.dampening;
+      p["nesterov"] = o.nesterov;
+    }
+    if (ty == OptimizerType::lars) p["trust_coefficient"] = o.trust_coefficient;
+    if (ty == OptimizerType::rmsprop) p["alpha"] = o.alpha;
+    if (ty == OptimizerType::adagrad) {
+      p["lr_decay"] = o.lr_decay;
+      p["initial_accumulator_value"] = o.initial_accumulator_value;
+    }
+    j["optimizer"] = {{"type", optimizer_type_name(ty)}, {"params", p}};
+  }
+
+  const SchedulerConfig& s = c.scheduler;
+  if (s.type != SchedulerType::none) {
+    json p = json::object();
+    const char* const warm = s.warmup_type == WarmupType::log ? "log" : "linear";
+    switch (s.type) {
+      case SchedulerType::warmup_lr:
+      case SchedulerType::warmup_decay_lr:
+        if (s.type == SchedulerType::warmup_decay_lr) p["total_num_steps"] = s.total_num_steps;
+        p["warmup_min_lr"] = s.warmup_min_lr;
+        if (s.warmup_max_lr) p["warmup_max_lr"] = *s.warmup_max_lr;
+        p["warmup_num_steps"] = s.warmup_num_steps;
+        p["warmup_type"] = warm;
+        break;
+      case SchedulerType::warmup_cosine_lr:
+        p["total_num_steps"] = s.total_num_steps;
+        p["warmup_min_ratio"] = s.warmup_min_ratio;
+        p["warmup_num_steps"] = s.warmup_num_steps;
+        p["cos_min_ratio"] = s.cos_min_ratio;
+        p["warmup_type"] = warm;
+        break;
+      case SchedulerType::one_cycle:
+        p["cycle_min_lr"] = s.cycle_min_lr;
+        p["cycle_max_lr"] = s.cycle_max_lr;
+        p["decay_lr_rate"] = s.decay_lr_rate;
+        p["cycle_first_step_size"] = s.cycle_first_step_size;
+        p["cycle_second_step_size"] = s.cycle_second_step_size;
+        p["cycle_first_stair_count"] = s.cycle_first_stair_count;
+        p["cycle_second_stair_count"] = s.cycle_second_stair_count;
+        p["decay_step_size"] = s.decay_step_size;
+        p["cycle_momentum"] = s.cycle_momentum;
+        p["cycle_min_mom"] = s.cycle_min_mom;
+        p["cycle_max_mom"] = s.cycle_max_mom;
+        p["decay_mom_rate"] = s.decay_mom_rate;
+        break;
+      case SchedulerType::lr_range_test:
+        p["lr_range_test_min_lr"] = s.lr_range_test_min_lr;
+        p["lr_range_test_step_size"] = s.lr_range_test_step_size;
+        p["lr_range_test_step_rate"] = s.lr_range_test_step_rate;
+        p["lr_range_test_staircase"] = s.lr_range_test_staircase;
+        break;
+      case SchedulerType::none: break;
+    }
+    j["scheduler"] = {{"type", scheduler_type_name(s.type)}, {"params", p}};
+  }
+
+  const Fp16Config& f = c.fp16;
+  j["fp16"] = {{"enabled", f.enabled},
+               {"loss_scale", f.loss_scale},
+               {"initial_scale_power", f.initial_scale_power},
+               {"loss_scale_window", f.loss_scale_window},
+               {"hysteresis", f.hysteresis},
+               {"consecutive_hysteresis", f.consecutive_hysteresis},
+               {"min_loss_scale", f.min_loss_scale},
+               {"auto_cast", f.auto_cast}};
+  j["bf16"] = {{"enabled", c.bf16.enabled},
+               {"immediate_grad_update", c.bf16.immediate_grad_update},
+               {"check_grad_overflow", c.bf16.check_grad_overflow}};
+  const ZeroConfig& z = c.zero;
+  j["zero_optimization"] = {{"stage", z.stage},
+                            {"reduce_bucket_size", z.reduce_bucket_size},
+                            {"allgather_bucket_size", z.allgather_bucket_size},
+                            {"overlap_comm", z.overlap_comm},
+                            {"contiguous_gradients", z.contiguous_gradients},
+                            {"reduce_scatter", z.reduce_scatter},
+                            {"allgather_partitions", z.allgather_partitions},
+                            {"round_robin_gradients", z.round_robin_gradients},
+                            {"load_from_fp32_weights", z.load_from_fp32_weights},
+                            {"ignore_unused_parameters", z.ignore_unused_parameters}};
+  static const char* const tag_names[] = {"Warn", "Ignore", "Fail"};
+  j["checkpoint"] = {{"tag_validation", tag_names[int(c.checkpoint.tag_validation)]},
+                     {"load_universal", c.checkpoint.load_universal},
+                     {"use_node_local_storage", c.checkpoint.use_node_local_storage}};
+  const Zero8Config& q = c.zero8;
+  static const char* const backend_names[] = {"auto", "mpi", "single", "nccl"};
+  j["zero8"] = {{"enabled", q.enabled},
+                {"state_block_size", q.state_block_size},
+                {"wire_block_size", q.wire_block_size},
+                {"int8_gradients", q.int8_gradients},
+                {"int8_params", q.int8_params},
+                {"error_feedback", q.error_feedback},
+                {"min_8bit_size", q.min_8bit_size},
+                {"optim_bits", q.optim_bits},
+                {"stochastic_rounding", q.stochastic_rounding},
+                {"seed", q.seed},
+                {"comm_backend", backend_names[int(q.comm_backend)]},
+                {"comm_timeout_s", q.comm_timeout_s},
+                {"checkpoint", {{"keep_last", q.checkpoint_keep_last}}}};
+  return j.dump(indent);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Schedules: lr_schedules.py's arithmetic, in the same order of operations (double, like Python).
+
+namespace {
+
+constexpr double kPi = 3.14159265358979323846;  // Python's math.pi, the same double
+
+double need_base_lr(const SchedulerConfig& s, const char* what) {
+  if (!s.base_lr)
+    ZERO8_THROW(invalid_argument, what << " needs the optimizer's lr, which the config does not give (no optimizer "
+                                         "section): call scheduler_set_base_lr with the client optimizer's lr");
+  return *s.base_lr;
+}
+
+// WarmupLR/WarmupDecayLR/WarmupCosineLR warmup fraction for t in [0, W).
+double warmup_gamma(WarmupType type, int64_t t, int64_t w) {
+  if (type == WarmupType::log) {
+    const double inverse_log_warm_up = 1.0 / std::log(double(w));
+    return inverse_log_warm_up * std::log(double(t + 1));
+  }
+  return double(t) / double(w);
+}
+
+// OneCycle's position in the cycle: 0 at cycle_min, 1 at the peak.
+double one_cycle_scale(const SchedulerConfig& s, int64_t t) {
+  const double first = double(s.cycle_first_step_size), second = double(s.cycle_second_step_size);
+  const double total = first + second;
+  const double step_ratio = first / total;
+  const double bi = double(t + 1);
+  const double cycle = std::floor(1.0 + bi / total);
+  const double x = 1.0 + bi / total - cycle;
+  double scale;
+  int64_t stairs;
+  if (x <= step_ratio) {
+    scale = x / step_ratio;
+    stairs = s.cycle_first_stair_count;
+  } else {
+    scale = (x - 1.0) / (step_ratio - 1.0);
+    stairs = s.cycle_second_stair_count;
+  }
+  if (stairs > 0) {
+    // Stairs are counted from the integer batch offset, not from `scale` (lr_schedules.py explains:
+    // the float scale can land just under an exact stair at a half-cycle boundary).
+    const double ci = std::fmod(bi, total);
+    const double pos = ci <= first ? ci * double(stairs) / first : (total - ci) * double(stairs) / second;
+    scale = std::floor(pos) / double(stairs);
+  }
+  return scale;
+}
+
+}  // namespace
+
+double lr_at(const SchedulerConfig& s, int64_t t) {
+  ZERO8_CHECK_ARG(t >= -1, "last_batch_iteration", "must be >= -1, got " << t);
+  switch (s.type) {
+    case SchedulerType::none: return need_base_lr(s, "the constant learning rate");
+    case SchedulerType::warmup_lr:
+    case SchedulerType::warmup_decay_lr: {
+      if (!s.warmup_max_lr)
+        ZERO8_THROW(invalid_argument, "WarmupLR: warmup_max_lr is not set and the config has no optimizer "
+                                      "section to take it from: call scheduler_set_base_lr");
+      const double min_lr = s.warmup_min_lr, delta = *s.warmup_max_lr - s.warmup_min_lr;
+      if (t < 0) return min_lr;  // before the first step(): the minimum (lr_schedules.py warns and returns it)
+      const int64_t w = std::max<int64_t>(2, s.warmup_num_steps);
+      double gamma;
+      if (t < w) gamma = warmup_gamma(s.warmup_type, t, w);
+      else if (s.type == SchedulerType::warmup_lr) gamma = 1.0;
+      else
+        gamma = std::max(0.0, double(s.total_num_steps - t) /
+                                  std::max(1.0, double(s.total_num_steps - w)));
+      return min_lr + delta * gamma;
+    }
+    case SchedulerType::warmup_cosine_lr: {
+      const double base = need_base_lr(s, "WarmupCosineLR");
+      if (t < 0) return 0.0;  // lr_schedules.py: lr 0 before the first step()
+      const int64_t w = std::max<int64_t>(2, s.warmup_num_steps);
+      double ratio;
+      if (t < w) {
+        ratio = warmup_gamma(s.warmup_type, t, w);
+        ratio = s.warmup_min_ratio + ratio * (1.0 - s.warmup_min_ratio);
+      } else {
+        const double real_last_step = double(t - w + 1);
+        const double real_total_steps = double(std::max<int64_t>(1, s.total_num_steps - w));
+        const double progress = std::min(1.0, real_last_step / real_total_steps);
+        ratio = (1.0 + std::cos(kPi * progress)) / 2.0;
+        ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ratio);
+      }
+      return base * ratio;
+    }
+    case SchedulerType::one_cycle: {
+      const double total = double(s.cycle_first_step_size) + double(s.cycle_second_step_size);
+      if (double(t) < total) return s.cycle_min_lr + (s.cycle_max_lr - s.cycle_min_lr) * one_cycle_scale(s, t);
+      if (s.decay_step_size == 0 || s.decay_lr_rate == 0.0) return s.cycle_min_lr;
+      const double interval = (double(t) - total + 1.0) / double(s.decay_step_size);
+      return s.cycle_min_lr / (1.0 + s.decay_lr_rate * interval);
+    }
+    case SchedulerType::lr_range_test: {
+      double interval = double(t + 1) / double(s.lr_range_test_step_size);
+      if (s.lr_range_test_staircase) interval = std::floor(interval);
+      return s.lr_range_test_min_lr * (1.0 + s.lr_range_test_step_rate * interval);
+    }
+  }
+  ZERO8_ASSERT(false);
+  return 0.0;
+}
+
+double momentum_at(const SchedulerConfig& s, int64_t t) {
+  ZERO8_CHECK_ARG(s.type == SchedulerType::one_cycle && s.momentum_cycled, "scheduler",
+                  "momentum is scheduled only by OneCycle with cycle_momentum (and an optimizer with betas)");
+  ZERO8_CHECK_ARG(t >= -1, "last_batch_iteration", "must be >= -1, got " << t);
+  // At construction OneCycle sets betas to (cycle_min_mom, 0.99); from the first step() on the cycle
+  // starts at cycle_max_mom, the mirror image of the lr.
+  if (t < 0) return s.cycle_min_mom;
+  const double total = double(s.cycle_first_step_size) + double(s.cycle_second_step_size);
+  if (double(t) < total) return s.cycle_max_mom - (s.cycle_max_mom - s.cycle_min_mom) * one_cycle_scale(s, t);
+  if (s.decay_step_size == 0 || s.decay_mom_rate == 0.0) return s.cycle_max_mom;
+  const double interval = (double(t) - total + 1.0) / double(s.decay_step_size);
+  return s.cycle_max_mom * (1.0 + s.decay_mom_rate * interval);
+}
+
+void scheduler_set_base_lr(SchedulerConfig& s, double lr) {
+  ZERO8_CHECK_ARG(std::isfinite(lr) && lr >= 0.0, "lr", "must be a finite number >= 0, got " << lr);
+  if (s.base_lr) return;
+  s.base_lr = lr;
+  if (s.type == SchedulerType::warmup_lr && !s.warmup_max_lr) s.warmup_max_lr = lr;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Mappings.
+
+optim::Algo optimizer_algo(const OptimizerConfig& o) {
+  switch (o.type) {
+    case OptimizerType::adam: return o.adam_w_mode ? optim::Algo::adamw : optim::Algo::adam;
+    case OptimizerType::adamw: return optim::Algo::adamw;
+    case OptimizerType::lamb: return optim::Algo::lamb;
+    case OptimizerType::lion: return optim::Algo::lion;
+    case OptimizerType::sgd: return optim::Algo::sgd;
+    case OptimizerType::rmsprop: return optim::Algo::rmsprop;
+    case OptimizerType::adagrad: return optim::Algo::adagrad;
+    case OptimizerType::lars: return optim::Algo::lars;
+  }
+  ZERO8_ASSERT(false);
+  return optim::Algo::adamw;
+}
+
+optim::Hyper optimizer_hyper(const OptimizerConfig& o) {
+  optim::Hyper h;
+  h.lr = float(o.lr);
+  h.eps = float(o.eps);
+  h.weight_decay = float(o.weight_decay);
+  h.bias_correction = o.bias_correction;
+  switch (o.type) {
+    case OptimizerType::adam:
+    case OptimizerType::adamw:
+    case OptimizerType::lion:
+      h.beta1 = float(o.beta1);
+      h.beta2 = float(o.beta2);
+      break;
+    case OptimizerType::lamb:
+      h.beta1 = float(o.beta1);
+      h.beta2 = float(o.beta2);
+      h.max_trust_ratio = float(o.max_coeff);
+      break;
+    case OptimizerType::sgd:
+    case OptimizerType::lars:
+      h.beta1 = float(o.momentum);
+      h.dampening = float(o.dampening);
+      h.nesterov = o.nesterov;
+      h.trust_coefficient = float(o.trust_coefficient);
+      break;
+    case OptimizerType::rmsprop: h.beta2 = float(o.alpha); break;
+    case OptimizerType::adagrad:
+      h.lr_decay = float(o.lr_decay);
+      h.initial_accumulator = float(o.initial_accumulator_value);
+      break;
+  }
+  return h;
+}
+
+int optimizer_state_bits(const Config& c) { return c.zero8.enabled ? c.zero8.optim_bits : 32; }
+
+std::string optimizer_display_name(const Config& c) {
+  if (!c.optimizer.present) return "";
+  // bitsandbytes' class names (Adam8bit, LAMB8bit, ...), from the algorithm actually run.
+  static const char* const names[] = {"Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "LAMB", "LARS"};
+  return std::string(names[int(optimizer_algo(c.optimizer))]) + std::to_string(optimizer_state_bits(c)) + "bit";
+}
+
+LossScalerConfig loss_scaler_config(const Config& c) {
+  LossScalerConfig l;
+  if (!c.fp16.enabled) {
+    l.dynamic = false;
+    l.static_scale = 1.0;
+    return l;
+  }
+  const Fp16Config& f = c.fp16;
+  l.dynamic = f.loss_scale == 0.0;
+  l.static_scale = l.dynamic ? 1.0 : f.loss_scale;
+  l.initial_scale_power = f.initial_scale_power;
+  l.scale_window = f.loss_scale_window;
+  l.hysteresis = f.hysteresis;
+  l.consecutive_hysteresis = f.consecutive_hysteresis;
+  // min_loss_scale 0 is DeepSpeed's max(scale / 2, 0): no floor. The scaler wants a positive floor;
+  // the smallest positive double is one no halving from 2^initial_scale_power reaches in practice.
+  l.min_scale = f.min_loss_scale > 0.0 ? f.min_loss_scale : std::numeric_limits<double>::denorm_min();
+  return l;
+}
+
+DType working_dtype(const Config& c) {
+  return c.fp16.enabled ? DType::f16 : c.bf16.enabled ? DType::bf16 : DType::f32;
+}
+
+shard::LayoutConfig layout_config(const Config& c) {
+  shard::LayoutConfig l;
+  l.world = c.world_size;
+  l.state_block = c.zero8.state_block_size;
+  l.wire_block = c.zero8.wire_block_size;
+  l.min_8bit_size = c.zero8.min_8bit_size;
+  return l;
+}
+
+}  // namespace zero8::config
