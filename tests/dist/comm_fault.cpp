@@ -1,0 +1,119 @@
+// Failure scenarios for the MPI backend, run by run_fault.cmake under mpirun: one rank is killed
+// (SIGKILL, no cleanup) or stalls, and every other rank must raise zero8::Error naming the call and
+// the peer, promptly. Each rank prints one "ZERO8_FAULT rank=R ..." line that the driver checks.
+//   kill      : rank 1 kills itself before the 3rd all_reduce of a loop on the world.
+//   kill_forked: rank 1 forks a child that lives on, then dies; rank 0 must still see it at once.
+//   kill_group: ranks form pairs {0,1}, {2,3}; rank 1 dies; ranks 2, 3 only talk within their pair
+//               and must still fail ("world rank 1 (not in this communicator) died").
+//   stall     : the last rank sleeps 3 s outside any call; the others time out (2 s) in all_reduce
+//               and name it as not heard from; the sleeper's next call fails with their reason.
+//   recv      : rank 0 waits in recv from rank 1, which sleeps 3 s; rank 0 times out naming rank 1,
+//               and rank 1's send fails with rank 0's reason.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zero8/comm/communicator.h"
+#include "zero8/error.h"
+
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+const char* code_name(zero8::ErrorCode c) {
+  switch (c) {
+    case zero8::ErrorCode::comm: return "comm";
+    case zero8::ErrorCode::invalid_argument: return "invalid_argument";
+    case zero8::ErrorCode::unsupported: return "unsupported";
+    case zero8::ErrorCode::io: return "io";
+    case zero8::ErrorCode::internal: return "internal";
+  }
+  return "?";
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace zero8::comm;
+  const std::string mode = argc > 1 ? argv[1] : "";
+  std::unique_ptr<Communicator> world = comm_create("mpi");
+  const int me = world->rank(), n = world->size();
+  double t_op = now_s();
+  try {
+    world->barrier();
+    if (mode == "kill") {
+      for (int i = 0; i < 6; ++i) {
+        if (i == 2 && me == 1) raise(SIGKILL);
+        t_op = now_s();
+        std::vector<float> v(1000, float(me));
+        world->all_reduce(v.data(), 1000, ReduceOp::sum);
+      }
+    } else if (mode == "kill_forked") {
+      // Rank 1 forks a child (as a data-loader would) that outlives it by 3 s: the child must not
+      // keep rank 1's liveness sockets open, or rank 0 would notice the death only when it exits.
+      if (me == 1) {
+        if (fork() == 0) {
+          close(1);
+          close(2);
+          sleep(3);
+          _exit(0);
+        }
+        usleep(100000);
+        raise(SIGKILL);
+      }
+      t_op = now_s();
+      world->barrier();
+    } else if (mode == "kill_group") {
+      std::unique_ptr<Communicator> pair = world->split(me / 2, me, "pair[" + std::to_string(me / 2) + "]");
+      world->barrier();
+      if (me == 1) {
+        usleep(200000);
+        raise(SIGKILL);
+      }
+      t_op = now_s();
+      for (int i = 0; i < 1000000; ++i) {
+        std::vector<double> v(64, 1.0);
+        pair->all_reduce(v.data(), 64, ReduceOp::sum);
+        usleep(1000);
+      }
+    } else if (mode == "stall") {
+      if (me == n - 1) sleep(3);
+      t_op = now_s();
+      int64_t v = me;
+      world->all_reduce(&v, 1, ReduceOp::max);
+    } else if (mode == "recv") {
+      char buf[64];
+      if (me == 1) sleep(3);
+      t_op = now_s();
+      if (me == 0) world->recv(buf, sizeof(buf), 1, 5);
+      if (me == 1) world->send(buf, sizeof(buf), 0, 5);
+    } else {
+      std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
+      return 2;
+    }
+    std::fprintf(stderr, "ZERO8_FAULT rank=%d finished without error\n", me);
+    return 0;
+  } catch (const zero8::Error& e) {
+    char line[4096];
+    std::snprintf(line, sizeof(line), "ZERO8_FAULT rank=%d code=%s detect=%.3f error=%s\n", me, code_name(e.code()),
+                  now_s() - t_op, e.what());
+    std::fputs(line, stderr);
+    std::fflush(stderr);
+    // mpirun stops forwarding output as soon as it aborts the job (when the first rank exits
+    // non-zero), so the driver reads each rank's line from a file as well.
+    if (const char* dir = std::getenv("ZERO8_FAULT_DIR")) {
+      const std::string path = std::string(dir) + "/rank" + std::to_string(me) + ".txt";
+      if (FILE* f = std::fopen(path.c_str(), "w")) {
+        std::fputs(line, f);
+        std::fclose(f);
+      }
+    }
+    return 1;
+  }
+}

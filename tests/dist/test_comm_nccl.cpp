@@ -1,0 +1,114 @@
+// NCCL backend under mpirun: collectives on device buffers checked against the obvious answer.
+// Needs a CUDA device per rank; without one the tests skip (and the factory's error is checked).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "dist_env.h"
+#include "zero8/error.h"
+
+#if ZERO8_WITH_NCCL
+#include <cuda_runtime.h>
+
+namespace zero8::test {
+namespace {
+
+using comm::Communicator;
+using comm::ReduceOp;
+
+// Empty when a device is usable, else why not.
+std::string no_device_reason() {
+  int n = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&n);
+  if (rc != cudaSuccess) return cudaGetErrorString(rc);
+  return n == 0 ? "0 CUDA devices" : "";
+}
+
+template <class T> struct DeviceVec {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DeviceVec(const std::vector<T>& h) : n(h.size()) {
+    cudaMalloc(&p, n * sizeof(T) + 1);
+    cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  ~DeviceVec() { cudaFree(p); }
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
+  const std::string why = no_device_reason();
+  if (why.empty()) GTEST_SKIP() << "a CUDA device is present: covered by DistNccl.CollectivesOnDeviceBuffers";
+  try {
+    comm::comm_create("nccl");
+    FAIL() << "expected an error without a CUDA device";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DistNccl, CollectivesOnDeviceBuffers) {
+  const std::string why = no_device_reason();
+  if (!why.empty()) GTEST_SKIP() << "no CUDA device (" << why << "): the NCCL backend cannot run here";
+  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  const int n = c->size(), me = c->rank();
+  ASSERT_EQ(c->memory(), comm::MemSpace::device);
+  ASSERT_EQ(n, world().size());
+
+  // all_reduce sum of small integers in float (exact in any order).
+  std::vector<float> x(1001);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(i % 17) + me);
+  DeviceVec<float> dx(x);
+  c->all_reduce(dx.p, dx.p, 1001, comm::ScalarType::f32, ReduceOp::sum);
+  std::vector<float> got = dx.host();
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(got[i], float(n * int(i % 17) + n * (n - 1) / 2)) << i;
+
+  // all_gather_v with unequal sizes (rank q sends q + 3 bytes).
+  std::vector<int64_t> rb(static_cast<size_t>(n)), rd(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (int q = 0; q < n; ++q) {
+    rb[size_t(q)] = q + 3;
+    rd[size_t(q)] = total;
+    total += q + 3;
+  }
+  std::vector<uint8_t> mine(static_cast<size_t>(me + 3), uint8_t(me + 1)), all(static_cast<size_t>(total), 0);
+  DeviceVec<uint8_t> dmine(mine), dall(all);
+  c->all_gather_v(dmine.p, me + 3, dall.p, rb, rd);
+  const std::vector<uint8_t> ga = dall.host();
+  for (int q = 0; q < n; ++q)
+    for (int64_t i = 0; i < q + 3; ++i) ASSERT_EQ(ga[size_t(rd[size_t(q)] + i)], uint8_t(q + 1));
+
+  // all_to_all: byte (src, dst).
+  std::vector<uint8_t> s(size_t(n) * 5), r(size_t(n) * 5, 0);
+  for (int p = 0; p < n; ++p)
+    for (int i = 0; i < 5; ++i) s[size_t(p * 5 + i)] = uint8_t(me * 16 + p);
+  DeviceVec<uint8_t> ds(s), dr(r);
+  c->all_to_all(ds.p, dr.p, 5);
+  const std::vector<uint8_t> ra = dr.host();
+  for (int q = 0; q < n; ++q)
+    for (int i = 0; i < 5; ++i) ASSERT_EQ(ra[size_t(q * 5 + i)], uint8_t(q * 16 + me));
+
+  // reduce_scatter with unequal counts, and broadcast.
+  std::vector<int64_t> counts(static_cast<size_t>(n));
+  int64_t all_n = 0;
+  for (int p = 0; p < n; ++p) all_n += (counts[size_t(p)] = 2 + p);
+  std::vector<double> v(static_cast<size_t>(all_n), double(me + 1)), o(static_cast<size_t>(counts[size_t(me)]), 0.0);
+  DeviceVec<double> dv(v), dout(o);
+  c->reduce_scatter(dv.p, dout.p, counts, comm::ScalarType::f64);
+  for (double y : dout.host()) ASSERT_EQ(y, double(n * (n + 1) / 2));
+  std::vector<int32_t> b(7, me == 0 ? 42 : 0);
+  DeviceVec<int32_t> db(b);
+  c->broadcast(db.p, 7 * 4, 0);
+  for (int32_t y : db.host()) ASSERT_EQ(y, 42);
+  c->barrier();
+}
+
+}  // namespace
+}  // namespace zero8::test
+
+#endif  // ZERO8_WITH_NCCL

@@ -1,0 +1,450 @@
+// The sharded optimizer under mpirun -np K: sharded steps equal one process stepping the averaged
+// gradient (bit-exact with fp32 communication, within the codec's bound with int8), stage 1 equals
+// stage 2, clipping and LAMB/LARS trust ratios agree with the unsharded computation, and an overflow
+// on one rank makes every rank skip.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "dist_env.h"
+#include "zero8/error.h"
+#include "zero8/sharded.h"
+
+namespace zero8::test {
+namespace {
+
+using shard::Group;
+using shard::ParamSpec;
+using shard::ShardConfig;
+using shard::ShardedOptimizer;
+
+// Sizes that are multiples of nothing; small blocks so that partitions cut through tensors.
+std::vector<ParamSpec> test_params() {
+  return {{"embed", {37, 129}}, {"ln.w", {100}}, {"w1", {5003}}, {"w2", {3, 3001}}, {"bias", {17}},
+          {"stable", {41, 101}, true}, {"w3", {4097}}};
+}
+
+ShardConfig base_config() {
+  ShardConfig c;
+  c.layout.state_block = 64;
+  c.layout.wire_block = 128;
+  c.layout.min_8bit_size = 1000;
+  c.algo = optim::Algo::adamw;
+  c.hyper.lr = 1e-2f;
+  c.hyper.weight_decay = 0.01f;
+  c.int8_grads = false;
+  c.reduce_bucket_size = 2048;
+  return c;
+}
+
+float init_value(int param, int64_t i) { return (rng_uniform(77, uint64_t(param) * 1000003ull + uint64_t(i)) - 0.5f) * 0.2f; }
+
+// Rank r's local gradient for (step, micro): magnitudes vary per parameter.
+float grad_value(int r, int step, int micro, int param, int64_t i) {
+  const float u = rng_uniform(uint64_t(1 + step * 16 + micro), uint64_t(r) * 0x9e3779b9ull + uint64_t(param) * 1000003ull + uint64_t(i));
+  return (u - 0.5f) * std::ldexp(1.0f, -(param % 4));
+}
+
+// One process stepping the averaged gradient over the whole group with the same kernels: the
+// single-process reference. Its 8-bit blocks coincide with the sharded ones (partitions start on
+// state-block boundaries).
+struct Reference {
+  shard::Layout layout;
+  ShardConfig cfg;
+  int world;
+  std::vector<float> master[2];
+  std::unique_ptr<optim::State> state[2];
+  int64_t steps = 0;
+
+  Reference(const ShardConfig& c, int world_) : cfg(c), world(world_) {
+    shard::LayoutConfig lc = c.layout;
+    lc.world = 1;
+    layout = shard::Layout::build(test_params(), lc);
+    for (int g = 0; g < 2; ++g) {
+      const auto& gl = layout.groups[g];
+      master[g].resize(size_t(gl.numel));
+      state[g] = std::make_unique<optim::State>(
+          optim::StateLayout(c.algo, gl.numel, g == 0 ? c.bits : 32, c.layout.state_block), c.initial_accumulator);
+    }
+    for (size_t p = 0; p < layout.params.size(); ++p) {
+      const auto& s = layout.slots[p];
+      for (int64_t i = 0; i < s.numel; ++i) master[int(s.group)][size_t(s.offset + i)] = init_value(int(p), i);
+    }
+  }
+
+  // Sum over ranks in rank order, as the reduce-scatter's left fold does.
+  std::vector<float> summed_grad(int g, int step) const {
+    std::vector<float> sum(size_t(layout.groups[g].numel), 0.0f);
+    for (int r = 0; r < world; ++r)
+      for (int p : layout.groups[g].params) {
+        const auto& s = layout.slots[p];
+        for (int64_t i = 0; i < s.numel; ++i) {
+          float& d = sum[size_t(s.offset + i)];
+          d = r == 0 ? grad_value(r, step, 0, p, i) : d + grad_value(r, step, 0, p, i);
+        }
+      }
+    return sum;
+  }
+
+  void step(int step_index, float grad_scale) {
+    for (int g = 0; g < 2; ++g) {
+      std::vector<float> grad = summed_grad(g, step_index);
+      optim::Hyper h = cfg.hyper;
+      h.step = steps + 1;
+      h.grad_scale = grad_scale;
+      if (!master[g].empty()) optim::step(*state[g], h, master[g].data(), DType::f32, nullptr, grad.data(), DType::f32, 1);
+    }
+    ++steps;
+  }
+};
+
+void fill_local_grads(ShardedOptimizer& opt, int step, int micro) {
+  const int r = opt.rank();
+  for (size_t p = 0; p < opt.layout().params.size(); ++p) {
+    float* g = opt.param_grad(int(p));
+    for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) g[i] += grad_value(r, step, micro, int(p), i);
+  }
+}
+
+// Runs `steps` steps of gradient accumulation `gas`, reporting parameters ready in reverse order
+// (as backward produces them).
+void train(ShardedOptimizer& opt, int steps, int gas = 1, int first = 0) {
+  for (int s = first; s < first + steps; ++s) {
+    for (int m = 0; m < gas; ++m) {
+      fill_local_grads(opt, s, m);
+      for (int p = int(opt.layout().params.size()) - 1; p >= 0; --p) opt.grad_ready(p);
+      opt.backward_end(m == gas - 1);
+    }
+    opt.step();
+  }
+}
+
+std::unique_ptr<ShardedOptimizer> make(const ShardConfig& c) {
+  auto opt = std::make_unique<ShardedOptimizer>(test_params(), c, world());
+  for (size_t p = 0; p < opt->layout().params.size(); ++p) {
+    void* w = opt->param_working(int(p));
+    for (int64_t i = 0; i < opt->layout().slots[p].numel; ++i) dtype_store(w, c.working_dtype, i, init_value(int(p), i));
+  }
+  opt->init(0);
+  return opt;
+}
+
+// The working copy as float32, whole model.
+std::vector<float> params_of(ShardedOptimizer& opt) {
+  std::vector<float> out;
+  for (size_t p = 0; p < opt.layout().params.size(); ++p) {
+    const void* w = opt.param_working(int(p));
+    for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) out.push_back(dtype_load(w, opt.config().working_dtype, i));
+  }
+  return out;
+}
+
+std::vector<float> params_of(const Reference& ref) {
+  std::vector<float> out;
+  for (size_t p = 0; p < ref.layout.params.size(); ++p) {
+    const auto& s = ref.layout.slots[p];
+    for (int64_t i = 0; i < s.numel; ++i) out.push_back(ref.master[int(s.group)][size_t(s.offset + i)]);
+  }
+  return out;
+}
+
+// Replicas are identical: every rank's working copy has the same bytes as rank 0's.
+void expect_replicas_identical(ShardedOptimizer& opt) {
+  for (int g = 0; g < 2; ++g) {
+    const auto& gl = opt.layout().groups[g];
+    const int64_t bytes = gl.padded() * dtype_size(opt.config().working_dtype);
+    std::vector<uint8_t> mine(static_cast<uint8_t*>(opt.working(Group(g))), static_cast<uint8_t*>(opt.working(Group(g))) + bytes);
+    std::vector<uint8_t> root = mine;
+    world().broadcast(root.data(), bytes, 0);
+    EXPECT_TRUE(mine == root) << "rank " << world().rank() << " group " << g << " working copy differs from rank 0";
+  }
+}
+
+// This rank's states equal the reference's blocks of the same global range.
+void expect_states_equal(ShardedOptimizer& opt, Reference& ref) {
+  for (int g = 0; g < 2; ++g) {
+    const auto& gl = opt.layout().groups[g];
+    const int64_t b = gl.part_begin(opt.rank()), valid = gl.part_valid(opt.rank());
+    optim::State* st = opt.state(Group(g));
+    for (int which = 1; which <= optim::algo_num_states(opt.config().algo); ++which) {
+      if (st->codes(which)) {
+        ASSERT_EQ(std::memcmp(st->codes(which), ref.state[g]->codes(which) + b, size_t(valid)), 0)
+            << "state " << which << " codes of group " << g << " on rank " << opt.rank();
+        ASSERT_EQ(std::memcmp(st->absmax(which), ref.state[g]->absmax(which) + b / opt.config().layout.state_block,
+                              size_t(st->layout().num_blocks()) * 4), 0)
+            << "state " << which << " scales of group " << g << " on rank " << opt.rank();
+      } else if (st->fp32(which)) {
+        ASSERT_EQ(std::memcmp(st->fp32(which), ref.state[g]->fp32(which) + b, size_t(valid) * 4), 0)
+            << "fp32 state " << which << " of group " << g << " on rank " << opt.rank();
+      }
+    }
+    ASSERT_EQ(std::memcmp(opt.master(Group(g)), ref.master[g].data() + b, size_t(valid) * 4), 0)
+        << "master of group " << g << " on rank " << opt.rank();
+  }
+}
+
+TEST(Sharded, EqualsSingleProcessBitExactWithFp32Communication) {
+  for (optim::Algo algo : {optim::Algo::adamw, optim::Algo::adam, optim::Algo::sgd, optim::Algo::lion,
+                           optim::Algo::rmsprop, optim::Algo::adagrad}) {
+    for (int stage : {1, 2}) {
+      ShardConfig c = base_config();
+      c.algo = algo;
+      c.stage = stage;
+      if (algo == optim::Algo::sgd) c.hyper.beta1 = 0.9f;
+      auto opt = make(c);
+      Reference ref(c, world().size());
+      const float scale = float(1.0 / double(world().size()));
+      for (int s = 0; s < 6; ++s) {
+        train(*opt, 1, 1, s);
+        ref.step(s, scale);
+      }
+      EXPECT_EQ(params_of(*opt), params_of(ref)) << optim::algo_name(algo) << " stage " << stage;
+      expect_states_equal(*opt, ref);
+      expect_replicas_identical(*opt);
+      EXPECT_EQ(opt->steps(), 6);
+    }
+  }
+}
+
+TEST(Sharded, Stage1EqualsStage2AndBucketingDoesNotMatter) {
+  ShardConfig c = base_config();
+  std::vector<std::vector<float>> results;
+  for (int stage : {1, 2})
+    for (int64_t bucket : {int64_t(128), int64_t(2048), int64_t(1) << 30}) {
+      c.stage = stage;
+      c.reduce_bucket_size = bucket;
+      auto opt = make(c);
+      train(*opt, 4);
+      results.push_back(params_of(*opt));
+    }
+  for (size_t i = 1; i < results.size(); ++i) EXPECT_EQ(results[i], results[0]) << "configuration " << i;
+}
+
+TEST(Sharded, GradientAccumulationStage1MatchesStage2) {
+  // With accumulation the two stages add the same numbers in a different order (stage 1: micro-
+  // batches first, then ranks; stage 2: ranks first), so they agree to fp32 rounding: a relative
+  // 1e-5 on parameters after 4 AdamW steps (each update is normalized, an ulp-level gradient
+  // difference moves a parameter by about lr * 1e-6). 32-bit states: with 8-bit ones, such an ulp
+  // can flip a state code, which is the codec's business, not the reduction order's.
+  ShardConfig c = base_config();
+  c.bits = 32;
+  std::vector<float> a, b;
+  for (int stage : {1, 2}) {
+    c.stage = stage;
+    auto opt = make(c);
+    train(*opt, 4, 3);
+    (stage == 1 ? a : b) = params_of(*opt);
+  }
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5f * std::max(1.0f, std::fabs(a[i]))) << i;
+}
+
+TEST(Sharded, Int8GradientsStayWithinTheCodecBound) {
+  // Plain SGD is linear in the gradient, so the parameter difference between int8 and fp32
+  // reduction is lr * sum over steps of the averaged gradient error. Each of the world-1 remote
+  // contributions is off by at most half the largest gap of the dynamic map (its top decade is
+  // spaced 0.9/64 = 0.0140625) times its block's absmax (<= 0.5 here, the gradient range); the own
+  // contribution is added exactly. So per step and element |error| <= (world-1)/world * 0.5 *
+  // 0.0140625 * 0.5.
+  ShardConfig c = base_config();
+  c.algo = optim::Algo::sgd;
+  c.hyper.beta1 = 0.0f;
+  c.hyper.weight_decay = 0.0f;
+  c.hyper.lr = 0.1f;
+  const int steps = 5;
+  std::vector<float> exact, q;
+  for (bool int8 : {false, true}) {
+    c.int8_grads = int8;
+    auto opt = make(c);
+    train(*opt, steps);
+    (int8 ? q : exact) = params_of(*opt);
+    expect_replicas_identical(*opt);
+  }
+  const int n = world().size();
+  const double bound = c.hyper.lr * steps * double(n - 1) / n * 0.5 * 0.0140625 * 0.5 + 1e-6;
+  double worst = 0.0;
+  for (size_t i = 0; i < q.size(); ++i) worst = std::max(worst, double(std::fabs(q[i] - exact[i])));
+  EXPECT_LE(worst, bound);
+  if (n > 1) EXPECT_GT(worst, 0.0) << "int8 reduction changed nothing: is it really quantizing?";
+}
+
+TEST(Sharded, Int8ParameterSyncKeepsReplicasIdenticalAndMastersExact) {
+  ShardConfig c = base_config();
+  c.working_dtype = DType::bf16;
+  std::vector<float> masters[2];
+  std::vector<float> working_q;
+  for (bool int8p : {false, true}) {
+    c.int8_params = int8p;
+    auto opt = make(c);
+    train(*opt, 5);
+    expect_replicas_identical(*opt);
+    for (int g = 0; g < 2; ++g) {
+      const int64_t valid = opt->layout().groups[g].part_valid(opt->rank());
+      std::vector<float> m(opt->master(Group(g)), opt->master(Group(g)) + valid);
+      if (!int8p) {
+        masters[g] = m;
+      } else {
+        // The masters do not depend on how parameters are synchronized.
+        EXPECT_EQ(m, masters[g]) << "group " << g;
+      }
+    }
+    if (int8p) {
+      // The working copy follows the master within one bf16 rounding plus the delta codec's error
+      // (half the largest map gap of the block's largest delta, <= lr-sized steps of 1e-2 * ~3).
+      for (int g = 0; g < 2; ++g) {
+        const auto& gl = opt->layout().groups[g];
+        const int64_t b = gl.part_begin(opt->rank()), valid = gl.part_valid(opt->rank());
+        for (int64_t i = 0; i < valid; ++i) {
+          const float w = dtype_load(opt->working(Group(g)), DType::bf16, b + i);
+          const float m = opt->master(Group(g))[i];
+          EXPECT_NEAR(w, m, std::fabs(m) * 0.0079f + 0.05f * 0.0036f + 1e-7f) << "group " << g << " element " << b + i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Sharded, ClippingEqualsUnshardedClipping) {
+  ShardConfig c = base_config();
+  c.gradient_clipping = 0.5;
+  auto opt = make(c);
+  fill_local_grads(*opt, 0, 0);
+  opt->backward_end(true);
+  const shard::StepInfo info = opt->step();
+  // Unsharded: the norm of the averaged gradient over the whole model, in double.
+  Reference ref(c, world().size());
+  double sq = 0.0;
+  for (int g = 0; g < 2; ++g)
+    for (float x : ref.summed_grad(g, 0)) sq += double(x) * double(x);
+  const double norm = std::sqrt(sq) / world().size();
+  EXPECT_NEAR(info.grad_norm, norm, 1e-9 * norm);
+  ASSERT_GT(norm, 0.5) << "the test needs a gradient that is clipped";
+  EXPECT_NEAR(info.clip_coef, 0.5 / (norm + 1e-6), 1e-9);
+  ref.step(0, float(1.0 / world().size() * (0.5 / (norm + 1e-6))));
+  const std::vector<float> a = params_of(*opt), b = params_of(ref);
+  // The clip coefficient may differ in its last bits (the norm is summed in another order); AdamW's
+  // first step is lr * sign-like, nearly insensitive to it.
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6f) << i;
+}
+
+TEST(Sharded, TrustRatioOptimizersMatchUnsharded) {
+  // LAMB and LARS need per-tensor norms over tensors that the partitions cut; the sharded optimizer
+  // adds the ranks' partial sums. Different summation order -> trust ratios equal to ~1e-7 relative,
+  // so parameters agree to 1e-6 absolute after 3 steps of lr 1e-2.
+  for (optim::Algo algo : {optim::Algo::lamb, optim::Algo::lars}) {
+    ShardConfig c = base_config();
+    c.algo = algo;
+    c.hyper.beta1 = 0.9f;
+    auto opt = make(c);
+    train(*opt, 3);
+    // Unsharded: every rank runs a 1-rank optimizer (its own communicator) on the averaged gradient.
+    auto solo_comm = world().split(world().rank(), 0, "solo");
+    ShardedOptimizer solo(test_params(), c, *solo_comm);
+    for (size_t p = 0; p < solo.layout().params.size(); ++p) {
+      float* w = static_cast<float*>(solo.param_working(int(p)));
+      for (int64_t i = 0; i < solo.layout().slots[p].numel; ++i) w[i] = init_value(int(p), i);
+    }
+    solo.init(0);
+    for (int s = 0; s < 3; ++s) {
+      for (size_t p = 0; p < solo.layout().params.size(); ++p) {
+        float* g = solo.param_grad(int(p));
+        for (int64_t i = 0; i < solo.layout().slots[p].numel; ++i) {
+          float sum = 0.0f;
+          for (int r = 0; r < world().size(); ++r) sum = r == 0 ? grad_value(r, s, 0, int(p), i) : sum + grad_value(r, s, 0, int(p), i);
+          g[i] = sum / float(world().size());
+        }
+      }
+      solo.backward_end(true);
+      solo.step();
+    }
+    const std::vector<float> a = params_of(*opt), b = params_of(solo);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6f) << optim::algo_name(algo) << " element " << i;
+  }
+}
+
+TEST(Sharded, OverflowOnOneRankSkipsEverywhere) {
+  for (bool int8 : {false, true}) {
+    ShardConfig c = base_config();
+    c.int8_grads = int8;
+    auto opt = make(c);
+    train(*opt, 2);
+    const std::vector<float> before = params_of(*opt);
+    std::vector<float> master_before(opt->master(Group::q8), opt->master(Group::q8) + opt->layout().groups[0].chunk);
+    fill_local_grads(*opt, 9, 0);
+    if (world().rank() == world().size() - 1) opt->param_grad(2)[17] = std::nanf("");
+    opt->backward_end(true);
+    const shard::StepInfo info = opt->step();
+    EXPECT_TRUE(info.skipped) << "rank " << world().rank();
+    EXPECT_EQ(info.step, 2);
+    EXPECT_EQ(params_of(*opt), before);
+    EXPECT_EQ(std::vector<float>(opt->master(Group::q8), opt->master(Group::q8) + opt->layout().groups[0].chunk), master_before);
+    // The next clean step proceeds normally.
+    train(*opt, 1);
+    EXPECT_EQ(opt->steps(), 3);
+    expect_replicas_identical(*opt);
+  }
+}
+
+TEST(Sharded, Fp16LossScalingSkipsAndRecovers) {
+  ShardConfig c = base_config();
+  c.working_dtype = DType::f16;
+  c.fp16 = true;
+  c.loss_scaler.hysteresis = 1;
+  auto opt = make(c);
+  EXPECT_EQ(opt->loss_scale(), 65536.0);
+  // A scaled gradient that overflowed to Inf on one rank: skip, halve.
+  fill_local_grads(*opt, 0, 0);
+  if (world().rank() == 0) opt->param_grad(0)[0] = INFINITY;
+  opt->backward_end(true);
+  EXPECT_TRUE(opt->step().skipped);
+  EXPECT_EQ(opt->loss_scale(), 32768.0);
+  // Clean scaled gradients: the step equals the unscaled fp32 computation to fp16 rounding.
+  for (size_t p = 0; p < opt->layout().params.size(); ++p) {
+    float* g = opt->param_grad(int(p));
+    for (int64_t i = 0; i < opt->layout().slots[p].numel; ++i) g[i] = grad_value(world().rank(), 0, 0, int(p), i) * 32768.0f;
+  }
+  opt->backward_end(true);
+  const shard::StepInfo info = opt->step();
+  EXPECT_FALSE(info.skipped);
+  EXPECT_EQ(info.loss_scale, 32768.0);
+  Reference ref(c, world().size());
+  for (int g = 0; g < 2; ++g)
+    for (float& m : ref.master[g]) m = f16_to_f32(f32_to_f16(m));  // the masters start from the fp16 model
+  ref.step(0, float(1.0 / world().size()));
+  const std::vector<float> a = params_of(*opt), b = params_of(ref);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], std::fabs(b[i]) * 1e-3f + 1e-7f) << i;
+  expect_replicas_identical(*opt);
+}
+
+TEST(Sharded, StateMemoryIsTheFractionOfOneRank) {
+  ShardConfig c = base_config();
+  c.layout.state_block = 256;
+  c.layout.wire_block = 2048;
+  std::vector<ParamSpec> big = {{"w", {1 << 20}}};
+  ShardedOptimizer opt(big, c, world());
+  const shard::MemoryStats m = opt.memory();
+  const double per_param = double(m.state) / double(1 << 20);
+  const int n = world().size();
+  // 8-bit AdamW: (2 + 8/256) bytes per parameter over n ranks (whole blocks, so exactly when n | 2^20/2048).
+  EXPECT_NEAR(per_param, (2.0 + 8.0 / 256.0) / n, 0.01 / n);
+  EXPECT_NEAR(double(m.master) / double(1 << 20), 4.0 / n, 0.01 / n);
+}
+
+TEST(Sharded, BadConfigurationNamesTheProblem) {
+  ShardConfig c = base_config();
+  c.stage = 3;
+  try {
+    ShardedOptimizer opt(test_params(), c, world());
+    FAIL() << "stage 3 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'stage'"), std::string::npos) << e.what();
+  }
+  c = base_config();
+  c.hyper.lr = std::nanf("");
+  EXPECT_THROW(ShardedOptimizer(test_params(), c, world()), Error);
+}
+
+}  // namespace
+}  // namespace zero8::test

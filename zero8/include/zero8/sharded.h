@@ -1,0 +1,151 @@
+// The ZeRO stage 1/2 sharded optimizer: every rank of a data-parallel group keeps the full working
+// copy of the parameters, the fp32 master and the (8-bit) optimizer state of its own partition only.
+// Gradients are reduce-scattered (as int8 blocks by default), the owner steps its partition, and the
+// updated partitions are all-gathered (in the working dtype, or as int8 blocks of the update delta).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "zero8/comm/communicator.h"
+#include "zero8/comm/quantized.h"
+#include "zero8/kernels/hd.h"
+#include "zero8/kernels/optim.h"
+#include "zero8/layout.h"
+#include "zero8/loss_scaler.h"
+#include "zero8/optim.h"
+
+namespace zero8::shard {
+
+struct ShardConfig {
+  LayoutConfig layout;                 // layout.world is ignored: the communicator's size is used
+  optim::Algo algo = optim::Algo::adamw;
+  optim::Hyper hyper;                  // hyper.step is managed by the optimizer (steps taken so far + 1)
+  int bits = 8;                        // optimizer state bits of the 8-bit group (8 or 32)
+  float initial_accumulator = 0.0f;    // adagrad
+  int stage = 2;                       // 1: reduce at the accumulation boundary; 2: per bucket in backward
+  DType working_dtype = DType::f32;    // dtype of the model's parameters (the working copy)
+  bool int8_grads = true;              // gradient reduce-scatter as int8 blocks (else fp32)
+  bool int8_params = false;            // parameter all-gather as int8 blocks of the update delta
+  bool error_feedback = false;         // keep the int8 gradient quantization residual (per rank)
+  int64_t reduce_bucket_size = 500000000;  // elements per gradient bucket (DeepSpeed's default 5e8)
+  double gradient_clipping = 0.0;      // global gradient-norm clip (0: off)
+  bool fp16 = false;                   // dynamic loss scaling (loss_scaler) applies
+  LossScalerConfig loss_scaler;
+  int threads = 0;                     // OpenMP threads of the kernels (0: default)
+};
+
+// What one step did.
+struct StepInfo {
+  bool skipped = false;     // a gradient held NaN/Inf on some rank: nothing was updated
+  double grad_norm = 0.0;   // global norm of the averaged, unscaled gradient (before clipping)
+  double clip_coef = 1.0;   // factor applied to the gradient by clipping (1: not clipped)
+  double loss_scale = 1.0;  // the scale the gradients of this step were computed with
+  int64_t step = 0;         // optimizer steps taken so far (skipped steps not counted)
+};
+
+// Memory held by one rank, in bytes.
+struct MemoryStats {
+  int64_t working = 0;  // the full working copy (all parameters, working dtype, padded)
+  int64_t grads = 0;    // the gradient input buffers (fp32, padded)
+  int64_t master = 0;   // fp32 master of this rank's partitions
+  int64_t state = 0;    // optimizer state of this rank's partitions (codes + scales, or fp32)
+  int64_t buffers = 0;  // reduction/sync scratch and the error-feedback residual
+};
+
+class ShardedOptimizer {
+ public:
+  // Collective over `dp` (every rank passes the same params and config). `dp` must outlive this.
+  ShardedOptimizer(const std::vector<ParamSpec>& params, const ShardConfig& cfg, comm::Communicator& dp);
+  ~ShardedOptimizer();
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+
+  const Layout& layout() const { return layout_; }
+  const ShardConfig& config() const { return cfg_; }
+  comm::Communicator& comm() { return dp_; }
+  int rank() const { return dp_.rank(); }
+  int world() const { return dp_.size(); }
+
+  // ---- the buffers the model works on ----
+  // Working copy of a group: layout().group(g).padded() elements of working_dtype, identical on
+  // every rank after init() and after each step. param_working(i) points at parameter i in it.
+  void* working(Group g) { return working_[int(g)].data(); }
+  void* param_working(int param);
+  // Gradient input of a group (fp32, padded): the caller writes (and accumulates over micro-batches)
+  // this rank's local gradient here. param_grad(i) points at parameter i in it.
+  float* grad_input(Group g) { return grads_[int(g)].data(); }
+  float* param_grad(int param);
+
+  // Collective: make rank `root`'s working copy everyone's, and set the masters from it. Call once
+  // after the model's parameters were written into the working buffers.
+  void init(int root = 0);
+
+  // ---- the training loop ----
+  // Stage 2: parameter `param`'s gradient of this micro-batch is complete in grad_input; the buckets
+  // it completes are reduced now (overlapping the rest of backward). Stage 1: records it only.
+  // Every rank must report the same parameters in the same order (same model, same graph).
+  void grad_ready(int param);
+  // End of a micro-batch's backward (collective). Stage 2 reduces the buckets not yet reduced and
+  // clears grad_input; stage 1 reduces everything when `boundary` (the last micro-batch of the
+  // accumulation) and otherwise keeps accumulating in grad_input.
+  void backward_end(bool boundary);
+  // The optimizer step (collective), after backward_end(true). Gradients are averaged over the ranks
+  // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does).
+  StepInfo step();
+
+  // Learning rate and other hyperparameters of the next steps (schedulers change lr between steps).
+  optim::Hyper& hyper() { return cfg_.hyper; }
+  double loss_scale() const { return scaler_.scale(); }
+  int64_t steps() const { return steps_; }
+  MemoryStats memory() const;
+
+  // ---- state access (checkpoints) ----
+  // Partition of group g on this rank: [part_begin, part_begin + part_valid) in flat coordinates.
+  float* master(Group g) { return master_[int(g)].data(); }
+  optim::State* state(Group g) { return states_[int(g)].get(); }
+  LossScaler& scaler() { return scaler_; }
+  // Error-feedback residual of group g (full padded length; empty when error feedback is off).
+  std::vector<float>& residual(Group g) { return residual_[int(g)]; }
+  void set_steps(int64_t s) { steps_ = s; }
+  // Recompute the working copy from the masters (all-gather in the working dtype): after loading a
+  // checkpoint, so every replica holds the rounded masters.
+  void sync_working_from_master();
+
+ private:
+  struct Bucket;
+  void reset_progress(int g);
+  void reduce_bucket(int g, const Bucket& b);
+  void reduce_all_pending();
+  void clear_grad_inputs();
+  bool overflow_anywhere();
+  double grad_sq_sum_local() const;
+  void step_group(int g, float grad_scale, const std::vector<float>& trust_by_param);
+  std::vector<float> trust_ratios(float grad_scale);
+  void param_sync(int g);
+  void fill_step_args(int g, optim::StepArgs& a, float grad_scale);
+
+  std::vector<ParamSpec> params_;
+  ShardConfig cfg_;
+  comm::Communicator& dp_;
+  Layout layout_;
+  LossScaler scaler_;
+  int64_t steps_ = 0;
+  std::vector<uint8_t> working_[kNumGroups];      // bytes
+  std::vector<float> grads_[kNumGroups];           // full, padded
+  std::vector<float> part_grad_[kNumGroups];       // this rank's reduced gradient (chunk elements)
+  std::vector<float> master_[kNumGroups];          // chunk elements
+  std::unique_ptr<optim::State> states_[kNumGroups];
+  std::vector<float> residual_[kNumGroups];        // error feedback (full, padded) when enabled
+  std::vector<float> scratch_;                     // reduction output
+  std::vector<float> full_delta_;                  // int8 parameter sync: the gathered deltas
+  comm::WireWorkspace wire_ws_;
+  std::vector<std::vector<int>> pending_;          // per group, per bucket: parameters not yet ready
+  std::vector<bool> done_[kNumGroups];             // per group, per bucket: reduced this micro-batch
+  std::vector<Bucket> buckets_[kNumGroups];
+  std::vector<std::vector<int>> param_buckets_[kNumGroups];  // per param index: buckets it overlaps
+  int micro_ = 0;                                  // micro-batches since the last boundary
+};
+
+}  // namespace zero8::shard

@@ -1,0 +1,349 @@
+// ZeRO stage 1/2 sharded optimizer (see sharded.h): bucketed gradient reduce-scatter, overflow and
+// norm agreement across ranks, the fused step on this rank's partitions, and the parameter all-gather.
+#include "zero8/sharded.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "zero8/comm/quantized.h"
+#include "zero8/error.h"
+
+namespace zero8::shard {
+
+// A contiguous flat range [begin, end) of a group whose gradients are reduced together. Bounds are
+// multiples of the group's alignment, so every rank's owned piece is whole wire and state blocks.
+struct ShardedOptimizer::Bucket {
+  int64_t begin = 0, end = 0;
+  int nparams = 0;  // parameters overlapping the bucket
+};
+
+ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const ShardConfig& cfg,
+                                   comm::Communicator& dp)
+    : params_(params), cfg_(cfg), dp_(dp), scaler_(cfg.fp16 ? cfg.loss_scaler : LossScalerConfig{false, 1.0}) {
+  ZERO8_CHECK_ARG(cfg.stage == 1 || cfg.stage == 2, "stage", "zero8 implements ZeRO stage 1 and 2, got " << cfg.stage);
+  ZERO8_CHECK_ARG(cfg.bits == 8 || cfg.bits == 32, "bits", "must be 8 or 32, got " << cfg.bits);
+  ZERO8_CHECK_ARG(cfg.reduce_bucket_size > 0, "reduce_bucket_size", "must be > 0, got " << cfg.reduce_bucket_size);
+  ZERO8_CHECK_ARG(cfg.gradient_clipping >= 0 && std::isfinite(cfg.gradient_clipping), "gradient_clipping",
+                  "must be a finite number >= 0, got " << cfg.gradient_clipping);
+  ZERO8_CHECK_ARG(!cfg.fp16 || cfg.working_dtype == DType::f16, "fp16",
+                  "loss scaling is for float16 parameters; the working dtype is " << dtype_name(cfg.working_dtype));
+  optim::hyper_validate(cfg.algo, cfg.hyper);
+  LayoutConfig lc = cfg.layout;
+  lc.world = dp.size();
+  layout_ = Layout::build(params, lc);
+  const int r = dp.rank();
+  const int esize = dtype_size(cfg.working_dtype);
+  for (int g = 0; g < kNumGroups; ++g) {
+    const GroupLayout& gl = layout_.groups[g];
+    working_[g].assign(size_t(gl.padded() * esize), 0);
+    grads_[g].assign(size_t(gl.padded()), 0.0f);
+    part_grad_[g].assign(size_t(gl.chunk), 0.0f);
+    master_[g].assign(size_t(gl.chunk), 0.0f);
+    // The 8-bit group holds cfg.bits states; the fp32 group (small or marked tensors) 32-bit ones.
+    const int bits = g == int(Group::q8) ? cfg.bits : 32;
+    const int64_t valid = gl.part_valid(r);
+    states_[g] = std::make_unique<optim::State>(optim::StateLayout(cfg.algo, valid, bits, cfg.layout.state_block),
+                                                cfg.initial_accumulator);
+    if (cfg.error_feedback && cfg.int8_grads) residual_[g].assign(size_t(gl.padded()), 0.0f);
+    // Buckets: cut the padded range into aligned pieces of about reduce_bucket_size elements.
+    const int64_t bs = std::max<int64_t>(gl.align, (cfg.reduce_bucket_size + gl.align - 1) / gl.align * gl.align);
+    for (int64_t b = 0; b < gl.padded(); b += bs) buckets_[g].push_back(Bucket{b, std::min(gl.padded(), b + bs), 0});
+    param_buckets_[g].assign(params.size(), {});
+    for (int idx : gl.params) {
+      const ParamSlot& s = layout_.slots[idx];
+      if (s.numel == 0) continue;
+      for (size_t bi = 0; bi < buckets_[g].size(); ++bi) {
+        Bucket& b = buckets_[g][bi];
+        if (s.offset < b.end && s.offset + s.numel > b.begin) {
+          ++b.nparams;
+          param_buckets_[g][idx].push_back(int(bi));
+        }
+      }
+    }
+  }
+  pending_.resize(kNumGroups);
+  for (int g = 0; g < kNumGroups; ++g) reset_progress(g);
+}
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
+void ShardedOptimizer::reset_progress(int g) {
+  pending_[g].clear();
+  done_[g].assign(buckets_[g].size(), false);
+  for (const Bucket& b : buckets_[g]) pending_[g].push_back(b.nparams);
+}
+
+void* ShardedOptimizer::param_working(int param) {
+  ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  const ParamSlot& s = layout_.slots[param];
+  return working_[int(s.group)].data() + s.offset * dtype_size(cfg_.working_dtype);
+}
+
+float* ShardedOptimizer::param_grad(int param) {
+  ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  const ParamSlot& s = layout_.slots[param];
+  return grads_[int(s.group)].data() + s.offset;
+}
+
+void ShardedOptimizer::init(int root) {
+  for (int g = 0; g < kNumGroups; ++g) {
+    if (!working_[g].empty()) dp_.broadcast(working_[g].data(), int64_t(working_[g].size()), root);
+    const GroupLayout& gl = layout_.groups[g];
+    const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
+    for (int64_t i = 0; i < valid; ++i) master_[g][i] = dtype_load(working_[g].data(), cfg_.working_dtype, b + i);
+  }
+}
+
+// ---- gradient reduction ----
+
+static std::vector<int64_t> owner_offsets(const GroupLayout& gl, int64_t begin, int64_t end) {
+  std::vector<int64_t> off(size_t(gl.world) + 1);
+  for (int p = 0; p <= gl.world; ++p) off[p] = std::clamp(gl.part_begin(p), begin, end) - begin;
+  return off;
+}
+
+void ShardedOptimizer::reduce_bucket(int g, const Bucket& b) {
+  const GroupLayout& gl = layout_.groups[g];
+  const std::vector<int64_t> off = owner_offsets(gl, b.begin, b.end);
+  const int r = rank();
+  const int64_t mine = off[r + 1] - off[r];
+  scratch_.resize(size_t(std::max<int64_t>(mine, 1)));
+  comm::WireOptions opt;
+  opt.format = cfg_.int8_grads ? comm::WireFormat::int8 : comm::WireFormat::f32;
+  opt.block = cfg_.layout.wire_block;
+  opt.threads = cfg_.threads;
+  float* residual = residual_[g].empty() ? nullptr : residual_[g].data() + b.begin;
+  comm::bucket_reduce_scatter(dp_, grads_[g].data() + b.begin, b.end - b.begin, off, scratch_.data(), opt, residual,
+                              &wire_ws_);
+  // Accumulate into this rank's partition gradient (several micro-batches in stage 2).
+  float* dst = part_grad_[g].data() + (b.begin + off[r] - gl.part_begin(r));
+  for (int64_t i = 0; i < mine; ++i) dst[i] += scratch_[i];
+}
+
+void ShardedOptimizer::grad_ready(int param) {
+  ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  if (cfg_.stage != 2) return;
+  const int g = int(layout_.slots[param].group);
+  for (int bi : param_buckets_[g][param]) {
+    if (--pending_[g][bi] == 0 && !done_[g][bi]) {
+      reduce_bucket(g, buckets_[g][bi]);
+      done_[g][bi] = true;
+    }
+  }
+}
+
+void ShardedOptimizer::reduce_all_pending() {
+  // Same order on every rank: groups in order, buckets in order.
+  for (int g = 0; g < kNumGroups; ++g)
+    for (size_t bi = 0; bi < buckets_[g].size(); ++bi)
+      if (!done_[g][bi]) {
+        reduce_bucket(g, buckets_[g][bi]);
+        done_[g][bi] = true;
+      }
+}
+
+void ShardedOptimizer::clear_grad_inputs() {
+  for (int g = 0; g < kNumGroups; ++g) {
+    std::fill(grads_[g].begin(), grads_[g].end(), 0.0f);
+    reset_progress(g);
+  }
+}
+
+void ShardedOptimizer::backward_end(bool boundary) {
+  ++micro_;
+  if (cfg_.stage == 2 || boundary) {
+    reduce_all_pending();
+    clear_grad_inputs();
+  }
+  if (boundary) micro_ = 0;
+}
+
+// ---- the step ----
+
+bool ShardedOptimizer::overflow_anywhere() {
+  int32_t bad = 0;
+  for (int g = 0; g < kNumGroups && !bad; ++g) {
+    const int64_t valid = layout_.groups[g].part_valid(rank());
+    const float* x = part_grad_[g].data();
+    for (int64_t i = 0; i < valid; ++i)
+      if (!std::isfinite(x[i])) {
+        bad = 1;
+        break;
+      }
+  }
+  return dp_.all_reduce_value<int32_t>(bad, comm::ReduceOp::max) != 0;
+}
+
+double ShardedOptimizer::grad_sq_sum_local() const {
+  double s = 0.0;
+  for (int g = 0; g < kNumGroups; ++g) {
+    const int64_t valid = layout_.groups[g].part_valid(rank());
+    const float* x = part_grad_[g].data();
+    for (int64_t i = 0; i < valid; ++i) s += double(x[i]) * double(x[i]);
+  }
+  return s;
+}
+
+void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scale) {
+  const int64_t valid = layout_.groups[g].part_valid(rank());
+  a.algo = cfg_.algo;
+  a.h = cfg_.hyper;
+  a.h.step = steps_ + 1;
+  a.h.grad_scale = grad_scale;
+  a.n = valid;
+  a.grad = part_grad_[g].data();
+  a.grad_dtype = DType::f32;
+  states_[g]->bind(a);
+  if (cfg_.int8_params || cfg_.working_dtype == DType::f32) {
+    // The master is the parameter the kernel updates; param_sync brings it to the working copy.
+    a.param = master_[g].data();
+    a.param_dtype = DType::f32;
+    a.master = nullptr;
+  } else {
+    // 16-bit working copy: the kernel writes the rounded parameter next to the fp32 master.
+    a.param = working_[g].data() + layout_.groups[g].part_begin(rank()) * dtype_size(cfg_.working_dtype);
+    a.param_dtype = cfg_.working_dtype;
+    a.master = master_[g].data();
+  }
+}
+
+std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
+  // Per-tensor norms: each rank sums its segments, one all_reduce adds them up per parameter.
+  std::vector<double> sums(params_.size() * 2, 0.0);
+  for (int g = 0; g < kNumGroups; ++g) {
+    const GroupLayout& gl = layout_.groups[g];
+    const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
+    if (valid == 0) continue;
+    const std::vector<Segment> segs = layout_.segments(Group(g), b, b + valid);
+    std::vector<int64_t> offs;
+    for (const Segment& s : segs) offs.push_back(s.begin - b);
+    offs.push_back(valid);
+    std::vector<optim::NormSums> out(segs.size());
+    optim::StepArgs a;
+    fill_step_args(g, a, grad_scale);
+    a.nseg = int64_t(segs.size());
+    a.seg_offsets = offs.data();
+    optim::norms_range(a, out.data(), cfg_.threads);
+    for (size_t i = 0; i < segs.size(); ++i) {
+      sums[2 * segs[i].param] += out[i].w_sq;
+      sums[2 * segs[i].param + 1] += out[i].u_sq;
+    }
+  }
+  dp_.all_reduce(sums.data(), int64_t(sums.size()), comm::ReduceOp::sum);
+  std::vector<float> trust(params_.size());
+  for (size_t p = 0; p < params_.size(); ++p)
+    trust[p] = optim::optim_trust_ratio(cfg_.algo, cfg_.hyper, optim::NormSums{sums[2 * p], sums[2 * p + 1]});
+  return trust;
+}
+
+void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<float>& trust_by_param) {
+  const GroupLayout& gl = layout_.groups[g];
+  const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
+  if (valid == 0) return;
+  optim::StepArgs a;
+  fill_step_args(g, a, grad_scale);
+  std::vector<int64_t> offs;
+  std::vector<float> trust;
+  if (optim::algo_has_trust_ratio(cfg_.algo)) {
+    for (const Segment& s : layout_.segments(Group(g), b, b + valid)) {
+      offs.push_back(s.begin - b);
+      trust.push_back(trust_by_param[s.param]);
+    }
+    offs.push_back(valid);
+    a.nseg = int64_t(trust.size());
+    a.seg_offsets = offs.data();
+    a.seg_trust = trust.data();
+  }
+  optim::step_range(a, cfg_.threads);
+}
+
+void ShardedOptimizer::param_sync(int g) {
+  const GroupLayout& gl = layout_.groups[g];
+  if (gl.padded() == 0) return;
+  const int esize = dtype_size(cfg_.working_dtype);
+  const int r = rank();
+  if (!cfg_.int8_params) {
+    if (cfg_.working_dtype == DType::f32)
+      std::memcpy(working_[g].data() + gl.part_begin(r) * esize, master_[g].data(), size_t(gl.part_valid(r)) * 4);
+    const size_t w = size_t(world());
+    std::vector<int64_t> bytes(w, gl.chunk * esize), displs(w, 0);
+    for (int p = 0; p < world(); ++p) displs[p] = gl.part_begin(p) * esize;
+    dp_.all_gather_v(working_[g].data() + displs[r], bytes[r], working_[g].data(), bytes, displs);
+    return;
+  }
+  // int8 parameter sync: the owner sends int8 blocks of (master - working); every rank, the owner
+  // included, adds the same decoded delta to its working copy, so replicas stay identical and the
+  // next delta carries what this one's rounding lost.
+  const int64_t valid = gl.part_valid(r), b = gl.part_begin(r);
+  std::vector<float> delta(size_t(gl.chunk), 0.0f);
+  for (int64_t i = 0; i < valid; ++i) delta[i] = master_[g][i] - dtype_load(working_[g].data(), cfg_.working_dtype, b + i);
+  std::vector<int64_t> off(size_t(world()) + 1);
+  for (int p = 0; p <= world(); ++p) off[p] = gl.chunk * p;
+  full_delta_.resize(size_t(gl.padded()));
+  comm::WireOptions opt;
+  opt.format = comm::WireFormat::int8;
+  opt.block = cfg_.layout.wire_block;
+  opt.threads = cfg_.threads;
+  comm::bucket_all_gather(dp_, delta.data(), gl.padded(), off, full_delta_.data(), opt, &wire_ws_);
+  void* w = working_[g].data();
+  for (int64_t i = 0; i < gl.numel; ++i)
+    dtype_store(w, cfg_.working_dtype, i, dtype_load(w, cfg_.working_dtype, i) + full_delta_[i]);
+}
+
+void ShardedOptimizer::sync_working_from_master() {
+  for (int g = 0; g < kNumGroups; ++g) {
+    const GroupLayout& gl = layout_.groups[g];
+    const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
+    for (int64_t i = 0; i < valid; ++i) dtype_store(working_[g].data(), cfg_.working_dtype, b + i, master_[g][i]);
+    const bool q = cfg_.int8_params;
+    cfg_.int8_params = false;  // an exact gather: the masters are the truth after a load
+    param_sync(g);
+    cfg_.int8_params = q;
+  }
+}
+
+StepInfo ShardedOptimizer::step() {
+  StepInfo info;
+  info.loss_scale = scaler_.scale();
+  const bool overflow = overflow_anywhere();
+  if (overflow) {
+    scaler_.update(true);
+    info.skipped = true;
+  } else {
+    // part_grad holds sum over ranks of (loss_scale * grad): average and unscale.
+    const double unscale = 1.0 / (double(world()) * scaler_.scale());
+    const double sq = dp_.all_reduce_value<double>(grad_sq_sum_local(), comm::ReduceOp::sum);
+    info.grad_norm = std::sqrt(sq) * unscale;
+    if (cfg_.gradient_clipping > 0.0) {
+      // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
+      const double coef = cfg_.gradient_clipping / (info.grad_norm + 1e-6);
+      if (coef < 1.0) info.clip_coef = coef;
+    }
+    const float grad_scale = float(unscale * info.clip_coef);
+    std::vector<float> trust;
+    if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
+    for (int g = 0; g < kNumGroups; ++g) step_group(g, grad_scale, trust);
+    for (int g = 0; g < kNumGroups; ++g) param_sync(g);
+    ++steps_;
+    scaler_.update(false);
+  }
+  for (int g = 0; g < kNumGroups; ++g) std::fill(part_grad_[g].begin(), part_grad_[g].end(), 0.0f);
+  info.step = steps_;
+  return info;
+}
+
+MemoryStats ShardedOptimizer::memory() const {
+  MemoryStats m;
+  for (int g = 0; g < kNumGroups; ++g) {
+    m.working += int64_t(working_[g].size());
+    m.grads += int64_t(grads_[g].size() * sizeof(float));
+    m.master += int64_t(master_[g].size() * sizeof(float));
+    m.state += states_[g]->bytes();
+    m.buffers += int64_t((part_grad_[g].size() + residual_[g].size()) * sizeof(float));
+  }
+  m.buffers += int64_t((scratch_.capacity() + full_delta_.capacity()) * sizeof(float));
+  return m;
+}
+
+}  // namespace zero8::shard
