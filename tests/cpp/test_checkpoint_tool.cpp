@@ -1,0 +1,302 @@
+// The checkpoint readers behind zero8-checkpoint, on a one-process checkpoint: the fp32 export and
+// the model file read back with a safetensors reader of this test's own (header length, JSON header,
+// raw little-endian data) equal the masters and the working copy byte for byte; verify finds each
+// kind of fault and names the file; the bytes per part add up from the layout; tags and latest.
+// (Multi-rank checkpoints and the tool's command line: tests/dist/run_checkpoint.cmake.)
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "zero8/checkpoint.h"
+#include "zero8/comm/communicator.h"
+#include "zero8/error.h"
+#include "zero8/sharded.h"
+
+namespace zero8 {
+namespace {
+
+namespace fs = std::filesystem;
+using shard::Group;
+
+std::vector<uint8_t> read_bytes(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& p, const std::vector<uint8_t>& b) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
+}
+
+// A safetensors file as the format defines it: u64 LE header size, JSON header, data.
+struct Tensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> data;
+};
+std::map<std::string, Tensor> safetensors_load(const std::string& path, nlohmann::json* meta = nullptr) {
+  const std::vector<uint8_t> f = read_bytes(path);
+  EXPECT_GE(f.size(), 8u);
+  uint64_t n = 0;
+  std::memcpy(&n, f.data(), 8);
+  EXPECT_EQ(n % 8, 0u) << "header not padded to 8 bytes";
+  const nlohmann::json h = nlohmann::json::parse(f.begin() + 8, f.begin() + 8 + long(n));
+  std::map<std::string, Tensor> out;
+  int64_t covered = 0;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (meta) *meta = it.value();
+      continue;
+    }
+    Tensor t;
+    t.dtype = it.value().at("dtype");
+    t.shape = it.value().at("shape").get<std::vector<int64_t>>();
+    const int64_t b = it.value().at("data_offsets")[0], e = it.value().at("data_offsets")[1];
+    t.data.assign(f.begin() + 8 + long(n) + b, f.begin() + 8 + long(n) + e);
+    covered += e - b;
+    out[it.key()] = std::move(t);
+  }
+  EXPECT_EQ(int64_t(f.size()), int64_t(8 + n) + covered) << "data holes or trailing bytes";
+  return out;
+}
+
+std::vector<shard::ParamSpec> params() { return {{"a", {70, 50}}, {"b", {33}}, {"c", {1200}}, {"s", {}}}; }
+
+shard::ShardConfig config() {
+  shard::ShardConfig c;
+  c.layout.state_block = 64;
+  c.layout.wire_block = 128;
+  c.layout.min_8bit_size = 1000;
+  c.algo = optim::Algo::adamw;
+  c.hyper.lr = 1e-2f;
+  c.working_dtype = DType::bf16;
+  c.int8_params = true;  // the working copy is then not the rounded master
+  return c;
+}
+
+class CheckpointTool : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm_ = comm::comm_create("single");
+    opt_ = std::make_unique<shard::ShardedOptimizer>(params(), config(), *comm_);
+    for (size_t p = 0; p < params().size(); ++p)
+      for (int64_t i = 0; i < opt_->layout().slots[p].numel; ++i)
+        dtype_store(opt_->param_working(int(p)), DType::bf16, i, std::sin(float(i) * 0.37f + float(p)) * 0.1f);
+    opt_->init(0);
+    for (int s = 0; s < 2; ++s) {
+      for (size_t p = 0; p < params().size(); ++p)
+        for (int64_t i = 0; i < opt_->layout().slots[p].numel; ++i)
+          opt_->param_grad(int(p))[i] = std::cos(float(i) * 0.11f + float(s * 7 + p)) * 0.01f;
+      opt_->backward_end(true);
+      opt_->step();
+    }
+    dir_ = (fs::temp_directory_path() / ("zero8_ckpt_tool_" + std::to_string(::getpid()))).string();
+    fs::remove_all(dir_);
+    ckpt::SaveOptions so;
+    so.tag = "first";
+    ckpt::save(*opt_, dir_, so);
+    tag_dir_ = ckpt::save(*opt_, dir_).path;  // global_step2, the latest
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::unique_ptr<comm::Communicator> comm_;
+  std::unique_ptr<shard::ShardedOptimizer> opt_;
+  std::string dir_, tag_dir_;
+};
+
+TEST_F(CheckpointTool, Fp32ExportHoldsTheMastersBitForBit) {
+  const std::string out = dir_ + "/weights.safetensors";
+  ckpt::export_fp32(tag_dir_, out);
+  nlohmann::json meta;
+  const auto t = safetensors_load(out, &meta);
+  EXPECT_EQ(meta.at("format"), "pt");
+  ASSERT_EQ(t.size(), params().size());
+  for (size_t p = 0; p < params().size(); ++p) {
+    const auto& x = t.at(params()[p].name);
+    const shard::ParamSlot& s = opt_->layout().slots[p];
+    EXPECT_EQ(x.dtype, "F32");
+    EXPECT_EQ(x.shape, params()[p].shape);
+    ASSERT_EQ(int64_t(x.data.size()), s.numel * 4);
+    // One rank: its partition is the whole group, so master(g) + offset is this parameter.
+    EXPECT_EQ(std::memcmp(x.data.data(), opt_->master(s.group) + s.offset, x.data.size()), 0) << params()[p].name;
+  }
+}
+
+TEST_F(CheckpointTool, ModelFileHoldsTheWorkingCopyBitForBit) {
+  const auto t = safetensors_load(tag_dir_ + "/model.safetensors");
+  ASSERT_EQ(t.size(), params().size());
+  bool differs_from_master = false;
+  for (size_t p = 0; p < params().size(); ++p) {
+    const auto& x = t.at(params()[p].name);
+    const shard::ParamSlot& s = opt_->layout().slots[p];
+    EXPECT_EQ(x.dtype, "BF16");
+    EXPECT_EQ(x.shape, params()[p].shape);
+    ASSERT_EQ(int64_t(x.data.size()), s.numel * 2);
+    EXPECT_EQ(std::memcmp(x.data.data(), opt_->param_working(int(p)), x.data.size()), 0) << params()[p].name;
+    for (int64_t i = 0; i < s.numel; ++i)
+      differs_from_master = differs_from_master ||
+                            dtype_load(x.data.data(), DType::bf16, i) != bf16_to_f32(f32_to_bf16(opt_->master(s.group)[s.offset + i]));
+  }
+  EXPECT_TRUE(differs_from_master) << "the working copy is the rounded master: the model file would not need saving";
+}
+
+TEST_F(CheckpointTool, SummaryAddsUpFromTheLayout) {
+  const ckpt::Manifest m = ckpt::manifest_read(tag_dir_);
+  const ckpt::Summary s = ckpt::summarize(m, int64_t(fs::file_size(tag_dir_ + "/manifest.json")));
+  const int64_t q8 = 3500 + 1200, f32 = 33 + 1, blocks = (q8 + 63) / 64;
+  EXPECT_EQ(s.numel, q8 + f32);
+  EXPECT_EQ(s.master, (q8 + f32) * 4);
+  EXPECT_EQ(s.codes, 2 * q8);
+  EXPECT_EQ(s.absmax, 2 * blocks * 4);
+  EXPECT_EQ(s.fp32, 2 * f32 * 4);
+  EXPECT_EQ(s.residual, 0);
+  EXPECT_EQ(s.model, int64_t(fs::file_size(tag_dir_ + "/model.safetensors")));
+  int64_t on_disk = 0;
+  for (const auto& e : fs::directory_iterator(tag_dir_)) on_disk += int64_t(e.file_size());
+  EXPECT_EQ(s.total, on_disk);
+  EXPECT_GT(s.other, 0);  // shard headers, alignment padding and the manifest
+  EXPECT_EQ(m.step, 2);
+  EXPECT_EQ(m.world, 1);
+  EXPECT_EQ(m.tag, "global_step2");
+}
+
+TEST_F(CheckpointTool, TagsAndLatest) {
+  EXPECT_EQ(ckpt::tags_list(dir_), (std::vector<std::string>{"first", "global_step2"}));
+  EXPECT_EQ(ckpt::latest_read(dir_), "global_step2");
+  EXPECT_EQ(ckpt::tag_path(dir_, "first"), dir_ + "/first");
+  try {
+    ckpt::tag_path(dir_, "nope");
+    ADD_FAILURE() << "a missing tag was found";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nope: missing"), std::string::npos) << e.what();
+  }
+  write_bytes(dir_ + "/latest", {'.', '.', '/', 'x'});
+  try {
+    ckpt::latest_read(dir_);
+    ADD_FAILURE() << "a bad latest was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("latest: does not name a valid tag"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(CheckpointTool, RenamedTagDirectoryLoadsWithAWarning) {
+  fs::rename(dir_ + "/first", dir_ + "/renamed");
+  std::vector<float> master(opt_->master(Group::q8), opt_->master(Group::q8) + 4700);
+  std::fill(opt_->master(Group::q8), opt_->master(Group::q8) + 4700, 0.0f);
+  ckpt::LoadOptions lo;
+  lo.tag = "renamed";
+  const ckpt::LoadResult r = ckpt::load(*opt_, dir_, lo);
+  EXPECT_EQ(r.path, dir_ + "/renamed");
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_NE(r.warnings[0].find("saved as tag 'first'"), std::string::npos) << r.warnings[0];
+  EXPECT_EQ(std::vector<float>(opt_->master(Group::q8), opt_->master(Group::q8) + 4700), master);
+}
+
+TEST_F(CheckpointTool, VerifyFindsEachFaultAndNamesTheFile) {
+  EXPECT_TRUE(ckpt::verify(tag_dir_).ok());
+  const std::string shard = tag_dir_ + "/zero8_shard_rank0.bin", model = tag_dir_ + "/model.safetensors",
+                    manifest = tag_dir_ + "/manifest.json";
+  const std::vector<uint8_t> shard0 = read_bytes(shard), model0 = read_bytes(model), manifest0 = read_bytes(manifest);
+  auto problems = [&] { return ckpt::verify(tag_dir_).problems; };
+  auto expect_one = [&](const std::string& a, const std::string& b) {
+    const std::vector<std::string> p = problems();
+    ASSERT_EQ(p.size(), 1u) << (p.empty() ? "no problem found" : p[0]);
+    EXPECT_NE(p[0].find(a), std::string::npos) << p[0];
+    EXPECT_NE(p[0].find(b), std::string::npos) << p[0];
+  };
+  auto manifest_edit = [&](const std::function<void(nlohmann::ordered_json&)>& f) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::parse(manifest0.begin(), manifest0.end());
+    f(j);
+    const std::string t = j.dump(1);
+    write_bytes(manifest, std::vector<uint8_t>(t.begin(), t.end()));
+  };
+  auto restore = [&] {
+    write_bytes(shard, shard0);
+    write_bytes(model, model0);
+    write_bytes(manifest, manifest0);
+  };
+
+  std::vector<uint8_t> b = shard0;
+  b[b.size() / 2] ^= 1;
+  write_bytes(shard, b);
+  expect_one("zero8_shard_rank0.bin", "checksum mismatch");
+  restore();
+
+  b = shard0;
+  b[0] = 'X';
+  write_bytes(shard, b);
+  expect_one("zero8_shard_rank0.bin", "bad magic");
+  restore();
+
+  b = shard0;
+  b.resize(b.size() - 1);
+  write_bytes(shard, b);
+  expect_one("zero8_shard_rank0.bin", "truncated");
+  restore();
+
+  b = shard0;
+  b.push_back(0);
+  write_bytes(shard, b);
+  expect_one("zero8_shard_rank0.bin", "the manifest says");
+  restore();
+
+  // Two corrupt files: both reported.
+  b = shard0;
+  b[b.size() - 1] ^= 1;
+  write_bytes(shard, b);
+  fs::remove(model);
+  EXPECT_EQ(problems().size(), 2u);
+  restore();
+
+  // A section listed twice: the range is covered twice.
+  manifest_edit([](nlohmann::ordered_json& j) {
+    auto& secs = j["files"][0]["sections"];
+    secs.push_back(secs[0]);
+  });
+  expect_one("manifest.json", "");
+  EXPECT_TRUE(problems()[0].find("overlap") != std::string::npos || problems()[0].find("covered twice") != std::string::npos)
+      << problems()[0];
+  restore();
+
+  // A section past the end of its file.
+  manifest_edit([](nlohmann::ordered_json& j) { j["files"][0]["sections"][1]["offset"] = j["files"][0]["bytes"]; });
+  expect_one("manifest.json", "outside the file");
+  restore();
+
+  // The layout recomputed from the parameters disagrees with a group's recorded offsets.
+  manifest_edit([](nlohmann::ordered_json& j) { j["params"][2]["offset"] = 64; });
+  expect_one("manifest.json", "disagree with the layout");
+  restore();
+
+  // The manifest and the model file disagree on a shape (same element count, so the layout holds).
+  manifest_edit([](nlohmann::ordered_json& j) { j["params"][1]["shape"] = {3, 11}; });
+  expect_one("model.safetensors", "parameter 'b' has shape [33], the manifest says [3, 11]");
+  restore();
+  EXPECT_TRUE(ckpt::verify(tag_dir_).ok());
+}
+
+TEST_F(CheckpointTool, ExportOfACorruptCheckpointFailsAndWritesNothing) {
+  std::vector<uint8_t> b = read_bytes(tag_dir_ + "/zero8_shard_rank0.bin");
+  b[100] ^= 4;
+  write_bytes(tag_dir_ + "/zero8_shard_rank0.bin", b);
+  const std::string out = dir_ + "/w.safetensors";
+  try {
+    ckpt::export_fp32(tag_dir_, out);
+    ADD_FAILURE() << "exported a corrupt checkpoint";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("zero8_shard_rank0.bin: checksum mismatch"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(out));
+  for (const auto& e : fs::directory_iterator(dir_)) EXPECT_EQ(e.path().string().find("w.safetensors"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace zero8

@@ -1,0 +1,172 @@
+// zero8-checkpoint: look at, verify and export zero8 checkpoints without a training job.
+//   inspect <dir> [--tag T]                          tags, latest, step, world size, bytes per part
+//   verify  <dir> [--tag T]                          every checksum and range; exit 1 on any fault
+//   to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]   consolidated fp32 weights
+// <dir> is a checkpoint directory (the tag defaults to the one `latest` names) or a tag directory.
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "zero8/checkpoint.h"
+#include "zero8/error.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace zero8;
+
+int usage(const char* msg) {
+  if (msg) std::fprintf(stderr, "zero8-checkpoint: %s\n", msg);
+  std::fprintf(stderr,
+               "usage: zero8-checkpoint inspect <dir> [--tag T]\n"
+               "       zero8-checkpoint verify <dir> [--tag T]\n"
+               "       zero8-checkpoint to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]\n"
+               "<dir>: a checkpoint directory (default tag: the one <dir>/latest names) or a tag directory\n");
+  return 2;
+}
+
+struct Args {
+  std::string cmd, dir, out, tag;
+  bool no_verify = false;
+};
+
+bool is_tag_dir(const std::string& dir) { return fs::exists(fs::path(dir) / ckpt::kManifestName); }
+
+// The tag directory to work on.
+std::string resolve(const Args& a) {
+  if (a.tag.empty() && is_tag_dir(a.dir)) return a.dir;
+  return ckpt::tag_path(a.dir, a.tag.empty() ? ckpt::latest_read(a.dir) : a.tag);
+}
+
+std::string bytes_text(int64_t b) {
+  char buf[64];
+  if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof(buf), "%lld (%.2f GiB)", (long long)b, double(b) / double(1 << 30));
+  else if (b >= (int64_t(1) << 20)) std::snprintf(buf, sizeof(buf), "%lld (%.2f MiB)", (long long)b, double(b) / double(1 << 20));
+  else std::snprintf(buf, sizeof(buf), "%lld", (long long)b);
+  return buf;
+}
+
+std::string time_text(double unix_s) {
+  const std::time_t t = std::time_t(unix_s);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+int inspect(const Args& a) {
+  if (!is_tag_dir(a.dir)) {
+    std::string latest;
+    try {
+      latest = ckpt::latest_read(a.dir);
+    } catch (const Error& e) {
+      std::printf("latest: none (%s)\n", e.what());
+    }
+    if (!latest.empty()) std::printf("latest: %s\n", latest.c_str());
+    const std::vector<std::string> tags = ckpt::tags_list(a.dir);
+    std::printf("tags (%zu, oldest first):\n", tags.size());
+    for (const std::string& t : tags) {
+      try {
+        const ckpt::Manifest m = ckpt::manifest_read((fs::path(a.dir) / t).string());
+        std::printf("  %-24s step %lld, world size %d%s\n", t.c_str(), (long long)m.step, m.world,
+                    t == latest ? "  <- latest" : "");
+      } catch (const Error& e) {
+        std::printf("  %-24s unreadable: %s\n", t.c_str(), e.what());
+      }
+    }
+    for (const fs::directory_entry& e : fs::directory_iterator(a.dir)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind(".tmp-", 0) == 0 || n.rfind(".replaced-", 0) == 0 || n == "latest.tmp")
+        std::printf("  leftover of an interrupted save: %s (removed by the next save)\n", n.c_str());
+    }
+    if (latest.empty() && a.tag.empty()) return tags.empty() ? 1 : 0;
+  }
+  const std::string tag_dir = resolve(a);
+  const ckpt::Manifest m = ckpt::manifest_read(tag_dir);
+  const int64_t mbytes = int64_t(fs::file_size(fs::path(tag_dir) / ckpt::kManifestName));
+  const ckpt::Summary s = ckpt::summarize(m, mbytes);
+  std::printf("tag %s (%s)\n", m.tag.c_str(), tag_dir.c_str());
+  std::printf("  format version %d, written by zero8 %s at %s\n", m.format_version, m.zero8_version.c_str(),
+              time_text(m.saved_unix_s).c_str());
+  std::printf("  step %lld, world size %d\n", (long long)m.step, m.world);
+  std::printf("  optimizer %s, %d state(s) per parameter, %d-bit; state block %d, wire block %d, min_8bit_size %lld\n",
+              optim::algo_name(m.algo), m.num_states, m.state_bits, m.state_block, m.wire_block, (long long)m.min_8bit_size);
+  for (const ckpt::MapInfo& mi : m.maps) std::printf("  state %d map: %s\n", mi.state, mi.kind.c_str());
+  std::printf("  parameters: %zu tensors, %lld elements (%s group %lld, %s group %lld), working dtype %s\n", m.params.size(),
+              (long long)s.numel, m.groups[0].name.c_str(), (long long)m.groups[0].numel, m.groups[1].name.c_str(),
+              (long long)m.groups[1].numel, dtype_name(m.working_dtype));
+  std::printf("  loss scale %g (%s), error feedback %s\n", m.loss_scaler.scale, m.fp16 ? "fp16 dynamic" : "static",
+              m.error_feedback ? "on" : "off");
+  std::printf("  bytes: master %s, codes %s, absmax %s, fp32 state %s, residual %s, model %s, other %s, total %s\n",
+              bytes_text(s.master).c_str(), bytes_text(s.codes).c_str(), bytes_text(s.absmax).c_str(),
+              bytes_text(s.fp32).c_str(), bytes_text(s.residual).c_str(), bytes_text(s.model).c_str(),
+              bytes_text(s.other).c_str(), bytes_text(s.total).c_str());
+  for (const ckpt::FileInfo& f : m.files) std::printf("  file %s: %s bytes\n", f.name.c_str(), bytes_text(f.bytes).c_str());
+  const std::string cs = m.client_state.size() > 200 ? m.client_state.substr(0, 200) + "..." : m.client_state;
+  std::printf("  client state: %s\n  config: %s\n", cs.c_str(), m.config_json == "null" ? "none" : "stored");
+  return 0;
+}
+
+int verify(const Args& a) {
+  const std::string tag_dir = resolve(a);
+  const ckpt::VerifyResult v = ckpt::verify(tag_dir);
+  for (const std::string& p : v.problems) std::fprintf(stderr, "error: %s\n", p.c_str());
+  if (!v.ok()) {
+    std::fprintf(stderr, "FAILED %s: %zu problem(s)\n", tag_dir.c_str(), v.problems.size());
+    return 1;
+  }
+  std::printf("OK %s: %d files, %lld bytes, every checksum and range verified\n", tag_dir.c_str(), v.files, (long long)v.bytes);
+  return 0;
+}
+
+int to_fp32(const Args& a) {
+  const std::string tag_dir = resolve(a);
+  ckpt::export_fp32(tag_dir, a.out, !a.no_verify);
+  const ckpt::Manifest m = ckpt::manifest_read(tag_dir);
+  std::printf("wrote %s: %zu fp32 tensors from the masters of %s (step %lld)\n", a.out.c_str(), m.params.size(),
+              tag_dir.c_str(), (long long)m.step);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return usage(nullptr);
+  Args a;
+  a.cmd = argv[1];
+  std::vector<std::string> pos;
+  for (int i = 2; i < argc; ++i) {
+    const std::string s = argv[i];
+    if (s == "--tag") {
+      if (i + 1 >= argc) return usage("--tag needs a value");
+      a.tag = argv[++i];
+    } else if (s == "--no-verify") {
+      a.no_verify = true;
+    } else if (s == "-h" || s == "--help") {
+      usage(nullptr);
+      return 0;
+    } else if (!s.empty() && s[0] == '-') {
+      return usage(("unknown option " + s).c_str());
+    } else {
+      pos.push_back(s);
+    }
+  }
+  const size_t want = a.cmd == "to-fp32" ? 2 : 1;
+  if (a.cmd != "inspect" && a.cmd != "verify" && a.cmd != "to-fp32") return usage(("unknown command " + a.cmd).c_str());
+  if (pos.size() != want) return usage("wrong number of arguments");
+  if (a.no_verify && a.cmd != "to-fp32") return usage("--no-verify applies to to-fp32 only");
+  a.dir = pos[0];
+  if (want == 2) a.out = pos[1];
+  try {
+    if (a.cmd == "inspect") return inspect(a);
+    if (a.cmd == "verify") return verify(a);
+    return to_fp32(a);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}
