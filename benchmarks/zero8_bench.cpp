@@ -1,0 +1,495 @@
+// zero8-bench: micro-benchmarks of this machine's memory bandwidth, the block-wise codec and the
+// fused optimizer step, measured side by side in one process so their ratios mean something.
+// Each subcommand prints a table for people and, as its last line, one JSON object for scripts.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "zero8/error.h"
+#include "zero8/kernels/dispatch.h"
+#include "zero8/optim.h"
+#include "zero8/quant.h"
+#include "zero8/version.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Command line
+
+const char* const kUsage =
+    "usage: zero8-bench <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  bandwidth [--numel N] [--threads T] [--repeat R]\n"
+    "      STREAM-like copy of N float32 (default 1e8), memcpy, and an in-place add; GB/s counts\n"
+    "      bytes read + written.\n"
+    "  codec [--block B] [--numel N] [--threads T] [--dtype f32|bf16|f16] [--stochastic 0|1] [--repeat R]\n"
+    "      block-wise 8-bit quantize, dequantize and both (dynamic signed map; B default 256, N 1e8);\n"
+    "      GB/s counts bytes in + out; the ratio is to the copy bandwidth measured in the same run.\n"
+    "  optimizer [--name adamw] [--bits 8|32] [--numel N] [--threads T] [--block B] [--repeat R]\n"
+    "      one fused optimizer step over N float32 parameters (default 1e8), beside its 8/32-bit twin\n"
+    "      and the copy bandwidth: ns per parameter, state bytes per parameter, and the bandwidth\n"
+    "      floor (bytes moved per parameter / copy GB/s; also / in-place GB/s).\n"
+    "  help\n"
+    "\n"
+    "N accepts integers or scientific notation (1e8). T defaults to OpenMP's thread count.\n"
+    "Each measurement is warmed up once and repeated R times (default 5); the median is reported.\n"
+    "The last line printed is one JSON object.\n";
+
+struct UsageError {
+  std::string msg;
+};
+
+// Options as --key value pairs, each key allowed once; every key must be consumed by the command.
+class Options {
+ public:
+  Options(int argc, char** argv, int first) {
+    for (int i = first; i < argc; ++i) {
+      std::string k = argv[i];
+      if (k.rfind("--", 0) != 0 || k.size() < 3) throw UsageError{"unexpected argument '" + k + "'"};
+      if (i + 1 >= argc) throw UsageError{"option " + k + " needs a value"};
+      if (!values_.emplace(k.substr(2), argv[i + 1]).second) throw UsageError{"option " + k + " given twice"};
+      ++i;
+    }
+  }
+  bool has(const std::string& k) const { return values_.count(k) != 0; }
+  std::string str(const std::string& k, const std::string& def) {
+    used_.push_back(k);
+    auto it = values_.find(k);
+    return it == values_.end() ? def : it->second;
+  }
+  // A positive integer count; accepts "100000000" and "1e8".
+  int64_t count(const std::string& k, int64_t def, int64_t lo, int64_t hi) {
+    used_.push_back(k);
+    auto it = values_.find(k);
+    if (it == values_.end()) return def;
+    const std::string& s = it->second;
+    char* end = nullptr;
+    double v = std::strtod(s.c_str(), &end);
+    if (end == s.c_str() || *end != '\0' || !(v == std::floor(v)) || v < double(lo) || v > double(hi))
+      throw UsageError{"--" + k + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                       "], got '" + s + "'"};
+    return int64_t(v);
+  }
+  // Rejects options the command does not know (a typo must not silently run the default).
+  void check_all_used() const {
+    for (const auto& kv : values_)
+      if (std::find(used_.begin(), used_.end(), kv.first) == used_.end())
+        throw UsageError{"unknown option --" + kv.first};
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> used_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Runs fn once to warm up (page faults, caches, thread pool), then `repeat` times; median seconds.
+double time_median(int repeat, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> t;
+  for (int r = 0; r < repeat; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    fn();
+    auto t1 = std::chrono::steady_clock::now();
+    t.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  return median(t);
+}
+
+// Page-aligned buffer, first touched by the same static OpenMP schedule the kernels use, so each
+// thread's pages are local and no page fault lands inside a timed region.
+template <typename T>
+struct Buffer {
+  T* p = nullptr;
+  int64_t n = 0;
+  explicit Buffer(int64_t count) : n(count) {
+    const size_t bytes = ((size_t(count) * sizeof(T) + 4095) / 4096) * 4096;
+    p = static_cast<T*>(std::aligned_alloc(4096, std::max<size_t>(bytes, 4096)));
+    if (!p) ZERO8_THROW(invalid_argument, "cannot allocate " << bytes << " bytes");
+    unsigned char* b = reinterpret_cast<unsigned char*>(p);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < int64_t(bytes); i += 4096) b[i] = 0;
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+void print_header(const char* what, int threads, int repeat) {
+  std::printf("zero8-bench %s | zero8 %s | %s | %d threads | ISA %s | median of %d after 1 warm-up\n", what,
+              zero8::version(), cpu_model().c_str(), threads, zero8::isa_name(zero8::isa_active()), repeat);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copy bandwidth (the yardstick every other figure is divided by)
+//
+// What "bytes" means: the bytes a kernel must read plus write, as STREAM counts them. With ordinary
+// stores the hardware also reads each destination line before writing it (write-allocate), so copy
+// really moves 12 bytes per element while 8 are counted. A kernel that updates its arrays in place
+// (the optimizer step: parameter and states) pays no such extra read, so it can exceed the copy
+// figure; the in-place kernel below (b += a, 12 bytes counted, 12 moved) measures that ceiling.
+
+// STREAM's copy kernel with ordinary stores. GCC would otherwise turn this loop into a memcpy call,
+// whose non-temporal stores skip the read-for-ownership of the destination: that is a different
+// (and higher) figure, reported separately below as "memcpy".
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+#endif
+void copy_stream(const float* __restrict a, float* __restrict b, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) b[i] = a[i];
+}
+
+void copy_memcpy(const float* a, float* b, int64_t n) {
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+    std::memcpy(b + lo, a + lo, size_t(hi - lo) * sizeof(float));
+  }
+}
+
+void add_inplace(const float* __restrict a, float* __restrict b, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) b[i] += a[i];
+}
+
+struct CopyResult {
+  double gbps = 0.0, gbps_memcpy = 0.0, gbps_inplace = 0.0, seconds = 0.0;
+};
+
+// Bytes counted: copy and memcpy 4 read + 4 written per element; in place 8 read + 4 written.
+CopyResult measure_copy(int64_t n, int repeat) {
+  Buffer<float> a(n), b(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) a.p[i] = float(i % 1000) * 0.5f;
+  CopyResult r;
+  const double bytes = 8.0 * double(n);
+  r.seconds = time_median(repeat, [&] { copy_stream(a.p, b.p, n); });
+  r.gbps = bytes / r.seconds * 1e-9;
+  const double s_memcpy = time_median(repeat, [&] { copy_memcpy(a.p, b.p, n); });
+  r.gbps_memcpy = bytes / s_memcpy * 1e-9;
+  if (std::memcmp(a.p, b.p, size_t(n) * sizeof(float)) != 0)
+    ZERO8_THROW(internal, "copy benchmark produced a wrong copy");
+  r.gbps_inplace = 12.0 * double(n) / time_median(repeat, [&] { add_inplace(a.p, b.p, n); }) * 1e-9;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON line
+
+class Json {
+ public:
+  Json& num(const std::string& k, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.6g", v);
+    add(k, buf);
+    return *this;
+  }
+  Json& integer(const std::string& k, int64_t v) {
+    add(k, std::to_string(v));
+    return *this;
+  }
+  Json& str(const std::string& k, const std::string& v) {
+    add(k, "\"" + v + "\"");  // values here are identifiers: no escaping needed
+    return *this;
+  }
+  std::string done() const { return "{" + body_ + "}"; }
+
+ private:
+  void add(const std::string& k, const std::string& v) { body_ += (body_.empty() ? "\"" : ", \"") + k + "\": " + v; }
+  std::string body_;
+};
+
+int threads_option(Options& o) {
+  const int t = int(o.count("threads", omp_get_max_threads(), 1, 1024));
+  omp_set_num_threads(t);
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commands
+
+int cmd_bandwidth(Options& o) {
+  const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 36);
+  const int threads = threads_option(o);
+  const int repeat = int(o.count("repeat", 5, 1, 1000));
+  o.check_all_used();
+
+  print_header("bandwidth", threads, repeat);
+  const CopyResult c = measure_copy(n, repeat);
+  std::printf("%-34s %12s %10s %10s\n", "kernel (float32)", "bytes/elem", "GB/s", "ms");
+  std::printf("%-34s %12d %10.2f %10.3f\n", "copy (STREAM loop)", 8, c.gbps, c.seconds * 1e3);
+  std::printf("%-34s %12d %10.2f %10.3f\n", "memcpy (glibc)", 8, c.gbps_memcpy,
+              8.0 * double(n) / c.gbps_memcpy * 1e-6);
+  std::printf("%-34s %12d %10.2f %10.3f\n", "add in place (b += a)", 12, c.gbps_inplace,
+              12.0 * double(n) / c.gbps_inplace * 1e-6);
+  std::printf("numel %lld (%.1f MB per array)\n", (long long)n, 4.0 * double(n) * 1e-6);
+  std::printf("%s\n", Json()
+                          .str("bench", "bandwidth")
+                          .integer("numel", n)
+                          .integer("threads", threads)
+                          .integer("repeat", repeat)
+                          .num("gbps", c.gbps)
+                          .num("gbps_memcpy", c.gbps_memcpy)
+                          .num("gbps_inplace", c.gbps_inplace)
+                          .done()
+                          .c_str());
+  return 0;
+}
+
+// Bytes a kernel must move per element, for the ratios below.
+double dtype_bytes(zero8::DType t) { return t == zero8::DType::f32 ? 4.0 : 2.0; }
+
+zero8::DType dtype_option(Options& o) {
+  const std::string d = o.str("dtype", "f32");
+  if (d == "f32") return zero8::DType::f32;
+  if (d == "bf16") return zero8::DType::bf16;
+  if (d == "f16") return zero8::DType::f16;
+  throw UsageError{"--dtype must be f32, bf16 or f16, got '" + d + "'"};
+}
+
+int32_t block_option(Options& o) {
+  const int64_t b = o.count("block", 256, 64, 4096);
+  if ((b & (b - 1)) != 0) throw UsageError{"--block must be a power of two in 64..4096, got " + std::to_string(b)};
+  return int32_t(b);
+}
+
+void print_ratio_row(const char* name, double bytes_per_elem, double gbps, double seconds, double copy_gbps) {
+  std::printf("%-26s %12.4f %10.2f %10.3f %12.3f\n", name, bytes_per_elem, gbps, seconds * 1e3, gbps / copy_gbps);
+}
+
+int cmd_codec(Options& o) {
+  const int32_t block = block_option(o);
+  const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
+  const zero8::DType dtype = dtype_option(o);
+  const bool stochastic = o.count("stochastic", 0, 0, 1) != 0;
+  const int threads = threads_option(o);
+  const int repeat = int(o.count("repeat", 5, 1, 1000));
+  o.check_all_used();
+
+  print_header("codec", threads, repeat);
+  const CopyResult copy = measure_copy(n, repeat);
+
+  const int64_t nblocks = (n + block - 1) / block;
+  const size_t xbytes = size_t(n) * size_t(dtype_bytes(dtype));
+  Buffer<unsigned char> x{int64_t(xbytes)}, y{int64_t(xbytes)}, codes{n};
+  Buffer<float> absmax(nblocks);
+  {
+    // Gaussian-like data with a per-block spread that varies over decades, as optimizer states do.
+    std::vector<float> row(4096);
+    for (int64_t i = 0; i < n; i += 4096) {
+      const int64_t m = std::min<int64_t>(4096, n - i);
+      for (int64_t k = 0; k < m; ++k) {
+        const uint64_t j = uint64_t(i + k);
+        const float u1 = zero8::rng_uniform(7, 2 * j) + 1e-7f, u2 = zero8::rng_uniform(7, 2 * j + 1);
+        const float g = std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
+        row[size_t(k)] = g * std::pow(10.0f, -float((j / 4096) % 6));
+      }
+      for (int64_t k = 0; k < m; ++k) zero8::dtype_store(x.p, dtype, i + k, row[size_t(k)]);
+    }
+  }
+  const zero8::quant::QuantTable& table = zero8::quant::table_get(zero8::quant::MapKind::dynamic_signed);
+  const zero8::Isa isa = zero8::isa_active();
+
+  zero8::quant::QuantizeOptions qopt;
+  qopt.stochastic = stochastic;
+  qopt.seed = 42;
+  qopt.threads = threads;
+  auto quantize = [&] {
+    zero8::quant::quantize_blockwise(x.p, dtype, n, block, table, codes.p, absmax.p, qopt);
+  };
+  auto dequantize = [&] {
+    zero8::quant::dequantize_blockwise(codes.p, absmax.p, n, block, table, y.p, dtype, false, threads);
+  };
+  const double s_q = time_median(repeat, quantize);
+  const double s_d = time_median(repeat, dequantize);
+  const double s_qd = time_median(repeat, [&] {
+    quantize();
+    dequantize();
+  });
+  // Bytes in + out: the tensor, its codes and the block scales.
+  const double packed = double(n) + 4.0 * double(nblocks);
+  const double b_q = double(xbytes) + packed, b_d = packed + double(xbytes);
+  const double g_q = b_q / s_q * 1e-9, g_d = b_d / s_d * 1e-9, g_qd = (b_q + b_d) / s_qd * 1e-9;
+
+  const char* dname = dtype == zero8::DType::f32 ? "f32" : dtype == zero8::DType::bf16 ? "bf16" : "f16";
+  std::printf("numel %lld, block %d, dtype %s, %s rounding, ISA %s\n", (long long)n, block, dname,
+              stochastic ? "stochastic" : "nearest", zero8::isa_name(isa));
+  std::printf("%-26s %12s %10s %10s %12s\n", "kernel", "bytes/elem", "GB/s", "ms", "x copy GB/s");
+  print_ratio_row("copy (STREAM loop)", 8.0, copy.gbps, copy.seconds, copy.gbps);
+  print_ratio_row("quantize", b_q / double(n), g_q, s_q, copy.gbps);
+  print_ratio_row("dequantize", b_d / double(n), g_d, s_d, copy.gbps);
+  print_ratio_row("quantize + dequantize", (b_q + b_d) / double(n), g_qd, s_qd, copy.gbps);
+  std::printf("%s\n", Json()
+                          .str("bench", "codec")
+                          .integer("numel", n)
+                          .integer("block", block)
+                          .str("dtype", dname)
+                          .integer("stochastic", stochastic ? 1 : 0)
+                          .integer("threads", threads)
+                          .str("isa", zero8::isa_name(isa))
+                          .num("gbps", g_qd)
+                          .num("gbps_quantize", g_q)
+                          .num("gbps_dequantize", g_d)
+                          .num("copy_gbps", copy.gbps)
+                          .num("ratio_to_copy", g_qd / copy.gbps)
+                          .done()
+                          .c_str());
+  return 0;
+}
+
+zero8::optim::Algo algo_option(Options& o) {
+  const std::string name = o.str("name", "adamw");
+  for (int a = 0; a <= int(zero8::optim::Algo::lars); ++a)
+    if (name == zero8::optim::algo_name(zero8::optim::Algo(a))) return zero8::optim::Algo(a);
+  throw UsageError{"--name must be one of adam, adamw, sgd, lion, rmsprop, adagrad, lamb, lars; got '" + name + "'"};
+}
+
+struct StepResult {
+  double seconds = 0.0, state_bytes_per_param = 0.0, moved_bytes_per_param = 0.0;
+};
+
+// Median time of one step of `algo` with `bits`-bit states over n float32 parameters.
+StepResult measure_step(zero8::optim::Algo algo, int bits, int32_t block, int64_t n, float* param,
+                        const float* grad, int threads, int repeat) {
+  using namespace zero8::optim;
+  State state(StateLayout(algo, n, bits, block));
+  Hyper h;
+  h.lr = 1e-4f;
+  h.weight_decay = 0.01f;
+  h.beta1 = algo == Algo::sgd || algo == Algo::lars ? 0.9f : h.beta1;
+  int64_t step_no = 0;
+  StepResult r;
+  r.seconds = time_median(repeat, [&] {
+    h.step = ++step_no;
+    step(state, h, param, zero8::DType::f32, n, nullptr, grad, zero8::DType::f32, n, threads);
+  });
+  r.state_bytes_per_param = state.layout().bytes_per_param();
+  // The least a single pass must move: read param and grad, write param, read and write every state
+  // (8-bit: a code per state plus the block scales). LAMB/LARS read everything once more for the norms.
+  r.moved_bytes_per_param = 4.0 + 4.0 + 4.0 + 2.0 * r.state_bytes_per_param;
+  if (algo_has_trust_ratio(algo)) r.moved_bytes_per_param += 4.0 + 4.0 + r.state_bytes_per_param;
+  return r;
+}
+
+int cmd_optimizer(Options& o) {
+  const zero8::optim::Algo algo = algo_option(o);
+  const int bits = int(o.count("bits", 8, 8, 32));
+  if (bits != 8 && bits != 32) throw UsageError{"--bits must be 8 or 32, got " + std::to_string(bits)};
+  const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
+  const int32_t block = block_option(o);
+  const int threads = threads_option(o);
+  const int repeat = int(o.count("repeat", 5, 1, 1000));
+  o.check_all_used();
+
+  print_header("optimizer", threads, repeat);
+  const CopyResult copy = measure_copy(n, repeat);
+  Buffer<float> param(n), grad(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    param.p[i] = 0.02f * (zero8::rng_uniform(1, uint64_t(i)) - 0.5f);
+    grad.p[i] = 1e-3f * (zero8::rng_uniform(2, uint64_t(i)) - 0.5f);
+  }
+  const int twin_bits = bits == 8 ? 32 : 8;
+  const StepResult main_r = measure_step(algo, bits, block, n, param.p, grad.p, threads, repeat);
+  const StepResult twin_r = measure_step(algo, twin_bits, block, n, param.p, grad.p, threads, repeat);
+  const StepResult& r8 = bits == 8 ? main_r : twin_r;
+  const StepResult& r32 = bits == 8 ? twin_r : main_r;
+
+  auto ns = [&](const StepResult& r) { return r.seconds / double(n) * 1e9; };
+  // The bandwidth floor: bytes moved / copy GB/s. The step updates in place (no write-allocate
+  // reads), so the in-place floor (bytes moved / in-place GB/s) is the tighter one; both are shown.
+  auto floor_ns = [&](const StepResult& r) { return r.moved_bytes_per_param / copy.gbps; };
+  auto floor_inplace_ns = [&](const StepResult& r) { return r.moved_bytes_per_param / copy.gbps_inplace; };
+  const char* name = zero8::optim::algo_name(algo);
+  std::printf("%s, numel %lld, float32 params and grads, state block %d\n", name, (long long)n, block);
+  std::printf("bandwidth: copy %.2f GB/s (STREAM loop), add in place %.2f GB/s\n", copy.gbps, copy.gbps_inplace);
+  std::printf("%-8s %10s %10s %14s %14s %10s %9s %14s %9s\n", "states", "ms/step", "ns/param", "state B/param",
+              "moved B/param", "floor ns", "x floor", "in-place floor", "x floor");
+  for (const StepResult* r : {&r8, &r32}) {
+    std::printf("%-8s %10.3f %10.4f %14.4f %14.4f %10.4f %9.3f %14.4f %9.3f\n", r == &r8 ? "8-bit" : "32-bit",
+                r->seconds * 1e3, ns(*r), r->state_bytes_per_param, r->moved_bytes_per_param, floor_ns(*r),
+                ns(*r) / floor_ns(*r), floor_inplace_ns(*r), ns(*r) / floor_inplace_ns(*r));
+  }
+  std::printf("8-bit step is %.3fx faster than the 32-bit step\n", r32.seconds / r8.seconds);
+  std::printf("%s\n", Json()
+                          .str("bench", "optimizer")
+                          .str("name", name)
+                          .integer("bits", bits)
+                          .integer("numel", n)
+                          .integer("block", block)
+                          .integer("threads", threads)
+                          .str("isa", zero8::isa_name(zero8::isa_active()))
+                          .num("ns_per_param", ns(main_r))
+                          .num("bytes_per_param_state", main_r.state_bytes_per_param)
+                          .num("ns_per_param_8bit", ns(r8))
+                          .num("ns_per_param_32bit", ns(r32))
+                          .num("speedup_8_vs_32", r32.seconds / r8.seconds)
+                          .num("copy_gbps", copy.gbps)
+                          .num("moved_bytes_per_param", main_r.moved_bytes_per_param)
+                          .num("floor_ns_per_param", floor_ns(main_r))
+                          .num("ratio_to_floor", ns(main_r) / floor_ns(main_r))
+                          .num("inplace_gbps", copy.gbps_inplace)
+                          .num("ratio_to_inplace_floor", ns(main_r) / floor_inplace_ns(main_r))
+                          .done()
+                          .c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "zero8-bench: missing command\n\n%s", kUsage);
+    return 2;
+  }
+  const std::string cmd = argv[1];
+  if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  try {
+    Options o(argc, argv, 2);
+    if (cmd == "bandwidth") return cmd_bandwidth(o);
+    if (cmd == "codec") return cmd_codec(o);
+    if (cmd == "optimizer") return cmd_optimizer(o);
+    throw UsageError{"unknown command '" + cmd + "'"};
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "zero8-bench: %s\n\n%s", e.msg.c_str(), kUsage);
+    return 2;
+  } catch (const zero8::Error& e) {
+    std::fprintf(stderr, "zero8-bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what is missing (scripts/setup.sh), builds (scripts/build.sh), runs
+# every ctest test (GoogleTest, multi-rank MPI tests, the package and CLI tests), then the Python
+# tests when there are any. Prints a summary and exits non-zero if anything failed.
+# Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build_dir="${ZERO8_BUILD_DIR:-$root/build}"
+export ZERO8_BUILD_DIR="$build_dir"
+
+# OpenMPI refuses to start as root unless told, and by default allows only one rank per core; the
+# multi-rank tests run 2-4 ranks on this 2-core machine, as root in CI.
+if [[ $(id -u) -eq 0 ]]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+export OMPI_MCA_rmaps_base_oversubscribe=1
+
+t0=$(date +%s)
+bash "$root/scripts/setup.sh" || { echo "test: FAILED: setup (scripts/setup.sh)" >&2; exit 1; }
+bash "$root/scripts/build.sh" || { echo "test: FAILED: build (scripts/build.sh)" >&2; exit 1; }
+t_build=$(( $(date +%s) - t0 ))
+
+# --- C++ (ctest) ---
+ctest_log="$build_dir/ctest.log"
+ctest_rc=0
+t1=$(date +%s)
+# shellcheck disable=SC2086  # ZERO8_CTEST_ARGS is a space-separated list of ctest arguments
+ctest --test-dir "$build_dir" --output-on-failure -j "${ZERO8_CTEST_JOBS:-2}" ${ZERO8_CTEST_ARGS:-} \
+  2>&1 | tee "$ctest_log" || ctest_rc=$?  # pipefail: ctest's exit status
+t_ctest=$(( $(date +%s) - t1 ))
+# "97% tests passed, 1 tests failed out of 40"
+ctest_line=$(grep -E '^[0-9]+% tests passed, [0-9]+ tests? failed out of [0-9]+' "$ctest_log" | tail -1 || true)
+if [[ -n "$ctest_line" ]]; then
+  ctest_failed=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$ctest_line")
+  ctest_total=$(sed -E 's/.* failed out of ([0-9]+).*/\1/' <<<"$ctest_line")
+else
+  ctest_failed=0
+  ctest_total=0
+  if grep -q 'No tests were found' "$ctest_log"; then
+    echo "test: ctest found no tests" >&2
+  fi
+  ctest_rc=1
+fi
+# ctest counts a skipped test (GTEST_SKIP: no GPU) as not failed; report it apart.
+ctest_skipped=$(grep -cE 'Test +#[0-9]+: .*\*\*\*Skipped' "$ctest_log" || true)
+ctest_passed=$(( ctest_total - ctest_failed - ctest_skipped ))
+
+# --- Python ---
+py_passed=0 py_failed=0 py_rc=0 py_note="no Python tests yet"
+shopt -s nullglob
+py_tests=("$root"/tests/python/test_*.py)
+shopt -u nullglob
+if ((${#py_tests[@]} > 0)); then
+  py_log="$build_dir/pytest.log"
+  if ! python3 -c 'import pytest' >/dev/null 2>&1; then
+    echo "test: tests/python has tests but pytest is not installed (python3 -m pip install pytest)" >&2
+    py_rc=1 py_failed=${#py_tests[@]} py_note="pytest missing"
+  else
+    python3 -m pytest -q "$root/tests/python" 2>&1 | tee "$py_log" || py_rc=$?
+    py_passed=$(grep -oE '[0-9]+ passed' "$py_log" | tail -1 | grep -oE '[0-9]+' || echo 0)
+    py_failed=$(grep -oE '[0-9]+ (failed|error)' "$py_log" | awk '{s += $1} END {print s + 0}')
+    py_note="pytest exit $py_rc"
+    if ((py_rc == 5)); then py_rc=1; py_note="pytest collected no tests"; fi
+  fi
+fi
+
+t_total=$(( $(date +%s) - t0 ))
+echo
+echo "================ zero8 test summary ================"
+echo "setup+build: ${t_build} s; ctest: ${t_ctest} s; total: ${t_total} s"
+echo "C++ (ctest): ${ctest_passed} passed, ${ctest_failed} failed of ${ctest_total} (${ctest_skipped} skipped)"
+echo "Python:      ${py_passed} passed, ${py_failed} failed (${py_note})"
+echo "===================================================="
+status=0
+if ((ctest_rc != 0 || ctest_failed != 0)); then status=1; fi
+if ((py_rc != 0 || py_failed != 0)); then status=1; fi
+echo "total: $(( ctest_passed + py_passed )) passed, $(( ctest_failed + py_failed )) failed, ${ctest_skipped} skipped"
+if ((status != 0)); then echo "test: FAILED" >&2; fi
+exit $status
