@@ -22,6 +22,7 @@
 #include "zero8/kernels/dispatch.h"
 #include "zero8/optim.h"
 #include "zero8/quant.h"
+#include "zero8/sharded.h"
 #include "zero8/version.h"
 
 namespace {
@@ -43,6 +44,10 @@ const char* const kUsage =
     "      one fused optimizer step over N float32 parameters (default 1e8), beside its 8/32-bit twin\n"
     "      and the copy bandwidth: ns per parameter, state bytes per parameter, and the bandwidth\n"
     "      floor (bytes moved per parameter / copy GB/s; also / in-place GB/s).\n"
+    "  comm [--numel N] [--steps S] [--wire-block B] [--threads T]   (under mpirun -np K)\n"
+    "      the sharded AdamW 8-bit optimizer's traffic per rank and step: gradient reduce-scatter as\n"
+    "      fp32 vs int8 blocks (bytes_ratio), parameter all-gather as bf16 vs int8 deltas, the slowest\n"
+    "      rank's time of each, and the optimizer-state and master bytes per parameter on a rank.\n"
     "  help\n"
     "\n"
     "N accepts integers or scientific notation (1e8). T defaults to OpenMP's thread count.\n"
@@ -467,6 +472,118 @@ int cmd_optimizer(Options& o) {
   return 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// comm: the sharded optimizer's traffic under mpirun (one rank per process)
+//
+// Per configuration: bytes this rank sends per step for the gradient reduce-scatter and for the
+// parameter all-gather (the communicator's exact byte counters), the slowest rank's time of each,
+// and the optimizer-state and fp32-master bytes this rank holds per model parameter.
+
+struct CommRun {
+  double reduce_bytes = 0, sync_bytes = 0, reduce_s = 0, step_s = 0;
+  double state_per_param = 0, master_per_param = 0;
+};
+
+CommRun comm_run(zero8::comm::Communicator& world, int64_t n, int steps, bool int8_grads, bool int8_params,
+                 int32_t wire_block, int threads) {
+  using namespace zero8;
+  shard::ShardConfig c;
+  c.layout.wire_block = wire_block;
+  c.algo = optim::Algo::adamw;
+  c.int8_grads = int8_grads;
+  c.int8_params = int8_params;
+  c.working_dtype = DType::bf16;
+  c.threads = threads;
+  shard::ShardedOptimizer opt({{"w", {n}}}, c, world);
+  uint16_t* w = static_cast<uint16_t*>(opt.param_working(0));
+  for (int64_t i = 0; i < n; ++i) w[i] = f32_to_bf16(rng_uniform(1, uint64_t(i)) - 0.5f);
+  opt.init(0);
+  CommRun r;
+  std::vector<double> reduce_t, step_t;
+  for (int s = 0; s < steps + 1; ++s) {  // step 0 warms up
+    float* g = opt.param_grad(0);
+    for (int64_t i = 0; i < n; ++i) g[i] = (rng_uniform(uint64_t(2 + s * 64 + world.rank()), uint64_t(i)) - 0.5f) * 1e-2f;
+    world.barrier();
+    world.stats_reset();
+    auto t0 = std::chrono::steady_clock::now();
+    opt.grad_ready(0);
+    opt.backward_end(true);
+    auto t1 = std::chrono::steady_clock::now();
+    const auto reduce_stats = world.stats();
+    opt.step();
+    auto t2 = std::chrono::steady_clock::now();
+    const auto all = world.stats();
+    if (s == 0) continue;
+    r.reduce_bytes += double(reduce_stats.op(comm::OpKind::all_to_all_v).bytes);
+    r.sync_bytes += double(all.op(comm::OpKind::all_gather_v).bytes);
+    reduce_t.push_back(world.all_reduce_value<double>(std::chrono::duration<double>(t1 - t0).count(), comm::ReduceOp::max));
+    step_t.push_back(world.all_reduce_value<double>(std::chrono::duration<double>(t2 - t1).count(), comm::ReduceOp::max));
+  }
+  r.reduce_bytes /= steps;
+  r.sync_bytes /= steps;
+  r.reduce_s = median(reduce_t);
+  r.step_s = median(step_t);
+  const shard::MemoryStats m = opt.memory();
+  r.state_per_param = double(m.state) / double(n);
+  r.master_per_param = double(m.master) / double(n);
+  return r;
+}
+
+int cmd_comm(Options& o) {
+  using namespace zero8;
+  const int64_t n = o.count("numel", 20000000, 1, int64_t(1) << 34);
+  const int steps = int(o.count("steps", 5, 1, 1000));
+  const int32_t wire = int32_t(o.count("wire-block", 2048, 64, 4096));
+  const int threads = threads_option(o);
+  o.check_all_used();
+  auto world = comm::comm_create("auto");
+  const int N = world->size();
+  if (world->rank() == 0)
+    std::printf("zero8-bench comm | zero8 %s | %s | %d ranks (%s) | %d threads per rank | %lld params, AdamW "
+                "8-bit, bf16 working copy | median of %d steps after 1 warm-up\n",
+                zero8::version(), cpu_model().c_str(), N, world->backend(), threads, static_cast<long long>(n), steps);
+  struct Row {
+    const char* name;
+    bool g8, p8;
+    CommRun r;
+  } rows[] = {{"fp32 grads, bf16 params", false, false, {}},
+              {"int8 grads, bf16 params", true, false, {}},
+              {"int8 grads, int8 params", true, true, {}}};
+  for (Row& row : rows) row.r = comm_run(*world, n, steps, row.g8, row.p8, wire, threads);
+  const double ratio = rows[0].r.reduce_bytes > 0 ? rows[1].r.reduce_bytes / rows[0].r.reduce_bytes : 0.0;
+  const double state_target = (2.0 + 8.0 / 256.0) / N, master_target = 4.0 / N;
+  if (world->rank() == 0) {
+    std::printf("%-26s %16s %10s %16s %10s\n", "configuration", "grad bytes/rank", "reduce ms", "param bytes/rank",
+                "step ms");
+    for (const Row& row : rows)
+      std::printf("%-26s %16.0f %10.2f %16.0f %10.2f\n", row.name, row.r.reduce_bytes, row.r.reduce_s * 1e3,
+                  row.r.sync_bytes, row.r.step_s * 1e3);
+    std::printf("gradient bytes, int8 / fp32: %.4f (target <= 0.255)\n", ratio);
+    std::printf("optimizer state on rank 0: %.4f bytes/param (target 2.03/N = %.4f); fp32 master %.4f (4/N = %.4f)\n",
+                rows[1].r.state_per_param, state_target, rows[1].r.master_per_param, master_target);
+    std::printf("%s\n", Json()
+                            .str("bench", "comm")
+                            .integer("world", N)
+                            .integer("numel", n)
+                            .integer("wire_block", wire)
+                            .num("grad_bytes_fp32", rows[0].r.reduce_bytes)
+                            .num("grad_bytes_int8", rows[1].r.reduce_bytes)
+                            .num("bytes_ratio", ratio)
+                            .num("reduce_ms_fp32", rows[0].r.reduce_s * 1e3)
+                            .num("reduce_ms_int8", rows[1].r.reduce_s * 1e3)
+                            .num("param_bytes_bf16", rows[1].r.sync_bytes)
+                            .num("param_bytes_int8", rows[2].r.sync_bytes)
+                            .num("step_ms_bf16_sync", rows[1].r.step_s * 1e3)
+                            .num("step_ms_int8_sync", rows[2].r.step_s * 1e3)
+                            .num("state_bytes_per_param", rows[1].r.state_per_param)
+                            .num("state_bytes_per_param_target", state_target)
+                            .num("master_bytes_per_param", rows[1].r.master_per_param)
+                            .done()
+                            .c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -484,6 +601,7 @@ int main(int argc, char** argv) {
     if (cmd == "bandwidth") return cmd_bandwidth(o);
     if (cmd == "codec") return cmd_codec(o);
     if (cmd == "optimizer") return cmd_optimizer(o);
+    if (cmd == "comm") return cmd_comm(o);
     throw UsageError{"unknown command '" + cmd + "'"};
   } catch (const UsageError& e) {
     std::fprintf(stderr, "zero8-bench: %s\n\n%s", e.msg.c_str(), kUsage);

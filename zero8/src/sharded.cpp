@@ -277,7 +277,11 @@ void ShardedOptimizer::param_sync(int g) {
   // next delta carries what this one's rounding lost.
   const int64_t valid = gl.part_valid(r), b = gl.part_begin(r);
   std::vector<float> delta(size_t(gl.chunk), 0.0f);
-  for (int64_t i = 0; i < valid; ++i) delta[i] = master_[g][i] - dtype_load(working_[g].data(), cfg_.working_dtype, b + i);
+  const float* m = master_[g].data();
+  const void* wk = working_[g].data();
+  const DType wt = cfg_.working_dtype;
+#pragma omp parallel for schedule(static) if (valid > 65536)
+  for (int64_t i = 0; i < valid; ++i) delta[i] = m[i] - dtype_load(wk, wt, b + i);
   std::vector<int64_t> off(size_t(world()) + 1);
   for (int p = 0; p <= world(); ++p) off[p] = gl.chunk * p;
   full_delta_.resize(size_t(gl.padded()));
@@ -287,8 +291,9 @@ void ShardedOptimizer::param_sync(int g) {
   opt.threads = cfg_.threads;
   comm::bucket_all_gather(dp_, delta.data(), gl.padded(), off, full_delta_.data(), opt, &wire_ws_);
   void* w = working_[g].data();
-  for (int64_t i = 0; i < gl.numel; ++i)
-    dtype_store(w, cfg_.working_dtype, i, dtype_load(w, cfg_.working_dtype, i) + full_delta_[i]);
+  const float* d = full_delta_.data();
+#pragma omp parallel for schedule(static) if (gl.numel > 65536)
+  for (int64_t i = 0; i < gl.numel; ++i) dtype_store(w, wt, i, dtype_load(w, wt, i) + d[i]);
 }
 
 void ShardedOptimizer::sync_working_from_master() {
