@@ -18,6 +18,10 @@ std::vector<float> linspace_f32(float start, float end, int64_t steps) {
   std::vector<float> out(steps);
   const float step = (end - start) / float(steps - 1);
   const int64_t halfway = steps / 2;
+  if (steps == 1) {
+    out[0] = start;
+    return out;
+  }
   auto at = [&](int64_t idx) {
     return idx < halfway ? std::fma(step, float(idx), start) : std::fma(-step, float(steps - idx - 1), end);
   };
@@ -31,29 +35,6 @@ std::vector<float> linspace_f32(float start, float end, int64_t steps) {
   }
   for (; i < steps; ++i) out[i] = at(i);
   return out;
-}
-
-// "8-bit Optimizers via Block-wise Quantization" (Dettmers et al. 2022), dynamic tree quantization:
-// 7 decades 1e-6..1, per decade the midpoints of linspace(0.1, 1, k+1); plus 0 and 1.0.
-std::vector<float> dynamic_map(bool is_signed) {
-  const int max_exponent_bits = 7, non_sign_bits = 7;
-  std::vector<float> data;
-  for (int i = 0; i < max_exponent_bits; ++i) {
-    const int items = is_signed ? (1 << (i + non_sign_bits - max_exponent_bits)) + 1
-                                : (1 << (i + non_sign_bits - max_exponent_bits + 1)) + 1;
-    const std::vector<float> b = linspace_f32(0.1f, 1.0f, items);
-    const float scale = float(std::pow(10.0, double(-(max_exponent_bits - 1) + i)));
-    for (int k = 0; k + 1 < items; ++k) {
-      const float mean = (b[k] + b[k + 1]) / 2.0f;
-      data.push_back(scale * mean);
-      if (is_signed) data.push_back(-scale * mean);
-    }
-  }
-  data.push_back(0.0f);
-  data.push_back(1.0f);
-  ZERO8_ASSERT(data.size() == 256);
-  std::sort(data.begin(), data.end());
-  return data;
 }
 
 std::vector<float> linear_map(bool is_signed) {
@@ -99,6 +80,44 @@ void table_build_lut(QuantTable& t) {
 
 }  // namespace
 
+// "8-bit Optimizers via Block-wise Quantization" (Dettmers et al. 2022), dynamic tree quantization as
+// bitsandbytes' create_dynamic_map(signed, max_exponent_bits, total_bits) builds it: per exponent i the
+// midpoints of linspace(0.1, 1, k + 1) scaled by 10^(i - (max_exponent_bits - 1)), the "additional
+// items" of a zero exponent (with bitsandbytes' reuse of the last i), 0 and 1, zero-padded to 256 and
+// sorted; float32 arithmetic as torch does it (the scale rounded to float). The defaults (7, 8) give
+// 7 decades 1e-6..1 and the two standard maps.
+std::vector<float> map_dynamic_values(bool is_signed, int max_exponent_bits, int total_bits) {
+  ZERO8_CHECK_ARG(total_bits >= 2 && total_bits <= 8, "total_bits", "must be in 2..8, got " << total_bits);
+  ZERO8_CHECK_ARG(max_exponent_bits >= 1 && max_exponent_bits <= total_bits - 1, "max_exponent_bits",
+                  "must be in 1..total_bits-1 = " << total_bits - 1 << ", got " << max_exponent_bits);
+  const int non_sign_bits = total_bits - 1;  // bitsandbytes: total_bits - (1 if signed else 1)
+  const int64_t additional = (int64_t(1) << (non_sign_bits - max_exponent_bits)) - 1;
+  std::vector<float> data;
+  auto add_means = [&](int64_t items, int i) {
+    const std::vector<float> b = linspace_f32(0.1f, 1.0f, items);
+    const float scale = float(std::pow(10.0, double(-(max_exponent_bits - 1) + i)));
+    for (int64_t k = 0; k + 1 < items; ++k) {
+      const float mean = (b[size_t(k)] + b[size_t(k + 1)]) / 2.0f;
+      data.push_back(scale * mean);
+      if (is_signed) data.push_back(-scale * mean);
+    }
+  };
+  for (int i = 0; i < max_exponent_bits; ++i) {
+    const int e = is_signed ? i + non_sign_bits - max_exponent_bits : i + non_sign_bits - max_exponent_bits + 1;
+    add_means((int64_t(1) << e) + 1, i);
+  }
+  if (additional > 0) add_means(additional + 1, max_exponent_bits - 1);
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  ZERO8_CHECK_ARG(data.size() == (size_t(1) << total_bits), "total_bits",
+                  "signed=" << is_signed << ", max_exponent_bits=" << max_exponent_bits << ", total_bits="
+                            << total_bits << " gives " << data.size() << " values instead of 2^total_bits = "
+                            << (1 << total_bits) << " (bitsandbytes rejects this combination too)");
+  data.resize(256, 0.0f);
+  std::sort(data.begin(), data.end());
+  return data;
+}
+
 const char* map_kind_name(MapKind k) {
   switch (k) {
     case MapKind::dynamic_signed: return "dynamic";
@@ -111,8 +130,8 @@ const char* map_kind_name(MapKind k) {
 
 std::vector<float> map_values(MapKind kind) {
   switch (kind) {
-    case MapKind::dynamic_signed: return dynamic_map(true);
-    case MapKind::dynamic_unsigned: return dynamic_map(false);
+    case MapKind::dynamic_signed: return map_dynamic_values(true, 7, 8);
+    case MapKind::dynamic_unsigned: return map_dynamic_values(false, 7, 8);
     case MapKind::linear_signed: return linear_map(true);
     case MapKind::linear_unsigned: return linear_map(false);
   }

@@ -267,7 +267,9 @@ TEST(Sharded, Int8GradientsStayWithinTheCodecBound) {
   double worst = 0.0;
   for (size_t i = 0; i < q.size(); ++i) worst = std::max(worst, double(std::fabs(q[i] - exact[i])));
   EXPECT_LE(worst, bound);
-  if (n > 1) EXPECT_GT(worst, 0.0) << "int8 reduction changed nothing: is it really quantizing?";
+  if (n > 1) {
+    EXPECT_GT(worst, 0.0) << "int8 reduction changed nothing: is it really quantizing?";
+  }
 }
 
 TEST(Sharded, Int8ParameterSyncKeepsReplicasIdenticalAndMastersExact) {

@@ -231,6 +231,21 @@ void step_range(const StepArgs& a, int threads) {
   optim_step(a, isa_active(), threads);
 }
 
+void step_tensor(StepArgs a, int threads) {
+  args_validate(a, false);
+  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0 (0: OpenMP default), got " << threads);
+  const Isa isa = isa_active();
+  std::vector<float> trust;
+  if (algo_has_trust_ratio(a.algo)) {
+    // Each segment is its own tensor: its norms give its trust ratio.
+    std::vector<NormSums> s(size_t(std::max<int64_t>(a.nseg, 1)));
+    optim_norms(a, s.data(), isa, threads);
+    for (const NormSums& x : s) trust.push_back(optim_trust_ratio(a.algo, a.h, x));
+    a.seg_trust = trust.data();
+  }
+  optim_step(a, isa, threads);
+}
+
 void step(State& state, const Hyper& h, void* param, DType param_dtype, int64_t param_numel, float* master,
           const void* grad, DType grad_dtype, int64_t grad_numel, int threads) {
   const int64_t n = state.layout().n;
@@ -245,16 +260,7 @@ void step(State& state, const Hyper& h, void* param, DType param_dtype, int64_t 
   a.master = master;
   a.grad = grad;
   a.grad_dtype = grad_dtype;
-  args_validate(a, false);
-  const Isa isa = isa_active();
-  float trust = 1.0f;
-  if (algo_has_trust_ratio(a.algo)) {
-    NormSums s;
-    optim_norms(a, &s, isa, threads);
-    trust = optim_trust_ratio(a.algo, a.h, s);
-    a.seg_trust = &trust;
-  }
-  optim_step(a, isa, threads);
+  step_tensor(a, threads);
 }
 
 void step(State& state, const Hyper& h, void* param, DType param_dtype, float* master, const void* grad,

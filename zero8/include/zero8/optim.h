@@ -76,6 +76,10 @@ void step(State& state, const Hyper& h, void* param, DType param_dtype, int64_t 
 void norms_range(const StepArgs& a, NormSums* out, int threads = 0);
 void step_range(const StepArgs& a, int threads = 0);
 
+// One tensor, or each segment of the range as its own tensor: LAMB/LARS run norms -> trust ratio ->
+// step (any seg_trust given is ignored), the others the step. Validated.
+void step_tensor(StepArgs a, int threads = 0);
+
 // Validation used by the entries above (phase2: the step, which needs seg_trust for LAMB/LARS).
 void args_validate(const StepArgs& a, bool phase2);
 

@@ -57,6 +57,9 @@ const char* map_kind_name(MapKind k);
 // The 256 values of a map. Dynamic maps are bit-identical to bitsandbytes' create_dynamic_map
 // (float32 arithmetic of torch's CPU linspace), see tests/data/dynamic_maps.txt.
 std::vector<float> map_values(MapKind kind);
+// bitsandbytes' create_dynamic_map(signed, max_exponent_bits, total_bits) for any valid arguments,
+// zero-padded to 256 values; (7, 8) are the standard dynamic maps above.
+std::vector<float> map_dynamic_values(bool is_signed, int max_exponent_bits = 7, int total_bits = 8);
 // Build the search table for any sorted 256-value map (throws zero8::Error if not sorted/finite).
 QuantTable table_build(const std::vector<float>& values);
 // Cached table of a standard map (built once, thread-safe).
