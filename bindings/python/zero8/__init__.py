@@ -1,0 +1,78 @@
+"""zero8: ZeRO-sharded 8-bit block-wise optimizers with int8 communication, over PyTorch.
+
+    import zero8
+    opt = zero8.optim.AdamW8bit(model.parameters(), lr=1e-3)           # bitsandbytes' names
+    engine, optimizer, _, lr_scheduler = zero8.initialize(model=model,   # DeepSpeed's names
+                                                          model_parameters=model.parameters(),
+                                                          config="ds_config.json")
+
+Submodules: ``functional`` (block-wise quantization), ``optim``, ``nn``, ``engine``, ``comm``; they are
+imported on first use. Errors from the C++ library are ``Zero8Error`` subclasses that are also the
+builtin exception for their kind (``Zero8ValueError`` is a ``ValueError``, ``Zero8IOError`` an ``OSError``...).
+"""
+
+from __future__ import annotations
+
+import importlib as _importlib
+
+from . import _C
+from ._C import (
+    Zero8CommError,
+    Zero8Error,
+    Zero8InternalError,
+    Zero8IOError,
+    Zero8NotSupportedError,
+    Zero8ValueError,
+)
+
+__version__ = _C.version()
+
+# Imported on first attribute access (zero8.optim...). A name whose module is not installed raises
+# AttributeError, so hasattr() works.
+_SUBMODULES = ("functional", "optim", "nn", "engine", "comm", "config", "lr_schedules")
+
+# What `from zero8 import *` gives: names that always exist (submodules are imported by name).
+__all__ = [
+    "__version__",
+    "build_info",
+    "Zero8Error",
+    "Zero8ValueError",
+    "Zero8NotSupportedError",
+    "Zero8IOError",
+    "Zero8CommError",
+    "Zero8InternalError",
+]
+
+
+def build_info() -> dict:
+    """What the compiled library contains: dict(cuda, nccl, mpi, x86_simd, isa, version)."""
+    info = dict(_C.build_info())
+    info["isa"] = _C.isa_active().name
+    info["version"] = __version__
+    return info
+
+
+def _submodule(name: str):
+    try:
+        return _importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise  # a dependency of the submodule is missing: show that
+        raise AttributeError(f"module 'zero8' has no attribute '{name}' (zero8.{name} is not installed)") from e
+
+
+def __getattr__(name: str):
+    # Lazy submodules (torch-heavy parts load on first use), and initialize from zero8.engine.
+    if name in _SUBMODULES:
+        module = _submodule(name)
+        globals()[name] = module
+        return module
+    if name == "initialize":
+        initialize = _submodule("engine").initialize
+        globals()["initialize"] = initialize
+        return initialize
+    raise AttributeError(f"module 'zero8' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES) | {"initialize"})

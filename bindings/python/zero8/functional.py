@@ -1,0 +1,211 @@
+"""Block-wise 8-bit quantization of torch tensors with bitsandbytes' signatures (``bitsandbytes.functional``):
+``create_dynamic_map``, ``quantize_blockwise`` and ``dequantize_blockwise``, on CPU tensors of float32,
+bfloat16 or float16, run by zero8's C++ codec (SIMD, OpenMP, GIL released).
+
+Format: a tensor is cut into blocks of ``blocksize`` elements (a power of two in 64..4096; bitsandbytes'
+default 4096); each block stores uint8 codes and one float32 scale. Decoding is ``code[q] * absmax`` as in
+bitsandbytes, so states are interchangeable in both directions. Two differences, both by design:
+the code is the exact nearest map value (ties to the even code, never flipping a nonzero value's sign),
+and a block whose largest-magnitude element is negative stores a *negative* absmax when the map lacks -1
+(the dynamic signed map ends at -0.99297 but +1.0), so that element decodes exactly. bitsandbytes'
+dequantization formula handles such a scale unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+from ._C import Zero8ValueError
+from ._tensors import check_cpu_contiguous, check_dtype, check_float_tensor, check_numel, dtype_code, ptr
+
+__all__ = ["QuantState", "create_dynamic_map", "quantize_blockwise", "dequantize_blockwise"]
+
+_STANDARD_KINDS = (
+    _C.MapKind.dynamic_signed,
+    _C.MapKind.dynamic_unsigned,
+    _C.MapKind.linear_signed,
+    _C.MapKind.linear_unsigned,
+)
+_standard_maps: dict = {}
+
+
+def _standard_map(kind) -> torch.Tensor:
+    t = _standard_maps.get(int(kind))
+    if t is None:
+        t = torch.tensor(_C.map_values(kind), dtype=torch.float32)
+        _standard_maps[int(kind)] = t
+    return t
+
+
+def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
+    """The dynamic (tree) quantization map as bitsandbytes builds it: 256 sorted float32 values.
+
+    For the default arguments this is exactly ``_C.map_values`` (dynamic signed, or dynamic unsigned
+    with ``signed=False``), the maps zero8's 8-bit optimizers use; other arguments follow the same
+    construction (fewer ``total_bits`` pad with zeros to 256 entries, as bitsandbytes does). Returns a new
+    tensor each call.
+    """
+    if max_exponent_bits == 7 and total_bits == 8:
+        kind = _C.MapKind.dynamic_signed if signed else _C.MapKind.dynamic_unsigned
+        return _standard_map(kind).clone()
+    return torch.tensor(_C.map_dynamic_values(bool(signed), int(max_exponent_bits), int(total_bits)),
+                        dtype=torch.float32)
+
+
+class QuantState:
+    """What dequantization needs (bitsandbytes' ``QuantState`` fields for block-wise 8-bit): the block
+    scales ``absmax`` (float32, one per block; or, when nested, their own uint8 codes with ``offset`` and
+    ``state2``), the 256-value ``code`` map, ``blocksize``, and the original ``dtype`` and ``shape``."""
+
+    def __init__(self, absmax: torch.Tensor, shape=None, code: Optional[torch.Tensor] = None,
+                 blocksize: Optional[int] = None, quant_type: Optional[str] = None,
+                 dtype: Optional[torch.dtype] = None, offset: Optional[torch.Tensor] = None,
+                 state2: Optional["QuantState"] = None):
+        self.absmax = absmax
+        self.shape = shape
+        self.code = code
+        self.dtype = dtype
+        self.blocksize = blocksize
+        self.quant_type = quant_type
+        self.offset = offset
+        self.state2 = state2
+
+    @property
+    def nested(self) -> bool:
+        return self.state2 is not None
+
+    def to(self, device) -> "QuantState":
+        """Move the tensors to `device` in place (bitsandbytes' QuantState.to); returns self."""
+        self.absmax = self.absmax.to(device)
+        if self.code is not None:
+            self.code = self.code.to(device)
+        if self.offset is not None:
+            self.offset = self.offset.to(device)
+        if self.state2 is not None:
+            self.state2.to(device)
+        return self
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, QuantState):
+            return NotImplemented
+
+        def same(a, b):
+            if a is None or b is None:
+                return a is b
+            return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+        return (same(self.absmax, other.absmax) and same(self.code, other.code) and self.shape == other.shape
+                and self.dtype == other.dtype and self.blocksize == other.blocksize
+                and same(self.offset, other.offset) and same(self.state2, other.state2))
+
+    def __repr__(self) -> str:
+        return (f"QuantState(blocksize={self.blocksize}, dtype={self.dtype}, shape={tuple(self.shape or ())}, "
+                f"blocks={self.absmax.numel()}, nested={self.nested})")
+
+
+def _check_blocksize(blocksize) -> int:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int):
+        raise Zero8ValueError(f"blocksize must be an int, got {type(blocksize).__name__}")
+    if not (64 <= blocksize <= 4096 and blocksize & (blocksize - 1) == 0):
+        raise Zero8ValueError(f"blocksize must be a power of two in 64..4096, got {blocksize}")
+    return blocksize
+
+
+def _map_arg(code: Optional[torch.Tensor]):
+    """(MapKind, None) for a standard map (the C++ side caches its table) or (None, values) for a custom
+    256-value code table; None is bitsandbytes' default, the dynamic signed map."""
+    if code is None:
+        return _C.MapKind.dynamic_signed, None
+    check_cpu_contiguous(code, "code")
+    check_dtype(code, "code", torch.float32)
+    check_numel(code, "code", 256, "a code table has 256 values")
+    for kind in _STANDARD_KINDS:
+        if torch.equal(code, _standard_map(kind)):
+            return kind, None
+    return None, code.tolist()
+
+
+def _code_tensor(code: Optional[torch.Tensor]) -> torch.Tensor:
+    return _standard_map(_C.MapKind.dynamic_signed) if code is None else code
+
+
+def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, absmax: Optional[torch.Tensor] = None,
+                       out: Optional[torch.Tensor] = None, blocksize: int = 4096,
+                       nested: bool = False) -> Tuple[torch.Tensor, QuantState]:
+    """Quantize A (CPU, contiguous, float32/bfloat16/float16) block-wise with the map `code` (default:
+    the dynamic signed map). Returns (codes as uint8 of A's shape, QuantState). `absmax` (float32,
+    ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when given.
+    nested=True quantizes the scales again (minus their mean, kept as `offset`), as bitsandbytes does."""
+    dt = check_float_tensor(A, "A")
+    blocksize = _check_blocksize(blocksize)
+    kind, values = _map_arg(code)
+    n = A.numel()
+    blocks = -(-n // blocksize)
+    if absmax is None:
+        absmax = torch.zeros(blocks, dtype=torch.float32)
+    else:
+        check_cpu_contiguous(absmax, "absmax")
+        check_dtype(absmax, "absmax", torch.float32)
+        check_numel(absmax, "absmax", blocks, f"one scale per block of {blocksize}")
+    if out is None:
+        out = torch.empty(A.shape, dtype=torch.uint8)
+    else:
+        check_cpu_contiguous(out, "out")
+        check_dtype(out, "out", torch.uint8)
+        check_numel(out, "out", n, "one code per element of A")
+    if kind is not None:
+        _C.quantize_blockwise(ptr(A), dt, n, blocksize, kind, ptr(out), ptr(absmax))
+    else:
+        _C.quantize_blockwise_values(ptr(A), dt, n, blocksize, values, ptr(out), ptr(absmax))
+    code_t = _code_tensor(code)
+    if nested:
+        offset = absmax.mean()
+        qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=blocksize, nested=False)
+        state = QuantState(absmax=qabsmax, shape=A.shape, code=code_t, blocksize=blocksize, dtype=A.dtype,
+                           offset=offset, state2=state2)
+    else:
+        state = QuantState(absmax=absmax, shape=A.shape, code=code_t, blocksize=blocksize, dtype=A.dtype)
+    return out, state
+
+
+def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = None,
+                         absmax: Optional[torch.Tensor] = None, code: Optional[torch.Tensor] = None,
+                         out: Optional[torch.Tensor] = None, blocksize: int = 4096,
+                         nested: bool = False) -> torch.Tensor:
+    """Decode uint8 codes A to ``code[A] * absmax`` per block. Give either `quant_state` (from
+    quantize_blockwise, or bitsandbytes') or `absmax` (+ `code`, `blocksize`; the result is then float32).
+    `out` (CPU, contiguous, float32/bfloat16/float16, A.numel() elements) is written when given; its dtype
+    wins. `nested` is accepted for signature compatibility (the state says whether it is nested)."""
+    del nested  # bitsandbytes reads nesting from the state as well
+    if quant_state is None:
+        if absmax is None:
+            raise Zero8ValueError("dequantize_blockwise needs quant_state or absmax")
+        quant_state = QuantState(absmax=absmax, code=_code_tensor(code), blocksize=blocksize, dtype=torch.float32)
+    check_cpu_contiguous(A, "A")
+    check_dtype(A, "A", torch.uint8)
+    bs = _check_blocksize(quant_state.blocksize)
+    kind, values = _map_arg(quant_state.code)
+    scales = quant_state.absmax
+    if quant_state.nested:
+        scales = dequantize_blockwise(quant_state.absmax, quant_state.state2)
+        scales += quant_state.offset
+        scales = scales.float()
+    n = A.numel()
+    check_cpu_contiguous(scales, "absmax")
+    check_dtype(scales, "absmax", torch.float32)
+    check_numel(scales, "absmax", -(-n // bs), f"one scale per block of {bs}")
+    if out is None:
+        out_dtype = quant_state.dtype if quant_state.dtype is not None else torch.float32
+        out = torch.empty(A.shape, dtype=out_dtype)
+        dt = dtype_code(out, "quant_state.dtype")
+    else:
+        dt = check_float_tensor(out, "out")
+        check_numel(out, "out", n, "one element per code of A")
+    if kind is not None:
+        _C.dequantize_blockwise(ptr(A), ptr(scales), n, bs, kind, ptr(out), dt)
+    else:
+        _C.dequantize_blockwise_values(ptr(A), ptr(scales), n, bs, values, ptr(out), dt)
+    return out

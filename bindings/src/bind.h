@@ -1,0 +1,45 @@
+// Shared pieces of the zero8._C binding files: the per-area init functions, raw-pointer arguments
+// (Python passes tensor.data_ptr() as an int), zero-copy buffer views of C++-owned memory, and the
+// keyword constructor used by the plain-struct classes.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+
+namespace py = pybind11;
+
+namespace zero8::bindings {
+
+// One per binding file (module.cpp calls them in this order: enums first, their users after).
+void init_errors(py::module_& m);
+void init_codec(py::module_& m);
+void init_optim(py::module_& m);
+void init_comm(py::module_& m);
+void init_config(py::module_& m);
+void init_sharded(py::module_& m);
+void init_checkpoint(py::module_& m);
+
+// A pointer argument: Python passes an address as a non-negative int (0 for none).
+using Ptr = std::uintptr_t;
+template <class T> T* as_ptr(Ptr p) { return reinterpret_cast<T*>(p); }
+
+// A writable memoryview of `bytes` bytes at `data` (format "B") that keeps `owner` alive for as long
+// as the view, or anything made from it (torch.frombuffer), exists. The memory must stay where it is
+// for the owner's lifetime (the sharded optimizer never reallocates its buffers).
+py::memoryview buffer_view(py::object owner, void* data, int64_t bytes, bool readonly = false);
+
+// __init__(**kwargs) for a default-constructible bound struct: start from the C++ defaults, then
+// set each keyword as an attribute (an unknown name raises AttributeError naming it).
+template <class T> T from_kwargs(const py::kwargs& kw) {
+  py::object obj = py::cast(T{});
+  for (auto item : kw) py::setattr(obj, item.first, item.second);
+  return obj.cast<T>();
+}
+
+// "name=value, ..." of the listed attributes, for __repr__.
+std::string repr_fields(py::handle obj, const char* type_name, std::initializer_list<const char*> fields);
+
+}  // namespace zero8::bindings

@@ -1,0 +1,89 @@
+// Checkpoints of the sharded optimizer (zero8/checkpoint.h) for the engine: collective save and load
+// with the client state and config carried as JSON text, plus the communicator-free readers (latest,
+// tags, verify, fp32 export). Every call releases the GIL; results come back as dicts.
+#include <string>
+#include <vector>
+
+#include "bind.h"
+#include "zero8/checkpoint.h"
+
+namespace zero8::bindings {
+
+void init_checkpoint(py::module_& m) {
+  m.def(
+      "checkpoint_save",
+      [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag,
+         const std::string& client_state_json, const std::string& config_json, int keep_last) {
+        ckpt::SaveOptions o;
+        o.tag = tag;
+        o.client_state = client_state_json;
+        o.config_json = config_json;
+        o.keep_last = keep_last;
+        ckpt::SaveResult r;
+        {
+          py::gil_scoped_release release;
+          r = ckpt::save(opt, dir, o);
+        }
+        py::dict d;
+        d["tag"] = r.tag;
+        d["path"] = r.path;
+        d["bytes"] = r.bytes;
+        d["removed"] = r.removed;
+        return d;
+      },
+      py::arg("opt"), py::arg("dir"), py::arg("tag") = "", py::arg("client_state_json") = "null",
+      py::arg("config_json") = "", py::arg("keep_last") = 0,
+      "Collective atomic save of <dir>/<tag> (tag '' -> global_step<steps>) and <dir>/latest: dict(tag, path, "
+      "bytes, removed). client_state_json/config_json are JSON text stored as is ('' -> null).");
+  m.def(
+      "checkpoint_load",
+      [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag, bool verify) {
+        ckpt::LoadOptions o;
+        o.tag = tag;
+        o.verify = verify;
+        ckpt::LoadResult r;
+        {
+          py::gil_scoped_release release;
+          r = ckpt::load(opt, dir, o);
+        }
+        py::dict d;
+        d["tag"] = r.tag;
+        d["path"] = r.path;
+        d["step"] = r.step;
+        d["saved_world"] = r.saved_world;
+        d["client_state_json"] = r.client_state;
+        d["config_json"] = r.config_json;
+        d["warnings"] = r.warnings;
+        return d;
+      },
+      py::arg("opt"), py::arg("dir"), py::arg("tag") = "", py::arg("verify") = true,
+      "Collective load (tag '' -> the one <dir>/latest names; any world size): dict(tag, path, step, "
+      "saved_world, client_state_json, config_json, warnings). On error opt is untouched.");
+  m.def("latest_read", &ckpt::latest_read, py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
+        "The tag <dir>/latest names; Zero8IOError when missing or bad.");
+  m.def("checkpoint_tags", &ckpt::tags_list, py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
+        "Complete tags of dir, oldest save first.");
+  m.def("checkpoint_tag_path", &ckpt::tag_path, py::arg("dir"), py::arg("tag"),
+        py::call_guard<py::gil_scoped_release>(), "The directory holding tag `tag` of dir.");
+  m.def(
+      "checkpoint_verify",
+      [](const std::string& tag_dir) {
+        ckpt::VerifyResult r;
+        {
+          py::gil_scoped_release release;
+          r = ckpt::verify(tag_dir);
+        }
+        py::dict d;
+        d["ok"] = r.ok();
+        d["problems"] = r.problems;
+        d["files"] = r.files;
+        d["bytes"] = r.bytes;
+        return d;
+      },
+      py::arg("tag_dir"), "Every check of a saved tag: dict(ok, problems, files, bytes).");
+  m.def("checkpoint_export_fp32", &ckpt::export_fp32, py::arg("tag_dir"), py::arg("out_path"),
+        py::arg("verify") = true, py::call_guard<py::gil_scoped_release>(),
+        "Consolidated fp32 weights (one tensor per parameter) of a tag as a safetensors file.");
+}
+
+}  // namespace zero8::bindings

@@ -1,0 +1,264 @@
+// The ZeRO sharded optimizer (zero8/sharded.h) for the engine: ParamSpec, a flat ShardConfig built by
+// hand or from a normalized DeepSpeed config, and the optimizer, whose working-copy, gradient and
+// master buffers are handed out as zero-copy memoryviews (torch.frombuffer wraps them) that keep the
+// optimizer alive. Collective calls release the GIL.
+#include <string>
+#include <vector>
+
+#include "bind.h"
+#include "zero8/config.h"
+#include "zero8/error.h"
+#include "zero8/sharded.h"
+
+namespace zero8::bindings {
+namespace {
+
+using shard::Group;
+using shard::ParamSpec;
+using shard::ShardConfig;
+using shard::ShardedOptimizer;
+
+Group group_arg(int g) {
+  ZERO8_CHECK_ARG(g >= 0 && g < shard::kNumGroups, "group",
+                  "must be 0 (8-bit states) or 1 (fp32 states), got " << g);
+  return Group(g);
+}
+
+// DeepSpeed config -> ShardConfig. zero8 off: fp32 gradients and parameters on the wire, 32-bit
+// states (config::optimizer_state_bits). ZeRO stage 0 (DeepSpeed: no partitioning) runs as stage 1,
+// which is the same arithmetic (averaged gradients, one update) with the states partitioned.
+ShardConfig shard_config_from_json(const std::string& config_json, int world) {
+  const config::Config c = config::parse_string(config_json, world, "<normalized config>");
+  ShardConfig s;
+  s.layout = config::layout_config(c);
+  s.algo = config::optimizer_algo(c.optimizer);
+  s.hyper = config::optimizer_hyper(c.optimizer);
+  s.bits = config::optimizer_state_bits(c);
+  s.initial_accumulator = float(c.optimizer.initial_accumulator_value);
+  s.stage = c.zero.stage == 0 ? 1 : c.zero.stage;
+  s.working_dtype = config::working_dtype(c);
+  s.int8_grads = c.zero8.enabled && c.zero8.int8_gradients;
+  s.int8_params = c.zero8.enabled && c.zero8.int8_params;
+  s.error_feedback = c.zero8.enabled && c.zero8.error_feedback;
+  s.reduce_bucket_size = c.zero.reduce_bucket_size;
+  s.gradient_clipping = c.gradient_clipping;
+  s.fp16 = c.fp16.enabled;
+  s.loss_scaler = config::loss_scaler_config(c);
+  return s;
+}
+
+py::dict step_info_dict(const shard::StepInfo& i) {
+  py::dict d;
+  d["skipped"] = i.skipped;
+  d["grad_norm"] = i.grad_norm;
+  d["clip_coef"] = i.clip_coef;
+  d["loss_scale"] = i.loss_scale;
+  d["step"] = i.step;
+  return d;
+}
+
+}  // namespace
+
+void init_sharded(py::module_& m) {
+  m.attr("NUM_GROUPS") = shard::kNumGroups;
+  m.attr("GROUP_8BIT") = int(Group::q8);
+  m.attr("GROUP_FP32") = int(Group::fp32);
+
+  py::class_<ParamSpec>(m, "ParamSpec", "One model parameter, in model order.")
+      .def(py::init([](std::string name, std::vector<int64_t> shape, bool fp32_state) {
+             return ParamSpec{std::move(name), std::move(shape), fp32_state};
+           }),
+           py::arg("name"), py::arg("shape"), py::arg("fp32_state") = false)
+      .def_readwrite("name", &ParamSpec::name)
+      .def_readwrite("shape", &ParamSpec::shape)
+      .def_readwrite("fp32_state", &ParamSpec::fp32_state, "force 32-bit optimizer state (StableEmbedding)")
+      .def("numel", &ParamSpec::numel)
+      .def("__repr__", [](py::handle self) { return repr_fields(self, "ParamSpec", {"name", "shape", "fp32_state"}); });
+
+  py::class_<ShardConfig>(m, "ShardConfig",
+                          "Configuration of the sharded optimizer (flat: layout and loss-scaler fields included). "
+                          "ShardConfig(**fields) starts from the C++ defaults; shard_config_from_json builds one "
+                          "from a normalized DeepSpeed config.")
+      .def(py::init<>())
+      .def(py::init(&from_kwargs<ShardConfig>))
+      .def_property(
+          "state_block", [](const ShardConfig& c) { return c.layout.state_block; },
+          [](ShardConfig& c, int32_t v) { c.layout.state_block = v; }, "8-bit state block")
+      .def_property(
+          "wire_block", [](const ShardConfig& c) { return c.layout.wire_block; },
+          [](ShardConfig& c, int32_t v) { c.layout.wire_block = v; }, "int8 communication block")
+      .def_property(
+          "min_8bit_size", [](const ShardConfig& c) { return c.layout.min_8bit_size; },
+          [](ShardConfig& c, int64_t v) { c.layout.min_8bit_size = v; },
+          "parameters with fewer elements keep fp32 states (decided per whole parameter)")
+      .def_readwrite("algo", &ShardConfig::algo)
+      .def_readwrite("hyper", &ShardConfig::hyper, "hyper.step is managed by the optimizer")
+      .def_readwrite("bits", &ShardConfig::bits, "state bits of the 8-bit group (8 or 32)")
+      .def_readwrite("initial_accumulator", &ShardConfig::initial_accumulator)
+      .def_readwrite("stage", &ShardConfig::stage, "1: reduce at the accumulation boundary; 2: per bucket in backward")
+      .def_readwrite("working_dtype", &ShardConfig::working_dtype)
+      .def_readwrite("int8_grads", &ShardConfig::int8_grads)
+      .def_readwrite("int8_params", &ShardConfig::int8_params)
+      .def_readwrite("error_feedback", &ShardConfig::error_feedback)
+      .def_readwrite("reduce_bucket_size", &ShardConfig::reduce_bucket_size, "elements per gradient bucket")
+      .def_readwrite("gradient_clipping", &ShardConfig::gradient_clipping)
+      .def_readwrite("fp16", &ShardConfig::fp16, "dynamic loss scaling applies")
+      .def_property(
+          "initial_scale_power", [](const ShardConfig& c) { return c.loss_scaler.initial_scale_power; },
+          [](ShardConfig& c, int v) { c.loss_scaler.initial_scale_power = v; })
+      .def_property(
+          "loss_scale_window", [](const ShardConfig& c) { return c.loss_scaler.scale_window; },
+          [](ShardConfig& c, int64_t v) { c.loss_scaler.scale_window = v; })
+      .def_property(
+          "hysteresis", [](const ShardConfig& c) { return c.loss_scaler.hysteresis; },
+          [](ShardConfig& c, int v) { c.loss_scaler.hysteresis = v; })
+      .def_property(
+          "consecutive_hysteresis", [](const ShardConfig& c) { return c.loss_scaler.consecutive_hysteresis; },
+          [](ShardConfig& c, bool v) { c.loss_scaler.consecutive_hysteresis = v; })
+      .def_property(
+          "min_loss_scale", [](const ShardConfig& c) { return c.loss_scaler.min_scale; },
+          [](ShardConfig& c, double v) { c.loss_scaler.min_scale = v; })
+      .def_property(
+          "dynamic_loss_scale", [](const ShardConfig& c) { return c.loss_scaler.dynamic; },
+          [](ShardConfig& c, bool v) { c.loss_scaler.dynamic = v; })
+      .def_property(
+          "static_loss_scale", [](const ShardConfig& c) { return c.loss_scaler.static_scale; },
+          [](ShardConfig& c, double v) { c.loss_scaler.static_scale = v; })
+      .def_property(
+          "raise_error_at_min_scale", [](const ShardConfig& c) { return c.loss_scaler.raise_error_at_min_scale; },
+          [](ShardConfig& c, bool v) { c.loss_scaler.raise_error_at_min_scale = v; })
+      .def_readwrite("threads", &ShardConfig::threads, "OpenMP threads of the kernels (0: default)")
+      .def("__copy__", [](const ShardConfig& c) { return c; })
+      .def("__deepcopy__", [](const ShardConfig& c, py::dict) { return c; }, py::arg("memo"))
+      .def("__repr__", [](py::handle self) {
+        return repr_fields(self, "ShardConfig",
+                           {"algo", "bits", "stage", "working_dtype", "state_block", "wire_block", "min_8bit_size",
+                            "int8_grads", "int8_params", "error_feedback", "reduce_bucket_size", "gradient_clipping",
+                            "fp16", "hyper"});
+      });
+
+  m.def("shard_config_from_json", &shard_config_from_json, py::arg("config_json"), py::arg("world"),
+        "ShardConfig of a normalized DeepSpeed config for a data-parallel size `world` (zero8 section off: "
+        "fp32 wire and 32-bit states; ZeRO stage 0 runs as stage 1).");
+
+  py::class_<ShardedOptimizer>(
+      m, "ShardedOptimizer",
+      "ZeRO stage 1/2 optimizer over a communicator (collective: every rank builds it with the same params "
+      "and config; it keeps a reference to comm). Buffers are zero-copy memoryviews of C++ memory, valid while "
+      "any view exists. Groups: 0 = 8-bit states, 1 = fp32 states.")
+      .def(py::init<const std::vector<ParamSpec>&, const ShardConfig&, comm::Communicator&>(), py::arg("params"),
+           py::arg("cfg"), py::arg("comm"), py::keep_alive<1, 4>())
+      .def(
+          "working_buffer",
+          [](py::object self, int g) {
+            ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
+            const Group gr = group_arg(g);
+            const int64_t bytes = o.layout().group(gr).padded() * dtype_size(o.config().working_dtype);
+            return buffer_view(self, o.working(gr), bytes);
+          },
+          py::arg("group"),
+          "The working copy of a group (padded, working_dtype) as a writable memoryview of bytes.")
+      .def(
+          "grad_buffer",
+          [](py::object self, int g) {
+            ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
+            const Group gr = group_arg(g);
+            return buffer_view(self, o.grad_input(gr), o.layout().group(gr).padded() * int64_t(sizeof(float)));
+          },
+          py::arg("group"), "The fp32 gradient input of a group (padded) as a writable memoryview of bytes.")
+      .def(
+          "master_values",
+          [](py::object self, int g) {
+            ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
+            const Group gr = group_arg(g);
+            const int64_t valid = o.layout().group(gr).part_valid(o.rank());
+            return buffer_view(self, o.master(gr), valid * int64_t(sizeof(float)));
+          },
+          py::arg("group"),
+          "This rank's fp32 master of a group (part_range(group) elements) as a memoryview of float32 bytes.")
+      .def(
+          "state_values",
+          [](ShardedOptimizer& o, int g, int which) {
+            optim::State* s = o.state(group_arg(g));
+            ZERO8_CHECK_ARG(which == 1 || which == 2, "which", "must be 1 or 2, got " << which);
+            ZERO8_CHECK_ARG(which <= s->layout().num_states, "which",
+                            optim::algo_name(s->layout().algo) << " has " << s->layout().num_states << " state(s)");
+            return s->values(which);
+          },
+          py::arg("group"), py::arg("which"), "This rank's optimizer state `which` of a group as floats (dequantized).")
+      .def(
+          "param_slot",
+          [](const ShardedOptimizer& o, int i) {
+            ZERO8_CHECK_ARG(i >= 0 && size_t(i) < o.layout().slots.size(), "param",
+                            "index " << i << " out of range (" << o.layout().slots.size() << " parameters)");
+            const shard::ParamSlot& s = o.layout().slots[size_t(i)];
+            return py::make_tuple(int(s.group), s.offset, s.numel);
+          },
+          py::arg("param"), "(group, offset, numel) of parameter i in its group's flat buffers.")
+      .def_property_readonly("num_params", [](const ShardedOptimizer& o) { return o.layout().params.size(); })
+      .def_property_readonly("params", [](const ShardedOptimizer& o) { return o.layout().params; })
+      .def(
+          "group_padded", [](const ShardedOptimizer& o, int g) { return o.layout().group(group_arg(g)).padded(); },
+          py::arg("group"), "Elements of a group's flat buffers (parameters + padding).")
+      .def(
+          "group_numel", [](const ShardedOptimizer& o, int g) { return o.layout().group(group_arg(g)).numel; },
+          py::arg("group"), "Elements of a group's parameters.")
+      .def(
+          "part_range",
+          [](const ShardedOptimizer& o, int g) {
+            const shard::GroupLayout& gl = o.layout().group(group_arg(g));
+            return py::make_tuple(gl.part_begin(o.rank()), gl.part_valid(o.rank()));
+          },
+          py::arg("group"), "(begin, valid): this rank's partition of a group in flat coordinates.")
+      .def("init", &ShardedOptimizer::init, py::arg("root") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Collective: root's working copy becomes everyone's, and the masters are set from it.")
+      .def("grad_ready", &ShardedOptimizer::grad_ready, py::arg("param"), py::call_guard<py::gil_scoped_release>(),
+           "Parameter i's gradient of this micro-batch is complete (stage 2 reduces the buckets it completes).")
+      .def("backward_end", &ShardedOptimizer::backward_end, py::arg("boundary"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Collective end of a micro-batch's backward; boundary: the last micro-batch of the accumulation.")
+      .def(
+          "step",
+          [](ShardedOptimizer& o) {
+            shard::StepInfo info;
+            {
+              py::gil_scoped_release release;
+              info = o.step();
+            }
+            return step_info_dict(info);
+          },
+          "Collective optimizer step: dict(skipped, grad_norm, clip_coef, loss_scale, step).")
+      .def("set_lr", [](ShardedOptimizer& o, float lr) { o.hyper().lr = lr; }, py::arg("lr"))
+      .def_property(
+          "lr", [](ShardedOptimizer& o) { return o.hyper().lr; },
+          [](ShardedOptimizer& o, float lr) { o.hyper().lr = lr; })
+      .def_property(
+          "hyper",
+          py::cpp_function([](ShardedOptimizer& o) -> optim::Hyper& { return o.hyper(); },
+                           py::return_value_policy::reference_internal),
+          [](ShardedOptimizer& o, const optim::Hyper& h) { o.hyper() = h; },
+          "The hyperparameters of the next steps, by reference (opt.hyper.lr = x changes them; step is managed).")
+      .def_property_readonly("loss_scale", &ShardedOptimizer::loss_scale)
+      .def_property("steps", &ShardedOptimizer::steps, &ShardedOptimizer::set_steps)
+      .def_property_readonly("rank", &ShardedOptimizer::rank)
+      .def_property_readonly("world", &ShardedOptimizer::world)
+      .def_property_readonly("config", [](const ShardedOptimizer& o) { return o.config(); }, "A copy of the config.")
+      .def(
+          "memory",
+          [](const ShardedOptimizer& o) {
+            const shard::MemoryStats s = o.memory();
+            py::dict d;
+            d["working"] = s.working;
+            d["grads"] = s.grads;
+            d["master"] = s.master;
+            d["state"] = s.state;
+            d["buffers"] = s.buffers;
+            return d;
+          },
+          "Bytes held by this rank: dict(working, grads, master, state, buffers).")
+      .def("sync_working_from_master", &ShardedOptimizer::sync_working_from_master,
+           py::call_guard<py::gil_scoped_release>(),
+           "Collective: recompute the working copy from the masters (after loading a checkpoint).");
+}
+
+}  // namespace zero8::bindings

@@ -1,0 +1,358 @@
+"""zero8.functional against the definition of the format, computed here independently with torch in
+float64: the maps (bit for bit against tests/data/dynamic_maps.txt), the block scales (signed absmax),
+the codes (exact nearest map value, ties to the even code, no sign flip), decoding (bitsandbytes'
+code[q] * absmax), the round-trip error bound from the map's gaps, and argument errors naming the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero8
+from zero8 import _C
+from zero8 import functional as F
+
+F32_EPS = 2.0**-24  # unit roundoff of float32
+
+
+# ---------------------------------------------------------------------------------------------------
+# Maps
+
+
+def read_dynamic_maps(data_dir):
+    """(signed bits, unsigned bits) as int lists from the reference table (index, value, hex, value, hex)."""
+    signed, unsigned = [], []
+    for line in (data_dir / "dynamic_maps.txt").read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        cols = line.split()
+        signed.append(int(cols[2], 16))
+        unsigned.append(int(cols[4], 16))
+    assert len(signed) == 256 and len(unsigned) == 256
+    return signed, unsigned
+
+
+def bits(t: torch.Tensor) -> list[int]:
+    return [b & 0xFFFFFFFF for b in t.contiguous().view(torch.int32).tolist()]
+
+
+def test_create_dynamic_map_matches_reference_bits(data_dir):
+    signed, unsigned = read_dynamic_maps(data_dir)
+    assert bits(F.create_dynamic_map()) == signed
+    assert bits(F.create_dynamic_map(signed=False)) == unsigned
+    m = F.create_dynamic_map()
+    assert m.dtype == torch.float32 and m.shape == (256,)
+    # A new tensor each call: changing one must not change the maps the codec uses.
+    m.zero_()
+    assert bits(F.create_dynamic_map()) == signed
+
+
+def test_general_construction_reproduces_default_maps():
+    # The glue's construction for any arguments must give the library's maps at the defaults.
+    assert _C.map_dynamic_values(True, 7, 8) == _C.map_values(_C.MapKind.dynamic_signed)
+    assert _C.map_dynamic_values(False, 7, 8) == _C.map_values(_C.MapKind.dynamic_unsigned)
+
+
+def dynamic_map_float64(signed: bool, max_exponent_bits: int, total_bits: int) -> torch.Tensor:
+    """bitsandbytes' create_dynamic_map construction in exact (float64) arithmetic."""
+    e, non_sign = max_exponent_bits, total_bits - 1
+    data = []
+
+    def add(items, i):
+        b = torch.linspace(0.1, 1.0, items, dtype=torch.float64)
+        means = (b[:-1] + b[1:]) / 2
+        scale = 10.0 ** (-(e - 1) + i)
+        data.extend((scale * means).tolist())
+        if signed:
+            data.extend((-scale * means).tolist())
+
+    for i in range(e):
+        add(2 ** (i + non_sign - e) + 1 if signed else 2 ** (i + non_sign - e + 1) + 1, i)
+    if 2 ** (non_sign - e) - 1 > 0:
+        add(2 ** (non_sign - e), e - 1)
+    data += [0.0, 1.0]
+    assert len(data) == 2**total_bits
+    data += [0.0] * (256 - len(data))
+    return torch.tensor(sorted(data), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("signed,e,t", [(True, 7, 8), (False, 7, 8), (True, 4, 8), (True, 5, 6), (True, 2, 4)])
+def test_create_dynamic_map_other_arguments(signed, e, t):
+    got = F.create_dynamic_map(signed, e, t).double()
+    ref = dynamic_map_float64(signed, e, t)
+    assert got.shape == (256,)
+    assert torch.all(got[1:] >= got[:-1])
+    # float32 construction: step, linspace value, sum, halving, scale and product each round once
+    # (half an ulp each) -> within 3 ulps of the exact value.
+    assert torch.all((got - ref).abs() <= 6 * F32_EPS * ref.abs())
+
+
+def test_create_dynamic_map_rejects_impossible_arguments():
+    # Unsigned maps fill 2^total_bits entries only with max_exponent_bits = total_bits - 1.
+    with pytest.raises(zero8.Zero8ValueError, match="total_bits"):
+        F.create_dynamic_map(signed=False, max_exponent_bits=5, total_bits=8)
+    with pytest.raises(zero8.Zero8ValueError, match="max_exponent_bits"):
+        F.create_dynamic_map(max_exponent_bits=8, total_bits=8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The codec against a float64 brute force
+
+
+def nearest_code(normalized: torch.Tensor, v64: torch.Tensor) -> torch.Tensor:
+    """Index of the map value nearest to each normalized value, ties to the even index (float64)."""
+    dist = (v64[None, :] - normalized[:, None]).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    tied = dist == best
+    even_tied = tied & (torch.arange(256)[None, :] % 2 == 0)
+    return torch.where(even_tied.any(dim=1), even_tied.float().argmax(dim=1), tied.float().argmax(dim=1))
+
+
+def expected_quantization(x: torch.Tensor, blocksize: int, values: torch.Tensor):
+    """(codes, absmax) by the definition. Scale: the block's largest-magnitude element, negated when it is
+    negative and the map lacks -1 (so it decodes exactly); code: the map value nearest to x / scale (the
+    quotient rounded to float32, as the kernels compute it), ties to the even code; a nonzero x never gets a
+    value of the opposite sign."""
+    xf = x.float().reshape(-1)
+    n = xf.numel()
+    v64 = values.double()
+    has_neg_one = bool(values[0] == -1.0)
+    nblocks = -(-n // blocksize)
+    pad = torch.zeros(nblocks * blocksize - n, dtype=torch.float32)
+    blocks = torch.cat([xf, pad]).reshape(nblocks, blocksize)
+    real = torch.arange(nblocks * blocksize).reshape(nblocks, blocksize) < n
+    vmax = torch.where(real, blocks, torch.full_like(blocks, -float("inf"))).max(dim=1).values
+    vmin = torch.where(real, blocks, torch.full_like(blocks, float("inf"))).min(dim=1).values
+    scale = torch.where(vmax >= -vmin, vmax, -vmin if has_neg_one else vmin)
+    s = scale.repeat_interleave(blocksize)[:n]
+    normalized = (xf / s).double()  # float32 division, then exact in float64
+    code = nearest_code(normalized, v64)
+    # No sign flip.
+    nonneg_first = int((values >= 0).nonzero()[0])
+    nonpos_last = int((values <= 0).nonzero()[-1])
+    neg = torch.signbit(normalized)
+    val = values[code]
+    code = torch.where((xf != 0) & ~neg & (val < 0), torch.full_like(code, nonneg_first), code)
+    code = torch.where((xf != 0) & neg & (val > 0), torch.full_like(code, nonpos_last), code)
+    # A zero block uses the code nearest to 0 (ties to even as well).
+    zero_code = int(nearest_code(torch.zeros(1, dtype=torch.float64), v64)[0])
+    code = torch.where(s == 0, torch.full_like(code, zero_code), code)
+    return code.to(torch.uint8), scale
+
+
+def exact_ties() -> list[float]:
+    """Midpoints of adjacent dynamic signed map values that float32 represents exactly."""
+    v = _C.map_values(_C.MapKind.dynamic_signed)
+    mids = [(v[i] + v[i + 1]) / 2 for i in range(255)]
+    return [m for m in mids if float(torch.tensor(m, dtype=torch.float32)) == m]
+
+
+def make_inputs(n: int, dtype: torch.dtype, blocksize: int, seed: int = 0) -> torch.Tensor:
+    """Random data with the cases that matter: blocks of very different magnitudes, a zero block, blocks
+    whose extreme element is negative, exact ties between map values, and +-0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 10.0 ** (torch.rand(n, generator=g) * 6 - 4)  # 1e-4 .. 1e2
+    if n >= 3 * blocksize:
+        x[blocksize:2 * blocksize] = 0.0
+        x[2 * blocksize] = -x[2 * blocksize:3 * blocksize].abs().max() * 2  # negative extreme
+    if n >= 4 * blocksize:
+        # Block 3: scale 1.0 (its first element), then exact ties between map values.
+        b = 3 * blocksize
+        ties = exact_ties()[: blocksize - 1]
+        x[b:b + blocksize] = torch.rand(blocksize, generator=g) * 1.8 - 0.9
+        x[b] = 1.0
+        x[b + 1:b + 1 + len(ties)] = torch.tensor(ties, dtype=torch.float32)
+    x[-1] = -0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("blocksize", [64, 256, 4096])
+def test_codes_and_scales_equal_definition(dtype, blocksize):
+    n = 4 * blocksize + 77  # partial last block
+    x = make_inputs(n, dtype, blocksize)
+    codes, state = F.quantize_blockwise(x, blocksize=blocksize)
+    values = F.create_dynamic_map()
+    want_codes, want_scale = expected_quantization(x, blocksize, values)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert torch.equal(state.absmax, want_scale)
+    assert torch.equal(codes, want_codes)
+    assert state.blocksize == blocksize and state.dtype == dtype and state.shape == x.shape
+    assert (state.absmax < 0).any(), "the data has a block whose extreme element is negative"
+
+
+def test_ties_go_to_even_code():
+    x = make_inputs(4 * 256, torch.float32, 256)
+    k = len(exact_ties()[:255])
+    assert k > 100, "the dynamic map has many exactly representable midpoints"
+    codes, state = F.quantize_blockwise(x, blocksize=256)
+    assert state.absmax[3] == 1.0
+    tie_codes = codes[3 * 256 + 1:3 * 256 + 1 + k].to(torch.int64)
+    # Every tie sits between codes i and i + 1 and must take the even one of the two.
+    assert torch.all(tie_codes % 2 == 0)
+
+
+def round_trip_bound(x: torch.Tensor, absmax: torch.Tensor, blocksize: int, values: torch.Tensor) -> torch.Tensor:
+    """Largest |decode(encode(x)) - x| nearest rounding allows, per element: half the gap between the two
+    map values around x / scale (or the distance to the end value outside the map's range), times |scale|,
+    plus the float32 rounding of the quotient and of the decoded product (an ulp of |x| each, doubled)."""
+    v = values.double()
+    s = absmax.double().repeat_interleave(blocksize)[: x.numel()]
+    normalized = torch.where(s != 0, x / s, torch.zeros_like(x))
+    hi = torch.searchsorted(v, normalized).clamp(1, 255)
+    half_gap = (v[hi] - v[hi - 1]) / 2
+    beyond = torch.maximum(v[0] - normalized, normalized - v[255]).clamp(min=0)
+    return torch.maximum(half_gap, beyond) * s.abs() + 4 * F32_EPS * x.abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_error_within_half_gap(dtype):
+    blocksize = 256
+    x = make_inputs(10 * blocksize + 5, dtype, blocksize, seed=1)
+    codes, state = F.quantize_blockwise(x, blocksize=blocksize)
+    y = F.dequantize_blockwise(codes, state, out=torch.empty(x.shape, dtype=torch.float32))
+    xf = x.double()
+    err = (y.double() - xf).abs()
+    assert torch.all(err <= round_trip_bound(xf, state.absmax, blocksize, F.create_dynamic_map()))
+    # Each block's extreme element comes back exactly (the signed-scale rule).
+    blocks = xf[: 10 * blocksize].reshape(10, blocksize)
+    at = blocks.abs().argmax(dim=1) + torch.arange(10) * blocksize
+    assert torch.equal(y.double()[at], xf[at])
+
+
+def test_decode_is_bitsandbytes_formula():
+    # code[q] * absmax in float32 (bitsandbytes' dequantization) is exactly what we decode, negative
+    # scales included, so our states load in bitsandbytes and theirs (positive scales) load here.
+    x = make_inputs(5 * 512 + 3, torch.float32, 512, seed=2)
+    codes, state = F.quantize_blockwise(x, blocksize=512)
+    y = F.dequantize_blockwise(codes, state)
+    bnb = state.code[codes.long()] * state.absmax.repeat_interleave(512)[: x.numel()]
+    assert torch.equal(y, bnb)
+    # A bitsandbytes-style state (positive absmax = max |x|) decodes with the same formula.
+    pos = state.absmax.abs()
+    y_pos = F.dequantize_blockwise(codes, absmax=pos, blocksize=512)
+    assert torch.equal(y_pos, state.code[codes.long()] * pos.repeat_interleave(512)[: x.numel()])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_into_16bit_rounds_the_float32_result(out_dtype):
+    x = make_inputs(3 * 256 + 9, out_dtype, 256, seed=3)
+    codes, state = F.quantize_blockwise(x, blocksize=256)
+    y16 = F.dequantize_blockwise(codes, state)  # dtype from the state
+    y32 = F.dequantize_blockwise(codes, state, out=torch.empty(x.shape, dtype=torch.float32))
+    assert y16.dtype == out_dtype
+    assert torch.equal(y16, y32.to(out_dtype))  # round to nearest even, as torch converts
+
+
+def test_out_and_absmax_are_filled_in_place():
+    x = torch.randn(1000)
+    out = torch.full((1000,), 7, dtype=torch.uint8)
+    absmax = torch.full((4,), 7.0)
+    codes, state = F.quantize_blockwise(x, absmax=absmax, out=out, blocksize=256)
+    assert codes.data_ptr() == out.data_ptr() and state.absmax.data_ptr() == absmax.data_ptr()
+    want_codes, want_scale = expected_quantization(x, 256, F.create_dynamic_map())
+    assert torch.equal(out, want_codes) and torch.equal(absmax, want_scale)
+    y = torch.empty(1000)
+    assert F.dequantize_blockwise(codes, state, out=y).data_ptr() == y.data_ptr()
+
+
+def test_custom_code_table():
+    # Any sorted 256-value map in [-1, 1]: the linear map and a non-standard one (custom table path).
+    x = make_inputs(3 * 128 + 1, torch.float32, 128, seed=4)
+    for code in (torch.linspace(-1, 1, 256), torch.linspace(-1, 1, 256).pow(3)):
+        codes, state = F.quantize_blockwise(x, code=code, blocksize=128)
+        want_codes, want_scale = expected_quantization(x, 128, code)
+        assert torch.equal(codes, want_codes) and torch.equal(state.absmax, want_scale)
+        assert torch.equal(F.dequantize_blockwise(codes, state),
+                           code[codes.long()] * state.absmax.repeat_interleave(128)[: x.numel()])
+
+
+def test_nested_absmax():
+    x = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(5))
+    codes, state = F.quantize_blockwise(x, blocksize=256, nested=True)
+    plain_codes, plain = F.quantize_blockwise(x, blocksize=256)
+    assert state.nested and state.absmax.dtype == torch.uint8
+    assert torch.equal(codes, plain_codes)  # nesting only changes how the scales are stored
+    scales = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    y = F.dequantize_blockwise(codes, state)
+    assert torch.equal(y, state.code[codes.long()] * scales.repeat_interleave(256))
+    # The scales went through the codec as (absmax - offset) in float32: within that round trip's bound,
+    # plus the float32 rounding of the subtraction and of adding the offset back (an ulp each).
+    centered = plain.absmax - state.offset
+    bound = round_trip_bound(centered.double(), state.state2.absmax, 256, state.state2.code)
+    bound += 4 * F32_EPS * (plain.absmax.double().abs() + abs(float(state.offset)))
+    assert torch.all((scales.double() - plain.absmax.double()).abs() <= bound)
+
+
+def test_empty_tensor():
+    codes, state = F.quantize_blockwise(torch.empty(0))
+    assert codes.numel() == 0 and state.absmax.numel() == 0
+    assert F.dequantize_blockwise(codes, state).numel() == 0
+
+
+def test_multidimensional_shape_is_kept():
+    x = torch.randn(3, 5, 70)
+    codes, state = F.quantize_blockwise(x, blocksize=64)
+    assert codes.shape == x.shape
+    assert F.dequantize_blockwise(codes, state).shape == x.shape
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument errors: the right class, naming the argument
+
+
+def test_non_contiguous_input():
+    x = torch.randn(64, 64).t()
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bA must be contiguous"):
+        F.quantize_blockwise(x)
+    codes, state = F.quantize_blockwise(torch.randn(64, 64))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bA must be contiguous"):
+        F.dequantize_blockwise(codes.t(), state)
+
+
+def test_wrong_device():
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bA is on device meta"):
+        F.quantize_blockwise(torch.empty(100, device="meta"))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bout is on device meta"):
+        F.quantize_blockwise(torch.randn(100), out=torch.empty(100, dtype=torch.uint8, device="meta"))
+
+
+def test_wrong_dtype():
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bA has dtype torch.float64"):
+        F.quantize_blockwise(torch.randn(100, dtype=torch.float64))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bA has dtype torch.int32"):
+        F.quantize_blockwise(torch.zeros(100, dtype=torch.int32))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bout has dtype torch.int8"):
+        F.quantize_blockwise(torch.randn(100), out=torch.empty(100, dtype=torch.int8))
+    codes, state = F.quantize_blockwise(torch.randn(100))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bA has dtype torch.float32"):
+        F.dequantize_blockwise(codes.float(), state)
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bout has dtype torch.float64"):
+        F.dequantize_blockwise(codes, state, out=torch.empty(100, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"\bA must be a torch.Tensor"):
+        F.quantize_blockwise([1.0, 2.0])
+
+
+@pytest.mark.parametrize("blocksize", [100, 32, 8192, 0, -256])
+def test_bad_blocksize(blocksize):
+    with pytest.raises(zero8.Zero8ValueError, match="blocksize must be a power of two in 64..4096"):
+        F.quantize_blockwise(torch.randn(1000), blocksize=blocksize)
+
+
+def test_bad_sizes_and_maps():
+    x = torch.randn(1000)
+    with pytest.raises(zero8.Zero8ValueError, match=r"\babsmax has 3 elements; expected 4"):
+        F.quantize_blockwise(x, absmax=torch.empty(3), blocksize=256)
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bout has 999 elements; expected 1000"):
+        F.quantize_blockwise(x, out=torch.empty(999, dtype=torch.uint8))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\bcode has 255 elements; expected 256"):
+        F.quantize_blockwise(x, code=torch.linspace(-1, 1, 255))
+    # The C++ side validates a custom table too (here: not sorted), naming its argument.
+    with pytest.raises(zero8.Zero8ValueError, match="'values'.*not sorted"):
+        F.quantize_blockwise(x, code=torch.linspace(1, -1, 256))
+    codes, state = F.quantize_blockwise(x, blocksize=256)
+    with pytest.raises(zero8.Zero8ValueError, match="needs quant_state or absmax"):
+        F.dequantize_blockwise(codes)
+    with pytest.raises(zero8.Zero8ValueError, match=r"\babsmax has 4 elements; expected 1"):
+        F.dequantize_blockwise(codes, absmax=state.absmax)  # blocksize 4096 by default: one block
