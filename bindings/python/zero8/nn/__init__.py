@@ -1,0 +1,11 @@
+"""zero8.nn: modules that work with zero8's optimizers (bitsandbytes' ``nn`` names).
+
+- ``StableEmbedding``: xavier-uniform init, LayerNorm after the lookup, 32-bit optimizer states.
+- ``Embedding``: torch's Embedding with 32-bit optimizer states.
+"""
+
+from __future__ import annotations
+
+from .stable_embedding import Embedding, StableEmbedding
+
+__all__ = ["StableEmbedding", "Embedding"]

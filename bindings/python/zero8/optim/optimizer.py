@@ -1,0 +1,824 @@
+"""The base of zero8's drop-in optimizers (bitsandbytes' ``Optimizer8bit`` API): a real
+``torch.optim.Optimizer`` whose step runs zero8's fused kernel (``_C.step_tensor``: dequantize -> update ->
+requantize per block, GIL released) on each parameter, with its states as torch tensors in ``self.state``,
+per-parameter overrides (``GlobalOptimManager``, ``override_config``), and state dicts that load
+bitsandbytes' and torch.optim's formats.
+
+State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dicts interchange):
+
+- ``step``: int, the number of steps taken.
+- 8-bit: ``state1`` (uint8 codes, ``p.shape``), ``absmax1`` (float32, one scale per block of
+  ``block_size`` = 256 elements in flat order; negative when the block's extreme element is negative, see
+  ``zero8.functional``), ``qmap1`` (the 256-value dynamic signed map); 2-state algorithms also
+  ``state2``/``absmax2``/``qmap2`` (dynamic unsigned map).
+- 32-bit: ``state1`` (and ``state2``) float32 of ``p.shape``.
+- bfloat16/float16 parameters: ``master``, the float32 master copy the update is applied to (the
+  parameter is its rounding), as a mixed-precision optimizer must keep.
+
+Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
+8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import warnings
+import weakref
+from collections import defaultdict
+from itertools import chain
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import _C
+from .._C import Zero8NotSupportedError, Zero8ValueError
+from .._tensors import FLOAT_DTYPES, check_cpu, dtype_code
+
+__all__ = [
+    "GlobalOptimManager",
+    "Optimizer8bit",
+    "Zero8UnsupportedArgumentError",
+    "param_config",
+    "wants_fp32_state",
+]
+
+BNB_BLOCK_SIZE = 256  # bitsandbytes' 8-bit optimizers: fixed state block (optimizer.py, init_state)
+_BNB_WRAPPER_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests the quantization tensors here
+_F32_ULP = 2.0**-23
+
+_SIGNED = _C.MapKind.dynamic_signed
+_UNSIGNED = _C.MapKind.dynamic_unsigned
+_maps: Dict[int, torch.Tensor] = {}
+
+
+def _map(kind) -> torch.Tensor:
+    """The shared 256-value float32 map tensor of a MapKind (one tensor for every parameter's qmap)."""
+    t = _maps.get(int(kind))
+    if t is None:
+        t = torch.tensor(_C.map_values(kind), dtype=torch.float32)
+        _maps[int(kind)] = t
+    return t
+
+
+class Zero8UnsupportedArgumentError(Zero8ValueError, Zero8NotSupportedError):
+    """An argument value that zero8 does not implement (amsgrad=True, centered RMSprop, paged states...).
+    It is a ValueError (a bad argument for this optimizer) and a NotImplementedError (what bitsandbytes
+    raises for some of them), so either ``except`` catches it."""
+
+
+def _unsupported(name: str, value, why: str):
+    raise Zero8UnsupportedArgumentError(f"{name}={value!r} is not supported: {why}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-parameter configuration overrides
+
+# Keys an override may set: the 8-bit knobs and the hyperparameters of any of the optimizers (each
+# optimizer reads the ones it has; see its _GROUP_KEYS).
+_OVERRIDE_KEYS = frozenset({
+    "optim_bits", "min_8bit_size", "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
+    "alpha", "lr_decay", "bias_correction", "trust_coefficient", "max_trust_ratio",
+})
+
+
+def _check_override(config: Dict[str, Any]) -> Dict[str, Any]:
+    config = dict(config)
+    for k, v in config.items():
+        if k not in _OVERRIDE_KEYS:
+            raise Zero8ValueError(f"override key {k!r} is unknown; valid keys: {', '.join(sorted(_OVERRIDE_KEYS))}")
+    if "optim_bits" in config:
+        _check_bits(config["optim_bits"], "optim_bits")
+    if "min_8bit_size" in config:
+        _check_min_8bit_size(config["min_8bit_size"], "min_8bit_size")
+    return config
+
+
+def _as_params(parameters) -> list:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    params = list(parameters)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameters[{i}] must be a torch.Tensor, got {type(p).__name__}")
+    return params
+
+
+class GlobalOptimManager:
+    """Per-parameter optimizer settings shared by every zero8 optimizer, with bitsandbytes' API::
+
+        mng = zero8.optim.GlobalOptimManager.get_instance()
+        mng.override_config(model.fc1.weight, "optim_bits", 32)        # 32-bit states for this tensor
+        mng.override_config([w1, w2], key_value_dict={"lr": 1e-4})       # any hyperparameter
+        mng.register_module_override(emb, "weight", {"optim_bits": 32})  # whatever emb.weight is at step time
+
+    Overrides are looked up when a parameter's state is created (``optim_bits``, ``min_8bit_size``) and at
+    every step (hyperparameters); they win over the parameter group's values. Parameters are held by
+    identity through weak references (an override never keeps a tensor or module alive), so
+    ``register_parameters`` is not needed and does nothing (kept for bitsandbytes code). Also consulted:
+    bitsandbytes' own GlobalOptimManager, when bitsandbytes is imported, so code that configured it keeps
+    working after switching the optimizer to zero8.
+    """
+
+    _instance: Optional["GlobalOptimManager"] = None
+
+    def __init__(self):
+        raise RuntimeError("Call GlobalOptimManager.get_instance() instead")
+
+    def initialize(self) -> None:
+        """Forget every override."""
+        self._param_config = WeakIdKeyDictionary()
+        self._module_overrides: list = []  # (weakref to module, attribute name, config)
+
+    @classmethod
+    def get_instance(cls) -> "GlobalOptimManager":
+        if cls._instance is None:
+            inst = cls.__new__(cls)
+            inst.initialize()
+            cls._instance = inst
+        return cls._instance
+
+    def register_parameters(self, params) -> None:
+        """bitsandbytes compatibility; overrides follow the tensor itself, nothing to register."""
+
+    def override_config(self, parameters, key: Optional[str] = None, value=None,
+                        key_value_dict: Optional[Dict[str, Any]] = None) -> None:
+        """Override `key` = `value` (or every item of `key_value_dict`) for one tensor or a list of them."""
+        config = _override_dict(key, value, key_value_dict)
+        for p in _as_params(parameters):
+            self._param_config.setdefault(p, {}).update(config)
+
+    def register_module_override(self, module: torch.nn.Module, param_name: str, config: Dict[str, Any]) -> None:
+        """Override `config` for ``getattr(module, param_name)``, resolved when the optimizer steps (so the
+        override survives the module's tensor being replaced, e.g. by ``load_state_dict(assign=True)``)."""
+        config = _check_override(config)
+        self._module_overrides = [(m, n, c) for m, n, c in self._module_overrides if m() is not None]
+        self._module_overrides.append((weakref.ref(module), str(param_name), config))
+
+    def has_overrides(self) -> bool:
+        """Whether any override is registered (here or in bitsandbytes' manager): the optimizers skip the
+        per-parameter lookups when none is."""
+        if self._module_overrides or len(self._param_config) > 0:
+            return True
+        inst = _bnb_manager()
+        return inst is not None and bool(getattr(inst, "pid2config", None)
+                                         or getattr(inst, "module_weight_config_triple", None))
+
+    def config_for(self, p: torch.Tensor) -> Dict[str, Any]:
+        """The overrides that apply to `p` (module overrides, then tensor overrides); {} when none."""
+        out: Dict[str, Any] = {}
+        bnb = _bnb_overrides(p)
+        if bnb:
+            out.update(bnb)
+        for mref, name, config in self._module_overrides:
+            m = mref()
+            if m is not None and getattr(m, name, None) is p:
+                out.update(config)
+        own = self._param_config.get(p)
+        if own:
+            out.update(own)
+        return out
+
+
+def _override_dict(key, value, key_value_dict) -> Dict[str, Any]:
+    if key is not None:
+        if key_value_dict is not None:
+            raise Zero8ValueError("override_config: pass either key/value or key_value_dict, not both")
+        key_value_dict = {key: value}
+    if not key_value_dict:
+        raise Zero8ValueError("override_config: nothing to override (give key and value, or key_value_dict)")
+    return _check_override(key_value_dict)
+
+
+def _bnb_manager():
+    """bitsandbytes' GlobalOptimManager instance if bitsandbytes is imported and made one (never imports)."""
+    mod = sys.modules.get("bitsandbytes.optim.optimizer")
+    mng_cls = getattr(mod, "GlobalOptimManager", None) if mod is not None else None
+    return getattr(mng_cls, "_instance", None) if mng_cls is not None else None
+
+
+def _bnb_overrides(p: torch.Tensor) -> Dict[str, Any]:
+    """bitsandbytes' GlobalOptimManager entries for p, if bitsandbytes is already imported (never imported
+    here). Only the keys zero8 knows are taken."""
+    inst = _bnb_manager()
+    if inst is None:
+        return {}
+    out: Dict[str, Any] = {}
+    for module, name, config in getattr(inst, "module_weight_config_triple", []):
+        if getattr(module, name, None) is p:
+            out.update(config)
+    out.update(getattr(inst, "pid2config", {}).get(id(p), {}))
+    return {k: v for k, v in out.items() if k in _OVERRIDE_KEYS}
+
+
+def param_config(p: torch.Tensor) -> Dict[str, Any]:
+    """The global overrides of tensor `p` (GlobalOptimManager, including StableEmbedding's weight)."""
+    return GlobalOptimManager.get_instance().config_for(p)
+
+
+def wants_fp32_state(p: torch.Tensor) -> bool:
+    """Whether a global override asks for 32-bit optimizer states for `p` (e.g. a StableEmbedding weight):
+    what the sharded engine passes as ParamSpec(fp32_state=...)."""
+    return param_config(p).get("optim_bits") == 32
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks (the messages name the argument)
+
+def _num(value, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise Zero8ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Zero8ValueError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_nonneg(value, name: str) -> float:
+    v = _num(value, name)
+    if not (math.isfinite(v) and v >= 0.0):
+        raise Zero8ValueError(f"Invalid {name}: {value} (must be finite and >= 0)")
+    return v
+
+
+def _check_unit(value, name: str, closed: bool = False) -> float:
+    v = _num(value, name)
+    ok = 0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0
+    if not ok:
+        raise Zero8ValueError(f"Invalid {name}: {value} (must be in [0, 1{']' if closed else ')'})")
+    return v
+
+
+def _check_betas(value, name: str = "betas", count: int = 2) -> Tuple[float, ...]:
+    if isinstance(value, str):  # bitsandbytes accepts '(0.9, 0.999)' from command lines
+        value = [float(b) for b in value.replace("(", "").replace(")", "").split(",") if b.strip()]
+    try:
+        betas = tuple(value)
+    except TypeError:
+        raise Zero8ValueError(f"Invalid {name}: {value!r} (must be a pair of floats)") from None
+    if len(betas) != count:
+        raise Zero8ValueError(f"Invalid {name}: {value!r} (must hold {count} values)")
+    for i, b in enumerate(betas):
+        _check_unit(b, f"{name}[{i}]")
+    return betas
+
+
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise Zero8ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _check_bits(value, name: str = "optim_bits") -> int:
+    if isinstance(value, bool) or value not in (8, 32):
+        raise Zero8ValueError(f"Invalid {name}: {value!r} (zero8 keeps 8-bit or 32-bit optimizer states)")
+    return int(value)
+
+
+def _check_min_8bit_size(value, name: str = "min_8bit_size") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Zero8ValueError(f"Invalid {name}: {value!r} (must be an int >= 0)")
+    return value
+
+
+def _check_block_size(value, name: str = "block_size") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not (64 <= value <= 4096) or value & (value - 1):
+        raise Zero8ValueError(f"Invalid {name}: {value!r} (must be a power of two in 64..4096)")
+    return value
+
+
+# Checks of the parameter-group keys, by key (each optimizer lists the keys it has in _GROUP_KEYS).
+_GROUP_CHECKS: Dict[str, Callable[[Any, str], Any]] = {
+    "lr": _check_nonneg,
+    "betas": _check_betas,
+    "eps": _check_nonneg,
+    "weight_decay": _check_nonneg,
+    "momentum": _check_unit,
+    "dampening": lambda v, n: _check_unit(v, n, closed=True),
+    "nesterov": _check_bool,
+    "alpha": _check_unit,
+    "lr_decay": _check_nonneg,
+    "initial_accumulator_value": _check_nonneg,
+    "bias_correction": _check_bool,
+    "trust_coefficient": _check_nonneg,
+    "max_trust_ratio": _check_nonneg,
+    "optim_bits": _check_bits,
+    "min_8bit_size": _check_min_8bit_size,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saved states: decode and encode
+
+def _infer_block(n: int, nblocks: int, where: str) -> int:
+    """The block size of n elements stored with `nblocks` scales: unique when nblocks >= 2 (a power of
+    two B with ceil(n / B) = nblocks); any B >= n when nblocks == 1."""
+    if nblocks == 1:
+        return max(n, 1)
+    for k in range(31):
+        b = 1 << k
+        if -(-n // b) == nblocks:
+            return b
+    raise Zero8ValueError(f"{where}: {nblocks} block scales do not fit {n} elements with any power-of-two block")
+
+
+def _decode(codes: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor, n: int, where: str) -> torch.Tensor:
+    """float32 values of a block-wise 8-bit state: qmap[code] * absmax of its block (bitsandbytes' and
+    zero8's decoding, one float32 product)."""
+    block = _infer_block(n, absmax.numel(), where)
+    vals = qmap.to(torch.float32).reshape(-1)[codes.reshape(-1).long()]
+    scale = absmax.to(torch.float32).reshape(-1).repeat_interleave(block)[:n]
+    return vals * scale
+
+
+def _encode(values: torch.Tensor, block: int, kind) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax) of float32 values with zero8's codec (exact nearest code, signed block scale)."""
+    x = values.detach().to(torch.float32).contiguous().reshape(-1)
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.uint8)
+    absmax = torch.zeros(-(-n // block), dtype=torch.float32)
+    if n:
+        _C.quantize_blockwise(x.data_ptr(), _C.DType.f32, n, block, kind, codes.data_ptr(), absmax.data_ptr())
+    return codes, absmax
+
+
+def _same_map(saved: torch.Tensor, kind) -> bool:
+    """Whether a saved qmap is zero8's map of `kind` up to the rounding of the map's construction (at most
+    4 float32 ulps per entry: bitsandbytes builds the same map in float32 arithmetic, and its values on
+    current torch differ from the reference table by one ulp in some entries). Codes then mean the same
+    values and are kept as they are."""
+    ours = _map(kind)
+    saved = saved.detach().to(torch.float32).reshape(-1)
+    if saved.numel() != 256:
+        return False
+    return bool(((saved - ours).abs() <= 4 * _F32_ULP * ours.abs()).all())
+
+
+# torch.optim group flags zero8 does not implement (loading a group that set one fails), and torch.optim
+# group keys that do not apply to zero8's kernels (dropped on load).
+_TORCH_FLAGS_UNSUPPORTED = ("amsgrad", "maximize", "centered")
+_TORCH_GROUP_KEYS_DROPPED = frozenset({"amsgrad", "maximize", "centered", "foreach", "fused", "capturable",
+                                       "differentiable", "decoupled_weight_decay"})
+
+
+def fixed_bits(base: type, bits: int, name: str, doc: str) -> type:
+    """A subclass of `base` that always keeps `bits`-bit states (bitsandbytes' Adam8bit / Adam32bit
+    twins). Same constructor without ``optim_bits`` (accepted only when equal to `bits`)."""
+    import inspect
+
+    def __init__(self, params, *args, optim_bits=None, **kwargs):
+        if optim_bits is not None and optim_bits != bits:
+            raise Zero8ValueError(f"Invalid optim_bits: {optim_bits!r} ({name} keeps {bits}-bit states; "
+                                  f"{base.__name__}(..., optim_bits=...) chooses)")
+        base.__init__(self, params, *args, optim_bits=bits, **kwargs)
+
+    sig = inspect.signature(base.__init__)
+    __init__.__signature__ = sig.replace(parameters=[q for q in sig.parameters.values() if q.name != "optim_bits"])
+    __init__.__doc__ = base.__init__.__doc__
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": base.__module__,
+                                "__qualname__": name})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The optimizer base
+
+class Optimizer8bit(torch.optim.Optimizer):
+    """Base of zero8's optimizers: subclasses set ``algo`` (a ``_C.Algo``), ``_GROUP_KEYS`` (the group
+    hyperparameters, checked by ``_GROUP_CHECKS``), ``_hyper(config)`` (-> ``_C.Hyper``) and, for loading
+    foreign state dicts, ``_TORCH_STATE_KEYS`` (torch.optim's names of state 1 and 2) and
+    ``_bnb_group_aliases`` / ``_from_bnb_group`` (bitsandbytes' names of the same hyperparameters).
+
+    Optimizer-wide 8-bit knobs: ``optim_bits`` (8 or 32), ``min_8bit_size`` (parameters with fewer
+    elements keep 32-bit states), ``block_size`` (state block, 256 as bitsandbytes; other powers of two in
+    64..4096 are zero8's). Each may also be set per parameter group (a group key of the same name) or per
+    parameter (``override_config``/``GlobalOptimManager``). bitsandbytes' ``args`` object, if given,
+    supplies them instead (its ``optim_bits``, ``min_8bit_size``, ``percentile_clipping``...).
+    """
+
+    algo = None
+    _GROUP_KEYS: Tuple[str, ...] = ()
+    _TORCH_STATE_KEYS: Tuple[str, ...] = ()
+    _BNB_ONLY_KEYS: Tuple[str, ...] = ()  # group keys bitsandbytes saves that this optimizer drops on load
+
+    def __init__(self, params, defaults: Dict[str, Any], *, optim_bits: int = 32, args=None,
+                 min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
+                 is_paged: bool = False, block_size: int = BNB_BLOCK_SIZE, max_unorm=None):
+        if args is not None:  # bitsandbytes' MockArgs / argparse namespace
+            optim_bits = getattr(args, "optim_bits", optim_bits)
+            min_8bit_size = getattr(args, "min_8bit_size", min_8bit_size)
+            percentile_clipping = getattr(args, "percentile_clipping", percentile_clipping)
+            block_wise = getattr(args, "block_wise", block_wise)
+            is_paged = getattr(args, "is_paged", is_paged)
+        self.optim_bits = _check_bits(optim_bits)
+        self.min_8bit_size = _check_min_8bit_size(min_8bit_size)
+        self.block_size = _check_block_size(block_size)
+        if percentile_clipping != 100:
+            _unsupported("percentile_clipping", percentile_clipping,
+                         "zero8 does not clip by gradient-norm percentiles; clip gradients before step() "
+                         "(torch.nn.utils.clip_grad_norm_) or use the engine's gradient_clipping")
+        if block_wise is not True:
+            _unsupported("block_wise", block_wise, "zero8's 8-bit states are always block-wise")
+        if is_paged:
+            _unsupported("is_paged", is_paged, "paged (unified-memory) states are CUDA-only; zero8 runs on CPU")
+        if max_unorm is not None and type(self)._MAX_UNORM_DEFAULT != max_unorm:
+            warnings.warn(
+                f"{type(self).__name__}: max_unorm={max_unorm} is ignored: zero8 computes the per-tensor trust "
+                f"ratio of the paper (clipped at max_trust_ratio) instead of bitsandbytes' update-norm clipping",
+                stacklevel=3)
+        self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
+        super().__init__(params, defaults)
+
+    _MAX_UNORM_DEFAULT = None
+
+    # torch's __getstate__ keeps only defaults, state and param_groups: add the 8-bit knobs and the
+    # per-parameter overrides (as (tensor, config) pairs, so deepcopy/pickle map them to the copied
+    # parameters), so that copy.deepcopy(opt) and pickling give a working optimizer.
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(optim_bits=self.optim_bits, min_8bit_size=self.min_8bit_size, block_size=self.block_size,
+                     _override_pairs=[(p, dict(c)) for p, c in self._overrides.items()])
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        pairs = state.pop("_override_pairs", None)
+        super().__setstate__(state)
+        if pairs is not None or not hasattr(self, "_overrides"):
+            self._overrides = WeakIdKeyDictionary()
+            for p, c in pairs or ():
+                self._overrides[p] = c
+
+    # ---- configuration ----
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's add_param_group, then the group's hyperparameters and tensors are checked (a bad
+        value raises Zero8ValueError naming it, and the group is not added)."""
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            self._check_group(self.param_groups[index], index)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: Dict[str, Any], index: int) -> None:
+        where = "" if index == 0 else f" (param_groups[{index}])"
+        for key in self._GROUP_KEYS + ("optim_bits", "min_8bit_size"):
+            if key in group:
+                _GROUP_CHECKS[key](group[key], key + where)
+        if "block_size" in group:
+            _check_block_size(group["block_size"], "block_size" + where)
+        if group.get("nesterov") and (_num(group.get("momentum", 0), "momentum") <= 0
+                                      or _num(group.get("dampening", 0), "dampening") != 0):
+            raise Zero8ValueError(f"Invalid nesterov{where}: Nesterov momentum requires a momentum > 0 and "
+                                  f"zero dampening")
+        for i, p in enumerate(group["params"]):
+            if p.dtype not in FLOAT_DTYPES:
+                raise Zero8ValueError(f"params[{i}]{where} has dtype {p.dtype}; zero8 optimizers take float32, "
+                                      f"bfloat16 or float16 parameters")
+
+    def override_config(self, parameters, key: Optional[str] = None, value=None,
+                        key_value_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
+        """Per-parameter settings for this optimizer only (over the group's values and the global
+        GlobalOptimManager's): ``opt.override_config(emb.weight, optim_bits=32)``, or bitsandbytes'
+        ``(param, "optim_bits", 32)`` / ``key_value_dict=`` forms. ``optim_bits``/``min_8bit_size`` take
+        effect when the parameter's state is created (its first step); hyperparameters at every step."""
+        if kwargs:
+            if key is not None or key_value_dict is not None:
+                raise Zero8ValueError("override_config: pass keywords, key/value or key_value_dict, not several")
+            key_value_dict = kwargs
+        config = _override_dict(key, value, key_value_dict)
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        for p in _as_params(parameters):
+            if id(p) not in known:
+                raise Zero8ValueError(f"override_config: a tensor of shape {tuple(p.shape)} is not a parameter "
+                                      f"of this optimizer")
+            self._overrides.setdefault(p, {}).update(config)
+
+    def overrides_for(self, p: torch.Tensor) -> Dict[str, Any]:
+        """Every override that applies to parameter `p` here: the global ones, then this optimizer's."""
+        cfg = param_config(p)
+        cfg.update(self._overrides.get(p) or {})
+        return cfg
+
+    def _config(self, group: Dict[str, Any], p: torch.Tensor, global_cfg: Optional[Dict] = None) -> Dict[str, Any]:
+        """Group values, then global overrides, then this optimizer's overrides."""
+        cfg = dict(group)
+        cfg.setdefault("optim_bits", self.optim_bits)
+        cfg.setdefault("min_8bit_size", self.min_8bit_size)
+        cfg.setdefault("block_size", self.block_size)
+        cfg.update(global_cfg if global_cfg is not None else param_config(p))
+        own = self._overrides.get(p)
+        if own:
+            cfg.update(own)
+        return cfg
+
+    def _state_bits(self, p: torch.Tensor, cfg: Dict[str, Any]) -> int:
+        """8 or 32 for a new state of p: min_8bit_size is compared with the whole parameter's numel."""
+        if cfg["optim_bits"] == 8 and p.numel() >= cfg["min_8bit_size"]:
+            return 8
+        return 32
+
+    def _hyper(self, cfg: Dict[str, Any]) -> "_C.Hyper":
+        raise NotImplementedError
+
+    def _initial_value(self, cfg: Dict[str, Any]) -> float:
+        """The value states start at (Adagrad: initial_accumulator_value)."""
+        return 0.0
+
+    @property
+    def num_states(self) -> int:
+        """1 or 2 states per parameter."""
+        return self._num_states
+
+    @functools.cached_property
+    def _num_states(self) -> int:
+        return _C.algo_num_states(self.algo)
+
+    # ---- state ----
+
+    def _new_state(self, p: torch.Tensor, cfg: Dict[str, Any]) -> Dict[str, Any]:
+        bits = self._state_bits(p, cfg)
+        init = self._initial_value(cfg)
+        values = torch.full((p.numel(),), init, dtype=torch.float32) if init != 0.0 else None
+        state: Dict[str, Any] = {"step": 0}
+        for i in range(1, self.num_states + 1):
+            if bits == 8:
+                block = cfg["block_size"]
+                kind = _SIGNED if i == 1 else _UNSIGNED
+                if values is None:  # zero codes and scales decode to 0, as bitsandbytes initialises them
+                    codes = torch.zeros(p.shape, dtype=torch.uint8)
+                    absmax = torch.zeros(-(-p.numel() // block), dtype=torch.float32)
+                else:
+                    codes, absmax = _encode(values, block, kind)
+                    codes = codes.reshape(p.shape)
+                state[f"state{i}"] = codes
+                state[f"absmax{i}"] = absmax
+                state[f"qmap{i}"] = _map(kind)
+            else:
+                state[f"state{i}"] = (torch.zeros(p.shape, dtype=torch.float32) if values is None
+                                      else values.reshape(p.shape).clone())
+        if p.dtype != torch.float32:
+            state["master"] = p.detach().to(torch.float32).contiguous().clone()
+        return state
+
+    # ---- step ----
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        """One optimization step over every parameter with a gradient (closure: re-evaluates the model and
+        returns the loss, run with gradients enabled, as in torch.optim)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        mng = GlobalOptimManager.get_instance()
+        check_global = mng.has_overrides()
+        check_own = len(self._overrides) > 0
+        for gi, group in enumerate(self.param_groups):
+            group_hyper = None
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                over = mng.config_for(p) if check_global else None
+                own = self._overrides.get(p) if check_own else None
+                if over or own:  # per-parameter hyperparameters
+                    hyper = self._hyper(self._config(group, p, over))
+                else:
+                    if group_hyper is None:
+                        group_hyper = self._hyper(self._config(group, p, {}))
+                    hyper = group_hyper
+                self._step_param(p, group, over, hyper, gi, pi)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int, pi: int) -> None:
+        name = f"param_groups[{gi}]['params'][{pi}]"
+        grad = p.grad
+        if grad.layout != torch.strided:
+            raise Zero8ValueError(f"{name} (shape {tuple(p.shape)}) has a sparse gradient; zero8 optimizers "
+                                  f"take dense gradients (e.g. nn.Embedding(sparse=False))")
+        check_cpu(p, name)
+        check_cpu(grad, f"{name}.grad")
+        if grad.shape != p.shape:
+            raise Zero8ValueError(f"{name}.grad has shape {tuple(grad.shape)}; the parameter has {tuple(p.shape)}")
+        if not p.is_contiguous():  # the states follow the parameter's contiguous (row-major) order
+            p.data = p.data.contiguous()
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+
+        state = self.state[p]
+        if len(state) == 0:
+            state.update(self._new_state(p, self._config(group, p, over)))
+        n = p.numel()
+        s1 = state["state1"]
+        if s1.numel() != n:
+            raise Zero8ValueError(f"{name} has {n} elements but its optimizer state1 has {s1.numel()}")
+        master = state.get("master")
+        if (master is None) != (p.dtype == torch.float32):
+            raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state "
+                                  f"{'lacks' if master is None else 'has'} a float32 master copy (was the "
+                                  f"parameter's dtype changed after its first step?)")
+        state["step"] += 1
+        if n == 0:
+            return
+        hyper.step = state["step"]
+        a = _C.StepArgs()
+        a.algo = self.algo
+        a.h = hyper
+        a.n = n
+        a.param = p.data_ptr()
+        a.param_dtype = dtype_code(p, name)
+        if master is not None:
+            a.master = master.data_ptr()
+        a.grad = grad.data_ptr()
+        a.grad_dtype = dtype_code(grad, f"{name}.grad")
+        two = self._num_states == 2
+        if s1.dtype == torch.uint8:
+            a.bits = 8
+            a.block = self._state_block(state, n)
+            a.code1 = s1.data_ptr()
+            a.absmax1 = state["absmax1"].data_ptr()
+            a.map1 = _SIGNED
+            if two:
+                a.code2 = state["state2"].data_ptr()
+                a.absmax2 = state["absmax2"].data_ptr()
+                a.map2 = _UNSIGNED
+        else:
+            a.bits = 32
+            a.state1 = s1.data_ptr()
+            if two:
+                a.state2 = state["state2"].data_ptr()
+        _C.step_tensor(a)
+
+    @staticmethod
+    def _state_block(state: Dict[str, Any], n: int) -> int:
+        """The block of an 8-bit state, from its number of scales (the state records its own layout, so a
+        group's block_size changing later cannot misread it)."""
+        nb = state["absmax1"].numel()
+        if nb == 1:  # one block: the smallest power of two >= n that the kernels accept
+            return max(64, 1 << max(0, (n - 1).bit_length()))
+        return _infer_block(n, nb, "absmax1")
+
+    # ---- state dicts ----
+
+    def _bnb_group_aliases(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """Keys bitsandbytes' optimizer of the same algorithm reads from a group (added to saved groups
+        so that bitsandbytes can load zero8's state dicts)."""
+        return {}
+
+    def _from_bnb_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        """This optimizer's group keys from bitsandbytes' aliases, for keys the saved group lacks."""
+        return {}
+
+    def _check_saved_group(self, saved: Dict[str, Any], index: int) -> None:
+        """Refuse a saved group whose torch.optim flags ask for an update this optimizer does not make."""
+        for flag in _TORCH_FLAGS_UNSUPPORTED:
+            if saved.get(flag):
+                _unsupported(f"{flag} (saved param_groups[{index}])", saved[flag],
+                             f"{type(self).__name__} cannot continue an optimizer that used it")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's state_dict (the live state tensors, parameters by index) with bitsandbytes' group
+        aliases added (e.g. SGD's ``betas = (momentum, dampening)``), so bitsandbytes can load it."""
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            for k, v in self._bnb_group_aliases(g).items():
+                g.setdefault(k, v)
+        return sd
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict saved by this optimizer (bit-exact: the next steps are identical), by
+        bitsandbytes' optimizer of the same algorithm (flat or nested ``__bnb_optimizer_quant_state__``
+        form), or by torch.optim's (``exp_avg``, ``momentum_buffer``...). Each state is converted to what
+        this optimizer's config chooses for the parameter: 8-bit codes are kept as they are when the map
+        and block size agree, and otherwise decoded and re-encoded; 8-bit <-> 32-bit converts values. The
+        tensors are copied (the loaded optimizer never shares memory with the saved dict).
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+
+        new_groups = []
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            self._check_saved_group(saved, index)
+            new = {k: v for k, v in group.items() if k != "params"}
+            mapped = self._from_bnb_group(saved)
+            for k, v in saved.items():
+                if k == "params" or k in self._BNB_ONLY_KEYS or k in _TORCH_GROUP_KEYS_DROPPED:
+                    continue
+                new[k] = v
+            for k, v in mapped.items():
+                if k not in saved:
+                    new[k] = v
+            new["params"] = group["params"]
+            self._check_group(new, index)
+            new_groups.append(new)
+
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        group_of = {id(p): (gi, pi) for gi, g in enumerate(new_groups) for pi, p in enumerate(g["params"])}
+        state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                state[key] = value
+                continue
+            p = id_map[key]
+            gi, pi = group_of[id(p)]
+            state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
+                                              f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_param_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any],
+                          where: str) -> Dict[str, Any]:
+        saved = dict(saved)
+        if isinstance(saved.get(_BNB_WRAPPER_KEY), dict):
+            saved.update(saved.pop(_BNB_WRAPPER_KEY))
+        n = p.numel()
+        step = saved.get("step", 0)
+        step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+        if step < 0:
+            raise Zero8ValueError(f"{where}: step {step} < 0")
+        bits = self._state_bits(p, cfg)
+        fresh = None
+        out: Dict[str, Any] = {"step": step}
+        block = cfg["block_size"]
+        for i in range(1, self.num_states + 1):
+            kind = _SIGNED if i == 1 else _UNSIGNED
+            found = self._saved_state(saved, i, n, where)
+            if found is None:  # not saved (torch's SGD without momentum): start fresh
+                if fresh is None:
+                    fresh = self._new_state(p, cfg)
+                for k in (f"state{i}", f"absmax{i}", f"qmap{i}"):
+                    if k in fresh:
+                        out[k] = fresh[k]
+                continue
+            codes, absmax, qmap, values = found
+            if bits == 8 and codes is not None and absmax.numel() == -(-n // block) and _same_map(qmap, kind):
+                # zero8's layout already: the codes and scales are kept bit for bit.
+                out[f"state{i}"] = codes.reshape(p.shape)
+                out[f"absmax{i}"] = absmax
+                out[f"qmap{i}"] = _map(kind)
+                continue
+            if codes is not None:
+                values = _decode(codes, absmax, qmap, n, f"{where}: absmax{i}")
+            if bits == 8:
+                codes, absmax = _encode(values, block, kind)
+                out[f"state{i}"] = codes.reshape(p.shape)
+                out[f"absmax{i}"] = absmax
+                out[f"qmap{i}"] = _map(kind)
+            else:
+                out[f"state{i}"] = values.reshape(p.shape)
+        if p.dtype != torch.float32:
+            master = saved.get("master")
+            if isinstance(master, torch.Tensor):
+                if master.numel() != n:
+                    raise Zero8ValueError(f"{where}: master has {master.numel()} elements; the parameter has {n}")
+                out["master"] = master.detach().to(torch.float32).reshape(p.shape).contiguous().clone()
+            else:  # bitsandbytes and torch keep none: the parameter's value is the best master there is
+                out["master"] = p.detach().to(torch.float32).contiguous().clone()
+        return out  # other saved keys (bitsandbytes' unorm_vec, torch's max_exp_avg_sq) have no use here
+
+    def _saved_state(self, saved: Dict[str, Any], i: int, n: int, where: str):
+        """State i of a saved parameter state as (codes, absmax, qmap, None) for 8-bit codes (a missing
+        qmap is zero8's map for state i) or (None, None, None, float32 values); None when not saved.
+        Copies, flattened, on the CPU."""
+        key = f"state{i}"
+        value = saved.get(key)
+        if value is None and len(self._TORCH_STATE_KEYS) >= i:
+            key = self._TORCH_STATE_KEYS[i - 1]
+            value = saved.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise Zero8ValueError(f"{where}: {key} must be a tensor, got {type(value).__name__}")
+        if value.numel() != n:
+            raise Zero8ValueError(f"{where}: {key} has {value.numel()} elements; the parameter has {n}")
+        value = value.detach().to("cpu")
+        if value.dtype != torch.uint8:
+            return None, None, None, value.to(torch.float32).reshape(-1).contiguous().clone()
+        absmax = saved.get(f"absmax{i}")
+        if not isinstance(absmax, torch.Tensor):
+            raise Zero8ValueError(f"{where}: {key} holds 8-bit codes but absmax{i} is missing")
+        absmax = absmax.detach().to("cpu", torch.float32).reshape(-1).contiguous().clone()
+        qmap = saved.get(f"qmap{i}")
+        qmap = _map(_SIGNED if i == 1 else _UNSIGNED) if qmap is None else qmap.detach().to("cpu", torch.float32)
+        qmap = qmap.reshape(-1)
+        if qmap.numel() != 256:
+            raise Zero8ValueError(f"{where}: qmap{i} has {qmap.numel()} values; a code map has 256")
+        _infer_block(n, absmax.numel(), f"{where}: absmax{i}")  # a consistent layout, or a clear error
+        return value.reshape(-1).contiguous().clone(), absmax, qmap, None
