@@ -1,0 +1,1062 @@
+"""The DeepSpeed-style training engine: ``zero8.initialize(model=..., config=...)`` wraps a torch model
+around zero8's ZeRO stage 1/2 sharded optimizer (``_C.ShardedOptimizer``). The model's trainable
+parameters become zero-copy views into the optimizer's working buffer, and (fp32) their ``.grad`` views
+into its gradient buffer, so autograd accumulates straight into C++ memory; post-accumulate-grad hooks
+report each gradient as ready, so stage 2 reduces full buckets while backward is still running.
+
+    engine, optimizer, _, lr_scheduler = zero8.initialize(model=model, model_parameters=model.parameters(),
+                                                          config="ds_config.json")
+    for batch in data:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+Names, signatures and return values follow deepspeed.initialize / DeepSpeedEngine; differences are
+listed in ``initialize``'s docstring.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import _C
+from ._C import Zero8NotSupportedError, Zero8ValueError
+from .config import Zero8Config, load_config, raw_value
+from .lr_schedules import scheduler_from_config
+
+__all__ = ["initialize", "Zero8Engine", "Zero8Optimizer", "MODEL_STATES_FILE", "world_comm"]
+
+# DeepSpeed's file name for the model weights of model-parallel rank 0 (the only one here): a plain
+# torch.save of {'module': state_dict, ...}, so torch.load alone rebuilds the model.
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+_ENGINE_STATE_FORMAT = "zero8-engine"
+_ENGINE_STATE_VERSION = 1
+
+# ---------------------------------------------------------------------------------------------
+# The world communicator: one per process, kept for the process's lifetime (the MPI backend finalizes
+# MPI when its last communicator is destroyed, after which no new one can be made).
+# ---------------------------------------------------------------------------------------------
+_world_lock = threading.Lock()
+_world: dict[str, Any] = {}
+_engines: "weakref.WeakSet[Zero8Engine]" = weakref.WeakSet()
+
+
+def _shutdown() -> None:
+    """At exit: release every engine (its parameters get their own memory, so nothing references the C++
+    buffers), then the world communicator, so the last communicator is destroyed while the interpreter is
+    whole and MPI is finalized (otherwise mpirun reports the ranks as exiting improperly)."""
+    for engine in list(_engines):
+        engine.destroy()
+    _world.clear()
+    gc.collect()
+
+
+def world_comm(backend: str = "auto") -> "_C.Communicator":
+    """The process's world communicator ('auto': MPI under mpirun, single-process otherwise), created on
+    first use. Asking later for another backend than the one made is an error."""
+    with _world_lock:
+        comm = _world.get("comm")
+        if comm is None:
+            comm = _C.comm_create(backend)
+            _world["comm"] = comm
+            atexit.register(_shutdown)
+            _world["backend"] = backend
+        elif backend not in ("auto", comm.backend):
+            raise Zero8ValueError(
+                f"zero8.comm_backend: '{backend}' requested, but this process already uses the "
+                f"'{comm.backend}' world communicator"
+            )
+        return comm
+
+
+def _local_rank() -> int:
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        v = os.environ.get(var)
+        if v is not None and v.strip().lstrip("-").isdigit():
+            return int(v)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Client optimizers: their type and hyperparameters become the sharded optimizer's algorithm/Hyper.
+# ---------------------------------------------------------------------------------------------
+
+# torch.optim classes by name -> zero8 algorithm.
+_TORCH_ALGOS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad"}
+# zero8.optim / bitsandbytes class names (without the 8bit/32bit suffix) -> algorithm.
+_BNB_ALGOS = {
+    "Adam": "adam", "AdamW": "adamw", "SGD": "sgd", "Lion": "lion", "RMSprop": "rmsprop",
+    "Adagrad": "adagrad", "LAMB": "lamb", "LARS": "lars", "Momentum": "sgd",
+}
+_BETA_ALGOS = ("adam", "adamw", "lamb", "lion")
+_MOMENTUM_ALGOS = ("sgd", "lars")
+# Group keys that are hyperparameters (compared across groups; the sharded optimizer has one Hyper).
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "alpha", "lr_decay",
+               "initial_accumulator_value", "trust_coefficient", "max_trust_ratio", "max_coeff",
+               "bias_correction", "amsgrad", "maximize", "centered", "decoupled_weight_decay")
+
+
+def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
+    """{algo, bits, hyper: {field: value}, name, min_8bit_size?} of a client optimizer instance.
+
+    Read from its class and param_groups[0] (all groups must share their hyperparameters):
+    torch.optim Adam (adam_w when decoupled_weight_decay), AdamW, SGD, RMSprop, Adagrad; zero8.optim and
+    bitsandbytes' Adam/AdamW/SGD/Lion/RMSprop/Adagrad/LAMB/LARS (8bit / 32bit by name or optim_bits).
+    """
+    cls = type(opt)
+    name = cls.__name__
+    module = cls.__module__ or ""
+    bits = config_bits if zero8_enabled else 32
+    algo = None
+    if module.startswith("torch.optim") and name in _TORCH_ALGOS:
+        algo = _TORCH_ALGOS[name]
+    elif module.startswith("zero8") and isinstance(getattr(cls, "algo", None), _C.Algo):
+        # zero8.optim: its own algorithm, state bits, block size and Hyper construction.
+        groups = opt.param_groups
+        _check_groups_equal(groups, tuple(k for k in groups[0] if k != "params"))
+        g0 = groups[0]
+        spec = {"algo": cls.algo.name, "bits": int(g0.get("optim_bits", opt.optim_bits)),
+                "hyper_obj": opt._hyper(g0), "name": f"{module}.{name}",
+                "min_8bit_size": int(g0.get("min_8bit_size", opt.min_8bit_size)),
+                "state_block": int(g0.get("block_size", opt.block_size))}
+        spec["hyper"] = {"lr": float(g0["lr"])}
+        if spec["algo"] == "adagrad":
+            spec["hyper"]["initial_accumulator"] = float(g0.get("initial_accumulator_value", 0.0))
+        return spec
+    elif module.startswith("bitsandbytes"):
+        base = name
+        for suffix, b in (("8bit", 8), ("32bit", 32)):
+            if base.endswith(suffix):
+                base, bits = base[: -len(suffix)], b
+                break
+        base = base.removeprefix("Paged")
+        algo = _BNB_ALGOS.get(base)
+        ob = getattr(getattr(opt, "args", None), "optim_bits", None)
+        if ob in (8, 32) and not name.endswith(("8bit", "32bit")):
+            bits = int(ob)
+    if algo is None:
+        raise Zero8NotSupportedError(
+            f"optimizer: a client optimizer of type {module}.{name} cannot run sharded; zero8 maps "
+            f"torch.optim.{{{', '.join(_TORCH_ALGOS)}}}, zero8.optim optimizers and bitsandbytes' 8-bit ones "
+            f"(Adam, AdamW, SGD, Lion, RMSprop, Adagrad, LAMB, LARS); or use an \"optimizer\" config section"
+        )
+    groups = opt.param_groups
+    if not groups:
+        raise Zero8ValueError("optimizer: the client optimizer has no param groups")
+    _check_groups_equal(groups, _HYPER_KEYS)
+    g0 = groups[0]
+    for flag in ("amsgrad", "maximize", "centered"):
+        if g0.get(flag):
+            raise Zero8NotSupportedError(f"optimizer.param_groups[0].{flag}: {flag}=True is not supported")
+    if algo == "rmsprop" and g0.get("momentum", 0):
+        raise Zero8NotSupportedError("optimizer.param_groups[0].momentum: RMSprop with momentum is not supported")
+    if algo == "adam" and g0.get("decoupled_weight_decay"):
+        algo = "adamw"
+    hyper: dict[str, Any] = {"lr": float(g0["lr"])}
+    if "eps" in g0:
+        hyper["eps"] = float(g0["eps"])
+    hyper["weight_decay"] = float(g0.get("weight_decay", 0.0) or 0.0)
+    if algo in _BETA_ALGOS:
+        b1, b2 = g0.get("betas", (0.9, 0.999))
+        hyper["beta1"], hyper["beta2"] = float(b1), float(b2)
+        if "bias_correction" in g0:
+            hyper["bias_correction"] = bool(g0["bias_correction"])
+        for k in ("max_trust_ratio", "max_coeff"):
+            if k in g0:
+                hyper["max_trust_ratio"] = float(g0[k])
+    if algo in _MOMENTUM_ALGOS:
+        hyper["beta1"] = float(g0.get("momentum", 0.0) or 0.0)
+        hyper["dampening"] = float(g0.get("dampening", 0.0) or 0.0)
+        hyper["nesterov"] = bool(g0.get("nesterov", False))
+        if "trust_coefficient" in g0:
+            hyper["trust_coefficient"] = float(g0["trust_coefficient"])
+    if algo == "rmsprop":
+        hyper["beta2"] = float(g0.get("alpha", 0.99))
+    if algo == "adagrad":
+        hyper["lr_decay"] = float(g0.get("lr_decay", 0.0))
+        hyper["initial_accumulator"] = float(g0.get("initial_accumulator_value", 0.0))
+    spec = {"algo": algo, "bits": bits, "hyper": hyper, "name": f"{module}.{name}"}
+    m8 = getattr(getattr(opt, "args", None), "min_8bit_size", None)
+    if isinstance(m8, int):
+        spec["min_8bit_size"] = m8
+    return spec
+
+
+def _check_groups_equal(groups: list[dict], keys) -> None:
+    g0 = groups[0]
+    for i, g in enumerate(groups[1:], 1):
+        for k in keys:
+            if k in g0 and g.get(k) != g0.get(k):
+                raise Zero8NotSupportedError(
+                    f"optimizer.param_groups[{i}].{k}: {g.get(k)!r} differs from param_groups[0]'s {g0.get(k)!r}; "
+                    f"zero8's sharded optimizer runs one set of hyperparameters over all parameters"
+                )
+
+
+def _param_overrides(p: torch.Tensor, client) -> dict:
+    """Per-parameter settings of zero8.optim (GlobalOptimManager, e.g. a StableEmbedding weight, and the
+    client optimizer's override_config)."""
+    cfg: dict = {}
+    try:
+        from .optim import param_config
+    except ImportError:  # zero8.optim not installed: no overrides can exist
+        return cfg
+    cfg.update(param_config(p))
+    own = getattr(client, "_overrides", None)
+    if own is not None and p in own:
+        cfg.update(own[p])
+    return cfg
+
+
+def _hyper_from_group(group: dict, algo: str, hyper) -> None:
+    """Write a param group's (possibly scheduler-changed) hyperparameters into the C++ Hyper."""
+    hyper.lr = float(group["lr"])
+    if "weight_decay" in group:
+        hyper.weight_decay = float(group["weight_decay"] or 0.0)
+    if "eps" in group:
+        hyper.eps = float(group["eps"])
+    if algo in _BETA_ALGOS and "betas" in group:
+        b1, b2 = group["betas"]
+        hyper.beta1, hyper.beta2 = float(b1), float(b2)
+    elif algo in _MOMENTUM_ALGOS and "momentum" in group:
+        hyper.beta1 = float(group["momentum"] or 0.0)
+    elif algo == "rmsprop" and "alpha" in group:
+        hyper.beta2 = float(group["alpha"])
+
+
+def _f32(x: float) -> float:
+    """A float32 hyperparameter as the shortest decimal that rounds to it (0.003, not 0.0030000000261)."""
+    x32 = torch.tensor(x, dtype=torch.float32).item()
+    for digits in range(1, 10):
+        v = float(f"{x32:.{digits}g}")
+        if torch.tensor(v, dtype=torch.float32).item() == x32:
+            return v
+    return x32
+
+
+def _group_from_hyper(algo: str, h) -> dict:
+    """The torch-style param-group hyperparameters of a C++ Hyper (what schedulers read and write)."""
+    g: dict[str, Any] = {"lr": _f32(h.lr), "weight_decay": _f32(h.weight_decay)}
+    if algo in _BETA_ALGOS:
+        g["betas"] = (_f32(h.beta1), _f32(h.beta2))
+        g["eps"] = _f32(h.eps)
+        g["bias_correction"] = bool(h.bias_correction)
+    elif algo in _MOMENTUM_ALGOS:
+        g["momentum"] = _f32(h.beta1)
+        g["dampening"] = _f32(h.dampening)
+        g["nesterov"] = bool(h.nesterov)
+    elif algo == "rmsprop":
+        g["alpha"] = _f32(h.beta2)
+        g["eps"] = _f32(h.eps)
+    elif algo == "adagrad":
+        g["lr_decay"] = _f32(h.lr_decay)
+        g["eps"] = _f32(h.eps)
+    return g
+
+
+def _check_group_overrides(groups: list[dict], resolved: dict) -> None:
+    """model_parameters given as param-group dicts may not set their own hyperparameters (e.g.
+    weight_decay 0 for biases): the sharded optimizer runs one set over all parameters. Values equal to
+    the optimizer's are accepted."""
+    for i, g in enumerate(groups):
+        for k, v in g.items():
+            if k == "params" or k not in resolved:
+                continue
+            want = resolved[k]
+            same = (tuple(float(a) for a in v) == tuple(want)) if k == "betas" else (
+                v == want or (isinstance(v, (int, float)) and _f32(float(v)) == want))
+            if not same:
+                raise Zero8NotSupportedError(
+                    f"model_parameters[{i}].{k}: {v!r} differs from the optimizer's {want!r}; zero8's sharded "
+                    f"optimizer runs one set of hyperparameters over all parameters (per-group values are not "
+                    f"supported)"
+                )
+
+
+class Zero8Optimizer(torch.optim.Optimizer):
+    """The optimizer ``zero8.initialize`` returns (DeepSpeed returns its ZeRO optimizer wrapper): a
+    ``torch.optim.Optimizer`` over the engine's parameters whose ``step()`` is the sharded step, so torch
+    LR schedulers can drive it through ``param_groups`` (group 0's lr/betas/momentum/weight_decay/eps are
+    read before every step; with a client optimizer, param_groups is the client's own list).
+
+    The optimizer states live in C++ (sharded, 8-bit): ``state_dict()`` holds the hyperparameters and
+    counters only; full states are saved by ``engine.save_checkpoint``. ``zero_grad()`` does nothing:
+    the engine clears its gradient buffers after each reduction.
+    """
+
+    # torch wraps add_param_group to keep TorchDynamo out, which imports torch._dynamo (seconds of start-up
+    # per process) on first use; this optimizer is never compiled, so the plain function is used.
+    add_param_group = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__",
+                              torch.optim.Optimizer.add_param_group)
+
+    def __init__(self, engine: "Zero8Engine", params: list, defaults: dict, client=None):
+        super().__init__(params, defaults)
+        if client is not None:
+            self.param_groups = client.param_groups  # torch schedulers on the client drive this one too
+        self._engine = engine
+        self.client_optimizer = client
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._engine._opt.loss_scale)
+
+    cur_scale = loss_scale
+
+    @property
+    def overflow(self) -> bool:
+        return self._engine._last_info is not None and bool(self._engine._last_info["skipped"])
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise Zero8NotSupportedError("Zero8Optimizer.step(closure): closures are not supported")
+        self._engine._optimizer_step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"param_groups": groups, "steps": int(self._engine._opt.steps),
+                "loss_scale": float(self._engine._opt.loss_scale)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+_engine_count = 0
+
+
+class Zero8Engine(torch.nn.Module):
+    """DeepSpeedEngine's training surface over zero8's sharded optimizer (see the module docstring).
+
+    Not done here: pipeline/model parallelism (mpu), ZeRO stage 3, offload, per-group hyperparameters.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
+                 world: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.module = model
+        self.zero8_config = config
+        self.config = config.dict
+        self._dp = dp
+        self._world = world
+        self.global_rank = world.rank
+        self.world_size = world.size
+        self.local_rank = _local_rank()
+        self.dp_world_size = dp.size
+        self.mp_world_size = 1
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._last_info: dict | None = None
+        self._step_applied = False
+        self._backward_done = False
+        self._bytes = {"gradients": 0, "step": 0}
+        self._hooks: list = []
+        d = config.dict
+        self._gas = int(d["gradient_accumulation_steps"])
+        self._fp16 = bool(d["fp16"]["enabled"])
+        self._bf16 = bool(d["bf16"]["enabled"])
+        self._auto_cast = self._fp16 and bool(d["fp16"].get("auto_cast", False))
+        self._steps_per_print = int(d.get("steps_per_print", 10))
+        self._dtype = torch.float16 if self._fp16 else torch.bfloat16 if self._bf16 else torch.float32
+        timeout = d.get("zero8", {}).get("comm_timeout_s")
+        if timeout and os.environ.get("ZERO8_COMM_TIMEOUT") is None:
+            dp.timeout = float(timeout)
+
+        # Parameters to optimize: the client's list (or param groups) or all trainable ones, in order.
+        params = self._collect_params(model, model_parameters, client_optimizer)
+        if not params:
+            raise Zero8ValueError("model_parameters: no trainable parameters (requires_grad=True) to optimize")
+        for p in params:
+            if p.device.type != "cpu":
+                raise Zero8NotSupportedError(f"parameter on {p.device}: zero8's engine trains CPU models")
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._params = params
+        self._param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+        # The sharded optimizer: from the config's optimizer section, or the client optimizer's type.
+        sc = _C.shard_config_from_json(config.json, dp.size)
+        zero8_on = bool(config.info.get("zero8_enabled"))
+        z8 = d.get("zero8", {})
+        if client_optimizer is not None and callable(client_optimizer) and not isinstance(
+                client_optimizer, torch.optim.Optimizer):
+            client_optimizer = client_optimizer(params)  # DeepSpeed: a callable taking the parameters
+        if client_optimizer is not None and config.info.get("optimizer_present"):
+            raise Zero8ValueError(
+                "optimizer: both a client optimizer and an \"optimizer\" config section were given; pass one"
+            )
+        if client_optimizer is not None:
+            spec = _client_optimizer_spec(client_optimizer, zero8_on, int(z8.get("optim_bits", 8)))
+            sc.algo = getattr(_C.Algo, spec["algo"])
+            h = spec.get("hyper_obj")
+            if h is None:
+                h = _C.Hyper()
+                for k, v in spec["hyper"].items():
+                    setattr(h, k, v)
+            sc.hyper = h
+            sc.bits = spec["bits"]
+            sc.initial_accumulator = float(spec["hyper"].get("initial_accumulator", 0.0))
+            if "min_8bit_size" in spec:
+                sc.min_8bit_size = spec["min_8bit_size"]
+            if "state_block" in spec:
+                sc.state_block = spec["state_block"]
+            self._optimizer_name = spec["name"]
+        elif config.info.get("optimizer_present"):
+            self._optimizer_name = config.info["optimizer_name"]
+        else:
+            raise Zero8ValueError(
+                "optimizer: no optimizer; give an \"optimizer\" section in the config or pass optimizer= "
+                "(zero8's engine is for training)"
+            )
+        self._algo = str(sc.algo.name)  # "adamw", "sgd", ...
+        _check_group_overrides(self._param_group_dicts, _group_from_hyper(self._algo, sc.hyper))
+        if self._dtype != torch.float32:
+            model.to(self._dtype)  # as DeepSpeed's engine casts the module (half() / bfloat16())
+        specs = [_C.ParamSpec(self._param_names[i], list(p.shape), self._fp32_state(p, i, sc, client_optimizer))
+                 for i, p in enumerate(params)]
+        self._opt = _C.ShardedOptimizer(specs, sc, dp)
+        self._shard_config = sc
+
+        # Parameters become views into the working buffer (and fp32 grads views into the grad buffer).
+        self._bind_params()
+        self._opt.init(0)  # rank 0's weights everywhere; masters from them
+        self._broadcast_rest()
+        self._register_hooks()
+        self._destroyed = False
+        _engines.add(self)
+
+        # The optimizer object handed back, and the LR scheduler.
+        defaults = _group_from_hyper(self._algo, self._opt.hyper)
+        self.optimizer = Zero8Optimizer(self, list(params), defaults, client=client_optimizer)
+        self.client_optimizer = client_optimizer
+        self.lr_scheduler = None
+        if client_lr_scheduler is not None:
+            if callable(client_lr_scheduler) and not hasattr(client_lr_scheduler, "step"):
+                client_lr_scheduler = client_lr_scheduler(self.optimizer)
+            self.lr_scheduler = client_lr_scheduler
+        else:
+            base_lr = None if config.info.get("optimizer_present") else float(self.optimizer.param_groups[0]["lr"])
+            self.lr_scheduler = scheduler_from_config(self.optimizer, config.json, dp.size, base_lr)
+        self._apply_hyper()
+        if self.global_rank == 0:
+            self._log(
+                f"zero8 engine: {self._optimizer_name} ({self._algo}, {sc.bits}-bit states), ZeRO stage {sc.stage}, "
+                f"{self.dp_world_size} rank(s) on "
+                f"{dp.backend}, {self._dtype}, {sum(p.numel() for p in params)} parameters, "
+                f"gradients on the wire: {'int8' if sc.int8_grads else 'fp32'}"
+            )
+
+    # ---- setup ----
+    def _collect_params(self, model, model_parameters, client_optimizer) -> list:
+        """The parameters to optimize, in order, without duplicates or frozen ones; param-group dicts of
+        model_parameters are kept in self._param_group_dicts for _check_group_overrides."""
+        self._param_group_dicts = []
+        source: Iterable
+        if model_parameters is not None:
+            source = model_parameters
+        elif isinstance(client_optimizer, torch.optim.Optimizer):
+            source = [p for g in client_optimizer.param_groups for p in g["params"]]
+        else:
+            source = model.parameters()
+        out, seen = [], set()
+        for item in source:
+            if isinstance(item, dict) and model_parameters is not None:
+                self._param_group_dicts.append(item)
+            group = item["params"] if isinstance(item, dict) else [item]
+            if isinstance(group, torch.Tensor):
+                group = [group]
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"model_parameters: expected tensors or param-group dicts, got {type(p).__name__}")
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _fp32_state(self, p: torch.Tensor, i: int, sc, client) -> bool:
+        """Whether parameter i keeps 32-bit states: zero8.optim's per-parameter optim_bits=32 (e.g.
+        zero8.nn.StableEmbedding) or a per-parameter min_8bit_size above its size. Other per-parameter
+        settings (lr, betas...) cannot apply to one sharded step and are an error."""
+        cfg = _param_overrides(p, client)
+        other = sorted(k for k in cfg if k not in ("optim_bits", "min_8bit_size"))
+        if other:
+            raise Zero8NotSupportedError(
+                f"parameter {self._param_names[i]}: per-parameter override of {other} is not supported by the "
+                f"sharded engine (one set of hyperparameters for all parameters)"
+            )
+        if cfg.get("optim_bits") == 8 and sc.bits == 32:
+            raise Zero8NotSupportedError(
+                f"parameter {self._param_names[i]}: optim_bits=8 override while the engine keeps 32-bit states"
+            )
+        return cfg.get("optim_bits") == 32 or ("min_8bit_size" in cfg and p.numel() < int(cfg["min_8bit_size"]))
+
+    def _bind_params(self) -> None:
+        opt = self._opt
+        wbuf, gbuf = {}, {}
+        for g in range(_C.NUM_GROUPS):
+            if opt.group_padded(g) > 0:
+                wbuf[g] = torch.frombuffer(opt.working_buffer(g), dtype=self._dtype)
+                gbuf[g] = torch.frombuffer(opt.grad_buffer(g), dtype=torch.float32)
+        self._grad_views = []
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                g, off, n = opt.param_slot(i)
+                wv = wbuf[g][off:off + n].view(p.shape)
+                wv.copy_(p.data)
+                p.data = wv
+                gv = gbuf[g][off:off + n].view(p.shape)
+                self._grad_views.append(gv)
+                p.grad = gv if self._dtype == torch.float32 else None
+        self._working_buffers, self._grad_buffers = wbuf, gbuf
+
+    def _broadcast_rest(self) -> None:
+        """Frozen parameters and buffers: rank 0's values everywhere (DeepSpeed broadcasts the module)."""
+        if self._dp.size == 1:
+            return
+        managed = {id(p) for p in self._params}
+        tensors = [p for p in self.module.parameters() if id(p) not in managed] + list(self.module.buffers())
+        for t in tensors:
+            if t.numel() == 0 or t.device.type != "cpu":
+                continue
+            src = t.data if t.data.is_contiguous() else t.data.contiguous()
+            self._dp.broadcast_ptr(src.data_ptr(), src.numel() * src.element_size(), 0)
+            if src is not t.data:
+                t.data.copy_(src)
+
+    def _register_hooks(self) -> None:
+        self._reported = bytearray(len(self._params))
+        fp32 = self._dtype == torch.float32
+        for i, p in enumerate(self._params):
+            gv = self._grad_views[i]
+
+            def hook(param, i=i, gv=gv):
+                grad = param.grad
+                if grad is not None and grad.data_ptr() != gv.data_ptr():
+                    # A 16-bit gradient (or one torch made after the user cleared .grad): accumulate it
+                    # into the fp32 buffer the optimizer reads.
+                    gv.add_(grad)
+                    param.grad = gv if fp32 else None
+                if not self._reported[i]:
+                    self._reported[i] = 1
+                    self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
+
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def destroy(self) -> None:
+        """Release the engine (DeepSpeed's engine.destroy()): hooks removed, the parameters keep their
+        current values in their own memory (no longer views of the C++ buffers), and the sharded optimizer
+        and communicator are dropped. The engine cannot train afterwards; runs at exit for live engines."""
+        if self.__dict__.get("_destroyed", True):
+            return
+        self._destroyed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        with torch.no_grad():
+            for p in self._params:
+                p.data = p.data.clone()
+                p.grad = None
+        self._grad_views = []
+        self._working_buffers, self._grad_buffers = {}, {}
+        self._opt = None
+        self._dp = None
+        self._world = None
+
+    def _check_live(self) -> None:
+        if self._opt is None:
+            raise RuntimeError("this zero8 engine was destroyed (engine.destroy() or interpreter exit)")
+
+    # ---- DeepSpeed's accessors ----
+    def train_batch_size(self) -> int:
+        return int(self.config["train_batch_size"])
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config["train_micro_batch_size_per_gpu"])
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    def steps_per_print(self) -> int:
+        return self._steps_per_print
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.config["zero_optimization"]["stage"])
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.get("gradient_clipping", 0.0))
+
+    def fp16_enabled(self) -> bool:
+        return self._fp16
+
+    def bfloat16_enabled(self) -> bool:
+        return self._bf16
+
+    def get_data_types(self):
+        return self._dtype, torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._opt.loss_scale)
+
+    cur_scale = loss_scale
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        out = []
+        for g in self.optimizer.param_groups:
+            out.append(tuple(g["betas"]) if "betas" in g else g.get("momentum"))
+        return out
+
+    def get_global_grad_norm(self) -> float | None:
+        return None if self._last_info is None else float(self._last_info["grad_norm"])
+
+    def was_step_skipped(self) -> bool:
+        return self._last_info is not None and bool(self._last_info["skipped"]) and not self._step_applied
+
+    # ---- forward / backward / step ----
+    def forward(self, *args, **kwargs):
+        if self._auto_cast:
+            args = tuple(_cast_floating(a, self._dtype) for a in args)
+            kwargs = {k: _cast_floating(v, self._dtype) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise
+
+    def _bytes_sent(self) -> int:
+        return sum(int(s["bytes"]) for s in self._dp.stats().values())
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale);
+        gradients are reduced as they become ready (stage 2) and at the end of this call. Returns the
+        loss divided by gradient_accumulation_steps, as DeepSpeed does."""
+        self._check_live()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward(loss): loss must be a tensor, got {type(loss).__name__}")
+        if self._backward_done:
+            raise RuntimeError(
+                "engine.backward() called twice without engine.step() in between (one backward per micro-batch)"
+            )
+        if scale_wrt_gas and self._gas > 1:
+            loss = loss / self._gas
+        scaled = loss.float() * float(self._opt.loss_scale) if self._fp16 else loss
+        b0 = self._bytes_sent()
+        scaled.backward(retain_graph=retain_graph)
+        self._backward_end()
+        self._bytes["gradients"] += self._bytes_sent() - b0
+        return loss
+
+    def _backward_end(self) -> None:
+        self._opt.backward_end(self.is_gradient_accumulation_boundary())
+        self._reported = bytearray(len(self._params))
+        self._backward_done = True
+
+    def _apply_hyper(self) -> None:
+        _hyper_from_group(self.optimizer.param_groups[0], self._algo, self._opt.hyper)
+
+    def _optimizer_step(self) -> dict:
+        """The sharded step with the param groups' current hyperparameters (collective)."""
+        groups = self.optimizer.param_groups
+        for i, g in enumerate(groups[1:], 1):
+            if g["lr"] != groups[0]["lr"]:
+                raise Zero8NotSupportedError(
+                    f"optimizer.param_groups[{i}].lr = {g['lr']} differs from group 0's {groups[0]['lr']}: "
+                    "zero8's sharded optimizer runs one lr over all parameters"
+                )
+        self._apply_hyper()
+        b0 = self._bytes_sent()
+        info = dict(self._opt.step())
+        self._bytes["step"] += self._bytes_sent() - b0
+        self._last_info = info
+        return info
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End of a micro-batch: at the gradient-accumulation boundary the sharded optimizer steps
+        (skipped on an fp16 overflow anywhere), then the LR scheduler; counters advance as DeepSpeed's."""
+        self._check_live()
+        boundary = self.is_gradient_accumulation_boundary()
+        if not self._backward_done:
+            self._backward_end()  # no backward this micro-batch: still the same collectives on every rank
+        self._backward_done = False
+        self._step_applied = False
+        if boundary:
+            scale_before = float(self._opt.loss_scale)
+            info = self.optimizer.step() or self._last_info
+            if info["skipped"]:
+                self.skipped_steps += 1
+                if self.global_rank == 0:
+                    self._log(
+                        f"OVERFLOW! Rank {self.global_rank} Skipping step. Attempted loss scale: {scale_before}, "
+                        f"reducing to {float(self._opt.loss_scale)}"
+                    )
+            else:
+                self._step_applied = True
+                if self.lr_scheduler is not None:
+                    opt = getattr(self.lr_scheduler, "optimizer", None)
+                    if opt is not None:
+                        opt._opt_called = True  # torch schedulers warn when their optimizer never stepped
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.global_rank == 0 and self.global_steps % self._steps_per_print == 0:
+                self._report_progress()
+        self.micro_steps += 1
+
+    def _report_progress(self) -> None:
+        info = self._last_info or {}
+        self._log(
+            f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
+            f"loss_scale={float(self._opt.loss_scale)}, grad_norm={info.get('grad_norm', 0.0):.6g}"
+        )
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        print(f"[zero8] {msg}", flush=True)
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, num_local_io_workers=0,
+                     data_sampler=None, drop_last: bool = False, shuffle: bool = True, seed: int = 0):
+        """A DataLoader of this rank's micro-batches (DeepSpeed's deepspeed_io): DistributedSampler over the
+        data-parallel ranks, batch size train_micro_batch_size_per_gpu."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        if data_sampler is None:
+            data_sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size, rank=self._dp.rank,
+                                              shuffle=shuffle, seed=seed)
+        return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=data_sampler,
+                          collate_fn=collate_fn, num_workers=num_local_io_workers or 0, drop_last=drop_last)
+
+    # ---- statistics ----
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent on the data-parallel communicator since the engine was made:
+        ``ops`` {kind: {calls, bytes, seconds, bytes_to_peer}} for the kinds used, ``bytes`` (total),
+        ``bytes_to_peer`` (per peer, all kinds), and by phase: ``gradient_bytes`` (reduction during
+        backward), ``step_bytes`` (overflow/norm agreement and the parameter all-gather), ``other_bytes``
+        (initial broadcast, checkpoints)."""
+        ops = {k: dict(v) for k, v in self._dp.stats().items() if int(v["calls"]) > 0}
+        total = sum(int(v["bytes"]) for v in ops.values())
+        peers = [0] * self._dp.size
+        for v in ops.values():
+            for p, b in enumerate(v["bytes_to_peer"]):
+                peers[p] += int(b)
+        return {
+            "rank": self._dp.rank, "world": self._dp.size, "backend": self._dp.backend, "ops": ops,
+            "bytes": total, "bytes_to_peer": peers, "gradient_bytes": self._bytes["gradients"],
+            "step_bytes": self._bytes["step"], "other_bytes": total - self._bytes["gradients"] - self._bytes["step"],
+            "int8_gradients": bool(self._shard_config.int8_grads), "int8_params": bool(self._shard_config.int8_params),
+        }
+
+    def memory_stats(self) -> dict:
+        """Bytes held by this rank: working copy, gradient buffers, fp32 master and optimizer state of its
+        partition, scratch buffers; ``total`` and ``state_bytes_per_param`` (state of the whole model
+        divided over its parameters, this rank's share)."""
+        m = {k: int(v) for k, v in self._opt.memory().items()}
+        m["total"] = sum(m.values())
+        n = sum(p.numel() for p in self._params)
+        m["params"] = n
+        m["state_bytes_per_param"] = m["state"] / n if n else 0.0
+        return m
+
+    # ---- checkpoints ----
+    def _checkpoint_tag_validation(self, tag: str) -> None:
+        mode = str(self.config.get("checkpoint", {}).get("tag_validation", "Warn")).lower()
+        if mode == "ignore" or self._dp.size == 1:
+            return
+        tags = [t.decode() for t in self._dp.all_gather_bytes(tag.encode())]
+        if len(set(tags)) > 1:
+            msg = f"checkpoint tag differs across ranks: {tags}"
+            if mode == "fail":
+                raise Zero8ValueError(f"checkpoint.tag_validation: {msg}")
+            if self.global_rank == 0:
+                warnings.warn(msg, stacklevel=3)
+
+    def _engine_state(self) -> dict:
+        return {
+            "global_steps": self.global_steps, "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+            "dp_world_size": self.dp_world_size,
+        }
+
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective save to ``<save_dir>/<tag>/`` (tag default ``global_step<global_steps>``): the C++
+        shards (fp32 masters and 8-bit states of every rank, model.safetensors, manifest) written
+        atomically, and rank 0's ``mp_rank_00_model_states.pt`` ({'module': state_dict, ...} plus the
+        client_state keys, as DeepSpeed) for ``torch.load``. Engine counters, the LR scheduler state and
+        client_state (when JSON-serializable) go into the manifest's client state. Returns True."""
+        self._check_live()
+        save_dir = os.fspath(save_dir)
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        client_state = dict(client_state or {})
+        self._checkpoint_tag_validation(tag)
+        sched_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        state = {
+            "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
+            "optimizer": self.optimizer.state_dict()["param_groups"], "client_keys": sorted(client_state),
+        }
+        for key, value in (("lr_scheduler", sched_state), ("client_state", client_state)):
+            try:
+                json.dumps(value)
+                state[key] = value
+            except (TypeError, ValueError):
+                state[key] = None
+                state[f"{key}_in_model_states"] = True  # read back from the .pt file
+        state["optimizer"] = _jsonable(state["optimizer"])
+        latest_path = os.path.join(save_dir, "latest")
+        old_latest = None
+        if not save_latest and self.global_rank == 0 and os.path.exists(latest_path):
+            with open(latest_path, encoding="utf-8") as f:
+                old_latest = f.read()
+        keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
+        res = _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last)
+        error = None
+        if self.global_rank == 0:
+            try:
+                self._write_model_states(res["path"], client_state, sched_state, exclude_frozen_parameters)
+                if not save_latest:
+                    _restore_latest(latest_path, old_latest)
+            except Exception as e:  # every rank must leave the barrier below
+                error = e
+        failed = self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]
+        if error is not None:
+            raise error
+        if failed:
+            raise OSError(f"save_checkpoint: rank 0 could not write {MODEL_STATES_FILE} in {res['path']}")
+        return True
+
+    def _module_state_dict(self, exclude_frozen: bool) -> dict:
+        sd = self.module.state_dict(keep_vars=True)
+        frozen = {id(p) for p in self.module.parameters() if not p.requires_grad}
+        out = {}
+        for k, v in sd.items():
+            if exclude_frozen and id(v) in frozen:
+                continue
+            out[k] = v.detach().clone()  # compact copies, not views into the engine's buffers
+        return out
+
+    def _write_model_states(self, tag_path: str, client_state: dict, sched_state, exclude_frozen: bool) -> None:
+        state = {
+            "module": self._module_state_dict(exclude_frozen),
+            "buffer_names": [n for n, _ in self.module.named_buffers()],
+            "lr_scheduler": sched_state,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "dp_world_size": self.dp_world_size,
+            "mp_world_size": self.mp_world_size,
+            "ds_config": self.config,
+            "ds_version": f"zero8 {_C.version()}",
+        }
+        state.update(client_state)
+        path = os.path.join(tag_path, MODEL_STATES_FILE)
+        tmp = path + ".tmp"
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable | None = None):
+        """Collective load of ``<load_dir>/<tag>`` (tag None: the one ``latest`` names) at any world size.
+        Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file), or
+        ``(None, None)`` when load_dir has no ``latest``. With load_optimizer_states (default) the C++
+        load restores masters, 8-bit states, the working copy bit for bit, steps and loss scale; otherwise
+        only the module weights are read (from the .pt file) and the masters are reset from them."""
+        self._check_live()
+        if custom_load_fn is not None:
+            raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
+        load_dir = os.fspath(load_dir)
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            if self.global_rank == 0:
+                warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
+            return None, None
+        tag = "" if tag is None else str(tag)
+        state: dict | None = None
+        if load_optimizer_states and not load_module_only:
+            res = _C.checkpoint_load(self._opt, load_dir, tag, True)
+            path = res["path"]
+            state = json.loads(res["client_state_json"]) if res["client_state_json"] else None
+            if self.global_rank == 0:
+                for w in res.get("warnings", []):
+                    warnings.warn(f"load_checkpoint: {w}", stacklevel=2)
+            model_states = self._read_model_states(path)
+            self._load_unmanaged(model_states.get("module", {}), load_module_strict)
+        else:
+            path = _C.checkpoint_tag_path(load_dir, tag or _C.latest_read(load_dir))
+            model_states = self._read_model_states(path)
+            with torch.no_grad():
+                self.module.load_state_dict(model_states["module"], strict=load_module_strict)
+            self._opt.init(0)  # masters from the loaded weights, everywhere equal
+            manifest = os.path.join(path, "manifest.json")
+            with open(manifest, encoding="utf-8") as f:
+                state = json.load(f).get("client_state")
+        if not isinstance(state, dict) or state.get("format") != _ENGINE_STATE_FORMAT:
+            state = None
+        if state is not None and not load_module_only:
+            e = state["engine"]
+            self.global_steps = int(e["global_steps"])
+            self.global_samples = int(e["global_samples"])
+            self.micro_steps = int(e["micro_steps"])
+            self.skipped_steps = int(e["skipped_steps"])
+            if load_optimizer_states:
+                self.optimizer.load_state_dict({"param_groups": state.get("optimizer", [])})
+            if load_lr_scheduler_states and self.lr_scheduler is not None:
+                sched = state.get("lr_scheduler")
+                if state.get("lr_scheduler_in_model_states"):
+                    sched = model_states.get("lr_scheduler")
+                if sched is not None:
+                    self.lr_scheduler.load_state_dict(sched)
+            self._apply_hyper()
+        self._last_info = None
+        self._backward_done = False
+        client_state: dict = {}
+        if state is not None:
+            if state.get("client_state_in_model_states"):
+                client_state = {k: model_states[k] for k in state.get("client_keys", []) if k in model_states}
+            elif isinstance(state.get("client_state"), dict):
+                client_state = state["client_state"]
+        return os.path.join(path, MODEL_STATES_FILE), client_state
+
+    @staticmethod
+    def _read_model_states(tag_path: str) -> dict:
+        path = os.path.join(tag_path, MODEL_STATES_FILE)
+        # Our own file; client_state may hold arbitrary picklable objects, as in DeepSpeed.
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+    def _load_unmanaged(self, module_sd: dict, strict: bool) -> None:
+        """Frozen parameters and buffers from the model-states file (the C++ load restored the rest)."""
+        managed = {id(p) for p in self._params}
+        missing = []
+        with torch.no_grad():
+            for k, v in self.module.state_dict(keep_vars=True).items():
+                if id(v) in managed:
+                    continue
+                if k in module_sd:
+                    v.data.copy_(module_sd[k])
+                elif strict:
+                    missing.append(k)
+        if missing:
+            raise Zero8ValueError(f"load_checkpoint: {MODEL_STATES_FILE} lacks module keys {missing}")
+
+
+def _cast_floating(x, dtype):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    return x
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    return x
+
+
+def _restore_latest(latest_path: str, old: str | None) -> None:
+    """save_latest=False: put back what 'latest' named before the save (the C++ save always updates it)."""
+    if old is None:
+        if os.path.exists(latest_path):
+            os.remove(latest_path)
+        return
+    tmp = latest_path + ".zero8tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(old)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# initialize
+# ---------------------------------------------------------------------------------------------
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):
+    """deepspeed.initialize for zero8: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    - ``config``: a DeepSpeed config (dict, path or JSON text; ``args.deepspeed_config`` and
+      ``config_params`` as in DeepSpeed). It is validated in C++ (``zero8.Zero8ValueError`` naming the
+      key path); unknown keys warn once (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
+      communication (docs/CONFIG.md).
+    - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
+      Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and param_groups[0]
+      hyperparameters are read; all groups must share them), or a callable taking the parameters.
+    - ``lr_scheduler``: None (the config's "scheduler"), a scheduler over the client optimizer or over
+      the returned optimizer, or a callable taking the returned optimizer.
+    - ``training_data``: a torch Dataset; the returned DataLoader yields micro-batches of this rank's
+      share (DistributedSampler over the data-parallel ranks), else None.
+
+    Processes: under mpirun every rank runs this (MPI backend, chosen automatically; no
+    torch.distributed process group is needed: ``distributed_port`` and ``dist_init_required`` are
+    accepted and ignored). Not supported: ``mpu``/``mesh_param`` (model or pipeline parallelism).
+    ZeRO stage 0 runs as stage 1 (same arithmetic, states partitioned).
+    """
+    if model is None:
+        raise Zero8ValueError("initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise Zero8NotSupportedError("initialize: mpu / mesh_param (model or pipeline parallelism) are not supported")
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "zero8_config", None)
+    if config is None:
+        raise Zero8ValueError("initialize: no config (pass config=, or args.deepspeed_config)")
+    backend = raw_value(config, "zero8", "comm_backend", default="auto")
+    world = world_comm(backend if isinstance(backend, str) else "auto")
+    global _engine_count
+    _engine_count += 1
+    dp = world.split(0, world.rank, f"zero8-engine-{_engine_count}")  # own counters per engine
+    cfg = load_config(config, dp.size, rank=world.rank)
+    engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
+                         client_lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = engine.deepspeed_io(training_data, collate_fn=collate_fn,
+                                     drop_last=bool(raw_value(config, "dataloader_drop_last", default=False)))
+    return engine, engine.optimizer, loader, engine.lr_scheduler

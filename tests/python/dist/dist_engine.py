@@ -1,0 +1,220 @@
+"""The engine on K ranks (run by test_engine_dist.py as
+``mpirun -np K python3 -m pytest -q -p no:cacheprovider tests/python/dist/dist_engine.py``; the name does
+not start with test_ so the single-process pytest run does not collect it).
+
+Every rank trains on its share of each global batch and compares with the single-process reference
+(torch.optim.AdamW on the whole batch), which every rank computes itself. Tolerances as in
+test_engine.py: exact settings (32-bit states, fp32 wire) within 2x torch's own fp32 error (its distance
+to float64); the full 8-bit configuration keeps 98% of torch's loss reduction. Assertions come after a
+test's collectives where possible, so one failing rank does not leave the others waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util
+
+import zero8  # noqa: E402
+from zero8.engine import world_comm  # noqa: E402
+from engine_util import (  # noqa: E402
+    EXACT,
+    FULL8,
+    clone_params,
+    config,
+    global_batch,
+    loss_fn,
+    make_data,
+    make_model,
+    max_param_diff,
+    mean_tail,
+    micro_batch,
+    params_equal,
+    reference,
+    reference_model,
+    train_engine,
+)
+
+torch.set_num_threads(1)
+WORLD = world_comm("auto")
+RANK, N = WORLD.rank, WORLD.size
+DATA = make_data()
+B = 32  # divisible by N * gas for N in 1, 2, 4 and gas in 1, 2
+STEPS = 30  # test_engine_dist.py's reference file is made for these
+
+
+def engine_for(cfg, seed=0):
+    model = make_model(seed)
+    engine, _, _, _ = zero8.initialize(model=model, config=cfg)
+    return engine, model
+
+
+def train(engine, steps=STEPS, dtype=torch.float32):
+    return train_engine(engine, DATA, steps, B, rank=RANK, world=N, dtype=dtype)
+
+
+def replicas_equal(model) -> bool:
+    """Every rank holds bit-identical weights (the parameter sync applies the same bytes everywhere)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return len(set(WORLD.all_gather_bytes(h.digest()))) == 1
+
+
+def global_mean_loss(losses):
+    """The mean over ranks of each step's micro-batch losses: the loss of the whole global batch."""
+    return [v / N for v in WORLD.all_reduce_f64(list(losses), "sum")]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """(torch AdamW's final model, its losses, its fp32 error): from the file test_engine_dist.py
+    computed once (ZERO8_ENGINE_REF), else computed here."""
+    path = os.environ.get("ZERO8_ENGINE_REF")
+    ref = torch.load(path) if path else reference(DATA, STEPS, B)
+    assert (ref["steps"], ref["batch"]) == (STEPS, B), "reference file made for another run"
+    return reference_model(ref), ref["losses"], ref["err"]
+
+
+def test_world():
+    assert N == int(os.environ.get("OMPI_COMM_WORLD_SIZE", N)) and N >= 1
+
+
+def test_rank0_weights_and_buffers_everywhere(capsys):
+    # Each rank builds its model with its own seed and buffer; the engine starts from rank 0's.
+    model = make_model(seed=RANK)
+    model.register_buffer("stamp", torch.tensor([float(RANK)]))
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8, steps_per_print=1))
+    same = replicas_equal(model)
+    equal_rank0 = params_equal(model, make_model(seed=0)) and model.stamp.item() == 0.0
+    train(engine, 2)
+    out = capsys.readouterr().out
+    assert same and equal_rank0
+    if RANK == 0:
+        assert "step=1," in out and "step=2," in out
+    else:
+        assert "[zero8]" not in out, f"rank {RANK} printed: {out!r}"  # progress only from rank 0
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_exact_matches_torch_adamw(baseline, gas):
+    ref, ref_losses, err = baseline
+    engine, model = engine_for(config(gas=gas, zero8=EXACT))
+    losses = global_mean_loss(train(engine))
+    same = replicas_equal(model)
+    assert engine.dp_world_size == N and engine.train_micro_batch_size_per_gpu() == B // (N * gas)
+    # The ranks' mean losses average to the global batch's loss, step for step.
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    d = max_param_diff(model, ref)
+    assert d <= 2 * err, f"{N} ranks, gas {gas}: {d:.3g} > 2 x fp32 error {err:.3g}"
+    assert same
+
+
+def test_stage1_equals_stage2(baseline):
+    # gas 1: both stages reduce the same values with the same rank-order sums, once per step.
+    e1, m1 = engine_for(config(stage=1, zero8=EXACT))
+    e2, m2 = engine_for(config(stage=2, zero8=EXACT))
+    train(e1, 10)
+    train(e2, 10)
+    assert params_equal(m1, m2)
+
+
+def test_full_8bit_int8_close_to_torch(baseline):
+    _, ref_losses, _ = baseline
+    engine, model = engine_for(config(zero8=FULL8))
+    losses = global_mean_loss(train(engine))
+    same = replicas_equal(model)
+    got, want = mean_tail(losses), mean_tail(ref_losses)
+    drop = ref_losses[0] - want
+    assert abs(got - want) <= 0.02 * drop, f"final loss {got} vs torch {want} (L0 {ref_losses[0]})"
+    assert same, "int8 parameter sync left the replicas different"
+
+
+def test_int8_gradient_bytes_are_a_quarter():
+    # Same model and steps; only the gradient wire format differs. int8 blocks of 2048 codes plus one
+    # float32 absmax: (2048 + 4) / (2048 * 4) = 0.25049 of fp32's bytes (partitions are whole blocks).
+    e8, _ = engine_for(config(zero8={"int8_gradients": True, "wire_block_size": 2048}))
+    e32, _ = engine_for(config(zero8={"int8_gradients": False, "wire_block_size": 2048}))
+    train(e8, 3)
+    train(e32, 3)
+    s8, s32 = e8.comm_stats(), e32.comm_stats()
+    if N == 1:
+        assert s8["gradient_bytes"] == s32["gradient_bytes"] == 0
+        return
+    assert s32["gradient_bytes"] > 0 and s8["int8_gradients"] and not s32["int8_gradients"]
+    ratio = s8["gradient_bytes"] / s32["gradient_bytes"]
+    assert ratio == pytest.approx((2048 + 4) / (2048 * 4), abs=5e-4), s8
+    # Nothing sent to itself; traffic to each peer.
+    assert s8["bytes_to_peer"][RANK] == 0 and all(b > 0 for r, b in enumerate(s8["bytes_to_peer"]) if r != RANK)
+
+
+def test_gradient_clipping_norm_agrees():
+    clip = 0.05
+    engine, model = engine_for(config(zero8=EXACT, gradient_clipping=clip))
+    check = make_model()
+    x, y = global_batch(DATA, 0, B)
+    loss_fn(check(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(check.parameters(), clip).item()
+    train(engine, 1)
+    norms = WORLD.all_gather_bytes(repr(engine.get_global_grad_norm()).encode())
+    assert len(set(norms)) == 1  # every rank computed the same global norm
+    assert engine.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
+
+
+def test_fp16_overflow_on_one_rank_skips_everywhere():
+    cfg = config(zero8=EXACT, fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 1})
+    engine, model = engine_for(cfg)
+    train(engine, 2, dtype=torch.float16)
+    before = clone_params(model)
+    x, y = micro_batch(DATA, 2, B, RANK, N, 1, 0)
+    loss = loss_fn(engine(x.half()), y)
+    bad_rank = N - 1
+    engine.backward(loss * math.inf if RANK == bad_rank else loss)
+    engine.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    train(engine, 2, dtype=torch.float16)
+    same = replicas_equal(model)
+    assert engine.skipped_steps == 1 and unchanged, f"rank {RANK}: a step with rank {bad_rank}'s overflow ran"
+    assert engine.loss_scale == 2.0 ** 9 and same
+
+
+def test_bf16_trains(baseline):
+    _, ref_losses, _ = baseline
+    engine, model = engine_for(config(zero8=FULL8, bf16={"enabled": True}))
+    losses = global_mean_loss(train(engine, dtype=torch.bfloat16))
+    same = replicas_equal(model)
+    got, want = mean_tail(losses), mean_tail(ref_losses)
+    assert abs(got - want) <= 0.02 * (ref_losses[0] - want) and same
+
+
+def test_checkpoint_resume_is_exact():
+    # Rank 0 picks the directory (a shared file system: all ranks are on this machine).
+    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
+    ckpt = path.decode()
+    try:
+        cfg = config(gas=2, zero8=FULL8)
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
+        engine, model = engine_for(cfg)
+        train(engine, 4)
+        engine.save_checkpoint(ckpt, client_state={"rank0_says": RANK})
+        tail = train(engine, 4)
+        want = clone_params(model)
+        e2, m2 = engine_for(cfg, seed=9)
+        _, client = e2.load_checkpoint(ckpt)
+        tail2 = train(e2, 4)
+        ok = tail2 == tail and all(torch.equal(a, b) for a, b in zip(want, m2.parameters()))
+        assert client == {"rank0_says": 0}  # rank 0's client state is the one saved
+        assert ok and e2.global_steps == 8
+    finally:
+        WORLD.barrier()
+        if RANK == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
