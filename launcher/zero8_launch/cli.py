@@ -1,0 +1,195 @@
+"""`zero8-launch`: starts a training script on one or many nodes through an existing engine (OpenMPI's
+mpirun, SLURM's srun), with DeepSpeed's launcher options, hostfile format and rank variables; one log
+file per rank; a failing rank ends the whole job and its error is shown. docs/LAUNCH.md is the manual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+import time
+
+from .commands import Job, mpirun_command, select_exports, srun_command
+from .hostfile import LaunchError, expand_hostlist, read_hostfile, select_resources
+from .monitor import JobMonitor, run_job
+
+__all__ = ["build_parser", "plan", "main"]
+
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (torch.distributed's) default
+DEFAULT_LOG_ROOT = "zero8_logs"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zero8-launch",
+        description="Start script.py on every rank of a job (OpenMPI's mpirun or SLURM's srun), with "
+                    "DeepSpeed's environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR, "
+                    "MASTER_PORT, CROSS_RANK, CROSS_SIZE), one log file per rank, and the whole job ended when a "
+                    "rank fails. Without --hostfile: --num_procs processes (default 1) on this machine.",
+        epilog="Hostfile lines: 'hostname slots=N' ('#' comments). --include/--exclude: "
+               "'host1@host2:0,2' (all of host1, slots 0 and 2 of host2). See docs/LAUNCH.md.")
+    p.add_argument("--hostfile", default=None, help="hosts and their slots, DeepSpeed's format (default: this machine only)")
+    p.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    p.add_argument("--num_procs", "--num_gpus", dest="num_procs", type=int, default=-1,
+                   help="processes per node (slots 0..P-1 of each host); without a hostfile, processes on "
+                        "this machine (default 1)")
+    p.add_argument("--include", default="", help="only these hosts/slots: host[:slot[,slot]]@host...")
+    p.add_argument("--exclude", default="", help="all but these hosts/slots: host[:slot[,slot]]@host...")
+    p.add_argument("--master_addr", default="", help="MASTER_ADDR for the ranks (default: the first host, "
+                                                     "127.0.0.1 on this machine)")
+    p.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="MASTER_PORT (default 29500)")
+    p.add_argument("--launcher", default="openmpi", choices=["openmpi", "slurm"],
+                   help="engine that starts the ranks (default openmpi: mpirun)")
+    p.add_argument("--launcher_args", default="", help="extra arguments for mpirun/srun (one string, shell-split)")
+    p.add_argument("--net_if", default="", help="multi-node: network for MPI and zero8's communicator, an "
+                                                "interface name or IPv4 subnet (e.g. eth1 or 10.0.0.0/24)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more ranks than a host's slots/cores (always on without a hostfile)")
+    p.add_argument("--export", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="also carry this variable to the ranks (repeatable)")
+    p.add_argument("--log_dir", default="", help=f"per-rank logs go here (default {DEFAULT_LOG_ROOT}/<date-time>)")
+    p.add_argument("--timeout", type=float, default=0.0, help="end the job after S seconds (0: no limit)")
+    p.add_argument("--stop_grace", type=float, default=30.0,
+                   help="seconds the ranks get to exit after a Ctrl-C/SIGTERM before the job is killed")
+    p.add_argument("--fail_grace", type=float, default=30.0,
+                   help="seconds after a rank failed before the launcher ends a job the engine did not end")
+    p.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("--no_python", action="store_true", help="run the script directly, not with python")
+    p.add_argument("--no_prefix", action="store_true", help="do not prefix the ranks' output with [rankN]")
+    p.add_argument("--dry_run", action="store_true", help="print the command and exit")
+    p.add_argument("user_script", help="the training script (or module with --module)")
+    p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
+    return p
+
+
+def _default_log_dir() -> str:
+    base = os.path.join(DEFAULT_LOG_ROOT, time.strftime("%Y%m%d-%H%M%S"))
+    path, i = base, 1
+    while os.path.exists(path):
+        i += 1
+        path = f"{base}-{i}"
+    return path
+
+
+def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
+    """The Job the options describe, and warnings. Raises LaunchError on contradictory options."""
+    environ = os.environ if environ is None else environ
+    warnings: list[str] = []
+    if args.module and args.no_python:
+        raise LaunchError("--module and --no_python exclude each other")
+    job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,
+              module=args.module, no_python=args.no_python, no_prefix=args.no_prefix, net_if=args.net_if,
+              oversubscribe=args.oversubscribe, launcher_args=shlex.split(args.launcher_args),
+              log_dir=os.path.abspath(args.log_dir or _default_log_dir()))
+    if args.hostfile:
+        pool = read_hostfile(args.hostfile)
+        job.hosts = select_resources(pool, args.num_nodes, args.num_procs, args.include, args.exclude,
+                                     oversubscribe=args.oversubscribe)
+        job.set_devices = any(slots != list(range(len(slots))) for slots in job.hosts.values())
+        job.master_addr = args.master_addr or next(iter(job.hosts))
+    elif args.launcher == "slurm":
+        if args.include or args.exclude:
+            raise LaunchError("--include/--exclude need a --hostfile (under SLURM, srun's --nodelist/--exclude "
+                              "go in --launcher_args)")
+        job.num_nodes, job.num_procs = args.num_nodes, args.num_procs
+        job.local_procs = None
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
+        first = expand_hostlist(nodelist)[:1] if nodelist else []
+        if args.master_addr:
+            job.master_addr = args.master_addr
+        elif first:
+            job.master_addr = first[0]
+        else:
+            raise LaunchError("--launcher slurm without a hostfile: no SLURM_JOB_NODELIST here (not inside an "
+                              "allocation?); give --master_addr or --hostfile")
+    else:
+        if args.num_nodes > 1:
+            raise LaunchError(f"--num_nodes {args.num_nodes} needs a --hostfile naming the nodes")
+        if args.include or args.exclude:
+            raise LaunchError("--include/--exclude need a --hostfile")
+        job.local_procs = args.num_procs if args.num_procs > 0 else 1
+        job.master_addr = args.master_addr or "127.0.0.1"
+    env_files = []
+    # DeepSpeed's .deepspeed_env (home, then the working directory; DS_ENV_FILE names another file).
+    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    for d in (os.path.expanduser("~"), "."):
+        path = os.path.join(d, name)
+        if os.path.isfile(path) and os.path.abspath(path) not in map(os.path.abspath, env_files):
+            env_files.append(path)
+    job.exports, w = select_exports(environ, job.multi_node, args.export, env_files)
+    warnings += w
+    return job, warnings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        job, warnings = plan(args)
+    except LaunchError as e:
+        print(f"zero8-launch: error: {e}", file=sys.stderr)
+        return 2
+    for w in warnings:
+        print(f"zero8-launch: warning: {w}", file=sys.stderr)
+    engine = "srun" if args.launcher == "slurm" else "mpirun"
+    exe = shutil.which(engine) or engine
+    cmd = srun_command(job, exe) if args.launcher == "slurm" else mpirun_command(job, exe)
+    if args.dry_run:
+        print(cmd.text())
+        for path, text in cmd.files.items():
+            print(f"# {path}:\n" + "".join(f"#   {l}\n" for l in text.splitlines()))
+        return 0
+    if shutil.which(engine) is None:
+        print(f"zero8-launch: error: {engine} not found on PATH ("
+              + ("install OpenMPI: apt-get install openmpi-bin" if engine == "mpirun" else "not a SLURM node?") + ")",
+              file=sys.stderr)
+        return 2
+    os.makedirs(job.log_dir, exist_ok=True)
+    for path, text in cmd.files.items():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    env = dict(os.environ)
+    for v in cmd.unset:
+        env.pop(v, None)
+    env.update(cmd.env)
+    where = (f"{len(job.hosts)} host(s): " + ", ".join(f"{h}:{len(s)}" for h, s in job.hosts.items())
+             if job.hosts is not None else ("this machine" if args.launcher == "openmpi" else "the SLURM allocation"))
+    n = job.total_procs
+    launcher_log_path = os.path.join(job.log_dir, "launcher.log")
+    with open(launcher_log_path, "wb") as launcher_log:
+        monitor = JobMonitor(job.log_dir, n, launcher_log=launcher_log)
+        monitor.say(f"{n} rank(s) on {where}" if n is not None else f"ranks on {where}")
+        monitor.say(f"running: {cmd.text()}")
+        monitor.say(f"logs: {job.log_dir}/rank<R>.log (engine output: {launcher_log_path})")
+        t0 = time.monotonic()
+        rc, how = run_job(cmd.argv, env, monitor, timeout=args.timeout, stop_grace=args.stop_grace,
+                          fail_grace=args.fail_grace)
+        elapsed = time.monotonic() - t0
+        failed = [s for s in monitor.ranks.values() if s.exit_code not in (None, 0) and not s.stopped_by]
+        if how == "done" and rc == 0 and not failed:
+            monitor.say(f"all {n if n is not None else len(monitor.ranks)} rank(s) finished in {elapsed:.1f} s; "
+                        f"logs: {job.log_dir}")
+            return 0
+        if how == "stopped":
+            code = 128 + (monitor.stop_signal or 2)
+            ok = all(s.exit_code == 0 or (s.exit_code is not None and s.stopped_by) for s in monitor.ranks.values())
+            monitor.say(f"job stopped on request after {elapsed:.1f} s"
+                        + (" (every rank exited)" if ok and rc == 0 else f" ({engine} exit code {rc})")
+                        + f"; logs: {job.log_dir}")
+            return code
+        lines, code = monitor.failure_report()
+        if how == "timeout":
+            monitor.say(f"job ended by --timeout {args.timeout:g} after {elapsed:.1f} s")
+            code = 124
+        else:
+            monitor.say(f"job FAILED after {elapsed:.1f} s ({engine} exit code {rc})")
+        for line in lines:
+            monitor.say(line)
+        monitor.say(f"logs: {job.log_dir}")
+        return code if code else (rc if rc else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""Runs the engine command (mpirun/srun) and watches its output: forwards the ranks' prefixed output as it
+comes, reads the wrappers' marker lines (rank started / ended how), condenses mpirun's own failure
+banners, ends the job on a timeout or a stop request, and after the job explains a failure: which rank
+failed first and how (its error, from the tail of its log), which ranks failed because of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker
+
+__all__ = ["JobMonitor", "RankState", "run_job", "error_excerpt"]
+
+_RANK_LINE = re.compile(rb"^\[rank(\d+)\] ")
+_DASHES = re.compile(rb"^-{20,}\s*$")
+# mpirun's aggregated help notices, signal forwarding notices: its own chatter.
+_MPIRUN_CHATTER = re.compile(rb"^\[[^\]\s]+:\d+\] .*(help message|orte_base_help_aggregate)|^mpirun: Forwarding signal")
+_SRUN_TASK = re.compile(rb"^srun: error: \S+: tasks? [\d,\-]+: (Exited with exit code \d+|Killed|Terminated)")
+# Banners that restate a rank's failure (summarized, not repeated).
+_NOISE_BLOCK = re.compile(r"exited on signal|non-zero (exit code|status)|exiting improperly|MPI_ABORT was invoked|"
+                          r"terminated normally|lost communication with a remote daemon|daemon has unexpectedly failed|"
+                          r"orted .* exited|An ORTE daemon", re.I)
+_SECONDARY = re.compile(r"Zero8CommError")
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: str = ""
+    pid: int | None = None
+    started: bool = False
+    exit_code: int | None = None
+    signal: int = 0
+    stopped_by: str = ""
+    seconds: float | None = None
+    log: str = ""
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    order: int | None = None  # position among the ranks' ends, as the launcher saw them
+    mpirun_signal: str = ""   # mpirun's report: "9 (Killed)"
+    signalled: str = ""       # the wrapper received this signal from the engine/launcher (job ending)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def error_excerpt(lines: list[str], max_lines: int = 30) -> list[str]:
+    """The end of a rank's output that explains its failure: from its last Python traceback, else the
+    last dozen lines."""
+    lines = [l.rstrip("\n") for l in lines]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            start = i
+            break
+    chosen = lines[start:] if start is not None else lines[-12:]
+    return chosen[-max_lines:]
+
+
+class JobMonitor:
+    """Consumes the engine's stdout/stderr (feed) and keeps the ranks' states."""
+
+    def __init__(self, log_dir: str, world_size: int | None, out=None, err=None, launcher_log=None):
+        self.log_dir = log_dir
+        self.world_size = world_size
+        self.out = out if out is not None else sys.stdout.buffer
+        self.err = err if err is not None else sys.stderr.buffer
+        self.launcher_log = launcher_log
+        self.ranks: dict[int, RankState] = {}
+        self.mpirun_notes: list[str] = []       # condensed failure banners, in order
+        self.first_failure: float | None = None
+        self.ends = 0
+        self.stop_signal = 0                    # the signal that asked the launcher to stop, if any
+        self._lock = threading.Lock()
+        self._buf = {"out": b"", "err": b""}
+        self._continuing = {"out": None, "err": None}  # rank whose unterminated segment was forwarded
+        self._block: dict[str, list[bytes] | None] = {"out": None, "err": None}
+
+    # ---- output handling ----
+    def _write(self, stream: str, data: bytes) -> None:
+        f = self.out if stream == "out" else self.err
+        try:
+            f.write(data)
+            f.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def say(self, text: str) -> None:
+        with self._lock:
+            self._write("err", f"zero8-launch: {text}\n".encode())
+            if self.launcher_log:
+                self.launcher_log.write(f"zero8-launch: {text}\n".encode())
+                self.launcher_log.flush()
+
+    def rank(self, r: int) -> RankState:
+        if r not in self.ranks:
+            self.ranks[r] = RankState(r)
+        return self.ranks[r]
+
+    def feed(self, stream: str, data: bytes) -> None:
+        """Process a chunk of the engine's output (b'' at EOF flushes what is left)."""
+        with self._lock:
+            if self.launcher_log:
+                self.launcher_log.write(data)
+                self.launcher_log.flush()
+            buf = self._buf[stream] + data
+            pos = 0
+            while True:
+                m = re.compile(rb"\r\n|\r|\n").search(buf, pos)
+                if m is None:
+                    break
+                self._segment(stream, buf[pos:m.start()], buf[m.start():m.end()])
+                pos = m.end()
+            rest = buf[pos:]
+            if not data:  # EOF
+                if rest:
+                    self._segment(stream, rest, b"")
+                blk = self._block[stream]
+                if blk is not None:
+                    self._end_block(stream, blk, closed=False)
+                self._buf[stream] = b""
+                return
+            # A rank's unterminated output (a progress bar) is shown now, not at its next line end.
+            if rest:
+                cont = self._continuing[stream]
+                m = _RANK_LINE.match(rest)
+                if cont is not None or m is not None:
+                    self._write(stream, rest)
+                    if cont is None:
+                        self._continuing[stream] = int(m.group(1))
+                    rest = b""
+            self._buf[stream] = rest
+
+    def _segment(self, stream: str, body: bytes, term: bytes) -> None:
+        cont = self._continuing[stream]
+        if cont is not None:
+            self._continuing[stream] = None
+            self._write(stream, body + term)
+            return
+        blk = self._block[stream]
+        if blk is not None:
+            if _DASHES.match(body):
+                self._end_block(stream, blk, closed=True)
+            else:
+                blk.append(body)
+            return
+        m = _RANK_LINE.match(body)
+        if m is not None:
+            self._write(stream, body + term)
+            if term != b"\r":
+                self.rank(int(m.group(1))).tail.append(body[m.end():].decode("utf-8", "replace"))
+            return
+        text = body.decode("utf-8", "replace")
+        if text.startswith(MARKER):
+            fields = parse_marker(text)
+            if fields is not None:
+                self._marker(fields)
+                return
+        if _DASHES.match(body):
+            self._block[stream] = []
+            return
+        if _MPIRUN_CHATTER.search(body) or _SRUN_TASK.match(body):
+            return
+        self._write(stream, body + term)
+
+    def _end_block(self, stream: str, lines: list[bytes], closed: bool) -> None:
+        self._block[stream] = None
+        text = "\n".join(l.decode("utf-8", "replace") for l in lines)
+        if _NOISE_BLOCK.search(text):
+            self._mpirun_facts(text)
+            return
+        dash = b"-" * 74 + b"\n"
+        self._write(stream, dash + b"".join(l + b"\n" for l in lines) + (dash if closed else b""))
+
+    def _mpirun_facts(self, text: str) -> None:
+        flat = " ".join(text.split())
+        note = None
+        m = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+) \(([^)]*)\)", flat)
+        if m:
+            r = self.rank(int(m.group(1)))
+            r.mpirun_signal = f"{m.group(3)} ({m.group(4)})"
+            r.host = r.host or m.group(2)
+            note = f"mpirun: rank {m.group(1)} on node {m.group(2)} exited on signal {m.group(3)} ({m.group(4)})"
+        m2 = re.search(r"Process name: \[\[\d+,\d+\],(\d+)\] Exit code: (\d+)", flat)
+        if note is None and m2:
+            note = f"mpirun: the first rank to exit with a non-zero status was rank {m2.group(1)} (code {m2.group(2)})"
+        m3 = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exiting improperly", flat)
+        if note is None and m3:
+            note = f"mpirun: rank {m3.group(1)} on node {m3.group(2)} exited without finalizing MPI"
+        if note is None and re.search(r"lost communication with a remote daemon|daemon has unexpectedly failed", flat, re.I):
+            m4 = re.search(r"Remote daemon: \S+ on node (\S+)", flat)
+            note = "mpirun: lost contact with the daemon on node " + (m4.group(1) if m4 else "?") + \
+                   " (the host or its network failed)"
+        if note is None and "MPI_ABORT" in flat:
+            m5 = re.search(r"MPI_COMM_WORLD\s+with errorcode (\d+)", flat)
+            note = "mpirun: a rank called MPI_Abort" + (f" (error code {m5.group(1)})" if m5 else "")
+        if note is None and re.search(r"Primary job terminated normally", flat):
+            note = ""  # only restates that a rank exited non-zero (the next banner names it)
+        if note is None:
+            note = "mpirun: " + flat[:200]
+        if note and note not in self.mpirun_notes:
+            self.mpirun_notes.append(note)
+        if self.first_failure is None:
+            self.first_failure = time.monotonic()
+
+    def _marker(self, f: dict) -> None:
+        try:
+            r = self.rank(int(f["rank"]))
+        except ValueError:
+            return
+        r.host = f.get("host") or r.host
+        if f["event"] == "start":
+            r.started = True
+            r.pid = int(f["pid"]) if f.get("pid", "").isdigit() else None
+            return
+        if f["event"] == "signal":
+            r.signalled = f.get("name", "?")
+            return
+        if f["event"] != "exit":
+            return
+        r.exit_code = int(f.get("code", "1"))
+        r.signal = int(f.get("signal", "0") or 0)
+        r.stopped_by = f.get("stopped_by", "")
+        r.log = f.get("log", "")
+        try:
+            r.seconds = float(f.get("seconds", ""))
+        except ValueError:
+            pass
+        r.order = self.ends
+        self.ends += 1
+        if r.exit_code != 0 and not r.stopped_by:
+            if self.first_failure is None:
+                self.first_failure = time.monotonic()
+            where = f" (host {r.host})" if r.host else ""
+            how = (f"was killed by signal {r.signal} ({_signal_name(r.signal)})" if r.signal
+                   else f"exited with code {r.exit_code}")
+            self._write("err", f"zero8-launch: rank {r.rank}{where} {how}\n".encode())
+
+    # ---- after the job ----
+    def rank_lines(self, r: RankState) -> tuple[list[str], str]:
+        """(the rank's last output lines, where they come from): its log file when this host can read
+        it (a shared or local log dir), else what the launcher saw forwarded."""
+        path = r.log or os.path.join(self.log_dir, f"rank{r.rank}.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 65536))
+                data = f.read().decode("utf-8", "replace")
+            lines = re.split(r"\r\n|\n|\r", data)[-200:]
+            if any(l.strip() for l in lines):
+                return lines, path
+        except OSError:
+            pass
+        return list(r.tail), "its forwarded output"
+
+    def failure_report(self) -> tuple[list[str], int | None]:
+        """(report lines, exit code of the rank that failed first) after a failed job. The cause is told
+        apart from its consequences: ranks that were killed or failed on their own come first (with the
+        end of their output); ranks whose communicator failed because of them (zero8.Zero8CommError) and
+        ranks ended by the job's abort are listed after."""
+        ranks = sorted(self.ranks.values(), key=lambda s: s.rank)
+        info = {s.rank: self.rank_lines(s) for s in ranks}
+
+        def has_error(s: RankState) -> bool:
+            return any(l.startswith("Traceback (most recent call last)") for l in info[s.rank][0])
+
+        def comm_error(s: RankState) -> bool:
+            return any(_SECONDARY.search(l) for l in info[s.rank][0][-60:])
+
+        # A rank failed if it exited non-zero on its own, or raised before the abort's signal reached it.
+        failed = [s for s in ranks if (s.exit_code not in (None, 0) and not s.stopped_by and not s.signal)
+                  or (s.stopped_by and has_error(s))]
+        # Ranks that the survivors' communicators saw die (the kernel closed their connections).
+        seen_dead: set[int] = set()
+        for s in failed:
+            for l in info[s.rank][0][-60:]:
+                if _SECONDARY.search(l):
+                    seen_dead.update(int(x) for x in re.findall(r"rank (\d+) died", l))
+        # A wrapper always writes an exit record, also when the job is aborted (it passes the signal on
+        # and waits); a started rank without one, that was never told to stop, lost its wrapper too:
+        # killed together, or its host or daemon died.
+        killed = [s for s in ranks if s not in failed and (
+            (s.signal and not s.stopped_by) or (s.exit_code is None and s.mpirun_signal)
+            or (s.rank in seen_dead and (s.exit_code is None or s.signal))
+            or (s.exit_code is None and s.started and not s.signalled))]
+        primary = killed + [s for s in failed if not comm_error(s)]
+        if not primary:
+            by_end = sorted(failed, key=lambda s: s.order if s.order is not None else 1 << 30)
+            primary = by_end[:1]
+        primary_ids = {s.rank for s in primary}
+        out: list[str] = []
+        for s in primary[:4]:
+            where = f" (host {s.host})" if s.host else ""
+            if s.signal and not s.stopped_by:
+                how = f"was killed by signal {s.signal} ({_signal_name(s.signal)})"
+            elif s.exit_code is None and s.mpirun_signal:
+                how = f"was killed: signal {s.mpirun_signal} per mpirun (no exit record: its wrapper died too)"
+            elif s.exit_code is None and s.rank in seen_dead:
+                how = ("died: no exit record, and its peers saw its connections close without a clean "
+                       "shutdown (killed with its wrapper, or its host failed)")
+            elif s.exit_code is None:
+                how = "died: no exit record, and it was never told to stop (killed with its wrapper, or its host failed)"
+            else:
+                how = f"exited with code {s.exit_code}" if s.exit_code else "failed"
+            out.append(f"rank {s.rank}{where} {how}")
+            excerpt = error_excerpt(info[s.rank][0]) if s in failed else []
+            if excerpt:
+                out.append(f"  --- last lines of rank {s.rank}'s output ({info[s.rank][1]}) ---")
+                out += ["  " + l for l in excerpt]
+        if len(primary) > 4:
+            out.append(f"(and rank(s) {', '.join(str(s.rank) for s in primary[4:])} likewise)")
+        others = [s for s in failed if s.rank not in primary_ids]
+        if others:
+            kind = "communication errors" if all(comm_error(s) for s in others) else "errors"
+            out.append(f"rank(s) {', '.join(str(s.rank) for s in others)} then failed with {kind}, e.g.:")
+            for s in others[:2]:
+                lines = info[s.rank][0]
+                last = next((l for l in reversed(lines) if _EXC_LINE.match(l.strip())), None)
+                if last is None:
+                    last = next((l for l in reversed(lines) if l.strip()), "(no output)")
+                out.append(f"  rank {s.rank}: {last.strip()[:400]}")
+        accounted = primary_ids | {s.rank for s in others}
+        aborted = [s for s in ranks if s.rank not in accounted and (s.exit_code is None or s.stopped_by)
+                   and (s.started or s.exit_code is not None)]
+        if aborted:
+            out.append(f"rank(s) {', '.join(str(s.rank) for s in aborted)} were ended by the job's abort")
+        if self.world_size is not None:
+            never = [r for r in range(self.world_size) if r not in self.ranks or not
+                     (self.ranks[r].started or self.ranks[r].exit_code is not None)]
+            if never and len(never) < self.world_size:
+                out.append(f"rank(s) {', '.join(map(str, never))} never reported a start")
+        out += self.mpirun_notes
+        code = None
+        if primary and primary[0].exit_code:
+            code = primary[0].exit_code
+        elif primary and primary[0].mpirun_signal:
+            num = primary[0].mpirun_signal.split()[0]
+            code = 128 + int(num) if num.isdigit() else None
+        return out, code
+
+
+def _die_with_parent() -> None:
+    # The engine runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which stops
+    # the job gracefully); it must still not outlive a launcher that is killed.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.0, stop_grace: float = 30.0,
+            fail_grace: float = 30.0, kill_grace: float = 10.0) -> tuple[int, str]:
+    """Runs the engine; returns (its exit code, how it ended: 'done' | 'timeout' | 'stopped' |
+    'failed-hung'). Signals: the first SIGINT/SIGTERM asks the ranks to stop (STOP_SIGNAL through the
+    engine, SIGTERM for the scripts) and gives them stop_grace seconds; a second, or the grace running
+    out, terminates the engine (then SIGKILL after kill_grace). A rank failure that the engine does not
+    turn into the job's end within fail_grace seconds terminates it too."""
+    # stdin: none (mpirun would otherwise read the terminal from outside its session for rank 0).
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def pump(f, stream):
+        while True:
+            try:
+                chunk = os.read(f.fileno(), 65536)
+            except OSError:
+                chunk = b""
+            monitor.feed(stream, chunk)
+            if not chunk:
+                break
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, "out"), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, "err"), daemon=True)]
+    for t in pumps:
+        t.start()
+
+    state = {"requests": 0, "signal": 0}
+    start = time.monotonic()
+    deadlines: dict[str, float] = {}
+    how = "done"
+
+    def on_signal(signum, _frame):
+        state["requests"] += 1
+        state["signal"] = state["signal"] or signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    handled = 0
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if state["requests"] > handled:
+                handled = state["requests"]
+                if handled == 1:
+                    monitor.say(f"stop requested: every rank gets SIGTERM and {stop_grace:g} s to exit "
+                                f"(again to end the job now)")
+                    how = "stopped"
+                    _send(proc, STOP_SIGNAL)
+                    deadlines.setdefault("stop", now + stop_grace)
+                elif "term" not in deadlines:
+                    monitor.say("ending the job now")
+                    deadlines["term"] = now
+            if timeout > 0 and now - start > timeout and "term" not in deadlines:
+                monitor.say(f"timeout: the job ran longer than {timeout:g} s; ending it")
+                how = "timeout"
+                deadlines["term"] = now
+            if "stop" in deadlines and now > deadlines["stop"] and "term" not in deadlines:
+                monitor.say(f"the ranks did not stop within {stop_grace:g} s; ending the job")
+                deadlines["term"] = now
+            if (monitor.first_failure is not None and now - monitor.first_failure > fail_grace
+                    and "term" not in deadlines):
+                monitor.say(f"a rank failed {fail_grace:g} s ago and the job is still running; ending it")
+                how = "failed-hung"
+                deadlines["term"] = now
+            if "term" in deadlines and "term_sent" not in deadlines:
+                _send(proc, signal.SIGTERM)
+                deadlines["term_sent"] = now
+                deadlines["kill"] = now + kill_grace
+            if "kill" in deadlines and now > deadlines["kill"] and "kill_sent" not in deadlines:
+                monitor.say(f"{argv[0]} did not exit {kill_grace:g} s after SIGTERM; killing it")
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                deadlines["kill_sent"] = now
+            time.sleep(0.05)
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for t in pumps:
+        t.join(timeout=5.0)
+    monitor.stop_signal = state["signal"]
+    return rc, how
+
+
+def _send(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass

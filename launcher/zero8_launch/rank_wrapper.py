@@ -1,0 +1,413 @@
+"""The per-rank wrapper zero8-launch starts on every rank (`python -m zero8_launch.rank_wrapper ... -- script
+args`): maps the engine's rank variables (OpenMPI's OMPI_COMM_WORLD_*, SLURM's SLURM_*) to DeepSpeed's
+names, runs the user's script as a child process, writes its output to <log_dir>/rank<R>.log while
+forwarding it prefixed with '[rank<R>] ', forwards stop signals, and records how the rank ended (a status
+file and a marker line the launcher reads, so the launcher knows even without a shared file system).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+
+from .netinfo import pick_comm_ifaddr
+
+__all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_environment",
+           "format_marker", "parse_marker", "main"]
+
+# Lines the wrapper writes for the launcher start with this (rank output is prefixed '[rankN] ').
+MARKER = "[zero8-launch]"
+# The signal zero8-launch sends (through mpirun/srun, which forward it) to ask every rank to stop: the
+# wrapper turns it into SIGTERM for the script, which may save a checkpoint before exiting. mpirun's own
+# SIGTERM would be followed by SIGKILL within seconds.
+STOP_SIGNAL = signal.SIGUSR1
+# Seconds an unterminated output line waits for its newline before being forwarded as is.
+PARTIAL_DELAY = 0.2
+
+
+def _int_env(env, name: str) -> int | None:
+    v = env.get(name)
+    if v is None or not v.strip().lstrip("-").isdigit():
+        return None
+    return int(v)
+
+
+def _slurm_tasks_per_node(text: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE '2(x3),1' -> [2, 2, 2, 1]."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return []
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def engine_ranks(env) -> dict:
+    """Rank facts as the engine that started this process gives them:
+    dict(engine, rank, size, local_rank, local_size, node (or None), nodes (or None))."""
+    if _int_env(env, "OMPI_COMM_WORLD_RANK") is not None:
+        return dict(engine="openmpi", rank=_int_env(env, "OMPI_COMM_WORLD_RANK"),
+                    size=_int_env(env, "OMPI_COMM_WORLD_SIZE"),
+                    local_rank=_int_env(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+                    local_size=_int_env(env, "OMPI_COMM_WORLD_LOCAL_SIZE"), node=None, nodes=None)
+    if _int_env(env, "SLURM_PROCID") is not None:
+        node = _int_env(env, "SLURM_NODEID")
+        per_node = _slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+        local_size = per_node[node] if node is not None and node < len(per_node) else None
+        return dict(engine="slurm", rank=_int_env(env, "SLURM_PROCID"),
+                    size=_int_env(env, "SLURM_NTASKS") or _int_env(env, "SLURM_NPROCS"),
+                    local_rank=_int_env(env, "SLURM_LOCALID"), local_size=local_size, node=node,
+                    nodes=_int_env(env, "SLURM_STEP_NUM_NODES") or _int_env(env, "SLURM_NNODES"))
+    if _int_env(env, "PMI_RANK") is not None:  # MPICH's hydra
+        return dict(engine="pmi", rank=_int_env(env, "PMI_RANK"), size=_int_env(env, "PMI_SIZE"),
+                    local_rank=_int_env(env, "MPI_LOCALRANKID"), local_size=_int_env(env, "MPI_LOCALNRANKS"),
+                    node=None, nodes=None)
+    return dict(engine="none", rank=_int_env(env, "RANK") or 0, size=_int_env(env, "WORLD_SIZE") or 1,
+                local_rank=_int_env(env, "LOCAL_RANK") or 0, local_size=_int_env(env, "LOCAL_SIZE") or 1,
+                node=None, nodes=None)
+
+
+def rank_environment(env, world: dict) -> tuple[dict, dict, list[str]]:
+    """(variables to set for the script, facts about this rank, warnings). `world` is the launcher's
+    world info: hosts [[name, [slots]], ...] (or None: unknown, e.g. a SLURM allocation), master_addr,
+    master_port, net_if, set_devices."""
+    r = engine_ranks(env)
+    warnings: list[str] = []
+    rank, size = r["rank"], r["size"]
+    local_rank, local_size = r["local_rank"], r["local_size"]
+    node, nodes = r["node"], r["nodes"]
+    host, slots = None, None
+    hosts = world.get("hosts")
+    if hosts:
+        # mpirun/srun fill the hosts in order: ranks [start, start + n) on host i.
+        start = 0
+        for i, (name, host_slots) in enumerate(hosts):
+            if start <= rank < start + len(host_slots):
+                consistent = ((local_rank is None or local_rank == rank - start)
+                              and (local_size is None or local_size == len(host_slots))
+                              and (node is None or node == i))
+                if consistent:
+                    host, slots = name, host_slots
+                    node, nodes = i, len(hosts)
+                    local_rank, local_size = rank - start, len(host_slots)
+                else:
+                    warnings.append(f"rank {rank}: the engine placed it as local rank {local_rank} of {local_size}, "
+                                    f"not as the hostfile order implies (host '{name}', local rank {rank - start} "
+                                    f"of {len(host_slots)}); CROSS_RANK and ZERO8_COMM_NODE are not set")
+                break
+            start += len(host_slots)
+        total = sum(len(s) for _, s in hosts)
+        if size is not None and size != total:
+            warnings.append(f"rank {rank}: world size {size} differs from the {total} slots the launcher selected")
+    out = {
+        "RANK": str(rank), "WORLD_SIZE": str(size if size is not None else 1),
+        "LOCAL_RANK": str(local_rank if local_rank is not None else 0),
+        "LOCAL_SIZE": str(local_size if local_size is not None else 1),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if node is not None and nodes is not None:
+        out["CROSS_RANK"], out["CROSS_SIZE"] = str(node), str(nodes)
+    master_addr = world.get("master_addr")
+    if master_addr:
+        out["MASTER_ADDR"] = str(master_addr)
+    if world.get("master_port"):
+        out["MASTER_PORT"] = str(world["master_port"])
+    if host is not None:
+        out["ZERO8_LAUNCH_HOST"] = host
+    multi_node = (nodes or 1) > 1
+    if multi_node:
+        # Every rank of a host must agree on its node name, and hosts must differ: the hostfile's names do.
+        if host is not None and not env.get("ZERO8_COMM_NODE"):
+            out["ZERO8_COMM_NODE"] = host
+        if not env.get("ZERO8_COMM_IFADDR"):
+            addr, why = pick_comm_ifaddr(world.get("net_if") or "", host, master_addr)
+            if addr:
+                out["ZERO8_COMM_IFADDR"] = addr
+            else:
+                warnings.append(f"rank {rank}: ZERO8_COMM_IFADDR not set: {why}")
+    if world.get("set_devices") and slots is not None and "CUDA_VISIBLE_DEVICES" not in env:
+        # As DeepSpeed: the selected slots of this host are its visible devices; LOCAL_RANK indexes them.
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
+    facts = dict(rank=rank, size=size, local_rank=int(out["LOCAL_RANK"]), local_size=int(out["LOCAL_SIZE"]),
+                 node=node, nodes=nodes, host=host, engine=r["engine"])
+    return out, facts, warnings
+
+
+def format_marker(**fields) -> str:
+    return MARKER + " " + " ".join(f"{k}={urllib.parse.quote(str(v), safe='/:.,-_@')}" for k, v in fields.items())
+
+
+def parse_marker(line: str) -> dict | None:
+    """A marker line -> its fields (strings), or None for any other line."""
+    if not line.startswith(MARKER + " "):
+        return None
+    fields = {}
+    for tok in line[len(MARKER) + 1:].split():
+        k, sep, v = tok.partition("=")
+        if not sep:
+            return None
+        fields[k] = urllib.parse.unquote(v)
+    return fields if "rank" in fields and "event" in fields else None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BrokenPipeError:
+            return  # the launcher is gone: keep logging to the file
+        except InterruptedError:
+            continue
+        view = view[n:]
+
+
+_SEP = re.compile(rb"(\r\n|\r|\n)")
+
+
+class _Prefixer:
+    """Inserts the rank prefix at every line start (after '\\n' or '\\r', so progress bars are prefixed too)."""
+
+    def __init__(self, prefix: bytes):
+        self.prefix = prefix
+        self.at_start = True
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if not self.prefix:
+            return chunk
+        out = bytearray()
+        for j, part in enumerate(_SEP.split(chunk)):
+            if j % 2 == 0:
+                if part:
+                    if self.at_start:
+                        out += self.prefix
+                        self.at_start = False
+                    out += part
+            else:
+                # An empty line gets the prefix too (the launcher attributes lines by it), except before a
+                # carriage return, where it would only be overwritten.
+                if self.at_start and part != b"\r":
+                    out += self.prefix
+                out += part
+                self.at_start = True
+        return bytes(out)
+
+
+def _relay(child: subprocess.Popen, sources: dict, log, prefix: bytes) -> None:
+    """Copies the child's stdout/stderr to the log file (in arrival order, unprefixed) and to this
+    process's stdout/stderr (prefixed) until both close, or shortly after the child exits (a process the
+    script started may hold the pipes open). Forwarding goes by whole lines, so that print()'s separate
+    writes of text and newline are not interleaved with other ranks' lines downstream; an unterminated
+    line (a progress bar) is forwarded after PARTIAL_DELAY seconds."""
+    sel = selectors.DefaultSelector()
+    pending = {}
+    for src, dst in sources.items():
+        sel.register(src, selectors.EVENT_READ, (dst, _Prefixer(prefix)))
+        pending[src] = [b"", 0.0]
+
+    def flush(src, dst, prefixer, partial):
+        buf = pending[src][0]
+        cut = len(buf) if partial else max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
+        if cut > 0:
+            _write_all(dst, prefixer(buf[:cut]))
+            pending[src][0] = buf[cut:]
+
+    exited_at = None
+    while sel.get_map():
+        if exited_at is None and child.poll() is not None:
+            exited_at = time.monotonic()
+        if exited_at is not None and time.monotonic() - exited_at > 2.0:
+            break
+        for key, _ in sel.select(timeout=PARTIAL_DELAY / 2):
+            dst, prefixer = key.data
+            try:
+                chunk = os.read(key.fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                flush(key.fd, dst, prefixer, partial=True)
+                sel.unregister(key.fd)
+                continue
+            log.write(chunk)
+            log.flush()
+            if not pending[key.fd][0]:
+                pending[key.fd][1] = time.monotonic()
+            pending[key.fd][0] += chunk
+            flush(key.fd, dst, prefixer, partial=False)
+        now = time.monotonic()
+        for key in list(sel.get_map().values()):
+            if pending[key.fd][0] and now - pending[key.fd][1] > PARTIAL_DELAY:
+                flush(key.fd, *key.data, partial=True)
+    for key in list(sel.get_map().values()):
+        flush(key.fd, *key.data, partial=True)
+        sel.unregister(key.fd)
+    sel.close()
+    for src in sources:
+        os.close(src)
+
+
+def _child_setup() -> None:
+    # Its own process group: mpirun/orted signal the whole group of the process they started (the
+    # wrapper), and the wrapper must decide what the script gets (SIGUSR1 becomes SIGTERM). And if the
+    # wrapper is killed (SIGKILL from mpirun's abort), the script must not live on as an orphan.
+    os.setpgid(0, 0)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: best effort
+        pass
+
+
+def format_hosts(hosts) -> str:
+    """[[host, [slots]], ...] -> 'host:0,1@host2:0,1' (the wrapper's --hosts)."""
+    return "@".join(f"{h}:{','.join(str(x) for x in slots)}" for h, slots in hosts)
+
+
+def parse_hosts(text: str) -> list:
+    out = []
+    for spec in text.split("@"):
+        host, _, slots = spec.rpartition(":")
+        out.append([host, [int(x) for x in slots.split(",") if x]])
+    return out
+
+
+_VALUE_OPTS = ("log_dir", "hosts", "master_addr", "master_port", "net_if")
+_FLAG_OPTS = ("set_devices", "module", "no_python", "no_prefix")
+
+
+def _usage(msg: str) -> int:
+    sys.stderr.write(f"zero8_launch.rank_wrapper: {msg}\n"
+                     "usage: python -m zero8_launch.rank_wrapper [--log_dir D] [--hosts H:0,1@H2:0,1] "
+                     "[--master_addr A] [--master_port P] [--net_if IF] [--set_devices] [--module | --no_python] "
+                     "[--no_prefix] -- script [args...]\n")
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts: dict = {k: None for k in _VALUE_OPTS}
+    opts.update({k: False for k in _FLAG_OPTS})
+    while argv and argv[0] != "--":
+        a = argv.pop(0)
+        key = a[2:] if a.startswith("--") else None
+        if key in _VALUE_OPTS:
+            if not argv:
+                return _usage(f"{a} needs a value")
+            opts[key] = argv.pop(0)
+        elif key in _FLAG_OPTS:
+            opts[key] = True
+        else:
+            return _usage(f"unknown option '{a}'")
+    if not argv or argv[0] != "--" or len(argv) < 2:
+        return _usage("missing '-- script [args...]'")
+    program = argv[1:]
+    world = {"hosts": parse_hosts(opts["hosts"]) if opts["hosts"] else None, "master_addr": opts["master_addr"],
+             "master_port": opts["master_port"], "net_if": opts["net_if"] or "", "set_devices": opts["set_devices"]}
+
+    env = dict(os.environ)
+    updates, facts, warnings = rank_environment(env, world)
+    env.update(updates)
+    rank = facts["rank"]
+    for w in warnings:
+        sys.stderr.write(f"zero8-launch: warning: {w}\n")
+
+    log_dir = opts["log_dir"] or "."
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"rank{rank}.log")
+    status_path = os.path.join(log_dir, f"rank{rank}.status.json")
+    if opts["no_python"]:
+        cmd = program
+    elif opts["module"]:
+        cmd = [sys.executable, "-u", "-m"] + program
+    else:
+        cmd = [sys.executable, "-u"] + program
+
+    status = dict(rank=rank, world_size=facts["size"], local_rank=facts["local_rank"], host=facts["host"],
+                  hostname=socket.gethostname(), command=cmd, log=os.path.abspath(log_path),
+                  start_time=time.time(), end_time=None, exit_code=None, signal=None, stopped_by=None,
+                  environment={k: updates[k] for k in sorted(updates)})
+
+    def write_status() -> None:
+        tmp = status_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(status, f, indent=1)
+        os.replace(tmp, status_path)
+
+    running: dict = {}  # "child": the script's process once started
+
+    def forward(signum, _frame):
+        status["stopped_by"] = signal.Signals(signum).name
+        # Said at once: if mpirun's abort SIGKILLs this wrapper before the script has exited, the
+        # launcher still knows this rank was alive when the job was ended (not a rank that died).
+        sys.stderr.write(format_marker(rank=rank, event="signal", name=status["stopped_by"]) + "\n")
+        sys.stderr.flush()
+        child = running.get("child")
+        if child is None:  # not started yet: do not start it
+            raise SystemExit(128 + signum)
+        try:
+            child.send_signal(signal.SIGTERM if signum == STOP_SIGNAL else signum)
+        except ProcessLookupError:
+            pass
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, STOP_SIGNAL):
+        signal.signal(s, forward)
+
+    log = open(log_path, "wb")
+    try:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            child = subprocess.Popen(cmd, stdout=out_w, stderr=err_w, env=env, preexec_fn=_child_setup)
+        except OSError as e:
+            msg = f"cannot start {cmd[0]}: {e.strerror or e}\n"
+            log.write(msg.encode())
+            _write_all(2, f"[rank{rank}] {msg}".encode())
+            status.update(end_time=time.time(), exit_code=127)
+            write_status()
+            sys.stderr.write(format_marker(rank=rank, event="exit", code=127, signal=0, stopped_by="",
+                                           host=facts["host"] or "", seconds=0, log=status["log"]) + "\n")
+            return 127
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        running["child"] = child
+        status["pid"] = child.pid
+        write_status()
+        sys.stderr.write(format_marker(rank=rank, event="start", pid=child.pid, host=facts["host"] or "",
+                                       hostname=status["hostname"]) + "\n")
+        sys.stderr.flush()
+
+        prefix = b"" if opts["no_prefix"] else f"[rank{rank}] ".encode()
+        _relay(child, {out_r: 1, err_r: 2}, log, prefix)
+        code = child.wait()
+    finally:
+        log.flush()
+    status["end_time"] = time.time()
+    if code < 0:
+        status["signal"] = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        exit_code = 128 - code
+    else:
+        exit_code = code
+    status["exit_code"] = exit_code
+    write_status()
+    log.close()
+    sys.stderr.write(format_marker(rank=rank, event="exit", code=exit_code, signal=-code if code < 0 else 0,
+                                   stopped_by=status["stopped_by"] or "", host=facts["host"] or "",
+                                   seconds=f"{status['end_time'] - status['start_time']:.2f}",
+                                   log=status["log"]) + "\n")
+    sys.stderr.flush()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

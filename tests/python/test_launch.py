@@ -1,0 +1,473 @@
+"""Tests of zero8-launch (launcher/zero8_launch): hostfile parsing and resource selection as DeepSpeed's
+launcher does them, the mpirun/srun command lines it builds, the rank wrapper's variables and output
+handling, and real local jobs under OpenMPI: the variables each rank sees, per-rank logs, a failing or
+killed rank ending the job promptly with its error shown, --timeout, a graceful stop, a zero8 job.
+The two-host runs are in test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "launch"))
+from launch_util import (RANK_ENV, TRAIN_JOB, env_lines, installed_problem, job_env, launch,  # noqa: E402
+                         launch_cmd, mpirun)
+
+# The tests run against the installed launcher (as users run it); a missing or stale install fails
+# every test with the reinstall command instead of testing old code.
+_problem = installed_problem()
+if _problem is None:
+    from zero8_launch import cli
+    from zero8_launch.commands import Job, mpirun_command, select_exports, srun_command
+    from zero8_launch.hostfile import (LaunchError, expand_hostlist, filter_resources, parse_hostfile,
+                                       read_hostfile, select_resources)
+    from zero8_launch.monitor import JobMonitor, error_excerpt
+    from zero8_launch.netinfo import local_ipv4, pick_comm_ifaddr
+    from zero8_launch.rank_wrapper import _Prefixer, format_marker, parse_hosts, parse_marker, rank_environment
+
+
+@pytest.fixture(autouse=True)
+def _launcher_installed():
+    if _problem:
+        pytest.fail(_problem, pytrace=False)
+
+
+def hosts(**slots) -> "OrderedDict[str, int]":
+    return OrderedDict(slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostfiles
+# ---------------------------------------------------------------------------------------------
+
+def test_hostfile_good_with_comments_and_blank_lines():
+    text = ("# cluster\n"
+            "\n"
+            "worker-0 slots=4\n"
+            "   worker-1   slots=2   # the small one\n"
+            "worker-2 slots=8 max_slots=16\n")
+    pool = parse_hostfile(text, "hf")
+    assert list(pool.items()) == [("worker-0", 4), ("worker-1", 2), ("worker-2", 8)]
+
+
+def test_hostfile_duplicate_host_names_both_lines():
+    with pytest.raises(LaunchError, match=r"hf:4: host 'a' is listed twice \(first on line 1\)"):
+        parse_hostfile("a slots=1\nb slots=1\n\na slots=2\n", "hf")
+
+
+@pytest.mark.parametrize("line, what", [
+    ("worker-0", "bad hostfile line"),            # DeepSpeed requires slots= (OpenMPI would assume 1)
+    ("worker-0 slot=2", "bad hostfile line"),
+    ("worker-0 slots=0", "bad slot count '0'"),
+    ("worker-0 slots=-1", "bad slot count '-1'"),
+    ("worker-0 slots=two", "bad slot count 'two'"),
+    ("worker-0 slots=", "bad hostfile line"),
+])
+def test_hostfile_bad_lines_name_file_and_line(line, what):
+    with pytest.raises(LaunchError) as e:
+        parse_hostfile(f"# header\nok slots=1\n{line}\n", "/path/hosts")
+    assert str(e.value).startswith("/path/hosts:3: ")
+    assert what in str(e.value)
+
+
+def test_hostfile_empty_and_missing(tmp_path):
+    with pytest.raises(LaunchError, match="names no hosts"):
+        parse_hostfile("# nothing\n\n", "hf")
+    with pytest.raises(LaunchError, match="cannot read hostfile"):
+        read_hostfile(str(tmp_path / "absent"))
+    f = tmp_path / "hosts"
+    f.write_text("n1 slots=2\n")
+    assert read_hostfile(str(f)) == {"n1": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# --include / --exclude / --num_nodes / --num_procs
+# ---------------------------------------------------------------------------------------------
+
+def _pool():
+    return OrderedDict([("w0", [0, 1, 2, 3]), ("w1", [0, 1, 2, 3]), ("w2", [0, 1])])
+
+
+def test_include_whole_hosts_and_slots_keep_hostfile_order():
+    # DeepSpeed's docstring example: all of one host, slots 0 and 2 of another.
+    got = filter_resources(_pool(), include="w1:0,2@w0")
+    assert list(got.items()) == [("w0", [0, 1, 2, 3]), ("w1", [0, 2])]
+
+
+def test_exclude_slots_and_hosts():
+    got = filter_resources(_pool(), exclude="w1:0@w2")
+    assert list(got.items()) == [("w0", [0, 1, 2, 3]), ("w1", [1, 2, 3])]
+    # Excluding every slot of a host removes it.
+    assert list(filter_resources(_pool(), exclude="w2:0,1")) == ["w0", "w1"]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(include="w0", exclude="w1"), "mutually exclusive"),
+    (dict(include="w9"), "host 'w9' is not in the hostfile"),
+    (dict(include="w2:5"), "host 'w2' has no slot 5"),
+    (dict(exclude="w0:x"), "bad slot 'x'"),
+    (dict(include="w0@@w1"), "empty host"),
+])
+def test_filter_errors(kw, msg):
+    with pytest.raises(LaunchError, match=msg):
+        filter_resources(_pool(), **kw)
+
+
+def test_select_num_nodes_and_num_procs():
+    pool = hosts(a=4, b=4, c=2)
+    assert list(select_resources(pool, num_nodes=2).items()) == [("a", [0, 1, 2, 3]), ("b", [0, 1, 2, 3])]
+    assert list(select_resources(pool, num_procs=2).items()) == [("a", [0, 1]), ("b", [0, 1]), ("c", [0, 1])]
+    assert list(select_resources(pool, num_nodes=1, num_procs=3).items()) == [("a", [0, 1, 2])]
+    with pytest.raises(LaunchError, match="host 'c' has only 2 slot"):
+        select_resources(pool, num_procs=3)
+    assert select_resources(pool, num_procs=3, oversubscribe=True)["c"] == [0, 1, 2]
+    with pytest.raises(LaunchError, match="lists only 3 host"):
+        select_resources(pool, num_nodes=4)
+    with pytest.raises(LaunchError, match="cannot be combined"):
+        select_resources(pool, num_nodes=1, include="a")
+    assert list(select_resources(pool, include="b:1@c").items()) == [("b", [1]), ("c", [0, 1])]
+
+
+def test_expand_slurm_hostlist():
+    assert expand_hostlist("node[01-03,07],gpu1") == ["node01", "node02", "node03", "node07", "gpu1"]
+    assert expand_hostlist("a[8-10]-ib") == ["a8-ib", "a9-ib", "a10-ib"]
+    with pytest.raises(LaunchError):
+        expand_hostlist("node[1-")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines
+# ---------------------------------------------------------------------------------------------
+
+def _job(**kw) -> Job:
+    base = dict(script="train.py", script_args=["--lr", "1e-3"], log_dir="/logs", python="/py")
+    base.update(kw)
+    return Job(**base)
+
+
+def _tail(argv: list[str]) -> list[str]:
+    """The rank wrapper command at the end of an engine command."""
+    return argv[argv.index("/py"):]
+
+
+def test_mpirun_local_command():
+    cmd = mpirun_command(_job(local_procs=3), "mpirun", as_root=True)
+    argv = cmd.argv
+    assert argv[:3] == ["mpirun", "-np", "3"]
+    assert "--allow-run-as-root" in argv and "--oversubscribe" in argv
+    assert "--host" not in argv and "--mca" not in argv
+    assert _tail(argv) == ["/py", "-u", "-m", "zero8_launch.rank_wrapper", "--log_dir", "/logs",
+                           "--master_addr", "127.0.0.1", "--master_port", "29500", "--", "train.py", "--lr", "1e-3"]
+    assert "--allow-run-as-root" not in mpirun_command(_job(), "mpirun", as_root=False).argv
+
+
+def test_mpirun_multi_host_command():
+    job = _job(hosts=OrderedDict([("n1", [0, 1]), ("n2", [0])]), master_addr="n1", master_port=1234,
+               net_if="10.0.0.0/24", exports=OrderedDict([("PATH", None), ("ZERO8_X", "a b")]),
+               launcher_args=["--bind-to", "none"])
+    argv = mpirun_command(job, "mpirun", as_root=False).argv
+    assert argv[:5] == ["mpirun", "-np", "3", "--host", "n1:2,n2:1"]
+    assert "--oversubscribe" not in argv  # the hostfile's slots are the hosts' capacity
+    text = " ".join(argv)
+    assert ("--mca pml ob1 --mca btl self,vader,tcp --mca btl_tcp_if_include 10.0.0.0/24 "
+            "--mca oob_tcp_if_include 10.0.0.0/24") in text
+    assert argv[argv.index("PATH") - 1] == "-x" and argv[argv.index("ZERO8_X=a b") - 1] == "-x"
+    tail = _tail(argv)
+    assert argv[argv.index("/py") - 2:argv.index("/py")] == ["--bind-to", "none"]
+    assert tail[tail.index("--hosts") + 1] == "n1:0,1@n2:0"
+    assert tail[tail.index("--net_if") + 1] == "10.0.0.0/24"
+    assert tail[tail.index("--master_addr") + 1:tail.index("--master_addr") + 4] == ["n1", "--master_port", "1234"]
+    assert parse_hosts("n1:0,1@n2:0") == [["n1", [0, 1]], ["n2", [0]]]
+
+
+def test_mpirun_many_hosts_use_a_generated_hostfile():
+    many = OrderedDict((f"h{i}", [0, 1]) for i in range(40))
+    cmd = mpirun_command(_job(hosts=many), "mpirun", as_root=False)
+    path = cmd.argv[cmd.argv.index("--hostfile") + 1]
+    assert path == "/logs/mpirun_hostfile"
+    assert cmd.files[path].splitlines() == [f"h{i} slots=2" for i in range(40)]
+    assert cmd.argv[2] == "80"
+
+
+def test_srun_commands():
+    equal = srun_command(_job(hosts=OrderedDict([("n1", [0, 1]), ("n2", [0, 1])])), "srun")
+    assert equal.argv[:5] == ["srun", "--ntasks=4", "--nodes=2", "--ntasks-per-node=2", "--nodelist=n1,n2"]
+    assert "--kill-on-bad-exit=1" in equal.argv and "--export=ALL" in equal.argv
+    assert "ZERO8_COMM_IFADDR" in equal.unset and "ZERO8_COMM_NODE" in equal.unset  # per host by nature
+    unequal = srun_command(_job(hosts=OrderedDict([("n1", [0, 1, 2]), ("n2", [0])]),
+                                exports=OrderedDict([("A", "1"), ("PATH", None)])), "srun")
+    assert "--distribution=arbitrary" in unequal.argv and "--ntasks=4" in unequal.argv
+    assert unequal.env["SLURM_HOSTFILE"] == "/logs/slurm_hostfile"
+    assert unequal.files["/logs/slurm_hostfile"].split() == ["n1", "n1", "n1", "n2"]
+    assert unequal.env["A"] == "1" and "PATH" not in unequal.env  # --export=ALL carries the rest
+    alloc = srun_command(_job(hosts=None, num_nodes=2, num_procs=4, oversubscribe=True), "srun")
+    assert alloc.argv[:4] == ["srun", "--nodes=2", "--ntasks-per-node=4", "--overcommit"]
+    assert _tail(alloc.argv)[-4:] == ["--", "train.py", "--lr", "1e-3"]
+
+
+def test_exports(tmp_path):
+    environ = {"PATH": "/bin", "PYTHONPATH": "/p", "ZERO8_COMM_IFADDR": "10.0.0.1", "OMP_NUM_THREADS": "1",
+               "HOME": "/root", "SECRET": "x", "NCCL_DEBUG": "INFO"}
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text("# comment\nFOO=bar=baz\n\n")
+    got, warnings = select_exports(environ, multi_node=True, explicit=["HOME", "X=1"], env_files=[str(env_file)])
+    assert list(got.items()) == [("NCCL_DEBUG", None), ("OMP_NUM_THREADS", None), ("PATH", None),
+                                 ("PYTHONPATH", None), ("FOO", "bar=baz"), ("HOME", None), ("X", "1")]
+    assert len(warnings) == 1 and "ZERO8_COMM_IFADDR" in warnings[0]
+    single, warnings = select_exports(environ, multi_node=False)
+    assert "ZERO8_COMM_IFADDR" in single and not warnings
+    with pytest.raises(LaunchError, match="not set here"):
+        select_exports(environ, multi_node=False, explicit=["UNSET_VAR"])
+
+
+def _plan(argv, environ=None):
+    return cli.plan(cli.build_parser().parse_args(argv), environ or {})
+
+
+def test_plan_defaults_and_errors(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("n1 slots=2\nn2 slots=2\n")
+    job, _ = _plan(["--num_procs", "3", "--log_dir", str(tmp_path / "l"), "s.py", "--x", "1"])
+    assert job.hosts is None and job.local_procs == 3 and job.master_addr == "127.0.0.1"
+    assert job.script == "s.py" and job.script_args == ["--x", "1"]
+    job, _ = _plan(["--hostfile", str(hf), "--log_dir", str(tmp_path / "l"), "s.py"])
+    assert list(job.hosts) == ["n1", "n2"] and job.master_addr == "n1" and not job.set_devices
+    job, _ = _plan(["--hostfile", str(hf), "--include", "n2:1", "--log_dir", str(tmp_path), "s.py"])
+    assert job.hosts == {"n2": [1]} and job.set_devices
+    job, _ = _plan(["--launcher", "slurm", "--log_dir", str(tmp_path), "s.py"], {"SLURM_JOB_NODELIST": "gpu[07-08]"})
+    assert job.hosts is None and job.master_addr == "gpu07"
+    for bad in (["--num_nodes", "2", "s.py"], ["--include", "a", "s.py"], ["--module", "--no_python", "s.py"]):
+        with pytest.raises(LaunchError):
+            _plan(bad)
+
+
+def test_dry_run_prints_the_command(tmp_path, capsys):
+    hf = tmp_path / "hosts"
+    hf.write_text("10.1.0.1 slots=2\n10.1.0.2 slots=2\n")
+    assert cli.main(["--dry_run", "--hostfile", str(hf), "--net_if", "10.1.0.0/24", "--log_dir",
+                     str(tmp_path / "l"), "train.py", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "mpirun -np 4 --host 10.1.0.1:2,10.1.0.2:2" in out and "-- train.py --steps 3" in out
+    assert not (tmp_path / "l").exists()  # nothing run, nothing written
+    assert cli.main(["--dry_run", "--launcher", "slurm", "--hostfile", str(hf), "--log_dir",
+                     str(tmp_path / "l"), "train.py"]) == 0
+    assert "srun --ntasks=4 --nodes=2" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank wrapper's pieces
+# ---------------------------------------------------------------------------------------------
+
+def _ompi(rank, size, local_rank, local_size):
+    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size)}
+
+
+def test_rank_environment_openmpi_two_hosts():
+    world = {"hosts": [["127.0.0.1", [0, 1]], ["localhost", [0, 1]]], "master_addr": "127.0.0.1",
+             "master_port": 4000, "net_if": "", "set_devices": False}
+    env, facts, warnings = rank_environment(_ompi(3, 4, 1, 2), world)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                                 "MASTER_ADDR", "MASTER_PORT", "ZERO8_COMM_NODE")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4000", "ZERO8_COMM_NODE": "localhost"}
+    assert facts["host"] == "localhost"
+    # Both hosts are loopback here: no address the other host could reach, so the default is kept, said.
+    assert "ZERO8_COMM_IFADDR" not in env and warnings == [
+        "rank 3: ZERO8_COMM_IFADDR not set: no non-loopback address found; the communicator's default applies"]
+    # The user's own node name wins.
+    env, _, _ = rank_environment({**_ompi(0, 4, 0, 2), "ZERO8_COMM_NODE": "mine"}, world)
+    assert "ZERO8_COMM_NODE" not in env
+    # A placement that contradicts the hostfile order is reported, not trusted.
+    env, facts, warnings = rank_environment(_ompi(1, 4, 0, 2), world)
+    assert facts["host"] is None and "CROSS_RANK" not in env and "placed it" in warnings[0]
+    assert env["LOCAL_RANK"] == "0"
+
+
+def test_comm_ifaddr_choice():
+    ifaces = local_ipv4()
+    assert str(ifaces["lo"].ip) == "127.0.0.1"
+    # --net_if as an interface name or a subnet: that interface's address, loopback included.
+    assert pick_comm_ifaddr("lo", None, None)[0] == "127.0.0.1"
+    assert pick_comm_ifaddr("127.0.0.0/8", None, None)[0] == "127.0.0.1"
+    others = [i for name, i in ifaces.items() if name != "lo"]
+    if not others:
+        pytest.skip("this machine has no non-loopback IPv4 interface to test the hostfile-name rule with")
+    mine = str(others[0].ip)
+    # A hostfile name that is (or resolves to) an address of this host: that address.
+    assert pick_comm_ifaddr("", mine, None) == (mine, f"hostfile name '{mine}' resolves to this host's {mine}")
+    # Else the source address of the route to MASTER_ADDR.
+    addr, why = pick_comm_ifaddr("", "192.0.2.1", mine)
+    assert addr == mine and "route to MASTER_ADDR" in why
+
+
+def test_rank_environment_single_host_and_devices():
+    world = {"hosts": [["n1", [1, 3]]], "master_addr": "n1", "master_port": 29500, "set_devices": True}
+    env, _, _ = rank_environment(_ompi(1, 2, 1, 2), world)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CROSS_SIZE"] == "1"
+    assert "ZERO8_COMM_NODE" not in env and "ZERO8_COMM_IFADDR" not in env  # one host: defaults are right
+
+
+def test_rank_environment_slurm():
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+             "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}
+    env, _, _ = rank_environment(slurm, {"hosts": None, "master_addr": "gpu07", "master_port": 29500})
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"], env["CROSS_RANK"],
+            env["CROSS_SIZE"]) == ("5", "7", "1", "2", "2", "4")
+
+
+def test_prefixer_marks_every_line_start():
+    p = _Prefixer(b"[rank3] ")
+    assert p(b"a\nb") + p(b"c\n\n") + p(b"\r10%\r20%\n") == \
+        b"[rank3] a\n[rank3] bc\n[rank3] \n\r[rank3] 10%\r[rank3] 20%\n"
+
+
+def test_marker_round_trip():
+    line = format_marker(rank=3, event="exit", code=1, log="/a dir/rank3.log")
+    assert " " not in line.split("log=")[1]
+    assert parse_marker(line) == {"rank": "3", "event": "exit", "code": "1", "log": "/a dir/rank3.log"}
+    assert parse_marker("[rank3] [zero8-launch] rank=1 event=exit") is None
+
+
+def test_monitor_filters_and_attributes():
+    out, err = io.BytesIO(), io.BytesIO()
+    m = JobMonitor("/nonexistent", 2, out=out, err=err)
+    dashes = b"-" * 74 + b"\n"
+    m.feed("out", b"[rank0] hello\n[rank1] 10%")
+    assert out.getvalue() == b"[rank0] hello\n[rank1] 10%"  # a progress bar is not held back
+    m.feed("out", b"\r[rank1] 20%\n")
+    m.feed("err", format_marker(rank=1, event="start", pid=7, host="n2").encode() + b"\n")
+    m.feed("err", b"[rank1] Traceback (most recent call last):\n[rank1] ValueError: boom\n")
+    m.feed("err", format_marker(rank=1, event="exit", code=1, signal=0, stopped_by="", host="n2").encode() + b"\n")
+    m.feed("err", dashes + b"mpirun detected that one or more processes exited with non-zero status, thus causing\n"
+           b"  Process name: [[1,1],1]\n  Exit code:    1\n" + dashes)
+    m.feed("err", dashes + b"WARNING: something the user must see\n" + dashes)
+    m.feed("err", b"")
+    text = err.getvalue().decode()
+    assert "[zero8-launch]" not in text and "mpirun detected" not in text
+    assert "zero8-launch: rank 1 (host n2) exited with code 1" in text
+    assert "WARNING: something the user must see" in text
+    assert m.ranks[1].exit_code == 1 and list(m.ranks[1].tail)[-1] == "ValueError: boom"
+    lines, code = m.failure_report()
+    assert code == 1 and lines[0] == "rank 1 (host n2) exited with code 1"
+    assert "  ValueError: boom" in lines
+    assert any("first rank to exit with a non-zero status was rank 1" in l for l in lines)
+
+
+def test_error_excerpt_starts_at_the_last_traceback():
+    lines = ["x"] * 50 + ["Traceback (most recent call last):", "  File a", "E: 1", "Traceback (most recent call last):",
+                          "  File b", "E: 2", ""]
+    assert error_excerpt(lines) == ["Traceback (most recent call last):", "  File b", "E: 2"]
+    assert error_excerpt([str(i) for i in range(40)]) == [str(i) for i in range(28, 40)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Real jobs on this machine (OpenMPI)
+# ---------------------------------------------------------------------------------------------
+
+needs_mpirun = pytest.mark.skipif(mpirun() is None, reason="mpirun not found (scripts/setup.sh installs OpenMPI)")
+
+
+@needs_mpirun
+def test_two_local_ranks_environment_and_logs(tmp_path):
+    logs = tmp_path / "logs"
+    env = job_env(ZERO8_TEST_EXPORT="exported")
+    r = launch(["--num_procs", "2", "--master_port", "29999", "--export", "ZERO8_TEST_EXPLICIT=given",
+                "--log_dir", logs, RANK_ENV, "--sleep", "0.2"], env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = env_lines(r.stdout)
+    assert sorted(seen) == [0, 1]
+    for rank, v in seen.items():
+        assert (v["RANK"], v["LOCAL_RANK"], v["WORLD_SIZE"], v["LOCAL_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert (v["MASTER_ADDR"], v["MASTER_PORT"], v["PYTHONUNBUFFERED"]) == ("127.0.0.1", "29999", "1")
+        assert v["ZERO8_TEST_EXPORT"] == "exported" and v["ZERO8_TEST_EXPLICIT"] == "given"
+        # One log per rank: its own stdout and stderr, unprefixed, nobody else's.
+        log = (logs / f"rank{rank}.log").read_text()
+        assert log.count("ENV {") == 1 and json.loads(log.split("ENV ", 1)[1].splitlines()[0])["RANK"] == str(rank)
+        assert f"hello from rank {rank} on stderr" in log and f"rank {1 - rank}" not in log
+        assert "[rank" not in log
+        status = json.loads((logs / f"rank{rank}.status.json").read_text())
+        assert status["exit_code"] == 0 and status["rank"] == rank
+        assert f"[rank{rank}] hello from rank {rank} on stderr" in r.stderr
+    assert "[zero8-launch]" not in r.stdout + r.stderr  # the wrappers' markers are for the launcher
+    assert f"logs: {logs}" in r.stderr and "running: " in r.stderr and "mpirun -np 2" in r.stderr
+
+
+@needs_mpirun
+def test_failing_rank_ends_the_job_and_shows_its_error(tmp_path):
+    # Rank 1 raises after 1 s; the others would sleep 60 s. The job must end about when rank 1 fails.
+    t0 = time.monotonic()
+    r = launch(["--num_procs", "3", "--log_dir", tmp_path, RANK_ENV, "--fail_rank", "1", "--fail_after", "1",
+                "--sleep", "60"], timeout=90)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after a rank failed"
+    err = r.stderr
+    assert "zero8-launch: job FAILED" in err
+    assert "zero8-launch: rank 1 exited with code 1" in err
+    assert "zero8-launch:   RuntimeError: rank 1 fails on purpose (test)" in err  # the tail of its log
+    assert "rank(s) 0, 2 were ended by the job's abort" in err
+    assert "Primary job" not in err and "-----" not in err  # mpirun's banners are summarized
+    status = json.loads((tmp_path / "rank1.status.json").read_text())
+    assert status["exit_code"] == 1
+
+
+@needs_mpirun
+def test_killed_rank_is_named(tmp_path):
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path, RANK_ENV, "--fail_rank", "0", "--kill_self",
+                "--sleep", "60"], timeout=90)
+    assert r.returncode == 137, r.stderr
+    assert "rank 0 was killed by signal 9 (SIGKILL)" in r.stderr
+
+
+@needs_mpirun
+def test_timeout_ends_the_job(tmp_path):
+    t0 = time.monotonic()
+    r = launch(["--num_procs", "2", "--timeout", "3", "--log_dir", tmp_path, RANK_ENV, "--sleep", "60"], timeout=90)
+    assert r.returncode == 124, r.stderr
+    assert time.monotonic() - t0 < 30
+    assert "timeout: the job ran longer than 3 s" in r.stderr
+
+
+@needs_mpirun
+def test_stop_request_reaches_every_rank(tmp_path):
+    # SIGTERM to the launcher -> SIGTERM to every script (through mpirun's SIGUSR1 forwarding), which
+    # "saves" and exits 0; the launcher then reports a stop on request (128 + SIGTERM).
+    term = tmp_path / "term"
+    proc = subprocess.Popen(launch_cmd(["--num_procs", "2", "--log_dir", tmp_path / "logs", RANK_ENV,
+                                        "--sleep", "60", "--term_file", term]),
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # both ranks running (their status files name a pid)
+        st = [tmp_path / "logs" / f"rank{i}.status.json" for i in (0, 1)]
+        if all(p.exists() and json.loads(p.read_text()).get("pid") for p in st):
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)  # past the scripts' signal handler installation
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    for i in (0, 1):
+        assert Path(f"{term}.{i}").read_text() == "SIGTERM"
+        assert f"rank {i} got SIGTERM: saving and exiting" in out
+    assert "stop requested" in err and "job stopped on request" in err
+
+
+@needs_mpirun
+def test_zero8_training_under_the_launcher(tmp_path):
+    out = tmp_path / "result.json"
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
+                "--out", out], timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and sorted(result["losses"]) == ["1", "2", "3"]
+    assert "[rank0] done" in r.stdout
