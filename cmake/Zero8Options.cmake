@@ -3,7 +3,8 @@
 set(ZERO8_CUDA AUTO CACHE STRING "CUDA kernels (AUTO, ON, OFF)")
 set(ZERO8_NCCL AUTO CACHE STRING "NCCL communicator backend, needs CUDA (AUTO, ON, OFF)")
 set(ZERO8_MPI AUTO CACHE STRING "MPI communicator backend (AUTO, ON, OFF)")
-set_property(CACHE ZERO8_CUDA ZERO8_NCCL ZERO8_MPI PROPERTY STRINGS AUTO ON OFF)
+set(ZERO8_DNNL AUTO CACHE STRING "oneDNN int8 GEMM for the C++ int8 API (AUTO, ON, OFF)")
+set_property(CACHE ZERO8_CUDA ZERO8_NCCL ZERO8_MPI ZERO8_DNNL PROPERTY STRINGS AUTO ON OFF)
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 80 90)
 endif()
@@ -60,6 +61,22 @@ if(NOT ZERO8_MPI STREQUAL "OFF")
   elseif(ZERO8_MPI STREQUAL "ON")
     message(FATAL_ERROR "ZERO8_MPI=ON but MPI was not found; install OpenMPI (scripts/setup.sh does: "
                         "apt-get install libopenmpi-dev openmpi-bin) or configure with -DZERO8_MPI=OFF")
+  endif()
+endif()
+
+# --- oneDNN (Debian's libdnnl-dev): the CPU int8 GEMM behind zero8::int8::int8_gemm; without it
+# that call uses the scalar reference (docs/INT8.md) ---
+# Found by header and library rather than dnnl-config.cmake, which demands the OpenCL headers of its
+# GPU runtime even for CPU use.
+set(ZERO8_WITH_DNNL 0)
+if(NOT ZERO8_DNNL STREQUAL "OFF")
+  find_path(DNNL_INCLUDE_DIR oneapi/dnnl/dnnl.hpp)
+  find_library(DNNL_LIBRARY dnnl)
+  if(DNNL_INCLUDE_DIR AND DNNL_LIBRARY)
+    set(ZERO8_WITH_DNNL 1)
+  elseif(ZERO8_DNNL STREQUAL "ON")
+    message(FATAL_ERROR "ZERO8_DNNL=ON but oneDNN was not found; install it (apt-get install libdnnl-dev) "
+                        "or configure with -DZERO8_DNNL=OFF")
   endif()
 endif()
 

@@ -7,7 +7,8 @@ set -euo pipefail
 
 # cmake >= 3.24 (bookworm has 3.25), Ninja, g++ (OpenMP through libgomp), GoogleTest/GoogleMock,
 # OpenMPI (the CPU communication backend and `mpirun` for the multi-rank tests), nlohmann-json
-# (DeepSpeed config, checkpoint manifests) and xxHash (checkpoint checksums), both header-only, python3.
+# (DeepSpeed config, checkpoint manifests) and xxHash (checkpoint checksums), both header-only,
+# oneDNN (the CPU int8 GEMM; the build falls back to the scalar reference without it), python3.
 ZERO8_APT_PACKAGES=(
   cmake
   ninja-build
@@ -20,6 +21,7 @@ ZERO8_APT_PACKAGES=(
   openmpi-bin
   nlohmann-json3-dev
   libxxhash-dev
+  libdnnl-dev
   python3
 )
 

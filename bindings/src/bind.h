@@ -21,6 +21,7 @@ void init_comm(py::module_& m);
 void init_config(py::module_& m);
 void init_sharded(py::module_& m);
 void init_checkpoint(py::module_& m);
+void init_int8(py::module_& m);
 
 // A pointer argument: Python passes an address as a non-negative int (0 for none).
 using Ptr = std::uintptr_t;

@@ -99,4 +99,5 @@ PYBIND11_MODULE(_C, m) {
   zb::init_config(m);
   zb::init_sharded(m);
   zb::init_checkpoint(m);
+  zb::init_int8(m);
 }

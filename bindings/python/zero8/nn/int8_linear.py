@@ -1,0 +1,193 @@
+"""INT8 training linear layer after Jetfire (Xi et al. 2024, "Jetfire: Efficient and Accurate Transformer
+Pretraining with INT8 Data Flow and Per-Block Quantization"): the forward, input-gradient and
+weight-gradient matrix products run as int8 x int8 -> int32 GEMMs with float32 accumulation, operands are
+quantized per ``block x block`` tile (absmax / 127; the output gradient with stochastic rounding), the
+float32 master weight is the ``nn.Parameter`` the optimizer updates, and the activation saved for the
+backward pass is kept as int8 codes plus per-block scales.
+
+Two GEMM modes (docs/INT8.md explains the choice):
+
+- ``gemm="exact"``: Jetfire's per-block math, exactly: every product is a sum over the 32-wide slices of
+  the reduction axis of ``int32 slice product * (row-block scale * column-block scale)``, accumulated in
+  float32. A library GEMM can only scale rows and columns of its output, so this runs one int8 GEMM per
+  slice; on CPU that costs more than float32 at transformer sizes (measured in docs/INT8.md).
+- ``gemm="fast"`` (default): one int8 GEMM per product with vector-wise scales (one per row of the left
+  operand, one per column of the right operand, SwitchBack/LLM.int8-style), each operand quantized from
+  its float values (the saved activation is dequantized from its per-block int8 form first, the output
+  gradient stochastically rounded). Error bound per element: half a vector-wise step (plus half a
+  per-block step for the saved activation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._C import Zero8ValueError
+from .linear8bit import (
+    _check_input,
+    dequantize_blocks,
+    dequantize_matmul,
+    int8_mm,
+    quantize_blocks,
+    quantize_cols,
+    quantize_rows,
+)
+
+__all__ = ["Int8Linear", "blockwise_int8_matmul"]
+
+
+def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, block: int,
+                          out_dtype: torch.dtype = torch.float32, bias: Optional[Tensor] = None) -> Tensor:
+    """The per-block product ``A @ B_t.T`` of two per-block int8 matrices, exactly as defined: ``qa`` (m x k)
+    with scales ``sa`` (ceil(m/block) x ceil(k/block)), ``qb_t`` (n x k) with ``sb_t`` (ceil(n/block) x
+    ceil(k/block)); for each ``block``-wide slice of k the int32 product is scaled by its row-block and
+    column-block scales and accumulated in float32."""
+    m, k = qa.shape
+    n = qb_t.shape[0]
+    nkb = sa.shape[1]
+    sa = sa.contiguous()
+    sb_t = sb_t.contiguous()
+    out = torch.zeros((m, n), dtype=torch.float32)
+    for s in range(nkb):
+        k0, k1 = s * block, min(k, (s + 1) * block)
+        acc = int8_mm(qa[:, k0:k1].contiguous(), qb_t[:, k0:k1].contiguous())
+        dequantize_matmul(acc, sa[:, s], sb_t[:, s], out=out, accumulate=True, row_group=block, row_stride=nkb,
+                          col_group=block, col_stride=nkb)
+    if bias is not None:
+        out += bias.float()
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+class _Int8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, block, exact, module):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        # The activation kept for the backward pass: int8 per-block (Jetfire's data flow format).
+        qxb, sxb = quantize_blocks(x2, block)
+        if exact:
+            qwb, swb = quantize_blocks(weight.detach(), block)
+            y = blockwise_int8_matmul(qxb, sxb, qwb, swb, block, out_dtype=x.dtype, bias=bias)
+        else:
+            qx, sx = quantize_rows(x2)
+            qw, sw = quantize_rows(weight.detach())
+            y = dequantize_matmul(int8_mm(qx, qw), sx, sw, out_dtype=x.dtype, bias=bias)
+        ctx.save_for_backward(qxb, sxb, weight)
+        ctx.block, ctx.exact, ctx.in_shape, ctx.x_dtype = block, exact, shape, x.dtype
+        ctx.has_bias = bias is not None
+        if module is not None:
+            module._last_saved = (qxb.numel() + sxb.numel() * 4, x2.numel() * x2.element_size())
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        qxb, sxb, weight = ctx.saved_tensors
+        block = ctx.block
+        g2 = grad.reshape(-1, grad.shape[-1]).contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        grad_x = grad_w = grad_b = None
+        w = weight.detach()
+        if ctx.exact:
+            # One stochastic per-block quantization of the output gradient serves both products: the
+            # blocks of its transpose are its blocks transposed.
+            qgb, sgb = quantize_blocks(g2, block, stochastic=True)
+            if need_x:  # dX = dY W: reduction over the output features
+                qwb, swb = quantize_blocks(w, block)
+                grad_x = blockwise_int8_matmul(qgb, sgb, qwb.t(), swb.t(), block, out_dtype=ctx.x_dtype)
+            if need_w:  # dW = dY^T X: reduction over the tokens
+                grad_w = blockwise_int8_matmul(qgb.t(), sgb.t(), qxb.t(), sxb.t(), block)
+        else:
+            if need_x:
+                qg, sg = quantize_rows(g2, stochastic=True)  # per token
+                qw, sw = quantize_cols(w)  # per input feature
+                grad_x = dequantize_matmul(int8_mm(qg, qw, b_trans=False), sg, sw, out_dtype=ctx.x_dtype)
+            if need_w:
+                qg, sg = quantize_cols(g2, stochastic=True)  # per output feature
+                qx, sx = quantize_cols(dequantize_blocks(qxb, sxb, block))  # per input feature
+                grad_w = dequantize_matmul(int8_mm(qg.t(), qx, b_trans=False), sg, sx)
+        if need_b:
+            grad_b = g2.float().sum(0)
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.in_shape)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class Int8Linear(torch.nn.Module):
+    """Drop-in ``torch.nn.Linear`` for training with INT8 matrix products (Jetfire-style per-block):
+
+    ``Int8Linear(in_features, out_features, bias=True, block_size=32, gemm="fast")``
+
+    - ``weight`` (out x in) and ``bias`` are float32 Parameters, initialised as ``nn.Linear``'s: the master
+      copy the optimizer updates; it is quantized to int8 at every forward.
+    - forward ``y = x W^T + b``, input gradient ``dY W``, weight gradient ``dY^T X``: int8 x int8 -> int32
+      products with float32 accumulation; the output gradient is quantized with stochastic rounding
+      (unbiased), the rest round to nearest.
+    - the input is saved for backward as int8 codes plus one float32 scale per ``block x block`` tile
+      (about 1/4 of float32, 1/2 of bf16); ``activation_memory()`` reports the last forward's figures.
+    - ``gemm``: ``"fast"`` (one int8 GEMM per product, vector-wise scales) or ``"exact"`` (per-block
+      scales in the reduction, one int8 GEMM per ``block``-wide slice): see the module docstring.
+
+    CPU tensors of float32, bfloat16 or float16 (the output has the input's dtype).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
+                 gemm: str = "fast", device=None, dtype=None) -> None:
+        super().__init__()
+        if device is not None and torch.device(device).type != "cpu":
+            raise Zero8ValueError(f"Int8Linear runs on CPU here; device={device!r}")
+        if dtype is not None and dtype != torch.float32:
+            raise Zero8ValueError(f"Int8Linear keeps a float32 master weight; dtype={dtype}")
+        if in_features <= 0 or out_features <= 0:
+            raise Zero8ValueError(f"in_features and out_features must be > 0, got {in_features}, {out_features}")
+        if not isinstance(block_size, int) or not 1 <= block_size <= 65536:
+            raise Zero8ValueError(f"block_size must be an int in 1..65536, got {block_size!r}")
+        if gemm not in ("fast", "exact"):
+            raise Zero8ValueError(f"gemm must be 'fast' or 'exact', got {gemm!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.block_size, self.gemm = block_size, gemm
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features))
+        else:
+            self.register_parameter("bias", None)
+        self._last_saved = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's initialisation.
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, block_size: int = 32, gemm: str = "fast") -> "Int8Linear":
+        """An Int8Linear with a copy of ``linear``'s weight and bias (float32)."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, block_size, gemm)
+        with torch.no_grad():
+            m.weight.copy_(linear.weight.float())
+            if linear.bias is not None:
+                m.bias.copy_(linear.bias.float())
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.in_features)
+        if x.numel() == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        return _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact", self)
+
+    def activation_memory(self) -> dict:
+        """What the last forward kept for backward: ``saved_bytes`` (int8 codes + per-block scales) versus
+        ``unquantized_bytes`` (the input in its own dtype, what ``nn.Linear`` keeps), and their ratio."""
+        if self._last_saved is None:
+            return {"saved_bytes": 0, "unquantized_bytes": 0, "ratio": float("nan")}
+        saved, full = self._last_saved
+        return {"saved_bytes": saved, "unquantized_bytes": full, "ratio": saved / full if full else float("nan")}
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block_size={self.block_size}, gemm={self.gemm!r}")

@@ -1,0 +1,347 @@
+"""LLM.int8() inference layers (Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication for
+Transformers at Scale"): ``Linear8bitLt`` keeps int8 weights with one absmax scale per output row, quantizes
+each activation row to int8 on the fly, and computes the input columns holding any ``|x| >= threshold``
+(the emergent outlier features) in float32, added back to the int8 product. ``convert_linear8bit`` swaps
+the ``nn.Linear`` modules of a trained model for it.
+
+Also the int8 primitives both int8 layers use (``Int8Linear`` imports them): torch tensors in, validated
+here (errors name the tensor), raw pointers to ``zero8._C`` (the kernels of kernels/src/int8_*.cpp), and
+the int8 GEMM, which is ``torch._int_mm`` on CPU (measured faster than Debian's oneDNN, docs/INT8.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from .._tensors import FLOAT_DTYPES, check_cpu, check_cpu_contiguous, check_dtype, dtype_code, ptr
+from .._C import Zero8ValueError
+
+__all__ = [
+    "Linear8bitLt",
+    "convert_linear8bit",
+    "int8_gemm_backend",
+    "set_int8_gemm_backend",
+]
+
+# ---------------------------------------------------------------- primitives (shared with Int8Linear)
+
+# Which int8 GEMM the layers call: "zero8" (_C.int8_gemm: oneDNN's matmul, Debian's libdnnl, when the
+# extension was built with it) or "torch" (torch._int_mm, torch's bundled oneDNN). Measured side by side
+# (docs/INT8.md), zero8's oneDNN path was as fast or faster here, so it is the default when built; without
+# oneDNN _C.int8_gemm is the scalar reference, and torch._int_mm is used instead.
+_GEMM = "zero8" if _C.int8_gemm_backend().startswith("onednn") or not hasattr(torch, "_int_mm") else "torch"
+
+
+def int8_gemm_backend() -> str:
+    """The int8 GEMM in use: ``"torch"`` or ``"zero8 (<_C.int8_gemm_backend()>)"``."""
+    return "torch" if _GEMM == "torch" else f"zero8 ({_C.int8_gemm_backend()})"
+
+
+def set_int8_gemm_backend(name: str) -> None:
+    """Choose the int8 GEMM: ``"torch"`` (default) or ``"zero8"`` (for comparisons, docs/INT8.md)."""
+    global _GEMM
+    if name not in ("torch", "zero8"):
+        raise Zero8ValueError(f"int8 GEMM backend must be 'torch' or 'zero8', got {name!r}")
+    if name == "torch" and not hasattr(torch, "_int_mm"):
+        raise Zero8ValueError("this torch has no torch._int_mm")
+    _GEMM = name
+
+
+def _float_matrix(x: Tensor, name: str) -> Tensor:
+    """A contiguous 2-D CPU view of a float tensor (a copy only if needed); errors name the tensor."""
+    check_cpu(x, name)
+    dtype_code(x, name)
+    if x.dim() != 2:
+        raise Zero8ValueError(f"{name} must be 2-D here, got shape {tuple(x.shape)}")
+    return x.contiguous()
+
+
+def _seed() -> int:
+    # Stochastic rounding draws from torch's generator, so torch.manual_seed makes a run reproducible.
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+def quantize_rows(x: Tensor, col_mask: Optional[Tensor] = None, stochastic: bool = False):
+    """Row-wise absmax int8 of a 2-D float tensor: ``(q int8 like x, scale float32[rows])``; columns with a
+    nonzero ``col_mask`` byte are left out of the scale and coded 0."""
+    x = _float_matrix(x, "x")
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.float32)
+    mask_ptr = 0
+    if col_mask is not None:
+        check_cpu_contiguous(col_mask, "col_mask")
+        check_dtype(col_mask, "col_mask", torch.uint8)
+        if col_mask.numel() != cols:
+            raise Zero8ValueError(f"col_mask has {col_mask.numel()} elements; expected {cols}")
+        mask_ptr = ptr(col_mask)
+    _C.int8_quantize_rows(ptr(x), dtype_code(x), rows, cols, ptr(q), ptr(scale), mask_ptr, stochastic,
+                          _seed() if stochastic else 0)
+    return q, scale
+
+
+def quantize_cols(x: Tensor, stochastic: bool = False):
+    """Column-wise absmax int8: ``(q int8 like x, scale float32[cols])``."""
+    x = _float_matrix(x, "x")
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.int8)
+    scale = torch.empty(cols, dtype=torch.float32)
+    _C.int8_quantize_cols(ptr(x), dtype_code(x), rows, cols, ptr(q), ptr(scale), stochastic,
+                          _seed() if stochastic else 0)
+    return q, scale
+
+
+def quantize_blocks(x: Tensor, block: int, stochastic: bool = False):
+    """Per-block absmax int8 (Jetfire): ``(q int8 like x, scale float32[ceil(rows/block), ceil(cols/block)])``."""
+    x = _float_matrix(x, "x")
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.int8)
+    scale = torch.empty((-(-rows // block), -(-cols // block)), dtype=torch.float32)
+    _C.int8_quantize_blocks(ptr(x), dtype_code(x), rows, cols, block, block, ptr(q), ptr(scale), stochastic,
+                            _seed() if stochastic else 0)
+    return q, scale
+
+
+def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The float tensor of per-block codes: ``q * scale[block of q]``."""
+    rows, cols = q.shape
+    y = torch.empty((rows, cols), dtype=dtype)
+    _C.int8_dequantize_blocks(ptr(q), ptr(scale), rows, cols, block, block, ptr(y), dtype_code(y))
+    return y
+
+
+def outlier_columns(x: Tensor, threshold: float):
+    """``(mask uint8[cols], count)``: columns holding any ``|x| >= threshold``."""
+    x = _float_matrix(x, "x")
+    mask = torch.empty(x.shape[1], dtype=torch.uint8)
+    count = _C.int8_outlier_columns(ptr(x), dtype_code(x), x.shape[0], x.shape[1], float(threshold), ptr(mask))
+    return mask, count
+
+
+def int8_mm(a: Tensor, b: Tensor, b_trans: bool = True) -> Tensor:
+    """int32 ``a @ b.T`` (``b_trans``: ``b`` is n x k, a weight matrix) or ``a @ b`` (``b`` is k x n) for
+    int8 ``a`` (m x k), through the chosen int8 GEMM. Operands may be strided views (zero8's path makes
+    them contiguous: it takes row-major matrices)."""
+    if _GEMM == "torch":
+        return torch._int_mm(a, b.t() if b_trans else b)
+    a = a.contiguous()
+    b = b.contiguous()
+    n = b.shape[0] if b_trans else b.shape[1]
+    if b.shape[1 if b_trans else 0] != a.shape[1]:
+        raise Zero8ValueError(f"int8_mm: inner sizes differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b_trans={b_trans})")
+    c = torch.empty((a.shape[0], n), dtype=torch.int32)
+    _C.int8_gemm(ptr(a), ptr(b), ptr(c), a.shape[0], n, a.shape[1], b_trans)
+    return c
+
+
+def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_dtype=torch.float32,
+                      add: Optional[Tensor] = None, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                      accumulate: bool = False, row_group: int = 1, row_stride: int = 1, col_group: int = 1,
+                      col_stride: int = 1) -> Tensor:
+    """The int8 GEMM epilogue: ``float(acc) * (row_scale * col_scale) (+ add) (+ bias)`` written as
+    ``out_dtype`` (or added into the float32 ``out`` with ``accumulate``). Scales are indexed
+    ``row_scale[(i // row_group) * row_stride]`` (and likewise for columns): groups of the block size
+    select one K-slice of a per-block GEMM."""
+    rows, cols = acc.shape
+    if out is None:
+        out = torch.empty((rows, cols), dtype=out_dtype)
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    if bias is not None:
+        bias = bias.contiguous()
+    if add is not None:
+        add = add.contiguous()
+    _C.int8_dequantize_matmul(ptr(acc), rows, cols, ptr(row_scale), row_group, row_stride, ptr(col_scale),
+                              col_group, col_stride, ptr(add) if add is not None else 0,
+                              ptr(bias) if bias is not None else 0, ptr(out), dtype_code(out), accumulate)
+    return out
+
+
+def _check_input(x: Tensor, in_features: int, name: str = "input") -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_cpu(x, name)
+    if x.dtype not in FLOAT_DTYPES:
+        raise Zero8ValueError(f"{name} has dtype {x.dtype}; expected float32, bfloat16 or float16")
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise Zero8ValueError(f"{name} has shape {tuple(x.shape)}; its last dimension must be in_features={in_features}")
+
+
+# ---------------------------------------------------------------- LLM.int8()
+
+
+def _llm_int8_matmul(x2: Tensor, w_q: Tensor, w_scale: Tensor, w_fp: Optional[Tensor], threshold: float,
+                     bias: Optional[Tensor]) -> Tensor:
+    """LLM.int8's mixed-precision decomposition of ``x2 @ W.T (+ bias)`` for a 2-D contiguous x2."""
+    add = None
+    mask = None
+    if threshold > 0 and math.isfinite(threshold):
+        mask, count = outlier_columns(x2, threshold)
+        if count > 0:
+            idx = mask.nonzero().squeeze(1)
+            # The outlier features in float32: with fp weights when kept, else the dequantized int8
+            # columns (bitsandbytes does the same when the fp16 weights are gone).
+            w_out = w_fp[:, idx].float() if w_fp is not None else w_q[:, idx].float() * w_scale[:, None]
+            add = x2[:, idx].float() @ w_out.t()
+        else:
+            mask = None
+    q_x, s_x = quantize_rows(x2, col_mask=mask)
+    acc = int8_mm(q_x, w_q)
+    return dequantize_matmul(acc, s_x, w_scale, out_dtype=x2.dtype, add=add, bias=bias)
+
+
+class _Linear8bitLtFn(torch.autograd.Function):
+    """Forward: the int8 decomposition. Backward (straight-through, as bitsandbytes): the input gradient
+    ``grad @ W`` with the float (or dequantized int8) weight; the weight gradient only when fp weights are
+    kept (``has_fp16_weights=True``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_fp, bias, w_q, w_scale, threshold):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        y = _llm_int8_matmul(x2, w_q, w_scale, weight_fp, threshold, bias)
+        ctx.save_for_backward(x2 if weight_fp is not None and weight_fp.requires_grad else None, weight_fp, w_q,
+                              w_scale)
+        ctx.has_bias = bias is not None
+        ctx.in_shape = shape
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight_fp, w_q, w_scale = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1]).float()
+        w = weight_fp.float() if weight_fp is not None else w_q.float() * w_scale[:, None]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g2 @ w).to(grad.dtype).reshape(ctx.in_shape)
+        if ctx.needs_input_grad[1] and x2 is not None:
+            grad_w = (g2.t() @ x2.float()).to(weight_fp.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class Linear8bitLt(torch.nn.Module):
+    """LLM.int8() linear layer (bitsandbytes' ``Linear8bitLt`` constructor):
+
+    ``Linear8bitLt(input_features, output_features, bias=True, has_fp16_weights=False, threshold=6.0)``
+
+    - weights: int8 with one scale per output row (``scale = max|W[j]| / 127``, codes
+      ``round(W / scale)``), the buffers ``weight`` (int8, out x in) and ``weight_scale`` (float32, out);
+      with ``has_fp16_weights=True`` the float ``weight`` Parameter is kept (trainable) and quantized at
+      every forward.
+    - activations: each row of the input quantized to int8 with its own absmax scale, int8 x int8 -> int32
+      GEMM, output ``acc * row_scale * weight_scale (+ bias)``.
+    - outliers: input columns (features) holding any ``|x| >= threshold`` leave the int8 path; their
+      product with the weight columns is computed in float32 and added back (``threshold=0`` or ``inf``:
+      none). The LLM.int8 paper uses 6.0.
+
+    The state dict holds ``weight`` (int8), ``weight_scale`` and ``bias``; it loads into a fresh
+    ``Linear8bitLt`` of the same shape without any float weights. CPU tensors of float32, bfloat16 or
+    float16; the output has the input's dtype. Bad inputs raise ``zero8.Zero8ValueError`` naming them.
+    """
+
+    def __init__(self, input_features: int, output_features: int, bias: bool = True,
+                 has_fp16_weights: bool = False, threshold: float = 6.0, device=None, dtype=None) -> None:
+        super().__init__()
+        if device is not None and torch.device(device).type != "cpu":
+            raise Zero8ValueError(f"Linear8bitLt runs on CPU here; device={device!r}")
+        if input_features <= 0 or output_features <= 0:
+            raise Zero8ValueError(f"input_features and output_features must be > 0, got {input_features}, "
+                                  f"{output_features}")
+        if not (threshold >= 0):
+            raise Zero8ValueError(f"threshold must be >= 0 (0 or inf: no outlier decomposition), got {threshold}")
+        self.in_features = input_features
+        self.out_features = output_features
+        self.threshold = float(threshold)
+        self.has_fp16_weights = has_fp16_weights
+        w = torch.empty(output_features, input_features, dtype=dtype or torch.float32)
+        torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's initialisation
+        if bias:
+            bound = 1 / math.sqrt(input_features)
+            self.bias = torch.nn.Parameter(torch.empty(output_features, dtype=dtype or torch.float32).uniform_(-bound,
+                                                                                                                 bound))
+        else:
+            self.register_parameter("bias", None)
+        self._set_weight(w)
+
+    def _set_weight(self, w: Tensor) -> None:
+        if self.has_fp16_weights:
+            self.weight = torch.nn.Parameter(w)
+            self.register_buffer("weight_scale", None)
+        else:
+            q, s = quantize_rows(w.detach().contiguous())
+            self.register_buffer("weight", q)
+            self.register_buffer("weight_scale", s)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, threshold: float = 6.0,
+                    has_fp16_weights: bool = False) -> "Linear8bitLt":
+        """An int8 copy of a trained ``nn.Linear`` (its weight quantized by rows, its bias kept)."""
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        if not (threshold >= 0):
+            raise Zero8ValueError(f"threshold must be >= 0, got {threshold}")
+        m.in_features, m.out_features = linear.in_features, linear.out_features
+        m.threshold = float(threshold)
+        m.has_fp16_weights = has_fp16_weights
+        if linear.weight.device.type != "cpu":
+            raise Zero8ValueError(f"linear.weight is on {linear.weight.device}; Linear8bitLt runs on CPU")
+        if linear.bias is not None:
+            m.bias = torch.nn.Parameter(linear.bias.detach().clone())
+        else:
+            m.register_parameter("bias", None)
+        m._set_weight(linear.weight.detach().clone())
+        return m
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored weight (int8 codes + float32 scales, or the float weight)."""
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (self.weight_scale.numel() * 4 if self.weight_scale is not None else 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.in_features)
+        if x.numel() == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        if self.has_fp16_weights:
+            w_q, w_s = quantize_rows(self.weight.detach())
+            w_fp = self.weight
+        else:
+            w_q, w_s, w_fp = self.weight, self.weight_scale, None
+        return _Linear8bitLtFn.apply(x, w_fp, self.bias, w_q, w_s, self.threshold)
+
+    def extra_repr(self) -> str:
+        return (f"input_features={self.in_features}, output_features={self.out_features}, "
+                f"bias={self.bias is not None}, has_fp16_weights={self.has_fp16_weights}, "
+                f"threshold={self.threshold}")
+
+
+def _skipped(name: str, skip: Iterable[str]) -> bool:
+    # A module is skipped when an entry names it fully, names one of its parents, or is its last
+    # component(s) ("lm_head" skips "model.lm_head"), as bitsandbytes' llm_int8_skip_modules matches names.
+    for s in skip:
+        if name == s or name.endswith("." + s) or name.startswith(s + "."):
+            return True
+    return False
+
+
+def convert_linear8bit(model: torch.nn.Module, threshold: float = 6.0, skip: Sequence[str] = (),
+                       has_fp16_weights: bool = False) -> torch.nn.Module:
+    """Replace every ``torch.nn.Linear`` of ``model`` (in place) by a ``Linear8bitLt`` holding its weight
+    in int8, except the modules named in ``skip`` (full dotted names, parents, or trailing components
+    such as ``"lm_head"``). Returns ``model``."""
+    if isinstance(skip, str):
+        skip = [skip]
+    skip = list(skip)
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and name and not _skipped(name, skip)]
+    for name, lin in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Linear8bitLt.from_linear(lin, threshold=threshold, has_fp16_weights=has_fp16_weights))
+    return model

@@ -1,0 +1,117 @@
+// Int8 linear layers (zero8/int8.h) for zero8.nn.Linear8bitLt and zero8.nn.Int8Linear: raw-pointer
+// row / column / block quantization, outlier columns, the GEMM epilogue and the library int8 GEMM, each
+// validated in C++ and run with the GIL released.
+#include "bind.h"
+#include "zero8/int8.h"
+
+namespace zero8::bindings {
+namespace {
+
+int8::Int8QuantOptions quant_options(bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
+  int8::Int8QuantOptions o;
+  o.stochastic = stochastic;
+  o.seed = seed;
+  o.index_base = index_base;
+  o.threads = threads;
+  return o;
+}
+
+}  // namespace
+
+void init_int8(py::module_& m) {
+  m.def(
+      "int8_quantize_rows",
+      [](Ptr x, DType dtype, int64_t rows, int64_t cols, Ptr q, Ptr scale, Ptr col_mask, bool stochastic, uint64_t seed,
+         uint64_t index_base, int threads) {
+        int8::int8_quantize_rows(as_ptr<const void>(x), dtype, rows, cols, as_ptr<int8_t>(q), as_ptr<float>(scale),
+                                 as_ptr<const uint8_t>(col_mask), quant_options(stochastic, seed, index_base, threads));
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("q_ptr"), py::arg("scale_ptr"),
+      py::arg("col_mask_ptr") = 0, py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
+      py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Row-wise absmax int8: scale[r] = max|x[r]| / 127 over columns not in col_mask, q = round(x / scale) "
+      "(ties to even; stochastic: floor(x / scale + u)); masked columns get 0. Releases the GIL.");
+  m.def(
+      "int8_quantize_cols",
+      [](Ptr x, DType dtype, int64_t rows, int64_t cols, Ptr q, Ptr scale, bool stochastic, uint64_t seed,
+         uint64_t index_base, int threads) {
+        int8::int8_quantize_cols(as_ptr<const void>(x), dtype, rows, cols, as_ptr<int8_t>(q), as_ptr<float>(scale),
+                                 quant_options(stochastic, seed, index_base, threads));
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("q_ptr"), py::arg("scale_ptr"),
+      py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0, py::arg("threads") = 0,
+      py::call_guard<py::gil_scoped_release>(), "Column-wise absmax int8 (one scale per column). Releases the GIL.");
+  m.def(
+      "int8_quantize_blocks",
+      [](Ptr x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows, int32_t block_cols, Ptr q, Ptr scale,
+         bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
+        int8::int8_quantize_blocks(as_ptr<const void>(x), dtype, rows, cols, block_rows, block_cols, as_ptr<int8_t>(q),
+                                   as_ptr<float>(scale), quant_options(stochastic, seed, index_base, threads));
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("block_rows"),
+      py::arg("block_cols"), py::arg("q_ptr"), py::arg("scale_ptr"), py::arg("stochastic") = false,
+      py::arg("seed") = 0, py::arg("index_base") = 0, py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Per-block absmax int8 (Jetfire): one scale per block_rows x block_cols tile, row-major "
+      "(int8_block_count scales). Releases the GIL.");
+  m.def("int8_block_count", &int8::int8_block_count, py::arg("rows"), py::arg("cols"), py::arg("block_rows"),
+        py::arg("block_cols"), "Number of per-block scales: ceil(rows/block_rows) * ceil(cols/block_cols).");
+  m.def(
+      "int8_dequantize_blocks",
+      [](Ptr q, Ptr scale, int64_t rows, int64_t cols, int32_t block_rows, int32_t block_cols, Ptr y, DType dtype,
+         int threads) {
+        int8::int8_dequantize_blocks(as_ptr<const int8_t>(q), as_ptr<const float>(scale), rows, cols, block_rows,
+                                     block_cols, as_ptr<void>(y), dtype, threads);
+      },
+      py::arg("q_ptr"), py::arg("scale_ptr"), py::arg("rows"), py::arg("cols"), py::arg("block_rows"),
+      py::arg("block_cols"), py::arg("y_ptr"), py::arg("dtype"), py::arg("threads") = 0,
+      py::call_guard<py::gil_scoped_release>(), "y = q * scale of its block, written as dtype. Releases the GIL.");
+  m.def(
+      "int8_outlier_columns",
+      [](Ptr x, DType dtype, int64_t rows, int64_t cols, float threshold, Ptr mask, int threads) {
+        return int8::int8_outlier_columns(as_ptr<const void>(x), dtype, rows, cols, threshold, as_ptr<uint8_t>(mask),
+                                          threads);
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("threshold"), py::arg("mask_ptr"),
+      py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "mask[c] = 1 where any |x[r][c]| >= threshold; returns the number of such columns. Releases the GIL.");
+  m.def(
+      "int8_dequantize_matmul",
+      [](Ptr acc, int64_t rows, int64_t cols, Ptr row_scale, int64_t row_group, int64_t row_stride, Ptr col_scale,
+         int64_t col_group, int64_t col_stride, Ptr add, Ptr bias, Ptr out, DType out_dtype, bool accumulate,
+         int threads) {
+        int8::EpilogueArgs a;
+        a.acc = as_ptr<const int32_t>(acc);
+        a.rows = rows;
+        a.cols = cols;
+        a.row_scale = as_ptr<const float>(row_scale);
+        a.row_group = row_group;
+        a.row_stride = row_stride;
+        a.col_scale = as_ptr<const float>(col_scale);
+        a.col_group = col_group;
+        a.col_stride = col_stride;
+        a.add = as_ptr<const float>(add);
+        a.bias = as_ptr<const float>(bias);
+        a.out = as_ptr<void>(out);
+        a.out_dtype = out_dtype;
+        a.accumulate = accumulate;
+        int8::int8_dequantize_matmul(a, threads);
+      },
+      py::arg("acc_ptr"), py::arg("rows"), py::arg("cols"), py::arg("row_scale_ptr"), py::arg("row_group") = 1,
+      py::arg("row_stride") = 1, py::arg("col_scale_ptr") = 0, py::arg("col_group") = 1, py::arg("col_stride") = 1,
+      py::arg("add_ptr") = 0, py::arg("bias_ptr") = 0, py::arg("out_ptr") = 0, py::arg("out_dtype") = DType::f32,
+      py::arg("accumulate") = false, py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "out = float(acc) * (row_scale[(i/row_group)*row_stride] * col_scale[(j/col_group)*col_stride]) (+ add) "
+      "(+ bias) (+ out when accumulate, float32 only), written as out_dtype. Releases the GIL.");
+  m.def(
+      "int8_gemm",
+      [](Ptr a, Ptr b, Ptr c, int64_t m, int64_t n, int64_t k, bool b_trans) {
+        int8::int8_gemm(as_ptr<const int8_t>(a), as_ptr<const int8_t>(b), as_ptr<int32_t>(c), m, n, k, b_trans);
+      },
+      py::arg("a_ptr"), py::arg("b_ptr"), py::arg("c_ptr"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("b_trans") = true, py::call_guard<py::gil_scoped_release>(),
+      "C (m x n int32) = A (m x k int8) * B (n x k if b_trans else k x n), row-major, through the library int8 "
+      "GEMM (int8_gemm_backend()). Releases the GIL.");
+  m.def("int8_gemm_backend", &int8::int8_gemm_backend, "What int8_gemm runs: 'onednn <version>' or 'reference'.");
+}
+
+}  // namespace zero8::bindings

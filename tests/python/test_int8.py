@@ -1,0 +1,471 @@
+"""Int8 linear layers: Linear8bitLt (LLM.int8 inference with outlier decomposition) and Int8Linear (INT8
+training, Jetfire-style per-block). Errors are checked against float64 references with element-wise bounds
+derived from the quantization steps (a value rounded to nearest is off by at most half its scale; a
+stochastically rounded one by less than a whole scale), gradients against autograd of the float32
+nn.Linear, the outlier decomposition on a model with emergent outlier features, state dicts, the
+conversion helper, a small GPT trained with Int8Linear to within 2% of float32, and bad inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import io
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zero8
+from zero8 import _C
+from zero8.nn import Int8Linear, Linear8bitLt, convert_linear8bit
+from zero8.nn import linear8bit as l8
+from zero8.nn.int8_linear import blockwise_int8_matmul
+
+EPS32 = 2.0**-24  # float32 unit roundoff
+
+
+def fp_slack(x64: torch.Tensor, w64: torch.Tensor, k: int) -> torch.Tensor:
+    """Float32 rounding allowance of an epilogue/accumulation over k terms: the standard k * u bound on
+    sum |x||w| (plus a few roundings for the scale products), negligible next to int8 steps."""
+    return (k + 8) * EPS32 * (x64.abs() @ w64.abs().t())
+
+
+def vectorwise_bound(x64, w64, sx, sw, exact_cols=None):
+    """Element-wise bound of |xq wq^T - x w^T| for row scales sx (of x) and sw (of w's rows), both
+    rounded to nearest: per term |e_x w| + |x e_w| + |e_x e_w| <= sx/2 |w| + |x| sw/2 + sx sw/4. Columns in
+    exact_cols (outlier features kept in float) only carry the weight's error |x| sw/2."""
+    sx, sw = sx.double()[:, None], sw.double()[None, :]
+    if exact_cols is None:
+        exact_cols = torch.zeros(x64.shape[1], dtype=torch.bool)
+    xn, wn = x64[:, ~exact_cols], w64[:, ~exact_cols]
+    b = sx / 2 * wn.abs().sum(1)[None, :] + (xn.abs().sum(1)[:, None]) * sw / 2 + xn.shape[1] * sx * sw / 4
+    if exact_cols.any():
+        b = b + x64[:, exact_cols].abs().sum(1)[:, None] * sw / 2
+    return b
+
+
+def outlier_input(m, k, cols, scale=40.0, seed=0):
+    """Normal activations with systematic outlier feature dimensions (LLM.int8's emergent features: a few
+    columns with magnitudes ~20-60 in every token)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, cols] = x[:, cols].sign() * (scale / 2 + torch.rand(m, len(cols), generator=g) * scale)
+    return x
+
+
+# ------------------------------------------------------------------------------------------- Linear8bitLt
+
+
+def test_linear8bitlt_weights_are_rowwise_absmax_round_to_nearest():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(200, 70)
+    m = Linear8bitLt.from_linear(lin)
+    w = lin.weight.detach()
+    s = w.abs().amax(1) / 127  # float32, as the kernel
+    assert torch.equal(m.weight_scale, s)
+    assert m.weight.dtype == torch.int8
+    assert torch.equal(m.weight, torch.round(w / s[:, None]).to(torch.int8))  # torch.round: ties to even
+    assert m.weight_bytes() == w.numel() + 4 * w.shape[0]  # int8 codes + one float32 scale per row
+    assert w.numel() * 4 / m.weight_bytes() > 3.9  # ~4x smaller than float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear8bitlt_error_within_quantization_bound(dtype):
+    torch.manual_seed(1)
+    k, n, mtok = 256, 96, 48
+    lin = torch.nn.Linear(k, n)
+    x = outlier_input(mtok, k, [3, 100, 201]).to(dtype)
+    m = Linear8bitLt.from_linear(lin, threshold=6.0)
+    y = m(x)
+    assert y.dtype == dtype and y.shape == (mtok, n)
+    x64, w64, b64 = x.double(), lin.weight.double(), lin.bias.double()
+    y64 = x64 @ w64.t() + b64
+    outl = (x64.abs() >= 6.0).any(0)
+    assert outl.sum() == 3
+    sx = x64[:, ~outl].abs().amax(1) / 127
+    bound = vectorwise_bound(x64, w64, sx, m.weight_scale, outl) + fp_slack(x64, w64, k) + 1e-6 * b64.abs()
+    if dtype == torch.bfloat16:
+        bound = bound * (1 + 2.0**-8) + y64.abs() * 2.0**-8  # output rounded to bfloat16 (half an ulp, 8 bits)
+    err = (y.double() - y64).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+
+
+def test_outlier_decomposition_restores_accuracy_where_vectorwise_fails():
+    # A two-layer model whose first layer sees 4 emergent outlier features (|x| 20-60 in every token).
+    torch.manual_seed(2)
+    k, h, n, mtok = 512, 512, 128, 256
+    model = torch.nn.Sequential(torch.nn.Linear(k, h), torch.nn.GELU(), torch.nn.Linear(h, n))
+    cols = [5, 77, 300, 411]
+    x = outlier_input(mtok, k, cols, seed=3)
+    with torch.no_grad():
+        # The weights reading the outlier features are ~1/20 of the others, so those features inform the
+        # output about as much as ordinary ones instead of swamping it (what makes them matter in an LLM
+        # without dominating its output norm).
+        model[0].weight[:, cols] /= 20.0
+    with torch.no_grad():
+        ref = model.double()(x.double())
+        model.float()
+        y32 = model(x)
+    dec = convert_linear8bit(copy.deepcopy(model), threshold=6.0)
+    vec = convert_linear8bit(copy.deepcopy(model), threshold=0.0)
+    with torch.no_grad():
+        e32 = ((y32.double() - ref).norm() / ref.norm()).item()
+        e_dec = ((dec(x).double() - ref).norm() / ref.norm()).item()
+        e_vec = ((vec(x).double() - ref).norm() / ref.norm()).item()
+    # The decomposition leaves the int8 error of the ordinary features: per layer, an activation row of
+    # absmax ~4 sigma rounds with rms error (4/127)/sqrt(12) ~ 0.9% of sigma and a uniform weight row with
+    # ~0.5%, about 1% of the output; plus the outlier features times their (relatively coarse) int8
+    # weights. Over two layers that is ~2%: it must stay below 3%. Vector-wise int8 puts every activation
+    # row's scale at ~40/127, 10x coarser: its error must be > 4x the decomposition's and > 5%.
+    print(f"\nrelative error: fp32 {e32:.2e}, LLM.int8 {e_dec:.4f}, vector-wise int8 {e_vec:.4f}")
+    assert e32 < 1e-5
+    assert e_dec < 0.03, (e_dec, e_vec)
+    assert e_vec > 4 * e_dec and e_vec > 0.05, (e_dec, e_vec)
+
+
+def test_linear8bitlt_state_dict_roundtrip_without_float_weights():
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(64, 40)
+    m = Linear8bitLt.from_linear(lin)
+    sd = m.state_dict()
+    assert set(sd) == {"weight", "weight_scale", "bias"}
+    assert sd["weight"].dtype == torch.int8 and sd["weight_scale"].dtype == torch.float32
+    fresh = Linear8bitLt(64, 40)
+    assert [name for name, _ in fresh.named_parameters()] == ["bias"]  # no float weight anywhere
+    fresh.load_state_dict(sd)
+    x = outlier_input(10, 64, [7])
+    assert torch.equal(fresh(x), m(x))
+    # And the plain torch.save / torch.load path of a whole converted model.
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    fresh2 = Linear8bitLt(64, 40)
+    fresh2.load_state_dict(torch.load(buf))
+    assert torch.equal(fresh2(x), m(x))
+
+
+def test_convert_linear8bit_skip_list_and_in_place():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(32, 32)
+            self.block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+            self.lm_head = torch.nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.lm_head(self.block(self.fc1(x)))
+
+    torch.manual_seed(5)
+    net = Net()
+    x = torch.randn(8, 32)
+    ref = net(x).detach()
+    out = convert_linear8bit(net, skip=["lm_head", "block.2"])
+    assert out is net
+    assert isinstance(net.fc1, Linear8bitLt) and isinstance(net.block[0], Linear8bitLt)
+    assert type(net.block[2]) is torch.nn.Linear and type(net.lm_head) is torch.nn.Linear
+    # Whole subtrees by a parent's name.
+    net2 = convert_linear8bit(Net(), skip=["block"])
+    assert isinstance(net2.fc1, Linear8bitLt) and type(net2.block[0]) is torch.nn.Linear
+    assert isinstance(net2.lm_head, Linear8bitLt)
+    # Still the same function (int8 error only: ~1% relative for three small layers).
+    assert ((net(x) - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_linear8bitlt_fp16_weights_train_straight_through():
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(48, 24)
+    m = Linear8bitLt.from_linear(lin, has_fp16_weights=True)
+    assert m.weight.requires_grad and m.weight.dtype == torch.float32
+    x = torch.randn(16, 48, requires_grad=True)
+    g = torch.randn(16, 24)
+    m(x).backward(g)
+    # Straight-through backward: exactly the float gradients of x W^T + b.
+    assert torch.allclose(m.weight.grad, g.t() @ x.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(x.grad, g @ lin.weight.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(m.bias.grad, g.sum(0), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- Int8Linear
+
+
+def _blocks_dequant64(t, block, stochastic=False):
+    q, s = l8.quantize_blocks(t, block, stochastic=stochastic)
+    return q, s, l8.dequantize_blocks(q, s, block, torch.float32).double()
+
+
+def _expand(s, block, rows, cols):
+    return s.double().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+
+
+@pytest.mark.parametrize("block", [32, 16])
+def test_int8linear_exact_forward_is_the_per_block_definition(block):
+    torch.manual_seed(7)
+    mtok, k, n = 70, 100, 45  # partial edge blocks on every axis
+    lin = torch.nn.Linear(k, n)
+    il = Int8Linear.from_linear(lin, block_size=block, gemm="exact")
+    x = outlier_input(mtok, k, [9], scale=30.0)
+    y = il(x).double()
+    # The definition: per-block codes and scales, products of dequantized blocks, float32 accumulation.
+    _, sx, xd = _blocks_dequant64(x, block)
+    _, sw, wd = _blocks_dequant64(lin.weight.detach(), block)
+    y_def = xd @ wd.t() + lin.bias.double()
+    slack = (math.ceil(k / block) + 8) * EPS32 * (xd.abs() @ wd.abs().t() + lin.bias.double().abs())
+    assert ((y - y_def).abs() <= slack).all()
+    # Against the unquantized product: per term sx/2 |w| + |x| sw/2 + sx sw/4, with each element's own
+    # block scales.
+    x64, w64 = x.double(), lin.weight.double()
+    y64 = x64 @ w64.t() + lin.bias.double()
+    sxe, swe = _expand(sx, block, mtok, k), _expand(sw, block, n, k)
+    bound = (sxe / 2) @ w64.abs().t() + x64.abs() @ (swe / 2).t() + (sxe / 2) @ (swe / 2).t() + slack
+    assert ((y - y64).abs() <= bound).all()
+
+
+def test_int8linear_fast_forward_error_within_vectorwise_bound():
+    torch.manual_seed(8)
+    mtok, k, n = 64, 128, 96
+    lin = torch.nn.Linear(k, n)
+    il = Int8Linear.from_linear(lin)
+    x = torch.randn(mtok, k)
+    y = il(x).double()
+    x64, w64 = x.double(), lin.weight.double()
+    y64 = x64 @ w64.t() + lin.bias.double()
+    sx = x.abs().amax(1) / 127
+    sw = lin.weight.detach().abs().amax(1) / 127
+    bound = vectorwise_bound(x64, w64, sx, sw) + fp_slack(x64, w64, k) + 1e-6 * lin.bias.double().abs()
+    assert ((y - y64).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("gemm", ["fast", "exact"])
+def test_int8linear_gradients_against_fp32_autograd(gemm):
+    torch.manual_seed(9)
+    mtok, k, n, block = 96, 64, 80, 32
+    lin = torch.nn.Linear(k, n)
+    il = Int8Linear.from_linear(lin, block_size=block, gemm=gemm)
+    x = torch.randn(mtok, k)
+    g = torch.randn(mtok, n)
+    g[5] *= 20.0  # a token with a large gradient (Jetfire: gradient outliers run along tokens)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    lin(xa).backward(g)
+    il(xb).backward(g)
+    x64, w64, g64 = x.double(), lin.weight.double(), g.double()
+    dx64, dw64 = g64 @ w64, g64.t() @ x64
+    # fp32 autograd itself is within rounding of float64: the reference the int8 layer is compared with.
+    assert torch.allclose(xa.grad.double(), dx64, rtol=1e-5, atol=1e-5)
+    if gemm == "fast":
+        # dX = dY W: dY per token, stochastic (error < one step sg), W per input feature (sw/2).
+        sg = g.abs().amax(1).double() / 127
+        sw = lin.weight.detach().abs().amax(0).double() / 127
+        bx = sg[:, None] * (w64.abs().sum(0))[None, :] + g64.abs().sum(1)[:, None] * sw[None, :] / 2 \
+            + n * sg[:, None] * sw[None, :] / 2
+        # dW = dY^T X: dY per output feature (stochastic), X from its per-block int8 copy requantized per
+        # input feature (half a block step + half a column step).
+        sgc = g.abs().amax(0).double() / 127
+        _, sxb, xd = _blocks_dequant64(x, block)
+        sxc = xd.abs().amax(0) / 127
+        ex = _expand(sxb, block, mtok, k) / 2 + sxc[None, :] / 2  # per element of X
+        bw = sgc[:, None] * x64.abs().sum(0)[None, :] + g64.abs().t() @ ex + sgc[:, None] * ex.sum(0)[None, :]
+    else:
+        # Per-block everywhere: dY blocks stochastic (< sg), W and X blocks to nearest (/2).
+        _, sgb, _ = _blocks_dequant64(g, block, stochastic=True)  # same max per block: the scales agree
+        sge = _expand(sgb, block, mtok, n)
+        _, swb, _ = _blocks_dequant64(lin.weight.detach(), block)
+        swe = _expand(swb, block, n, k)
+        _, sxb, _ = _blocks_dequant64(x, block)
+        sxe = _expand(sxb, block, mtok, k)
+        bx = sge @ w64.abs() + g64.abs() @ (swe / 2) + sge @ (swe / 2)
+        bw = sge.t() @ x64.abs() + g64.abs().t() @ (sxe / 2) + sge.t() @ (sxe / 2)
+    bx = bx + (n + 8) * EPS32 * (g64.abs() @ w64.abs())
+    bw = bw + (mtok + 8) * EPS32 * (g64.abs().t() @ x64.abs())
+    assert ((xb.grad.double() - dx64).abs() <= bx).all()
+    assert ((il.weight.grad.double() - dw64).abs() <= bw).all()
+    assert torch.allclose(il.bias.grad.double(), g64.sum(0), rtol=1e-5, atol=1e-4)
+    # Overall: int8 gradients within a few percent of the exact ones (the element bounds are worst cases;
+    # the rms error of independent roundings is ~sqrt(count) smaller). Relative Frobenius error < 5%.
+    assert ((xb.grad.double() - dx64).norm() / dx64.norm()).item() < 0.05
+    assert ((il.weight.grad.double() - dw64).norm() / dw64.norm()).item() < 0.05
+
+
+def test_int8linear_saves_int8_activations_and_reports_memory():
+    torch.manual_seed(10)
+    mtok, k, n = 100, 160, 48
+    il = Int8Linear(k, n)
+    x = torch.randn(mtok, k, requires_grad=True)
+    y = il(x)
+    saved = y.grad_fn.saved_tensors
+    dtypes = sorted(str(t.dtype) for t in saved)
+    assert dtypes == ["torch.float32", "torch.float32", "torch.int8"]  # codes, block scales, the master weight
+    assert not any(t.shape == x.shape and t.is_floating_point() for t in saved)  # no float copy of x
+    mem = il.activation_memory()
+    nblocks = math.ceil(mtok / 32) * math.ceil(k / 32)
+    assert mem["saved_bytes"] == mtok * k + 4 * nblocks
+    assert mem["unquantized_bytes"] == mtok * k * 4
+    assert mem["ratio"] == pytest.approx(0.25 + 1 / 1024, rel=0.2)  # 1 byte + 4/1024 per element vs 4
+
+
+def test_blockwise_matmul_matches_dequantized_product_and_gemm_backends_agree():
+    torch.manual_seed(11)
+    a, b = torch.randn(33, 70), torch.randn(21, 70)
+    qa, sa = l8.quantize_blocks(a, 16)
+    qb, sb = l8.quantize_blocks(b, 16)
+    ref = l8.dequantize_blocks(qa, sa, 16).double() @ l8.dequantize_blocks(qb, sb, 16).double().t()
+    out = blockwise_int8_matmul(qa, sa, qb, sb, 16)
+    slack = (5 + 8) * EPS32 * (l8.dequantize_blocks(qa, sa, 16).double().abs() @
+                               l8.dequantize_blocks(qb, sb, 16).double().abs().t())
+    assert ((out.double() - ref).abs() <= slack).all()
+    # zero8's GEMM (oneDNN or the reference) and torch._int_mm give identical int32 products.
+    qa8 = torch.randint(-128, 128, (37, 129), dtype=torch.int8)
+    qb8 = torch.randint(-128, 128, (23, 129), dtype=torch.int8)
+    exact = qa8.long() @ qb8.long().t()
+    before = l8._GEMM
+    try:
+        for name in ("torch", "zero8"):
+            l8.set_int8_gemm_backend(name)
+            assert torch.equal(l8.int8_mm(qa8, qb8).long(), exact)
+            assert torch.equal(l8.int8_mm(qa8, qb8.t().contiguous(), b_trans=False).long(), exact)
+    finally:
+        l8._GEMM = before
+    assert l8.int8_gemm_backend().startswith(("torch", "zero8"))
+
+
+# ---------------------------------------------------------------------- a small GPT trained in int8
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, 2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class _GPT(torch.nn.Module):
+    def __init__(self, vocab, d=64, layers=2, heads=4, ctx=64):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(ctx, d)
+        self.blocks = torch.nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def _corpus(max_bytes=400_000):
+    """A real text corpus available offline: the Python standard library's own source."""
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+    data = bytearray()
+    for f in files:
+        with open(f, "rb") as fh:
+            data += fh.read()
+        if len(data) >= max_bytes:
+            break
+    return torch.tensor(list(data[:max_bytes]), dtype=torch.long)
+
+
+def _train(model, opt, data, steps, batch, ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        i = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=g)
+        xb = torch.stack([data[j:j + ctx] for j in i])
+        yb = torch.stack([data[j + 1:j + ctx + 1] for j in i])
+        loss = F.cross_entropy(model(xb).reshape(-1, 256), yb.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
+@torch.no_grad()
+def _val_loss(model, data, ctx):
+    model.eval()
+    n = (data.numel() - 1) // ctx
+    xb = data[:n * ctx].view(n, ctx)
+    yb = data[1:n * ctx + 1].view(n, ctx)
+    return sum(F.cross_entropy(model(xb[i:i + 64]).reshape(-1, 256), yb[i:i + 64].reshape(-1), reduction="sum").item()
+               for i in range(0, n, 64)) / (n * ctx)
+
+
+def test_small_gpt_trained_with_int8linear_within_2pct_of_fp32():
+    data = _corpus()
+    split = int(data.numel() * 0.9)
+    train, val = data[:split], data[split:split + 32_768]
+    ctx, batch, steps, lr = 64, 32, 250, 3e-3
+    torch.manual_seed(12)
+    ref = _GPT(256, ctx=ctx)
+    q = copy.deepcopy(ref)
+    for blk in q.blocks:  # every attention and MLP projection in int8 (the LM head stays float32)
+        for name in ("qkv", "proj", "fc1", "fc2"):
+            setattr(blk, name, Int8Linear.from_linear(getattr(blk, name)))
+    try:
+        from zero8.optim import AdamW8bit
+
+        q_opt = AdamW8bit(q.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        opt_name = "zero8.optim.AdamW8bit"
+    except (ImportError, AttributeError):  # pyoptim's module not installed: say so in the output
+        q_opt = torch.optim.AdamW(q.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+        opt_name = "torch.optim.AdamW (zero8.optim.AdamW8bit not available)"
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    t0 = time.perf_counter()
+    _train(ref, ref_opt, train, steps, batch, ctx, seed=13)
+    t1 = time.perf_counter()
+    torch.manual_seed(14)
+    _train(q, q_opt, train, steps, batch, ctx, seed=13)
+    t2 = time.perf_counter()
+    v_ref, v_q = _val_loss(ref, val, ctx), _val_loss(q, val, ctx)
+    print(f"\nval loss fp32 {v_ref:.4f} ({t1 - t0:.1f} s), Int8Linear + {opt_name} {v_q:.4f} ({t2 - t1:.1f} s), "
+          f"ratio {v_q / v_ref:.4f}")
+    assert v_ref < 0.8 * math.log(256)  # it learned something (uniform over bytes: ln 256 = 5.55)
+    assert v_q <= 1.02 * v_ref
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+
+
+@pytest.mark.parametrize("make", [lambda: Linear8bitLt(16, 8), lambda: Int8Linear(16, 8)])
+def test_bad_inputs_raise_zero8_value_errors_naming_the_tensor(make):
+    m = make()
+    with pytest.raises(zero8.Zero8ValueError, match="input"):
+        m(torch.randn(4, 15))  # wrong feature size
+    with pytest.raises(zero8.Zero8ValueError, match="input"):
+        m(torch.randn(4, 16, dtype=torch.float64))  # dtype the kernels do not take
+    with pytest.raises(zero8.Zero8ValueError, match="input"):
+        m(torch.ones(4, 16, dtype=torch.int32))
+    with pytest.raises(zero8.Zero8ValueError, match="input"):
+        m(torch.empty(4, 16, device="meta"))  # not a CPU tensor
+    with pytest.raises(TypeError, match="input"):
+        m([1.0] * 16)
+    # A non-contiguous input is fine (the layer makes a contiguous copy).
+    x = torch.randn(16, 4).t()
+    assert m(x).shape == (4, 8)
+    assert isinstance(zero8.Zero8ValueError("x"), ValueError)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(zero8.Zero8ValueError, match="block_size"):
+        Int8Linear(8, 8, block_size=0)
+    with pytest.raises(zero8.Zero8ValueError, match="gemm"):
+        Int8Linear(8, 8, gemm="fastest")
+    with pytest.raises(zero8.Zero8ValueError, match="threshold"):
+        Linear8bitLt(8, 8, threshold=-1.0)
+    with pytest.raises(zero8.Zero8ValueError, match="x"):
+        l8.quantize_rows(torch.randn(2, 3, 4))
+    with pytest.raises(zero8.Zero8ValueError, match="col_mask"):
+        l8.quantize_rows(torch.randn(2, 3), col_mask=torch.zeros(4, dtype=torch.uint8))
+    # The C++ layer validates again and names its argument.
+    with pytest.raises(zero8.Zero8ValueError, match="block_rows"):
+        _C.int8_quantize_blocks(0, _C.DType.f32, 0, 0, 0, 32, 0, 0)

@@ -1,0 +1,362 @@
+// The validated int8 API (zero8/int8.h): checks every argument once, then runs the int8 kernels (the
+// active CPU variant with OpenMP, or the CUDA kernels), and the int8 GEMM through oneDNN's matmul
+// primitive (primitives cached by shape) when zero8 was built with oneDNN.
+#include "zero8/int8.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <tuple>
+
+#include "zero8/error.h"
+#include "zero8/kernels/dispatch.h"
+
+#if ZERO8_WITH_DNNL
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
+namespace zero8::int8 {
+namespace {
+
+// A pointer to `count` elements of `elem` bytes: non-null unless empty, aligned to its element size.
+void check_ptr(const void* p, const char* name, int64_t count, int elem) {
+  ZERO8_CHECK_ARG(p != nullptr || count == 0, name, "null pointer for " << count << " elements");
+  ZERO8_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % uintptr_t(elem) == 0, name,
+                  "pointer " << p << " is not aligned to its " << elem << "-byte elements");
+}
+
+void check_shape(int64_t rows, int64_t cols) {
+  ZERO8_CHECK_ARG(rows >= 0, "rows", "must be >= 0, got " << rows);
+  ZERO8_CHECK_ARG(cols >= 0, "cols", "must be >= 0, got " << cols);
+}
+
+void check_dtype(DType t, const char* name) {
+  ZERO8_CHECK_ARG(t == DType::f32 || t == DType::bf16 || t == DType::f16, name, "unknown dtype " << int(t));
+}
+
+void check_blocks(int32_t block_rows, int32_t block_cols) {
+  ZERO8_CHECK_ARG(block_rows >= 1 && block_rows <= 65536, "block_rows", "must be in 1..65536, got " << block_rows);
+  ZERO8_CHECK_ARG(block_cols >= 1 && block_cols <= 65536, "block_cols", "must be in 1..65536, got " << block_cols);
+}
+
+void check_threads(int threads) { ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0, got " << threads); }
+
+RowQuantArgs row_args(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                      const uint8_t* col_mask, const Int8QuantOptions& opt) {
+  check_shape(rows, cols);
+  check_dtype(dtype, "dtype");
+  check_ptr(x, "x", rows * cols, dtype_size(dtype));
+  check_ptr(q, "q", rows * cols, 1);
+  check_ptr(scale, "scale", rows, 4);
+  check_threads(opt.threads);
+  RowQuantArgs a;
+  a.x = x;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.cols = cols;
+  a.col_mask = col_mask;
+  a.q = q;
+  a.scale = scale;
+  a.stochastic = opt.stochastic;
+  a.seed = opt.seed;
+  a.index_base = opt.index_base;
+  return a;
+}
+
+BlockQuantArgs block_args(const void* x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows,
+                          int32_t block_cols, int8_t* q, float* scale, const Int8QuantOptions& opt) {
+  check_shape(rows, cols);
+  check_dtype(dtype, "dtype");
+  check_blocks(block_rows, block_cols);
+  check_ptr(x, "x", rows * cols, dtype_size(dtype));
+  check_ptr(q, "q", rows * cols, 1);
+  check_ptr(scale, "scale", int8_block_count(rows, cols, block_rows, block_cols), 4);
+  check_threads(opt.threads);
+  BlockQuantArgs a;
+  a.x = x;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.cols = cols;
+  a.block_rows = block_rows;
+  a.block_cols = block_cols;
+  a.q = q;
+  a.scale = scale;
+  a.stochastic = opt.stochastic;
+  a.seed = opt.seed;
+  a.index_base = opt.index_base;
+  return a;
+}
+
+OutlierArgs outlier_args(const void* x, DType dtype, int64_t rows, int64_t cols, float threshold, uint8_t* mask) {
+  check_shape(rows, cols);
+  check_dtype(dtype, "dtype");
+  ZERO8_CHECK_ARG(threshold > 0.0f, "threshold", "must be > 0 (or +inf for no outliers), got " << threshold);
+  check_ptr(x, "x", rows * cols, dtype_size(dtype));
+  check_ptr(mask, "mask", cols, 1);
+  OutlierArgs a;
+  a.x = x;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.cols = cols;
+  a.threshold = threshold;
+  a.mask = mask;
+  return a;
+}
+
+void check_epilogue(const EpilogueArgs& a) {
+  check_shape(a.rows, a.cols);
+  check_dtype(a.out_dtype, "out_dtype");
+  ZERO8_CHECK_ARG(a.row_group >= 1, "row_group", "must be >= 1, got " << a.row_group);
+  ZERO8_CHECK_ARG(a.col_group >= 1, "col_group", "must be >= 1, got " << a.col_group);
+  ZERO8_CHECK_ARG(a.row_stride >= 1, "row_stride", "must be >= 1, got " << a.row_stride);
+  ZERO8_CHECK_ARG(a.col_stride >= 1, "col_stride", "must be >= 1, got " << a.col_stride);
+  check_ptr(a.acc, "acc", a.rows * a.cols, 4);
+  const int64_t nrs = a.rows > 0 ? ((a.rows - 1) / a.row_group) * a.row_stride + 1 : 0;
+  const int64_t ncs = a.cols > 0 ? ((a.cols - 1) / a.col_group) * a.col_stride + 1 : 0;
+  check_ptr(a.row_scale, "row_scale", a.rows > 0 && a.cols > 0 ? nrs : 0, 4);
+  check_ptr(a.col_scale, "col_scale", a.rows > 0 && a.cols > 0 ? ncs : 0, 4);
+  check_ptr(a.add, "add", 0, 4);
+  check_ptr(a.bias, "bias", 0, 4);
+  check_ptr(a.out, "out", a.rows * a.cols, dtype_size(a.out_dtype));
+  ZERO8_CHECK_ARG(!a.accumulate || a.out_dtype == DType::f32, "accumulate",
+                  "needs a float32 output, got " << dtype_name(a.out_dtype));
+}
+
+void check_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k) {
+  ZERO8_CHECK_ARG(m >= 0, "m", "must be >= 0, got " << m);
+  ZERO8_CHECK_ARG(n >= 0, "n", "must be >= 0, got " << n);
+  ZERO8_CHECK_ARG(k >= 0 && k <= 131071, "k", "must be in 0..131071 (int32 accumulation), got " << k);
+  check_ptr(a, "a", m * k, 1);
+  check_ptr(b, "b", k * n, 1);
+  check_ptr(c, "c", m * n, 4);
+}
+
+#if !ZERO8_WITH_CUDA
+[[noreturn]] void cuda_unsupported() { ZERO8_THROW(unsupported, "zero8 was not built with CUDA"); }
+#endif
+
+#if ZERO8_WITH_DNNL
+// One oneDNN matmul primitive per (m, n, k, b_trans), created once: creation costs far more than a
+// small GEMM. Bounded, like the codec's table cache: a caller cycling through many shapes rebuilds.
+struct DnnlMatmul {
+  dnnl::memory::desc a, b, c;
+  dnnl::matmul prim;
+};
+
+dnnl::engine& dnnl_cpu_engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+std::shared_ptr<const DnnlMatmul> dnnl_matmul_for(int64_t m, int64_t n, int64_t k, bool b_trans) {
+  using dnnl::memory;
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::shared_ptr<const DnnlMatmul>> cache;
+  const auto key = std::make_tuple(m, n, k, b_trans);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto p = std::make_shared<DnnlMatmul>();
+  p->a = memory::desc({m, k}, memory::data_type::s8, memory::dims{k, 1});
+  p->b = b_trans ? memory::desc({k, n}, memory::data_type::s8, memory::dims{1, k})
+                 : memory::desc({k, n}, memory::data_type::s8, memory::dims{n, 1});
+  p->c = memory::desc({m, n}, memory::data_type::s32, memory::dims{n, 1});
+  p->prim = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p->a, p->b, p->c), dnnl_cpu_engine()));
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= 64) cache.clear();
+  cache.emplace(key, p);
+  return p;
+}
+
+void dnnl_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans) {
+  try {
+    const auto mm = dnnl_matmul_for(m, n, k, b_trans);
+    dnnl::engine& eng = dnnl_cpu_engine();
+    dnnl::stream s(eng);
+    dnnl::memory am(mm->a, eng, const_cast<int8_t*>(a)), bm(mm->b, eng, const_cast<int8_t*>(b)), cm(mm->c, eng, c);
+    mm->prim.execute(s, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+    s.wait();
+  } catch (const dnnl::error& e) {
+    ZERO8_THROW(internal, "oneDNN int8 matmul (" << m << " x " << k << " x " << n << ") failed: " << e.what());
+  }
+}
+#endif
+
+}  // namespace
+
+int64_t int8_block_count(int64_t rows, int64_t cols, int32_t block_rows, int32_t block_cols) {
+  check_shape(rows, cols);
+  check_blocks(block_rows, block_cols);
+  return ((rows + block_rows - 1) / block_rows) * ((cols + block_cols - 1) / block_cols);
+}
+
+void int8_quantize_rows(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                        const uint8_t* col_mask, const Int8QuantOptions& opt) {
+  const RowQuantArgs a = row_args(x, dtype, rows, cols, q, scale, col_mask, opt);
+  if (rows > 0) int8_row_quant(a, isa_active(), opt.threads);
+}
+
+void int8_quantize_cols(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                        const Int8QuantOptions& opt) {
+  check_shape(rows, cols);
+  check_dtype(dtype, "dtype");
+  check_ptr(x, "x", rows * cols, dtype_size(dtype));
+  check_ptr(q, "q", rows * cols, 1);
+  check_ptr(scale, "scale", cols, 4);
+  check_threads(opt.threads);
+  ColQuantArgs a;
+  a.x = x;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.cols = cols;
+  a.q = q;
+  a.scale = scale;
+  a.stochastic = opt.stochastic;
+  a.seed = opt.seed;
+  a.index_base = opt.index_base;
+  if (cols > 0) int8_col_quant(a, isa_active(), opt.threads);
+}
+
+void int8_quantize_blocks(const void* x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows,
+                          int32_t block_cols, int8_t* q, float* scale, const Int8QuantOptions& opt) {
+  const BlockQuantArgs a = block_args(x, dtype, rows, cols, block_rows, block_cols, q, scale, opt);
+  if (rows > 0 && cols > 0) int8_block_quant(a, isa_active(), opt.threads);
+}
+
+void int8_dequantize_blocks(const int8_t* q, const float* scale, int64_t rows, int64_t cols, int32_t block_rows,
+                            int32_t block_cols, void* y, DType dtype, int threads) {
+  check_shape(rows, cols);
+  check_dtype(dtype, "dtype");
+  check_blocks(block_rows, block_cols);
+  check_ptr(q, "q", rows * cols, 1);
+  check_ptr(scale, "scale", int8_block_count(rows, cols, block_rows, block_cols), 4);
+  check_ptr(y, "y", rows * cols, dtype_size(dtype));
+  check_threads(threads);
+  BlockDequantArgs a;
+  a.q = q;
+  a.scale = scale;
+  a.rows = rows;
+  a.cols = cols;
+  a.block_rows = block_rows;
+  a.block_cols = block_cols;
+  a.y = y;
+  a.dtype = dtype;
+  if (rows > 0 && cols > 0) int8_block_dequant(a, isa_active(), threads);
+}
+
+int64_t int8_outlier_columns(const void* x, DType dtype, int64_t rows, int64_t cols, float threshold, uint8_t* mask,
+                             int threads) {
+  const OutlierArgs a = outlier_args(x, dtype, rows, cols, threshold, mask);
+  check_threads(threads);
+  if (cols == 0) return 0;
+  return int8_col_outliers(a, isa_active(), threads);
+}
+
+void int8_dequantize_matmul(const EpilogueArgs& args, int threads) {
+  check_epilogue(args);
+  check_threads(threads);
+  if (args.rows > 0 && args.cols > 0) int8_epilogue(args, isa_active(), threads);
+}
+
+void int8_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans) {
+  check_gemm(a, b, c, m, n, k);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    for (int64_t i = 0; i < m * n; ++i) c[i] = 0;
+    return;
+  }
+#if ZERO8_WITH_DNNL
+  dnnl_gemm(a, b, c, m, n, k, b_trans);
+#else
+  GemmArgs g;
+  g.a = a;
+  g.b = b;
+  g.c = c;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.b_trans = b_trans;
+  int8_gemm_ref(g);
+#endif
+}
+
+std::string int8_gemm_backend() {
+#if ZERO8_WITH_DNNL
+  const dnnl_version_t* v = dnnl_version();
+  std::ostringstream os;
+  os << "onednn " << v->major << "." << v->minor << "." << v->patch;
+  return os.str();
+#else
+  return "reference";
+#endif
+}
+
+// ---- CUDA ----
+
+void int8_quantize_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                             const uint8_t* col_mask, const Int8QuantOptions& opt, void* stream) {
+#if ZERO8_WITH_CUDA
+  const RowQuantArgs a = row_args(x, dtype, rows, cols, q, scale, col_mask, opt);
+  if (rows > 0) int8_row_quant_cuda(a, stream);
+#else
+  (void)x, (void)dtype, (void)rows, (void)cols, (void)q, (void)scale, (void)col_mask, (void)opt, (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void int8_quantize_blocks_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows,
+                               int32_t block_cols, int8_t* q, float* scale, const Int8QuantOptions& opt, void* stream) {
+#if ZERO8_WITH_CUDA
+  const BlockQuantArgs a = block_args(x, dtype, rows, cols, block_rows, block_cols, q, scale, opt);
+  if (rows > 0 && cols > 0) int8_block_quant_cuda(a, stream);
+#else
+  (void)x, (void)dtype, (void)rows, (void)cols, (void)block_rows, (void)block_cols, (void)q, (void)scale, (void)opt,
+      (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void int8_outlier_columns_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, float threshold, uint8_t* mask,
+                               void* stream) {
+#if ZERO8_WITH_CUDA
+  const OutlierArgs a = outlier_args(x, dtype, rows, cols, threshold, mask);
+  if (cols > 0) int8_col_outliers_cuda(a, stream);
+#else
+  (void)x, (void)dtype, (void)rows, (void)cols, (void)threshold, (void)mask, (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void int8_dequantize_matmul_cuda(const EpilogueArgs& args, void* stream) {
+#if ZERO8_WITH_CUDA
+  check_epilogue(args);
+  if (args.rows > 0 && args.cols > 0) int8_epilogue_cuda(args, stream);
+#else
+  (void)args, (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void int8_gemm_cuda(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans,
+                    void* stream) {
+#if ZERO8_WITH_CUDA
+  check_gemm(a, b, c, m, n, k);
+  GemmArgs g;
+  g.a = a;
+  g.b = b;
+  g.c = c;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.b_trans = b_trans;
+  if (m > 0 && n > 0) int8_gemm_cublaslt(g, stream);
+#else
+  (void)a, (void)b, (void)c, (void)m, (void)n, (void)k, (void)b_trans, (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+}  // namespace zero8::int8
