@@ -57,11 +57,12 @@ __global__ void __launch_bounds__(kEncodeThreads) quant_encode_kernel(EncodeArgs
   }
 }
 
-__global__ void __launch_bounds__(kDecodeThreads) quant_decode_kernel(DecodeArgs a) {
+// block_shift = log2(block) (blocks are powers of two).
+__global__ void __launch_bounds__(kDecodeThreads) quant_decode_kernel(DecodeArgs a, int block_shift) {
   const QuantTable& t = *a.table;
   const int64_t stride = int64_t(gridDim.x) * kDecodeThreads;
   for (int64_t i = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x; i < a.n; i += stride) {
-    const float v = quant_decode_one(a.codes[i], a.absmax[i / a.block], t);
+    const float v = quant_decode_one(a.codes[i], a.absmax[i >> block_shift], t);
     if (a.accumulate)
       static_cast<float*>(a.y)[i] += v;
     else
@@ -88,7 +89,9 @@ void quant_decode_cuda(const DecodeArgs& a, void* stream) {
   if (a.n <= 0) return;
   const int64_t want = (a.n + kDecodeThreads - 1) / kDecodeThreads;
   const unsigned grid = unsigned(want < (int64_t(1) << 20) ? want : (int64_t(1) << 20));  // grid-stride beyond
-  quant_decode_kernel<<<grid, kDecodeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  int shift = 0;
+  while ((1 << shift) < a.block) ++shift;
+  quant_decode_kernel<<<grid, kDecodeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, shift);
   check_launch("quant_decode_kernel");
 }
 

@@ -24,6 +24,10 @@ namespace {
 // search (non-monotone maps).
 enum class Search { packed, lut, binary };
 
+// Rounding: nearest; stochastic through the nearest code (strictly increasing maps); stochastic by
+// the reference's search (any map).
+enum class Round { nearest, stochastic_near, stochastic_search };
+
 template <DType D>
 inline __m256 load8(const void* p, int64_t i) {
   if constexpr (D == DType::f32) {
@@ -80,7 +84,9 @@ inline __m256i code_nearest8(__m256 n, const QuantTable& t) {
   } else {
     const __m256i u = _mm256_castps_si256(n);
     __m256i q = _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), kQuantLutShift);
-    q = _mm256_min_epu32(_mm256_max_epu32(q, _mm256_set1_epi32(kQuantLutLo)), _mm256_set1_epi32(kQuantLutHi));
+    // |n| <= 1 (|x| <= |scale|, and the division rounds monotonically), so only the low end needs the
+    // clamp of quant_lut_index.
+    q = _mm256_max_epu32(q, _mm256_set1_epi32(kQuantLutLo));
     q = _mm256_sub_epi32(q, _mm256_set1_epi32(kQuantLutLo));
     q = _mm256_add_epi32(q, _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(kQuantLutHalf)));
     const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(t.lut), q, 4);
@@ -103,7 +109,7 @@ inline __m256i select(__m256i a, __m256i b, __m256 mask) {
   return _mm256_blendv_epi8(a, b, _mm256_castps_si256(mask));
 }
 
-// quant_code_stochastic for 8 lanes.
+// quant_code_stochastic for 8 lanes: the reference's binary search over values (any sorted map).
 inline __m256i code_stochastic8(__m256 n, __m256 u, const QuantTable& t) {
   __m256i lo = _mm256_setzero_si256();  // largest code with values[lo] <= n, as the reference searches
   for (int step = 128; step > 0; step >>= 1) {
@@ -117,6 +123,27 @@ inline __m256i code_stochastic8(__m256 n, __m256 u, const QuantTable& t) {
   __m256i c = select(lo, hi, _mm256_cmp_ps(u, p, _CMP_LT_OQ));
   c = select(c, _mm256_set1_epi32(255), _mm256_cmp_ps(n, _mm256_set1_ps(t.values[255]), _CMP_GE_OQ));
   return _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_set1_ps(t.values[0]), _CMP_GT_OQ)));
+}
+
+// quant_code_stochastic for 8 lanes of a map with strictly increasing values, from the nearest code
+// c: the largest code with values[lo] <= n is c when values[c] <= n (values[c + 1] <= n would be
+// nearer) and c - 1 otherwise.
+template <Search S>
+inline __m256i code_stochastic8_near(__m256 n, __m256 u, const QuantTable& t) {
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i c = code_nearest8<S>(n, t);
+  // Neighbours clamped into the table; lanes at the ends are decided by the edge rules below.
+  const __m256i cm = _mm256_max_epi32(_mm256_sub_epi32(c, one), _mm256_setzero_si256());
+  const __m256i cp = _mm256_min_epi32(_mm256_add_epi32(c, one), _mm256_set1_epi32(255));
+  const __m256 vm = _mm256_i32gather_ps(t.values, cm, 4), v0 = _mm256_i32gather_ps(t.values, c, 4),
+               vp = _mm256_i32gather_ps(t.values, cp, 4);
+  const __m256 above = _mm256_cmp_ps(v0, n, _CMP_GT_OQ);  // values[c] > n: lo = c - 1
+  const __m256i lo = _mm256_add_epi32(c, _mm256_castps_si256(above));
+  const __m256 a = _mm256_blendv_ps(v0, vm, above), b = _mm256_blendv_ps(vp, v0, above);
+  const __m256 p = _mm256_div_ps(_mm256_sub_ps(n, a), _mm256_sub_ps(b, a));
+  __m256i code = _mm256_sub_epi32(lo, _mm256_castps_si256(_mm256_cmp_ps(u, p, _CMP_LT_OQ)));
+  code = select(code, _mm256_set1_epi32(255), _mm256_cmp_ps(n, _mm256_set1_ps(t.values[255]), _CMP_GE_OQ));
+  return _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_set1_ps(t.values[0]), _CMP_GT_OQ)));
 }
 
 // quant_code_keep_sign: values are sorted, so values[c] < 0 iff c < nonneg_first and values[c] > 0
@@ -207,7 +234,7 @@ inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTab
 
 // Encode elements [off, off + len) of x into codes[0, len); index0 is the global index of element off.
 // prefetch: start of the input bytes to fetch while this block computes (as many as the block's), or null.
-template <DType D, Search S, bool kStochastic>
+template <DType D, Search S, Round R, bool kKeepSign>
 float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t, uint8_t* codes, uint64_t seed,
                    uint64_t index0, const char* prefetch) {
   const float scale = block_scale<D>(x, off, len, t);
@@ -223,12 +250,16 @@ float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t,
     const __m256 v = load8<D>(x, off + i);
     const __m256 n = _mm256_div_ps(v, s);
     __m256i c;
-    if constexpr (kStochastic)
-      c = code_stochastic8(n, rng_uniform8(seed, index0 + uint64_t(i)), t);
-    else
+    if constexpr (R == Round::nearest)
       c = code_nearest8<S>(n, t);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), pack_bytes(code_keep_sign8(c, v, n, t)));
+    else if constexpr (R == Round::stochastic_near)
+      c = code_stochastic8_near<S>(n, rng_uniform8(seed, index0 + uint64_t(i)), t);
+    else
+      c = code_stochastic8(n, rng_uniform8(seed, index0 + uint64_t(i)), t);
+    if constexpr (kKeepSign) c = code_keep_sign8(c, v, n, t);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), pack_bytes(c));
   }
+  constexpr bool kStochastic = R != Round::nearest;
   for (; i < len; ++i) {
     const float u = kStochastic ? rng_uniform(seed, index0 + uint64_t(i)) : 0.0f;
     codes[i] = uint8_t(quant_encode_one(dtype_load(x, D, off + i), scale, t, kStochastic, u));
@@ -236,7 +267,7 @@ float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t,
   return scale;
 }
 
-template <DType D, Search S, bool kStochastic>
+template <DType D, Search S, Round R, bool kKeepSign>
 void encode_range(const EncodeArgs& a) {
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   const int64_t esize = dtype_size(D);
@@ -247,21 +278,56 @@ void encode_range(const EncodeArgs& a) {
     const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
     const int64_t pf = lo + len + ahead;
     const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
-    a.absmax[b] = encode_block<D, S, kStochastic>(a.x, lo, len, *a.table, a.codes + lo, a.seed,
-                                                   a.index_base + uint64_t(lo), prefetch);
+    a.absmax[b] = encode_block<D, S, R, kKeepSign>(a.x, lo, len, *a.table, a.codes + lo, a.seed,
+                                                    a.index_base + uint64_t(lo), prefetch);
   }
+}
+
+// kKeepSign: the map has no exact 0; with one, neither rounding can cross zero and the sign rule
+// (quant_code_keep_sign) is a no-op.
+bool map_has_zero(const QuantTable& t) { return t.values[t.zero_code] == 0.0f; }
+
+bool map_strictly_increasing(const QuantTable& t) {
+  for (int i = 0; i < 255; ++i)
+    if (!(t.values[i] < t.values[i + 1])) return false;
+  return true;
+}
+
+template <DType D, Round R, bool kKeepSign>
+void encode_search(const EncodeArgs& a) {
+  if (a.table->lut_packed)
+    encode_range<D, Search::packed, R, kKeepSign>(a);
+  else if (a.table->lut_steps == kQuantLutNoSteps)
+    encode_range<D, Search::binary, R, kKeepSign>(a);
+  else
+    encode_range<D, Search::lut, R, kKeepSign>(a);
+}
+
+template <DType D, bool kKeepSign>
+void encode_map(const EncodeArgs& a) {
+  if (!a.stochastic)
+    encode_search<D, Round::nearest, kKeepSign>(a);
+  else if (map_strictly_increasing(*a.table))
+    encode_search<D, Round::stochastic_near, kKeepSign>(a);
+  else
+    encode_range<D, Search::binary, Round::stochastic_search, kKeepSign>(a);
 }
 
 template <DType D>
 void encode_dtype(const EncodeArgs& a) {
-  if (a.stochastic)
-    encode_range<D, Search::binary, true>(a);
-  else if (a.table->lut_packed)
-    encode_range<D, Search::packed, false>(a);
-  else if (a.table->lut_steps == kQuantLutNoSteps)
-    encode_range<D, Search::binary, false>(a);
+  if (map_has_zero(*a.table))
+    encode_map<D, false>(a);
   else
-    encode_range<D, Search::lut, false>(a);
+    encode_map<D, true>(a);
+}
+
+template <bool kKeepSign>
+float block_encode_f32(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
+  constexpr Round R = Round::nearest;
+  if (t.lut_packed) return encode_block<DType::f32, Search::packed, R, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
+  if (t.lut_steps == kQuantLutNoSteps)
+    return encode_block<DType::f32, Search::binary, R, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
+  return encode_block<DType::f32, Search::lut, R, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
 }
 
 // y[off + i] (=, or += when kAccumulate) values[codes[i]] * scale for i < len.
@@ -314,10 +380,7 @@ void quant_decode_avx2(const DecodeArgs& a) {
 }
 
 float quant_block_encode_f32_avx2(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
-  if (t.lut_packed) return encode_block<DType::f32, Search::packed, false>(x, 0, len, t, codes, 0, 0, nullptr);
-  if (t.lut_steps == kQuantLutNoSteps)
-    return encode_block<DType::f32, Search::binary, false>(x, 0, len, t, codes, 0, 0, nullptr);
-  return encode_block<DType::f32, Search::lut, false>(x, 0, len, t, codes, 0, 0, nullptr);
+  return map_has_zero(t) ? block_encode_f32<false>(x, len, t, codes) : block_encode_f32<true>(x, len, t, codes);
 }
 
 void quant_block_decode_f32_avx2(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y) {

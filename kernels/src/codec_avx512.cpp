@@ -23,6 +23,10 @@ namespace {
 // search (non-monotone maps).
 enum class Search { packed, lut, binary };
 
+// Rounding: nearest; stochastic through the nearest code (strictly increasing maps); stochastic by
+// the reference's search (any map).
+enum class Round { nearest, stochastic_near, stochastic_search };
+
 inline __mmask16 tail_mask(int32_t count) { return __mmask16((1u << count) - 1u); }
 
 // 16 elements of dtype D as float32; the masked form reads only the lanes in m (others are 0).
@@ -124,7 +128,32 @@ inline __m512i code_nearest16(__m512 n, const QuantTable& t) {
   }
 }
 
-// quant_code_stochastic for 16 lanes.
+// values[c] for 16 codes from the table held in 16 registers: eight 32-entry two-register permutes,
+// then bits 5..7 of the code pick among them (two to three times the throughput of a 16-lane gather).
+struct ValueRegs {
+  __m512 r[16];
+  explicit ValueRegs(const QuantTable& t) {
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(t.values + 16 * k);
+  }
+  __m512 lookup(__m512i c) const {
+    __m512 p0 = _mm512_permutex2var_ps(r[0], c, r[1]), p1 = _mm512_permutex2var_ps(r[2], c, r[3]);
+    __m512 p2 = _mm512_permutex2var_ps(r[4], c, r[5]), p3 = _mm512_permutex2var_ps(r[6], c, r[7]);
+    __m512 p4 = _mm512_permutex2var_ps(r[8], c, r[9]), p5 = _mm512_permutex2var_ps(r[10], c, r[11]);
+    __m512 p6 = _mm512_permutex2var_ps(r[12], c, r[13]), p7 = _mm512_permutex2var_ps(r[14], c, r[15]);
+    const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
+    p0 = _mm512_mask_mov_ps(p0, b5, p1);
+    p2 = _mm512_mask_mov_ps(p2, b5, p3);
+    p4 = _mm512_mask_mov_ps(p4, b5, p5);
+    p6 = _mm512_mask_mov_ps(p6, b5, p7);
+    p0 = _mm512_mask_mov_ps(p0, b6, p2);
+    p4 = _mm512_mask_mov_ps(p4, b6, p6);
+    return _mm512_mask_mov_ps(p0, b7, p4);
+  }
+};
+
+// quant_code_stochastic for 16 lanes: the reference's binary search over values (any sorted map).
 inline __m512i code_stochastic16(__m512 n, __m512 u, const QuantTable& t) {
   __m512i lo = _mm512_setzero_si512();  // largest code with values[lo] <= n, as the reference searches
   for (int step = 128; step > 0; step >>= 1) {
@@ -138,6 +167,25 @@ inline __m512i code_stochastic16(__m512 n, __m512 u, const QuantTable& t) {
   __m512i c = _mm512_mask_mov_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), hi);
   c = _mm512_mask_mov_epi32(c, _mm512_cmp_ps_mask(n, _mm512_set1_ps(t.values[255]), _CMP_GE_OQ), _mm512_set1_epi32(255));
   return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(n, _mm512_set1_ps(t.values[0]), _CMP_GT_OQ), c);
+}
+
+// quant_code_stochastic for 16 lanes of a map with strictly increasing values, from the nearest code
+// c: the largest code with values[lo] <= n is c when values[c] <= n (values[c + 1] <= n would be
+// nearer) and c - 1 otherwise. One table read and register lookups instead of ten dependent gathers.
+template <Search S>
+inline __m512i code_stochastic16_near(__m512 n, __m512 u, const QuantTable& t, const ValueRegs& vr) {
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i c = code_nearest16<S>(n, t);
+  // Out-of-range neighbours (c - 1 < 0, c + 1 > 255) only occur in lanes the edge rules below decide.
+  const __m512 vm = vr.lookup(_mm512_sub_epi32(c, one)), v0 = vr.lookup(c), vp = vr.lookup(_mm512_add_epi32(c, one));
+  const __mmask16 above = _mm512_cmp_ps_mask(v0, n, _CMP_GT_OQ);  // values[c] > n: lo = c - 1
+  const __m512i lo = _mm512_mask_sub_epi32(c, above, c, one);
+  const __m512 a = _mm512_mask_mov_ps(v0, above, vm), b = _mm512_mask_mov_ps(vp, above, v0);
+  const __m512 p = _mm512_div_ps(_mm512_sub_ps(n, a), _mm512_sub_ps(b, a));
+  __m512i code = _mm512_mask_add_epi32(lo, _mm512_cmp_ps_mask(u, p, _CMP_LT_OQ), lo, one);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(n, _mm512_set1_ps(t.values[255]), _CMP_GE_OQ),
+                               _mm512_set1_epi32(255));
+  return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(n, _mm512_set1_ps(t.values[0]), _CMP_GT_OQ), code);
 }
 
 // quant_code_keep_sign: values are sorted, so values[c] < 0 iff c < nonneg_first and values[c] > 0
@@ -196,87 +244,113 @@ inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTab
 }
 
 // quant_encode_one for 16 lanes of a block with a finite nonzero scale. kKeepSign: the map has no
-// exact 0; with one, neither rounding can cross zero and the sign rule is a no-op.
-template <Search S, bool kStochastic, bool kKeepSign>
-inline __m512i encode16(__m512 v, __m512 s, const QuantTable& t, uint64_t seed, uint64_t index0) {
+// exact 0; with one, neither rounding can cross zero and the sign rule is a no-op. vr: the values in
+// registers (stochastic_near only).
+template <Search S, Round R, bool kKeepSign>
+inline __m512i encode16(__m512 v, __m512 s, const QuantTable& t, const ValueRegs* vr, uint64_t seed, uint64_t index0) {
   const __m512 n = _mm512_div_ps(v, s);
   __m512i c;
-  if constexpr (kStochastic)
-    c = code_stochastic16(n, rng_uniform16(seed, index0), t);
-  else
+  if constexpr (R == Round::nearest)
     c = code_nearest16<S>(n, t);
+  else if constexpr (R == Round::stochastic_near)
+    c = code_stochastic16_near<S>(n, rng_uniform16(seed, index0), t, *vr);
+  else
+    c = code_stochastic16(n, rng_uniform16(seed, index0), t);
   if constexpr (kKeepSign) c = code_keep_sign16(c, v, n, t);
   return c;
 }
 
-// Outputs of at least this many bytes per call are written with streaming stores (no read of the
-// destination lines, no eviction of the working set), as memcpy does for copies beyond the caches.
-constexpr int64_t kStreamBytes = int64_t(8) << 20;
-
-// Encode elements [off, off + len) of x into codes[0, len); index0 is the global index of element off.
-// prefetch: start of the input bytes to fetch while this block computes (as many as the block's), or null.
-template <DType D, Search S, bool kStochastic, bool kKeepSign>
-float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t, uint8_t* codes, uint64_t seed,
-                   uint64_t index0, const char* prefetch) {
-  const float scale = block_scale<D>(x, off, len, t);
+// Codes of elements [off, off + len) of x, a block of the given scale, into codes[0, len); index0 is
+// the global index of element off. prefetch: start of the input bytes to fetch meanwhile (as many as
+// the block's), or null.
+template <DType D, Search S, Round R, bool kKeepSign>
+void encode_codes(const void* x, int64_t off, int32_t len, float scale, const QuantTable& t, const ValueRegs* vr,
+                  uint8_t* codes, uint64_t seed, uint64_t index0, const char* prefetch) {
   if (!(scale == scale) || scale == 0.0f) {
     std::memset(codes, t.zero_code, size_t(len));
-    return scale;
+    return;
   }
   const __m512 s = _mm512_set1_ps(scale);
   constexpr int kLine = 64 / (D == DType::f32 ? 4 : 2);  // elements per cache line
   int32_t i = 0;
   for (; i + 64 <= len; i += 64) {
-    // Pass 2 is compute-bound, pass 1 memory-bound: fetch a block ahead while computing this one.
+    // Codes are compute-bound, scales memory-bound: fetch the data ahead while computing these.
     if (prefetch) {
       for (int k = 0; k < 64; k += kLine) _mm_prefetch(prefetch + int64_t(i + k) * dtype_size(D), _MM_HINT_T0);
     }
     __m512i c[4];
     for (int k = 0; k < 4; ++k)
-      c[k] = encode16<S, kStochastic, kKeepSign>(load16<D>(x, off + i + 16 * k), s, t, seed, index0 + uint64_t(i + 16 * k));
+      c[k] = encode16<S, R, kKeepSign>(load16<D>(x, off + i + 16 * k), s, t, vr, seed, index0 + uint64_t(i + 16 * k));
     for (int k = 0; k < 4; ++k) _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * k), _mm512_cvtepi32_epi8(c[k]));
   }
   for (; i + 16 <= len; i += 16) {
-    const __m512i c = encode16<S, kStochastic, kKeepSign>(load16<D>(x, off + i), s, t, seed, index0 + uint64_t(i));
+    const __m512i c = encode16<S, R, kKeepSign>(load16<D>(x, off + i), s, t, vr, seed, index0 + uint64_t(i));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(c));
   }
   if (i < len) {
     const __mmask16 m = tail_mask(len - i);
     const __m512i c =
-        encode16<S, kStochastic, kKeepSign>(load16_masked<D>(x, off + i, m), s, t, seed, index0 + uint64_t(i));
+        encode16<S, R, kKeepSign>(load16_masked<D>(x, off + i, m), s, t, vr, seed, index0 + uint64_t(i));
     _mm512_mask_cvtepi32_storeu_epi8(codes + i, m, c);
   }
-  return scale;
 }
 
-template <DType D, Search S, bool kStochastic, bool kKeepSign>
+// Blocks are taken in groups of about 2048 elements: first every scale of the group, then every
+// code, so that a small block's codes need not wait for the reduction of its own scale.
+constexpr int64_t kGroupElements = 2048;
+
+template <DType D, Search S, Round R, bool kKeepSign>
 void encode_range(const EncodeArgs& a) {
+  const QuantTable& t = *a.table;
+  const ValueRegs vr(t);
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  const int64_t group = std::max<int64_t>(1, kGroupElements / a.block);
   const int64_t esize = dtype_size(D);
   // Prefetch about 8 KiB ahead: the next block for large blocks, a few blocks on for small ones.
   const int64_t ahead = std::max<int64_t>(0, 8192 / esize - a.block);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t lo = b * a.block;
-    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-    const int64_t pf = lo + len + ahead;
-    const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
-    a.absmax[b] = encode_block<D, S, kStochastic, kKeepSign>(a.x, lo, len, *a.table, a.codes + lo, a.seed,
-                                                              a.index_base + uint64_t(lo), prefetch);
+  for (int64_t g = 0; g < nblocks; g += group) {
+    const int64_t gend = std::min(nblocks, g + group);
+    for (int64_t b = g; b < gend; ++b) {
+      const int64_t lo = b * a.block;
+      a.absmax[b] = block_scale<D>(a.x, lo, int32_t(std::min<int64_t>(a.block, a.n - lo)), t);
+    }
+    for (int64_t b = g; b < gend; ++b) {
+      const int64_t lo = b * a.block;
+      const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
+      const int64_t pf = lo + len + ahead;
+      const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
+      encode_codes<D, S, R, kKeepSign>(a.x, lo, len, a.absmax[b], t, &vr, a.codes + lo, a.seed,
+                                       a.index_base + uint64_t(lo), prefetch);
+    }
   }
 }
 
 bool map_has_zero(const QuantTable& t) { return t.values[t.zero_code] == 0.0f; }
 
+bool map_strictly_increasing(const QuantTable& t) {
+  for (int i = 0; i < 255; ++i)
+    if (!(t.values[i] < t.values[i + 1])) return false;
+  return true;
+}
+
+template <DType D, Round R, bool kKeepSign>
+void encode_search(const EncodeArgs& a) {
+  if (a.table->lut_packed)
+    encode_range<D, Search::packed, R, kKeepSign>(a);
+  else if (a.table->lut_steps == kQuantLutNoSteps)
+    encode_range<D, Search::binary, R, kKeepSign>(a);
+  else
+    encode_range<D, Search::lut, R, kKeepSign>(a);
+}
+
 template <DType D, bool kKeepSign>
 void encode_map(const EncodeArgs& a) {
-  if (a.stochastic)
-    encode_range<D, Search::binary, true, kKeepSign>(a);
-  else if (a.table->lut_packed)
-    encode_range<D, Search::packed, false, kKeepSign>(a);
-  else if (a.table->lut_steps == kQuantLutNoSteps)
-    encode_range<D, Search::binary, false, kKeepSign>(a);
+  if (!a.stochastic)
+    encode_search<D, Round::nearest, kKeepSign>(a);
+  else if (map_strictly_increasing(*a.table))
+    encode_search<D, Round::stochastic_near, kKeepSign>(a);
   else
-    encode_range<D, Search::lut, false, kKeepSign>(a);
+    encode_range<D, Search::binary, Round::stochastic_search, kKeepSign>(a);
 }
 
 template <DType D>
@@ -289,36 +363,20 @@ void encode_dtype(const EncodeArgs& a) {
 
 template <bool kKeepSign>
 float block_encode_f32(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
-  if (t.lut_packed) return encode_block<DType::f32, Search::packed, false, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
-  if (t.lut_steps == kQuantLutNoSteps)
-    return encode_block<DType::f32, Search::binary, false, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
-  return encode_block<DType::f32, Search::lut, false, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
+  constexpr Round R = Round::nearest;
+  const float scale = block_scale<DType::f32>(x, 0, len, t);
+  if (t.lut_packed)
+    encode_codes<DType::f32, Search::packed, R, kKeepSign>(x, 0, len, scale, t, nullptr, codes, 0, 0, nullptr);
+  else if (t.lut_steps == kQuantLutNoSteps)
+    encode_codes<DType::f32, Search::binary, R, kKeepSign>(x, 0, len, scale, t, nullptr, codes, 0, 0, nullptr);
+  else
+    encode_codes<DType::f32, Search::lut, R, kKeepSign>(x, 0, len, scale, t, nullptr, codes, 0, 0, nullptr);
+  return scale;
 }
 
-// values[c] for 16 codes from the table held in 16 registers: eight 32-entry two-register permutes,
-// then bits 5..7 of the code pick among them (several times the throughput of a 16-lane gather).
-struct ValueRegs {
-  __m512 r[16];
-  explicit ValueRegs(const QuantTable& t) {
-    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(t.values + 16 * k);
-  }
-  __m512 lookup(__m512i c) const {
-    __m512 p0 = _mm512_permutex2var_ps(r[0], c, r[1]), p1 = _mm512_permutex2var_ps(r[2], c, r[3]);
-    __m512 p2 = _mm512_permutex2var_ps(r[4], c, r[5]), p3 = _mm512_permutex2var_ps(r[6], c, r[7]);
-    __m512 p4 = _mm512_permutex2var_ps(r[8], c, r[9]), p5 = _mm512_permutex2var_ps(r[10], c, r[11]);
-    __m512 p6 = _mm512_permutex2var_ps(r[12], c, r[13]), p7 = _mm512_permutex2var_ps(r[14], c, r[15]);
-    const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
-    const __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
-    const __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
-    p0 = _mm512_mask_mov_ps(p0, b5, p1);
-    p2 = _mm512_mask_mov_ps(p2, b5, p3);
-    p4 = _mm512_mask_mov_ps(p4, b5, p5);
-    p6 = _mm512_mask_mov_ps(p6, b5, p7);
-    p0 = _mm512_mask_mov_ps(p0, b6, p2);
-    p4 = _mm512_mask_mov_ps(p4, b6, p6);
-    return _mm512_mask_mov_ps(p0, b7, p4);
-  }
-};
+// Decoded outputs of at least this many bytes per call are written with streaming stores (no read of the
+// destination lines, no eviction of the working set), as memcpy does for copies beyond the caches.
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
 
 // y[off + i] (=, or += when kAccumulate) values[codes[i]] * scale for i < len. kStream: y is 64-byte
 // aligned and large (not with kAccumulate, which reads y anyway).

@@ -1,6 +1,6 @@
 // Codec dispatch: picks the CPU variant for an Isa and splits the blocks across OpenMP threads.
-// Each thread runs the single-threaded variant on a whole-block sub-range (with its global
-// index_base), so the result does not depend on the thread count.
+// Each part runs the single-threaded variant on a whole-block sub-range (with its global
+// index_base), so the result does not depend on the thread count or on which thread runs a part.
 #include <omp.h>
 
 #include <algorithm>
@@ -61,14 +61,20 @@ Range block_range(int64_t n, int32_t block, int64_t nblocks, int part, int parts
 
 }  // namespace
 
+// The blocks go out in kPartsPerThread contiguous parts per thread, handed to whichever thread is
+// free: on a shared machine a thread that loses its core does not hold up the others. Parts stay
+// large (a few MiB at least for big tensors), which keeps the variants' streaming stores in play.
+constexpr int kPartsPerThread = 4;
+
 void quant_encode(const EncodeArgs& a, Isa isa, int threads) {
   const EncodeFn fn = encode_variant(isa);
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   const int nt = thread_count(a.n, nblocks, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Range r = block_range(a.n, a.block, nblocks, omp_get_thread_num(), omp_get_num_threads());
+  const int parts = int(std::min<int64_t>(nblocks, int64_t(nt) * kPartsPerThread));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+  for (int part = 0; part < parts; ++part) {
+    const Range r = block_range(a.n, a.block, nblocks, part, parts);
     if (r.n > 0) {
       EncodeArgs s = a;
       s.x = static_cast<const char*>(a.x) + r.lo * dtype_size(a.dtype);
@@ -86,9 +92,10 @@ void quant_decode(const DecodeArgs& a, Isa isa, int threads) {
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   const int nt = thread_count(a.n, nblocks, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Range r = block_range(a.n, a.block, nblocks, omp_get_thread_num(), omp_get_num_threads());
+  const int parts = int(std::min<int64_t>(nblocks, int64_t(nt) * kPartsPerThread));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+  for (int part = 0; part < parts; ++part) {
+    const Range r = block_range(a.n, a.block, nblocks, part, parts);
     if (r.n > 0) {
       DecodeArgs s = a;
       s.codes = a.codes + r.lo;

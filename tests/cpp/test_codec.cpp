@@ -372,8 +372,8 @@ TEST_P(CodecIsa, DecodeMatchesDefinition) {
 }
 
 // Maps outside the accelerator's fast path: a dense cluster (several threshold steps per bucket),
-// a triple value (non-monotone thresholds: binary search), and the signed linear map (a threshold
-// at 0 in the shared smallest bucket).
+// a triple value (non-monotone thresholds and repeated values: binary searches), and the signed
+// linear map (a threshold at 0 in the shared smallest bucket); nearest and stochastic rounding.
 TEST_P(CodecIsa, UnusualMapsMatchScalarReference) {
   const Isa isa = GetParam();
   std::vector<QuantTable> tables;
@@ -391,8 +391,13 @@ TEST_P(CodecIsa, UnusualMapsMatchScalarReference) {
   for (size_t k = 0; k < tables.size(); ++k) {
     for (DType dt : kAllDtypes) {
       const Tensor x = make_input(Dist::uniform, dt, 10 * 256 + 7, 555 + k);
-      expect_same(run_encode(x, 256, tables[k], Isa::scalar), run_encode(x, 256, tables[k], isa),
-                  "map " + std::to_string(k) + " " + dtype_name(dt));
+      for (bool stochastic : {false, true}) {
+        // Stochastic rounding on the triple-value map takes the reference's search instead of the
+        // nearest-code shortcut (which needs strictly increasing values).
+        expect_same(run_encode(x, 256, tables[k], Isa::scalar, 1, stochastic, 9, 3),
+                    run_encode(x, 256, tables[k], isa, 1, stochastic, 9, 3),
+                    "map " + std::to_string(k) + " " + dtype_name(dt) + (stochastic ? " stochastic" : " nearest"));
+      }
     }
   }
 }
@@ -494,8 +499,8 @@ TEST_P(CodecIsa, ConversionsMatchHdBitwise) {
   }
 }
 
-// Tensors large enough for the streaming-store path (8 MiB of output per call) on 64-byte aligned
-// buffers: codes, scales and decodes still equal the reference.
+// Tensors large enough for the decode's streaming-store path (8 MiB of output per call) on 64-byte
+// aligned buffers: codes, scales and decodes still equal the reference.
 TEST_P(CodecIsa, LargeAlignedTensorsMatchReference) {
   const Isa isa = GetParam();
   const QuantTable& t = table_get(MapKind::dynamic_signed);
@@ -531,7 +536,7 @@ TEST_P(CodecIsa, LargeAlignedTensorsMatchReference) {
     d.y = y_ref.get();
     quant_decode(d, Isa::scalar, 1);
     d.y = y_got.get();
-    quant_decode(d, isa, 2);
+    quant_decode(d, isa, 1);  // one part: the whole output in one call
     EXPECT_EQ(0, std::memcmp(y_ref.get(), y_got.get(), bytes)) << dtype_name(out);
   }
 }
@@ -558,6 +563,33 @@ TEST_P(CodecIsa, StochasticMatchesDefinition) {
           }
         }
       }
+    }
+  }
+}
+
+// The draw u is compared with u < p: an element exactly on a map value (p = 0) keeps its code even
+// when u = 0. Found by search: an index whose draw is exactly 0 (one in 2^24), placed on such an element.
+TEST_P(CodecIsa, StochasticZeroDrawOnMapValueKeepsCode) {
+  const Isa isa = GetParam();
+  const uint64_t seed = 3;
+  uint64_t zero_index = 1000;
+  while (rng_uniform(seed, zero_index) != 0.0f) ++zero_index;
+  std::vector<float> triple(256);  // repeated values: the variants' general stochastic search
+  for (int i = 0; i < 256; ++i) triple[size_t(i)] = float(-1.0 + 2.0 * i / 255);
+  triple[100] = triple[101] = triple[102];
+  const QuantTable tables[] = {table_get(MapKind::dynamic_signed), table_get(MapKind::dynamic_unsigned), table_build(triple)};
+  const char* names[] = {"dynamic", "dynamic_unsigned", "triple value"};
+  for (int k = 0; k < 3; ++k) {
+    const QuantTable& t = tables[k];
+    const char* name = names[k];
+    for (int pos : {5, 100}) {  // in a full 16-lane vector, and in the block's tail lanes
+      Tensor x(DType::f32, 107);
+      x.set(0, 1.0f);  // scale 1: n = x
+      for (int i = 1; i < 107; ++i) x.set(i, t.values[(i * 37) % 256]);
+      const Quantized q = run_encode(x, 256, t, isa, 1, true, seed, zero_index - uint64_t(pos));
+      EXPECT_EQ(q.scales[0], 1.0f);
+      EXPECT_EQ(int(q.codes[size_t(pos)]), (pos * 37) % 256) << name << " position " << pos;
+      expect_same(brute_encode(x, 256, t.values, true, seed, zero_index - uint64_t(pos)), q, name);
     }
   }
 }
