@@ -51,7 +51,8 @@ const char* const kUsage =
     "  help\n"
     "\n"
     "N accepts integers or scientific notation (1e8). T defaults to OpenMP's thread count.\n"
-    "Each measurement is warmed up once and repeated R times (default 5); the median is reported.\n"
+    "Kernels are warmed up once, then timed in R rounds (default 7), each round running every kernel\n"
+    "of the command once (so a shared machine's load hits all alike); medians are reported.\n"
     "The last line printed is one JSON object.\n";
 
 struct UsageError {
@@ -110,17 +111,23 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Runs fn once to warm up (page faults, caches, thread pool), then `repeat` times; median seconds.
-double time_median(int repeat, const std::function<void()>& fn) {
-  fn();
-  std::vector<double> t;
+// Times kernels round-robin: one warm-up call each (page faults, caches, thread pool), then `repeat`
+// rounds in which every kernel runs once. The machine may be shared, so a change of load during the
+// run falls on all kernels alike and their ratios stay meaningful. Returns each kernel's median seconds.
+std::vector<double> time_interleaved(int repeat, const std::vector<std::function<void()>>& fns) {
+  for (const auto& fn : fns) fn();
+  std::vector<std::vector<double>> t(fns.size());
   for (int r = 0; r < repeat; ++r) {
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    auto t1 = std::chrono::steady_clock::now();
-    t.push_back(std::chrono::duration<double>(t1 - t0).count());
+    for (size_t k = 0; k < fns.size(); ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fns[k]();
+      const auto t1 = std::chrono::steady_clock::now();
+      t[k].push_back(std::chrono::duration<double>(t1 - t0).count());
+    }
   }
-  return median(t);
+  std::vector<double> med;
+  for (auto& v : t) med.push_back(median(v));
+  return med;
 }
 
 // Page-aligned buffer, first touched by the same static OpenMP schedule the kernels use, so each
@@ -189,26 +196,34 @@ void add_inplace(const float* __restrict a, float* __restrict b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) b[i] += a[i];
 }
 
-struct CopyResult {
-  double gbps = 0.0, gbps_memcpy = 0.0, gbps_inplace = 0.0, seconds = 0.0;
-};
+// The yardsticks, timed in the same rounds as the kernel under test. Bytes counted: copy and memcpy
+// 4 read + 4 written per element; in place 8 read + 4 written.
+struct CopyBench {
+  static constexpr double kCopyBytes = 8.0, kInplaceBytes = 12.0;
+  int64_t n;
+  Buffer<float> a, b;
 
-// Bytes counted: copy and memcpy 4 read + 4 written per element; in place 8 read + 4 written.
-CopyResult measure_copy(int64_t n, int repeat) {
-  Buffer<float> a(n), b(n);
+  explicit CopyBench(int64_t count) : n(count), a(count), b(count) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) a.p[i] = float(i % 1000) * 0.5f;
-  CopyResult r;
-  const double bytes = 8.0 * double(n);
-  r.seconds = time_median(repeat, [&] { copy_stream(a.p, b.p, n); });
-  r.gbps = bytes / r.seconds * 1e-9;
-  const double s_memcpy = time_median(repeat, [&] { copy_memcpy(a.p, b.p, n); });
-  r.gbps_memcpy = bytes / s_memcpy * 1e-9;
-  if (std::memcmp(a.p, b.p, size_t(n) * sizeof(float)) != 0)
-    ZERO8_THROW(internal, "copy benchmark produced a wrong copy");
-  r.gbps_inplace = 12.0 * double(n) / time_median(repeat, [&] { add_inplace(a.p, b.p, n); }) * 1e-9;
-  return r;
-}
+    for (int64_t i = 0; i < n; ++i) a.p[i] = float(i % 1000) * 0.5f;
+  }
+  std::function<void()> copy() {
+    return [this] { copy_stream(a.p, b.p, n); };
+  }
+  std::function<void()> copy_glibc() {
+    return [this] { copy_memcpy(a.p, b.p, n); };
+  }
+  std::function<void()> inplace() {
+    return [this] { add_inplace(a.p, b.p, n); };
+  }
+  double gbps(double bytes_per_elem, double seconds) const { return bytes_per_elem * double(n) / seconds * 1e-9; }
+  // The copy kernel must copy (a benchmark of a loop the compiler removed would be worthless).
+  void verify() {
+    copy_stream(a.p, b.p, n);
+    if (std::memcmp(a.p, b.p, size_t(n) * sizeof(float)) != 0)
+      ZERO8_THROW(internal, "copy benchmark produced a wrong copy");
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // JSON line
@@ -248,26 +263,28 @@ int threads_option(Options& o) {
 int cmd_bandwidth(Options& o) {
   const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 36);
   const int threads = threads_option(o);
-  const int repeat = int(o.count("repeat", 5, 1, 1000));
+  const int repeat = int(o.count("repeat", 7, 1, 1000));
   o.check_all_used();
 
   print_header("bandwidth", threads, repeat);
-  const CopyResult c = measure_copy(n, repeat);
+  CopyBench cb(n);
+  const std::vector<double> t = time_interleaved(repeat, {cb.copy(), cb.copy_glibc(), cb.inplace()});
+  cb.verify();
+  const double g_copy = cb.gbps(CopyBench::kCopyBytes, t[0]), g_memcpy = cb.gbps(CopyBench::kCopyBytes, t[1]),
+               g_inplace = cb.gbps(CopyBench::kInplaceBytes, t[2]);
   std::printf("%-34s %12s %10s %10s\n", "kernel (float32)", "bytes/elem", "GB/s", "ms");
-  std::printf("%-34s %12d %10.2f %10.3f\n", "copy (STREAM loop)", 8, c.gbps, c.seconds * 1e3);
-  std::printf("%-34s %12d %10.2f %10.3f\n", "memcpy (glibc)", 8, c.gbps_memcpy,
-              8.0 * double(n) / c.gbps_memcpy * 1e-6);
-  std::printf("%-34s %12d %10.2f %10.3f\n", "add in place (b += a)", 12, c.gbps_inplace,
-              12.0 * double(n) / c.gbps_inplace * 1e-6);
+  std::printf("%-34s %12d %10.2f %10.3f\n", "copy (STREAM loop)", 8, g_copy, t[0] * 1e3);
+  std::printf("%-34s %12d %10.2f %10.3f\n", "memcpy (glibc)", 8, g_memcpy, t[1] * 1e3);
+  std::printf("%-34s %12d %10.2f %10.3f\n", "add in place (b += a)", 12, g_inplace, t[2] * 1e3);
   std::printf("numel %lld (%.1f MB per array)\n", (long long)n, 4.0 * double(n) * 1e-6);
   std::printf("%s\n", Json()
                           .str("bench", "bandwidth")
                           .integer("numel", n)
                           .integer("threads", threads)
                           .integer("repeat", repeat)
-                          .num("gbps", c.gbps)
-                          .num("gbps_memcpy", c.gbps_memcpy)
-                          .num("gbps_inplace", c.gbps_inplace)
+                          .num("gbps", g_copy)
+                          .num("gbps_memcpy", g_memcpy)
+                          .num("gbps_inplace", g_inplace)
                           .done()
                           .c_str());
   return 0;
@@ -300,11 +317,11 @@ int cmd_codec(Options& o) {
   const zero8::DType dtype = dtype_option(o);
   const bool stochastic = o.count("stochastic", 0, 0, 1) != 0;
   const int threads = threads_option(o);
-  const int repeat = int(o.count("repeat", 5, 1, 1000));
+  const int repeat = int(o.count("repeat", 7, 1, 1000));
   o.check_all_used();
 
   print_header("codec", threads, repeat);
-  const CopyResult copy = measure_copy(n, repeat);
+  CopyBench cb(n);
 
   const int64_t nblocks = (n + block - 1) / block;
   const size_t xbytes = size_t(n) * size_t(dtype_bytes(dtype));
@@ -337,12 +354,13 @@ int cmd_codec(Options& o) {
   auto dequantize = [&] {
     zero8::quant::dequantize_blockwise(codes.p, absmax.p, n, block, table, y.p, dtype, false, threads);
   };
-  const double s_q = time_median(repeat, quantize);
-  const double s_d = time_median(repeat, dequantize);
-  const double s_qd = time_median(repeat, [&] {
-    quantize();
-    dequantize();
-  });
+  const std::vector<double> t = time_interleaved(repeat, {cb.copy(), quantize, dequantize, [&] {
+                                                     quantize();
+                                                     dequantize();
+                                                   }});
+  cb.verify();
+  const double s_q = t[1], s_d = t[2], s_qd = t[3];
+  const double copy_gbps = cb.gbps(CopyBench::kCopyBytes, t[0]);
   // Bytes in + out: the tensor, its codes and the block scales.
   const double packed = double(n) + 4.0 * double(nblocks);
   const double b_q = double(xbytes) + packed, b_d = packed + double(xbytes);
@@ -352,10 +370,10 @@ int cmd_codec(Options& o) {
   std::printf("numel %lld, block %d, dtype %s, %s rounding, ISA %s\n", (long long)n, block, dname,
               stochastic ? "stochastic" : "nearest", zero8::isa_name(isa));
   std::printf("%-26s %12s %10s %10s %12s\n", "kernel", "bytes/elem", "GB/s", "ms", "x copy GB/s");
-  print_ratio_row("copy (STREAM loop)", 8.0, copy.gbps, copy.seconds, copy.gbps);
-  print_ratio_row("quantize", b_q / double(n), g_q, s_q, copy.gbps);
-  print_ratio_row("dequantize", b_d / double(n), g_d, s_d, copy.gbps);
-  print_ratio_row("quantize + dequantize", (b_q + b_d) / double(n), g_qd, s_qd, copy.gbps);
+  print_ratio_row("copy (STREAM loop)", 8.0, copy_gbps, t[0], copy_gbps);
+  print_ratio_row("quantize", b_q / double(n), g_q, s_q, copy_gbps);
+  print_ratio_row("dequantize", b_d / double(n), g_d, s_d, copy_gbps);
+  print_ratio_row("quantize + dequantize", (b_q + b_d) / double(n), g_qd, s_qd, copy_gbps);
   std::printf("%s\n", Json()
                           .str("bench", "codec")
                           .integer("numel", n)
@@ -367,8 +385,8 @@ int cmd_codec(Options& o) {
                           .num("gbps", g_qd)
                           .num("gbps_quantize", g_q)
                           .num("gbps_dequantize", g_d)
-                          .num("copy_gbps", copy.gbps)
-                          .num("ratio_to_copy", g_qd / copy.gbps)
+                          .num("copy_gbps", copy_gbps)
+                          .num("ratio_to_copy", g_qd / copy_gbps)
                           .done()
                           .c_str());
   return 0;
@@ -381,32 +399,35 @@ zero8::optim::Algo algo_option(Options& o) {
   throw UsageError{"--name must be one of adam, adamw, sgd, lion, rmsprop, adagrad, lamb, lars; got '" + name + "'"};
 }
 
-struct StepResult {
-  double seconds = 0.0, state_bytes_per_param = 0.0, moved_bytes_per_param = 0.0;
-};
+// One optimizer's step over n float32 parameters, with its own state; step() is the timed kernel.
+struct StepBench {
+  zero8::optim::State state;
+  zero8::optim::Hyper h;
+  int64_t n, step_no = 0;
+  float* param;
+  const float* grad;
+  int threads;
 
-// Median time of one step of `algo` with `bits`-bit states over n float32 parameters.
-StepResult measure_step(zero8::optim::Algo algo, int bits, int32_t block, int64_t n, float* param,
-                        const float* grad, int threads, int repeat) {
-  using namespace zero8::optim;
-  State state(StateLayout(algo, n, bits, block));
-  Hyper h;
-  h.lr = 1e-4f;
-  h.weight_decay = 0.01f;
-  h.beta1 = algo == Algo::sgd || algo == Algo::lars ? 0.9f : h.beta1;
-  int64_t step_no = 0;
-  StepResult r;
-  r.seconds = time_median(repeat, [&] {
-    h.step = ++step_no;
-    step(state, h, param, zero8::DType::f32, n, nullptr, grad, zero8::DType::f32, n, threads);
-  });
-  r.state_bytes_per_param = state.layout().bytes_per_param();
+  StepBench(zero8::optim::Algo algo, int bits, int32_t block, int64_t n_, float* p, const float* g, int t)
+      : state(zero8::optim::StateLayout(algo, n_, bits, block)), n(n_), param(p), grad(g), threads(t) {
+    h.lr = 1e-4f;
+    h.weight_decay = 0.01f;
+  }
+  std::function<void()> step() {
+    return [this] {
+      h.step = ++step_no;
+      zero8::optim::step(state, h, param, zero8::DType::f32, n, nullptr, grad, zero8::DType::f32, n, threads);
+    };
+  }
+  double state_bytes_per_param() const { return state.layout().bytes_per_param(); }
   // The least a single pass must move: read param and grad, write param, read and write every state
   // (8-bit: a code per state plus the block scales). LAMB/LARS read everything once more for the norms.
-  r.moved_bytes_per_param = 4.0 + 4.0 + 4.0 + 2.0 * r.state_bytes_per_param;
-  if (algo_has_trust_ratio(algo)) r.moved_bytes_per_param += 4.0 + 4.0 + r.state_bytes_per_param;
-  return r;
-}
+  double moved_bytes_per_param() const {
+    double b = 4.0 + 4.0 + 4.0 + 2.0 * state_bytes_per_param();
+    if (zero8::optim::algo_has_trust_ratio(state.layout().algo)) b += 4.0 + 4.0 + state_bytes_per_param();
+    return b;
+  }
+};
 
 int cmd_optimizer(Options& o) {
   const zero8::optim::Algo algo = algo_option(o);
@@ -415,39 +436,47 @@ int cmd_optimizer(Options& o) {
   const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
   const int32_t block = block_option(o);
   const int threads = threads_option(o);
-  const int repeat = int(o.count("repeat", 5, 1, 1000));
+  const int repeat = int(o.count("repeat", 7, 1, 1000));
   o.check_all_used();
 
   print_header("optimizer", threads, repeat);
-  const CopyResult copy = measure_copy(n, repeat);
+  CopyBench cb(n);
   Buffer<float> param(n), grad(n);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     param.p[i] = 0.02f * (zero8::rng_uniform(1, uint64_t(i)) - 0.5f);
     grad.p[i] = 1e-3f * (zero8::rng_uniform(2, uint64_t(i)) - 0.5f);
   }
-  const int twin_bits = bits == 8 ? 32 : 8;
-  const StepResult main_r = measure_step(algo, bits, block, n, param.p, grad.p, threads, repeat);
-  const StepResult twin_r = measure_step(algo, twin_bits, block, n, param.p, grad.p, threads, repeat);
-  const StepResult& r8 = bits == 8 ? main_r : twin_r;
-  const StepResult& r32 = bits == 8 ? twin_r : main_r;
+  // Both share the parameter and gradient buffers: each step moves the same bytes of them.
+  StepBench b8(algo, 8, block, n, param.p, grad.p, threads), b32(algo, 32, block, n, param.p, grad.p, threads);
+  const std::vector<double> t = time_interleaved(repeat, {cb.copy(), cb.inplace(), b8.step(), b32.step()});
+  cb.verify();
+  const double copy_gbps = cb.gbps(CopyBench::kCopyBytes, t[0]), inplace_gbps = cb.gbps(CopyBench::kInplaceBytes, t[1]);
+  struct Row {
+    const char* name;
+    const StepBench* b;
+    double seconds;
+  };
+  const Row r8{"8-bit", &b8, t[2]}, r32{"32-bit", &b32, t[3]};
+  const Row& main_r = bits == 8 ? r8 : r32;
 
-  auto ns = [&](const StepResult& r) { return r.seconds / double(n) * 1e9; };
+  auto ns = [&](const Row& r) { return r.seconds / double(n) * 1e9; };
   // The bandwidth floor: bytes moved / copy GB/s. The step updates in place (no write-allocate
   // reads), so the in-place floor (bytes moved / in-place GB/s) is the tighter one; both are shown.
-  auto floor_ns = [&](const StepResult& r) { return r.moved_bytes_per_param / copy.gbps; };
-  auto floor_inplace_ns = [&](const StepResult& r) { return r.moved_bytes_per_param / copy.gbps_inplace; };
+  auto floor_ns = [&](const Row& r) { return r.b->moved_bytes_per_param() / copy_gbps; };
+  auto floor_inplace_ns = [&](const Row& r) { return r.b->moved_bytes_per_param() / inplace_gbps; };
   const char* name = zero8::optim::algo_name(algo);
   std::printf("%s, numel %lld, float32 params and grads, state block %d\n", name, (long long)n, block);
-  std::printf("bandwidth: copy %.2f GB/s (STREAM loop), add in place %.2f GB/s\n", copy.gbps, copy.gbps_inplace);
+  std::printf("bandwidth: copy %.2f GB/s (STREAM loop), add in place %.2f GB/s\n", copy_gbps, inplace_gbps);
   std::printf("%-8s %10s %10s %14s %14s %10s %9s %14s %9s\n", "states", "ms/step", "ns/param", "state B/param",
               "moved B/param", "floor ns", "x floor", "in-place floor", "x floor");
-  for (const StepResult* r : {&r8, &r32}) {
-    std::printf("%-8s %10.3f %10.4f %14.4f %14.4f %10.4f %9.3f %14.4f %9.3f\n", r == &r8 ? "8-bit" : "32-bit",
-                r->seconds * 1e3, ns(*r), r->state_bytes_per_param, r->moved_bytes_per_param, floor_ns(*r),
-                ns(*r) / floor_ns(*r), floor_inplace_ns(*r), ns(*r) / floor_inplace_ns(*r));
+  for (const Row* r : {&r8, &r32}) {
+    std::printf("%-8s %10.3f %10.4f %14.4f %14.4f %10.4f %9.3f %14.4f %9.3f\n", r->name, r->seconds * 1e3, ns(*r),
+                r->b->state_bytes_per_param(), r->b->moved_bytes_per_param(), floor_ns(*r), ns(*r) / floor_ns(*r),
+                floor_inplace_ns(*r), ns(*r) / floor_inplace_ns(*r));
   }
-  std::printf("8-bit step is %.3fx faster than the 32-bit step\n", r32.seconds / r8.seconds);
+  const double speedup = r32.seconds / r8.seconds;
+  std::printf("8-bit step: %.3fx the speed of the 32-bit step (%s)\n", speedup, speedup >= 1.0 ? "faster" : "slower");
   std::printf("%s\n", Json()
                           .str("bench", "optimizer")
                           .str("name", name)
@@ -457,15 +486,15 @@ int cmd_optimizer(Options& o) {
                           .integer("threads", threads)
                           .str("isa", zero8::isa_name(zero8::isa_active()))
                           .num("ns_per_param", ns(main_r))
-                          .num("bytes_per_param_state", main_r.state_bytes_per_param)
+                          .num("bytes_per_param_state", main_r.b->state_bytes_per_param())
                           .num("ns_per_param_8bit", ns(r8))
                           .num("ns_per_param_32bit", ns(r32))
                           .num("speedup_8_vs_32", r32.seconds / r8.seconds)
-                          .num("copy_gbps", copy.gbps)
-                          .num("moved_bytes_per_param", main_r.moved_bytes_per_param)
+                          .num("copy_gbps", copy_gbps)
+                          .num("moved_bytes_per_param", main_r.b->moved_bytes_per_param())
                           .num("floor_ns_per_param", floor_ns(main_r))
                           .num("ratio_to_floor", ns(main_r) / floor_ns(main_r))
-                          .num("inplace_gbps", copy.gbps_inplace)
+                          .num("inplace_gbps", inplace_gbps)
                           .num("ratio_to_inplace_floor", ns(main_r) / floor_inplace_ns(main_r))
                           .done()
                           .c_str());

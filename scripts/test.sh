@@ -46,19 +46,26 @@ ctest_skipped=$(grep -cE 'Test +#[0-9]+: .*\*\*\*Skipped' "$ctest_log" || true)
 ctest_passed=$(( ctest_total - ctest_failed - ctest_skipped ))
 
 # --- Python ---
-py_passed=0 py_failed=0 py_rc=0 py_note="no Python tests yet"
+py_passed=0 py_failed=0 py_skipped=0 py_rc=0 py_note="no Python tests yet"
 shopt -s nullglob
 py_tests=("$root"/tests/python/test_*.py)
 shopt -u nullglob
 if ((${#py_tests[@]} > 0)); then
   py_log="$build_dir/pytest.log"
-  if ! python3 -c 'import pytest' >/dev/null 2>&1; then
+  # The Python tests run against the installed package; python_setup.sh (re)installs it and pytest.
+  if [[ -f "$root/scripts/python_setup.sh" ]] && ! bash "$root/scripts/python_setup.sh"; then
+    echo "test: scripts/python_setup.sh failed: the Python tests cannot run" >&2
+    py_rc=1 py_failed=${#py_tests[@]} py_note="python_setup.sh failed"
+  elif ! python3 -c 'import pytest' >/dev/null 2>&1; then
     echo "test: tests/python has tests but pytest is not installed (python3 -m pip install pytest)" >&2
     py_rc=1 py_failed=${#py_tests[@]} py_note="pytest missing"
   else
     python3 -m pytest -q "$root/tests/python" 2>&1 | tee "$py_log" || py_rc=$?
-    py_passed=$(grep -oE '[0-9]+ passed' "$py_log" | tail -1 | grep -oE '[0-9]+' || echo 0)
-    py_failed=$(grep -oE '[0-9]+ (failed|error)' "$py_log" | awk '{s += $1} END {print s + 0}')
+    # pytest's closing line, e.g. "1 failed, 116 passed, 2 skipped in 5.19s"
+    py_line=$(grep -E '[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s' "$py_log" | tail -1 || true)
+    py_passed=$( (grep -oE '[0-9]+ passed' <<<"$py_line" || true) | grep -oE '[0-9]+' || echo 0)
+    py_failed=$( (grep -oE '[0-9]+ (failed|errors?)' <<<"$py_line" || true) | awk '{s += $1} END {print s + 0}')
+    py_skipped=$( (grep -oE '[0-9]+ skipped' <<<"$py_line" || true) | grep -oE '[0-9]+' || echo 0)
     py_note="pytest exit $py_rc"
     if ((py_rc == 5)); then py_rc=1; py_note="pytest collected no tests"; fi
   fi
@@ -69,11 +76,11 @@ echo
 echo "================ zero8 test summary ================"
 echo "setup+build: ${t_build} s; ctest: ${t_ctest} s; total: ${t_total} s"
 echo "C++ (ctest): ${ctest_passed} passed, ${ctest_failed} failed of ${ctest_total} (${ctest_skipped} skipped)"
-echo "Python:      ${py_passed} passed, ${py_failed} failed (${py_note})"
+echo "Python:      ${py_passed} passed, ${py_failed} failed, ${py_skipped} skipped (${py_note})"
 echo "===================================================="
 status=0
 if ((ctest_rc != 0 || ctest_failed != 0)); then status=1; fi
 if ((py_rc != 0 || py_failed != 0)); then status=1; fi
-echo "total: $(( ctest_passed + py_passed )) passed, $(( ctest_failed + py_failed )) failed, ${ctest_skipped} skipped"
+echo "total: $(( ctest_passed + py_passed )) passed, $(( ctest_failed + py_failed )) failed, $(( ctest_skipped + py_skipped )) skipped"
 if ((status != 0)); then echo "test: FAILED" >&2; fi
 exit $status
