@@ -18,6 +18,9 @@ missing=()
 "$python" -c 'import pybind11' 2>/dev/null || missing+=("pybind11>=2.12")
 "$python" -c 'import scikit_build_core' 2>/dev/null || missing+=("scikit-build-core>=0.10")
 "$python" -c 'import pytest' 2>/dev/null || missing+=("pytest")
+# The pretraining example's progress bar and loss plot (examples/pretrain_gpt.py).
+"$python" -c 'import tqdm' 2>/dev/null || missing+=("tqdm")
+"$python" -c 'import matplotlib' 2>/dev/null || missing+=("matplotlib")
 if ((${#missing[@]} > 0)); then
   echo "python_setup: installing from PyPI: ${missing[*]}"
   "$python" -m pip install "${missing[@]}"

@@ -1,0 +1,205 @@
+"""End-to-end tests of the pretraining example (examples/pretrain_gpt.py) with a tiny GPT: it trains on 1
+and 2 processes (mpirun), writes its CSV log and PNG plot, a 2-rank run reproduces the 1-process run bit
+for bit, and SIGTERM to one rank mid-run makes every rank save a checkpoint and exit cleanly, after which
+--resume continues with exactly the losses of an uninterrupted run. All runs use the exact config
+(examples/configs/gpt_fp32_adamw.json: 32-bit AdamW states, fp32 gradients on the wire) and one thread
+per process, so every difference would be a real one.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zero8
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+CONFIG = ROOT / "examples" / "configs" / "gpt_fp32_adamw.json"
+STEPS = 60
+# A tiny model and data (about 6 k parameters... 0.3 s of training per run): the runs are start-up bound.
+TINY = ["--steps", str(STEPS), "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--seq_len", "32",
+        "--batch_size", "8", "--corpus_mb", "0.5", "--eval_seqs", "32", "--eval_interval", "20",
+        "--log_interval", "1", "--save_interval", "0", "--config", str(CONFIG)]
+TIMEOUT = 240
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update({
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        # One thread everywhere: with more, torch's reductions (the reported mean loss) may split their
+        # sums differently in a 1-process and a 2-process run.
+        "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive", "ZERO8_COMM_TIMEOUT": "60",
+        "PYTHONWARNINGS": "ignore::UserWarning",
+    })
+    return env
+
+
+def _mpirun() -> str:
+    if not zero8.build_info()["mpi"]:
+        pytest.skip("zero8 was built without MPI: no multi-rank backend")
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not found (scripts/setup.sh installs OpenMPI)")
+    return mpirun
+
+
+def _cmd(np: int, out_dir: Path, *extra: str) -> list[str]:
+    py = [sys.executable, str(EXAMPLE), *TINY, "--out_dir", str(out_dir), *extra]
+    return py if np == 1 else [_mpirun(), "-np", str(np), "--oversubscribe", *py]
+
+
+def _run(np: int, out_dir: Path, *extra: str) -> str:
+    r = subprocess.run(_cmd(np, out_dir, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{np}-process run exited with {r.returncode}:\n{out[-5000:]}"
+    return out
+
+
+def _rows(out_dir: Path) -> list[dict]:
+    with open(out_dir / "train_log.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _losses(rows: list[dict]) -> list[tuple[int, str, str]]:
+    # The CSV holds repr() of the float64 values: string equality is bit equality.
+    return [(int(r["step"]), r["loss"], r["val_loss"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 1-process run with 2 accumulated micro-batches (the same micro-batches a 2-rank run has, with
+    the progress bar and the plot), and one uninterrupted 2-rank run."""
+    base = tmp_path_factory.mktemp("pretrain")
+    t0 = time.monotonic()
+    one_out = _run(1, base / "one", "--gradient_accumulation_steps", "2")
+    two_out = _run(2, base / "two", "--no_progress", "--no_plot")
+    print(f"reference runs: {time.monotonic() - t0:.1f} s")
+    return {"base": base, "one": base / "one", "two": base / "two", "one_out": one_out, "two_out": two_out}
+
+
+def test_trains_and_writes_log_and_plot(runs):
+    rows = _rows(runs["one"])
+    assert [int(r["step"]) for r in rows] == list(range(0, STEPS + 1))  # step 0: the untrained model
+    assert rows[0]["loss"] == "" and abs(float(rows[0]["val_loss"]) - math.log(256)) < 0.5, rows[0]
+    rows = rows[1:]
+    for key in ("tokens", "tokens_per_s", "state_bytes", "max_rss_mb"):
+        assert all(float(r[key]) > 0 for r in rows), key
+    # The lr each step applied: the linear warmup from 0 (DeepSpeed's WarmupCosineLR) up to the config's.
+    lrs = [float(r["lr"]) for r in rows]
+    assert lrs[0] == 0.0 and 0.99 * 2e-3 < max(lrs) <= 2e-3 and lrs[-1] < 0.2 * 2e-3, lrs
+    png = runs["one"] / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "loss.png is not a PNG"
+    assert (runs["one"] / "checkpoints" / "latest").read_text().strip() == f"global_step{STEPS}"
+    # Learning: the validation loss must fall from the uniform model's ln(256) at least halfway to the
+    # corpus' unigram entropy H1 (what a model that learned only byte frequencies reaches), and the
+    # training loss of the last steps must be below that of the first ones.
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import pretrain_gpt
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    counts = torch.bincount(pretrain_gpt.Corpus(int(0.5e6)).train.long(), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    h1 = float(-(p * p.log()).sum())
+    val = [float(r["val_loss"]) for r in _rows(runs["one"]) if r["val_loss"]]
+    assert len(val) == STEPS // 20 + 1
+    assert val[-1] < (math.log(256) + h1) / 2, (val, h1)
+    assert val == sorted(val, reverse=True), val
+    loss = [float(r["loss"]) for r in rows]
+    assert sum(loss[-5:]) < sum(loss[:5]) - 5 * 1.0, loss
+
+
+def test_two_ranks_match_one_process(runs):
+    # Rank r of 2 takes rows [4r, 4r+4) of every global batch of 8: the same micro-batches (same shapes,
+    # so the same forward and backward arithmetic) as the 1-process run's two accumulated ones. The
+    # engine averages the 2 ranks' fp32 gradients as (g0 + g1) / 2 and the 1-process run accumulates
+    # g0/2 + g1/2; scaling by 1/2 is exact in binary floating point, so the sums are identical and the
+    # training losses must agree bit for bit.
+    one, two = _rows(runs["one"]), _rows(runs["two"])
+    assert [(s, l) for s, l, _ in _losses(one)] == [(s, l) for s, l, _ in _losses(two)]
+    # Validation losses: the same weights, but each rank sums its own share of the sequences in fp32
+    # (32 tokens x up to 4 sequences per sum), so the totals may differ by fp32 reassociation: relative
+    # error at most ~128 * 2^-24 < 1e-5.
+    v1 = [float(r["val_loss"]) for r in one if r["val_loss"]]
+    v2 = [float(r["val_loss"]) for r in two if r["val_loss"]]
+    assert len(v1) == len(v2) > 0
+    for a, b in zip(v1, v2):
+        assert abs(a - b) <= 1e-5 * abs(a), (v1, v2)
+    assert "2 rank(s)" in runs["two_out"] and "1 rank(s)" in runs["one_out"]
+
+
+def _rank_pids(mpirun_pid: int) -> dict[int, int]:
+    """{MPI rank: pid} of the example's processes started by this mpirun."""
+    ranks = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if str(EXAMPLE) not in (d / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in kv)
+        except OSError:
+            continue
+        if env.get("OMPI_COMM_WORLD_RANK", "").isdigit() and _ancestor(int(d.name), mpirun_pid):
+            ranks[int(env["OMPI_COMM_WORLD_RANK"])] = int(d.name)
+    return ranks
+
+
+def _ancestor(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def test_sigterm_saves_and_resume_continues_exactly(runs):
+    out_dir = runs["base"] / "stopped"
+    # Slowed down (0.1 s per step) so the signal arrives mid-run; the arithmetic is unchanged.
+    proc = subprocess.Popen(_cmd(2, out_dir, "--no_progress", "--no_plot", "--step_sleep", "0.1"), cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        csv_path = out_dir / "train_log.csv"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if csv_path.is_file() and len(csv_path.read_text().splitlines()) > 5:  # header + 5 steps
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before it could be signalled:\n{proc.communicate()[0][-4000:]}"
+        pids = _rank_pids(proc.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGTERM)  # one rank only: the ranks must agree to stop together
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"exit {proc.returncode} after SIGTERM:\n{out[-5000:]}"
+    assert "stopped by a signal on another rank after step" in out or "stopped by SIGTERM after step" in out, out
+    tag = (out_dir / "checkpoints" / "latest").read_text().strip()
+    stopped = int(tag.removeprefix("global_step"))
+    assert 5 <= stopped < STEPS, tag
+    assert [int(r["step"]) for r in _rows(out_dir)] == list(range(0, stopped + 1))
+
+    resumed_out = _run(2, out_dir, "--no_progress", "--no_plot", "--resume")
+    assert f"resumed at step {stopped}" in resumed_out, resumed_out
+    # Bit-exact continuation: weights, fp32 states, scheduler position and data position restored.
+    assert _losses(_rows(out_dir)) == _losses(_rows(runs["two"]))
