@@ -302,8 +302,13 @@ def test_gradient_traffic_int8_vs_fp32(cluster, record_property):
     payload8 = 2 * a["params"] * w.steps * (1 + 4 / 2048)
     assert payload8 <= b["net_grad_tx"] <= 1.10 * payload8, (b["net_grad_tx"], payload8)
     assert ratio <= 0.27, table  # the target
-    # Both runs sync parameters in fp32: their step phases cross the same bytes (within headers' noise).
-    assert abs(b["net_step_tx"] - a["net_step_tx"]) <= 0.01 * a["net_step_tx"], table
+    # Both runs sync parameters in fp32: each rank receives the 2 shards (1/4 each) held by the other
+    # host's ranks, so 8 bytes per parameter per step cross the veth in either run, plus headers. The
+    # two runs' header bytes differ by TCP's timing (acks, segment sizes): measured 1.1% apart once,
+    # so each is bounded against the payload instead of against the other.
+    step_payload = 8 * a["params"] * w.steps
+    for run in (a, b):
+        assert step_payload <= run["net_step_tx"] <= 1.10 * step_payload, (run["net_step_tx"], step_payload, table)
 
 
 @pytest.mark.parametrize("w", _workloads())
