@@ -120,6 +120,7 @@ void init_optim(py::module_& m) {
       .def_readwrite("initial_accumulator", &Hyper::initial_accumulator)
       .def_readwrite("trust_coefficient", &Hyper::trust_coefficient)
       .def_readwrite("max_trust_ratio", &Hyper::max_trust_ratio)
+      .def_readwrite("min_trust_ratio", &Hyper::min_trust_ratio, "lower clip of the trust ratio (0: none)")
       .def_readwrite("step", &Hyper::step, "1-based number of this step (after increment), for bias correction")
       .def_readwrite("grad_scale", &Hyper::grad_scale, "the gradient is multiplied by this first")
       .def("__copy__", [](const Hyper& h) { return h; })
@@ -127,7 +128,7 @@ void init_optim(py::module_& m) {
       .def("__repr__", [](py::handle self) {
         return repr_fields(self, "Hyper",
                            {"lr", "beta1", "beta2", "eps", "weight_decay", "dampening", "nesterov", "bias_correction",
-                            "lr_decay", "initial_accumulator", "trust_coefficient", "max_trust_ratio", "step",
+                            "lr_decay", "initial_accumulator", "trust_coefficient", "max_trust_ratio", "min_trust_ratio", "step",
                             "grad_scale"});
       });
 
@@ -190,7 +191,7 @@ void init_optim(py::module_& m) {
         return optim::optim_trust_ratio(algo, h, NormSums{w_sq, u_sq});
       },
       py::arg("algo"), py::arg("hyper"), py::arg("w_sq"), py::arg("u_sq"),
-      "LAMB/LARS trust ratio from the (reduced) squared norms, clipped at hyper.max_trust_ratio.");
+      "LAMB/LARS trust ratio from the (reduced) squared norms, clipped to [hyper.min_trust_ratio, hyper.max_trust_ratio].");
   m.def(
       "step_tensor",
       [](const PyStepArgs& args, int threads) { optim::step_tensor(args.raw(), threads); },

@@ -75,6 +75,7 @@ float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s) {
   double r = w / u;
   if (a == Algo::lars) r *= double(h.trust_coefficient);
   if (h.max_trust_ratio > 0.0f && r > double(h.max_trust_ratio)) r = double(h.max_trust_ratio);
+  if (r < double(h.min_trust_ratio)) r = double(h.min_trust_ratio);
   return float(r);
 }
 

@@ -11,6 +11,7 @@
 
 #include "zero8/config.h"
 #include "zero8/error.h"
+#include "zero8/kernels/optim.h"
 
 namespace cfg = zero8::config;
 using zero8::ErrorCode;
@@ -393,6 +394,14 @@ TEST(ConfigOptimizer, PerTypeDefaults) {
   const auto lamb = opt(R"({"type": "Lamb"})");     // DeepSpeed FusedLamb
   EXPECT_EQ(lamb.max_coeff, 10.0);
   EXPECT_EQ(lamb.min_coeff, 0.01);
+  // Both clips reach the kernel's trust ratio: [min_coeff, max_coeff], zero norms exempt (FusedLamb).
+  const auto lamb_h = cfg::optimizer_hyper(lamb);
+  EXPECT_EQ(lamb_h.max_trust_ratio, 10.0f);
+  EXPECT_EQ(lamb_h.min_trust_ratio, 0.01f);
+  EXPECT_EQ(zero8::optim::optim_trust_ratio(zero8::optim::Algo::lamb, lamb_h, {1.0, 1e6}), 0.01f);  // 0.001 raised
+  EXPECT_EQ(zero8::optim::optim_trust_ratio(zero8::optim::Algo::lamb, lamb_h, {400.0, 1.0}), 10.0f);  // 20 clipped
+  EXPECT_EQ(zero8::optim::optim_trust_ratio(zero8::optim::Algo::lamb, lamb_h, {4.0, 1.0}), 2.0f);
+  EXPECT_EQ(zero8::optim::optim_trust_ratio(zero8::optim::Algo::lamb, lamb_h, {0.0, 1.0}), 1.0f);  // zero norm
   const auto lars = opt(R"({"type": "LARS", "params": {"trust_coefficient": 0.02}})");
   EXPECT_EQ(cfg::optimizer_hyper(lars).trust_coefficient, 0.02f);
   const auto c = parse(R"({"train_batch_size": 8, "zero8": {"optim_bits": 32}, "optimizer": {"type": "Adam"}})");

@@ -116,20 +116,22 @@ class RefLion(torch.optim.Optimizer):
                 m.mul_(b2).add_((1 - b2) * p.grad)
 
 
-def _trust(w_norm, u_norm, coefficient, max_ratio):
-    """||w|| / ||u|| scaled by the coefficient, 1 when either norm is 0, clipped at max_ratio."""
+def _trust(w_norm, u_norm, coefficient, max_ratio, min_ratio=0.0):
+    """||w|| / ||u|| scaled by the coefficient, 1 when either norm is 0, clipped at max_ratio, then raised
+    to min_ratio (DeepSpeed FusedLamb's max_coeff / min_coeff order)."""
     if w_norm == 0 or u_norm == 0:
         return 1.0
-    return min(coefficient * w_norm / u_norm, max_ratio)
+    return max(min(coefficient * w_norm / u_norm, max_ratio), min_ratio)
 
 
 class RefLAMB(torch.optim.Optimizer):
     """You et al. 2020, Algorithm 2 (per tensor): Adam moments with bias correction, u = m_hat /
     (sqrt(v_hat) + eps) + wd p, p <- p - lr * (||p|| / ||u||) * u, the ratio clipped at max_trust_ratio."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, max_trust_ratio=10.0):
+    def __init__(self, params, lr, betas, eps, weight_decay, max_trust_ratio=10.0, min_trust_ratio=0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      max_trust_ratio=max_trust_ratio))
+                                      max_trust_ratio=max_trust_ratio, min_trust_ratio=min_trust_ratio))
+        self.raised = 0  # steps whose ratio min_trust_ratio raised
 
     @torch.no_grad()
     def step(self):
@@ -143,7 +145,8 @@ class RefLAMB(torch.optim.Optimizer):
                 m.mul_(b1).add_((1 - b1) * p.grad)
                 v.mul_(b2).add_((1 - b2) * p.grad * p.grad)
                 u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + g["eps"]) + g["weight_decay"] * p
-                r = _trust(p.norm().item(), u.norm().item(), 1.0, g["max_trust_ratio"])
+                r = _trust(p.norm().item(), u.norm().item(), 1.0, g["max_trust_ratio"], g["min_trust_ratio"])
+                self.raised += r > _trust(p.norm().item(), u.norm().item(), 1.0, g["max_trust_ratio"])
                 p.sub_(g["lr"] * r * u)
 
 
@@ -198,6 +201,12 @@ CASES = {
              lambda ps, b: zo.LAMB(ps, lr=5e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2, optim_bits=b,
                                    min_8bit_size=0),
              [("exp_avg", SIGNED), ("exp_avg_sq", UNSIGNED)]),
+    # DeepSpeed Lamb's lower clip (min_coeff): 0.5 raises the ratio in about half of the 600
+    # parameter-steps here (test_lamb_min_trust_ratio_binds), so both sides of the clip are compared.
+    "lamb_min": (lambda ps: RefLAMB(ps, lr=5e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2, min_trust_ratio=0.5),
+                 lambda ps, b: zo.LAMB(ps, lr=5e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2, optim_bits=b,
+                                       min_8bit_size=0, min_trust_ratio=0.5),
+                 [("exp_avg", SIGNED), ("exp_avg_sq", UNSIGNED)]),
     "lars": (lambda ps: RefLARS(ps, lr=1.0, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.02),
              lambda ps, b: zo.LARS(ps, lr=1.0, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.02,
                                    optim_bits=b, min_8bit_size=0),
@@ -232,6 +241,27 @@ def run(name, variant):
 
 # ---------------------------------------------------------------------------------------------------
 # Every optimizer against its reference
+
+def test_lamb_min_trust_ratio_binds():
+    """The lamb_min case really exercises the lower clip, and the kernel's ratio follows FusedLamb's rule."""
+    made = []
+
+    def make(ps):
+        made.append(RefLAMB(ps, lr=5e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2, min_trust_ratio=0.5))
+        return made[0]
+
+    train(make)
+    param_steps = STEPS * len(make_problem()[2])
+    assert 0 < made[0].raised < param_steps
+    h = _C.Hyper(max_trust_ratio=10.0, min_trust_ratio=0.5)
+    assert _C.trust_ratio(_C.Algo.lamb, h, 1.0, 16.0) == 0.5    # 0.25 raised
+    assert _C.trust_ratio(_C.Algo.lamb, h, 400.0, 1.0) == 10.0  # 20 clipped
+    assert _C.trust_ratio(_C.Algo.lamb, h, 0.0, 1.0) == 1.0     # a zero norm leaves the update unscaled
+    with pytest.raises(zero8.Zero8ValueError, match="min_trust_ratio"):
+        opt = zo.LAMB([torch.nn.Parameter(torch.ones(4))], max_trust_ratio=1.0, min_trust_ratio=2.0)
+        opt.param_groups[0]["params"][0].grad = torch.ones(4)
+        opt.step()
+
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_32bit_matches_reference_within_fp32_baseline(name):
@@ -994,6 +1024,24 @@ def test_stable_embedding_applies_layer_norm():
     # A bfloat16 embedding normalizes in float32 and returns bfloat16.
     e16 = znn.StableEmbedding(50, 16, dtype=torch.bfloat16)
     assert e16(torch.tensor([1])).dtype == torch.bfloat16 and e16.norm.weight.dtype == torch.float32
+    # A whole model cast to bfloat16 casts the norm's affine too: still normalized in float32, and the
+    # gradients reach the bfloat16 norm parameters.
+    torch.manual_seed(5)
+    e32 = znn.StableEmbedding(50, 16)
+    with torch.no_grad():
+        e32.norm.weight.uniform_(0.5, 1.5)
+        e32.norm.bias.uniform_(-0.5, 0.5)
+    model = torch.nn.Sequential(e32).to(torch.bfloat16)
+    assert e32.norm.weight.dtype == torch.bfloat16
+    idx = torch.tensor([[1, 2], [3, 4]])
+    out = model(idx)
+    assert out.dtype == torch.bfloat16
+    want = torch.nn.functional.layer_norm(torch.nn.functional.embedding(idx, e32.weight).float(), (16,),
+                                          e32.norm.weight.float(), e32.norm.bias.float())
+    assert torch.equal(out, want.to(torch.bfloat16))
+    out.float().sum().backward()
+    assert e32.weight.grad.dtype == torch.bfloat16 and e32.norm.weight.grad.dtype == torch.bfloat16
+    assert e32.norm.bias.grad.abs().sum() > 0
 
 
 def test_stable_embedding_gets_fp32_optimizer_state():

@@ -432,7 +432,8 @@ json hyper_to_json(const optim::Hyper& h) {
               {"lr_decay", h.lr_decay},
               {"initial_accumulator", h.initial_accumulator},
               {"trust_coefficient", h.trust_coefficient},
-              {"max_trust_ratio", h.max_trust_ratio}};
+              {"max_trust_ratio", h.max_trust_ratio},
+              {"min_trust_ratio", h.min_trust_ratio}};
 }
 
 json file_to_json(const FileInfo& f) {
@@ -1542,6 +1543,8 @@ Manifest manifest_parse(const std::string& text, const std::string& src) {
   m.hyper.initial_accumulator = float(F.num(h, "initial_accumulator", hw));
   m.hyper.trust_coefficient = float(F.num(h, "trust_coefficient", hw));
   m.hyper.max_trust_ratio = float(F.num(h, "max_trust_ratio", hw));
+  // Absent from checkpoints written before the field existed: those steps clipped from above only.
+  m.hyper.min_trust_ratio = h.contains("min_trust_ratio") ? float(F.num(h, "min_trust_ratio", hw)) : 0.0f;
   const json& b = F.at(j, "blocks", "");
   m.state_block = int32_t(F.i64(b, "state_block", "blocks"));
   m.wire_block = int32_t(F.i64(b, "wire_block", "blocks"));

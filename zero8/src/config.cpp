@@ -1173,6 +1173,7 @@ optim::Hyper optimizer_hyper(const OptimizerConfig& o) {
       h.beta1 = float(o.beta1);
       h.beta2 = float(o.beta2);
       h.max_trust_ratio = float(o.max_coeff);
+      h.min_trust_ratio = float(o.min_coeff);
       break;
     case OptimizerType::sgd:
     case OptimizerType::lars:

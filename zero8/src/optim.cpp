@@ -157,6 +157,10 @@ void hyper_validate(Algo algo, const Hyper& h) {
                   "must be finite and >= 0, got " << h.trust_coefficient);
   ZERO8_CHECK_ARG(finite(h.max_trust_ratio) && h.max_trust_ratio >= 0.0f, "max_trust_ratio",
                   "must be finite and >= 0 (0: no clip), got " << h.max_trust_ratio);
+  ZERO8_CHECK_ARG(finite(h.min_trust_ratio) && h.min_trust_ratio >= 0.0f &&
+                      (h.max_trust_ratio == 0.0f || h.min_trust_ratio <= h.max_trust_ratio),
+                  "min_trust_ratio", "must be finite, >= 0 and <= max_trust_ratio " << h.max_trust_ratio << ", got "
+                                                                                 << h.min_trust_ratio);
   ZERO8_CHECK_ARG(h.step >= 1, "step", "the 1-based step number must be >= 1, got " << h.step);
   ZERO8_CHECK_ARG(finite(h.grad_scale) && h.grad_scale > 0.0f, "grad_scale",
                   "must be finite and > 0, got " << h.grad_scale);

@@ -102,6 +102,7 @@ _MOMENTUM_ALGOS = ("sgd", "lars")
 # Group keys that are hyperparameters (compared across groups; the sharded optimizer has one Hyper).
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "alpha", "lr_decay",
                "initial_accumulator_value", "trust_coefficient", "max_trust_ratio", "max_coeff",
+               "min_trust_ratio", "min_coeff",
                "bias_correction", "amsgrad", "maximize", "centered", "decoupled_weight_decay")
 
 
@@ -170,15 +171,19 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
         hyper["beta1"], hyper["beta2"] = float(b1), float(b2)
         if "bias_correction" in g0:
             hyper["bias_correction"] = bool(g0["bias_correction"])
-        for k in ("max_trust_ratio", "max_coeff"):
-            if k in g0:
-                hyper["max_trust_ratio"] = float(g0[k])
     if algo in _MOMENTUM_ALGOS:
         hyper["beta1"] = float(g0.get("momentum", 0.0) or 0.0)
         hyper["dampening"] = float(g0.get("dampening", 0.0) or 0.0)
         hyper["nesterov"] = bool(g0.get("nesterov", False))
         if "trust_coefficient" in g0:
             hyper["trust_coefficient"] = float(g0["trust_coefficient"])
+    if algo in ("lamb", "lars"):  # the trust-ratio clips (DeepSpeed's Lamb calls them max/min_coeff)
+        for k in ("max_trust_ratio", "max_coeff"):
+            if k in g0:
+                hyper["max_trust_ratio"] = float(g0[k])
+        for k in ("min_trust_ratio", "min_coeff"):
+            if k in g0:
+                hyper["min_trust_ratio"] = float(g0[k])
     if algo == "rmsprop":
         hyper["beta2"] = float(g0.get("alpha", 0.99))
     if algo == "adagrad":

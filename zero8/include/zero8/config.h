@@ -256,8 +256,8 @@ void scheduler_set_base_lr(SchedulerConfig& s, double lr);
 
 // Mappings onto the layers below.
 optim::Algo optimizer_algo(const OptimizerConfig& o);  // adam with adam_w_mode -> adamw, as DeepSpeed
-// Hyperparameters at step 1 with the configured lr. LAMB: max_coeff -> max_trust_ratio; min_coeff has
-// no kernel field yet (the kernel clips from above only).
+// Hyperparameters at step 1 with the configured lr. LAMB: max_coeff -> max_trust_ratio, min_coeff ->
+// min_trust_ratio.
 optim::Hyper optimizer_hyper(const OptimizerConfig& o);
 int optimizer_state_bits(const Config& c);        // zero8 enabled: zero8.optim_bits; else 32
 std::string optimizer_display_name(const Config& c);  // e.g. "AdamW8bit", "Lamb" (32-bit)

@@ -54,9 +54,13 @@ class StableEmbedding(torch.nn.Embedding):
     def forward(self, input: Tensor) -> Tensor:
         emb = F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                           self.scale_grad_by_freq, self.sparse)
-        # The layer norm in full precision, also for a 16-bit weight.
+        # The layer norm in full precision, also for a 16-bit weight, and also after model.to(bfloat16) has
+        # cast the norm's own affine parameters (CPU layer_norm refuses mixed input/parameter dtypes).
         emb = emb.to(torch.get_default_dtype())
-        return self.norm(emb).to(self.weight.dtype)
+        norm = self.norm
+        weight = None if norm.weight is None else norm.weight.to(emb.dtype)
+        bias = None if norm.bias is None else norm.bias.to(emb.dtype)
+        return F.layer_norm(emb, norm.normalized_shape, weight, bias, norm.eps).to(self.weight.dtype)
 
 
 class Embedding(torch.nn.Embedding):

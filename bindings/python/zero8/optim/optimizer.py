@@ -80,7 +80,7 @@ def _unsupported(name: str, value, why: str):
 # optimizer reads the ones it has; see its _GROUP_KEYS).
 _OVERRIDE_KEYS = frozenset({
     "optim_bits", "min_8bit_size", "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
-    "alpha", "lr_decay", "bias_correction", "trust_coefficient", "max_trust_ratio",
+    "alpha", "lr_decay", "bias_correction", "trust_coefficient", "max_trust_ratio", "min_trust_ratio",
 })
 
 
@@ -305,6 +305,7 @@ _GROUP_CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "bias_correction": _check_bool,
     "trust_coefficient": _check_nonneg,
     "max_trust_ratio": _check_nonneg,
+    "min_trust_ratio": _check_nonneg,
     "optim_bits": _check_bits,
     "min_8bit_size": _check_min_8bit_size,
 }

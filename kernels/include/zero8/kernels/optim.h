@@ -30,6 +30,7 @@ struct Hyper {
   float initial_accumulator = 0.0f;  // adagrad (applied by state init, recorded for completeness)
   float trust_coefficient = 0.001f;  // lars eta
   float max_trust_ratio = 10.0f;     // lamb/lars: clip of the trust ratio (0: no clip)
+  float min_trust_ratio = 0.0f;      // lamb/lars: lower clip of the trust ratio (DeepSpeed Lamb's min_coeff)
   int64_t step = 1;           // the 1-based number of this step (after increment), for bias correction
   float grad_scale = 1.0f;    // the gradient is multiplied by this first (1/loss_scale * clip coef)
 };
@@ -85,7 +86,8 @@ void optim_norms(const StepArgs& a, NormSums* out, Isa isa, int threads = 0);
 void optim_step(const StepArgs& a, Isa isa, int threads = 0);
 
 // Trust ratio from the reduced norms: as in the LAMB paper (You et al. 2020) and LARS (You et al.
-// 2017): ||w|| / ||u|| (times eta for lars), 1 when either norm is 0, clipped at max_trust_ratio.
+// 2017): ||w|| / ||u|| (times eta for lars), 1 when either norm is 0, clipped at max_trust_ratio, then
+// raised to min_trust_ratio (the order and the exemption of zero norms are DeepSpeed FusedLamb's).
 float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s);
 
 #if ZERO8_WITH_CUDA
