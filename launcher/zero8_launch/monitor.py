@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker
 
+# Seconds between repeats of the stop signal while some rank has not acknowledged it.
+STOP_RESEND = 0.5
+
 __all__ = ["JobMonitor", "RankState", "run_job", "error_excerpt"]
 
 _RANK_LINE = re.compile(rb"^\[rank(\d+)\] ")
@@ -219,6 +222,13 @@ class JobMonitor:
         if self.first_failure is None:
             self.first_failure = time.monotonic()
 
+    def stop_unacknowledged(self) -> bool:
+        """After a stop request: whether some rank has neither said that it got the stop signal nor ended
+        (it may not have existed when the signal was sent: the engine only forwards to live ranks)."""
+        with self._lock:
+            done = sum(1 for r in self.ranks.values() if r.signalled or r.exit_code is not None)
+        return done < self.world_size
+
     def _marker(self, f: dict) -> None:
         try:
             r = self.rank(int(f["rank"]))
@@ -413,9 +423,18 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
                     how = "stopped"
                     _send(proc, STOP_SIGNAL)
                     deadlines.setdefault("stop", now + stop_grace)
+                    deadlines["resend"] = now + STOP_RESEND
                 elif "term" not in deadlines:
                     monitor.say("ending the job now")
                     deadlines["term"] = now
+            # A stop sent while the engine was still starting ranks reaches only those alive then: send
+            # it again until every rank has acknowledged it (a rank's wrapper ignores repeats).
+            if "resend" in deadlines and "term" not in deadlines and now > deadlines["resend"]:
+                if monitor.stop_unacknowledged():
+                    _send(proc, STOP_SIGNAL)
+                    deadlines["resend"] = now + STOP_RESEND
+                else:
+                    del deadlines["resend"]
             if timeout > 0 and now - start > timeout and "term" not in deadlines:
                 monitor.say(f"timeout: the job ran longer than {timeout:g} s; ending it")
                 how = "timeout"

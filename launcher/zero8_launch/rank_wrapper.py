@@ -7,19 +7,29 @@ file and a marker line the launcher reads, so the launcher knows even without a 
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
-import re
-import selectors
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.parse
 
-from .netinfo import pick_comm_ifaddr
+# A stop that reaches the wrapper before main() has installed its handlers (while this module's imports
+# load) must not kill it by the signal's default action, which the launcher would report as a crash: it
+# is recorded here, before the other imports, and acted on as soon as main() is ready. (The interpreter's
+# own start-up, before this line runs, is the only window left.)
+_EARLY_SIGNALS: list[int] = []
+if __name__ == "__main__":
+    for _s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1):
+        signal.signal(_s, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
+
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import selectors  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.parse  # noqa: E402
+
+from .netinfo import pick_comm_ifaddr  # noqa: E402
 
 __all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_environment",
            "format_marker", "parse_marker", "main"]
@@ -346,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     running: dict = {}  # "child": the script's process once started
 
     def forward(signum, _frame):
+        if signum == STOP_SIGNAL and status["stopped_by"] == STOP_SIGNAL.name:
+            return  # the launcher repeats a stop until every rank has acknowledged it: act on it once
         status["stopped_by"] = signal.Signals(signum).name
         # Said at once: if mpirun's abort SIGKILLs this wrapper before the script has exited, the
         # launcher still knows this rank was alive when the job was ended (not a rank that died).
@@ -361,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, STOP_SIGNAL):
         signal.signal(s, forward)
+    if _EARLY_SIGNALS:  # asked to stop while starting: the script is not started
+        forward(_EARLY_SIGNALS[0], None)
 
     log = open(log_path, "wb")
     try:

@@ -331,6 +331,30 @@ def test_prefixer_marks_every_line_start():
         b"[rank3] a\n[rank3] bc\n[rank3] \n\r[rank3] 10%\r[rank3] 20%\n"
 
 
+def test_stop_before_the_wrapper_is_ready_is_a_stop_not_a_crash(tmp_path, capsys):
+    # A stop signal caught by the early handlers (while the wrapper's module loads) is acted on once
+    # main() is ready: the script is never started, and the launcher hears a stop, not a death.
+    from zero8_launch import rank_wrapper as rw
+
+    started = tmp_path / "started"
+    script = tmp_path / "script.py"
+    script.write_text(f"open({str(started)!r}, 'w').close()\n")
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
+    saved = {s: signal.getsignal(s) for s in sigs}
+    rw._EARLY_SIGNALS.append(signal.SIGUSR1)
+    try:
+        with pytest.raises(SystemExit) as e:
+            rw.main(["--log_dir", str(tmp_path / "logs"), "--", str(script)])
+    finally:
+        rw._EARLY_SIGNALS.clear()
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert e.value.code == 128 + signal.SIGUSR1
+    assert not started.exists()
+    markers = [parse_marker(l) for l in capsys.readouterr().err.splitlines() if l.startswith(rw.MARKER)]
+    assert {"event": "signal", "rank": "0", "name": "SIGUSR1"}.items() <= markers[-1].items()
+
+
 def test_marker_round_trip():
     line = format_marker(rank=3, event="exit", code=1, log="/a dir/rank3.log")
     assert " " not in line.split("log=")[1]
