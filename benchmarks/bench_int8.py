@@ -1,7 +1,10 @@
 """Int8 linear layers versus torch.nn.Linear on CPU, measured side by side in one process: the int8 GEMM
-choice (torch._int_mm vs zero8's oneDNN path vs float32/bf16 matmul), then forward and forward+backward
-of Linear8bitLt (inference) and Int8Linear (training) against nn.Linear in float32 and bfloat16 at
-transformer shapes, and the weight / saved-activation memory. Prints tables and a final JSON line.
+choice (torch._int_mm vs zero8's oneDNN path vs float32/bf16 matmul); the per-block (Jetfire) product,
+fused kernel against the per-slice library path it replaced, for the three products of a linear layer;
+then forward and forward+backward of Linear8bitLt (inference) and Int8Linear (training, both GEMM modes)
+against nn.Linear in float32 and bfloat16 at transformer shapes, and the weight / saved-activation
+memory. Variants are timed round-robin (each runs once per round, so all see the same machine load);
+the minimum and the median over the rounds are reported. Prints tables and a final JSON line.
 
     python benchmarks/bench_int8.py            # 4096x4096 and 4096x16384, tokens 512, 2048, 4096
     python benchmarks/bench_int8.py --quick    # 4096x4096, tokens 512 only
@@ -21,6 +24,7 @@ import torch
 import zero8
 from zero8 import _C
 from zero8.nn import Int8Linear, Linear8bitLt
+from zero8.nn import int8_linear as il_mod
 from zero8.nn import linear8bit as l8
 
 
@@ -33,6 +37,32 @@ def best_time(fn, reps: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def round_robin(fns: dict, reps: int) -> dict:
+    """{name: (min, median) seconds}: one warm-up call each, then `reps` rounds calling every fn once."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
+
+
+class per_slice_exact_mode:
+    """Within this block Int8Linear(gemm="exact") runs the per-slice library path (one int8 GEMM per
+    block-wide slice plus a float32 epilogue): the implementation before the fused kernel, for
+    before/after timings. Same results bit for bit (tests/python/test_int8.py)."""
+
+    def __enter__(self):
+        self.saved = il_mod.blockwise_int8_matmul
+        il_mod.blockwise_int8_matmul = il_mod._blockwise_int8_matmul_sliced
+
+    def __exit__(self, *exc):
+        il_mod.blockwise_int8_matmul = self.saved
 
 
 def bench_gemm(shapes, reps):
@@ -67,27 +97,48 @@ def bench_gemm(shapes, reps):
     return rows
 
 
-def bench_exact(m, k, n, block, reps):
-    """The exact per-block product (one int8 GEMM per block-wide K slice) against one vector-wise GEMM."""
-    x, w = torch.randn(m, k), torch.randn(n, k)
+def bench_blockwise(m, k, n, block, reps, with_sliced):
+    """The per-block product at tokens m, in features k, out features n, as the layer runs it: forward
+    X W^T (m x k x n), input gradient dY W (m x n x k, W as a .t() view), weight gradient dY^T X (n x m x k,
+    both .t() views). Fused kernel vs the per-slice library path (`with_sliced`: slow, ~2 s per product at
+    512 x 4096 x 4096), one plain int8 GEMM and fp32 / bf16 matmul of the same size."""
+    torch.manual_seed(0)
+    x, w, g = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
     qx, sx = l8.quantize_blocks(x, block)
     qw, sw = l8.quantize_blocks(w, block)
-    from zero8.nn.int8_linear import blockwise_int8_matmul
+    qg, sg = l8.quantize_blocks(g, block, stochastic=True)
+    products = {"fwd X W^T": (qx, sx, qw, sw, x, w.t()), "dX = dY W": (qg, sg, qw.t(), sw.t(), g, w),
+                "dW = dY^T X": (qg.t(), sg.t(), qx.t(), sx.t(), g.t(), x)}
+    rows = []
+    for name, (qa, sa, qb, sb, fa, fb) in products.items():
+        fa, fb = fa.contiguous(), fb.contiguous()
+        ba, bb = fa.bfloat16(), fb.bfloat16()
+        ia, ib = qa.contiguous(), qb.contiguous()
+        fns = {"fused": lambda: il_mod.blockwise_int8_matmul(qa, sa, qb, sb, block),
+               "int8_gemm": lambda: l8.int8_mm(ia, ib),
+               "fp32": lambda: fa @ fb, "bf16": lambda: ba @ bb}
+        t = round_robin(fns, reps)
+        if with_sliced:
+            t.update(round_robin({"sliced": lambda: il_mod._blockwise_int8_matmul_sliced(qa, sa, qb, sb, block)}, 1))
+        mm, kk = qa.shape
+        nn_ = qb.shape[0]
+        row = dict(product=name, m=mm, k=kk, n=nn_, block=block, **{f"{v}_ms": t[v][0] * 1e3 for v in t},
+                   **{f"{v}_median_ms": t[v][1] * 1e3 for v in t})
+        rows.append(row)
+        sl = t.get("sliced", (float("nan"),))[0]
+        print(f"{name:12s} {mm:5d} x {kk:5d} x {nn_:5d} | {t['fused'][0]*1e3:8.1f} {sl*1e3:9.1f} {t['int8_gemm'][0]*1e3:8.1f} "
+              f"{t['fp32'][0]*1e3:8.1f} {t['bf16'][0]*1e3:8.1f} | {sl/t['fused'][0]:7.1f} {t['fp32'][0]/t['fused'][0]:6.2f} "
+              f"{t['bf16'][0]/t['fused'][0]:6.2f} {t['fused'][0]/t['int8_gemm'][0]:6.2f}", flush=True)
+    return rows
 
-    t_exact = best_time(lambda: blockwise_int8_matmul(qx, sx, qw, sw, block), reps)
-    t_fast = best_time(lambda: torch._int_mm(qx, qw.t()), reps)
-    t_f32 = best_time(lambda: x @ w.t(), reps)
-    print(f"exact per-block {m}x{k}x{n} (block {block}): {t_exact*1e3:.1f} ms; one int8 GEMM {t_fast*1e3:.1f} ms; "
-          f"fp32 {t_f32*1e3:.1f} ms", flush=True)
-    return dict(m=m, k=k, n=n, block=block, exact_ms=t_exact * 1e3, int8_gemm_ms=t_fast * 1e3, fp32_ms=t_f32 * 1e3)
 
-
-def bench_layers(k, n, tokens, reps):
+def bench_layers(k, n, tokens, reps, with_sliced):
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, n)
     lin_bf = torch.nn.Linear(k, n).to(torch.bfloat16)
     l8bit = Linear8bitLt.from_linear(lin)
-    il = Int8Linear.from_linear(lin)
+    il_fast = Int8Linear.from_linear(lin, gemm="fast")
+    il_exact = Int8Linear.from_linear(lin, gemm="exact")
     x = torch.randn(tokens, k)
     xb = x.bfloat16()
     gy = torch.randn(tokens, n)
@@ -104,29 +155,43 @@ def bench_layers(k, n, tokens, reps):
         inp = inp.detach().requires_grad_()
         mod(inp).backward(g)
 
-    r = {}
-    r["fp32_fwd"] = best_time(lambda: fwd(lin, x), reps)
-    r["bf16_fwd"] = best_time(lambda: fwd(lin_bf, xb), reps)
-    r["linear8bitlt_fwd"] = best_time(lambda: fwd(l8bit, x), reps)
-    r["linear8bitlt_outliers_fwd"] = best_time(lambda: fwd(l8bit, xo), reps)
-    r["int8linear_fwd"] = best_time(lambda: fwd(il, x), reps)
-    r["fp32_fwdbwd"] = best_time(lambda: fwd_bwd(lin, x, gy), reps)
-    r["bf16_fwdbwd"] = best_time(lambda: fwd_bwd(lin_bf, xb, gyb), reps)
-    r["int8linear_fwdbwd"] = best_time(lambda: fwd_bwd(il, x, gy), reps)
-    mem = il.activation_memory()
-    out = dict(k=k, n=n, tokens=tokens, **{key + "_ms": v * 1e3 for key, v in r.items()},
-               fwd_speedup_int8linear=r["fp32_fwd"] / r["int8linear_fwd"],
+    fns = {"fp32_fwd": lambda: fwd(lin, x), "bf16_fwd": lambda: fwd(lin_bf, xb),
+           "linear8bitlt_fwd": lambda: fwd(l8bit, x), "linear8bitlt_outliers_fwd": lambda: fwd(l8bit, xo),
+           "int8linear_fast_fwd": lambda: fwd(il_fast, x), "int8linear_exact_fwd": lambda: fwd(il_exact, x),
+           "fp32_fwdbwd": lambda: fwd_bwd(lin, x, gy), "bf16_fwdbwd": lambda: fwd_bwd(lin_bf, xb, gyb),
+           "int8linear_fast_fwdbwd": lambda: fwd_bwd(il_fast, x, gy),
+           "int8linear_exact_fwdbwd": lambda: fwd_bwd(il_exact, x, gy)}
+    t = round_robin(fns, reps)
+    if with_sliced:  # before the fused kernel: exact mode through per-slice library GEMMs (slow: 1 round)
+        with per_slice_exact_mode():
+            t.update(round_robin({"int8linear_exact_sliced_fwd": lambda: fwd(il_exact, x),
+                                  "int8linear_exact_sliced_fwdbwd": lambda: fwd_bwd(il_exact, x, gy)}, 1))
+    r = {key: v[0] for key, v in t.items()}
+    mem = il_exact.activation_memory()
+    out = dict(k=k, n=n, tokens=tokens, reps=reps, **{key + "_ms": v * 1e3 for key, v in r.items()},
+               **{key + "_median_ms": v[1] * 1e3 for key, v in t.items()},
+               fwd_speedup_int8linear_exact=r["fp32_fwd"] / r["int8linear_exact_fwd"],
+               fwd_speedup_int8linear_fast=r["fp32_fwd"] / r["int8linear_fast_fwd"],
                fwd_speedup_linear8bitlt=r["fp32_fwd"] / r["linear8bitlt_fwd"],
-               fwdbwd_speedup_int8linear=r["fp32_fwdbwd"] / r["int8linear_fwdbwd"],
-               fwd_vs_bf16_int8linear=r["bf16_fwd"] / r["int8linear_fwd"],
-               fwdbwd_vs_bf16_int8linear=r["bf16_fwdbwd"] / r["int8linear_fwdbwd"],
+               fwdbwd_speedup_int8linear_exact=r["fp32_fwdbwd"] / r["int8linear_exact_fwdbwd"],
+               fwdbwd_speedup_int8linear_fast=r["fp32_fwdbwd"] / r["int8linear_fast_fwdbwd"],
+               fwd_vs_bf16_int8linear_exact=r["bf16_fwd"] / r["int8linear_exact_fwd"],
+               fwdbwd_vs_bf16_int8linear_exact=r["bf16_fwdbwd"] / r["int8linear_exact_fwdbwd"],
                weight_bytes_fp32=lin.weight.numel() * 4, weight_bytes_int8=l8bit.weight_bytes(),
                saved_activation_bytes=mem["saved_bytes"], fp32_activation_bytes=mem["unquantized_bytes"])
-    print(f"{k:5d}x{n:<6d} {tokens:5d} | {r['fp32_fwd']*1e3:8.1f} {r['bf16_fwd']*1e3:8.1f} "
-          f"{r['linear8bitlt_fwd']*1e3:8.1f} {r['linear8bitlt_outliers_fwd']*1e3:8.1f} {r['int8linear_fwd']*1e3:8.1f} | "
-          f"{r['fp32_fwdbwd']*1e3:8.1f} {r['bf16_fwdbwd']*1e3:8.1f} {r['int8linear_fwdbwd']*1e3:8.1f} | "
-          f"{out['fwd_speedup_linear8bitlt']:5.2f} {out['fwd_speedup_int8linear']:5.2f} "
-          f"{out['fwdbwd_speedup_int8linear']:5.2f}", flush=True)
+    ms = {key: v * 1e3 for key, v in r.items()}
+    print(f"{k:5d}x{n:<6d} {tokens:5d} | {ms['fp32_fwd']:8.1f} {ms['bf16_fwd']:8.1f} {ms['linear8bitlt_fwd']:8.1f} "
+          f"{ms['linear8bitlt_outliers_fwd']:8.1f} {ms['int8linear_fast_fwd']:8.1f} {ms['int8linear_exact_fwd']:8.1f} | "
+          f"{ms['fp32_fwdbwd']:8.1f} {ms['bf16_fwdbwd']:8.1f} {ms['int8linear_fast_fwdbwd']:8.1f} "
+          f"{ms['int8linear_exact_fwdbwd']:8.1f} | {out['fwd_speedup_int8linear_exact']:5.2f} "
+          f"{out['fwdbwd_speedup_int8linear_exact']:5.2f} {out['fwd_vs_bf16_int8linear_exact']:5.2f} "
+          f"{out['fwdbwd_vs_bf16_int8linear_exact']:5.2f} {out['fwd_speedup_int8linear_fast']:5.2f} "
+          f"{out['fwdbwd_speedup_int8linear_fast']:5.2f}", flush=True)
+    if with_sliced:
+        print(f"{'':12s} {'':5s}   exact mode before the fused kernel (per-slice library GEMMs): forward "
+              f"{ms['int8linear_exact_sliced_fwd']:.1f} ms, forward + backward {ms['int8linear_exact_sliced_fwdbwd']:.1f} ms "
+              f"({ms['int8linear_exact_sliced_fwd'] / ms['int8linear_exact_fwd']:.1f}x and "
+              f"{ms['int8linear_exact_sliced_fwdbwd'] / ms['int8linear_exact_fwdbwd']:.1f}x the fused times)", flush=True)
     return out
 
 
@@ -135,11 +200,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4096x4096 at 512 tokens only")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (the minimum is reported)")
     p.add_argument("--gemm-only", action="store_true", help="only the int8 GEMM comparison")
+    p.add_argument("--no-sliced", action="store_true",
+                   help="skip the per-slice exact-mode timings (the path before the fused kernel; ~2 s per product)")
     args = p.parse_args()
 
     load = os.getloadavg()[0]
     print(f"zero8 {zero8.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"zero8 ISA {_C.isa_active().name}, zero8 int8 GEMM {_C.int8_gemm_backend()}, layers use "
+          f"zero8 ISA {_C.isa_active().name}, zero8 int8 GEMM {_C.int8_gemm_backend()}, per-block product "
+          f"{_C.int8_block_matmul_backend()}, layers use "
           f"{l8.int8_gemm_backend()}, load average {load:.2f}")
 
     gemm_shapes = [(512, 4096, 4096)] if args.quick else [(512, 4096, 4096), (2048, 4096, 4096), (512, 4096, 16384)]
@@ -152,15 +220,22 @@ def main() -> None:
         print(json.dumps({"bench": "int8_gemm", "load_avg_start": load, "load_avg_end": os.getloadavg()[0],
                           "threads": torch.get_num_threads(), "gemm": gemm}))
         return
-    exact = bench_exact(512, 4096, 4096, 32, 1)
+    print(f"\nper-block int8 product, block 32 (ms; fused = zero8._C.int8_block_matmul ({_C.int8_block_matmul_backend()}), "
+          f"sliced = one library int8 GEMM per 32-wide slice, the path before the fused kernel)")
+    print(f"{'product':12s} {'M':>5s}   {'K':>5s}   {'N':>5s} | {'fused':>8s} {'sliced':>9s} {'int8mm':>8s} {'fp32':>8s} "
+          f"{'bf16':>8s} | {'sl/fus':>7s} {'fp32/f':>6s} {'bf16/f':>6s} {'f/i8mm':>6s}")
+    blockwise = bench_blockwise(512, 4096, 4096, 32, args.reps, not args.no_sliced)
 
     layer_shapes = [(4096, 4096)] if args.quick else [(4096, 4096), (4096, 16384)]
     tokens_list = [512] if args.quick else [512, 2048, 4096]
-    print("\nlayers (ms; speedups are fp32 time / int8 time)")
-    print(f"{'K x N':>12} {'tok':>5} | {'fp32':>8} {'bf16':>8} {'8bitLt':>8} {'8bitLt+o':>8} {'Int8Lin':>8} | "
-          f"{'fp32':>8} {'bf16':>8} {'Int8Lin':>8} | {'Lt':>5} {'I8fwd':>5} {'I8f+b':>5}")
-    print(f"{'':>12} {'':>5} | {'forward':^44} | {'forward + backward':^26} |")
-    layers = [bench_layers(k, n, t, args.reps if t * n <= 2048 * 4096 else max(1, args.reps - 1))
+    print("\nlayers (ms, minimum over round-robin rounds; speedups are fp32 (or bf16) time / Int8Linear time)")
+    print(f"{'K x N':>12} {'tok':>5} | {'fp32':>8} {'bf16':>8} {'8bitLt':>8} {'8bitLt+o':>8} {'I8 fast':>8} "
+          f"{'I8 exact':>8} | {'fp32':>8} {'bf16':>8} {'I8 fast':>8} {'I8 exact':>8} | {'exact/fp32':^11} "
+          f"{'exact/bf16':^11} {'fast/fp32':^11}")
+    print(f"{'':>12} {'':>5} | {'forward':^53} | {'forward + backward':^35} | {'fwd':>5} {'f+b':>5} {'fwd':>5} "
+          f"{'f+b':>5} {'fwd':>5} {'f+b':>5}")
+    layers = [bench_layers(k, n, t, args.reps if t * n <= 2048 * 4096 else max(2, args.reps - 1),
+                           with_sliced=(k, n, t) == (4096, 4096, 512) and not args.no_sliced)
               for k, n in layer_shapes for t in tokens_list]
     l0 = layers[0]
     print(f"\nweights: fp32 {l0['weight_bytes_fp32']} B, Linear8bitLt int8 + scales {l0['weight_bytes_int8']} B "
@@ -168,7 +243,7 @@ def main() -> None:
           f"{l0['saved_activation_bytes']} B vs fp32 {l0['fp32_activation_bytes']} B "
           f"({l0['fp32_activation_bytes'] / l0['saved_activation_bytes']:.2f}x smaller)")
     print(json.dumps({"bench": "int8", "load_avg_start": load, "load_avg_end": os.getloadavg()[0],
-                      "threads": torch.get_num_threads(), "gemm": gemm, "exact_blockwise": exact, "layers": layers}))
+                      "threads": torch.get_num_threads(), "gemm": gemm, "blockwise": blockwise, "layers": layers}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 // Int8 linear layers (zero8/int8.h) for zero8.nn.Linear8bitLt and zero8.nn.Int8Linear: raw-pointer
-// row / column / block quantization, outlier columns, the GEMM epilogue and the library int8 GEMM, each
-// validated in C++ and run with the GIL released.
+// row / column / block quantization, outlier columns, the GEMM epilogue, the library int8 GEMM and the
+// fused per-block product, each validated in C++ and run with the GIL released.
 #include "bind.h"
 #include "zero8/int8.h"
 
@@ -112,6 +112,36 @@ void init_int8(py::module_& m) {
       "C (m x n int32) = A (m x k int8) * B (n x k if b_trans else k x n), row-major, through the library int8 "
       "GEMM (int8_gemm_backend()). Releases the GIL.");
   m.def("int8_gemm_backend", &int8::int8_gemm_backend, "What int8_gemm runs: 'onednn <version>' or 'reference'.");
+  m.def(
+      "int8_block_matmul",
+      [](Ptr a, Ptr a_scale, bool a_trans, Ptr b, Ptr b_scale, bool b_trans, int64_t m, int64_t n, int64_t k,
+         int32_t block, Ptr bias, Ptr out, DType out_dtype, int threads) {
+        int8::BlockGemmArgs g;
+        g.a = as_ptr<const int8_t>(a);
+        g.a_scale = as_ptr<const float>(a_scale);
+        g.a_trans = a_trans;
+        g.b = as_ptr<const int8_t>(b);
+        g.b_scale = as_ptr<const float>(b_scale);
+        g.b_trans = b_trans;
+        g.m = m;
+        g.n = n;
+        g.k = k;
+        g.block = block;
+        g.bias = as_ptr<const float>(bias);
+        g.out = as_ptr<void>(out);
+        g.out_dtype = out_dtype;
+        int8::int8_block_matmul(g, threads);
+      },
+      py::arg("a_ptr"), py::arg("a_scale_ptr"), py::arg("a_trans"), py::arg("b_ptr"), py::arg("b_scale_ptr"),
+      py::arg("b_trans"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("block"), py::arg("bias_ptr") = 0,
+      py::arg("out_ptr") = 0, py::arg("out_dtype") = DType::f32, py::arg("threads") = 0,
+      py::call_guard<py::gil_scoped_release>(),
+      "Per-block (Jetfire) int8 product: out (m x n) = sum over block-wide slices s of k of float(int32 dot) * "
+      "(sA[i/block, s] * sB[s, j/block]) in float32, + bias, written as out_dtype. A is m x k (stored k x m "
+      "when a_trans), B is k x n (stored n x k when b_trans); each scale matrix is as int8_quantize_blocks "
+      "made it for the operand as stored. Releases the GIL.");
+  m.def("int8_block_matmul_backend", &int8::int8_block_matmul_backend,
+        "What int8_block_matmul runs: 'avx512-vnni' or 'reference'.");
 }
 
 }  // namespace zero8::bindings

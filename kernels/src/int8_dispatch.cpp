@@ -9,6 +9,10 @@
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace zero8::int8 {
 namespace {
 
@@ -24,11 +28,14 @@ void check_isa(Isa isa) {
   if (!isa_supported(isa)) ZERO8_THROW(unsupported, "int8 kernel variant '" << isa_name(isa) << "' cannot run on this CPU/build");
 }
 
+// AVX-512 or a superset of it (the int8 kernels have no form that needs more than F/BW/DQ/VL).
+bool has_avx512(Isa isa) { return int(isa) >= int(Isa::avx512); }
+
 template <class Fn>
 Fn pick(Isa isa, Fn ref, Fn avx2, Fn avx512) {
   check_isa(isa);
 #if ZERO8_WITH_X86_SIMD
-  if (isa == Isa::avx512) return avx512;
+  if (has_avx512(isa)) return avx512;
   if (isa == Isa::avx2) return avx2;
 #else
   (void)avx2, (void)avx512;
@@ -174,6 +181,45 @@ void int8_epilogue(const EpilogueArgs& a, Isa isa, int threads) {
       b.out = bytes_at(a.out, s.lo * a.cols, a.out_dtype);
       fn(b);
     }
+  }
+}
+
+// AVX512_VNNI is cpuid leaf 7 (subleaf 0) ECX bit 11 (Intel SDM vol. 2A, CPUID); the rest of AVX-512
+// and the OS's ZMM state are isa_supported(avx512)'s checks.
+bool int8_block_gemm_vnni_supported() {
+#if ZERO8_WITH_X86_SIMD && defined(__x86_64__)
+  static const bool vnni = [] {
+    unsigned a, b, c, d;
+    return isa_supported(Isa::avx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11)) != 0;
+  }();
+  return vnni;
+#else
+  return false;
+#endif
+}
+
+namespace {
+bool block_gemm_uses_vnni(Isa isa) {
+  check_isa(isa);
+  return has_avx512(isa) && int8_block_gemm_vnni_supported();
+}
+}  // namespace
+
+const char* int8_block_gemm_variant(Isa isa) { return block_gemm_uses_vnni(isa) ? "avx512-vnni" : "reference"; }
+
+void int8_block_gemm(const BlockGemmArgs& a, Isa isa, int threads) {
+  if (a.m == 0 || a.n == 0) return;
+#if ZERO8_WITH_X86_SIMD
+  if (a.k > 0 && block_gemm_uses_vnni(isa)) return int8_block_gemm_vnni(a, threads);
+#endif
+  check_isa(isa);
+  // The reference, rows split across threads (outputs are independent).
+  const int nt = thread_count(a.m * a.n * std::max<int64_t>(a.k, 1), a.m, threads);
+  if (nt <= 1) return int8_block_gemm_ref(a);
+#pragma omp parallel num_threads(nt)
+  {
+    const Span s = piece(a.m, 1, omp_get_thread_num(), omp_get_num_threads());
+    if (s.hi > s.lo) int8_block_gemm_ref(a, s.lo, s.hi);
   }
 }
 

@@ -1,9 +1,11 @@
 // Int8 linear-layer kernels: every SIMD variant bit-identical to the scalar reference (codes, scales,
 // outputs, on shapes with vector tails, all dtypes, nearest and stochastic), the quantization rules
 // themselves (scale = absmax / 127, round to nearest even, outlier columns), thread-count independence,
-// the GEMM against the exact integer reference, and argument validation.
+// the GEMM against the exact integer reference, the per-block (Jetfire) product's VNNI kernel against its
+// reference bit for bit and against float64, and argument validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -411,6 +413,174 @@ TEST(Int8Gemm, LibraryMatchesExactIntegerReference) {
     }
 }
 
+// ---- per-block (Jetfire) product ----
+
+// A logical m x k (or k x n) int8 operand stored either way, with the per-block scales
+// int8_block_quant makes for it as stored, from random floats with one Inf-free outlier per matrix.
+struct BlockOperand {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+};
+
+BlockOperand make_block_operand(int64_t rows, int64_t cols, int32_t block, uint32_t seed) {
+  const auto x = make_matrix(rows, cols, DType::f32, seed);
+  BlockOperand o;
+  o.q.resize(static_cast<size_t>(rows * cols));
+  o.scale.resize(static_cast<size_t>(int8_block_count(rows, cols, block, block)));
+  int8_quantize_blocks(x.data(), DType::f32, rows, cols, block, block, o.q.data(), o.scale.data());
+  return o;
+}
+
+struct BlockCase {
+  int64_t m, n, k;
+  int32_t block;
+};
+// Edges: k < block, k not a multiple of the block, m and n not multiples of the 4 x 48 register tile or
+// of the 64 x 192 thread tile, several reduction chunks (k > 512 at block 32), odd blocks (not a multiple
+// of 4: the kernel's byte-wise path).
+const BlockCase kBlockCases[] = {{1, 1, 1, 32},     {3, 5, 7, 32},      {4, 48, 32, 32},    {37, 53, 100, 32},
+                                 {70, 45, 100, 16}, {66, 200, 1100, 32}, {130, 97, 300, 128}, {64, 192, 512, 64},
+                                 {33, 50, 90, 20},  {9, 17, 11, 3},     {5, 130, 64, 128}};
+
+BlockGemmArgs block_args(const BlockOperand& a, bool a_trans, const BlockOperand& b, bool b_trans, const BlockCase& c,
+                         const float* bias, void* out, DType t) {
+  BlockGemmArgs g;
+  g.a = a.q.data();
+  g.a_scale = a.scale.data();
+  g.a_trans = a_trans;
+  g.b = b.q.data();
+  g.b_scale = b.scale.data();
+  g.b_trans = b_trans;
+  g.m = c.m;
+  g.n = c.n;
+  g.k = c.k;
+  g.block = c.block;
+  g.bias = bias;
+  g.out = out;
+  g.out_dtype = t;
+  return g;
+}
+
+TEST(Int8BlockGemm, VnniMatchesReferenceBitForBit) {
+  if (!int8_block_gemm_vnni_supported()) GTEST_SKIP() << "no AVX512_VNNI on this CPU: only the reference runs";
+  uint32_t seed = 100;
+  for (const BlockCase& c : kBlockCases)
+    for (int layout = 0; layout < 4; ++layout) {  // a_trans x b_trans: X W^T, dY W, dY^T X and the fourth
+      const bool a_trans = layout & 1, b_trans = !(layout & 2);
+      BlockOperand a = a_trans ? make_block_operand(c.k, c.m, c.block, seed++) : make_block_operand(c.m, c.k, c.block, seed++);
+      const BlockOperand b = b_trans ? make_block_operand(c.n, c.k, c.block, seed++) : make_block_operand(c.k, c.n, c.block, seed++);
+      if (layout == 3) a.scale[0] = std::nanf("");  // a block holding Inf/NaN: its products become NaN
+      std::vector<float> bias(static_cast<size_t>(c.n));
+      for (size_t j = 0; j < bias.size(); ++j) bias[j] = 0.25f * float(j % 7) - 0.5f;
+      const DType t = kTypes[(layout + c.m) % 3];
+      const size_t bytes = size_t(c.m * c.n * dtype_size(t));
+      std::vector<uint8_t> o_ref(bytes, 0xAB), o_vnni(bytes, 0xCD);
+      const float* bp = layout == 1 ? nullptr : bias.data();
+      int8_block_gemm_ref(block_args(a, a_trans, b, b_trans, c, bp, o_ref.data(), t));
+      for (int threads : {1, 2}) {
+        int8_block_gemm_vnni(block_args(a, a_trans, b, b_trans, c, bp, o_vnni.data(), t), threads);
+        EXPECT_EQ(o_ref, o_vnni) << c.m << "x" << c.n << "x" << c.k << " block " << c.block << " a_trans " << a_trans
+                                 << " b_trans " << b_trans << " " << dtype_name(t) << " threads " << threads;
+      }
+      // The dispatching entry and the validated API pick the same kernel on this CPU.
+      std::fill(o_vnni.begin(), o_vnni.end(), 0);
+      int8_block_gemm(block_args(a, a_trans, b, b_trans, c, bp, o_vnni.data(), t), Isa::avx512, 2);
+      EXPECT_EQ(o_ref, o_vnni);
+      std::fill(o_vnni.begin(), o_vnni.end(), 0);
+      int8_block_gemm(block_args(a, a_trans, b, b_trans, c, bp, o_vnni.data(), t), Isa::scalar, 2);
+      EXPECT_EQ(o_ref, o_vnni) << "reference split over threads";
+    }
+}
+
+TEST(Int8BlockGemm, EqualsPerSliceLibraryGemmsWithAccumulatingEpilogue) {
+  // The path the fused kernel replaces: one int8 GEMM per block-wide slice of k, then the epilogue
+  // float(acc) * (row scale * column scale) accumulated into a float32 output, then the bias.
+  const BlockCase c{70, 100, 200, 32};
+  const BlockOperand a = make_block_operand(c.m, c.k, c.block, 7), b = make_block_operand(c.n, c.k, c.block, 8);
+  std::vector<float> bias(static_cast<size_t>(c.n), 0.125f);
+  const int64_t nkb = (c.k + c.block - 1) / c.block;
+  std::vector<float> sliced(static_cast<size_t>(c.m * c.n), 0.0f), fused(sliced.size());
+  for (int64_t s = 0; s < nkb; ++s) {
+    const int64_t k0 = s * c.block, len = std::min<int64_t>(c.block, c.k - k0);
+    std::vector<int8_t> as(static_cast<size_t>(c.m * len)), bs(static_cast<size_t>(c.n * len));
+    for (int64_t i = 0; i < c.m; ++i) std::memcpy(&as[size_t(i * len)], &a.q[size_t(i * c.k + k0)], size_t(len));
+    for (int64_t j = 0; j < c.n; ++j) std::memcpy(&bs[size_t(j * len)], &b.q[size_t(j * c.k + k0)], size_t(len));
+    std::vector<int32_t> acc(static_cast<size_t>(c.m * c.n));
+    int8_gemm(as.data(), bs.data(), acc.data(), c.m, c.n, len, true);
+    EpilogueArgs e;
+    e.acc = acc.data();
+    e.rows = c.m;
+    e.cols = c.n;
+    e.row_scale = a.scale.data() + s;
+    e.row_group = c.block;
+    e.row_stride = nkb;
+    e.col_scale = b.scale.data() + s;
+    e.col_group = c.block;
+    e.col_stride = nkb;
+    e.out = sliced.data();
+    e.accumulate = true;
+    int8_dequantize_matmul(e);
+  }
+  for (size_t i = 0; i < sliced.size(); ++i) sliced[i] = sliced[i] + bias[i % size_t(c.n)];
+  int8_block_matmul(block_args(a, false, b, true, c, bias.data(), fused.data(), DType::f32));
+  EXPECT_TRUE(same_bits(sliced, fused)) << int8_block_matmul_backend();
+}
+
+TEST(Int8BlockGemm, WithinFloat32RoundingOfFloat64Product) {
+  // Against the float64 sum of the same slice terms t_s = dot_s * sA * sB (the dot products are exact
+  // integers): float32 accumulation of nkb terms, each rounded up to 3 times (float(dot) above 2^24, the
+  // scale product, the product) plus one rounding per addition and one for the bias, is within
+  // (nkb + 4) * 2^-24 * (sum_s |t_s| + |bias|) (Higham, "Accuracy and Stability of Numerical Algorithms",
+  // 2nd ed., sec. 3.1: the bound gamma_n for a recursive sum of n terms).
+  for (const BlockCase& c : kBlockCases)
+    for (bool b_trans : {true, false}) {
+      const BlockOperand a = make_block_operand(c.m, c.k, c.block, 31);
+      const BlockOperand b = b_trans ? make_block_operand(c.n, c.k, c.block, 32) : make_block_operand(c.k, c.n, c.block, 32);
+      std::vector<float> bias(static_cast<size_t>(c.n), -0.75f);
+      std::vector<float> out(static_cast<size_t>(c.m * c.n));
+      int8_block_matmul(block_args(a, false, b, b_trans, c, bias.data(), out.data(), DType::f32));
+      const int64_t bs = c.block, nkb = (c.k + bs - 1) / bs, nnb = (c.n + bs - 1) / bs;
+      for (int64_t i = 0; i < c.m; ++i)
+        for (int64_t j = 0; j < c.n; ++j) {
+          double sum = 0.0, mag = 0.0;
+          for (int64_t s = 0; s < nkb; ++s) {
+            int64_t dot = 0;
+            for (int64_t kk = s * bs; kk < std::min(c.k, (s + 1) * bs); ++kk)
+              dot += int64_t(a.q[size_t(i * c.k + kk)]) * (b_trans ? b.q[size_t(j * c.k + kk)] : b.q[size_t(kk * c.n + j)]);
+            const double sb = b_trans ? b.scale[size_t((j / bs) * nkb + s)] : b.scale[size_t(s * nnb + j / bs)];
+            const double t = double(dot) * a.scale[size_t((i / bs) * nkb + s)] * sb;
+            sum += t;
+            mag += std::fabs(t);
+          }
+          sum += bias[size_t(j)];
+          mag += std::fabs(bias[size_t(j)]);
+          const double bound = double(nkb + 4) * std::ldexp(1.0, -24) * mag;
+          ASSERT_LE(std::fabs(double(out[size_t(i * c.n + j)]) - sum), bound)
+              << c.m << "x" << c.n << "x" << c.k << " block " << c.block << " at " << i << "," << j;
+        }
+    }
+}
+
+TEST(Int8BlockGemm, EmptyAndZeroDepthProducts) {
+  // k = 0: every output is the bias (or 0); m = 0 or n = 0: nothing is touched.
+  std::vector<float> bias = {1.5f, -2.0f, 0.0f}, out(6, 9.0f);
+  BlockGemmArgs g;
+  g.m = 2;
+  g.n = 3;
+  g.k = 0;
+  g.bias = bias.data();
+  g.out = out.data();
+  int8_block_matmul(g);
+  EXPECT_EQ(out, (std::vector<float>{1.5f, -2.0f, 0.0f, 1.5f, -2.0f, 0.0f}));
+  g.bias = nullptr;
+  int8_block_matmul(g);
+  EXPECT_EQ(out, std::vector<float>(6, 0.0f));
+  g.m = 0;
+  g.k = 5;
+  g.out = nullptr;
+  EXPECT_NO_THROW(int8_block_matmul(g));
+}
+
 TEST(Int8Api, BadArgumentsThrowNamingTheArgument) {
   std::vector<float> x(16);
   std::vector<int8_t> q(16);
@@ -447,6 +617,33 @@ TEST(Int8Api, BadArgumentsThrowNamingTheArgument) {
   e.accumulate = false;
   e.row_group = 0;
   expect_arg([&] { int8_dequantize_matmul(e); }, "row_group");
+  // The per-block product.
+  std::vector<float> out(16);
+  BlockGemmArgs g;
+  g.a = q.data();
+  g.a_scale = s.data();
+  g.b = q.data();
+  g.b_scale = s.data();
+  g.m = 2;
+  g.n = 2;
+  g.k = 4;
+  g.out = out.data();
+  EXPECT_NO_THROW(int8_block_matmul(g));
+  auto bad = [&](auto edit, const char* name) {
+    BlockGemmArgs h = g;
+    edit(h);
+    expect_arg([&] { int8_block_matmul(h); }, name);
+  };
+  bad([](BlockGemmArgs& h) { h.block = 0; }, "block");
+  bad([](BlockGemmArgs& h) { h.block = 65537; }, "block");
+  bad([](BlockGemmArgs& h) { h.m = -1; }, "m");
+  bad([](BlockGemmArgs& h) { h.k = -3; }, "k");
+  bad([](BlockGemmArgs& h) { h.a = nullptr; }, "a");
+  bad([](BlockGemmArgs& h) { h.b_scale = nullptr; }, "b_scale");
+  bad([&](BlockGemmArgs& h) { h.bias = reinterpret_cast<const float*>(reinterpret_cast<const char*>(s.data()) + 1); }, "bias");
+  bad([](BlockGemmArgs& h) { h.out = nullptr; }, "out");
+  bad([](BlockGemmArgs& h) { h.out_dtype = DType(7); }, "out_dtype");
+  expect_arg([&] { int8_block_matmul(g, -1); }, "threads");
 }
 
 TEST(Int8Cuda, UnsupportedWithoutCuda) {
@@ -461,6 +658,12 @@ TEST(Int8Cuda, UnsupportedWithoutCuda) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::unsupported);
     EXPECT_NE(std::string(e.what()).find("not built with CUDA"), std::string::npos);
+  }
+  try {
+    int8_block_matmul_cuda(BlockGemmArgs{});
+    ADD_FAILURE() << "expected an unsupported error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
   }
 #endif
 }

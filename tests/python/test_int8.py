@@ -23,7 +23,7 @@ import zero8
 from zero8 import _C
 from zero8.nn import Int8Linear, Linear8bitLt, convert_linear8bit
 from zero8.nn import linear8bit as l8
-from zero8.nn.int8_linear import blockwise_int8_matmul
+from zero8.nn.int8_linear import _blockwise_int8_matmul_sliced, blockwise_int8_matmul
 
 EPS32 = 2.0**-24  # float32 unit roundoff
 
@@ -228,7 +228,8 @@ def test_int8linear_fast_forward_error_within_vectorwise_bound():
     torch.manual_seed(8)
     mtok, k, n = 64, 128, 96
     lin = torch.nn.Linear(k, n)
-    il = Int8Linear.from_linear(lin)
+    il = Int8Linear.from_linear(lin, gemm="fast")
+    assert Int8Linear.from_linear(lin).gemm == "exact"  # the default: Jetfire's per-block math
     x = torch.randn(mtok, k)
     y = il(x).double()
     x64, w64 = x.double(), lin.weight.double()
@@ -329,6 +330,59 @@ def test_blockwise_matmul_matches_dequantized_product_and_gemm_backends_agree():
     finally:
         l8._GEMM = before
     assert l8.int8_gemm_backend().startswith(("torch", "zero8"))
+
+
+@pytest.mark.parametrize("block", [32, 16, 64, 128, 20])
+def test_blockwise_matmul_fused_equals_per_slice_definition_bit_for_bit(block):
+    # The fused kernel (zero8._C.int8_block_matmul: AVX-512 VNNI here, else the reference) against the
+    # previous definition, one library int8 GEMM per block-wide slice with an accumulating float32
+    # epilogue, on the three products of a linear layer: X W^T (both row-major), dY W (the weight as a
+    # .t() view), dY^T X (both .t() views); edge blocks partial on every axis; with a bias; all out dtypes.
+    torch.manual_seed(20 + block)
+    tokens, fin, fout = 70, 100, 45
+    x, w, g = torch.randn(tokens, fin), torch.randn(fout, fin), torch.randn(tokens, fout)
+    g[3] *= 30.0
+    qx, sx = l8.quantize_blocks(x, block)
+    qw, sw = l8.quantize_blocks(w, block)
+    qg, sg = l8.quantize_blocks(g, block, stochastic=True)
+    bias = torch.randn(fout)
+    products = {
+        "X W^T": (qx, sx, qw, sw),
+        "dY W": (qg, sg, qw.t(), sw.t()),
+        "dY^T X": (qg.t(), sg.t(), qx.t(), sx.t()),
+    }
+    for name, (qa, sa, qb, sb) in products.items():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            b = bias if name == "X W^T" else None
+            fused = blockwise_int8_matmul(qa, sa, qb, sb, block, out_dtype=dtype, bias=b)
+            sliced = _blockwise_int8_matmul_sliced(qa, sa, qb, sb, block, out_dtype=dtype, bias=b)
+            assert fused.dtype == dtype and fused.shape == sliced.shape
+            assert torch.equal(fused.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               sliced.view(torch.int16 if dtype != torch.float32 else torch.int32)), (name, dtype)
+
+
+def test_blockwise_matmul_backend_and_bad_arguments():
+    assert _C.int8_block_matmul_backend() in ("avx512-vnni", "reference")
+    qa, sa = l8.quantize_blocks(torch.randn(40, 50), 32)
+    qb, sb = l8.quantize_blocks(torch.randn(30, 50), 32)
+    assert blockwise_int8_matmul(qa, sa, qb, sb, 32).shape == (40, 30)
+    with pytest.raises(zero8.Zero8ValueError, match="sa"):
+        blockwise_int8_matmul(qa, sa[:1], qb, sb, 32)
+    with pytest.raises(zero8.Zero8ValueError, match="sb_t"):
+        blockwise_int8_matmul(qa, sa, qb, sb.t(), 32)
+    with pytest.raises(zero8.Zero8ValueError, match="qb_t"):
+        blockwise_int8_matmul(qa, sa, qb[:, :49], sb, 32)
+    with pytest.raises(zero8.Zero8ValueError, match="qa"):
+        blockwise_int8_matmul(qa.float(), sa, qb, sb, 32)
+    with pytest.raises(zero8.Zero8ValueError, match="bias"):
+        blockwise_int8_matmul(qa, sa, qb, sb, 32, bias=torch.zeros(31))
+    with pytest.raises(zero8.Zero8ValueError, match="block"):
+        blockwise_int8_matmul(qa, sa, qb, sb, 0)
+    # The C++ layer validates again and names its argument.
+    with pytest.raises(zero8.Zero8ValueError, match="'block'"):
+        _C.int8_block_matmul(0, 0, False, 0, 0, True, 1, 1, 1, 0)
+    with pytest.raises(zero8.Zero8ValueError, match="'a'"):
+        _C.int8_block_matmul(0, 0, False, 0, 0, True, 1, 1, 1, 32)
 
 
 # ---------------------------------------------------------------------- a small GPT trained in int8

@@ -1,6 +1,6 @@
 // The validated int8 API (zero8/int8.h): checks every argument once, then runs the int8 kernels (the
 // active CPU variant with OpenMP, or the CUDA kernels), and the int8 GEMM through oneDNN's matmul
-// primitive (primitives cached by shape) when zero8 was built with oneDNN.
+// primitive (primitives cached by shape) when zero8 was built with oneDNN, and the per-block product.
 #include "zero8/int8.h"
 
 #include <map>
@@ -130,6 +130,22 @@ void check_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t
   check_ptr(a, "a", m * k, 1);
   check_ptr(b, "b", k * n, 1);
   check_ptr(c, "c", m * n, 4);
+}
+
+void check_block_gemm(const BlockGemmArgs& g) {
+  ZERO8_CHECK_ARG(g.m >= 0, "m", "must be >= 0, got " << g.m);
+  ZERO8_CHECK_ARG(g.n >= 0, "n", "must be >= 0, got " << g.n);
+  ZERO8_CHECK_ARG(g.k >= 0, "k", "must be >= 0, got " << g.k);
+  ZERO8_CHECK_ARG(g.block >= 1 && g.block <= 65536, "block", "must be in 1..65536, got " << g.block);
+  check_dtype(g.out_dtype, "out_dtype");
+  const int64_t bs = g.block, nmb = (g.m + bs - 1) / bs, nnb = (g.n + bs - 1) / bs, nkb = (g.k + bs - 1) / bs;
+  const bool used = g.m > 0 && g.n > 0;  // an empty output reads nothing
+  check_ptr(g.a, "a", used ? g.m * g.k : 0, 1);
+  check_ptr(g.a_scale, "a_scale", used ? nmb * nkb : 0, 4);
+  check_ptr(g.b, "b", used ? g.k * g.n : 0, 1);
+  check_ptr(g.b_scale, "b_scale", used ? nkb * nnb : 0, 4);
+  check_ptr(g.bias, "bias", 0, 4);
+  check_ptr(g.out, "out", g.m * g.n, dtype_size(g.out_dtype));
 }
 
 #if !ZERO8_WITH_CUDA
@@ -294,6 +310,14 @@ std::string int8_gemm_backend() {
 #endif
 }
 
+void int8_block_matmul(const BlockGemmArgs& args, int threads) {
+  check_block_gemm(args);
+  check_threads(threads);
+  int8_block_gemm(args, isa_active(), threads);
+}
+
+std::string int8_block_matmul_backend() { return int8_block_gemm_variant(isa_active()); }
+
 // ---- CUDA ----
 
 void int8_quantize_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
@@ -334,6 +358,16 @@ void int8_dequantize_matmul_cuda(const EpilogueArgs& args, void* stream) {
 #if ZERO8_WITH_CUDA
   check_epilogue(args);
   if (args.rows > 0 && args.cols > 0) int8_epilogue_cuda(args, stream);
+#else
+  (void)args, (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void int8_block_matmul_cuda(const BlockGemmArgs& args, void* stream) {
+#if ZERO8_WITH_CUDA
+  check_block_gemm(args);
+  if (args.m > 0 && args.n > 0) int8_block_gemm_cuda(args, stream);
 #else
   (void)args, (void)stream;
   cuda_unsupported();

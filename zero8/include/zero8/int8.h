@@ -1,6 +1,7 @@
 // Int8 linear layers, validated C++ API (no torch): absmax int8 quantization by rows, columns and 2-D
 // blocks (LLM.int8 vector-wise and outlier columns; Jetfire per-block with stochastic rounding), the
-// int8 GEMM (oneDNN when built with it, else a scalar reference) and its dequantizing epilogue.
+// int8 GEMM (oneDNN when built with it, else a scalar reference) and its dequantizing epilogue, and the
+// fused per-block (Jetfire) int8 product.
 // Every entry checks its arguments once and throws zero8::Error naming the bad one; the work runs on the
 // active CPU variant (isa_active) across OpenMP threads. The math is defined in zero8/kernels/int8.h.
 #pragma once
@@ -50,6 +51,18 @@ void int8_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t 
 // "onednn <version>" or "reference": what int8_gemm runs.
 std::string int8_gemm_backend();
 
+// The per-block int8 product of Jetfire (BlockGemmArgs in zero8/kernels/int8.h: A m x k, B k x n, each
+// stored either way with the per-block scales int8_quantize_blocks made for it as stored; block 1..65536;
+// optional float32 bias; output m x n row-major float32, bfloat16 or float16). Per reduction slice the
+// int32 dot product is exact and is dequantized and accumulated in float32 by int8_block_accumulate, so
+// every backend gives the same bits. Runs the AVX-512 VNNI kernel when the active CPU variant is avx512
+// and the CPU has AVX512_VNNI, else the scalar reference (correct, slow); threads as Int8QuantOptions.
+// The VNNI kernel keeps its packing workspace (about (m + n) * k bytes) for the calling thread's next
+// call: fresh pages cost more than the packing (docs/INT8.md); it is freed when the thread exits.
+void int8_block_matmul(const BlockGemmArgs& args, int threads = 0);
+// "avx512-vnni" or "reference": what int8_block_matmul runs.
+std::string int8_block_matmul_backend();
+
 // CUDA (device pointers, queued on `stream`, a cudaStream_t or null). Throw ErrorCode::unsupported
 // when zero8 was built without CUDA.
 void int8_quantize_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
@@ -61,6 +74,9 @@ void int8_quantize_blocks_cuda(const void* x, DType dtype, int64_t rows, int64_t
 void int8_outlier_columns_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, float threshold,
                                uint8_t* mask, void* stream = nullptr);
 void int8_dequantize_matmul_cuda(const EpilogueArgs& args, void* stream = nullptr);
+// Per-block int8 product on device pointers (kernels/cuda/int8_blockwise.cu), same contract and bits as
+// int8_block_matmul.
+void int8_block_matmul_cuda(const BlockGemmArgs& args, void* stream = nullptr);
 // cuBLASLt int8 GEMM, same layout contract as int8_gemm.
 void int8_gemm_cuda(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans = true,
                     void* stream = nullptr);

@@ -1,6 +1,7 @@
 // Int8 linear-layer kernels: absmax int8 quantization by rows (LLM.int8's vector-wise activations and
 // weights), by columns, and by 2-D blocks (Jetfire's per-block format, optional stochastic rounding);
-// outlier-column detection; and the epilogue that turns an int32 GEMM accumulator back into floats.
+// outlier-column detection; the epilogue that turns an int32 GEMM accumulator back into floats; and the
+// fused per-block product (Jetfire's GEMM with scales along the reduction axis).
 // The element rules below are ZERO8_HD so the scalar reference, the SIMD variants and the CUDA kernels
 // round identically. Raw kernels: arguments are validated by the API in zero8/int8.h, not here.
 #pragma once
@@ -56,6 +57,14 @@ ZERO8_HD int8_t int8_quant_stochastic(float x, float scale, float u) {
 // optional, in that order), then + the previous output when accumulating.
 ZERO8_HD float int8_dequant_one(int32_t acc, float row_scale, float col_scale) {
   return float(acc) * (row_scale * col_scale);
+}
+
+// One reduction slice of a per-block product (Jetfire) added to its float32 accumulator: the slice's exact
+// int32 dot product dequantized by int8_dequant_one, then summed, a product and a sum with no fused
+// multiply-add. Slices are accumulated in ascending order from 0; this is also what the per-slice path (an
+// int8 GEMM plus int8_epilogue with accumulate) computes, so the fused kernels equal it bit for bit.
+ZERO8_HD float int8_block_accumulate(float acc, int32_t dot, float row_scale, float col_scale) {
+  return acc + int8_dequant_one(dot, row_scale, col_scale);
 }
 
 // ---- kernel arguments (plain structs of raw pointers; row-major, contiguous) ----
@@ -148,6 +157,28 @@ struct GemmArgs {
   bool b_trans = true;
 };
 
+// Per-block int8 product (Jetfire): A (m x k) and B (k x n) quantized in block x block tiles, one scale
+// per tile. With slices s = [s*block, min(k, (s+1)*block)) of the reduction axis,
+//   out[i][j] = sum over s ascending of float(sum_{k in s} A[i][k] B[k][j]) * (sA[i/block][s] * sB[s][j/block])
+// accumulated by int8_block_accumulate from 0.0f, then + bias[j] (if given), stored as out_dtype by
+// dtype_store. Each operand comes with the scales int8_block_quant made for it as stored (row-major):
+//   A stored m x k: a_scale ceil(m/block) x ceil(k/block); a_trans, A stored k x m: ceil(k/block) x ceil(m/block)
+//   b_trans, B stored n x k (a weight): b_scale ceil(n/block) x ceil(k/block); else k x n: ceil(k/block) x ceil(n/block)
+// so the three products of a linear layer (X W^T, dY W, dY^T X) take the stored tensors without copies.
+struct BlockGemmArgs {
+  const int8_t* a = nullptr;
+  const float* a_scale = nullptr;
+  bool a_trans = false;
+  const int8_t* b = nullptr;
+  const float* b_scale = nullptr;
+  bool b_trans = true;
+  int64_t m = 0, n = 0, k = 0;
+  int32_t block = 32;
+  const float* bias = nullptr;  // n float32, or null
+  void* out = nullptr;          // m x n of out_dtype, row-major
+  DType out_dtype = DType::f32;
+};
+
 // ---- variants: single-threaded over the whole range given ----
 void int8_row_quant_ref(const RowQuantArgs& a);
 void int8_row_quant_avx2(const RowQuantArgs& a);
@@ -169,6 +200,14 @@ void int8_epilogue_avx2(const EpilogueArgs& a);
 void int8_epilogue_avx512(const EpilogueArgs& a);
 // Reference GEMM (int32 accumulation, exact): for tests and builds without a GEMM library. Slow.
 void int8_gemm_ref(const GemmArgs& a);
+// Per-block product, the definition written directly (one output at a time), for output rows
+// [row_begin, row_end) (row_end < 0: m). Slow.
+void int8_block_gemm_ref(const BlockGemmArgs& a, int64_t row_begin = 0, int64_t row_end = -1);
+// Per-block product with AVX-512 VNNI (vpdpbusd), operands packed once per call, OpenMP over output tiles
+// (threads = 0: OpenMP default). Needs int8_block_gemm_vnni_supported(); k >= 1.
+void int8_block_gemm_vnni(const BlockGemmArgs& a, int threads);
+// This CPU, OS and build can run int8_block_gemm_vnni (AVX-512 F/BW/DQ/VL plus AVX512_VNNI).
+bool int8_block_gemm_vnni_supported();
 
 // ---- dispatching entry points: the Isa's variant, OpenMP over rows / row blocks / column chunks
 // (threads = 0: OpenMP default, one thread for small inputs). Results do not depend on the thread
@@ -179,6 +218,11 @@ void int8_block_quant(const BlockQuantArgs& a, Isa isa, int threads = 0);
 void int8_block_dequant(const BlockDequantArgs& a, Isa isa, int threads = 0);
 int64_t int8_col_outliers(const OutlierArgs& a, Isa isa, int threads = 0);
 void int8_epilogue(const EpilogueArgs& a, Isa isa, int threads = 0);
+// Per-block product: the VNNI kernel when isa is avx512 (or a superset) and the CPU has AVX512_VNNI, else
+// the reference (OpenMP over rows). Bit-identical either way.
+void int8_block_gemm(const BlockGemmArgs& a, Isa isa, int threads = 0);
+// What int8_block_gemm runs for this isa: "avx512-vnni" or "reference".
+const char* int8_block_gemm_variant(Isa isa);
 
 #if ZERO8_WITH_CUDA
 // CUDA kernels over device pointers, queued on `stream` (a cudaStream_t; null: default stream).
@@ -190,6 +234,9 @@ void int8_epilogue_cuda(const EpilogueArgs& a, void* stream);
 // cuBLASLt int8 GEMM (int32 accumulation, CUBLAS_COMPUTE_32I) on device pointers. Throws
 // zero8::Error (internal) with the cuBLAS status on failure.
 void int8_gemm_cublaslt(const GemmArgs& a, void* stream);
+// Per-block product on device pointers (kernels/cuda/int8_blockwise.cu), same contract and rounding as
+// int8_block_gemm_ref.
+void int8_block_gemm_cuda(const BlockGemmArgs& a, void* stream);
 #endif
 
 }  // namespace zero8::int8
