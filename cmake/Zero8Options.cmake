@@ -80,10 +80,14 @@ if(NOT ZERO8_DNNL STREQUAL "OFF")
   endif()
 endif()
 
-# Per-file ISA flags, by file name suffix: foo_avx2.cpp, foo_avx512.cpp.
+# Per-file ISA flags, by file name suffix: foo_avx2.cpp, foo_avx512.cpp, foo_avx512vbmi.cpp (AVX-512
+# plus the VBMI byte permutes; its code runs only where cpuid reports AVX512_VBMI, see dispatch.cpp).
 function(zero8_set_isa_flags)
   foreach(src ${ARGN})
-    if(src MATCHES "_avx512\\.cpp$")
+    if(src MATCHES "_avx512vbmi\\.cpp$")
+      set_source_files_properties(${src} PROPERTIES COMPILE_OPTIONS
+        "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx512vbmi;-mavx2;-mfma;-mf16c;-mbmi2")
+    elseif(src MATCHES "_avx512\\.cpp$")
       set_source_files_properties(${src} PROPERTIES COMPILE_OPTIONS
         "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mavx2;-mfma;-mf16c;-mbmi2")
     elseif(src MATCHES "_avx2\\.cpp$")

@@ -30,7 +30,7 @@ void check_isa(Isa isa) {
 EncodeFn encode_variant(Isa isa) {
   check_isa(isa);
 #if ZERO8_WITH_X86_SIMD
-  if (isa == Isa::avx512) return quant_encode_avx512;
+  if (isa == Isa::avx512) return isa_avx512_vbmi() ? quant_encode_avx512vbmi : quant_encode_avx512;
   if (isa == Isa::avx2) return quant_encode_avx2;
 #else
   (void)isa;
@@ -41,7 +41,7 @@ EncodeFn encode_variant(Isa isa) {
 DecodeFn decode_variant(Isa isa) {
   check_isa(isa);
 #if ZERO8_WITH_X86_SIMD
-  if (isa == Isa::avx512) return quant_decode_avx512;
+  if (isa == Isa::avx512) return isa_avx512_vbmi() ? quant_decode_avx512vbmi : quant_decode_avx512;
   if (isa == Isa::avx2) return quant_decode_avx2;
 #else
   (void)isa;

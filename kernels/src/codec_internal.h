@@ -13,10 +13,12 @@ namespace zero8::quant {
 float quant_block_encode_f32_ref(const float* x, int32_t len, const QuantTable& t, uint8_t* codes);
 float quant_block_encode_f32_avx2(const float* x, int32_t len, const QuantTable& t, uint8_t* codes);
 float quant_block_encode_f32_avx512(const float* x, int32_t len, const QuantTable& t, uint8_t* codes);
+float quant_block_encode_f32_avx512vbmi(const float* x, int32_t len, const QuantTable& t, uint8_t* codes);
 
 // y[i] = values[codes[i]] * scale for len <= 4096 elements.
 void quant_block_decode_f32_ref(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y);
 void quant_block_decode_f32_avx2(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y);
 void quant_block_decode_f32_avx512(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y);
+void quant_block_decode_f32_avx512vbmi(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y);
 
 }  // namespace zero8::quant

@@ -1,6 +1,7 @@
-// CPU feature detection and the ZERO8_ISA override.
+// CPU feature detection, the ZERO8_ISA override and the AVX-512 VBMI setting (ZERO8_AVX512_VBMI).
 #include "zero8/kernels/dispatch.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -83,6 +84,57 @@ Isa isa_active() {
     ZERO8_THROW(invalid_argument, "ZERO8_ISA=" << s << " is not one of scalar, avx2, avx512");
   }();
   return active;
+}
+
+bool isa_avx512_vbmi_supported() {
+#if ZERO8_WITH_X86_SIMD && defined(__x86_64__)
+  // cpuid leaf 7, subleaf 0: ECX bit 1 is AVX512_VBMI (Intel SDM vol. 2A, CPUID).
+  static const bool vbmi = [] {
+    unsigned a, b, c, d;
+    return isa_supported(Isa::avx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 1)) != 0;
+  }();
+  return vbmi;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+// Environment: ZERO8_AVX512_VBMI = 0 | 1 (read once, at the first use of the setting).
+bool vbmi_default() {
+  const char* env = std::getenv("ZERO8_AVX512_VBMI");
+  if (!env || !*env) return isa_avx512_vbmi_supported();
+  const std::string s(env);
+  if (s == "0") return false;
+  if (s != "1") ZERO8_THROW(invalid_argument, "ZERO8_AVX512_VBMI=" << s << " is not 0 or 1");
+  if (!isa_avx512_vbmi_supported())
+    ZERO8_THROW(unsupported, "ZERO8_AVX512_VBMI=1 but this CPU/OS or build has no AVX-512 VBMI");
+  return true;
+}
+
+std::atomic<int>& vbmi_setting() {  // -1: not read yet
+  static std::atomic<int> on{-1};
+  return on;
+}
+
+}  // namespace
+
+bool isa_avx512_vbmi() {
+  std::atomic<int>& on = vbmi_setting();
+  int v = on.load(std::memory_order_relaxed);
+  if (v < 0) {
+    int unset = -1;
+    on.compare_exchange_strong(unset, vbmi_default() ? 1 : 0);
+    v = on.load(std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void isa_set_avx512_vbmi(bool on) {
+  if (on && !isa_avx512_vbmi_supported())
+    ZERO8_THROW(unsupported, "AVX-512 VBMI requested but this CPU/OS or build has no AVX-512 VBMI");
+  vbmi_setting().store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
 }  // namespace zero8

@@ -23,7 +23,7 @@ void isa_check(Isa isa) {
 StepFn step_fn(Isa isa) {
   isa_check(isa);
 #if ZERO8_WITH_X86_SIMD
-  if (isa == Isa::avx512) return optim_step_avx512;
+  if (isa == Isa::avx512) return isa_avx512_vbmi() ? optim_step_avx512vbmi : optim_step_avx512;
   if (isa == Isa::avx2) return optim_step_avx2;
 #endif
   return optim_step_ref;
@@ -32,7 +32,7 @@ StepFn step_fn(Isa isa) {
 NormsFn norms_fn(Isa isa) {
   isa_check(isa);
 #if ZERO8_WITH_X86_SIMD
-  if (isa == Isa::avx512) return optim_norms_avx512;
+  if (isa == Isa::avx512) return isa_avx512_vbmi() ? optim_norms_avx512vbmi : optim_norms_avx512;
   if (isa == Isa::avx2) return optim_norms_avx2;
 #endif
   return optim_norms_ref;

@@ -198,30 +198,38 @@ inline int64_t simd_piece_end(const StepArgs& a, int64_t i, int64_t hi, int64_t*
   return e < hi ? e : hi;
 }
 
+// One state block [lo, hi): decode its 8-bit states into buf1/buf2, step it piece by piece, encode the
+// states again. *seg: the segment of element lo or an earlier one (lamb/lars).
+template <class V, Algo A>
+void simd_step_block(const StepArgs& a, const OptimConsts& c, const VConsts<V>& k, bool use1, bool use2, int64_t lo,
+                     int64_t hi, float* buf1, float* buf2, int64_t* seg) {
+  const bool q8 = a.bits == 8;
+  constexpr bool trust_algo = A == Algo::lamb || A == Algo::lars;
+  const int32_t len = int32_t(hi - lo);
+  const int64_t b = lo / a.block;
+  if (use1 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code1 + lo, len, a.absmax1[b], *a.map1, buf1);
+  if (use2 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code2 + lo, len, a.absmax2[b], *a.map2, buf2);
+  for (int64_t i = lo; i < hi;) {
+    const int64_t end = trust_algo ? simd_piece_end(a, i, hi, seg) : hi;
+    const float trust = (trust_algo && a.seg_trust) ? a.seg_trust[a.nseg > 0 ? *seg : 0] : 1.0f;
+    const Ptrs q = simd_piece_ptrs(a, i, lo, use1, use2, buf1, buf2, a.update_params);
+    simd_step_piece<V, A>(k, q, end - i, trust, c.lr * trust);
+    i = end;
+  }
+  if (use1 && q8) a.absmax1[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf1, len, *a.map1, a.code1 + lo);
+  if (use2 && q8) a.absmax2[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf2, len, *a.map2, a.code2 + lo);
+}
+
 template <class V, Algo A>
 void simd_step(const StepArgs& a) {
   const OptimConsts c = optim_consts(a.algo, a.h);
   const VConsts<V> k(c);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
-  const bool q8 = a.bits == 8;
-  constexpr bool trust_algo = A == Algo::lamb || A == Algo::lars;
   alignas(64) float buf1[kMaxBlock], buf2[kMaxBlock];
   int64_t seg = 0;
   for (int64_t lo = 0; lo < a.n; lo += a.block) {
     const int64_t hi = lo + a.block < a.n ? lo + a.block : a.n;
-    const int32_t len = int32_t(hi - lo);
-    const int64_t b = lo / a.block;
-    if (use1 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code1 + lo, len, a.absmax1[b], *a.map1, buf1);
-    if (use2 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code2 + lo, len, a.absmax2[b], *a.map2, buf2);
-    for (int64_t i = lo; i < hi;) {
-      const int64_t end = trust_algo ? simd_piece_end(a, i, hi, &seg) : hi;
-      const float trust = (trust_algo && a.seg_trust) ? a.seg_trust[a.nseg > 0 ? seg : 0] : 1.0f;
-      const Ptrs q = simd_piece_ptrs(a, i, lo, use1, use2, buf1, buf2, a.update_params);
-      simd_step_piece<V, A>(k, q, end - i, trust, c.lr * trust);
-      i = end;
-    }
-    if (use1 && q8) a.absmax1[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf1, len, *a.map1, a.code1 + lo);
-    if (use2 && q8) a.absmax2[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf2, len, *a.map2, a.code2 + lo);
+    simd_step_block<V, A>(a, c, k, use1, use2, lo, hi, buf1, buf2, &seg);
   }
 }
 

@@ -78,6 +78,63 @@ void table_build_lut(QuantTable& t) {
   t.lut_packed = t.lut_steps != kQuantLutNoSteps && packed;
 }
 
+// The byte planes of values and thresholds, and the cells of the VBMI encoder (see QuantTable::cell_code).
+// A cell is an interval of n, so with monotone thresholds the codes at its two ends bound every code in
+// it; each binade takes the fewest cells that keep that spread <= 1. The top binade holds only |n| = 1.
+void table_build_cells(QuantTable& t) {
+  for (int c = 0; c < 256; ++c) {
+    const uint32_t v = f32_bits(t.values[c]), th = f32_bits(t.thresholds[c]);
+    for (int k = 0; k < 4; ++k) {
+      t.value_bytes[k][c] = uint8_t(v >> (8 * k));
+      t.threshold_bytes[k][c] = uint8_t(th >> (8 * k));
+    }
+  }
+  for (uint32_t s = 0; s < kQuantCellSlots; ++s) {  // unused slots: any valid cell
+    t.cell_base[s] = 0;
+    t.cell_shift[s] = 7;
+  }
+  t.cells_ok = 0;
+  if (t.lut_steps == kQuantLutNoSteps) return;  // thresholds not monotone
+  const uint32_t e_lo = kQuantLutLo >> 7, e_hi = kQuantLutHi >> 7;  // binades 103..127
+  uint32_t next = 0;
+  for (const bool neg : {false, true}) {
+    for (uint32_t e = e_lo; e <= e_hi; ++e) {
+      const uint32_t buckets = e == e_hi ? 1 : 128;
+      // Magnitudes [lo, hi] of buckets [m0, m1] of this binade (the first bucket reaches down to 0).
+      auto codes_of = [&](uint32_t m0, uint32_t m1, uint32_t* c_lo, uint32_t* c_hi) {
+        const float lo = (e == e_lo && m0 == 0) ? 0.0f : f32_from_bits(((e << 7) | m0) << kQuantLutShift);
+        const float hi = e == e_hi ? 1.0f : f32_from_bits(((((e << 7) | m1) + 1) << kQuantLutShift) - 1);
+        *c_lo = quant_code_nearest(neg ? -hi : lo, t);
+        *c_hi = quant_code_nearest(neg ? -lo : hi, t);
+      };
+      uint32_t bits = 0;  // log2 of the number of cells
+      for (;; ++bits) {
+        const uint32_t per = buckets >> bits;  // buckets per cell
+        bool fits = true;
+        for (uint32_t m0 = 0; fits && m0 < buckets; m0 += per) {
+          uint32_t c_lo, c_hi;
+          codes_of(m0, m0 + per - 1, &c_lo, &c_hi);
+          fits = c_hi - c_lo <= 1;
+        }
+        if (fits) break;
+        if (per == 1) return;  // two thresholds in one bucket: no cells for this map
+      }
+      const uint32_t cells = 1u << bits;
+      if (next + cells > kQuantCellsMax) return;
+      const uint32_t slot = neg ? e - 103 : e - 64;
+      t.cell_base[slot] = uint16_t(next);
+      t.cell_shift[slot] = uint16_t(7 - bits);
+      for (uint32_t k = 0; k < cells; ++k) {
+        uint32_t c_lo, c_hi;
+        codes_of(k << (7 - bits), ((k + 1) << (7 - bits)) - 1, &c_lo, &c_hi);
+        t.cell_code[next + k] = uint8_t(c_lo);
+      }
+      next += cells;
+    }
+  }
+  t.cells_ok = 1;
+}
+
 }  // namespace
 
 // "8-bit Optimizers via Block-wise Quantization" (Dettmers et al. 2022), dynamic tree quantization as
@@ -171,11 +228,12 @@ QuantTable table_build(const std::vector<float>& values) {
   t.has_neg_one = values[0] == -1.0f;
   t.is_unsigned = values[0] >= 0.0f;
   table_build_lut(t);
+  table_build_cells(t);
   return t;
 }
 
 const QuantTable& table_get(MapKind kind) {
-  static QuantTable tables[4];
+  static QuantTable tables[4];  // alignas(64) from the type
   static std::once_flag once;
   std::call_once(once, [] {
     for (int k = 0; k < 4; ++k) tables[k] = table_build(map_values(MapKind(k)));

@@ -1,7 +1,7 @@
-// Block-wise codec: every CPU variant this machine runs, for fp32/bf16/fp16, against an independent
-// brute-force encoder (codes and scales compared exactly) on many input distributions and lengths;
-// decode bit-exact; stochastic rounding reproducible and unbiased; thread counts; bad arguments;
-// and the ZERO8_ISA override.
+// Block-wise codec: every CPU variant this machine runs (the avx512 one with and without its VBMI code),
+// for fp32/bf16/fp16, against an independent brute-force encoder (codes and scales compared exactly) on
+// many input distributions and lengths; decode bit-exact; stochastic rounding reproducible and
+// unbiased; thread counts; bad arguments; and the ZERO8_ISA and ZERO8_AVX512_VBMI overrides.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,11 +30,15 @@ namespace {
 using namespace zero8;
 using namespace zero8::quant;
 
-// Child mode for the IsaEnvironment tests: report isa_active() and exit before any test runs.
+// Child mode for the IsaEnvironment tests: report isa_active() (or, with ZERO8_TEST_VBMI_CHILD,
+// isa_avx512_vbmi()) and exit before any test runs.
 const bool g_isa_child = [] {
   if (!std::getenv("ZERO8_TEST_ISA_CHILD")) return false;
   try {
-    std::printf("%s\n", isa_name(isa_active()));
+    if (std::getenv("ZERO8_TEST_VBMI_CHILD"))
+      std::printf("%d\n", isa_avx512_vbmi() ? 1 : 0);
+    else
+      std::printf("%s\n", isa_name(isa_active()));
     std::fflush(stdout);
     std::_Exit(0);
   } catch (const Error& e) {
@@ -45,6 +49,15 @@ const bool g_isa_child = [] {
 }();
 
 constexpr Isa kAllIsas[] = {Isa::scalar, Isa::avx2, Isa::avx512};
+
+// A CPU variant as the tests run it: an Isa, and for avx512 whether its VBMI code is on.
+struct Variant {
+  Isa isa;
+  bool vbmi;
+};
+constexpr Variant kAllVariants[] = {{Isa::scalar, false}, {Isa::avx2, false}, {Isa::avx512, false}, {Isa::avx512, true}};
+std::string variant_name(const Variant& v) { return v.vbmi ? "avx512vbmi" : isa_name(v.isa); }
+void PrintTo(const Variant& v, std::ostream* os) { *os << variant_name(v); }
 constexpr DType kAllDtypes[] = {DType::f32, DType::bf16, DType::f16};
 constexpr MapKind kAllMaps[] = {MapKind::dynamic_signed, MapKind::dynamic_unsigned, MapKind::linear_signed,
                                 MapKind::linear_unsigned};
@@ -247,18 +260,27 @@ std::vector<int64_t> test_lengths(int32_t block) {
 
 // ---- variant-parameterised tests ----
 
-class CodecIsa : public ::testing::TestWithParam<Isa> {
+// Runs each test with the variant's VBMI setting and restores the default afterwards.
+class CodecIsa : public ::testing::TestWithParam<Variant> {
  protected:
   void SetUp() override {
-    if (!isa_supported(GetParam()))
-      GTEST_SKIP() << "this CPU/OS or build cannot run the " << isa_name(GetParam()) << " variant";
+    const Variant v = GetParam();
+    if (!isa_supported(v.isa) || (v.vbmi && !isa_avx512_vbmi_supported()))
+      GTEST_SKIP() << "this CPU/OS or build cannot run the " << variant_name(v) << " variant";
+    saved_vbmi_ = isa_avx512_vbmi();
+    isa_set_avx512_vbmi(v.vbmi);
   }
+  void TearDown() override { isa_set_avx512_vbmi(saved_vbmi_); }
+  std::string name() const { return variant_name(GetParam()); }
+
+ private:
+  bool saved_vbmi_ = false;
 };
 
 // Nearest rounding: codes and scales equal the brute-force encoder for every dtype, distribution, map,
 // block size and length; the block's extreme element decodes exactly; no decoded value flips sign.
 TEST_P(CodecIsa, NearestMatchesBruteForce) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   uint64_t seed = 1;
   for (DType dt : kAllDtypes) {
     for (Dist d : kAllDists) {
@@ -269,7 +291,7 @@ TEST_P(CodecIsa, NearestMatchesBruteForce) {
           const QuantTable& t = table_get(kind);
           for (int64_t n : test_lengths(block)) {
             const Tensor x = make_input(d, dt, n, ++seed);
-            const std::string what = std::string(isa_name(isa)) + " " + dtype_name(dt) + " " + dist_name(d) + " " +
+            const std::string what = name() + " " + dtype_name(dt) + " " + dist_name(d) + " " +
                                      map_kind_name(kind) + " block " + std::to_string(block) + " n " + std::to_string(n);
             const Quantized want = brute_encode(x, block, t.values);
             const Quantized got = run_encode(x, block, t, isa);
@@ -307,7 +329,7 @@ TEST_P(CodecIsa, NearestMatchesBruteForce) {
 // Every SIMD variant equals the scalar reference byte for byte: codes, scales, and decoded output
 // (float32, bfloat16, float16 and float32 accumulate) bit for bit, on large mixed inputs.
 TEST_P(CodecIsa, MatchesScalarReferenceBitwise) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   for (MapKind kind : kAllMaps) {
     const QuantTable& t = table_get(kind);
     for (DType dt : kAllDtypes) {
@@ -315,7 +337,7 @@ TEST_P(CodecIsa, MatchesScalarReferenceBitwise) {
         const int64_t n = 40 * int64_t(block) + 19;
         for (Dist d : {Dist::gaussian, Dist::mixed, Dist::cauchy, Dist::nonfinite}) {
           const Tensor x = make_input(d, dt, n, 1000 + uint64_t(block) + uint64_t(d));
-          const std::string what = std::string(isa_name(isa)) + " " + map_kind_name(kind) + " " + dtype_name(dt) +
+          const std::string what = name() + " " + map_kind_name(kind) + " " + dtype_name(dt) +
                                    " " + dist_name(d) + " block " + std::to_string(block);
           const Quantized ref = run_encode(x, block, t, Isa::scalar);
           const Quantized got = run_encode(x, block, t, isa);
@@ -344,7 +366,7 @@ TEST_P(CodecIsa, MatchesScalarReferenceBitwise) {
 // Decode is y = values[code] * scale (rounded once to the output dtype), or y += that in float32,
 // for any scale: negative, zero, subnormal, huge, NaN.
 TEST_P(CodecIsa, DecodeMatchesDefinition) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   std::mt19937_64 rng(99);
   const float scales[] = {1.0f, -0.37f, 0.0f, 1e-40f, -3e38f, 7.5e4f, std::numeric_limits<float>::quiet_NaN(), 2.5e-3f};
   for (MapKind kind : {MapKind::dynamic_signed, MapKind::dynamic_unsigned}) {
@@ -375,7 +397,7 @@ TEST_P(CodecIsa, DecodeMatchesDefinition) {
 // a triple value (non-monotone thresholds and repeated values: binary searches), and the signed
 // linear map (a threshold at 0 in the shared smallest bucket); nearest and stochastic rounding.
 TEST_P(CodecIsa, UnusualMapsMatchScalarReference) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   std::vector<QuantTable> tables;
   std::vector<float> dense(256), triple(256);
   for (int i = 0; i < 200; ++i) dense[i] = float(-1.0 + 1.5 * i / 199);
@@ -402,12 +424,63 @@ TEST_P(CodecIsa, UnusualMapsMatchScalarReference) {
   }
 }
 
+// Custom sorted maps, with and without the VBMI encoder's cells (QuantTable::cells_ok; without them the
+// VBMI variant encodes as the avx512 one): nearest codes and scales equal the scalar reference for every
+// dtype, block sizes 64..4096 with partial last blocks, and blocks of zeros, subnormals, huge values,
+// NaN and Inf. The maps put thresholds in the accelerator's shared smallest bucket (cubic, tiny
+// values), lack an exact 0 (the no-sign-flip rule acts: cubic, tiny values), or need more than the
+// 512 cells the byte permutes hold (bitsandbytes' dynamic map with 2 exponent bits).
+TEST_P(CodecIsa, CustomMapsMatchScalarReference) {
+  const Isa isa = GetParam().isa;
+  std::vector<float> cubic(256), tiny(256), square(256);
+  for (int i = 0; i < 256; ++i) {
+    const double x = -1.0 + 2.0 * i / 255;
+    cubic[size_t(i)] = float(x * x * x);
+    tiny[size_t(i)] = float(x);
+    square[size_t(i)] = float(double(i) * i / (255.0 * 255.0));
+  }
+  tiny[128] = 1e-30f;
+  tiny[129] = 2e-30f;
+  const struct {
+    const char* name;
+    std::vector<float> values;
+    bool cells;
+  } maps[] = {{"cubic", cubic, true},
+              {"tiny values", tiny, true},
+              {"square (unsigned)", square, true},
+              {"dynamic, 4 exponent bits", map_dynamic_values(true, 4, 8), true},
+              {"dynamic, 6 exponent bits", map_dynamic_values(true, 6, 8), true},
+              {"dynamic, 2 exponent bits", map_dynamic_values(true, 2, 8), false}};
+  uint64_t seed = 4000;
+  for (const auto& m : maps) {
+    const QuantTable t = table_build(m.values);
+    ASSERT_EQ(bool(t.cells_ok), m.cells) << m.name;
+    for (DType dt : kAllDtypes) {
+      for (int32_t block : kAllBlocks) {
+        const int64_t n = 3 * int64_t(block) + block / 2 + 7;
+        for (Dist d : {Dist::uniform, Dist::gaussian, Dist::mixed, Dist::zeros, Dist::subnormal, Dist::huge,
+                       Dist::nonfinite}) {
+          if (block > 256 && d != Dist::mixed && d != Dist::nonfinite) continue;  // large blocks: two inputs
+          const Tensor x = make_input(d, dt, n, ++seed);
+          expect_same(run_encode(x, block, t, Isa::scalar), run_encode(x, block, t, isa),
+                      name() + " map " + m.name + " " + dtype_name(dt) + " " + dist_name(d) + " block " +
+                          std::to_string(block));
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
 // The single-block helpers the fused optimizers call: same codes, scale and decode as the reference.
 TEST_P(CodecIsa, BlockHelpersMatchReference) {
-  const Isa isa = GetParam();
-  auto encode = isa == Isa::avx512 ? quant_block_encode_f32_avx512
+  const Isa isa = GetParam().isa;
+  const bool vbmi = GetParam().vbmi;
+  auto encode = vbmi ? quant_block_encode_f32_avx512vbmi
+                : isa == Isa::avx512 ? quant_block_encode_f32_avx512
                 : isa == Isa::avx2 ? quant_block_encode_f32_avx2 : quant_block_encode_f32_ref;
-  auto decode = isa == Isa::avx512 ? quant_block_decode_f32_avx512
+  auto decode = vbmi ? quant_block_decode_f32_avx512vbmi
+                : isa == Isa::avx512 ? quant_block_decode_f32_avx512
                 : isa == Isa::avx2 ? quant_block_decode_f32_avx2 : quant_block_decode_f32_ref;
   for (MapKind kind : {MapKind::dynamic_signed, MapKind::dynamic_unsigned}) {
     const QuantTable& t = table_get(kind);
@@ -431,7 +504,7 @@ TEST_P(CodecIsa, BlockHelpersMatchReference) {
 
 // OpenMP: 1, 2 and 3 threads give identical codes, scales and decodes (also stochastic).
 TEST_P(CodecIsa, ThreadCountsGiveIdenticalResults) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   const QuantTable& t = table_get(MapKind::dynamic_signed);
   for (int32_t block : {64, 2048}) {
     const int64_t n = 50 * int64_t(block) + 33;
@@ -454,7 +527,7 @@ TEST_P(CodecIsa, ThreadCountsGiveIdenticalResults) {
 // 16-bit value, the value, the midpoint to the next one and the floats beside that midpoint (the
 // rounding boundaries), plus NaN payloads, written as values[255] (= 1) * scale.
 TEST_P(CodecIsa, ConversionsMatchHdBitwise) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   const QuantTable& t = table_get(MapKind::dynamic_signed);
   ASSERT_EQ(t.values[255], 1.0f);
   const int32_t block = 64;
@@ -502,7 +575,7 @@ TEST_P(CodecIsa, ConversionsMatchHdBitwise) {
 // Tensors large enough for the decode's streaming-store path (8 MiB of output per call) on 64-byte
 // aligned buffers: codes, scales and decodes still equal the reference.
 TEST_P(CodecIsa, LargeAlignedTensorsMatchReference) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   const QuantTable& t = table_get(MapKind::dynamic_signed);
   const int64_t n = (int64_t(1) << 23) + 4099;
   const int32_t block = 2048;
@@ -544,7 +617,7 @@ TEST_P(CodecIsa, LargeAlignedTensorsMatchReference) {
 // Stochastic rounding follows its definition exactly (the same draws rng_uniform(seed, index_base + i)
 // in every variant), for several seeds and index bases.
 TEST_P(CodecIsa, StochasticMatchesDefinition) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   for (MapKind kind : {MapKind::dynamic_signed, MapKind::dynamic_unsigned, MapKind::linear_signed}) {
     const QuantTable& t = table_get(kind);
     for (DType dt : kAllDtypes) {
@@ -554,7 +627,7 @@ TEST_P(CodecIsa, StochasticMatchesDefinition) {
           const Tensor x = make_input(d, dt, n, 31 + uint64_t(block));
           for (uint64_t seed : {uint64_t(1), uint64_t(0x123456789abcdefull)}) {
             for (uint64_t base : {uint64_t(0), uint64_t(1000000000007ull)}) {
-              const std::string what = std::string(isa_name(isa)) + " " + map_kind_name(kind) + " " + dtype_name(dt) +
+              const std::string what = name() + " " + map_kind_name(kind) + " " + dtype_name(dt) +
                                        " " + dist_name(d) + " block " + std::to_string(block);
               expect_same(brute_encode(x, block, t.values, true, seed, base), run_encode(x, block, t, isa, 1, true, seed, base),
                           what);
@@ -570,7 +643,7 @@ TEST_P(CodecIsa, StochasticMatchesDefinition) {
 // The draw u is compared with u < p: an element exactly on a map value (p = 0) keeps its code even
 // when u = 0. Found by search: an index whose draw is exactly 0 (one in 2^24), placed on such an element.
 TEST_P(CodecIsa, StochasticZeroDrawOnMapValueKeepsCode) {
-  const Isa isa = GetParam();
+  const Isa isa = GetParam().isa;
   const uint64_t seed = 3;
   uint64_t zero_index = 1000;
   while (rng_uniform(seed, zero_index) != 0.0f) ++zero_index;
@@ -594,8 +667,8 @@ TEST_P(CodecIsa, StochasticZeroDrawOnMapValueKeepsCode) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, CodecIsa, ::testing::ValuesIn(kAllIsas),
-                         [](const ::testing::TestParamInfo<Isa>& info) { return std::string(isa_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Variants, CodecIsa, ::testing::ValuesIn(kAllVariants),
+                         [](const ::testing::TestParamInfo<Variant>& info) { return variant_name(info.param); });
 
 // ---- stochastic rounding statistics and splitting (public API, active variant) ----
 
@@ -727,15 +800,15 @@ TEST(CodecApi, RoundTripThroughPublicApi) {
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y.bits(i), f32_to_bf16(yf[size_t(i)])) << i;
 }
 
-// ---- ZERO8_ISA ----
+// ---- ZERO8_ISA, ZERO8_AVX512_VBMI ----
 
-// Run this test binary in child mode with ZERO8_ISA set: returns (exit code, output).
-std::pair<int, std::string> run_isa_child(const std::string& value) {
+// Run this test binary in child mode with the given environment assignments ("NAME='value' ...").
+std::pair<int, std::string> run_child(const std::string& env) {
   char exe[4096];
   const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   if (len <= 0) return {-1, "readlink failed"};
   exe[len] = '\0';
-  const std::string cmd = "ZERO8_TEST_ISA_CHILD=1 ZERO8_ISA='" + value + "' '" + exe + "' 2>&1";
+  const std::string cmd = "ZERO8_TEST_ISA_CHILD=1 " + env + " '" + exe + "' 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return {-1, "popen failed"};
   std::string out;
@@ -745,6 +818,9 @@ std::pair<int, std::string> run_isa_child(const std::string& value) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
+// The child with ZERO8_ISA set: returns (exit code, output).
+std::pair<int, std::string> run_isa_child(const std::string& value) { return run_child("ZERO8_ISA='" + value + "'"); }
+
 TEST(IsaEnvironment, ForcesTheVariant) {
   for (Isa isa : kAllIsas) {
     if (!isa_supported(isa)) continue;
@@ -752,6 +828,50 @@ TEST(IsaEnvironment, ForcesTheVariant) {
     EXPECT_EQ(rc, 0) << out;
     EXPECT_EQ(out, std::string(isa_name(isa)) + "\n");
   }
+}
+
+// ZERO8_AVX512_VBMI=0|1 sets the avx512 variant's VBMI code at start; unset, it is on where supported.
+TEST(IsaEnvironment, Avx512VbmiSetting) {
+  auto child = [](const char* value) {
+    return run_child(std::string("ZERO8_TEST_VBMI_CHILD=1 ZERO8_AVX512_VBMI='") + value + "'");
+  };
+  const bool supported = isa_avx512_vbmi_supported();
+  {
+    const auto [rc, out] = child("");
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_EQ(out, supported ? "1\n" : "0\n");
+  }
+  {
+    const auto [rc, out] = child("0");
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_EQ(out, "0\n");
+  }
+  {
+    const auto [rc, out] = child("1");
+    if (supported) {
+      EXPECT_EQ(rc, 0) << out;
+      EXPECT_EQ(out, "1\n");
+    } else {
+      EXPECT_EQ(rc, 3) << out;
+      EXPECT_NE(out.find("ZERO8_AVX512_VBMI"), std::string::npos) << out;
+    }
+  }
+  {
+    const auto [rc, out] = child("yes");
+    EXPECT_EQ(rc, 3) << out;
+    EXPECT_NE(out.find("ZERO8_AVX512_VBMI"), std::string::npos) << out;
+  }
+  // In process: the setter switches the code, and refuses VBMI where the CPU lacks it.
+  const bool saved = isa_avx512_vbmi();
+  isa_set_avx512_vbmi(false);
+  EXPECT_FALSE(isa_avx512_vbmi());
+  if (supported) {
+    isa_set_avx512_vbmi(true);
+    EXPECT_TRUE(isa_avx512_vbmi());
+  } else {
+    EXPECT_THROW(isa_set_avx512_vbmi(true), Error);
+  }
+  isa_set_avx512_vbmi(saved);
 }
 
 TEST(IsaEnvironment, InvalidValueNamesTheVariable) {

@@ -32,6 +32,26 @@ namespace {
 using namespace zero8;
 using namespace zero8::optim;
 
+// A CPU variant as the tests run it: an Isa, and for avx512 whether its VBMI code is on
+// (isa_set_avx512_vbmi; VbmiScope sets it for one run and restores the default).
+struct Variant {
+  Isa isa;
+  bool vbmi;
+};
+std::string variant_name(const Variant& v) { return v.vbmi ? "avx512vbmi" : isa_name(v.isa); }
+std::vector<Variant> supported_variants() {
+  std::vector<Variant> v;
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512})
+    if (isa_supported(i)) v.push_back({i, false});
+  if (isa_avx512_vbmi_supported()) v.push_back({Isa::avx512, true});
+  return v;
+}
+struct VbmiScope {
+  bool saved = isa_avx512_vbmi();
+  explicit VbmiScope(bool on) { isa_set_avx512_vbmi(on); }
+  ~VbmiScope() { isa_set_avx512_vbmi(saved); }
+};
+
 constexpr Algo kAlgos[] = {Algo::adam, Algo::adamw, Algo::sgd,     Algo::lion,
                            Algo::rmsprop, Algo::adagrad, Algo::lamb, Algo::lars};
 constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16};
@@ -554,9 +574,7 @@ void kernel_step(KernelRun& r, const Hyper& h, const GradBuf& gb, const std::vec
 
 TEST_P(OptimAlgo, SimdVariantsEqualReferenceBitwise) {
   const Algo algo = GetParam();
-  std::vector<Isa> isas;
-  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512})
-    if (isa_supported(i)) isas.push_back(i);
+  const std::vector<Variant> variants = supported_variants();
   if (!isa_supported(Isa::avx2)) GTEST_SKIP() << "this CPU/build has no AVX2: only the scalar reference runs here";
   int configs = 0;
   // Settings: typical, alternate, and (sgd/lars only) momentum 0, where the state is not touched.
@@ -595,7 +613,8 @@ TEST_P(OptimAlgo, SimdVariantsEqualReferenceBitwise) {
             }
             // The thread split is dtype-independent: 2 and 3 threads on the matching-dtype configs.
             const std::vector<int> thread_counts = pdt == gdt ? std::vector<int>{1, 2, 3} : std::vector<int>{1};
-            for (Isa isa : isas) {
+            for (const Variant& v : variants) {
+              const VbmiScope vbmi(v.vbmi);
               for (int threads : thread_counts) {
                 KernelRun r(st0);
                 r.pb.init(pdt, p0);
@@ -603,11 +622,11 @@ TEST_P(OptimAlgo, SimdVariantsEqualReferenceBitwise) {
                   Hyper ht = h;
                   ht.step = t;
                   std::vector<double> norms;
-                  kernel_step(r, ht, grads[size_t(t - 1)], segs, int(isa), threads, &norms);
+                  kernel_step(r, ht, grads[size_t(t - 1)], segs, int(v.isa), threads, &norms);
                   Snapshot got = r.snap();
                   got.norms = norms;
                   ASSERT_TRUE(snapshots_equal(got, want[size_t(t - 1)]))
-                      << isa_name(isa) << " threads=" << threads << " step " << t;
+                      << variant_name(v) << " threads=" << threads << " step " << t;
                 }
               }
             }
@@ -653,14 +672,14 @@ TEST(OptimNorms, IdenticalForEveryVariantAndThreadCount) {
       a.seg_offsets = segs.data();
       std::vector<NormSums> want(size_t(a.nseg));
       optim_norms_ref(a, want.data());
-      for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512}) {
-        if (!isa_supported(isa)) continue;
+      for (const Variant& v : supported_variants()) {
+        const VbmiScope vbmi(v.vbmi);
         for (int threads : {1, 2, 3}) {
           std::vector<NormSums> got(size_t(a.nseg));
-          optim_norms(a, got.data(), isa, threads);
+          optim_norms(a, got.data(), v.isa, threads);
           for (size_t s = 0; s < got.size(); ++s) {
             EXPECT_EQ(std::memcmp(&got[s], &want[s], sizeof(NormSums)), 0)
-                << isa_name(isa) << " threads=" << threads << " segment " << s;
+                << variant_name(v) << " threads=" << threads << " segment " << s;
           }
         }
       }
@@ -806,6 +825,175 @@ TEST(OptimGradScale, ScalingTheGradientAndTheScaleCancels) {
 
 // SGD without momentum keeps no state: the raw range runs with null state pointers, and the step is
 // exactly torch's p - lr (g + wd p) (the same float operations written out here).
+// Parameters (and masters) equal bit for bit, except that any two NaNs count as equal: which NaN an
+// operation returns when both operands are NaN (x86 returns its first operand) depends on the operand
+// order the compiler picks for commutative operations, in the reference as in the vector code, so
+// NaN payloads and signs are not reproducible between variants (infinities and finite values are).
+bool same_bits_or_nan(const ParamBuf& x, const ParamBuf& y) {
+  if (x.f32.size() != y.f32.size() || x.h.size() != y.h.size()) return false;
+  for (size_t i = 0; i < x.f32.size(); ++i)
+    if (f32_bits(x.f32[i]) != f32_bits(y.f32[i]) && !(std::isnan(x.f32[i]) && std::isnan(y.f32[i]))) return false;
+  const uint16_t inf16 = x.dt == DType::bf16 ? 0x7f80 : 0x7c00;  // a 16-bit NaN: exponent all ones, mantissa != 0
+  for (size_t i = 0; i < x.h.size(); ++i)
+    if (x.h[i] != y.h[i] && !((x.h[i] & 0x7fff) > inf16 && (y.h[i] & 0x7fff) > inf16)) return false;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The avx512vbmi variant's fused 8-bit step, and the paths it hands over to, equal the scalar reference
+// bit for bit over ten steps: every algorithm; the standard maps and custom ones passed through
+// StepArgs (maps with VBMI cells and an exact 0 run fused; a map without an exact 0 or without cells
+// takes the optim_simd.h loop); block sizes 64..4096 with whole and partial last blocks and ranges
+// shorter than one block; fp32 and 16-bit parameters (with masters) and gradients; 1 and 2 threads;
+// gradient blocks of zeros, of huge values (states that overflow to infinity, and finite states whose
+// running sum passes the float range, which sends the fused loop to its exact finiteness check) and a
+// NaN. Starting states are random 8-bit states (codes and scales as the reference encodes them). Codes
+// and scales are compared bit for bit, parameters with same_bits_or_nan.
+TEST(OptimVbmi, FusedStepEqualsReferenceOverTenSteps) {
+  if (!isa_avx512_vbmi_supported()) GTEST_SKIP() << "this CPU/OS or build has no AVX-512 VBMI";
+  std::vector<float> square(256);
+  for (int i = 0; i < 256; ++i) square[size_t(i)] = float(double(i) * i / (255.0 * 255.0));
+  const quant::QuantTable custom_signed = quant::table_build(quant::map_dynamic_values(true, 4, 8));
+  const quant::QuantTable custom_unsigned = quant::table_build(square);
+  const quant::QuantTable no_cells = quant::table_build(quant::map_dynamic_values(true, 2, 8));
+  ASSERT_TRUE(custom_signed.cells_ok && custom_unsigned.cells_ok);
+  ASSERT_FALSE(no_cells.cells_ok);
+  const struct {
+    const char* name;
+    const quant::QuantTable* m1;
+    const quant::QuantTable* m2;
+  } map_sets[] = {
+      {"standard", &quant::table_get(quant::MapKind::dynamic_signed), &quant::table_get(quant::MapKind::dynamic_unsigned)},
+      {"custom", &custom_signed, &custom_unsigned},
+      {"linear signed / no cells", &quant::table_get(quant::MapKind::linear_signed), &no_cells},
+  };
+  const struct { DType p, g; } dtypes[] = {{DType::f32, DType::f32}, {DType::bf16, DType::f16}, {DType::f16, DType::bf16}};
+  int runs = 0;
+  for (Algo algo : kAlgos) {
+    const Hyper h = hyper_for(algo);
+    const int ns = algo_num_states(algo);
+    for (const auto& ms : map_sets) {
+      for (int32_t block : {64, 128, 256, 4096}) {
+        for (int64_t n : {5 * int64_t(block), 5 * int64_t(block) + 77, int64_t(block / 2 + 3)}) {
+          for (const auto& dt : dtypes) {
+            const std::string what = std::string(algo_name(algo)) + " maps " + ms.name + " block " +
+                                     std::to_string(block) + " n " + std::to_string(n) + " param " +
+                                     dtype_name(dt.p) + " grad " + dtype_name(dt.g);
+            SCOPED_TRACE(what);
+            const int64_t nb = (n + block - 1) / block;
+            // Initial state: random values of a realistic spread per block, encoded by the reference.
+            std::mt19937_64 rng(uint64_t(n) * 31 + uint64_t(block));
+            std::normal_distribution<double> nd;
+            std::vector<uint8_t> c0[2] = {std::vector<uint8_t>(size_t(n)), std::vector<uint8_t>(size_t(n))};
+            std::vector<float> a0[2] = {std::vector<float>(size_t(nb)), std::vector<float>(size_t(nb))};
+            for (int w = 0; w < ns; ++w) {
+              std::vector<float> x(static_cast<size_t>(n));
+              for (int64_t i = 0; i < n; ++i) {
+                const double v = nd(rng) * std::pow(10.0, -double((i / block) % 4));
+                x[size_t(i)] = float(w == 1 || algo == Algo::adagrad || algo == Algo::rmsprop ? v * v : v);
+              }
+              quant::EncodeArgs e;
+              e.x = x.data();
+              e.n = n;
+              e.block = block;
+              e.table = w == 0 ? ms.m1 : ms.m2;
+              e.codes = c0[w].data();
+              e.absmax = a0[w].data();
+              quant::quant_encode_ref(e);
+            }
+            const std::vector<double> p0 = initial_params(size_t(n), 5);
+            GradSource src(size_t(n), 6);
+            std::vector<GradBuf> grads(10);
+            for (int t = 0; t < 10; ++t) {
+              std::vector<double> g = src.next();
+              for (int64_t i = 0; i < n; ++i) {
+                const int64_t b = i / block;
+                if (b == 1) g[size_t(i)] = 0.0;                                    // a zero block
+                if (b == 2 && t >= 3) g[size_t(i)] = (i % 2 ? 1.0 : -1.0) * 3.0e38;  // huge
+                if (b == 3 && t == 5 && i % block == 7) g[size_t(i)] = std::nan("");  // one NaN
+              }
+              grads[size_t(t)].set(dt.g, g);
+            }
+            struct Run {
+              ParamBuf pb;
+              std::vector<uint8_t> c[2];
+              std::vector<float> a[2];
+            };
+            auto start = [&] {
+              Run r;
+              r.pb.init(dt.p, p0);
+              for (int w = 0; w < 2; ++w) {
+                r.c[w] = c0[w];
+                r.a[w] = a0[w];
+              }
+              return r;
+            };
+            auto step_once = [&](Run& r, int t, bool ref, int threads) {
+              StepArgs a;
+              a.algo = algo;
+              a.h = h;
+              a.h.step = t + 1;
+              a.n = n;
+              a.param = r.pb.param();
+              a.param_dtype = dt.p;
+              a.master = r.pb.master();
+              a.grad = grads[size_t(t)].ptr();
+              a.grad_dtype = dt.g;
+              a.bits = 8;
+              a.block = block;
+              a.code1 = r.c[0].data();
+              a.absmax1 = r.a[0].data();
+              a.map1 = ms.m1;
+              if (ns == 2) {
+                a.code2 = r.c[1].data();
+                a.absmax2 = r.a[1].data();
+                a.map2 = ms.m2;
+              }
+              float trust = 1.0f;
+              if (algo_has_trust_ratio(algo)) {
+                NormSums sums;
+                if (ref)
+                  optim_norms_ref(a, &sums);
+                else
+                  optim_norms(a, &sums, Isa::avx512, threads);
+                trust = optim_trust_ratio(algo, a.h, sums);
+                a.seg_trust = &trust;
+              }
+              if (ref)
+                optim_step_ref(a);
+              else
+                optim_step(a, Isa::avx512, threads);
+            };
+            std::vector<Run> want;
+            {
+              Run r = start();
+              for (int t = 0; t < 10; ++t) {
+                step_once(r, t, true, 1);
+                want.push_back(r);
+              }
+            }
+            const VbmiScope vbmi(true);
+            for (int threads : {1, 2}) {
+              Run r = start();
+              for (int t = 0; t < 10; ++t) {
+                step_once(r, t, false, threads);
+                const Run& w = want[size_t(t)];
+                ASSERT_TRUE(same_bits_or_nan(r.pb, w.pb)) << "parameter, threads " << threads << " step " << t + 1;
+                for (int s = 0; s < ns; ++s) {
+                  ASSERT_TRUE(same_bits(r.c[s], w.c[s])) << "codes " << s + 1 << ", threads " << threads << " step " << t + 1;
+                  ASSERT_TRUE(same_bits(r.a[s], w.a[s])) << "scales " << s + 1 << ", threads " << threads << " step " << t + 1;
+                }
+              }
+            }
+            ++runs;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(runs, 8 * 3 * 4 * 3 * 3);
+}
+
 TEST(OptimSgd, NoMomentumNeedsNoState) {
   const int64_t n = 1000;
   std::vector<float> p(static_cast<size_t>(n)), g(static_cast<size_t>(n));

@@ -1,8 +1,9 @@
 // Quantization maps and their search tables: the dynamic maps bit-identical to the reference table,
-// linear maps well formed, thresholds (and the SIMD bucket accelerator) giving the exact nearest value,
-// and table_build rejecting malformed maps.
+// linear maps well formed, thresholds (and the SIMD bucket accelerator and the VBMI cells) giving the
+// exact nearest value, and table_build rejecting malformed maps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "exact_nearest.h"
@@ -149,6 +151,10 @@ TEST(QuantMap, ThresholdsGiveExactNearestIncludingMidpoints) {
       if (got != want && bad++ < 5) ADD_FAILURE() << map_kind_name(kind) << " n=" << n << " want " << want << " got " << got;
       if (got_lut != want && bad_lut++ < 5)
         ADD_FAILURE() << map_kind_name(kind) << " (accelerator) n=" << n << " want " << want << " got " << got_lut;
+      // The VBMI cells serve |n| <= 1 (what x / scale can be).
+      const uint32_t got_cells = std::fabs(n) <= 1.0f ? quant_code_nearest_cells(n, t) : want;
+      if (got_cells != want && bad_lut++ < 5)
+        ADD_FAILURE() << map_kind_name(kind) << " (cells) n=" << n << " want " << want << " got " << got_cells;
     }
     EXPECT_EQ(bad, 0) << map_kind_name(kind);
     EXPECT_EQ(bad_lut, 0) << map_kind_name(kind);
@@ -223,6 +229,88 @@ TEST(QuantMap, AcceleratorFallsBackForUnusualMaps) {
     EXPECT_FALSE(t.lut_packed);
     expect_accelerator_exact(t, "tiny values");
   }
+}
+
+// The VBMI cells must agree with the threshold search for every |n| <= 1, which (the code being monotone
+// in n, and a cell an interval) is settled at both ends of every 16-bit bucket, inside it, and on both
+// sides of every threshold. Returns the number of cells used.
+uint32_t expect_cells_exact(const QuantTable& t, const char* what) {
+  int64_t bad = 0;
+  auto check = [&](float n) {
+    if (!(std::fabs(n) <= 1.0f)) return;
+    if (quant_code_nearest_cells(n, t) != quant_code_nearest(n, t) && bad++ < 5)
+      ADD_FAILURE() << what << ": n=" << n << " (0x" << std::hex << f32_bits(n) << std::dec << ") cells "
+                    << quant_code_nearest_cells(n, t) << " search " << quant_code_nearest(n, t);
+  };
+  for (uint32_t q = 0; q <= 0x3f80u; ++q) {  // every upper-16-bit pattern of |n| <= 1
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      check(f32_from_bits(sign | (q << 16)));
+      check(f32_from_bits(sign | (q << 16) | 0xffffu));
+      check(f32_from_bits(sign | (q << 16) | 0x8000u));
+    }
+  }
+  for (int i = 0; i < 255; ++i) {
+    for (const float th : {t.thresholds[i], -t.thresholds[i]}) {
+      check(th);
+      check(std::nextafter(th, 2.0f));
+      check(std::nextafter(th, -2.0f));
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+  // Cells used: the end of the last cell of any level-1 slot (slots of binades 103..127, both signs).
+  uint32_t cells = 0;
+  for (uint32_t e = kQuantLutLo >> 7; e <= kQuantLutHi >> 7; ++e) {
+    for (const uint32_t slot : {e - 64, e - 103}) cells = std::max(cells, t.cell_base[slot] + (128u >> t.cell_shift[slot]));
+  }
+  return cells;
+}
+
+// The standard maps all have cells (so the VBMI variant encodes them with byte permutes), within the
+// 512 that four 128-entry permutes hold; the byte planes of values and thresholds are theirs.
+TEST(QuantMap, CellsAreExactForStandardMaps) {
+  for (MapKind kind : kAllMaps) {
+    const QuantTable& t = table_get(kind);
+    ASSERT_TRUE(t.cells_ok) << map_kind_name(kind);
+    const uint32_t cells = expect_cells_exact(t, map_kind_name(kind));
+    EXPECT_LE(cells, kQuantCellsMax) << map_kind_name(kind);
+    for (int c = 0; c < 256; ++c) {
+      uint32_t v = 0, th = 0;
+      for (int k = 0; k < 4; ++k) {
+        v |= uint32_t(t.value_bytes[k][c]) << (8 * k);
+        th |= uint32_t(t.threshold_bytes[k][c]) << (8 * k);
+      }
+      ASSERT_EQ(v, f32_bits(t.values[c])) << map_kind_name(kind) << " value " << c;
+      ASSERT_EQ(th, f32_bits(t.thresholds[c])) << map_kind_name(kind) << " threshold " << c;
+    }
+  }
+  // The dynamic maps (optimizer states) as measured when the cells were designed: 438 and 466 cells.
+  EXPECT_EQ(expect_cells_exact(table_get(MapKind::dynamic_signed), "dynamic"), 438u);
+  EXPECT_EQ(expect_cells_exact(table_get(MapKind::dynamic_unsigned), "dynamic_unsigned"), 466u);
+}
+
+// Custom maps: cells wherever every bucket holds at most one threshold and they fit in 512; thresholds
+// inside the shared smallest bucket (tiny values, the cubic map's threshold just below 0) are fine.
+// Not monotone, or needing more cells: cells_ok is 0 and the VBMI encoder uses the lut instead.
+TEST(QuantMap, CellsForCustomMaps) {
+  std::vector<float> cubic(256), tiny = linspace(-1.0, 1.0, 256);
+  for (int i = 0; i < 256; ++i) cubic[size_t(i)] = float(std::pow(-1.0 + 2.0 * i / 255, 3));
+  tiny[128] = 1e-30f;
+  tiny[129] = 2e-30f;
+  for (const auto& [name, values] : {std::pair<const char*, std::vector<float>>{"cubic", cubic},
+                                     {"tiny values", tiny},
+                                     {"dynamic, 4 exponent bits", map_dynamic_values(true, 4, 8)},
+                                     {"dynamic, 6 exponent bits", map_dynamic_values(true, 6, 8)}}) {
+    const QuantTable t = table_build(values);
+    ASSERT_TRUE(t.cells_ok) << name;
+    EXPECT_LE(expect_cells_exact(t, name), kQuantCellsMax) << name;
+  }
+  EXPECT_FALSE(table_build(map_dynamic_values(true, 2, 8)).cells_ok);  // more than 512 cells
+  std::vector<float> triple = linspace(-1.0, 1.0, 256);
+  triple[100] = triple[101] = triple[102];
+  EXPECT_FALSE(table_build(triple).cells_ok);  // thresholds not monotone
+  std::vector<float> dense = linspace(-1.0, 0.5, 200), c = linspace(0.5 + 1e-3, 0.6, 56);
+  dense.insert(dense.end(), c.begin(), c.end());
+  EXPECT_FALSE(table_build(dense).cells_ok);  // two thresholds in one bucket
 }
 
 void expect_values_error(const std::vector<float>& v, const char* what) {

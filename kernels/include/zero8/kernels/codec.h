@@ -42,6 +42,8 @@ void quant_encode_avx2(const EncodeArgs& a);
 void quant_decode_avx2(const DecodeArgs& a);
 void quant_encode_avx512(const EncodeArgs& a);
 void quant_decode_avx512(const DecodeArgs& a);
+void quant_encode_avx512vbmi(const EncodeArgs& a);
+void quant_decode_avx512vbmi(const DecodeArgs& a);
 
 // Dispatching entry points: the active ISA variant, OpenMP across blocks (threads = 0: OpenMP default).
 void quant_encode(const EncodeArgs& a, Isa isa, int threads = 0);

@@ -74,10 +74,12 @@ struct NormSums {
 void optim_norms_ref(const StepArgs& a, NormSums* out);
 void optim_norms_avx2(const StepArgs& a, NormSums* out);
 void optim_norms_avx512(const StepArgs& a, NormSums* out);
+void optim_norms_avx512vbmi(const StepArgs& a, NormSums* out);
 // The step (phase 2 for lamb/lars, using seg_trust).
 void optim_step_ref(const StepArgs& a);
 void optim_step_avx2(const StepArgs& a);
 void optim_step_avx512(const StepArgs& a);
+void optim_step_avx512vbmi(const StepArgs& a);
 
 // Dispatch + OpenMP across blocks (threads = 0: OpenMP default, at most one thread per 32768
 // elements; an explicit count is used as given). Results are bit-identical for every thread count

@@ -3,6 +3,7 @@
 // or stochastic. Host/device code: the CPU variants and the CUDA kernels call these same functions.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -20,9 +21,17 @@ constexpr uint32_t kQuantLutHalf = kQuantLutHi - kQuantLutLo + 1;  // 3073 bucke
 constexpr uint32_t kQuantLutBuckets = 2 * kQuantLutHalf;
 constexpr uint8_t kQuantLutNoSteps = 255;
 
+// Cells of the AVX-512 VBMI encoder (QuantTable::cell_code): the accelerator's range of |n| <= 1 cut per
+// (sign, binade) into 2^k equal cells of its 16-bit buckets, k as small as lets no cell hold two
+// thresholds. The level-1 slot of a binade e (exponent field 103..127) is e - 64 for n >= 0 and e - 103
+// for n < 0 (one 6-bit index, so that one 64-entry word permute reads it).
+constexpr uint32_t kQuantCellsMax = 512;  // four 128-entry byte permutes
+constexpr uint32_t kQuantCellSlots = 64;
+
 // A map of 256 sorted values plus the thresholds that make nearest-code search exact in float32.
-// Layout is part of the kernel ABI (passed by pointer to CPU and CUDA kernels): keep it POD.
-struct QuantTable {
+// Layout is part of the kernel ABI (passed by pointer to CPU and CUDA kernels): keep it POD. Aligned to
+// a cache line so that the byte tables at its end are whole 64-byte vectors.
+struct alignas(64) QuantTable {
   float values[256];      // sorted ascending; code c decodes to values[c] * absmax
   float thresholds[256];  // code(n) = #{i : n > thresholds[i]}; thresholds[255] = +inf
   uint8_t zero_code;      // code used for zero blocks and non-finite blocks (nearest to 0, ties even)
@@ -38,11 +47,28 @@ struct QuantTable {
   // 16 bits (0xffff / 0 for none in a positive / negative bucket): one table read per element.
   uint8_t lut_steps;      // 0..7; kQuantLutNoSteps: thresholds not monotone, use the binary search
   uint8_t lut_packed;
-  uint8_t lut_pad_[6];
+  uint8_t cells_ok;       // the cells below are valid: monotone thresholds, at most kQuantCellsMax cells
+  uint8_t lut_pad_[5];
   uint32_t lut[kQuantLutBuckets];
+  uint8_t cells_pad_[40];  // to a 64-byte boundary
+  // The AVX-512 VBMI encoder (quant_code_nearest_cells): the cells of level-1 slot s are
+  // cell_base[s] + (m7 >> cell_shift[s]) for the 7 mantissa bits m7 of n's bucket; cell_code is the
+  // code at the cell's low end (its most negative n), and since a cell holds at most one threshold,
+  // code = c + (n > thresholds[c]).
+  uint16_t cell_base[kQuantCellSlots];
+  uint16_t cell_shift[kQuantCellSlots];
+  uint8_t cell_code[kQuantCellsMax];
+  // Byte k of values[c] and of thresholds[c] at [k][c] (little-endian planes): VBMI byte permutes
+  // read a 256-entry float table as four 256-byte tables.
+  uint8_t value_bytes[4][256];
+  uint8_t threshold_bytes[4][256];
 };
-static_assert(sizeof(QuantTable) == 256 * 4 * 2 + 8 + 8 + kQuantLutBuckets * 4,
+static_assert(sizeof(QuantTable) == 256 * 4 * 2 + 8 + 8 + kQuantLutBuckets * 4 + 40 + kQuantCellSlots * 4 +
+                                        kQuantCellsMax + 2 * 4 * 256,
               "QuantTable layout is part of the kernel ABI");
+static_assert(offsetof(QuantTable, cell_base) % 64 == 0 && offsetof(QuantTable, value_bytes) % 64 == 0 &&
+                  offsetof(QuantTable, threshold_bytes) % 64 == 0,
+              "QuantTable byte tables start on cache lines");
 
 ZERO8_HD uint32_t quant_lut_index(float n) {
   const uint32_t u = f32_bits(n);
@@ -101,6 +127,18 @@ ZERO8_HD uint32_t quant_code_nearest_lut(float n, const QuantTable& t) {
   if (t.lut_packed) return c + (n > f32_from_bits((f32_bits(n) & 0xffff0000u) | (e & 0xffffu)) ? 1u : 0u);
   for (uint32_t s = 0; s < t.lut_steps; ++s) c += n > t.thresholds[c] ? 1u : 0u;
   return c;
+}
+
+// quant_code_nearest through the VBMI cells (t.cells_ok), as the AVX-512 VBMI variant computes it, for
+// |n| <= 1 (n = x / scale with |x| <= |scale|; larger |n| would wrap the level-1 slot).
+ZERO8_HD uint32_t quant_code_nearest_cells(float n, const QuantTable& t) {
+  const uint32_t u = f32_bits(n);
+  uint32_t a = (u & 0x7fffffffu) >> kQuantLutShift;
+  a = a < kQuantLutLo ? kQuantLutLo : a;  // below 2^-24: the first bucket, as quant_lut_index
+  const uint32_t e = a >> 7, m7 = a & 127u;
+  const uint32_t slot = ((u >> 31) ? e - 103u : e - 64u) & (kQuantCellSlots - 1);
+  const uint32_t c = t.cell_code[(t.cell_base[slot] + (m7 >> t.cell_shift[slot])) & (kQuantCellsMax - 1)];
+  return c + (n > t.thresholds[c] ? 1u : 0u);
 }
 
 // Stochastic code: rounds to one of the two map values around n with probability proportional to
