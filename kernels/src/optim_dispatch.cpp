@@ -42,6 +42,9 @@ NormsFn norms_fn(Isa isa) {
 // (up to one unit per thread); the default (0) also keeps at least kMinPerThread elements per thread,
 // since a parallel region costs microseconds and small tensors are stepped many at a time.
 constexpr int64_t kMinPerThread = 32768;
+// Elements per chunk of a multi-threaded step (rounded down to whole blocks): about 1 MB of parameter,
+// gradient and state traffic, large next to a chunk's set-up and small next to a step.
+constexpr int64_t kStepChunk = 65536;
 int threads_for(int threads, int64_t units, int64_t n) {
   int64_t t = threads > 0 ? threads : omp_get_max_threads();
   if (threads <= 0) t = std::min<int64_t>(t, n / kMinPerThread);
@@ -93,15 +96,17 @@ void optim_step(const StepArgs& a, Isa isa, int threads) {
     fn(a);
     return;
   }
-  // Contiguous block ranges, one per thread: elements are independent, so any split is exact.
+  // Chunks of whole blocks handed out dynamically: elements are independent, so any split is exact, and
+  // a thread that loses its core for a while (a shared machine) no longer holds up the whole step.
+  const int64_t per_chunk = std::max<int64_t>(1, kStepChunk / a.block);
+  const int64_t nchunks = (nblocks + per_chunk - 1) / per_chunk;
 #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int64_t b0 = nblocks * t / T, b1 = nblocks * (t + 1) / T;
-    if (b0 < b1) {
-      std::vector<int64_t> offs;
+    std::vector<int64_t> offs;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < nchunks; ++c) {
       int64_t first_seg = 0;
-      const int64_t lo = b0 * a.block, hi = std::min<int64_t>(a.n, b1 * a.block);
+      const int64_t lo = c * per_chunk * a.block, hi = std::min<int64_t>(a.n, (c + 1) * per_chunk * a.block);
       fn(optim_slice(a, lo, hi, offs, &first_seg));
     }
   }
