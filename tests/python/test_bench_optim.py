@@ -73,9 +73,23 @@ def test_measured_entries_are_consistent(report):
             assert 8.0 <= bpp <= 8.0 + 2 * 8 / SIZE, (name, bpp)
     ref = next(r for r in rep["results"] if r["optimizer"] == "zero8_adamw8bit")
     assert ref["ratio_to_zero8_adamw8bit"] == pytest.approx(1.0)
+    # 1e5 parameters fit many times over: every optimizer was timed in the same interleaved rounds.
+    assert all(r["interleaved"] for r in rep["results"] if r["status"] == "ok")
+    assert "timed in interleaved rounds" in out
     assert "| zero8_adamw8bit" in out and "ms/step" in out  # the readable table is printed
 
 
 def test_rejects_zero_threads():
     proc = run("--sizes", "1e5", "--threads", "0", timeout=120)
     assert proc.returncode == 2 and "--threads" in proc.stderr
+
+
+def test_sequential_timing_on_request():
+    proc = run("--sizes", "1e5", "--repeat", "2", "--threads", "1", "--sequential",
+               "--only", "zero8_adamw8bit", "zero8_adamw32bit", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rep = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
+    assert [r["optimizer"] for r in rep["results"]] == ["zero8_adamw8bit", "zero8_adamw32bit"]
+    for r in rep["results"]:
+        assert r["status"] == "ok" and r["steps_timed"] == 2 and not r["interleaved"], r
+    assert "each optimizer timed alone" in proc.stdout
