@@ -14,53 +14,13 @@
 #include <cstring>
 
 #include "codec_internal.h"
+#include "codec_simd.h"
+#include "dtype_avx2.h"
 #include "rng_avx2.h"
 #include "zero8/kernels/codec.h"
 
 namespace zero8::quant {
 namespace {
-
-// How the nearest code is found (see QuantTable::lut): one read of the packed accelerator (every
-// standard map), the accelerator plus lut_steps threshold reads, or the reference's 8-step binary
-// search (non-monotone maps).
-enum class Search { packed, lut, binary };
-
-// Rounding: nearest; stochastic through the nearest code (strictly increasing maps); stochastic by
-// the reference's search (any map).
-enum class Round { nearest, stochastic_near, stochastic_search };
-
-template <DType D>
-inline __m256 load8(const void* p, int64_t i) {
-  if constexpr (D == DType::f32) {
-    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-    if constexpr (D == DType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-  }
-}
-
-// float32 -> bfloat16 as f32_to_bf16 (round to nearest even, NaN kept quiet), 8 results as uint16.
-inline __m128i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  // |u| > 0x7f800000 as signed compare: the masked value is non-negative.
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-
-template <DType D>
-inline void store8(void* p, int64_t i, __m256 v) {
-  if constexpr (D == DType::f32) {
-    _mm256_storeu_ps(static_cast<float*>(p) + i, v);
-  } else {
-    const __m128i h = D == DType::bf16 ? to_bf16(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
-  }
-}
 
 // Low byte of each 32-bit lane, packed into the low 8 bytes.
 inline __m128i pack_bytes(__m256i c) {
@@ -209,15 +169,16 @@ inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTab
   return finite ? quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);
 }
 
-// Encode elements [off, off + len) of x into codes[0, len); index0 is the global index of element off.
-// prefetch: start of the input bytes to fetch while this block computes (as many as the block's), or null.
+// Codes of elements [off, off + len) of x, a block of the given scale, into codes[0, len); index0 is
+// the global index of element off. prefetch: start of the input bytes to fetch while this block computes
+// (as many as the block's), or null. A block's last len % 8 elements go through the reference's
+// element functions.
 template <DType D, Search S, Round R, bool kKeepSign>
-float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t, uint8_t* codes, uint64_t seed,
-                   uint64_t index0, const char* prefetch) {
-  const float scale = block_scale<D>(x, off, len, t);
+void encode_codes(const void* x, int64_t off, int32_t len, float scale, const QuantTable& t, uint8_t* codes,
+                  uint64_t seed, uint64_t index0, const char* prefetch) {
   if (!(scale == scale) || scale == 0.0f) {
     std::memset(codes, t.zero_code, size_t(len));
-    return scale;
+    return;
   }
   const __m256 s = _mm256_set1_ps(scale);
   int32_t i = 0;
@@ -241,70 +202,6 @@ float encode_block(const void* x, int64_t off, int32_t len, const QuantTable& t,
     const float u = kStochastic ? rng_uniform(seed, index0 + uint64_t(i)) : 0.0f;
     codes[i] = uint8_t(quant_encode_one(dtype_load(x, D, off + i), scale, t, kStochastic, u));
   }
-  return scale;
-}
-
-template <DType D, Search S, Round R, bool kKeepSign>
-void encode_range(const EncodeArgs& a) {
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  const int64_t esize = dtype_size(D);
-  // Prefetch about 8 KiB ahead: the next block for large blocks, a few blocks on for small ones.
-  const int64_t ahead = std::max<int64_t>(0, 8192 / esize - a.block);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t lo = b * a.block;
-    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-    const int64_t pf = lo + len + ahead;
-    const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
-    a.absmax[b] = encode_block<D, S, R, kKeepSign>(a.x, lo, len, *a.table, a.codes + lo, a.seed,
-                                                    a.index_base + uint64_t(lo), prefetch);
-  }
-}
-
-// kKeepSign: the map has no exact 0; with one, neither rounding can cross zero and the sign rule
-// (quant_code_keep_sign) is a no-op.
-bool map_has_zero(const QuantTable& t) { return t.values[t.zero_code] == 0.0f; }
-
-bool map_strictly_increasing(const QuantTable& t) {
-  for (int i = 0; i < 255; ++i)
-    if (!(t.values[i] < t.values[i + 1])) return false;
-  return true;
-}
-
-template <DType D, Round R, bool kKeepSign>
-void encode_search(const EncodeArgs& a) {
-  if (a.table->lut_packed)
-    encode_range<D, Search::packed, R, kKeepSign>(a);
-  else if (a.table->lut_steps == kQuantLutNoSteps)
-    encode_range<D, Search::binary, R, kKeepSign>(a);
-  else
-    encode_range<D, Search::lut, R, kKeepSign>(a);
-}
-
-template <DType D, bool kKeepSign>
-void encode_map(const EncodeArgs& a) {
-  if (!a.stochastic)
-    encode_search<D, Round::nearest, kKeepSign>(a);
-  else if (map_strictly_increasing(*a.table))
-    encode_search<D, Round::stochastic_near, kKeepSign>(a);
-  else
-    encode_range<D, Search::binary, Round::stochastic_search, kKeepSign>(a);
-}
-
-template <DType D>
-void encode_dtype(const EncodeArgs& a) {
-  if (map_has_zero(*a.table))
-    encode_map<D, false>(a);
-  else
-    encode_map<D, true>(a);
-}
-
-template <bool kKeepSign>
-float block_encode_f32(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
-  constexpr Round R = Round::nearest;
-  if (t.lut_packed) return encode_block<DType::f32, Search::packed, R, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
-  if (t.lut_steps == kQuantLutNoSteps)
-    return encode_block<DType::f32, Search::binary, R, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
-  return encode_block<DType::f32, Search::lut, R, kKeepSign>(x, 0, len, t, codes, 0, 0, nullptr);
 }
 
 // y[off + i] (=, or += when kAccumulate) values[codes[i]] * scale for i < len.
@@ -327,41 +224,42 @@ void decode_block(const uint8_t* codes, int32_t len, float scale, const QuantTab
   }
 }
 
-template <DType D, bool kAccumulate>
-void decode_range(const DecodeArgs& a) {
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t lo = b * a.block;
-    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-    decode_block<D, kAccumulate>(a.codes + lo, len, a.absmax[b], *a.table, a.y, lo);
+// The lane functions of codec_simd.h's drivers. Each block's codes follow its scale at once (no
+// grouping); decoded outputs take ordinary stores.
+struct Avx2 {
+  using Lookup = NoLookup;
+  static constexpr bool kCellsOnly = false;
+  static constexpr int64_t kGroupElements = 0;
+  static constexpr int64_t kStreamBytes = 0;
+  template <DType D>
+  static float scale_of(const void* x, int64_t off, int32_t len, const QuantTable& t) {
+    return block_scale<D>(x, off, len, t);
   }
-}
+  template <DType D, Search S, Round R, bool kKeepSign>
+  static void encode(const void* x, int64_t off, int32_t len, float scale, const QuantTable& t, const NoLookup*,
+                     uint8_t* codes, uint64_t seed, uint64_t index0, const char* prefetch) {
+    encode_codes<D, S, R, kKeepSign>(x, off, len, scale, t, codes, seed, index0, prefetch);
+  }
+  template <DType D, bool kAccumulate, bool kStream>
+  static void decode(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, const NoLookup&, void* y,
+                     int64_t off) {
+    static_assert(!kStream, "no streaming stores");
+    decode_block<D, kAccumulate>(codes, len, scale, t, y, off);
+  }
+};
 
 }  // namespace
 
-void quant_encode_avx2(const EncodeArgs& a) {
-  switch (a.dtype) {
-    case DType::f32: return encode_dtype<DType::f32>(a);
-    case DType::bf16: return encode_dtype<DType::bf16>(a);
-    case DType::f16: return encode_dtype<DType::f16>(a);
-  }
-}
+void quant_encode_avx2(const EncodeArgs& a) { codec_encode<Avx2>(a); }
 
-void quant_decode_avx2(const DecodeArgs& a) {
-  if (a.accumulate) return decode_range<DType::f32, true>(a);
-  switch (a.dtype) {
-    case DType::f32: return decode_range<DType::f32, false>(a);
-    case DType::bf16: return decode_range<DType::bf16, false>(a);
-    case DType::f16: return decode_range<DType::f16, false>(a);
-  }
-}
+void quant_decode_avx2(const DecodeArgs& a) { codec_decode<Avx2>(a); }
 
 float quant_block_encode_f32_avx2(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
-  return map_has_zero(t) ? block_encode_f32<false>(x, len, t, codes) : block_encode_f32<true>(x, len, t, codes);
+  return codec_block_encode_f32<Avx2>(x, len, t, codes);
 }
 
 void quant_block_decode_f32_avx2(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y) {
-  decode_block<DType::f32, false>(codes, len, scale, t, y, 0);
+  codec_block_decode_f32<Avx2>(codes, len, scale, t, y);
 }
 
 }  // namespace zero8::quant

@@ -14,19 +14,12 @@
 
 #include "codec_avx512_common.h"
 #include "codec_internal.h"
+#include "codec_simd.h"
+#include "rng_avx512.h"
 #include "zero8/kernels/codec.h"
 
 namespace zero8::quant {
 namespace {
-
-// How the nearest code is found (see QuantTable::lut): one read of the packed accelerator (every
-// standard map), the accelerator plus lut_steps threshold reads, or the reference's 8-step binary
-// search (non-monotone maps).
-enum class Search { packed, lut, binary };
-
-// Rounding: nearest; stochastic through the nearest code (strictly increasing maps); stochastic by
-// the reference's search (any map).
-enum class Round { nearest, stochastic_near, stochastic_search };
 
 // quant_code_nearest for 16 lanes, as quant_code_nearest_lut computes it.
 template <Search S>
@@ -131,21 +124,6 @@ inline __m512i code_keep_sign16(__m512i c, __m512 x, __m512 n, const QuantTable&
   return _mm512_mask_min_epi32(c, nonzero & negative, c, _mm512_set1_epi32(t.nonpos_last));
 }
 
-// rng_uniform(seed, index0 + lane) for 16 lanes (splitmix64 on two halves of 8 lanes).
-inline __m512 rng_uniform16(uint64_t seed, uint64_t index0) {
-  const __m512i base = _mm512_set1_epi64(int64_t(seed * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull + index0));
-  auto mix = [](__m512i z) {
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64(int64_t(0xbf58476d1ce4e5b9ull)));
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64(int64_t(0x94d049bb133111ebull)));
-    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-    return _mm512_cvtepi64_epi32(_mm512_srli_epi64(z, 32));
-  };
-  const __m256i r0 = mix(_mm512_add_epi64(base, _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7)));
-  const __m256i r1 = mix(_mm512_add_epi64(base, _mm512_setr_epi64(8, 9, 10, 11, 12, 13, 14, 15)));
-  const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), _mm512_set1_ps(5.9604644775390625e-8f));
-}
-
 // quant_encode_one for 16 lanes of a block with a finite nonzero scale. kKeepSign: the map has no
 // exact 0; with one, neither rounding can cross zero and the sign rule is a no-op. vr: the values in
 // registers (stochastic_near only).
@@ -156,9 +134,9 @@ inline __m512i encode16(__m512 v, __m512 s, const QuantTable& t, const ValueRegs
   if constexpr (R == Round::nearest)
     c = code_nearest16<S>(n, t);
   else if constexpr (R == Round::stochastic_near)
-    c = code_stochastic16_near<S>(n, rng_uniform16(seed, index0), t, *vr);
+    c = code_stochastic16_near<S>(n, rng_uniform16_avx512(seed, index0), t, *vr);
   else
-    c = code_stochastic16(n, rng_uniform16(seed, index0), t);
+    c = code_stochastic16(n, rng_uniform16_avx512(seed, index0), t);
   if constexpr (kKeepSign) c = code_keep_sign16(c, v, n, t);
   return c;
 }
@@ -198,73 +176,6 @@ void encode_codes(const void* x, int64_t off, int32_t len, float scale, const Qu
   }
 }
 
-template <DType D, Search S, Round R, bool kKeepSign>
-void encode_range(const EncodeArgs& a) {
-  const QuantTable& t = *a.table;
-  const ValueRegs vr(t);
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  const int64_t group = std::max<int64_t>(1, kGroupElements / a.block);
-  const int64_t esize = dtype_size(D);
-  // Prefetch about 8 KiB ahead: the next block for large blocks, a few blocks on for small ones.
-  const int64_t ahead = std::max<int64_t>(0, 8192 / esize - a.block);
-  for (int64_t g = 0; g < nblocks; g += group) {
-    const int64_t gend = std::min(nblocks, g + group);
-    for (int64_t b = g; b < gend; ++b) {
-      const int64_t lo = b * a.block;
-      a.absmax[b] = block_scale<D>(a.x, lo, int32_t(std::min<int64_t>(a.block, a.n - lo)), t);
-    }
-    for (int64_t b = g; b < gend; ++b) {
-      const int64_t lo = b * a.block;
-      const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-      const int64_t pf = lo + len + ahead;
-      const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
-      encode_codes<D, S, R, kKeepSign>(a.x, lo, len, a.absmax[b], t, &vr, a.codes + lo, a.seed,
-                                       a.index_base + uint64_t(lo), prefetch);
-    }
-  }
-}
-
-template <DType D, Round R, bool kKeepSign>
-void encode_search(const EncodeArgs& a) {
-  if (a.table->lut_packed)
-    encode_range<D, Search::packed, R, kKeepSign>(a);
-  else if (a.table->lut_steps == kQuantLutNoSteps)
-    encode_range<D, Search::binary, R, kKeepSign>(a);
-  else
-    encode_range<D, Search::lut, R, kKeepSign>(a);
-}
-
-template <DType D, bool kKeepSign>
-void encode_map(const EncodeArgs& a) {
-  if (!a.stochastic)
-    encode_search<D, Round::nearest, kKeepSign>(a);
-  else if (map_strictly_increasing(*a.table))
-    encode_search<D, Round::stochastic_near, kKeepSign>(a);
-  else
-    encode_range<D, Search::binary, Round::stochastic_search, kKeepSign>(a);
-}
-
-template <DType D>
-void encode_dtype(const EncodeArgs& a) {
-  if (map_has_zero(*a.table))
-    encode_map<D, false>(a);
-  else
-    encode_map<D, true>(a);
-}
-
-template <bool kKeepSign>
-float block_encode_f32(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
-  constexpr Round R = Round::nearest;
-  const float scale = block_scale<DType::f32>(x, 0, len, t);
-  if (t.lut_packed)
-    encode_codes<DType::f32, Search::packed, R, kKeepSign>(x, 0, len, scale, t, nullptr, codes, 0, 0, nullptr);
-  else if (t.lut_steps == kQuantLutNoSteps)
-    encode_codes<DType::f32, Search::binary, R, kKeepSign>(x, 0, len, scale, t, nullptr, codes, 0, 0, nullptr);
-  else
-    encode_codes<DType::f32, Search::lut, R, kKeepSign>(x, 0, len, scale, t, nullptr, codes, 0, 0, nullptr);
-  return scale;
-}
-
 // y[off + i] (=, or += when kAccumulate) values[codes[i]] * scale for i < len. kStream: y is 64-byte
 // aligned and large (not with kAccumulate, which reads y anyway).
 template <DType D, bool kAccumulate, bool kStream>
@@ -275,10 +186,7 @@ inline void decode_block(const uint8_t* codes, int32_t len, float scale, const V
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
     __m512 v = _mm512_mul_ps(vr.lookup(c), s);
     if constexpr (kAccumulate) v = _mm512_add_ps(_mm512_loadu_ps(static_cast<float*>(y) + off + i), v);
-    if constexpr (kStream)
-      store16_stream<D>(y, off + i, v);
-    else
-      store16<D>(y, off + i, v);
+    store16<D, kStream>(y, off + i, v);
   }
   if (i < len) {
     const __mmask16 m = tail_mask(len - i);
@@ -289,51 +197,34 @@ inline void decode_block(const uint8_t* codes, int32_t len, float scale, const V
   }
 }
 
-template <DType D, bool kAccumulate, bool kStream>
-void decode_blocks(const DecodeArgs& a) {
-  const ValueRegs vr(*a.table);
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t lo = b * a.block;
-    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-    decode_block<D, kAccumulate, kStream>(a.codes + lo, len, a.absmax[b], vr, a.y, lo);
+// The lane functions of codec_simd.h's drivers.
+struct Avx512 : Avx512LanesBase {
+  using Lookup = ValueRegs;
+  static constexpr bool kCellsOnly = false;
+  template <DType D, Search S, Round R, bool kKeepSign>
+  static void encode(const void* x, int64_t off, int32_t len, float scale, const QuantTable& t, const ValueRegs* vr,
+                     uint8_t* codes, uint64_t seed, uint64_t index0, const char* prefetch) {
+    encode_codes<D, S, R, kKeepSign>(x, off, len, scale, t, vr, codes, seed, index0, prefetch);
   }
-  if (kStream) _mm_sfence();
-}
-
-template <DType D, bool kAccumulate>
-void decode_range(const DecodeArgs& a) {
-  if (!kAccumulate && a.n * dtype_size(D) >= kStreamBytes && reinterpret_cast<uintptr_t>(a.y) % 64 == 0)
-    decode_blocks<D, kAccumulate, !kAccumulate>(a);
-  else
-    decode_blocks<D, kAccumulate, false>(a);
-}
+  template <DType D, bool kAccumulate, bool kStream>
+  static void decode(const uint8_t* codes, int32_t len, float scale, const QuantTable&, const ValueRegs& vr, void* y,
+                     int64_t off) {
+    decode_block<D, kAccumulate, kStream>(codes, len, scale, vr, y, off);
+  }
+};
 
 }  // namespace
 
-void quant_encode_avx512(const EncodeArgs& a) {
-  switch (a.dtype) {
-    case DType::f32: return encode_dtype<DType::f32>(a);
-    case DType::bf16: return encode_dtype<DType::bf16>(a);
-    case DType::f16: return encode_dtype<DType::f16>(a);
-  }
-}
+void quant_encode_avx512(const EncodeArgs& a) { codec_encode<Avx512>(a); }
 
-void quant_decode_avx512(const DecodeArgs& a) {
-  if (a.accumulate) return decode_range<DType::f32, true>(a);
-  switch (a.dtype) {
-    case DType::f32: return decode_range<DType::f32, false>(a);
-    case DType::bf16: return decode_range<DType::bf16, false>(a);
-    case DType::f16: return decode_range<DType::f16, false>(a);
-  }
-}
+void quant_decode_avx512(const DecodeArgs& a) { codec_decode<Avx512>(a); }
 
 float quant_block_encode_f32_avx512(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
-  return map_has_zero(t) ? block_encode_f32<false>(x, len, t, codes) : block_encode_f32<true>(x, len, t, codes);
+  return codec_block_encode_f32<Avx512>(x, len, t, codes);
 }
 
 void quant_block_decode_f32_avx512(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y) {
-  decode_block<DType::f32, false, false>(codes, len, scale, ValueRegs(t), y, 0);
+  codec_block_decode_f32<Avx512>(codes, len, scale, t, y);
 }
 
 }  // namespace zero8::quant

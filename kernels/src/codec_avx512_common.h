@@ -1,83 +1,18 @@
-// AVX-512 helpers shared by the codec's avx512 and avx512vbmi translation units: dtype loads and stores
-// of 16 lanes, the block scale, and the blocking constants. Internal linkage only (an anonymous
-// namespace): each TU keeps its own copy, compiled with its own -m flags.
+// AVX-512 helpers shared by the codec's avx512 and avx512vbmi translation units and the avx512vbmi
+// optimizers: the block scale and the blocking constants (dtype loads and stores: dtype_avx512.h).
+// Internal linkage only (an anonymous namespace): each TU keeps its own copy, compiled with its own -m
+// flags.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 
+#include "dtype_avx512.h"
 #include "zero8/kernels/codec.h"
 
 namespace zero8::quant {
 namespace {
-
-inline __mmask16 tail_mask(int32_t count) { return __mmask16((1u << count) - 1u); }
-
-// 16 elements of dtype D as float32; the masked form reads only the lanes in m (others are 0).
-template <DType D>
-inline __m512 load16(const void* p, int64_t i) {
-  if constexpr (D == DType::f32) {
-    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
-    if constexpr (D == DType::bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-  }
-}
-template <DType D>
-inline __m512 load16_masked(const void* p, int64_t i, __mmask16 m) {
-  if constexpr (D == DType::f32) {
-    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i);
-    if constexpr (D == DType::bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-  }
-}
-
-// float32 -> bfloat16 bits in the low half of each lane, as f32_to_bf16: round to nearest even,
-// NaN kept quiet.
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
-// Store 16 float32 values as dtype D (F16C rounds to nearest even exactly as f32_to_f16).
-template <DType D>
-inline void store16_masked(void* p, int64_t i, __m512 v, __mmask16 m) {
-  if constexpr (D == DType::f32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(p) + i, m, v);
-  } else {
-    const __m256i h = D == DType::bf16 ? to_bf16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, m, h);
-  }
-}
-template <DType D>
-inline void store16(void* p, int64_t i, __m512 v) {
-  if constexpr (D == DType::f32) {
-    _mm512_storeu_ps(static_cast<float*>(p) + i, v);
-  } else {
-    const __m256i h = D == DType::bf16 ? to_bf16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
-  }
-}
-
-// store16 with streaming stores (the address is aligned to the store's size).
-template <DType D>
-inline void store16_stream(void* p, int64_t i, __m512 v) {
-  if constexpr (D == DType::f32) {
-    _mm512_stream_ps(static_cast<float*>(p) + i, v);
-  } else {
-    const __m256i h = D == DType::bf16 ? to_bf16(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
-  }
-}
 
 // quant_block_scale of a block of finite values (vmin <= 0 <= vmax) without a branch on the data: the
 // sign of the block's extreme element is as good as random, and a mispredicted branch there would
@@ -120,21 +55,18 @@ inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTab
   return block_scale_finite(vmin, vmax, t);
 }
 
-// Blocks are taken in groups of about 2048 elements: first every scale of the group, then every
-// code, so that a small block's codes need not wait for the reduction of its own scale.
-constexpr int64_t kGroupElements = 2048;
-
-// Decoded outputs of at least this many bytes per call are written with streaming stores (no read of the
-// destination lines, no eviction of the working set), as memcpy does for copies beyond the caches.
-constexpr int64_t kStreamBytes = int64_t(8) << 20;
-
-[[maybe_unused]] bool map_has_zero(const QuantTable& t) { return t.values[t.zero_code] == 0.0f; }
-
-[[maybe_unused]] bool map_strictly_increasing(const QuantTable& t) {
-  for (int i = 0; i < 255; ++i)
-    if (!(t.values[i] < t.values[i + 1])) return false;
-  return true;
-}
+// What the lane classes of codec_simd.h's drivers share in the avx512 and avx512vbmi codecs.
+struct Avx512LanesBase {
+  // Blocks are encoded in groups of about 2048 elements (see codec_simd.h).
+  static constexpr int64_t kGroupElements = 2048;
+  // Decoded outputs of at least this many bytes per call are written with streaming stores (no read of
+  // the destination lines, no eviction of the working set), as memcpy does for copies beyond the caches.
+  static constexpr int64_t kStreamBytes = int64_t(8) << 20;
+  template <DType D>
+  static float scale_of(const void* x, int64_t off, int32_t len, const QuantTable& t) {
+    return block_scale<D>(x, off, len, t);
+  }
+};
 
 }  // namespace
 }  // namespace zero8::quant

@@ -15,6 +15,7 @@
 
 #include "codec_avx512_common.h"
 #include "codec_internal.h"
+#include "codec_simd.h"
 #include "codec_vbmi.h"
 #include "zero8/kernels/codec.h"
 
@@ -54,38 +55,6 @@ void encode_codes(const void* x, int64_t off, int32_t len, float scale, const Qu
   }
 }
 
-// As the avx512 encode_range: scales of a group of blocks, then their codes.
-template <DType D, bool kKeepSign>
-void encode_range(const EncodeArgs& a) {
-  const QuantTable& t = *a.table;
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  const int64_t group = std::max<int64_t>(1, kGroupElements / a.block);
-  const int64_t esize = dtype_size(D);
-  const int64_t ahead = std::max<int64_t>(0, 8192 / esize - a.block);
-  for (int64_t g = 0; g < nblocks; g += group) {
-    const int64_t gend = std::min(nblocks, g + group);
-    for (int64_t b = g; b < gend; ++b) {
-      const int64_t lo = b * a.block;
-      a.absmax[b] = block_scale<D>(a.x, lo, int32_t(std::min<int64_t>(a.block, a.n - lo)), t);
-    }
-    for (int64_t b = g; b < gend; ++b) {
-      const int64_t lo = b * a.block;
-      const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-      const int64_t pf = lo + len + ahead;
-      const char* prefetch = pf < a.n ? static_cast<const char*>(a.x) + pf * esize : nullptr;
-      encode_codes<D, kKeepSign>(a.x, lo, len, a.absmax[b], t, a.codes + lo, prefetch);
-    }
-  }
-}
-
-template <DType D>
-void encode_dtype(const EncodeArgs& a) {
-  if (map_has_zero(*a.table))
-    encode_range<D, false>(a);
-  else
-    encode_range<D, true>(a);
-}
-
 // y[off + i] (=, or += when kAccumulate) values[codes[i]] * scale for i < len. kStream: y is 64-byte
 // aligned and large (not with kAccumulate, which reads y anyway).
 template <DType D, bool kAccumulate, bool kStream>
@@ -100,10 +69,7 @@ inline void decode_block(const uint8_t* codes, int32_t len, float scale, const Q
       const int64_t e = off + i + 16 * j;
       __m512 x = _mm512_mul_ps(v[j], s);
       if constexpr (kAccumulate) x = _mm512_add_ps(_mm512_loadu_ps(static_cast<float*>(y) + e), x);
-      if constexpr (kStream)
-        store16_stream<D>(y, e, x);
-      else
-        store16<D>(y, e, x);
+      store16<D, kStream>(y, e, x);
     }
   }
   for (; i < len; i += 64) {
@@ -121,58 +87,39 @@ inline void decode_block(const uint8_t* codes, int32_t len, float scale, const Q
   }
 }
 
-template <DType D, bool kAccumulate, bool kStream>
-void decode_blocks(const DecodeArgs& a) {
-  const QuantTable& t = *a.table;
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t lo = b * a.block;
-    const int32_t len = int32_t(std::min<int64_t>(a.block, a.n - lo));
-    decode_block<D, kAccumulate, kStream>(a.codes + lo, len, a.absmax[b], t, a.y, lo);
+// The lane functions of codec_simd.h's drivers (nearest rounding by cells only).
+struct Avx512Vbmi : Avx512LanesBase {
+  using Lookup = NoLookup;
+  static constexpr bool kCellsOnly = true;
+  template <DType D, Search S, Round R, bool kKeepSign>
+  static void encode(const void* x, int64_t off, int32_t len, float scale, const QuantTable& t, const NoLookup*,
+                     uint8_t* codes, uint64_t, uint64_t, const char* prefetch) {
+    static_assert(S == Search::cells && R == Round::nearest, "VBMI cells, nearest rounding only");
+    encode_codes<D, kKeepSign>(x, off, len, scale, t, codes, prefetch);
   }
-  if (kStream) _mm_sfence();
-}
-
-template <DType D, bool kAccumulate>
-void decode_range(const DecodeArgs& a) {
-  if (!kAccumulate && a.n * dtype_size(D) >= kStreamBytes && reinterpret_cast<uintptr_t>(a.y) % 64 == 0)
-    decode_blocks<D, kAccumulate, !kAccumulate>(a);
-  else
-    decode_blocks<D, kAccumulate, false>(a);
-}
+  template <DType D, bool kAccumulate, bool kStream>
+  static void decode(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, const NoLookup&, void* y,
+                     int64_t off) {
+    decode_block<D, kAccumulate, kStream>(codes, len, scale, t, y, off);
+  }
+};
 
 }  // namespace
 
 void quant_encode_avx512vbmi(const EncodeArgs& a) {
   if (a.stochastic || !a.table->cells_ok) return quant_encode_avx512(a);
-  switch (a.dtype) {
-    case DType::f32: return encode_dtype<DType::f32>(a);
-    case DType::bf16: return encode_dtype<DType::bf16>(a);
-    case DType::f16: return encode_dtype<DType::f16>(a);
-  }
+  codec_encode<Avx512Vbmi>(a);
 }
 
-void quant_decode_avx512vbmi(const DecodeArgs& a) {
-  if (a.accumulate) return decode_range<DType::f32, true>(a);
-  switch (a.dtype) {
-    case DType::f32: return decode_range<DType::f32, false>(a);
-    case DType::bf16: return decode_range<DType::bf16, false>(a);
-    case DType::f16: return decode_range<DType::f16, false>(a);
-  }
-}
+void quant_decode_avx512vbmi(const DecodeArgs& a) { codec_decode<Avx512Vbmi>(a); }
 
 float quant_block_encode_f32_avx512vbmi(const float* x, int32_t len, const QuantTable& t, uint8_t* codes) {
   if (!t.cells_ok) return quant_block_encode_f32_avx512(x, len, t, codes);
-  const float scale = block_scale<DType::f32>(x, 0, len, t);
-  if (map_has_zero(t))
-    encode_codes<DType::f32, false>(x, 0, len, scale, t, codes, nullptr);
-  else
-    encode_codes<DType::f32, true>(x, 0, len, scale, t, codes, nullptr);
-  return scale;
+  return codec_block_encode_f32<Avx512Vbmi>(x, len, t, codes);
 }
 
 void quant_block_decode_f32_avx512vbmi(const uint8_t* codes, int32_t len, float scale, const QuantTable& t, float* y) {
-  decode_block<DType::f32, false, false>(codes, len, scale, t, y, 0);
+  codec_block_decode_f32<Avx512Vbmi>(codes, len, scale, t, y);
 }
 
 }  // namespace zero8::quant

@@ -59,15 +59,32 @@ Range block_range(int64_t n, int32_t block, int64_t nblocks, int part, int parts
   return {lo, std::min(n, b1 * block) - lo, b0};
 }
 
-}  // namespace
+EncodeArgs part_args(const EncodeArgs& a, const Range& r) {
+  EncodeArgs s = a;
+  s.x = static_cast<const char*>(a.x) + r.lo * dtype_size(a.dtype);
+  s.n = r.n;
+  s.codes = a.codes + r.lo;
+  s.absmax = a.absmax + r.b0;
+  s.index_base = a.index_base + uint64_t(r.lo);
+  return s;
+}
+
+DecodeArgs part_args(const DecodeArgs& a, const Range& r) {
+  DecodeArgs s = a;
+  s.codes = a.codes + r.lo;
+  s.absmax = a.absmax + r.b0;
+  s.n = r.n;
+  s.y = static_cast<char*>(a.y) + r.lo * dtype_size(a.dtype);
+  return s;
+}
 
 // The blocks go out in kPartsPerThread contiguous parts per thread, handed to whichever thread is
 // free: on a shared machine a thread that loses its core does not hold up the others. Parts stay
 // large (a few MiB at least for big tensors), which keeps the variants' streaming stores in play.
 constexpr int kPartsPerThread = 4;
 
-void quant_encode(const EncodeArgs& a, Isa isa, int threads) {
-  const EncodeFn fn = encode_variant(isa);
+template <class Args>
+void run_parts(void (*fn)(const Args&), const Args& a, int threads) {
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   const int nt = thread_count(a.n, nblocks, threads);
   if (nt <= 1) return fn(a);
@@ -75,36 +92,14 @@ void quant_encode(const EncodeArgs& a, Isa isa, int threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
   for (int part = 0; part < parts; ++part) {
     const Range r = block_range(a.n, a.block, nblocks, part, parts);
-    if (r.n > 0) {
-      EncodeArgs s = a;
-      s.x = static_cast<const char*>(a.x) + r.lo * dtype_size(a.dtype);
-      s.n = r.n;
-      s.codes = a.codes + r.lo;
-      s.absmax = a.absmax + r.b0;
-      s.index_base = a.index_base + uint64_t(r.lo);
-      fn(s);
-    }
+    if (r.n > 0) fn(part_args(a, r));
   }
 }
 
-void quant_decode(const DecodeArgs& a, Isa isa, int threads) {
-  const DecodeFn fn = decode_variant(isa);
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  const int nt = thread_count(a.n, nblocks, threads);
-  if (nt <= 1) return fn(a);
-  const int parts = int(std::min<int64_t>(nblocks, int64_t(nt) * kPartsPerThread));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-  for (int part = 0; part < parts; ++part) {
-    const Range r = block_range(a.n, a.block, nblocks, part, parts);
-    if (r.n > 0) {
-      DecodeArgs s = a;
-      s.codes = a.codes + r.lo;
-      s.absmax = a.absmax + r.b0;
-      s.n = r.n;
-      s.y = static_cast<char*>(a.y) + r.lo * dtype_size(a.dtype);
-      fn(s);
-    }
-  }
-}
+}  // namespace
+
+void quant_encode(const EncodeArgs& a, Isa isa, int threads) { run_parts(encode_variant(isa), a, threads); }
+
+void quant_decode(const DecodeArgs& a, Isa isa, int threads) { run_parts(decode_variant(isa), a, threads); }
 
 }  // namespace zero8::quant

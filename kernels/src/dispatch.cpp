@@ -1,4 +1,5 @@
-// CPU feature detection, the ZERO8_ISA override and the AVX-512 VBMI setting (ZERO8_AVX512_VBMI).
+// CPU feature detection (with the AVX-512 extensions VBMI and VNNI), the ZERO8_ISA override and the
+// AVX-512 VBMI setting (ZERO8_AVX512_VBMI).
 #include "zero8/kernels/dispatch.h"
 
 #include <atomic>
@@ -86,17 +87,30 @@ Isa isa_active() {
   return active;
 }
 
-bool isa_avx512_vbmi_supported() {
+namespace {
+
+// AVX-512 (isa_supported) and the AVX-512 extension in cpuid leaf 7, subleaf 0, ECX bit `bit`.
+bool avx512_with_leaf7_ecx(unsigned bit) {
 #if ZERO8_WITH_X86_SIMD && defined(__x86_64__)
-  // cpuid leaf 7, subleaf 0: ECX bit 1 is AVX512_VBMI (Intel SDM vol. 2A, CPUID).
-  static const bool vbmi = [] {
-    unsigned a, b, c, d;
-    return isa_supported(Isa::avx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 1)) != 0;
-  }();
-  return vbmi;
+  unsigned a, b, c, d;
+  return isa_supported(Isa::avx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << bit)) != 0;
 #else
+  (void)bit;
   return false;
 #endif
+}
+
+}  // namespace
+
+// cpuid leaf 7, subleaf 0, ECX: bit 1 is AVX512_VBMI, bit 11 AVX512_VNNI (Intel SDM vol. 2A, CPUID).
+bool isa_avx512_vbmi_supported() {
+  static const bool vbmi = avx512_with_leaf7_ecx(1);
+  return vbmi;
+}
+
+bool isa_avx512_vnni_supported() {
+  static const bool vnni = avx512_with_leaf7_ecx(11);
+  return vnni;
 }
 
 namespace {

@@ -4,6 +4,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include "dtype_avx2.h"
 #include "int8_simd.h"
 #include "rng_avx2.h"
 
@@ -22,42 +23,13 @@ struct V256 {
   static F floor(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
   static F clamp127(F a) { return _mm256_min_ps(_mm256_max_ps(a, set1(-127.0f)), set1(127.0f)); }
   template <DType D>
-  static F load(const void* p, int64_t i) {
-    if constexpr (D == DType::f32) {
-      return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-    } else {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-      if constexpr (D == DType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      return _mm256_cvtph_ps(h);
-    }
-  }
+  static F load(const void* p, int64_t i) { return load8<D>(p, i); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static F load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static F load_i32(const int32_t* p) { return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  // Rounding stores as dtype_store: bf16 to nearest even with quiet NaN, fp16 by vcvtps2ph.
-  static void store(void* p, DType t, int64_t j, F v) {
-    if (t == DType::f32) {
-      _mm256_storeu_ps(static_cast<float*>(p) + j, v);
-      return;
-    }
-    __m128i h;
-    if (t == DType::bf16) {
-      const __m256i u = _mm256_castps_si256(v);
-      const __m256i hi = _mm256_srli_epi32(u, 16);
-      // |u| <= 0x7fffffff, so the signed compare is the unsigned one.
-      const __m256i nan =
-          _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-      const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-      const __m256i sel = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-      h = _mm_packus_epi32(_mm256_castsi256_si128(sel), _mm256_extracti128_si256(sel, 1));  // values <= 0xffff
-    } else {
-      h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + j), h);
-  }
+  static void store(void* p, DType t, int64_t j, F v) { store8(p, t, j, v); }
   // 8 int32 in [-127, 127] (or 0/1) -> 8 bytes.
   static __m128i pack8(__m256i v) {
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));

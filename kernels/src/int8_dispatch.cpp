@@ -9,10 +9,6 @@
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
 
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
-
 namespace zero8::int8 {
 namespace {
 
@@ -55,25 +51,31 @@ Span piece(int64_t count, int64_t unit, int p, int n) {
   return {std::min(count, units * p / n * unit), std::min(count, units * (p + 1) / n * unit)};
 }
 
+// body(span) on nt threads, each with its piece of [0, count) in units of `unit` (none if empty).
+template <class Body>
+void parallel_pieces(int nt, int64_t count, int64_t unit, const Body& body) {
+#pragma omp parallel num_threads(nt)
+  {
+    const Span s = piece(count, unit, omp_get_thread_num(), omp_get_num_threads());
+    if (s.hi > s.lo) body(s);
+  }
+}
+
 }  // namespace
 
 void int8_row_quant(const RowQuantArgs& a, Isa isa, int threads) {
   const auto fn = pick(isa, &int8_row_quant_ref, &int8_row_quant_avx2, &int8_row_quant_avx512);
   const int nt = thread_count(a.rows * a.cols, a.rows, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Span s = piece(a.rows, 1, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) {
-      RowQuantArgs b = a;
-      b.x = bytes_at(a.x, s.lo * a.cols, a.dtype);
-      b.rows = s.hi - s.lo;
-      b.q = a.q + s.lo * a.cols;
-      b.scale = a.scale + s.lo;
-      b.index_base = a.index_base + uint64_t(s.lo * a.cols);
-      fn(b);
-    }
-  }
+  parallel_pieces(nt, a.rows, 1, [&](Span s) {
+    RowQuantArgs b = a;
+    b.x = bytes_at(a.x, s.lo * a.cols, a.dtype);
+    b.rows = s.hi - s.lo;
+    b.q = a.q + s.lo * a.cols;
+    b.scale = a.scale + s.lo;
+    b.index_base = a.index_base + uint64_t(s.lo * a.cols);
+    fn(b);
+  });
 }
 
 void int8_col_quant(const ColQuantArgs& a, Isa isa, int threads) {
@@ -82,20 +84,16 @@ void int8_col_quant(const ColQuantArgs& a, Isa isa, int threads) {
   // Column chunks of 64: whole vectors for either ISA, and independent scales.
   const int nt = thread_count(a.rows * a.cols, (a.cols + 63) / 64, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Span s = piece(a.cols, 64, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) {
-      ColQuantArgs b = a;
-      b.ld = ld;
-      b.x = bytes_at(a.x, s.lo, a.dtype);
-      b.cols = s.hi - s.lo;
-      b.q = a.q + s.lo;
-      b.scale = a.scale + s.lo;
-      b.index_base = a.index_base + uint64_t(s.lo);
-      fn(b);
-    }
-  }
+  parallel_pieces(nt, a.cols, 64, [&](Span s) {
+    ColQuantArgs b = a;
+    b.ld = ld;
+    b.x = bytes_at(a.x, s.lo, a.dtype);
+    b.cols = s.hi - s.lo;
+    b.q = a.q + s.lo;
+    b.scale = a.scale + s.lo;
+    b.index_base = a.index_base + uint64_t(s.lo);
+    fn(b);
+  });
 }
 
 void int8_block_quant(const BlockQuantArgs& a, Isa isa, int threads) {
@@ -103,19 +101,15 @@ void int8_block_quant(const BlockQuantArgs& a, Isa isa, int threads) {
   const int64_t nbr = (a.rows + a.block_rows - 1) / a.block_rows, nbc = (a.cols + a.block_cols - 1) / a.block_cols;
   const int nt = thread_count(a.rows * a.cols, nbr, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Span s = piece(a.rows, a.block_rows, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) {
-      BlockQuantArgs b = a;
-      b.x = bytes_at(a.x, s.lo * a.cols, a.dtype);
-      b.rows = s.hi - s.lo;
-      b.q = a.q + s.lo * a.cols;
-      b.scale = a.scale + (s.lo / a.block_rows) * nbc;
-      b.index_base = a.index_base + uint64_t(s.lo * a.cols);
-      fn(b);
-    }
-  }
+  parallel_pieces(nt, a.rows, a.block_rows, [&](Span s) {
+    BlockQuantArgs b = a;
+    b.x = bytes_at(a.x, s.lo * a.cols, a.dtype);
+    b.rows = s.hi - s.lo;
+    b.q = a.q + s.lo * a.cols;
+    b.scale = a.scale + (s.lo / a.block_rows) * nbc;
+    b.index_base = a.index_base + uint64_t(s.lo * a.cols);
+    fn(b);
+  });
 }
 
 void int8_block_dequant(const BlockDequantArgs& a, Isa isa, int threads) {
@@ -123,18 +117,14 @@ void int8_block_dequant(const BlockDequantArgs& a, Isa isa, int threads) {
   const int64_t nbr = (a.rows + a.block_rows - 1) / a.block_rows, nbc = (a.cols + a.block_cols - 1) / a.block_cols;
   const int nt = thread_count(a.rows * a.cols, nbr, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Span s = piece(a.rows, a.block_rows, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) {
-      BlockDequantArgs b = a;
-      b.q = a.q + s.lo * a.cols;
-      b.scale = a.scale + (s.lo / a.block_rows) * nbc;
-      b.rows = s.hi - s.lo;
-      b.y = bytes_at(a.y, s.lo * a.cols, a.dtype);
-      fn(b);
-    }
-  }
+  parallel_pieces(nt, a.rows, a.block_rows, [&](Span s) {
+    BlockDequantArgs b = a;
+    b.q = a.q + s.lo * a.cols;
+    b.scale = a.scale + (s.lo / a.block_rows) * nbc;
+    b.rows = s.hi - s.lo;
+    b.y = bytes_at(a.y, s.lo * a.cols, a.dtype);
+    fn(b);
+  });
 }
 
 int64_t int8_col_outliers(const OutlierArgs& a, Isa isa, int threads) {
@@ -143,17 +133,13 @@ int64_t int8_col_outliers(const OutlierArgs& a, Isa isa, int threads) {
   if (nt <= 1) return fn(a);
   // Each thread marks its rows in its own mask; the masks are OR-ed.
   std::vector<std::vector<uint8_t>> masks(size_t(nt), std::vector<uint8_t>(size_t(a.cols), 0));
-#pragma omp parallel num_threads(nt)
-  {
-    const Span s = piece(a.rows, 1, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) {
-      OutlierArgs b = a;
-      b.x = bytes_at(a.x, s.lo * a.cols, a.dtype);
-      b.rows = s.hi - s.lo;
-      b.mask = masks[size_t(omp_get_thread_num())].data();
-      fn(b);
-    }
-  }
+  parallel_pieces(nt, a.rows, 1, [&](Span s) {
+    OutlierArgs b = a;
+    b.x = bytes_at(a.x, s.lo * a.cols, a.dtype);
+    b.rows = s.hi - s.lo;
+    b.mask = masks[size_t(omp_get_thread_num())].data();
+    fn(b);
+  });
   int64_t count = 0;
   for (int64_t c = 0; c < a.cols; ++c) {
     uint8_t m = 0;
@@ -168,35 +154,19 @@ void int8_epilogue(const EpilogueArgs& a, Isa isa, int threads) {
   const auto fn = pick(isa, &int8_epilogue_ref, &int8_epilogue_avx2, &int8_epilogue_avx512);
   const int nt = thread_count(a.rows * a.cols, (a.rows + a.row_group - 1) / a.row_group, threads);
   if (nt <= 1) return fn(a);
-#pragma omp parallel num_threads(nt)
-  {
-    // Whole row groups, so each piece starts at a group boundary of the row scales.
-    const Span s = piece(a.rows, a.row_group, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) {
-      EpilogueArgs b = a;
-      b.acc = a.acc + s.lo * a.cols;
-      b.rows = s.hi - s.lo;
-      b.row_scale = a.row_scale + (s.lo / a.row_group) * a.row_stride;
-      if (a.add) b.add = a.add + s.lo * a.cols;
-      b.out = bytes_at(a.out, s.lo * a.cols, a.out_dtype);
-      fn(b);
-    }
-  }
+  // Whole row groups, so each piece starts at a group boundary of the row scales.
+  parallel_pieces(nt, a.rows, a.row_group, [&](Span s) {
+    EpilogueArgs b = a;
+    b.acc = a.acc + s.lo * a.cols;
+    b.rows = s.hi - s.lo;
+    b.row_scale = a.row_scale + (s.lo / a.row_group) * a.row_stride;
+    if (a.add) b.add = a.add + s.lo * a.cols;
+    b.out = bytes_at(a.out, s.lo * a.cols, a.out_dtype);
+    fn(b);
+  });
 }
 
-// AVX512_VNNI is cpuid leaf 7 (subleaf 0) ECX bit 11 (Intel SDM vol. 2A, CPUID); the rest of AVX-512
-// and the OS's ZMM state are isa_supported(avx512)'s checks.
-bool int8_block_gemm_vnni_supported() {
-#if ZERO8_WITH_X86_SIMD && defined(__x86_64__)
-  static const bool vnni = [] {
-    unsigned a, b, c, d;
-    return isa_supported(Isa::avx512) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11)) != 0;
-  }();
-  return vnni;
-#else
-  return false;
-#endif
-}
+bool int8_block_gemm_vnni_supported() { return isa_avx512_vnni_supported(); }
 
 namespace {
 bool block_gemm_uses_vnni(Isa isa) {
@@ -216,11 +186,7 @@ void int8_block_gemm(const BlockGemmArgs& a, Isa isa, int threads) {
   // The reference, rows split across threads (outputs are independent).
   const int nt = thread_count(a.m * a.n * std::max<int64_t>(a.k, 1), a.m, threads);
   if (nt <= 1) return int8_block_gemm_ref(a);
-#pragma omp parallel num_threads(nt)
-  {
-    const Span s = piece(a.m, 1, omp_get_thread_num(), omp_get_num_threads());
-    if (s.hi > s.lo) int8_block_gemm_ref(a, s.lo, s.hi);
-  }
+  parallel_pieces(nt, a.m, 1, [&](Span s) { int8_block_gemm_ref(a, s.lo, s.hi); });
 }
 
 }  // namespace zero8::int8

@@ -96,6 +96,16 @@ void pack_lines(const Source& s, const Layout& L, int64_t panel_bytes, uint8_t* 
   static_assert(P % 16 == 0 || 16 % P == 0, "16-line groups must tile the panels");
   const uint32_t flip32 = 0x01010101u * s.flip;
   auto word_at = [&](int64_t l, int64_t w) { return dst + (l / P) * panel_bytes + (w * P + l % P) * 4; };
+  // Words [w, words) of lines [l, l + count) of a line-major source, one at a time (past the vectors).
+  auto copy_words_from = [&](int64_t l, int count, int64_t w) {
+    for (int i = 0; i < count; ++i)
+      for (int64_t v = w; v < words; ++v) {
+        uint32_t x;
+        std::memcpy(&x, s.src + (l + i) * s.k + v * 4, 4);
+        x ^= flip32;
+        std::memcpy(word_at(l + i, v), &x, 4);
+      }
+  };
   const __m512i flip512 = _mm512_set1_epi8(char(s.flip));
   const __m128i flip128 = _mm_set1_epi8(char(s.flip));
   int64_t l = l0;
@@ -128,13 +138,7 @@ void pack_lines(const Source& s, const Layout& L, int64_t panel_bytes, uint8_t* 
         }
         for (int v = 0; v < 16; ++v) _mm512_storeu_si512(word_at(l, w + v), _mm512_xor_si512(o[v], flip512));
       }
-      for (int i = 0; i < 16; ++i)
-        for (int64_t v = w; v < words; ++v) {
-          uint32_t x;
-          std::memcpy(&x, s.src + (l + i) * s.k + v * 4, 4);
-          x ^= flip32;
-          std::memcpy(word_at(l + i, v), &x, 4);
-        }
+      copy_words_from(l, 16, w);
     }
   } else if (s.line_major) {
     // 4 lines x 16 words: a 4 x 4 dword transpose inside each 128-bit lane; lane L of u[j] is word
@@ -156,13 +160,7 @@ void pack_lines(const Source& s, const Layout& L, int64_t panel_bytes, uint8_t* 
           _mm_storeu_si128(reinterpret_cast<__m128i*>(word_at(l, w + 12 + j)), _mm512_extracti32x4_epi32(u[j], 3));
         }
       }
-      for (int t = 0; t < 4; ++t)
-        for (int64_t v = w; v < words; ++v) {
-          uint32_t x;
-          std::memcpy(&x, s.src + (l + t) * s.k + v * 4, 4);
-          x ^= flip32;
-          std::memcpy(word_at(l + t, v), &x, 4);
-        }
+      copy_words_from(l, 4, w);
     }
   } else {
     // 16 lines x 4 rows of k: interleave the bytes of the 4 rows (unpack 8 then 16 bits); q[j] holds lines

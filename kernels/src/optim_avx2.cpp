@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "codec_internal.h"
+#include "dtype_avx2.h"
 
 #define ZERO8_OPTIM_BLOCK_DECODE quant::quant_block_decode_f32_avx2
 #define ZERO8_OPTIM_BLOCK_ENCODE quant::quant_block_encode_f32_avx2
@@ -31,37 +32,9 @@ struct V256 {
     const F gt = _mm256_cmp_ps(u, zero(), _CMP_GT_OQ), lt = _mm256_cmp_ps(u, zero(), _CMP_LT_OQ);
     return _mm256_or_ps(_mm256_and_ps(gt, set1(1.0f)), _mm256_and_ps(lt, set1(-1.0f)));
   }
-  // Exact widening loads (as dtype_load): bf16 is the upper half of a float, fp16 via F16C.
-  static F load_grad(const void* g, DType t, int64_t j) {
-    if (t == DType::f32) return _mm256_loadu_ps(static_cast<const float*>(g) + j);
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + j));
-    if (t == DType::bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-  }
-  // Rounding stores (as dtype_store): bf16 round to nearest even with quiet NaN, fp16 by vcvtps2ph
-  // (round to nearest even, the same NaN and overflow results as f32_to_f16).
-  static void store_param(void* p, DType t, int64_t j, F v) {
-    if (t == DType::f32) {
-      _mm256_storeu_ps(static_cast<float*>(p) + j, v);
-      return;
-    }
-    __m128i h;
-    if (t == DType::bf16) {
-      const __m256i u = _mm256_castps_si256(v);
-      const __m256i hi = _mm256_srli_epi32(u, 16);
-      // |u| <= 0x7fffffff, so the signed compare is the unsigned one.
-      const __m256i nan =
-          _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-      const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-      const __m256i q = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
-      const __m256i sel = _mm256_blendv_epi8(r, q, nan);
-      h = _mm_packus_epi32(_mm256_castsi256_si128(sel), _mm256_extracti128_si256(sel, 1));  // values <= 0xffff
-    } else {
-      h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + j), h);
-  }
+  // dtype_load / dtype_store (dtype_avx2.h).
+  static F load_grad(const void* g, DType t, int64_t j) { return load8(g, t, j); }
+  static void store_param(void* p, DType t, int64_t j, F v) { store8(p, t, j, v); }
   // Norm accumulation: 8 double lanes in two registers (lanes 0-3, 4-7), lane = k % 8.
   struct Acc {
     __m256d lo, hi;

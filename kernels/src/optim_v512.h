@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "dtype_avx512.h"
 #include "zero8/kernels/hd.h"
 
 namespace zero8::optim {
@@ -30,35 +31,9 @@ struct V512 {
     const __mmask16 lt = _mm512_cmp_ps_mask(u, zero(), _CMP_LT_OQ);
     return _mm512_mask_blend_ps(lt, _mm512_mask_blend_ps(gt, zero(), set1(1.0f)), set1(-1.0f));
   }
-  // Exact widening loads (as dtype_load): bf16 is the upper half of a float, fp16 via F16C.
-  static F load_grad(const void* g, DType t, int64_t j) {
-    if (t == DType::f32) return _mm512_loadu_ps(static_cast<const float*>(g) + j);
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + j));
-    if (t == DType::bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-  }
-  // Rounding stores (as dtype_store): bf16 round to nearest even with quiet NaN, fp16 by vcvtps2ph
-  // (round to nearest even, the same NaN and overflow results as f32_to_f16).
-  static void store_param(void* p, DType t, int64_t j, F v) {
-    if (t == DType::f32) {
-      _mm512_storeu_ps(static_cast<float*>(p) + j, v);
-      return;
-    }
-    __m256i h;
-    if (t == DType::bf16) {
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i hi = _mm512_srli_epi32(u, 16);
-      const __mmask16 nan =
-          _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-      const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-      const __m512i q = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
-      h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, q));
-    } else {
-      h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + j), h);
-  }
+  // dtype_load / dtype_store (dtype_avx512.h).
+  static F load_grad(const void* g, DType t, int64_t j) { return load16(g, t, j); }
+  static void store_param(void* p, DType t, int64_t j, F v) { store16(p, t, j, v); }
   // Norm accumulation: 8 double lanes; 16 floats add as elements 0..7 then 8..15 (lane = k % 8).
   struct Acc {
     __m512d a;

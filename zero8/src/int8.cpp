@@ -9,6 +9,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "arg_checks.h"
 #include "zero8/error.h"
 #include "zero8/kernels/dispatch.h"
 
@@ -19,20 +20,9 @@
 namespace zero8::int8 {
 namespace {
 
-// A pointer to `count` elements of `elem` bytes: non-null unless empty, aligned to its element size.
-void check_ptr(const void* p, const char* name, int64_t count, int elem) {
-  ZERO8_CHECK_ARG(p != nullptr || count == 0, name, "null pointer for " << count << " elements");
-  ZERO8_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % uintptr_t(elem) == 0, name,
-                  "pointer " << p << " is not aligned to its " << elem << "-byte elements");
-}
-
 void check_shape(int64_t rows, int64_t cols) {
   ZERO8_CHECK_ARG(rows >= 0, "rows", "must be >= 0, got " << rows);
   ZERO8_CHECK_ARG(cols >= 0, "cols", "must be >= 0, got " << cols);
-}
-
-void check_dtype(DType t, const char* name) {
-  ZERO8_CHECK_ARG(t == DType::f32 || t == DType::bf16 || t == DType::f16, name, "unknown dtype " << int(t));
 }
 
 void check_blocks(int32_t block_rows, int32_t block_cols) {
@@ -40,14 +30,24 @@ void check_blocks(int32_t block_rows, int32_t block_cols) {
   ZERO8_CHECK_ARG(block_cols >= 1 && block_cols <= 65536, "block_cols", "must be in 1..65536, got " << block_cols);
 }
 
-void check_threads(int threads) { ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0, got " << threads); }
-
-RowQuantArgs row_args(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
-                      const uint8_t* col_mask, const Int8QuantOptions& opt) {
+// x (rows x cols of dtype) in, q (rows x cols int8) out.
+void check_quant_io(const void* x, DType dtype, int64_t rows, int64_t cols, const int8_t* q) {
   check_shape(rows, cols);
   check_dtype(dtype, "dtype");
   check_ptr(x, "x", rows * cols, dtype_size(dtype));
   check_ptr(q, "q", rows * cols, 1);
+}
+
+template <class Args>
+void set_quant_options(Args& a, const Int8QuantOptions& opt) {
+  a.stochastic = opt.stochastic;
+  a.seed = opt.seed;
+  a.index_base = opt.index_base;
+}
+
+RowQuantArgs row_args(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                      const uint8_t* col_mask, const Int8QuantOptions& opt) {
+  check_quant_io(x, dtype, rows, cols, q);
   check_ptr(scale, "scale", rows, 4);
   check_threads(opt.threads);
   RowQuantArgs a;
@@ -58,19 +58,14 @@ RowQuantArgs row_args(const void* x, DType dtype, int64_t rows, int64_t cols, in
   a.col_mask = col_mask;
   a.q = q;
   a.scale = scale;
-  a.stochastic = opt.stochastic;
-  a.seed = opt.seed;
-  a.index_base = opt.index_base;
+  set_quant_options(a, opt);
   return a;
 }
 
 BlockQuantArgs block_args(const void* x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows,
                           int32_t block_cols, int8_t* q, float* scale, const Int8QuantOptions& opt) {
-  check_shape(rows, cols);
-  check_dtype(dtype, "dtype");
+  check_quant_io(x, dtype, rows, cols, q);
   check_blocks(block_rows, block_cols);
-  check_ptr(x, "x", rows * cols, dtype_size(dtype));
-  check_ptr(q, "q", rows * cols, 1);
   check_ptr(scale, "scale", int8_block_count(rows, cols, block_rows, block_cols), 4);
   check_threads(opt.threads);
   BlockQuantArgs a;
@@ -82,9 +77,7 @@ BlockQuantArgs block_args(const void* x, DType dtype, int64_t rows, int64_t cols
   a.block_cols = block_cols;
   a.q = q;
   a.scale = scale;
-  a.stochastic = opt.stochastic;
-  a.seed = opt.seed;
-  a.index_base = opt.index_base;
+  set_quant_options(a, opt);
   return a;
 }
 
@@ -217,10 +210,7 @@ void int8_quantize_rows(const void* x, DType dtype, int64_t rows, int64_t cols, 
 
 void int8_quantize_cols(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
                         const Int8QuantOptions& opt) {
-  check_shape(rows, cols);
-  check_dtype(dtype, "dtype");
-  check_ptr(x, "x", rows * cols, dtype_size(dtype));
-  check_ptr(q, "q", rows * cols, 1);
+  check_quant_io(x, dtype, rows, cols, q);
   check_ptr(scale, "scale", cols, 4);
   check_threads(opt.threads);
   ColQuantArgs a;
@@ -230,9 +220,7 @@ void int8_quantize_cols(const void* x, DType dtype, int64_t rows, int64_t cols, 
   a.cols = cols;
   a.q = q;
   a.scale = scale;
-  a.stochastic = opt.stochastic;
-  a.seed = opt.seed;
-  a.index_base = opt.index_base;
+  set_quant_options(a, opt);
   if (cols > 0) int8_col_quant(a, isa_active(), opt.threads);
 }
 

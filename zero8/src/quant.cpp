@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "arg_checks.h"
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
 #include "zero8/kernels/dispatch.h"
@@ -27,16 +28,8 @@ void check_block(int32_t block) {
 void check_common(int64_t n, int32_t block, DType dtype, const QuantTable* table) {
   ZERO8_CHECK_ARG(n >= 0, "n", "must be >= 0, got " << n);
   check_block(block);
-  ZERO8_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, "dtype",
-                  "unknown dtype " << int(dtype));
+  check_dtype(dtype, "dtype");
   ZERO8_CHECK_ARG(table != nullptr, "table", "null table");
-}
-
-// A pointer to `count` elements of `elem` bytes: non-null unless empty, aligned to its element size.
-void check_ptr(const void* p, const char* name, int64_t count, int elem) {
-  ZERO8_CHECK_ARG(p != nullptr || count == 0, name, "null pointer for " << count << " elements");
-  ZERO8_CHECK_ARG(reinterpret_cast<uintptr_t>(p) % uintptr_t(elem) == 0, name,
-                  "pointer " << p << " is not aligned to its " << elem << "-byte elements");
 }
 
 // A host table must come from table_build (its last threshold is +inf); device tables are not read here.
@@ -51,7 +44,7 @@ EncodeArgs encode_args(const void* x, DType dtype, int64_t n, int32_t block, con
   check_ptr(x, "x", n, dtype_size(dtype));
   check_ptr(codes, "codes", n, 1);
   check_ptr(absmax, "absmax", quant_num_blocks(n, block), 4);
-  ZERO8_CHECK_ARG(opt.threads >= 0, "threads", "must be >= 0, got " << opt.threads);
+  check_threads(opt.threads);
   EncodeArgs a;
   a.x = x;
   a.dtype = dtype;
@@ -74,7 +67,7 @@ DecodeArgs decode_args(const uint8_t* codes, const float* absmax, int64_t n, int
   check_ptr(y, "y", n, dtype_size(dtype));
   ZERO8_CHECK_ARG(!accumulate || dtype == DType::f32, "accumulate",
                   "needs a float32 output, got " << dtype_name(dtype));
-  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0, got " << threads);
+  check_threads(threads);
   DecodeArgs a;
   a.codes = codes;
   a.absmax = absmax;

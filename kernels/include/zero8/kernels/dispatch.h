@@ -19,4 +19,7 @@ bool isa_avx512_vbmi_supported();  // CPU has AVX-512 (isa_supported) and AVX512
 bool isa_avx512_vbmi();            // the avx512 variant uses its VBMI code now
 void isa_set_avx512_vbmi(bool on); // throws zero8::Error (unsupported) for on where unsupported
 
+// AVX512_VNNI (int8 dot products; Ice Lake, Zen 4 and later): the per-block int8 GEMM uses it.
+bool isa_avx512_vnni_supported();  // CPU has AVX-512 (isa_supported) and AVX512_VNNI
+
 }  // namespace zero8
