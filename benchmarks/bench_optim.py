@@ -139,8 +139,10 @@ def mem_available() -> int:
     return 0
 
 
-# Bytes per parameter one optimizer holds: its parameter copy (4) plus 32-bit states (8) at most.
-BYTES_PER_PARAM_EACH = 12
+def bytes_per_param(name: str) -> int:
+    """Bytes per parameter one optimizer holds: its parameter copy (4) plus its states (two 8-bit codes
+    and scales: ~2; two float32 moments: 8)."""
+    return 4 + (2 if name.endswith("8bit") else 8)
 
 
 def setup_one(torch, make, base, grads, args):
@@ -218,7 +220,10 @@ def main(argv=None) -> int:
         grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
         rows = []
         usable = {n: factories[n][0] for n in names if factories[n][0] is not None and n not in failed}
-        interleave = BYTES_PER_PARAM_EACH * total * len(usable) < 0.6 * mem_available() and not args.sequential
+        # Together: every optimizer's bytes plus the shared initial values and gradients (8 B/param),
+        # within 80% of the memory available now.
+        need = total * (8 + sum(bytes_per_param(n) for n in usable))
+        interleave = need < 0.8 * mem_available() and not args.sequential
         timed = {}
         if interleave:
             try:
