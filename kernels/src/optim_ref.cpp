@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "codec_internal.h"
+#include "optim_walk.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/optim_math.h"
 
@@ -131,11 +132,7 @@ void optim_step_ref(const StepArgs& a) {
     const BlockStates st2 = block_states_load(a, 2, use2, lo, len, buf2.data());
     for (int64_t i = lo; i < hi;) {
       // One piece: the part of the block inside one segment (one trust ratio).
-      int64_t end = hi;
-      if (a.nseg > 0) {
-        while (a.seg_offsets[seg + 1] <= i) ++seg;
-        end = std::min<int64_t>(hi, a.seg_offsets[seg + 1]);
-      }
+      const int64_t end = optim_piece_end(a, i, hi, &seg);
       const float trust = (trust_algo && a.seg_trust) ? a.seg_trust[a.nseg > 0 ? seg : 0] : 1.0f;
       for (; i < end; ++i) {
         float unused1 = 0.0f, unused2 = 0.0f;
@@ -157,12 +154,8 @@ void optim_step_ref(const StepArgs& a) {
 void optim_norms_ref(const StepArgs& a, NormSums* out) {
   const OptimConsts c = optim_consts(a.algo, a.h);
   const bool use1 = a.algo == Algo::lamb, use2 = a.algo == Algo::lamb;  // lars needs no state here
-  const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
-  for (int64_t s = 0; s < nseg; ++s) out[s] = NormSums{};
+  NormFold fold(out, a.nseg > 0 ? a.nseg : 1);
   std::vector<float> buf1(a.block), buf2(a.block);
-  // Running sum of the current (chunk, segment) pair, folded into out[] when either changes.
-  NormSums acc{};
-  int64_t acc_seg = -1, acc_chunk = -1;
   int64_t seg = 0;
   for (int64_t lo = 0; lo < a.n; lo += a.block) {
     const int64_t hi = std::min<int64_t>(a.n, lo + a.block);
@@ -171,11 +164,7 @@ void optim_norms_ref(const StepArgs& a, NormSums* out) {
     const BlockStates st2 = block_states_load(a, 2, use2, lo, len, buf2.data());
     const int64_t chunk = lo / kOptimNormChunk;
     for (int64_t i = lo; i < hi;) {
-      int64_t end = hi;
-      if (a.nseg > 0) {
-        while (a.seg_offsets[seg + 1] <= i) ++seg;
-        end = std::min<int64_t>(hi, a.seg_offsets[seg + 1]);
-      }
+      const int64_t end = optim_piece_end(a, i, hi, &seg);
       double lw[8] = {}, lu[8] = {};
       for (const int64_t start = i; i < end; ++i) {
         const float g = dtype_load(a.grad, a.grad_dtype, i);
@@ -186,23 +175,10 @@ void optim_norms_ref(const StepArgs& a, NormSums* out) {
         lw[(i - start) & 7] += double(p) * double(p);
         lu[(i - start) & 7] += double(u) * double(u);
       }
-      if (seg != acc_seg || chunk != acc_chunk) {
-        if (acc_seg >= 0) {
-          out[acc_seg].w_sq += acc.w_sq;
-          out[acc_seg].u_sq += acc.u_sq;
-        }
-        acc = NormSums{};
-        acc_seg = seg;
-        acc_chunk = chunk;
-      }
-      acc.w_sq += optim_norm_lanes_sum(lw);
-      acc.u_sq += optim_norm_lanes_sum(lu);
+      fold.add(seg, chunk, optim_norm_lanes_sum(lw), optim_norm_lanes_sum(lu));
     }
   }
-  if (acc_seg >= 0) {
-    out[acc_seg].w_sq += acc.w_sq;
-    out[acc_seg].u_sq += acc.u_sq;
-  }
+  fold.finish();
 }
 
 }  // namespace zero8::optim

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "codec_internal.h"
+#include "optim_walk.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/optim_math.h"
 
@@ -190,14 +191,6 @@ inline Ptrs simd_piece_ptrs(const StepArgs& a, int64_t i, int64_t lo, bool use1,
   return q;
 }
 
-// The end of the piece starting at i (the block end, or the end of segment *seg, advanced to i's).
-inline int64_t simd_piece_end(const StepArgs& a, int64_t i, int64_t hi, int64_t* seg) {
-  if (a.nseg <= 0) return hi;
-  while (a.seg_offsets[*seg + 1] <= i) ++*seg;
-  const int64_t e = a.seg_offsets[*seg + 1];
-  return e < hi ? e : hi;
-}
-
 // One state block [lo, hi): decode its 8-bit states into buf1/buf2, step it piece by piece, encode the
 // states again. *seg: the segment of element lo or an earlier one (lamb/lars).
 template <class V, Algo A>
@@ -210,7 +203,7 @@ void simd_step_block(const StepArgs& a, const OptimConsts& c, const VConsts<V>& 
   if (use1 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code1 + lo, len, a.absmax1[b], *a.map1, buf1);
   if (use2 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code2 + lo, len, a.absmax2[b], *a.map2, buf2);
   for (int64_t i = lo; i < hi;) {
-    const int64_t end = trust_algo ? simd_piece_end(a, i, hi, seg) : hi;
+    const int64_t end = trust_algo ? optim_piece_end(a, i, hi, seg) : hi;
     const float trust = (trust_algo && a.seg_trust) ? a.seg_trust[a.nseg > 0 ? *seg : 0] : 1.0f;
     const Ptrs q = simd_piece_ptrs(a, i, lo, use1, use2, buf1, buf2, a.update_params);
     simd_step_piece<V, A>(k, q, end - i, trust, c.lr * trust);
@@ -271,11 +264,9 @@ void simd_norms(const StepArgs& a, NormSums* out) {
   const VConsts<V> k(c);
   const bool use = A == Algo::lamb;  // lars needs no state in phase 1
   const bool q8 = a.bits == 8;
-  const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
-  for (int64_t s = 0; s < nseg; ++s) out[s] = NormSums{};
+  NormFold fold(out, a.nseg > 0 ? a.nseg : 1);
   alignas(64) float buf1[kMaxBlock], buf2[kMaxBlock];
-  NormSums acc{};
-  int64_t acc_seg = -1, acc_chunk = -1, seg = 0;
+  int64_t seg = 0;
   for (int64_t lo = 0; lo < a.n; lo += a.block) {
     const int64_t hi = lo + a.block < a.n ? lo + a.block : a.n;
     const int32_t len = int32_t(hi - lo);
@@ -285,28 +276,15 @@ void simd_norms(const StepArgs& a, NormSums* out) {
       ZERO8_OPTIM_BLOCK_DECODE(a.code2 + lo, len, a.absmax2[b], *a.map2, buf2);
     }
     for (int64_t i = lo; i < hi;) {
-      const int64_t end = simd_piece_end(a, i, hi, &seg);
+      const int64_t end = optim_piece_end(a, i, hi, &seg);
       const Ptrs q = simd_piece_ptrs(a, i, lo, use, use, buf1, buf2, false);
       double w = 0.0, u = 0.0;
       simd_norms_piece<V, A>(k, q, end - i, &w, &u);
-      if (seg != acc_seg || chunk != acc_chunk) {
-        if (acc_seg >= 0) {
-          out[acc_seg].w_sq += acc.w_sq;
-          out[acc_seg].u_sq += acc.u_sq;
-        }
-        acc = NormSums{};
-        acc_seg = seg;
-        acc_chunk = chunk;
-      }
-      acc.w_sq += w;
-      acc.u_sq += u;
+      fold.add(seg, chunk, w, u);
       i = end;
     }
   }
-  if (acc_seg >= 0) {
-    out[acc_seg].w_sq += acc.w_sq;
-    out[acc_seg].u_sq += acc.u_sq;
-  }
+  fold.finish();
 }
 
 template <class V>
