@@ -40,6 +40,17 @@ template <class T> T from_kwargs(const py::kwargs& kw) {
   return obj.cast<T>();
 }
 
+// The rounding options of the codec (quant::QuantizeOptions) and of the int8 quantizers
+// (int8::Int8QuantOptions), which share these four fields, from the Python keyword arguments.
+template <class Options> Options rounding_options(bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
+  Options o;
+  o.stochastic = stochastic;
+  o.seed = seed;
+  o.index_base = index_base;
+  o.threads = threads;
+  return o;
+}
+
 // "name=value, ..." of the listed attributes, for __repr__.
 std::string repr_fields(py::handle obj, const char* type_name, std::initializer_list<const char*> fields);
 

@@ -39,15 +39,6 @@ std::shared_ptr<const QuantTable> table_for_values(const std::vector<float>& val
   return t;
 }
 
-quant::QuantizeOptions quantize_options(bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
-  quant::QuantizeOptions o;
-  o.stochastic = stochastic;
-  o.seed = seed;
-  o.index_base = index_base;
-  o.threads = threads;
-  return o;
-}
-
 }  // namespace
 
 void init_codec(py::module_& m) {
@@ -66,8 +57,9 @@ void init_codec(py::module_& m) {
       "quantize_blockwise",
       [](Ptr x, DType dtype, int64_t n, int32_t block, MapKind kind, Ptr codes, Ptr absmax, bool stochastic,
          uint64_t seed, uint64_t index_base, int threads) {
+        const auto opt = rounding_options<quant::QuantizeOptions>(stochastic, seed, index_base, threads);
         quant::quantize_blockwise(as_ptr<const void>(x), dtype, n, block, kind, as_ptr<uint8_t>(codes),
-                                  as_ptr<float>(absmax), quantize_options(stochastic, seed, index_base, threads));
+                                  as_ptr<float>(absmax), opt);
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("kind"), py::arg("codes_ptr"),
       py::arg("absmax_ptr"), py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
@@ -79,8 +71,9 @@ void init_codec(py::module_& m) {
       [](Ptr x, DType dtype, int64_t n, int32_t block, const std::vector<float>& values, Ptr codes, Ptr absmax,
          bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
         const auto table = table_for_values(values);
+        const auto opt = rounding_options<quant::QuantizeOptions>(stochastic, seed, index_base, threads);
         quant::quantize_blockwise(as_ptr<const void>(x), dtype, n, block, *table, as_ptr<uint8_t>(codes),
-                                  as_ptr<float>(absmax), quantize_options(stochastic, seed, index_base, threads));
+                                  as_ptr<float>(absmax), opt);
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("values"), py::arg("codes_ptr"),
       py::arg("absmax_ptr"), py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,

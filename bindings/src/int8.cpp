@@ -5,26 +5,14 @@
 #include "zero8/int8.h"
 
 namespace zero8::bindings {
-namespace {
-
-int8::Int8QuantOptions quant_options(bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
-  int8::Int8QuantOptions o;
-  o.stochastic = stochastic;
-  o.seed = seed;
-  o.index_base = index_base;
-  o.threads = threads;
-  return o;
-}
-
-}  // namespace
-
 void init_int8(py::module_& m) {
   m.def(
       "int8_quantize_rows",
       [](Ptr x, DType dtype, int64_t rows, int64_t cols, Ptr q, Ptr scale, Ptr col_mask, bool stochastic, uint64_t seed,
          uint64_t index_base, int threads) {
+        const auto opt = rounding_options<int8::Int8QuantOptions>(stochastic, seed, index_base, threads);
         int8::int8_quantize_rows(as_ptr<const void>(x), dtype, rows, cols, as_ptr<int8_t>(q), as_ptr<float>(scale),
-                                 as_ptr<const uint8_t>(col_mask), quant_options(stochastic, seed, index_base, threads));
+                                 as_ptr<const uint8_t>(col_mask), opt);
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("q_ptr"), py::arg("scale_ptr"),
       py::arg("col_mask_ptr") = 0, py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
@@ -35,8 +23,9 @@ void init_int8(py::module_& m) {
       "int8_quantize_cols",
       [](Ptr x, DType dtype, int64_t rows, int64_t cols, Ptr q, Ptr scale, bool stochastic, uint64_t seed,
          uint64_t index_base, int threads) {
+        const auto opt = rounding_options<int8::Int8QuantOptions>(stochastic, seed, index_base, threads);
         int8::int8_quantize_cols(as_ptr<const void>(x), dtype, rows, cols, as_ptr<int8_t>(q), as_ptr<float>(scale),
-                                 quant_options(stochastic, seed, index_base, threads));
+                                 opt);
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("q_ptr"), py::arg("scale_ptr"),
       py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0, py::arg("threads") = 0,
@@ -45,8 +34,9 @@ void init_int8(py::module_& m) {
       "int8_quantize_blocks",
       [](Ptr x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows, int32_t block_cols, Ptr q, Ptr scale,
          bool stochastic, uint64_t seed, uint64_t index_base, int threads) {
+        const auto opt = rounding_options<int8::Int8QuantOptions>(stochastic, seed, index_base, threads);
         int8::int8_quantize_blocks(as_ptr<const void>(x), dtype, rows, cols, block_rows, block_cols, as_ptr<int8_t>(q),
-                                   as_ptr<float>(scale), quant_options(stochastic, seed, index_base, threads));
+                                   as_ptr<float>(scale), opt);
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("block_rows"),
       py::arg("block_cols"), py::arg("q_ptr"), py::arg("scale_ptr"), py::arg("stochastic") = false,

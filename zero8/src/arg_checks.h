@@ -1,4 +1,4 @@
-// Argument checks shared by the validated APIs of zero8/src (quant.cpp, int8.cpp): each throws
+// Argument checks shared by the validated APIs of zero8/src (quant.cpp, int8.cpp, optim.cpp): each throws
 // zero8::Error (invalid_argument) naming the argument, through ZERO8_CHECK_ARG.
 #pragma once
 
@@ -21,7 +21,9 @@ inline void check_dtype(DType t, const char* name) {
   ZERO8_CHECK_ARG(t == DType::f32 || t == DType::bf16 || t == DType::f16, name, "unknown dtype " << int(t));
 }
 
-inline void check_threads(int threads) { ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0, got " << threads); }
+inline void check_threads(int threads) {
+  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0 (0: OpenMP default), got " << threads);
+}
 
 }  // namespace
 }  // namespace zero8

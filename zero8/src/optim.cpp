@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "arg_checks.h"
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
 #include "zero8/kernels/dispatch.h"
@@ -16,8 +17,6 @@ namespace {
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes) == 0; }
 
 bool algo_valid(Algo a) { return uint8_t(a) <= uint8_t(Algo::lars); }
-
-bool dtype_valid(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
 
 void layout_check(Algo algo, int64_t n, int bits, int32_t block) {
   ZERO8_CHECK_ARG(algo_valid(algo), "algo", "unknown algorithm " << int(algo));
@@ -169,8 +168,8 @@ void hyper_validate(Algo algo, const Hyper& h) {
 void args_validate(const StepArgs& a, bool phase2) {
   layout_check(a.algo, a.n, a.bits, a.block);
   hyper_validate(a.algo, a.h);
-  ZERO8_CHECK_ARG(dtype_valid(a.param_dtype), "param_dtype", "unknown dtype " << int(a.param_dtype));
-  ZERO8_CHECK_ARG(dtype_valid(a.grad_dtype), "grad_dtype", "unknown dtype " << int(a.grad_dtype));
+  check_dtype(a.param_dtype, "param_dtype");
+  check_dtype(a.grad_dtype, "grad_dtype");
   if (a.param_dtype == DType::f32) {
     ZERO8_CHECK_ARG(a.master == nullptr, "master",
                     "must be null for a float32 parameter (the parameter is its own master)");
@@ -225,19 +224,19 @@ void args_validate(const StepArgs& a, bool phase2) {
 void norms_range(const StepArgs& a, NormSums* out, int threads) {
   args_validate(a, false);
   ZERO8_CHECK_ARG(out != nullptr, "out", "null pointer");
-  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0 (0: OpenMP default), got " << threads);
+  check_threads(threads);
   optim_norms(a, out, isa_active(), threads);
 }
 
 void step_range(const StepArgs& a, int threads) {
   args_validate(a, true);
-  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0 (0: OpenMP default), got " << threads);
+  check_threads(threads);
   optim_step(a, isa_active(), threads);
 }
 
 void step_tensor(StepArgs a, int threads) {
   args_validate(a, false);
-  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0 (0: OpenMP default), got " << threads);
+  check_threads(threads);
   const Isa isa = isa_active();
   std::vector<float> trust;
   if (algo_has_trust_ratio(a.algo)) {
@@ -255,7 +254,7 @@ void step(State& state, const Hyper& h, void* param, DType param_dtype, int64_t 
   const int64_t n = state.layout().n;
   ZERO8_CHECK_ARG(param_numel == n, "param", "length mismatch: " << param_numel << " elements, the state has " << n);
   ZERO8_CHECK_ARG(grad_numel == n, "grad", "length mismatch: " << grad_numel << " elements, the state has " << n);
-  ZERO8_CHECK_ARG(threads >= 0, "threads", "must be >= 0 (0: OpenMP default), got " << threads);
+  check_threads(threads);
   StepArgs a;
   state.bind(a);
   a.h = h;
