@@ -164,7 +164,8 @@ def timed_step(opt) -> float:
 
 def run_interleaved(torch, makes, base, grads, args):
     """name -> (median s, steps, state bytes, finite) for optimizers that are all alive at once, timed in
-    rounds (one step each per round); an optimizer over its budget sits out the remaining rounds."""
+    rounds (one step each per round); an optimizer over its budget sits out the remaining rounds. With
+    one optimizer: that optimizer timed alone."""
     live = {name: setup_one(torch, make, base, grads, args) for name, make in makes.items()}
     times = {name: [] for name in live}
     for _ in range(args.repeat):
@@ -178,22 +179,6 @@ def run_interleaved(torch, makes, base, grads, args):
     del live
     gc.collect()
     return out
-
-
-def run_one(torch, make, base, grads, args):
-    """One optimizer alone: warm-up, then R timed steps (within budget)."""
-    opt, params = setup_one(torch, make, base, grads, args)
-    times = []
-    spent = 0.0
-    while len(times) < args.repeat and (not times or spent < args.budget):
-        dt = timed_step(opt)
-        times.append(dt)
-        spent += dt
-    finite = all(bool(torch.isfinite(p).all()) for p in params)
-    sb = state_bytes(opt, torch)
-    del opt, params
-    gc.collect()
-    return statistics.median(times), len(times), sb, finite
 
 
 def main(argv=None) -> int:
@@ -242,7 +227,8 @@ def main(argv=None) -> int:
                 entry.update(status="failed", error=failed[name])
             else:
                 try:
-                    t, steps, sb, finite = timed[name] if name in timed else run_one(torch, make, base, grads, args)
+                    t, steps, sb, finite = timed[name] if name in timed else (
+                        run_interleaved(torch, {name: make}, base, grads, args)[name])
                     entry.update(status="ok", ms_per_step=t * 1e3, ns_per_param=t * 1e9 / total, steps_timed=steps,
                                  state_bytes=sb, state_bytes_per_param=sb / total, finite=finite)
                 except Exception as e:  # noqa: BLE001 - record the exact error and go on with the others

@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import signal
 
+# The signal zero8-launch sends (through mpirun/srun, which forward it) to ask every rank to stop: the
+# wrapper turns it into SIGTERM for the script, which may save a checkpoint before exiting. mpirun's own
+# SIGTERM would be followed by SIGKILL within seconds.
+STOP_SIGNAL = signal.SIGUSR1
+# The signals the wrapper passes on to the script (STOP_SIGNAL as SIGTERM).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, STOP_SIGNAL)
+
 # A stop that reaches the wrapper before main() has installed its handlers (while this module's imports
 # load) must not kill it by the signal's default action, which the launcher would report as a crash: it
 # is recorded here, before the other imports, and acted on as soon as main() is ready. (The interpreter's
 # own start-up, before this line runs, is the only window left.)
 _EARLY_SIGNALS: list[int] = []
 if __name__ == "__main__":
-    for _s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1):
+    for _s in FORWARDED_SIGNALS:
         signal.signal(_s, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
 
 import ctypes  # noqa: E402
@@ -36,10 +43,6 @@ __all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_enviro
 
 # Lines the wrapper writes for the launcher start with this (rank output is prefixed '[rankN] ').
 MARKER = "[zero8-launch]"
-# The signal zero8-launch sends (through mpirun/srun, which forward it) to ask every rank to stop: the
-# wrapper turns it into SIGTERM for the script, which may save a checkpoint before exiting. mpirun's own
-# SIGTERM would be followed by SIGKILL within seconds.
-STOP_SIGNAL = signal.SIGUSR1
 # Seconds an unterminated output line waits for its newline before being forwarded as is.
 PARTIAL_DELAY = 0.2
 
@@ -371,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         except ProcessLookupError:
             pass
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, STOP_SIGNAL):
+    for s in FORWARDED_SIGNALS:
         signal.signal(s, forward)
     if _EARLY_SIGNALS:  # asked to stop while starting: the script is not started
         forward(_EARLY_SIGNALS[0], None)

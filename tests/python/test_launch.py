@@ -339,8 +339,7 @@ def test_stop_before_the_wrapper_is_ready_is_a_stop_not_a_crash(tmp_path, capsys
     started = tmp_path / "started"
     script = tmp_path / "script.py"
     script.write_text(f"open({str(started)!r}, 'w').close()\n")
-    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
-    saved = {s: signal.getsignal(s) for s in sigs}
+    saved = {s: signal.getsignal(s) for s in rw.FORWARDED_SIGNALS}
     rw._EARLY_SIGNALS.append(signal.SIGUSR1)
     try:
         with pytest.raises(SystemExit) as e:
