@@ -279,7 +279,9 @@ def test_gil_released_during_quantize():
 
 
 def test_gil_released_during_step():
-    n = 1 << 24  # 8-bit LAMB: both phases in one call
+    # 8-bit LAMB, both phases in one long call: 2^26 elements on one thread take ~0.1 s here (2^24 took
+    # 25 ms after the VBMI kernels, too short for the check; several calls would not prove anything).
+    n = 1 << 26
     p, g = torch.randn(n), torch.randn(n)
     codes = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
     absmax = [torch.zeros(n // 256) for _ in range(2)]
