@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <string>
 
 #include "dist_env.h"
 #include "zero8/error.h"
@@ -418,6 +420,73 @@ TEST(Sharded, Fp16LossScalingSkipsAndRecovers) {
   const std::vector<float> a = params_of(*opt), b = params_of(ref);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], std::fabs(b[i]) * 1e-3f + 1e-7f) << i;
   expect_replicas_identical(*opt);
+}
+
+// ZERO8_GRAD_RELEASE for the optimizers built while this lives (restored after).
+class GradReleaseEnv {
+ public:
+  explicit GradReleaseEnv(const char* value) {
+    if (const char* v = std::getenv("ZERO8_GRAD_RELEASE")) saved_ = v, had_ = true;
+    setenv("ZERO8_GRAD_RELEASE", value, 1);
+  }
+  ~GradReleaseEnv() {
+    if (had_)
+      setenv("ZERO8_GRAD_RELEASE", saved_.c_str(), 1);
+    else
+      unsetenv("ZERO8_GRAD_RELEASE");
+  }
+
+ private:
+  std::string saved_;
+  bool had_ = false;
+};
+
+TEST(Sharded, Stage2HandsBackTheMemoryOfReducedBuckets) {
+  ShardConfig c = base_config();
+  c.stage = 2;
+  c.reduce_bucket_size = 1 << 20;  // 4 MiB of fp32 per bucket: two huge pages
+  const int64_t bucket_bytes = int64_t(4) << 20;
+  std::vector<ParamSpec> big = {{"a", {1 << 20}}, {"b", {1 << 20}}, {"c", {1 << 20}}, {"d", {1 << 20}}};
+  std::vector<float> masters[2];
+  for (int release = 0; release <= 1; ++release) {
+    GradReleaseEnv env(release ? "1" : "0");
+    ShardedOptimizer opt(big, c, world());
+    for (size_t p = 0; p < big.size(); ++p) {
+      float* w = static_cast<float*>(opt.param_working(int(p)));
+      for (int64_t i = 0; i < (1 << 20); ++i) w[i] = init_value(int(p), i);
+    }
+    opt.init(0);
+    for (int s = 0; s < 2; ++s) {
+      for (int m = 0; m < 2; ++m) {  // gradient accumulation: stage 2 reduces every micro-batch
+        for (size_t p = 0; p < big.size(); ++p) {
+          float* g = opt.param_grad(int(p));
+          for (int64_t i = 0; i < (1 << 20); ++i) g[i] += grad_value(opt.rank(), s, m, int(p), i);
+        }
+        const int64_t written = opt.memory().grads;
+        EXPECT_GE(written, 4 * bucket_bytes);
+        for (int p = int(big.size()) - 1; p >= 0; --p) {
+          opt.grad_ready(p);  // completes bucket p: reduced now, and its pages go back when releasing
+          const int64_t now = opt.memory().grads;
+          if (release) {
+            EXPECT_LE(now, written - (int64_t(big.size()) - p) * bucket_bytes)
+                << "rank " << opt.rank() << ": bucket " << p << " was reduced but its memory is still resident";
+          } else {
+            EXPECT_EQ(now, written);
+          }
+        }
+        opt.backward_end(m == 1);
+        if (release) {
+          EXPECT_EQ(opt.memory().grads, 0);
+        }
+        // (Reading maps the zero page, which memory() then counts: the next micro-batch writes it anyway.)
+        for (size_t p = 0; p < big.size(); ++p) EXPECT_EQ(opt.param_grad(int(p))[12345], 0.0f);
+      }
+      opt.step();
+    }
+    const int64_t valid = opt.layout().groups[0].part_valid(opt.rank());
+    masters[release].assign(opt.master(Group::q8), opt.master(Group::q8) + valid);
+  }
+  EXPECT_TRUE(masters[0] == masters[1]) << "rank " << world().rank() << ": releasing pages changed the result";
 }
 
 TEST(Sharded, StateMemoryIsTheFractionOfOneRank) {

@@ -181,6 +181,44 @@ def test_stage2_reduces_buckets_during_backward(stage):
         assert seen[0] == before
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_stage2_gradient_release(monkeypatch, dtype):
+    # ZERO8_GRAD_RELEASE=1: the memory of reduced buckets goes back during backward and nothing is held
+    # after it; the training itself is bit-identical to keeping the buffer (the released pages read as
+    # the zeros the buffer is cleared to). Two 1024x1024 layers: 8 MiB of gradients, whole 2 MiB pages.
+    def run(release):
+        monkeypatch.setenv("ZERO8_GRAD_RELEASE", release)
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024))
+        cfg = config(zero8=FULL8, zero_optimization={"stage": 2, "reduce_bucket_size": 1 << 18})
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine, _, _, _ = zero8.initialize(model=model, config=cfg)
+        full = 4 * sum(p.numel() for p in model.parameters())
+        during = []
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: during.append(engine.memory_stats()["grads"]))
+        held, losses = [], []
+        for step in range(3):
+            x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(step))
+            x = x.to(torch.bfloat16) if dtype == "bf16" else x
+            loss = engine(x).float().square().mean()
+            engine.backward(loss)
+            held.append(engine.memory_stats()["grads"])
+            engine.step()
+            losses.append(loss.item())
+        return full, during, held, losses, [p.detach().float().clone() for p in model.parameters()]
+
+    full, during_keep, held_keep, losses_keep, params_keep = run("0")
+    _, during_rel, held_rel, losses_rel, params_rel = run("1")
+    assert all(h >= full for h in held_keep) and all(d >= full for d in during_keep)
+    # The second layer's buckets are reduced before the first layer's weight gradient arrives.
+    assert all(d <= full - 4 * 1024 * 1024 for d in during_rel), (during_rel, full)
+    # Only the fp32-state group stays: the two biases (under min_8bit_size), one bucket, 8 KiB.
+    assert held_rel == [4 * 2 * 1024] * 3
+    assert losses_rel == losses_keep
+    assert all(torch.equal(a, b) for a, b in zip(params_rel, params_keep))
+
+
 # ---- mixed precision ----
 
 def test_bf16(baseline):

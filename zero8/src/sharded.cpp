@@ -37,7 +37,6 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     working_[g].assign(size_t(gl.padded() * esize), 0);
-    grads_[g].assign(size_t(gl.padded()), 0.0f);
     part_grad_[g].assign(size_t(gl.chunk), 0.0f);
     master_[g].assign(size_t(gl.chunk), 0.0f);
     // The 8-bit group holds cfg.bits states; the fp32 group (small or marked tensors) 32-bit ones.
@@ -49,6 +48,11 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     // Buckets: cut the padded range into aligned pieces of about reduce_bucket_size elements.
     const int64_t bs = std::max<int64_t>(gl.align, (cfg.reduce_bucket_size + gl.align - 1) / gl.align * gl.align);
     for (int64_t b = 0; b < gl.padded(); b += bs) buckets_[g].push_back(Bucket{b, std::min(gl.padded(), b + bs), 0});
+    // Stage 2 with several buckets hands the memory of each reduced bucket back at once, so a rank
+    // holds only the gradients not yet reduced. Stage 1 keeps every gradient until the boundary, and one
+    // bucket is reduced at the end of backward: there, refaulting the pages each step would cost time
+    // and save nothing at the peak.
+    grads_[g] = GradBuffer(gl.padded(), cfg.stage == 2 && buckets_[g].size() > 1 && grad_release_default());
     param_buckets_[g].assign(params.size(), {});
     for (int idx : gl.params) {
       const ParamSlot& s = layout_.slots[idx];
@@ -129,8 +133,19 @@ void ShardedOptimizer::grad_ready(int param) {
     if (--pending_[g][bi] == 0 && !done_[g][bi]) {
       reduce_bucket(g, buckets_[g][bi]);
       done_[g][bi] = true;
+      release_reduced(g, int(bi));
     }
   }
+}
+
+// Hand back the memory of the run of reduced buckets around bucket bi (a huge page may straddle two
+// buckets: it goes back once both are reduced).
+void ShardedOptimizer::release_reduced(int g, int bi) {
+  if (!grads_[g].releases()) return;
+  int lo = bi, hi = bi;
+  while (lo > 0 && done_[g][size_t(lo - 1)]) --lo;
+  while (size_t(hi + 1) < done_[g].size() && done_[g][size_t(hi + 1)]) ++hi;
+  grads_[g].release(buckets_[g][size_t(lo)].begin, buckets_[g][size_t(hi)].end);
 }
 
 void ShardedOptimizer::reduce_all_pending() {
@@ -145,7 +160,7 @@ void ShardedOptimizer::reduce_all_pending() {
 
 void ShardedOptimizer::clear_grad_inputs() {
   for (int g = 0; g < kNumGroups; ++g) {
-    std::fill(grads_[g].begin(), grads_[g].end(), 0.0f);
+    grads_[g].zero();
     reset_progress(g);
   }
 }
@@ -342,7 +357,7 @@ MemoryStats ShardedOptimizer::memory() const {
   MemoryStats m;
   for (int g = 0; g < kNumGroups; ++g) {
     m.working += int64_t(working_[g].size());
-    m.grads += int64_t(grads_[g].size() * sizeof(float));
+    m.grads += grads_[g].resident_bytes();
     m.master += int64_t(master_[g].size() * sizeof(float));
     m.state += states_[g]->bytes();
     m.buffers += int64_t((part_grad_[g].size() + residual_[g].size()) * sizeof(float));

@@ -10,6 +10,7 @@
 
 #include "zero8/comm/communicator.h"
 #include "zero8/comm/quantized.h"
+#include "zero8/grad_buffer.h"
 #include "zero8/kernels/hd.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/layout.h"
@@ -48,7 +49,7 @@ struct StepInfo {
 // Memory held by one rank, in bytes.
 struct MemoryStats {
   int64_t working = 0;  // the full working copy (all parameters, working dtype, padded)
-  int64_t grads = 0;    // the gradient input buffers (fp32, padded)
+  int64_t grads = 0;    // the gradient input buffers (fp32, padded): the bytes resident now
   int64_t master = 0;   // fp32 master of this rank's partitions
   int64_t state = 0;    // optimizer state of this rank's partitions (codes + scales, or fp32)
   int64_t buffers = 0;  // reduction/sync scratch and the error-feedback residual
@@ -74,7 +75,9 @@ class ShardedOptimizer {
   void* working(Group g) { return working_[int(g)].data(); }
   void* param_working(int param);
   // Gradient input of a group (fp32, padded): the caller writes (and accumulates over micro-batches)
-  // this rank's local gradient here. param_grad(i) points at parameter i in it.
+  // this rank's local gradient here. param_grad(i) points at parameter i in it. It reads as zeros
+  // after each reduction; in stage 2 with several buckets the memory of each reduced bucket goes back
+  // to the operating system at once (GradBuffer), so a rank holds only the gradients not yet reduced.
   float* grad_input(Group g) { return grads_[int(g)].data(); }
   float* param_grad(int param);
 
@@ -118,6 +121,7 @@ class ShardedOptimizer {
   void reset_progress(int g);
   void reduce_bucket(int g, const Bucket& b);
   void reduce_all_pending();
+  void release_reduced(int g, int bi);
   void clear_grad_inputs();
   bool overflow_anywhere();
   double grad_sq_sum_local() const;
@@ -133,7 +137,7 @@ class ShardedOptimizer {
   LossScaler scaler_;
   int64_t steps_ = 0;
   std::vector<uint8_t> working_[kNumGroups];      // bytes
-  std::vector<float> grads_[kNumGroups];           // full, padded
+  GradBuffer grads_[kNumGroups];                   // full, padded; pages handed back once reduced
   std::vector<float> part_grad_[kNumGroups];       // this rank's reduced gradient (chunk elements)
   std::vector<float> master_[kNumGroups];          // chunk elements
   std::unique_ptr<optim::State> states_[kNumGroups];
