@@ -1,5 +1,5 @@
 """Gradient memory of the ZeRO stage-2 engine with and without handing reduced buckets back to the
-operating system (ZERO8_GRAD_RELEASE), measured side by side in one process: the gradient bytes a rank
+operating system (the config's zero8.release_gradients), measured side by side in one process: the gradient bytes a rank
 holds at its peak during backward and after backward, and the time of a training iteration (forward,
 backward, step). Two engines over copies of the same MLP, iterations interleaved so both see the same
 machine load. Prints a table and a final JSON line.
@@ -33,13 +33,12 @@ def build(model: torch.nn.Module, release: bool, bucket: int):
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(sample)
-    os.environ["ZERO8_GRAD_RELEASE"] = "1" if release else "0"
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket},
-        "zero8": {"int8_gradients": True},
+        "zero8": {"int8_gradients": True, "release_gradients": release},
     }
     engine, _, _, _ = zero8.initialize(model=model, config=cfg)
     holder.append(engine)

@@ -40,6 +40,7 @@ ShardConfig shard_config_from_json(const std::string& config_json, int world) {
   s.int8_grads = c.zero8.enabled && c.zero8.int8_gradients;
   s.int8_params = c.zero8.enabled && c.zero8.int8_params;
   s.error_feedback = c.zero8.enabled && c.zero8.error_feedback;
+  s.release_grads = c.zero8.enabled && c.zero8.release_gradients;
   s.reduce_bucket_size = c.zero.reduce_bucket_size;
   s.gradient_clipping = c.gradient_clipping;
   s.fp16 = c.fp16.enabled;
@@ -100,6 +101,8 @@ void init_sharded(py::module_& m) {
       .def_readwrite("int8_grads", &ShardConfig::int8_grads)
       .def_readwrite("int8_params", &ShardConfig::int8_params)
       .def_readwrite("error_feedback", &ShardConfig::error_feedback)
+      .def_readwrite("release_grads", &ShardConfig::release_grads,
+                     "stage 2 with several buckets: reduced buckets' gradient memory goes back to the OS")
       .def_readwrite("reduce_bucket_size", &ShardConfig::reduce_bucket_size, "elements per gradient bucket")
       .def_readwrite("gradient_clipping", &ShardConfig::gradient_clipping)
       .def_readwrite("fp16", &ShardConfig::fp16, "dynamic loss scaling applies")
@@ -133,7 +136,7 @@ void init_sharded(py::module_& m) {
       .def("__repr__", [](py::handle self) {
         return repr_fields(self, "ShardConfig",
                            {"algo", "bits", "stage", "working_dtype", "state_block", "wire_block", "min_8bit_size",
-                            "int8_grads", "int8_params", "error_feedback", "reduce_bucket_size", "gradient_clipping",
+                            "int8_grads", "int8_params", "error_feedback", "release_grads", "reduce_bucket_size", "gradient_clipping",
                             "fp16", "hyper"});
       });
 

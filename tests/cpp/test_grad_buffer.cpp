@@ -1,8 +1,7 @@
 // GradBuffer: zeros after zero() in both modes, released huge pages read as zeros and leave the
-// resident set while the rest keeps its values, and ZERO8_GRAD_RELEASE decides the mode.
+// resident set while the rest keeps its values; without release the values stay until zero().
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 
 #include "zero8/error.h"
 #include "zero8/grad_buffer.h"
@@ -98,26 +97,4 @@ TEST(GradBuffer, BadRangeNamesTheProblem) {
     EXPECT_NE(std::string(e.what()).find("[10, 101) is outside the gradient buffer of 100 floats"), std::string::npos)
         << e.what();
   }
-}
-
-TEST(GradBuffer, EnvironmentChoosesTheMode) {
-  const char* before = std::getenv("ZERO8_GRAD_RELEASE");
-  const std::string saved = before ? before : "";
-  unsetenv("ZERO8_GRAD_RELEASE");
-  EXPECT_FALSE(zero8::shard::grad_release_default());  // off unless asked for
-  setenv("ZERO8_GRAD_RELEASE", "1", 1);
-  EXPECT_TRUE(zero8::shard::grad_release_default());
-  setenv("ZERO8_GRAD_RELEASE", "0", 1);
-  EXPECT_FALSE(zero8::shard::grad_release_default());
-  setenv("ZERO8_GRAD_RELEASE", "yes", 1);
-  try {
-    zero8::shard::grad_release_default();
-    FAIL() << "no error";
-  } catch (const zero8::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("ZERO8_GRAD_RELEASE"), std::string::npos) << e.what();
-  }
-  if (before)
-    setenv("ZERO8_GRAD_RELEASE", saved.c_str(), 1);
-  else
-    unsetenv("ZERO8_GRAD_RELEASE");
 }

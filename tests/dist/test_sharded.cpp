@@ -422,25 +422,6 @@ TEST(Sharded, Fp16LossScalingSkipsAndRecovers) {
   expect_replicas_identical(*opt);
 }
 
-// ZERO8_GRAD_RELEASE for the optimizers built while this lives (restored after).
-class GradReleaseEnv {
- public:
-  explicit GradReleaseEnv(const char* value) {
-    if (const char* v = std::getenv("ZERO8_GRAD_RELEASE")) saved_ = v, had_ = true;
-    setenv("ZERO8_GRAD_RELEASE", value, 1);
-  }
-  ~GradReleaseEnv() {
-    if (had_)
-      setenv("ZERO8_GRAD_RELEASE", saved_.c_str(), 1);
-    else
-      unsetenv("ZERO8_GRAD_RELEASE");
-  }
-
- private:
-  std::string saved_;
-  bool had_ = false;
-};
-
 TEST(Sharded, Stage2HandsBackTheMemoryOfReducedBuckets) {
   ShardConfig c = base_config();
   c.stage = 2;
@@ -449,7 +430,7 @@ TEST(Sharded, Stage2HandsBackTheMemoryOfReducedBuckets) {
   std::vector<ParamSpec> big = {{"a", {1 << 20}}, {"b", {1 << 20}}, {"c", {1 << 20}}, {"d", {1 << 20}}};
   std::vector<float> masters[2];
   for (int release = 0; release <= 1; ++release) {
-    GradReleaseEnv env(release ? "1" : "0");
+    c.release_grads = release == 1;
     ShardedOptimizer opt(big, c, world());
     for (size_t p = 0; p < big.size(); ++p) {
       float* w = static_cast<float*>(opt.param_working(int(p)));

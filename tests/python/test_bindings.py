@@ -190,7 +190,7 @@ def test_config_parse_normalizes_and_warns():
         "train_batch_size": 32, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
-        "zero8": {"int8_params": True, "error_feedback": True, "state_block_size": 128},
+        "zero8": {"int8_params": True, "error_feedback": True, "state_block_size": 128, "release_gradients": True},
         "fp16": {"enabled": True},
         "not_a_deepspeed_key": 1,
     })
@@ -202,7 +202,8 @@ def test_config_parse_normalizes_and_warns():
     assert info["world_size"] == 4 and info["algo"] == _C.Algo.adamw and info["optimizer_name"] == "AdamW8bit"
     sc = _C.shard_config_from_json(normalized, 4)
     assert (sc.algo, sc.bits, sc.stage, sc.state_block, sc.reduce_bucket_size) == (_C.Algo.adamw, 8, 2, 128, 1000)
-    assert sc.int8_grads and sc.int8_params and sc.error_feedback and sc.fp16
+    assert sc.int8_grads and sc.int8_params and sc.error_feedback and sc.release_grads and sc.fp16
+    assert not _C.shard_config_from_json(_C.config_parse(json.dumps({"train_batch_size": 4}), 1, "d.json")[0], 1).release_grads
     assert sc.working_dtype == _C.DType.f16 and sc.dynamic_loss_scale and sc.initial_scale_power == 16
     assert sc.hyper.lr == pytest.approx(0.01)
     # Without a zero8 section: exact fp32 communication and 32-bit states; stage 0 runs as stage 1.

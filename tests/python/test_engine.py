@@ -182,15 +182,15 @@ def test_stage2_reduces_buckets_during_backward(stage):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_stage2_gradient_release(monkeypatch, dtype):
-    # ZERO8_GRAD_RELEASE=1: the memory of reduced buckets goes back during backward and nothing is held
+def test_stage2_gradient_release(dtype):
+    # zero8.release_gradients: the memory of reduced buckets goes back during backward and nothing is held
     # after it; the training itself is bit-identical to keeping the buffer (the released pages read as
     # the zeros the buffer is cleared to). Two 1024x1024 layers: 8 MiB of gradients, whole 2 MiB pages.
     def run(release):
-        monkeypatch.setenv("ZERO8_GRAD_RELEASE", release)
         torch.manual_seed(3)
         model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024))
-        cfg = config(zero8=FULL8, zero_optimization={"stage": 2, "reduce_bucket_size": 1 << 18})
+        cfg = config(zero8=dict(FULL8, release_gradients=release),
+                     zero_optimization={"stage": 2, "reduce_bucket_size": 1 << 18})
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         engine, _, _, _ = zero8.initialize(model=model, config=cfg)
@@ -208,8 +208,8 @@ def test_stage2_gradient_release(monkeypatch, dtype):
             losses.append(loss.item())
         return full, during, held, losses, [p.detach().float().clone() for p in model.parameters()]
 
-    full, during_keep, held_keep, losses_keep, params_keep = run("0")
-    _, during_rel, held_rel, losses_rel, params_rel = run("1")
+    full, during_keep, held_keep, losses_keep, params_keep = run(False)
+    _, during_rel, held_rel, losses_rel, params_rel = run(True)
     assert all(h >= full for h in held_keep) and all(d >= full for d in during_keep)
     # The second layer's buckets are reduced before the first layer's weight gradient arrives.
     assert all(d <= full - 4 * 1024 * 1024 for d in during_rel), (during_rel, full)

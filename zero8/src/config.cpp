@@ -813,6 +813,7 @@ void parse_zero8(Section& top, Config& c) {
   z.error_feedback = s.get_bool("error_feedback", false);
   if (z.error_feedback && !z.int8_gradients)
     s.warn("error_feedback", "has no effect without int8_gradients (fp32 gradients have no quantization error)");
+  z.release_gradients = s.get_bool("release_gradients", false);
   z.min_8bit_size = s.get_int("min_8bit_size", 4096, 0);
   {
     const json* v = s.find("optim_bits");
@@ -1001,6 +1002,7 @@ std::string to_json(const Config& c, int indent) {
                 {"int8_gradients", q.int8_gradients},
                 {"int8_params", q.int8_params},
                 {"error_feedback", q.error_feedback},
+                {"release_gradients", q.release_gradients},
                 {"min_8bit_size", q.min_8bit_size},
                 {"optim_bits", q.optim_bits},
                 {"stochastic_rounding", q.stochastic_rounding},

@@ -7,24 +7,12 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "zero8/error.h"
 
 namespace zero8::shard {
-
-bool grad_release_default() {
-  // Read at each call (once per optimizer), so that tests can set it per case.
-  if (const char* v = std::getenv("ZERO8_GRAD_RELEASE"); v && *v) {
-    const std::string s(v);
-    ZERO8_CHECK_ARG(s == "0" || s == "1", "ZERO8_GRAD_RELEASE", "expected 0 or 1, got '" << s << "'");
-    return s == "1";
-  }
-  return false;
-}
 
 GradBuffer::GradBuffer(int64_t n, bool release) : n_(n), release_(release) {
   ZERO8_CHECK_ARG(n >= 0, "n", "gradient buffer length must be >= 0, got " << n);

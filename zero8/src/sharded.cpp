@@ -48,11 +48,11 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     // Buckets: cut the padded range into aligned pieces of about reduce_bucket_size elements.
     const int64_t bs = std::max<int64_t>(gl.align, (cfg.reduce_bucket_size + gl.align - 1) / gl.align * gl.align);
     for (int64_t b = 0; b < gl.padded(); b += bs) buckets_[g].push_back(Bucket{b, std::min(gl.padded(), b + bs), 0});
-    // Stage 2 with several buckets hands the memory of each reduced bucket back at once, so a rank
-    // holds only the gradients not yet reduced. Stage 1 keeps every gradient until the boundary, and one
-    // bucket is reduced at the end of backward: there, refaulting the pages each step would cost time
-    // and save nothing at the peak.
-    grads_[g] = GradBuffer(gl.padded(), cfg.stage == 2 && buckets_[g].size() > 1 && grad_release_default());
+    // release_grads: stage 2 with several buckets hands the memory of each reduced bucket back at once,
+    // so a rank holds only the gradients not yet reduced. Stage 1 keeps every gradient until the
+    // boundary, and one bucket is reduced at the end of backward: there, refaulting the pages each step
+    // would cost time and save nothing at the peak.
+    grads_[g] = GradBuffer(gl.padded(), cfg.release_grads && cfg.stage == 2 && buckets_[g].size() > 1);
     param_buckets_[g].assign(params.size(), {});
     for (int idx : gl.params) {
       const ParamSlot& s = layout_.slots[idx];

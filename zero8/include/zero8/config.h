@@ -173,6 +173,7 @@ struct Zero8Config {
   bool int8_gradients = true;       // quantized reduce-scatter of gradients
   bool int8_params = false;         // quantized all-gather of parameter updates
   bool error_feedback = false;      // carry the gradient quantization error to the next step
+  bool release_gradients = false;   // stage 2: hand reduced gradient buckets' memory back to the OS
   int64_t min_8bit_size = 4096;     // parameters with fewer elements keep fp32 states
   int optim_bits = 8;               // 8 or 32
   bool stochastic_rounding = false;
@@ -182,7 +183,7 @@ struct Zero8Config {
   int64_t checkpoint_keep_last = 0; // "checkpoint": {"keep_last": N}; 0 keeps all
   auto tie() const {
     return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, error_feedback,
-                    min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
+                    release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
                     checkpoint_keep_last);
   }
 };

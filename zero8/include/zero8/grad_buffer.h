@@ -7,19 +7,15 @@
 
 namespace zero8::shard {
 
-// Whether the sharded optimizer's gradient buffers hand their pages back (GradBuffer::releases):
-// ZERO8_GRAD_RELEASE=1, off by default. Memory for time: every step then maps its gradient pages again,
-// which cost 0-30% per iteration in our measurement (docs/ENGINE.md, "Memory per rank"), and far more
-// where the kernel cannot give 2 MiB pages (refaulting 4 KiB pages costs about 20x the writes).
-bool grad_release_default();
-
 class GradBuffer {
  public:
   // Huge-page size: the unit in which release() hands pages back.
   static constexpr int64_t kPageBytes = int64_t(2) << 20;
 
   GradBuffer() = default;
-  // n zero floats. `release`: whether zero() and release() hand pages back. Throws zero8::Error when
+  // n zero floats. `release`: whether zero() and release() hand pages back (ShardConfig::release_grads:
+  // memory for time, as every step then maps its pages again; far more time where the kernel cannot
+  // give 2 MiB pages, since refaulting 4 KiB pages costs about 20x the writes). Throws zero8::Error when
   // the memory cannot be mapped.
   GradBuffer(int64_t n, bool release);
   ~GradBuffer();

@@ -30,6 +30,7 @@ struct ShardConfig {
   bool int8_grads = true;              // gradient reduce-scatter as int8 blocks (else fp32)
   bool int8_params = false;            // parameter all-gather as int8 blocks of the update delta
   bool error_feedback = false;         // keep the int8 gradient quantization residual (per rank)
+  bool release_grads = false;          // stage 2, several buckets: reduced buckets' memory goes back to the OS
   int64_t reduce_bucket_size = 500000000;  // elements per gradient bucket (DeepSpeed's default 5e8)
   double gradient_clipping = 0.0;      // global gradient-norm clip (0: off)
   bool fp16 = false;                   // dynamic loss scaling (loss_scaler) applies
