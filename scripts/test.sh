@@ -46,35 +46,17 @@ ctest_skipped=$(grep -cE 'Test +#[0-9]+: .*\*\*\*Skipped' "$ctest_log" || true)
 ctest_passed=$(( ctest_total - ctest_failed - ctest_skipped ))
 
 # --- Python ---
-# The requirements of pyproject.toml's test extra, one per word.
-test_extra() {
-  python3 - "$root/pyproject.toml" <<'PY'
-import re, sys
-text = open(sys.argv[1]).read()
-try:
-    import tomllib
-    reqs = tomllib.loads(text)["project"]["optional-dependencies"]["test"]
-except ModuleNotFoundError:  # Python 3.10: read the extra's one line
-    reqs = re.findall(r'"([^"]+)"', re.search(r"^test = \[(.*)\]$", text, re.M).group(1))
-print(" ".join(reqs))
-PY
-}
 py_passed=0 py_failed=0 py_skipped=0 py_rc=0 py_note="no Python tests yet"
 shopt -s nullglob
 py_tests=("$root"/tests/python/test_*.py)
 shopt -u nullglob
 if ((${#py_tests[@]} > 0)); then
   py_log="$build_dir/pytest.log"
-  # The Python tests run against the installed package; python_setup.sh (re)installs it and pytest.
-  if [[ -f "$root/scripts/python_setup.sh" ]] && ! bash "$root/scripts/python_setup.sh"; then
+  # The Python tests run against the installed package; python_setup.sh --test (re)installs it with the
+  # test extra (pytest, bitsandbytes).
+  if [[ -f "$root/scripts/python_setup.sh" ]] && ! bash "$root/scripts/python_setup.sh" --test; then
     echo "test: scripts/python_setup.sh failed: the Python tests cannot run" >&2
     py_rc=1 py_failed=${#py_tests[@]} py_note="python_setup.sh failed"
-  # The test extra (pytest; bitsandbytes, whose state dicts and steps the interoperability tests of
-  # zero8.optim compare) goes in after zero8, and so after the pinned torch, which pip then keeps.
-  # shellcheck disable=SC2046  # one requirement per word
-  elif ! PIP_ROOT_USER_ACTION=ignore python3 -m pip install --disable-pip-version-check $(test_extra); then
-    echo "test: could not install pyproject.toml's test extra ($(test_extra)): the Python tests cannot run" >&2
-    py_rc=1 py_failed=${#py_tests[@]} py_note="test extra missing"
   elif ! python3 -c 'import pytest' >/dev/null 2>&1; then
     echo "test: tests/python has tests but pytest is not installed (python3 -m pip install pytest)" >&2
     py_rc=1 py_failed=${#py_tests[@]} py_note="pytest missing"

@@ -19,7 +19,7 @@ LAUNCH_DIR = Path(__file__).resolve().parent
 SOURCE_LAUNCHER = ROOT / "launcher" / "zero8_launch"
 RANK_ENV = LAUNCH_DIR / "rank_env.py"
 TRAIN_JOB = LAUNCH_DIR / "train_job.py"
-REINSTALL = f"bash {ROOT}/scripts/python_setup.sh"
+REINSTALL = f"bash {ROOT}/scripts/python_setup.sh --test"
 
 
 def installed_problem() -> str | None:
