@@ -866,6 +866,9 @@ TEST(OptimVbmi, FusedStepEqualsReferenceOverTenSteps) {
       {"standard", &quant::table_get(quant::MapKind::dynamic_signed), &quant::table_get(quant::MapKind::dynamic_unsigned)},
       {"custom", &custom_signed, &custom_unsigned},
       {"linear signed / no cells", &quant::table_get(quant::MapKind::linear_signed), &no_cells},
+      // Signed states on a map without -1: a block whose extreme state is negative gets a negative scale.
+      {"unsigned for every state", &quant::table_get(quant::MapKind::dynamic_unsigned),
+       &quant::table_get(quant::MapKind::dynamic_unsigned)},
   };
   const struct { DType p, g; } dtypes[] = {{DType::f32, DType::f32}, {DType::bf16, DType::f16}, {DType::f16, DType::bf16}};
   int runs = 0;
@@ -991,7 +994,7 @@ TEST(OptimVbmi, FusedStepEqualsReferenceOverTenSteps) {
       }
     }
   }
-  EXPECT_EQ(runs, 8 * 3 * 4 * 3 * 3);
+  EXPECT_EQ(runs, 8 * 4 * 4 * 3 * 3);
 }
 
 TEST(OptimSgd, NoMomentumNeedsNoState) {
