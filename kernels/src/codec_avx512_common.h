@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the codec's avx512 and avx512vbmi translation units and the avx512vbmi
-// optimizers: the block scale and the blocking constants (dtype loads and stores: dtype_avx512.h).
+// optimizers: the block extremes and scale, and the blocking constants (dtype loads and stores: dtype_avx512.h).
 // Internal linkage only (an anonymous namespace): each TU keeps its own copy, compiled with its own -m
 // flags.
 #pragma once
@@ -24,35 +24,43 @@ inline float block_scale_finite(float vmin, float vmax, const QuantTable& t) {
   return _mm_cvtss_f32(_mm_mask_mov_ps(other, _mm_cmp_ss_mask(hi, neg, _CMP_GE_OQ), hi));
 }
 
-// Scale of one block (elements [off, off + len) of x): min/max with +0 accumulators as the reference's
-// std::min/max (the accumulator is the second operand, so zeros and NaN never replace it), and an
-// exponent check for non-finite values.
+// The running extremes of float values, kept on their bit patterns with integer maxima (any vector pipe,
+// where float min/max compete with the float adds): the signed maximum is the largest value (or +0, its
+// start), the unsigned maximum the most negative value when there is one; a NaN or an infinity shows as
+// bits at or above those of +inf (signed) or -inf (unsigned). Masked-off lanes (+0) change nothing.
+struct BitExtremes {
+  __m512i smax = _mm512_setzero_si512(), umax = _mm512_setzero_si512();
+  void add(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    smax = _mm512_max_epi32(smax, b);
+    umax = _mm512_max_epu32(umax, b);
+  }
+  void add(const BitExtremes& o) {
+    smax = _mm512_max_epi32(smax, o.smax);
+    umax = _mm512_max_epu32(umax, o.umax);
+  }
+  // quant_block_scale of the values: NaN if one is NaN or infinite, otherwise from their min and max with
+  // +0 starts, as the reference's std::min/max (a -0 never enters them).
+  float scale(const QuantTable& t) const {
+    const uint32_t hi = uint32_t(_mm512_reduce_max_epi32(smax)), lo = uint32_t(_mm512_reduce_max_epu32(umax));
+    if (hi >= 0x7f800000u || lo >= 0xff800000u) return f32_from_bits(0x7fc00000u);
+    return block_scale_finite(lo > 0x80000000u ? f32_from_bits(lo) : 0.0f, f32_from_bits(hi), t);
+  }
+};
+
+// Scale of one block (elements [off, off + len) of x), two accumulators deep.
 template <DType D>
 inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTable& t) {
-  __m512 vmin0 = _mm512_setzero_ps(), vmax0 = vmin0, vmin1 = vmin0, vmax1 = vmin0;
-  __m512i abits = _mm512_setzero_si512();
-  const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
+  BitExtremes r0, r1;
   int32_t i = 0;
   for (; i + 32 <= len; i += 32) {
-    const __m512 v0 = load16<D>(x, off + i), v1 = load16<D>(x, off + i + 16);
-    vmin0 = _mm512_min_ps(v0, vmin0);
-    vmax0 = _mm512_max_ps(v0, vmax0);
-    vmin1 = _mm512_min_ps(v1, vmin1);
-    vmax1 = _mm512_max_ps(v1, vmax1);
-    abits = _mm512_max_epu32(abits, _mm512_and_si512(_mm512_castps_si512(v0), absmask));
-    abits = _mm512_max_epu32(abits, _mm512_and_si512(_mm512_castps_si512(v1), absmask));
+    r0.add(load16<D>(x, off + i));
+    r1.add(load16<D>(x, off + i + 16));
   }
-  for (; i < len; i += 16) {
-    const __m512 v = i + 16 <= len ? load16<D>(x, off + i) : load16_masked<D>(x, off + i, tail_mask(len - i));
-    vmin0 = _mm512_min_ps(v, vmin0);
-    vmax0 = _mm512_max_ps(v, vmax0);
-    abits = _mm512_max_epu32(abits, _mm512_and_si512(_mm512_castps_si512(v), absmask));
-  }
-  if (_mm512_reduce_max_epu32(abits) >= 0x7f800000u) return f32_from_bits(0x7fc00000u);
-  // Lanes hold +0 or negative (resp. positive) values only, never -0 or NaN: any reduction order agrees.
-  const float vmin = _mm512_reduce_min_ps(_mm512_min_ps(vmin1, vmin0));
-  const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(vmax1, vmax0));
-  return block_scale_finite(vmin, vmax, t);
+  for (; i < len; i += 16)
+    r0.add(i + 16 <= len ? load16<D>(x, off + i) : load16_masked<D>(x, off + i, tail_mask(len - i)));
+  r0.add(r1);
+  return r0.scale(t);
 }
 
 // What the lane classes of codec_simd.h's drivers share in the avx512 and avx512vbmi codecs.
