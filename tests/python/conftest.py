@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PACKAGE = ROOT / "bindings" / "python" / "zero8"
 DATA_DIR = ROOT / "tests" / "data"
-REINSTALL = f"bash {ROOT}/scripts/python_setup.sh --test  (or: python3 -m pip install --no-build-isolation {ROOT})"
+REINSTALL = f"bash {ROOT}/scripts/python_setup.sh --test  (or: python3 -m pip install --no-build-isolation '{ROOT}[test]')"
 
 
 def _stale_files(installed: Path) -> list[str]:
