@@ -31,7 +31,7 @@ void encode_codes(const void* x, int64_t off, int32_t len, float scale, const Qu
     std::memset(codes, t.zero_code, size_t(len));
     return;
   }
-  const __m512 s = _mm512_set1_ps(scale);
+  const VbmiDivisor s(scale, t, kKeepSign);
   constexpr int kLine = 64 / (D == DType::f32 ? 4 : 2);  // elements per cache line
   int32_t i = 0;
   for (; i + 128 <= len; i += 128) {  // two groups of 64 per table load

@@ -18,15 +18,19 @@ namespace {
 // Byte selectors, built at compile time.
 struct VbmiIndex {
   alignas(64) uint8_t unpack_order[64];  // see bytes_to_dwords64
-  alignas(64) uint8_t even_bytes[64];    // low bytes of the 64 words of two registers
-  alignas(64) uint8_t odd_bytes[64];     // high bytes of the same
+  alignas(64) uint8_t even_bytes[64];     // low bytes of the 64 words of two registers, in unpack_order
+  alignas(64) uint8_t odd_bytes[64];      // high bytes of the same
+  alignas(64) uint8_t natural_order[64];  // the inverse of unpack_order
   alignas(64) uint16_t odd_words[32];    // high words of the 32 dwords of two registers
-  constexpr VbmiIndex() : unpack_order(), even_bytes(), odd_bytes(), odd_words() {
+  constexpr VbmiIndex() : unpack_order(), even_bytes(), odd_bytes(), natural_order(), odd_words() {
     for (int p = 0; p < 64; ++p) {
       const int lane = p / 16, j = (p % 16) / 4, i = p % 4;
       unpack_order[p] = uint8_t(16 * j + 4 * lane + i);
-      even_bytes[p] = uint8_t(2 * p);
-      odd_bytes[p] = uint8_t(2 * p + 1);
+      natural_order[16 * j + 4 * lane + i] = uint8_t(p);
+    }
+    for (int p = 0; p < 64; ++p) {
+      even_bytes[p] = uint8_t(2 * unpack_order[p]);
+      odd_bytes[p] = uint8_t(2 * unpack_order[p] + 1);
     }
     for (int p = 0; p < 32; ++p) odd_words[p] = uint16_t(2 * p + 1);
   }
@@ -57,15 +61,11 @@ ZERO8_VBMI_INLINE void bytes_to_dwords64(__m512i b0, __m512i b1, __m512i b2, __m
 // 128-byte permutes (bits 0..6 of the code), bit 7 (vpmovb2m) picks between them. Each table register
 // is loaded once for the G groups (the tables outnumber the registers, so they come from L1 at every
 // use).
+// vbmi_lookup_unpacked takes the codes already in unpack_order (cu[g] = c[g] permuted by it).
 template <int G>
-ZERO8_VBMI_INLINE void vbmi_lookup(const __m512i* c, const uint8_t (*planes)[256], __m512i* out) {
-  const __m512i order = vbmi_load(kVbmiIndex.unpack_order);
-  __m512i cu[G];
+ZERO8_VBMI_INLINE void vbmi_lookup_unpacked(const __m512i* cu, const uint8_t (*planes)[256], __m512i* out) {
   __mmask64 hi[G];
-  for (int g = 0; g < G; ++g) {
-    cu[g] = _mm512_permutexvar_epi8(order, c[g]);
-    hi[g] = _mm512_movepi8_mask(cu[g]);
-  }
+  for (int g = 0; g < G; ++g) hi[g] = _mm512_movepi8_mask(cu[g]);
   __m512i b[4][G];
   for (int k = 0; k < 4; ++k) {
     const __m512i t0 = vbmi_load(planes[k]), t1 = vbmi_load(planes[k] + 64);
@@ -75,6 +75,14 @@ ZERO8_VBMI_INLINE void vbmi_lookup(const __m512i* c, const uint8_t (*planes)[256
                                        _mm512_permutex2var_epi8(t2, cu[g], t3));
   }
   for (int g = 0; g < G; ++g) bytes_to_dwords64(b[0][g], b[1][g], b[2][g], b[3][g], out + 4 * g);
+}
+
+template <int G>
+ZERO8_VBMI_INLINE void vbmi_lookup(const __m512i* c, const uint8_t (*planes)[256], __m512i* out) {
+  const __m512i order = vbmi_load(kVbmiIndex.unpack_order);
+  __m512i cu[G];
+  for (int g = 0; g < G; ++g) cu[g] = _mm512_permutexvar_epi8(order, c[g]);
+  vbmi_lookup_unpacked<G>(cu, planes, out);
 }
 
 // values[c] for G groups of 64 codes.
@@ -138,12 +146,14 @@ ZERO8_VBMI_INLINE void vbmi_code_nearest(const __m512* n, const QuantTable& t, _
   }
   // One threshold at most in the cell: thresholds[c] decides between c and c + 1.
   __m512i th[4 * G];
-  vbmi_lookup<G>(c, t.threshold_bytes, th);
+  vbmi_lookup_unpacked<G>(c, t.threshold_bytes, th);
+  const __m512i natural = vbmi_load(kVbmiIndex.natural_order);
   for (int g = 0; g < G; ++g) {
+    const __m512i cn = _mm512_permutexvar_epi8(natural, c[g]);
     __mmask16 up[4];
     for (int j = 0; j < 4; ++j)
       up[j] = _mm512_cmp_ps_mask(n[4 * g + j], _mm512_castsi512_ps(th[4 * g + j]), _CMP_GT_OQ);
-    out[g] = _mm512_mask_add_epi8(c[g], vbmi_mask64(up), c[g], _mm512_set1_epi8(1));
+    out[g] = _mm512_mask_add_epi8(cn, vbmi_mask64(up), cn, _mm512_set1_epi8(1));
   }
 }
 
@@ -160,16 +170,46 @@ ZERO8_VBMI_INLINE __m512i vbmi_keep_sign64(__m512i c, const __m512* x, const __m
   return _mm512_mask_min_epu8(c, _kand_mask64(nonzero, negative), c, _mm512_set1_epi8(char(t.nonpos_last)));
 }
 
-// Codes of G groups of 64 values x of a block with the finite nonzero scale s (n = x / s, the
-// reference's division).
-template <int G, bool kKeepSign>
-ZERO8_VBMI_INLINE void vbmi_encode(const __m512* x, __m512 s, const QuantTable& t, __m512i* out) {
+// The normalization n = x / scale of a block: the division, or where quant_quotient_fma_ok (and the
+// sign of a zero quotient does not matter: no keep-sign rule) quant_quotient_fma's multiply and two
+// fused multiply-adds, which leave the divider to the optimizers' updates and give the same codes.
+struct VbmiDivisor {
+  __m512 s = _mm512_set1_ps(1.0f), r = _mm512_set1_ps(1.0f);
+  bool fma = false;
+  VbmiDivisor() = default;
+  VbmiDivisor(float scale, const QuantTable& t, bool keep_sign)
+      : s(_mm512_set1_ps(scale)), r(_mm512_set1_ps(1.0f / scale)),
+        fma(!keep_sign && quant_quotient_fma_ok(scale, t)) {}
+  // x / scale, by the multiply-adds (kFma: only where fma is set) or by the division.
+  template <bool kFma>
+  ZERO8_VBMI_INLINE __m512 quotient(__m512 x) const {
+    if constexpr (kFma) {
+      const __m512 q = _mm512_mul_ps(x, r);
+      return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, s, x), r, q);
+    } else {
+      return _mm512_div_ps(x, s);
+    }
+  }
+};
+
+template <int G, bool kKeepSign, bool kFma>
+ZERO8_VBMI_INLINE void vbmi_encode_as(const __m512* x, const VbmiDivisor& d, const QuantTable& t, __m512i* out) {
   __m512 n[4 * G];
-  for (int j = 0; j < 4 * G; ++j) n[j] = _mm512_div_ps(x[j], s);
+  for (int j = 0; j < 4 * G; ++j) n[j] = d.template quotient<kFma>(x[j]);
   vbmi_code_nearest<G>(n, t, out);
   if constexpr (kKeepSign) {
     for (int g = 0; g < G; ++g) out[g] = vbmi_keep_sign64(out[g], x + 4 * g, n + 4 * g, t);
   }
+}
+
+// Codes of G groups of 64 values x of a block with a finite nonzero scale (n = x / scale). One branch
+// around the whole encode: with the branch at the quotients only, the fused step gained nothing.
+template <int G, bool kKeepSign>
+ZERO8_VBMI_INLINE void vbmi_encode(const __m512* x, const VbmiDivisor& d, const QuantTable& t, __m512i* out) {
+  if (d.fma)
+    vbmi_encode_as<G, kKeepSign, true>(x, d, t, out);
+  else
+    vbmi_encode_as<G, kKeepSign, false>(x, d, t, out);
 }
 
 ZERO8_VBMI_INLINE __mmask64 vbmi_tail_mask64(int32_t count) { return count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1; }

@@ -36,12 +36,12 @@ struct BlockEncode {
   const float* x = nullptr;
   const QuantTable* t = nullptr;
   uint8_t* codes = nullptr;
-  __m512 s = _mm512_setzero_ps();
+  quant::VbmiDivisor d;
   bool zero = true;  // scale 0 or NaN: every code is zero_code
 
   BlockEncode() = default;
   BlockEncode(const float* x_, float scale, const QuantTable& t_, uint8_t* codes_)
-      : x(x_), t(&t_), codes(codes_), s(_mm512_set1_ps(scale)), zero(!(scale == scale) || scale == 0.0f) {}
+      : x(x_), t(&t_), codes(codes_), d(scale, t_, false), zero(!(scale == scale) || scale == 0.0f) {}
   template <int G>
   [[gnu::always_inline]] inline void groups(int32_t j) const {  // elements [j, j + 64 G)
     __m512i c[G];
@@ -50,7 +50,7 @@ struct BlockEncode {
     } else {
       __m512 v[4 * G];
       for (int i = 0; i < 4 * G; ++i) v[i] = _mm512_load_ps(x + j + 16 * i);
-      quant::vbmi_encode<G, false>(v, s, *t, c);
+      quant::vbmi_encode<G, false>(v, d, *t, c);
     }
     for (int g = 0; g < G; ++g) _mm512_storeu_si512(codes + j + 64 * g, c[g]);
   }

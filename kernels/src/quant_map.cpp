@@ -227,6 +227,9 @@ QuantTable table_build(const std::vector<float>& values) {
   t.nonpos_last = uint8_t(nonpos);
   t.has_neg_one = values[0] == -1.0f;
   t.is_unsigned = values[0] >= 0.0f;
+  t.fma_quotient_ok = 1;
+  for (int i = 0; i < 255; ++i)
+    if (std::fabs(t.thresholds[i]) < 0x1p-32f) t.fma_quotient_ok = 0;
   table_build_lut(t);
   table_build_cells(t);
   return t;

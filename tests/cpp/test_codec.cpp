@@ -363,6 +363,40 @@ TEST_P(CodecIsa, MatchesScalarReferenceBitwise) {
   }
 }
 
+// The VBMI encoder normalizes by quant_quotient_fma (no division) where the block's scale lies in
+// [2^-64, 2^126], and divides elsewhere: blocks on both sides of both bounds, with quotients on the map's
+// thresholds and their neighbours, and quotients down to 2^-45, give the scalar reference's codes.
+TEST_P(CodecIsa, ScalesAroundTheQuotientBoundsMatchReference) {
+  const Isa isa = GetParam().isa;
+  const float scales[] = {0x1p-66f, std::nextafter(0x1p-64f, 0.0f), 0x1p-64f, 0x1.8p-64f, 0x1.234568p-40f, 1.0f,
+                          0x1.fffffep-1f, 0x1.5p100f, 0x1p126f, std::nextafter(0x1p126f, 1e38f), 0x1.fp127f};
+  constexpr int32_t kBlock = 256;
+  std::mt19937_64 rng(77);
+  for (MapKind kind : kAllMaps) {
+    const QuantTable& t = table_get(kind);
+    Tensor x(DType::f32, int64_t(std::size(scales)) * kBlock);
+    for (size_t b = 0; b < std::size(scales); ++b) {
+      const float s = scales[b];
+      for (int32_t i = 0; i < kBlock; ++i) {
+        float f;
+        if (i == 0) {
+          f = 1.0f;  // the block's extreme element: the scale is s
+        } else if (i % 2) {  // on a threshold (t.thresholds[c] < 1), or one ulp either side
+          const float th = t.thresholds[rng() % 255];
+          f = i % 3 == 0 ? th : std::nextafter(th, i % 3 == 1 ? -2.0f : 2.0f);
+        } else {  // |f| log-uniform in [2^-45, 1], either sign
+          f = std::ldexp(1.0f + float(rng() % 1000) / 1000.0f, -int(rng() % 45) - 1) * (rng() % 2 ? 1.0f : -1.0f);
+        }
+        if (t.is_unsigned) f = std::fabs(f);
+        x.set(int64_t(b) * kBlock + i, std::fmin(std::fmax(f * s, -s), s));
+      }
+    }
+    const std::string what = name() + " " + map_kind_name(kind);
+    expect_same(run_encode(x, kBlock, t, Isa::scalar), run_encode(x, kBlock, t, isa), what);
+    if (HasFailure()) return;
+  }
+}
+
 // Decode is y = values[code] * scale (rounded once to the output dtype), or y += that in float32,
 // for any scale: negative, zero, subnormal, huge, NaN.
 TEST_P(CodecIsa, DecodeMatchesDefinition) {

@@ -313,6 +313,51 @@ TEST(QuantMap, CellsForCustomMaps) {
   EXPECT_FALSE(table_build(dense).cells_ok);  // two thresholds in one bucket
 }
 
+// quant_quotient_fma (the SIMD encoders' division-free x / scale) is the correctly rounded quotient:
+// every mantissa of x against divisors with special mantissas (1, 1 + ulp, all ones, 1/3- and 2/3-like)
+// and random ones; then scales at every exponent of [2^-64, 2^126] with quotients down to 2^-33, either
+// sign. Smaller quotients stay below 2^-32, where tables with fma_quotient_ok have no threshold.
+TEST(QuantMap, FmaQuotientIsTheDivision) {
+  std::mt19937 rng(11);
+  std::vector<uint32_t> mantissas = {0, 1, 2, 0x7fffff, 0x7ffffe, 0x400000, 0x3fffff, 0x555555, 0x2aaaab};
+  for (int i = 0; i < 3; ++i) mantissas.push_back(rng() & 0x7fffffu);
+  int64_t bad = 0;
+  for (uint32_t m : mantissas) {
+    const float s = f32_from_bits((127u << 23) | m), r = 1.0f / s;  // s in [1, 2)
+    for (uint32_t e : {126u, 127u}) {                                   // quotients in [0.25, 2)
+      for (uint32_t xm = 0; xm < (1u << 23); ++xm) {
+        const float x = f32_from_bits((e << 23) | xm);
+        if (f32_bits(quant_quotient_fma(x, s, r)) != f32_bits(x / s) && bad++ < 3)
+          ADD_FAILURE() << x << " / " << s << ": " << quant_quotient_fma(x, s, r) << " vs " << x / s;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  for (int e = -64; e <= 125; ++e) {
+    for (int k = 0; k < 2000; ++k) {
+      const float s = std::ldexp(1.0f + float(rng() & 0x7fffffu) * 0x1p-23f, e) * (k % 2 ? -1.0f : 1.0f);
+      const float f = std::ldexp(1.0f + float(rng() & 0x7fffffu) * 0x1p-23f, -int(rng() % 40) - 1);
+      const float x = (k % 4 < 2 ? f : -f) * s, r = 1.0f / s;
+      ASSERT_TRUE(quant_quotient_fma_ok(s, table_get(MapKind::dynamic_signed))) << s;
+      const float q = quant_quotient_fma(x, s, r), d = x / s;
+      if (std::fabs(d) >= 0x1p-33f)
+        ASSERT_EQ(f32_bits(q), f32_bits(d)) << x << " / " << s;
+      else
+        ASSERT_LT(std::fabs(q), 0x1p-32f) << x << " / " << s;
+    }
+  }
+  // Out of range, the encoders divide.
+  const QuantTable& t = table_get(MapKind::dynamic_signed);
+  for (float s : {0x1p-65f, -0x1.fffffep-65f, 0x1.000002p126f, 3e38f, 1e-40f})
+    EXPECT_FALSE(quant_quotient_fma_ok(s, t)) << s;
+  for (MapKind kind : kAllMaps)  // the signed linear map has no 0: its middle threshold is 0
+    EXPECT_EQ(table_get(kind).fma_quotient_ok, kind != MapKind::linear_signed) << map_kind_name(kind);
+  std::vector<float> tiny = linspace(-1.0, 1.0, 256);  // values near 0 put thresholds below 2^-32
+  tiny[127] = -1e-30f;
+  tiny[128] = 1e-30f;
+  EXPECT_FALSE(table_build(tiny).fma_quotient_ok);
+}
+
 void expect_values_error(const std::vector<float>& v, const char* what) {
   try {
     table_build(v);

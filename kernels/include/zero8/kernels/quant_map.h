@@ -3,6 +3,7 @@
 // or stochastic. Host/device code: the CPU variants and the CUDA kernels call these same functions.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -39,7 +40,8 @@ struct alignas(64) QuantTable {
   uint8_t nonpos_last;    // largest code with values[c] <= 0
   uint8_t has_neg_one;    // values[0] == -1: the map is symmetric enough for a positive absmax
   uint8_t is_unsigned;    // values[0] >= 0
-  uint8_t pad_[3];
+  uint8_t fma_quotient_ok;  // no threshold in (-2^-32, 2^-32): see quant_quotient_fma
+  uint8_t pad_[2];
   // Accelerator of quant_code_nearest for the CPU SIMD variants, same result (quant_code_nearest_lut):
   // lut[quant_lut_index(n)] >> 16 is the code at the low end of n's bucket; lut_steps compare-and-
   // increment steps (c += n > thresholds[c]) reach the exact code anywhere in the bucket. When
@@ -107,6 +109,24 @@ ZERO8_HD float quant_block_scale(float vmin, float vmax, const QuantTable& t) {
   float s = vmax >= neg ? vmax : (t.has_neg_one ? neg : vmin);
   if (s - s != 0.0f) return f32_from_bits(0x7fc00000u);  // Inf
   return s;
+}
+
+// x / scale without a division (the SIMD encoders' form where quant_quotient_fma_ok): q = x * r with
+// r = 1 / scale, then one correction q + (x - q * scale) * r, both steps fused multiply-adds. With r
+// correctly rounded and q within one ulp, the correction gives the correctly rounded quotient whenever
+// the remainder x - q * scale is exact (Markstein, IBM J. Res. Dev. 34(1), 1990; D. Russinoff,
+// "Formal Verification in Industrial Design", ch. 13, lemma markstein). For |scale| in [2^-64, 2^126]
+// that holds for every |x / scale| >= 2^-33 (exponents of scale and quotient sum to at least -103,
+// Boldo's condition for an exact FMA remainder). Smaller quotients may differ from x / scale in the
+// last bits but stay below 2^-32 in magnitude, where a table with fma_quotient_ok has no threshold:
+// the code is the same. tests/cpp/test_quant_map.cpp checks the quotient over every mantissa.
+ZERO8_HD float quant_quotient_fma(float x, float scale, float r) {
+  const float q = x * r;
+  return fmaf(fmaf(-q, scale, x), r, q);
+}
+ZERO8_HD bool quant_quotient_fma_ok(float scale, const QuantTable& t) {
+  const float a = fabsf(scale);
+  return t.fma_quotient_ok && a >= 0x1p-64f && a <= 0x1p126f;
 }
 
 // Nearest code of a normalized value n (= x / scale): exact nearest map value, ties to even code.
