@@ -31,7 +31,7 @@ void encode_codes(const void* x, int64_t off, int32_t len, float scale, const Qu
     std::memset(codes, t.zero_code, size_t(len));
     return;
   }
-  const VbmiDivisor s(scale, t, kKeepSign);
+  const VbmiDivisor d(scale, t, kKeepSign);
   constexpr int kLine = 64 / (D == DType::f32 ? 4 : 2);  // elements per cache line
   int32_t i = 0;
   for (; i + 128 <= len; i += 128) {  // two groups of 64 per table load
@@ -41,7 +41,7 @@ void encode_codes(const void* x, int64_t off, int32_t len, float scale, const Qu
     __m512 v[8];
     for (int j = 0; j < 8; ++j) v[j] = load16<D>(x, off + i + 16 * j);
     __m512i c[2];
-    vbmi_encode<2, kKeepSign>(v, s, t, c);
+    vbmi_encode<2, kKeepSign>(v, d, t, c);
     _mm512_storeu_si512(codes + i, c[0]);
     _mm512_storeu_si512(codes + i + 64, c[1]);
   }
@@ -50,7 +50,7 @@ void encode_codes(const void* x, int64_t off, int32_t len, float scale, const Qu
     __m512 v[4];
     for (int j = 0; j < 4; ++j) v[j] = load16_masked<D>(x, off + i + 16 * j, tail_mask(std::clamp(r - 16 * j, 0, 16)));
     __m512i c;
-    vbmi_encode<1, kKeepSign>(v, s, t, &c);
+    vbmi_encode<1, kKeepSign>(v, d, t, &c);
     _mm512_mask_storeu_epi8(codes + i, vbmi_tail_mask64(r), c);
   }
 }
