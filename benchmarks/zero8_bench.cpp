@@ -63,12 +63,11 @@ struct UsageError {
 class Options {
  public:
   Options(int argc, char** argv, int first) {
-    for (int i = first; i < argc; ++i) {
+    for (int i = first; i < argc; i += 2) {
       std::string k = argv[i];
       if (k.rfind("--", 0) != 0 || k.size() < 3) throw UsageError{"unexpected argument '" + k + "'"};
       if (i + 1 >= argc) throw UsageError{"option " + k + " needs a value"};
       if (!values_.emplace(k.substr(2), argv[i + 1]).second) throw UsageError{"option " + k + " given twice"};
-      ++i;
     }
   }
   bool has(const std::string& k) const { return values_.count(k) != 0; }

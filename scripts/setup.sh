@@ -8,7 +8,8 @@ set -euo pipefail
 # cmake >= 3.24 (bookworm has 3.25), Ninja, g++ (OpenMP through libgomp), GoogleTest/GoogleMock,
 # OpenMPI (the CPU communication backend and `mpirun` for the multi-rank tests), nlohmann-json
 # (DeepSpeed config, checkpoint manifests) and xxHash (checkpoint checksums), both header-only,
-# oneDNN (the CPU int8 GEMM; the build falls back to the scalar reference without it), python3.
+# oneDNN (the CPU int8 GEMM; the build falls back to the scalar reference without it), python3;
+# clang with its OpenMP runtime (libomp), for the test suite's second build of the C++ library.
 ZERO8_APT_PACKAGES=(
   cmake
   ninja-build
@@ -23,6 +24,8 @@ ZERO8_APT_PACKAGES=(
   libxxhash-dev
   libdnnl-dev
   python3
+  clang
+  libomp-dev
 )
 
 missing=()

@@ -42,9 +42,9 @@ enum class Round { nearest, stochastic_near, stochastic_search };
 
 // kKeepSign: the map has no exact 0; with one, neither rounding can cross zero and the sign rule
 // (quant_code_keep_sign) is a no-op.
-bool map_has_zero(const QuantTable& t) { return t.values[t.zero_code] == 0.0f; }
+inline bool map_has_zero(const QuantTable& t) { return t.values[t.zero_code] == 0.0f; }
 
-bool map_strictly_increasing(const QuantTable& t) {
+inline bool map_strictly_increasing(const QuantTable& t) {
   for (int i = 0; i < 255; ++i)
     if (!(t.values[i] < t.values[i + 1])) return false;
   return true;

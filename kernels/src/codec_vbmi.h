@@ -95,7 +95,7 @@ ZERO8_VBMI_INLINE void vbmi_values(const __m512i* c, const QuantTable& t, __m512
 
 // Four 16-lane masks as one 64-lane mask (lane 16j + i from bit i of m[j]), with mask-register unpacks.
 ZERO8_VBMI_INLINE __mmask64 vbmi_mask64(const __mmask16* m) {
-  return _kunpackd_mask64(_kunpackw_mask32(m[3], m[2]), _kunpackw_mask32(m[1], m[0]));
+  return _mm512_kunpackd(_mm512_kunpackw(m[3], m[2]), _mm512_kunpackw(m[1], m[0]));
 }
 
 // The cell of 32 keys (the upper 16 bits of n: sign, exponent, 7 mantissa bits), as

@@ -1,7 +1,9 @@
 // AVX2 variant of the int8 linear-layer kernels: 8 lanes of the loops in int8_simd.h. Bit-identical to
 // int8_ref.cpp (tests/cpp/test_int8.cpp).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 
 #include "dtype_avx2.h"

@@ -2,8 +2,10 @@
 // to int8_ref.cpp (tests/cpp/test_int8.cpp).
 // GCC 12's intrinsic headers initialize their "undefined" vectors with themselves, which trips
 // -Wmaybe-uninitialized once inlined; the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 
 #include "dtype_avx512.h"

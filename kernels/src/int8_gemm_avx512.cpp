@@ -7,8 +7,10 @@
 // as u8 = a + 128 and each slice's int32 accumulator starts at -128 * (the slice's column sum of B), which
 // cancels the offset exactly: sum (a + 128) b - 128 sum b = sum a b. vpdpbusd wraps (no saturation), so
 // the sum is exact modulo 2^32 and the true value, |dot| <= 128 * 128 * block <= 2^30, is what remains.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>

@@ -2,7 +2,9 @@
 // block helpers for the 8-bit states. Bit-identical to optim_ref.cpp (tests/cpp/test_optim.cpp).
 // GCC 12's intrinsic headers initialize their "undefined" vectors with themselves, which trips
 // -Wmaybe-uninitialized once inlined; the values are never read.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include "codec_internal.h"

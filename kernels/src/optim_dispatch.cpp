@@ -137,7 +137,7 @@ void optim_norms(const StepArgs& a, NormSums* out, Isa isa, int threads) {
     }
     base[c + 1] = base[c] + count[c];
   }
-  std::vector<NormSums> parts(size_t(base[nchunks]));
+  std::vector<NormSums> parts(static_cast<size_t>(base[nchunks]));
 #pragma omp parallel num_threads(nt)
   {
     std::vector<int64_t> offs;
