@@ -430,8 +430,9 @@ struct StepBench {
 
 int cmd_optimizer(Options& o) {
   const zero8::optim::Algo algo = algo_option(o);
-  const int bits = int(o.count("bits", 8, 8, 32));
-  if (bits != 8 && bits != 32) throw UsageError{"--bits must be 8 or 32, got " + std::to_string(bits)};
+  const std::string bits_arg = o.str("bits", "8");
+  if (bits_arg != "8" && bits_arg != "32") throw UsageError{"--bits must be 8 or 32, got '" + bits_arg + "'"};
+  const int bits = std::stoi(bits_arg);
   const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
   const int32_t block = block_option(o);
   const int threads = threads_option(o);

@@ -1,7 +1,8 @@
 # cmake -P helper for the zero8-bench CLI tests. BENCH: the binary; ARGS: its arguments (a list).
 # Success mode: exit 0 and the last line is a JSON object holding each of KEYS as a number > 0, and
 # each "key=value" of EQUALS with exactly that numeric value.
-# EXPECT_FAIL mode: a non-zero exit and "usage:" on stderr.
+# EXPECT_FAIL mode: a non-zero exit, "usage:" on stderr, and a first line "zero8-bench: ..." that matches
+# MESSAGE (a regular expression).
 execute_process(COMMAND ${BENCH} ${ARGS} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(EXPECT_FAIL)
   if(rc EQUAL 0)
@@ -9,6 +10,9 @@ if(EXPECT_FAIL)
   endif()
   if(NOT err MATCHES "usage: zero8-bench")
     message(FATAL_ERROR "zero8-bench ${ARGS} failed (${rc}) without the usage text:\n${err}")
+  endif()
+  if(DEFINED MESSAGE AND NOT err MATCHES "^zero8-bench: [^\n]*${MESSAGE}")
+    message(FATAL_ERROR "zero8-bench ${ARGS}: the error line should match '${MESSAGE}':\n${err}")
   endif()
   message(STATUS "zero8-bench ${ARGS}: exit ${rc}, ${err}")
   return()
