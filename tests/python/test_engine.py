@@ -418,6 +418,29 @@ def test_client_zero8_optimizer_equals_config_optimizer():
     assert params_equal(m1, m2)
 
 
+@pytest.mark.parametrize("name,kw", [
+    ("SGD8bit", dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    ("LARS8bit", dict(lr=0.05, momentum=0.8)),
+    ("RMSprop8bit", dict(lr=1e-3, alpha=0.9)),
+])
+def test_client_bitsandbytes_optimizer_keeps_its_hyperparameters(name, kw):
+    # bitsandbytes keeps SGD's and LARS's momentum and RMSprop's alpha in betas[0]; the engine must read
+    # them there (it used to fall back to momentum 0 and alpha 0.99 without a word).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install bitsandbytes)")
+    cfg = config(zero8=FULL8)
+    del cfg["optimizer"]
+    m1, m2 = make_model(), make_model()
+    e1, _, _, _ = zero8.initialize(model=m1, optimizer=getattr(bnb.optim, name)(m1.parameters(), **kw), config=cfg)
+    e2, _, _, _ = zero8.initialize(model=m2, optimizer=getattr(zero8.optim, name)(m2.parameters(), **kw), config=cfg)
+    got = e1._opt.hyper.beta1 if "momentum" in kw else e1._opt.hyper.beta2
+    assert got == pytest.approx(kw.get("momentum", kw.get("alpha")))
+    train_engine(e1, DATA, 5, B)
+    train_engine(e2, DATA, 5, B)
+    assert params_equal(m1, m2)
+
+
 def test_stable_embedding_weight_keeps_fp32_states():
     class Net(torch.nn.Module):
         def __init__(self):

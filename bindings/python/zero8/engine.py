@@ -154,7 +154,7 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
     if not groups:
         raise Zero8ValueError("optimizer: the client optimizer has no param groups")
     _check_groups_equal(groups, _HYPER_KEYS)
-    g0 = groups[0]
+    g0 = _with_bnb_names(groups[0], algo)
     for flag in ("amsgrad", "maximize", "centered"):
         if g0.get(flag):
             raise Zero8NotSupportedError(f"optimizer.param_groups[0].{flag}: {flag}=True is not supported")
@@ -196,6 +196,20 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
     return spec
 
 
+def _with_bnb_names(group: dict, algo: str) -> dict:
+    """A param group with torch's names for what bitsandbytes keeps in ``betas``: its SGD and LARS store
+    ``betas = (momentum, dampening)``, its RMSprop ``betas = (alpha, momentum)``. Groups that have torch's
+    names (torch.optim, zero8.optim, the engine's own) are returned as they are."""
+    betas = group.get("betas")
+    if betas is None or len(betas) < 2:
+        return group
+    if algo in _MOMENTUM_ALGOS and "momentum" not in group:
+        return {**group, "momentum": betas[0], "dampening": betas[1]}
+    if algo == "rmsprop" and "alpha" not in group:
+        return {**group, "alpha": betas[0], "momentum": betas[1]}
+    return group
+
+
 def _check_groups_equal(groups: list[dict], keys) -> None:
     g0 = groups[0]
     for i, g in enumerate(groups[1:], 1):
@@ -224,6 +238,7 @@ def _param_overrides(p: torch.Tensor, client) -> dict:
 
 def _hyper_from_group(group: dict, algo: str, hyper) -> None:
     """Write a param group's (possibly scheduler-changed) hyperparameters into the C++ Hyper."""
+    group = _with_bnb_names(group, algo)
     hyper.lr = float(group["lr"])
     if "weight_decay" in group:
         hyper.weight_decay = float(group["weight_decay"] or 0.0)
