@@ -511,6 +511,22 @@ def test_client_optimizer_errors():
         zero8.initialize(model=make_model(), config=cfg)
 
 
+def test_optimizer_step_outside_the_engine_is_an_error():
+    # loss.backward() + optimizer.step() (the torch loop) would step on unreduced gradients and leave the
+    # counters and scheduler behind; it must say to use engine.backward/engine.step instead.
+    engine, model, opt, _ = engine_for(config(zero8=EXACT))
+    x, y = global_batch(DATA, 0, B)
+    before = clone_params(model)
+    loss_fn(engine(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"engine\.backward\(loss\) and engine\.step\(\)"):
+        opt.step()
+    same = lambda: all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))  # noqa: E731
+    assert same() and engine.global_steps == 0
+    # the engine's own loop still steps (through the same optimizer.step)
+    train_engine(engine, DATA, 2, B)
+    assert engine.global_steps == 2 and not same()
+
+
 # ---- checkpoints ----
 
 def _resume_config():

@@ -338,6 +338,14 @@ class Zero8Optimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise Zero8NotSupportedError("Zero8Optimizer.step(closure): closures are not supported")
+        if not self._engine._in_step:
+            # loss.backward() + optimizer.step() would step on gradients no rank has reduced (stage 1) or
+            # only the first time (stage 2), and the counters and LR scheduler would not advance.
+            raise RuntimeError(
+                "optimizer.step(): zero8's optimizer steps through the engine; use engine.backward(loss) and "
+                "engine.step() (they reduce the gradients over the ranks, step at the accumulation boundary and "
+                "advance the LR scheduler) instead of loss.backward() and optimizer.step()"
+            )
         self._engine._optimizer_step()
         return None
 
@@ -391,6 +399,7 @@ class Zero8Engine(torch.nn.Module):
         self._last_info: dict | None = None
         self._step_applied = False
         self._backward_done = False
+        self._in_step = False  # engine.step() is calling optimizer.step()
         self._bytes = {"gradients": 0, "step": 0}
         self._hooks: list = []
         d = config.dict
@@ -740,7 +749,11 @@ class Zero8Engine(torch.nn.Module):
         self._step_applied = False
         if boundary:
             scale_before = float(self._opt.loss_scale)
-            info = self.optimizer.step() or self._last_info
+            self._in_step = True
+            try:
+                info = self.optimizer.step() or self._last_info
+            finally:
+                self._in_step = False
             if info["skipped"]:
                 self.skipped_steps += 1
                 if self.global_rank == 0:
