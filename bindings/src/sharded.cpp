@@ -38,6 +38,12 @@ ShardConfig shard_config_from_json(const std::string& config_json, int world) {
   s.stage = c.zero.stage == 0 ? 1 : c.zero.stage;
   s.working_dtype = config::working_dtype(c);
   s.int8_grads = c.zero8.enabled && c.zero8.int8_gradients;
+  // Unquantized gradients travel in communication_data_type; unset: bf16 when training in bf16 (as
+  // DeepSpeed), else fp32. There is no fp16 wire format: fp16 is sent as fp32 (the parser warns).
+  s.bf16_grads = c.communication_data_type == config::CommDataType::bf16 ||
+                 (c.communication_data_type == config::CommDataType::unset && s.working_dtype == DType::bf16);
+  s.stochastic_wire = c.zero8.enabled && c.zero8.stochastic_rounding;
+  s.wire_seed = c.zero8.seed;
   s.int8_params = c.zero8.enabled && c.zero8.int8_params;
   s.error_feedback = c.zero8.enabled && c.zero8.error_feedback;
   s.release_grads = c.zero8.enabled && c.zero8.release_gradients;
@@ -99,6 +105,10 @@ void init_sharded(py::module_& m) {
       .def_readwrite("stage", &ShardConfig::stage, "1: reduce at the accumulation boundary; 2: per bucket in backward")
       .def_readwrite("working_dtype", &ShardConfig::working_dtype)
       .def_readwrite("int8_grads", &ShardConfig::int8_grads)
+      .def_readwrite("bf16_grads", &ShardConfig::bf16_grads, "unquantized gradient reduction in bf16 (else fp32)")
+      .def_readwrite("stochastic_wire", &ShardConfig::stochastic_wire,
+                     "int8 blocks on the wire round stochastically (zero8.stochastic_rounding)")
+      .def_readwrite("wire_seed", &ShardConfig::wire_seed, "seed of the stochastic wire rounding (zero8.seed)")
       .def_readwrite("int8_params", &ShardConfig::int8_params)
       .def_readwrite("error_feedback", &ShardConfig::error_feedback)
       .def_readwrite("release_grads", &ShardConfig::release_grads,
@@ -136,8 +146,8 @@ void init_sharded(py::module_& m) {
       .def("__repr__", [](py::handle self) {
         return repr_fields(self, "ShardConfig",
                            {"algo", "bits", "stage", "working_dtype", "state_block", "wire_block", "min_8bit_size",
-                            "int8_grads", "int8_params", "error_feedback", "release_grads", "reduce_bucket_size", "gradient_clipping",
-                            "fp16", "hyper"});
+                            "int8_grads", "bf16_grads", "int8_params", "error_feedback", "stochastic_wire", "wire_seed",
+                            "release_grads", "reduce_bucket_size", "gradient_clipping", "fp16", "hyper"});
       });
 
   m.def("shard_config_from_json", &shard_config_from_json, py::arg("config_json"), py::arg("world"),

@@ -36,13 +36,6 @@ namespace {
 // length may be odd: the last range's codes). Gaps are not sent; byte counts are exact.
 int64_t align8(int64_t x) { return (x + 7) & ~int64_t(7); }
 
-uint64_t mix(uint64_t a, uint64_t b) {
-  uint64_t z = a * 0x9e3779b97f4a7c15ull + b + 0x632be59bd9b4e019ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 void check_options(const WireOptions& opt) {
   ZERO8_CHECK_ARG(opt.format == WireFormat::f32 || opt.format == WireFormat::bf16 || opt.format == WireFormat::int8,
                   "opt.format", "unknown WireFormat " << int(opt.format));
@@ -190,7 +183,7 @@ void bucket_reduce_scatter(Communicator& comm, const float* bucket, int64_t n, c
   w.send.resize(size_t(send_total));
   w.recv.resize(size_t(recv_total));
   if (feedback) w.tmp.resize(size_t(2 * max_len));
-  const uint64_t seed = mix(opt.seed, uint64_t(me));
+  const uint64_t seed = rng_mix(opt.seed, uint64_t(me));
 
   for (int p = 0; p < size; ++p) {
     if (p == me || len(p) == 0) continue;
@@ -257,7 +250,7 @@ void bucket_all_gather(Communicator& comm, const float* part, int64_t n, const s
   }
   w.recv.resize(size_t(total));
   uint8_t* own_seg = w.recv.data() + rd[size_t(me)];
-  segment_encode(opt, part, mine, offsets[size_t(me)], mix(opt.seed, uint64_t(me)), own_seg);
+  segment_encode(opt, part, mine, offsets[size_t(me)], rng_mix(opt.seed, uint64_t(me)), own_seg);
   comm.all_gather_v(own_seg, rb[size_t(me)], w.recv.data(), rb, rd);
   for (int p = 0; p < size; ++p) {
     const int64_t len = offsets[size_t(p) + 1] - offsets[size_t(p)];

@@ -585,7 +585,7 @@ TEST(ConfigJson, RoundTripEveryOptimizerAndSchedule) {
       R"({"type": "LRRangeTest", "params": {"lr_range_test_staircase": true}})"};
   for (const char* o : optimizers)
     for (const char* s : schedulers) {
-      const std::string text = std::string(R"({"train_micro_batch_size_per_gpu": 3, "communication_data_type": "fp16",
+      const std::string text = std::string(R"({"train_micro_batch_size_per_gpu": 3, "communication_data_type": "bf16",
           "fp16": {"enabled": true, "loss_scale": 0, "min_loss_scale": 0.0001}, "zero8": {"seed": 18446744073709551615},
           "optimizer": )") + o + R"(, "scheduler": )" + s + "}";
       SCOPED_TRACE(text);

@@ -274,6 +274,80 @@ TEST(Sharded, Int8GradientsStayWithinTheCodecBound) {
   }
 }
 
+TEST(Sharded, StochasticInt8GradientsAreUnbiasedAndReproducible) {
+  // zero8.stochastic_rounding: the int8 gradient blocks round stochastically. Plain SGD is linear in
+  // the gradient, so K steps on the same gradient move a parameter by lr * (the sum of K reduced
+  // gradients). With nearest rounding each step repeats the same error; with fresh draws per step the
+  // errors average out (their mean shrinks as 1/sqrt(K)), which also shows that no step reuses another's
+  // draws. Nearest's mean |error| is about a quarter of a map gap per remote contribution; one stochastic
+  // draw's error has a standard deviation of about 0.41 gap, so after K = 64 steps the mean |error| is
+  // about 0.04 gap, a sixth of nearest's; 0.35 leaves room for the blocks whose values fall on codes.
+  ShardConfig c = base_config();
+  c.algo = optim::Algo::sgd;
+  c.hyper.beta1 = 0.0f;
+  c.hyper.weight_decay = 0.0f;
+  c.hyper.lr = 0.1f;
+  c.bits = 32;
+  const int K = 64;
+  auto run = [&](bool int8, bool stochastic, uint64_t seed) {
+    c.int8_grads = int8;
+    c.stochastic_wire = stochastic;
+    c.wire_seed = seed;
+    auto opt = make(c);
+    for (int s = 0; s < K; ++s) {
+      fill_local_grads(*opt, 0, 0);  // the same gradient every step
+      for (int p = int(opt->layout().params.size()) - 1; p >= 0; --p) opt->grad_ready(p);
+      opt->backward_end(true);
+      opt->step();
+    }
+    expect_replicas_identical(*opt);
+    return params_of(*opt);
+  };
+  const std::vector<float> exact = run(false, false, 0), nearest = run(true, false, 0);
+  const std::vector<float> sto = run(true, true, 7), again = run(true, true, 7), other = run(true, true, 8);
+  EXPECT_TRUE(sto == again) << "the same seed must give the same run";
+  if (world().size() == 1) {
+    EXPECT_TRUE(sto == exact) << "one rank sends nothing, so nothing is rounded";
+    return;
+  }
+  EXPECT_FALSE(sto == other) << "another seed must give other draws";
+  double err_nearest = 0.0, err_sto = 0.0;
+  for (size_t i = 0; i < exact.size(); ++i) {
+    err_nearest += std::fabs(double(nearest[i]) - exact[i]);
+    err_sto += std::fabs(double(sto[i]) - exact[i]);
+  }
+  EXPECT_GT(err_nearest, 0.0);
+  EXPECT_LT(err_sto, 0.35 * err_nearest) << "mean |error| " << err_sto / double(exact.size()) << " against nearest's "
+                                         << err_nearest / double(exact.size());
+}
+
+TEST(Sharded, Bf16GradientReductionRoundsEachContribution) {
+  // bf16_grads (communication_data_type "bf16"): each remote contribution is rounded to bf16 (8
+  // significant bits: relative error <= 2^-8), the own one is added exactly. One SGD step of lr 1 then
+  // moves each parameter by the averaged gradient within (world - 1) / world * 2^-8 * max |g|.
+  ShardConfig c = base_config();
+  c.algo = optim::Algo::sgd;
+  c.hyper.beta1 = 0.0f;
+  c.hyper.weight_decay = 0.0f;
+  c.hyper.lr = 1.0f;
+  c.bits = 32;
+  std::vector<float> exact, half;
+  for (bool bf16 : {false, true}) {
+    c.bf16_grads = bf16;
+    auto opt = make(c);
+    train(*opt, 1);
+    expect_replicas_identical(*opt);
+    (bf16 ? half : exact) = params_of(*opt);
+  }
+  const int n = world().size();
+  double worst = 0.0;
+  for (size_t i = 0; i < exact.size(); ++i) worst = std::max(worst, double(std::fabs(half[i] - exact[i])));
+  EXPECT_LE(worst, double(n - 1) / n * std::ldexp(1.0, -8) * 0.5 + 1e-6);  // |g| <= 0.5
+  if (n > 1) {
+    EXPECT_GT(worst, 0.0) << "bf16 reduction changed nothing: is it really rounding?";
+  }
+}
+
 TEST(Sharded, Int8ParameterSyncKeepsReplicasIdenticalAndMastersExact) {
   ShardConfig c = base_config();
   c.working_dtype = DType::bf16;

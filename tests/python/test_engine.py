@@ -647,6 +647,63 @@ def test_module_surface_and_progress_print(capsys):
     assert "step=2," in out and "step=4," in out and "step=3," not in out and "grad_norm=" in out
 
 
+def test_wall_clock_breakdown_prints_times(capsys):
+    engine, _, _, _ = engine_for(config(zero8=EXACT, steps_per_print=2, wall_clock_breakdown=True))
+    train_engine(engine, DATA, 4, B)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "time (ms)" in ln]
+    assert len(lines) == 2 and all("forward:" in ln and "backward:" in ln and "optimizer step:" in ln
+                                   for ln in lines), lines
+    engine, _, _, _ = engine_for(config(zero8=EXACT, steps_per_print=2))
+    train_engine(engine, DATA, 2, B)
+    assert "time (ms)" not in capsys.readouterr().out
+
+
+def test_ignore_unused_parameters_false_names_the_parameter():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.spare = make_model(), torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.body(x)
+
+    for ignore in (True, False):
+        cfg = config(zero8=EXACT)
+        cfg["zero_optimization"]["ignore_unused_parameters"] = ignore
+        engine, _, _, _ = zero8.initialize(model=Net(), config=cfg)
+        x, y = global_batch(DATA, 0, B)
+        if ignore:
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+            assert engine.global_steps == 1
+        else:
+            with pytest.raises(RuntimeError, match=r"2 trainable parameter\(s\) got no gradient.*spare\.weight, "
+                                                   r"spare\.bias.*ignore_unused_parameters"):
+                engine.backward(loss_fn(engine(x), y))
+
+
+def test_wire_keys_reach_the_sharded_optimizer():
+    # communication_data_type (unquantized gradients) and zero8.stochastic_rounding / seed (int8 blocks on
+    # the wire); the byte counts and draws themselves are checked with several ranks (dist_engine.py,
+    # tests/dist/test_sharded.cpp).
+    def shard(cfg):
+        engine, _, _, _ = engine_for(cfg)
+        return engine._shard_config
+
+    off = {"int8_gradients": False}
+    assert not shard(config(zero8=off)).bf16_grads
+    assert shard(config(zero8=off, communication_data_type="bf16")).bf16_grads
+    assert shard(config(zero8=off, bf16={"enabled": True})).bf16_grads  # null: the training dtype
+    assert not shard(config(zero8=off, bf16={"enabled": True}, communication_data_type="fp32")).bf16_grads
+    with pytest.warns(Zero8ConfigWarning, match="communication_data_type: zero8 has no fp16 wire format"):
+        assert not shard(config(zero8=off, communication_data_type="fp16")).bf16_grads
+    sc = shard(config(zero8=dict(FULL8, stochastic_rounding=True, seed=12345)))
+    assert sc.stochastic_wire and sc.wire_seed == 12345
+    assert not shard(config(zero8=FULL8)).stochastic_wire
+    with pytest.warns(Zero8ConfigWarning, match="zero8.stochastic_rounding: has no effect without int8_gradients"):
+        shard(config(zero8=dict(EXACT, stochastic_rounding=True)))
+
+
 # ---- configs ----
 
 def _bad_configs():

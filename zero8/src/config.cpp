@@ -759,6 +759,10 @@ void parse_misc(Section& top, Config& c) {
   c.zero_allow_untested_optimizer = top.get_bool("zero_allow_untested_optimizer", false);
   // Unset (null or absent): DeepSpeed derives it from the precision; so does zero8.
   c.communication_data_type = CommDataType(1 + top.get_choice("communication_data_type", -1, {"fp32", "fp16", "bf16"}));
+  if (c.communication_data_type == CommDataType::fp16)
+    top.warn("communication_data_type",
+             "zero8 has no fp16 wire format: unquantized gradients are reduced in fp32 (use \"bf16\" or int8 "
+             "gradients for less traffic)");
   // Features that change what training computes and that zero8 does not implement.
   top.reject_if("amp", is_enabled_section, "Apex AMP is not supported: use \"fp16\" or \"bf16\"");
   top.reject_if("elasticity", is_enabled_section,
@@ -823,6 +827,9 @@ void parse_zero8(Section& top, Config& c) {
     }
   }
   z.stochastic_rounding = s.get_bool("stochastic_rounding", false);
+  if (z.stochastic_rounding && !z.int8_gradients && !z.int8_params)
+    s.warn("stochastic_rounding", "has no effect without int8_gradients or int8_params (it rounds the int8 blocks "
+                                  "on the wire)");
   {
     const json* v = s.find("seed");
     if (v) {

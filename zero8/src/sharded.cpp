@@ -8,6 +8,7 @@
 
 #include "zero8/comm/quantized.h"
 #include "zero8/error.h"
+#include "zero8/kernels/hd.h"
 
 namespace zero8::shard {
 
@@ -107,16 +108,29 @@ static std::vector<int64_t> owner_offsets(const GroupLayout& gl, int64_t begin, 
   return off;
 }
 
+// The options of one wire collective. Stochastic rounding draws from (wire_seed, step, the collective's
+// index within the step) here, and the collective adds the rank and the element, so no two collectives of
+// a run reuse a draw and a resumed run repeats the draws of an uninterrupted one.
+comm::WireOptions ShardedOptimizer::wire_options(comm::WireFormat format) {
+  comm::WireOptions opt;
+  opt.format = format;
+  opt.block = cfg_.layout.wire_block;
+  opt.threads = cfg_.threads;
+  opt.stochastic = cfg_.stochastic_wire && format == comm::WireFormat::int8;
+  if (opt.stochastic) opt.seed = rng_mix(rng_mix(cfg_.wire_seed, uint64_t(steps_)), wire_calls_);
+  ++wire_calls_;
+  return opt;
+}
+
 void ShardedOptimizer::reduce_bucket(int g, const Bucket& b) {
   const GroupLayout& gl = layout_.groups[g];
   const std::vector<int64_t> off = owner_offsets(gl, b.begin, b.end);
   const int r = rank();
   const int64_t mine = off[r + 1] - off[r];
   scratch_.resize(size_t(std::max<int64_t>(mine, 1)));
-  comm::WireOptions opt;
-  opt.format = cfg_.int8_grads ? comm::WireFormat::int8 : comm::WireFormat::f32;
-  opt.block = cfg_.layout.wire_block;
-  opt.threads = cfg_.threads;
+  const comm::WireOptions opt = wire_options(cfg_.int8_grads ? comm::WireFormat::int8
+                                             : cfg_.bf16_grads ? comm::WireFormat::bf16
+                                                               : comm::WireFormat::f32);
   float* residual = residual_[g].empty() ? nullptr : residual_[g].data() + b.begin;
   comm::bucket_reduce_scatter(dp_, grads_[g].data() + b.begin, b.end - b.begin, off, scratch_.data(), opt, residual,
                               &wire_ws_);
@@ -300,10 +314,7 @@ void ShardedOptimizer::param_sync(int g) {
   std::vector<int64_t> off(size_t(world()) + 1);
   for (int p = 0; p <= world(); ++p) off[p] = gl.chunk * p;
   full_delta_.resize(size_t(gl.padded()));
-  comm::WireOptions opt;
-  opt.format = comm::WireFormat::int8;
-  opt.block = cfg_.layout.wire_block;
-  opt.threads = cfg_.threads;
+  const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
   comm::bucket_all_gather(dp_, delta.data(), gl.padded(), off, full_delta_.data(), opt, &wire_ws_);
   void* w = working_[g].data();
   const float* d = full_delta_.data();
@@ -349,6 +360,7 @@ StepInfo ShardedOptimizer::step() {
     scaler_.update(false);
   }
   for (int g = 0; g < kNumGroups; ++g) std::fill(part_grad_[g].begin(), part_grad_[g].end(), 0.0f);
+  wire_calls_ = 0;
   info.step = steps_;
   return info;
 }

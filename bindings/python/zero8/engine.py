@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -408,6 +409,11 @@ class Zero8Engine(torch.nn.Module):
         self._bf16 = bool(d["bf16"]["enabled"])
         self._auto_cast = self._fp16 and bool(d["fp16"].get("auto_cast", False))
         self._steps_per_print = int(d.get("steps_per_print", 10))
+        self._ignore_unused = bool(d["zero_optimization"].get("ignore_unused_parameters", True))
+        # wall_clock_breakdown: seconds spent in forward / backward (of which gradient reduction) / step
+        # since the last progress report, and the micro-batches and steps they cover.
+        self._wall_clock = bool(d.get("wall_clock_breakdown", False))
+        self._timers = {"forward": 0.0, "backward": 0.0, "reduce": 0.0, "step": 0.0, "micro": 0, "steps": 0}
         self._dtype = torch.float16 if self._fp16 else torch.bfloat16 if self._bf16 else torch.float32
         timeout = d.get("zero8", {}).get("comm_timeout_s")
         if timeout and os.environ.get("ZERO8_COMM_TIMEOUT") is None:
@@ -493,7 +499,8 @@ class Zero8Engine(torch.nn.Module):
                 f"zero8 engine: {self._optimizer_name} ({self._algo}, {sc.bits}-bit states), ZeRO stage {sc.stage}, "
                 f"{self.dp_world_size} rank(s) on "
                 f"{dp.backend}, {self._dtype}, {sum(p.numel() for p in params)} parameters, "
-                f"gradients on the wire: {'int8' if sc.int8_grads else 'fp32'}"
+                f"gradients on the wire: {'int8' if sc.int8_grads else 'bf16' if sc.bf16_grads else 'fp32'}"
+                f"{' (stochastic rounding)' if sc.stochastic_wire and sc.int8_grads else ''}"
             )
 
     # ---- setup ----
@@ -677,10 +684,13 @@ class Zero8Engine(torch.nn.Module):
 
     # ---- forward / backward / step ----
     def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
         if self._auto_cast:
             args = tuple(_cast_floating(a, self._dtype) for a in args)
             kwargs = {k: _cast_floating(v, self._dtype) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self._timers["forward"] += time.perf_counter() - t0
+        return out
 
     def __getattr__(self, name: str):
         try:
@@ -709,9 +719,24 @@ class Zero8Engine(torch.nn.Module):
             loss = loss / self._gas
         scaled = loss.float() * float(self._opt.loss_scale) if self._fp16 else loss
         b0 = self._bytes_sent()
+        t0 = time.perf_counter()
         scaled.backward(retain_graph=retain_graph)
-        self._backward_end()
+        unused = [] if self._ignore_unused else [
+            self._param_names[i] for i, done in enumerate(self._reported) if not done]
+        t1 = time.perf_counter()
+        self._backward_end()  # collective: every rank gets here before any raises below
+        t2 = time.perf_counter()
+        self._timers["backward"] += t2 - t0
+        self._timers["reduce"] += t2 - t1
+        self._timers["micro"] += 1
         self._bytes["gradients"] += self._bytes_sent() - b0
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise RuntimeError(
+                f"rank {self.global_rank}: {len(unused)} trainable parameter(s) got no gradient in this backward: "
+                f"{shown}; with zero_optimization.ignore_unused_parameters false this is an error (set it true to "
+                f"treat their gradients as zero, or freeze them with requires_grad_(False))"
+            )
         return loss
 
     def _backward_end(self) -> None:
@@ -750,10 +775,13 @@ class Zero8Engine(torch.nn.Module):
         if boundary:
             scale_before = float(self._opt.loss_scale)
             self._in_step = True
+            t0 = time.perf_counter()
             try:
                 info = self.optimizer.step() or self._last_info
             finally:
                 self._in_step = False
+            self._timers["step"] += time.perf_counter() - t0
+            self._timers["steps"] += 1
             if info["skipped"]:
                 self.skipped_steps += 1
                 if self.global_rank == 0:
@@ -780,6 +808,15 @@ class Zero8Engine(torch.nn.Module):
             f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
             f"loss_scale={float(self._opt.loss_scale)}, grad_norm={info.get('grad_norm', 0.0):.6g}"
         )
+        t = self._timers
+        if self._wall_clock and t["micro"] and t["steps"]:
+            per_micro = lambda k: 1e3 * t[k] / t["micro"]  # noqa: E731
+            self._log(
+                f"time (ms) per micro-batch | forward: {per_micro('forward'):.2f} | backward: "
+                f"{per_micro('backward'):.2f} (gradient reduction {per_micro('reduce'):.2f}) | per step | "
+                f"optimizer step: {1e3 * t['step'] / t['steps']:.2f} (rank 0, mean over the last {t['steps']} steps)"
+            )
+        self._timers = dict.fromkeys(t, 0.0) | {"micro": 0, "steps": 0}
 
     @staticmethod
     def _log(msg: str) -> None:

@@ -157,6 +157,33 @@ def test_int8_gradient_bytes_are_a_quarter():
     assert s8["bytes_to_peer"][RANK] == 0 and all(b > 0 for r, b in enumerate(s8["bytes_to_peer"]) if r != RANK)
 
 
+def test_communication_data_type_bf16_halves_gradient_bytes():
+    # zero8.int8_gradients off: communication_data_type picks the unquantized wire format, and its default
+    # (null) follows the training dtype (bf16 training sends bf16), as DeepSpeed's does.
+    off = {"int8_gradients": False}
+    e16, _ = engine_for(config(zero8=off, communication_data_type="bf16"))
+    e32, _ = engine_for(config(zero8=off))
+    eb, _ = engine_for(config(zero8=off, bf16={"enabled": True}))
+    train(e16, 2)
+    train(e32, 2)
+    train(eb, 2, dtype=torch.bfloat16)
+    b16, b32, bb = (e.comm_stats()["gradient_bytes"] for e in (e16, e32, eb))
+    if N == 1:
+        assert b16 == b32 == bb == 0
+        return
+    assert b32 > 0 and b16 * 2 == b32 and bb == b16, (b16, b32, bb)
+
+
+def test_stochastic_rounding_keeps_replicas_identical(baseline):
+    _, ref_losses, _ = baseline
+    engine, model = engine_for(config(zero8=dict(FULL8, stochastic_rounding=True, seed=3, int8_params=True)))
+    losses = global_mean_loss(train(engine))
+    same = replicas_equal(model)
+    got, want = mean_tail(losses), mean_tail(ref_losses)
+    assert engine._shard_config.stochastic_wire and engine._shard_config.wire_seed == 3
+    assert abs(got - want) <= 0.02 * (ref_losses[0] - want) and same
+
+
 def test_gradient_clipping_norm_agrees():
     clip = 0.05
     engine, model = engine_for(config(zero8=EXACT, gradient_clipping=clip))

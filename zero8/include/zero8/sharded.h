@@ -27,9 +27,12 @@ struct ShardConfig {
   float initial_accumulator = 0.0f;    // adagrad
   int stage = 2;                       // 1: reduce at the accumulation boundary; 2: per bucket in backward
   DType working_dtype = DType::f32;    // dtype of the model's parameters (the working copy)
-  bool int8_grads = true;              // gradient reduce-scatter as int8 blocks (else fp32)
+  bool int8_grads = true;              // gradient reduce-scatter as int8 blocks (else bf16_grads picks)
+  bool bf16_grads = false;             // unquantized gradient reduce-scatter in bf16 (else fp32)
   bool int8_params = false;            // parameter all-gather as int8 blocks of the update delta
   bool error_feedback = false;         // keep the int8 gradient quantization residual (per rank)
+  bool stochastic_wire = false;        // int8 blocks on the wire round stochastically (unbiased), else nearest
+  uint64_t wire_seed = 0;              // their stream: (wire_seed, step, collective of the step, rank, element)
   bool release_grads = false;          // stage 2, several buckets: reduced buckets' memory goes back to the OS
   int64_t reduce_bucket_size = 500000000;  // elements per gradient bucket (DeepSpeed's default 5e8)
   double gradient_clipping = 0.0;      // global gradient-norm clip (0: off)
@@ -151,6 +154,8 @@ class ShardedOptimizer {
   std::vector<Bucket> buckets_[kNumGroups];
   std::vector<std::vector<int>> param_buckets_[kNumGroups];  // per param index: buckets it overlaps
   int micro_ = 0;                                  // micro-batches since the last boundary
+  uint64_t wire_calls_ = 0;                        // wire collectives since the last step (stochastic seeds)
+  comm::WireOptions wire_options(comm::WireFormat format);
 };
 
 }  // namespace zero8::shard

@@ -107,13 +107,14 @@ ZERO8_HD void dtype_store(void* p, DType t, int64_t i, float v) {
 
 // Counter-based random numbers: the value for (seed, index) is the same on every thread, variant
 // and device, so stochastic rounding is reproducible and independent of how the work is split.
-ZERO8_HD uint32_t rng_u32(uint64_t seed, uint64_t index) {
+// rng_mix also derives one stream's seed from another's and a counter (rank, step...).
+ZERO8_HD uint64_t rng_mix(uint64_t seed, uint64_t index) {
   uint64_t z = seed * 0x9e3779b97f4a7c15ull + index + 0x632be59bd9b4e019ull;  // splitmix64 finalizer
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return uint32_t(z >> 32);
+  return z ^ (z >> 31);
 }
+ZERO8_HD uint32_t rng_u32(uint64_t seed, uint64_t index) { return uint32_t(rng_mix(seed, index) >> 32); }
 // Uniform in [0, 1) with 24 random bits.
 ZERO8_HD float rng_uniform(uint64_t seed, uint64_t index) { return float(rng_u32(seed, index) >> 8) * 5.9604644775390625e-8f; }
 
