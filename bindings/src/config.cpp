@@ -64,6 +64,8 @@ void init_config(py::module_& m) {
       "Parse and validate a DeepSpeed JSON config for a data-parallel size: (normalized JSON text, warnings). "
       "Errors raise Zero8ValueError (bad value), Zero8NotSupportedError (a DeepSpeed feature zero8 lacks) "
       "with '<source>: <key path>: ...'.");
+  m.def("config_plain_json", &config::plain_json, py::arg("json_text"), py::arg("source") = "<string>",
+        "The JSON text with its comments removed (Zero8ValueError when it is malformed).");
   m.def(
       "config_parse_file",
       [](const std::string& path, int world_size) { return parsed(config::parse_file(path, world_size)); },

@@ -734,6 +734,43 @@ def test_bad_config_through_initialize(data_dir):
         zero8.initialize(model=make_model(), config=bad)
 
 
+def test_config_values_json_cannot_hold_name_their_key():
+    cfg = config(zero8=EXACT)
+    cfg["optimizer"]["params"]["lr"] = float("nan")
+    with pytest.raises(zero8.Zero8ValueError, match=r"<config dict>: optimizer\.params\.lr: not JSON-serializable"):
+        zero8.initialize(model=make_model(), config=cfg)
+    with pytest.raises(zero8.Zero8ValueError, match=r"<config text>: malformed JSON: number overflow parsing '1e999'"):
+        zero8.initialize(model=make_model(), config='{"train_batch_size": 32, "gradient_clipping": 1e999}')
+    with pytest.raises(zero8.Zero8ValueError, match=r"<config text>: the config must be a JSON object"):
+        zero8.initialize(model=make_model(), config="[1, 2]")
+
+
+def test_keys_read_before_the_parse_allow_comments(tmp_path):
+    # dataloader_drop_last and zero8.comm_backend are read before the config is parsed; a config file
+    # with comments (which the parser accepts) must not lose them.
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // a comment\n  "train_micro_batch_size_per_gpu": 4, "dataloader_drop_last": true,\n'
+                    '  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, /* another */ "zero8": {}\n}\n')
+    assert zero8.config.raw_value(str(path), "dataloader_drop_last") is True
+    assert zero8.config.raw_value(str(path), "zero8", "comm_backend", default="auto") == "auto"
+    data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 1))
+    _, _, loader, _ = zero8.initialize(model=make_model(), config=str(path), training_data=data)
+    assert [len(b[0]) for b in loader] == [4, 4]
+
+
+def test_model_parameters_and_dtypes_are_checked():
+    model = make_model()
+    with pytest.raises(TypeError, match="got one tensor"):
+        zero8.initialize(model=model, model_parameters=model[0].weight, config=config(zero8=EXACT))
+    with pytest.raises(zero8.Zero8ValueError, match=r"model_parameters\[1\]: a param group without 'params'"):
+        zero8.initialize(model=model, model_parameters=[{"params": [model[0].weight]}, {"weight_decay": 0.0}],
+                         config=config(zero8=EXACT))
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"parameter 0\.weight is torch\.float64"):
+        zero8.initialize(model=make_model().double(), config=config(zero8=EXACT))
+    with pytest.warns(UserWarning, match=r"parameter\(s\) in 16 bits \(first: 0\.weight\) are trained in float32"):
+        zero8.initialize(model=make_model().bfloat16(), config=config(zero8=EXACT))
+
+
 def test_unknown_keys_warn():
     cfg = config(zero8=EXACT, my_custom_key=1)
     cfg["zero_optimization"]["bogus_knob"] = True

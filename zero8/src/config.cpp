@@ -353,6 +353,12 @@ json parse_json_text(const Ctx& ctx, const std::string& text) {
     if (colon != std::string::npos) reason = reason.substr(colon + 2);
     throw Error(ErrorCode::invalid_argument, ctx.source + ":" + std::to_string(lc.line) + ":" +
                                                  std::to_string(lc.col) + ": malformed JSON: " + reason);
+  } catch (const json::exception& e) {
+    // e.g. out_of_range 406 "number overflow parsing '1e999'" (no position is given).
+    std::string reason = e.what();
+    const size_t tag = reason.find("] ");
+    if (tag != std::string::npos) reason = reason.substr(tag + 2);
+    throw Error(ErrorCode::invalid_argument, ctx.source + ": malformed JSON: " + reason);
   }
   if (!duplicate.empty())
     fail_at(ctx, duplicate, "duplicate key (DeepSpeed rejects duplicate keys too; only one value can apply)");
@@ -853,6 +859,12 @@ const char* optimizer_type_name(OptimizerType t) { return kOptimizerNames[size_t
 
 const char* scheduler_type_name(SchedulerType t) {
   return t == SchedulerType::none ? "" : kSchedulerNames[size_t(t) - 1].c_str();
+}
+
+std::string plain_json(const std::string& json_text, const std::string& source_name) {
+  std::vector<std::string> unused;
+  Ctx ctx{source_name, &unused};
+  return parse_json_text(ctx, json_text).dump();
 }
 
 Config parse_string(const std::string& json_text, int world_size, const std::string& source_name) {

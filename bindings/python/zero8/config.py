@@ -7,6 +7,7 @@ and the like) once, from rank 0. The keys are documented in docs/CONFIG.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -54,20 +55,44 @@ class Zero8Config:
         return value if isinstance(value, dict) else {}
 
 
+def _non_json_path(value: Any, path: str = "") -> str:
+    """The key path of the first value json.dumps(allow_nan=False) refuses (NaN, inf, a tensor...)."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _non_json_path(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+        return ""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _non_json_path(v, f"{path}[{i}]")
+            if found:
+                return found
+        return ""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return path
+    return ""
+
+
 def config_source_text(config: Any) -> tuple[str | None, str | None, str]:
     """(json_text, path, source_name) of a config given as a dict, a path (str or os.PathLike) or JSON
     text (a str starting with '{'). Exactly one of json_text and path is set."""
     if isinstance(config, Mapping):
         try:
-            return json.dumps(config), None, "<config dict>"
+            return json.dumps(config, allow_nan=False), None, "<config dict>"
         except (TypeError, ValueError) as e:
-            raise Zero8ValueError(f"<config dict>: not JSON-serializable: {e}") from None
+            where = _non_json_path(config)
+            raise Zero8ValueError(f"<config dict>: {where + ': ' if where else ''}not JSON-serializable: {e}") from None
     if isinstance(config, os.PathLike):
         config = os.fspath(config)
     if isinstance(config, bytes):
         config = config.decode()
     if isinstance(config, str):
-        if config.lstrip().startswith("{"):
+        if config.lstrip().startswith(("{", "[")):  # JSON text; the parser says when it is not an object
             return config, None, "<config text>"
         return None, config, config
     raise TypeError(
@@ -103,15 +128,15 @@ def load_config(config: Any, world_size: int = 1, *, rank: int = 0, warn: bool =
 
 def raw_value(config: Any, *keys: str, default: Any = None) -> Any:
     """A key of the config as the user wrote it, read before the config can be parsed (the
-    communication backend decides the world size the parse needs). JSON with comments (which the C++
-    parser accepts) is not readable here: the default is returned then."""
+    communication backend decides the world size the parse needs). Comments are allowed, as in the
+    parser; when the config cannot be read the default is returned, and the parse reports why."""
     try:
-        text, path, _ = config_source_text(config)
+        text, path, source = config_source_text(config)
         if path is not None:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-        value: Any = json.loads(text)
-    except (OSError, ValueError, TypeError):
+        value: Any = json.loads(_C.config_plain_json(text, source))
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):
         return default
     for k in keys:
         if not isinstance(value, dict) or k not in value:

@@ -429,6 +429,19 @@ class Zero8Engine(torch.nn.Module):
         names = {id(p): n for n, p in model.named_parameters()}
         self._params = params
         self._param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        upcast = []
+        for name, p in zip(self._param_names, params):
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise Zero8NotSupportedError(
+                    f"parameter {name} is {p.dtype}: zero8's engine trains float32, bfloat16 or float16 parameters "
+                    f"(cast the model first, e.g. model.float())")
+            if p.dtype != self._dtype:
+                upcast.append(name)
+        if upcast and self._dtype == torch.float32 and world.rank == 0:
+            warnings.warn(
+                f"{len(upcast)} parameter(s) in 16 bits (first: {upcast[0]}) are trained in float32: the config "
+                f"enables neither \"fp16\" nor \"bf16\", so the engine holds its working copy in float32",
+                stacklevel=3)
 
         # The sharded optimizer: from the config's optimizer section, or the client optimizer's type.
         sc = _C.shard_config_from_json(config.json, dp.size)
@@ -510,13 +523,18 @@ class Zero8Engine(torch.nn.Module):
         self._param_group_dicts = []
         source: Iterable
         if model_parameters is not None:
+            if isinstance(model_parameters, torch.Tensor):
+                raise TypeError("model_parameters: expected an iterable of tensors or param-group dicts, got one "
+                                "tensor (wrap it in a list)")
             source = model_parameters
         elif isinstance(client_optimizer, torch.optim.Optimizer):
             source = [p for g in client_optimizer.param_groups for p in g["params"]]
         else:
             source = model.parameters()
         out, seen = [], set()
-        for item in source:
+        for index, item in enumerate(source):
+            if isinstance(item, dict) and "params" not in item:
+                raise Zero8ValueError(f"model_parameters[{index}]: a param group without 'params'")
             if isinstance(item, dict) and model_parameters is not None:
                 self._param_group_dicts.append(item)
             group = item["params"] if isinstance(item, dict) else [item]

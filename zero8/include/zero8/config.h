@@ -239,6 +239,9 @@ ZERO8_CONFIG_EQ(Config)
 // files with hjson. Unknown keys only add to Config::warnings; nothing is printed.
 Config parse_file(const std::string& path, int world_size);
 Config parse_string(const std::string& json_text, int world_size, const std::string& source_name = "<string>");
+// The JSON text as plain JSON (comments removed), for readers that cannot skip comments; malformed
+// JSON and duplicate keys throw as parse_string does.
+std::string plain_json(const std::string& json_text, const std::string& source_name = "<string>");
 
 // The normalized config: every key zero8 reads, with resolved values, in DeepSpeed's names (for
 // checkpoint manifests). parse_string(to_json(c), c.world_size) == c, without warnings.
