@@ -13,7 +13,18 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   ``state2``/``absmax2``/``qmap2`` (dynamic unsigned map).
 - 32-bit: ``state1`` (and ``state2``) float32 of ``p.shape``.
 - bfloat16/float16 parameters: ``master``, the float32 master copy the update is applied to (the
-  parameter is its rounding), as a mixed-precision optimizer must keep.
+  parameter is its rounding), as a mixed-precision optimizer must keep. The parameter stays the truth:
+  an element changed outside the optimizer since its last step (``model.load_state_dict``, a rollback,
+  an EMA swap, clamping, re-initialisation, ``p.data.zero_()``, ``p.data = t``) is no longer the
+  rounding of its master, and the next step re-seeds that element's master from the parameter, keeping
+  the edit as torch.optim does; untouched elements keep their float32 master bits. Detection, against
+  the parameter as each step left it: torch's version counter and the data pointer (they catch every
+  edit made through the parameter itself, and rebinding ``.data``) and its bits, for in-place edits
+  through ``p.data``, which torch does not version: all of them for a parameter of up to 64 KiB, else
+  about 1000 evenly spaced elements, so such an edit of only a few elements of a larger parameter can
+  go unseen (edit under ``torch.no_grad()`` instead). ``load_state_dict`` restores the saved masters, and
+  they win over the parameters' values at that moment (as before) unless a parameter is changed after
+  it (restoring the model after the optimizer keeps them too: its values are their rounding).
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``.
@@ -21,6 +32,7 @@ Whether a parameter gets 8-bit states is decided once, at its first step, on the
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import sys
@@ -48,6 +60,8 @@ __all__ = [
 BNB_BLOCK_SIZE = 256  # bitsandbytes' 8-bit optimizers: fixed state block (optimizer.py, init_state)
 _BNB_WRAPPER_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes >= 0.45 nests the quantization tensors here
 _F32_ULP = 2.0**-23
+_SYNC_WHOLE_BYTES = 1 << 16  # a 16-bit parameter up to this size is compared whole at each step, ...
+_SYNC_SAMPLE = 1024  # ... a larger one at every (n // _SYNC_SAMPLE | 1)-th element
 
 _SIGNED = _C.MapKind.dynamic_signed
 _UNSIGNED = _C.MapKind.dynamic_unsigned
@@ -61,6 +75,33 @@ def _map(kind) -> torch.Tensor:
         t = torch.tensor(_C.map_values(kind), dtype=torch.float32)
         _maps[int(kind)] = t
     return t
+
+
+def _snapshot(p: torch.Tensor) -> bytes:
+    """The bits of contiguous 16-bit CPU parameter p: all its bytes if it is small, else its elements at an
+    odd stride (not to follow the columns of a row-major matrix), about 1000 of them. Read by ctypes, not
+    torch ops: with their dispatch (and, it seems, torch's threads competing with the step kernel's) a
+    torch-op sample made the step of a 262144-element parameter 20% slower; this one, 3-8%."""
+    n = p.numel()
+    if 2 * n <= _SYNC_WHOLE_BYTES:
+        return ctypes.string_at(p.data_ptr(), 2 * n)
+    elements = memoryview((ctypes.c_uint16 * n).from_address(p.data_ptr())).cast("B").cast("H")
+    return elements[::(n // _SYNC_SAMPLE) | 1].tobytes()
+
+
+def _synced(p: torch.Tensor, master: torch.Tensor) -> tuple:
+    """The record of contiguous 16-bit p as the optimizer leaves it, its master current."""
+    return (p._version, p.data_ptr(), master, _snapshot(p))
+
+
+def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
+    """Re-seed from 16-bit p the elements of its master that p is not the rounding of (kept: the others,
+    with their float32 bits)."""
+    pv, mv = p.detach().reshape(-1), master.view(-1)
+    rounded = mv.to(p.dtype)
+    keep = (rounded == pv) | (rounded.isnan() & pv.isnan())
+    if not bool(keep.all()):
+        mv.copy_(torch.where(keep, mv, pv.to(torch.float32)))
 
 
 class Zero8UnsupportedArgumentError(Zero8ValueError, Zero8NotSupportedError):
@@ -430,6 +471,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"ratio of the paper (clipped at max_trust_ratio) instead of bitsandbytes' update-norm clipping",
                 stacklevel=3)
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
+        self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master), see _step_param
         super().__init__(params, defaults)
 
     _MAX_UNORM_DEFAULT = None
@@ -451,6 +493,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._overrides = WeakIdKeyDictionary()
             for p, c in pairs or ():
                 self._overrides[p] = c
+        if not hasattr(self, "_synced"):  # a copy or unpickled optimizer: its first step compares in full
+            self._synced = {}
 
     # ---- configuration ----
 
@@ -611,7 +655,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             grad = grad.contiguous()
 
         state = self.state[p]
-        if len(state) == 0:
+        fresh = len(state) == 0
+        if fresh:
             state.update(self._new_state(p, self._config(group, p, over)))
         n = p.numel()
         s1 = state["state1"]
@@ -625,6 +670,14 @@ class Optimizer8bit(torch.optim.Optimizer):
         state["step"] += 1
         if n == 0:
             return
+        if master is not None and not fresh:
+            # Changed outside the optimizer since it last left p (a step, or load_state_dict)? Through p itself
+            # bumps torch's version; rebinding p.data moves the pointer; in place through p.data shows only in
+            # the bits. (A record's master is held, so an id reused by a new parameter never matches.)
+            rec = self._synced.get(id(p))
+            if (rec is None or rec[0] != p._version or rec[1] != p.data_ptr() or rec[2] is not master
+                    or _snapshot(p) != rec[3]):
+                _reseed_master(p, master)
         hyper.step = state["step"]
         a = _C.StepArgs()
         a.algo = self.algo
@@ -653,6 +706,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             if two:
                 a.state2 = state["state2"].data_ptr()
         _C.step_tensor(a)
+        if master is not None:  # the kernel writes through the pointer: torch's version is not bumped
+            self._synced[id(p)] = _synced(p, master)
 
     @staticmethod
     def _state_block(state: Dict[str, Any], n: int) -> int:
@@ -741,6 +796,13 @@ class Optimizer8bit(torch.optim.Optimizer):
             state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
                                               f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
         self.__setstate__({"state": state, "param_groups": new_groups})
+        for p in id_map.values():  # the loaded masters win over the parameters' values as they are now
+            master = self.state[p].get("master") if p in self.state else None
+            if (isinstance(master, torch.Tensor) and p.numel() > 0 and p.device.type == "cpu"
+                    and p.element_size() == 2 and p.is_contiguous()):  # what _snapshot reads
+                self._synced[id(p)] = _synced(p, master)
+            else:
+                self._synced.pop(id(p), None)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
