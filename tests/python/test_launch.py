@@ -494,3 +494,18 @@ def test_zero8_training_under_the_launcher(tmp_path):
     result = json.loads(out.read_text())
     assert result["world"] == 2 and sorted(result["losses"]) == ["1", "2", "3"]
     assert "[rank0] done" in r.stdout
+
+
+@needs_mpirun
+def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
+    # Rank 1 raises between collectives; rank 0 is already waiting in the next step's reduction. The job
+    # must end about when rank 1 fails, not at the communicator timeout (300 s by default, 60 s in these tests).
+    t0 = time.monotonic()
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
+                "--raise_rank", "1", "--raise_step", "1"], timeout=200)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 1 raised (the test timeout is 60 s)"
+    out = r.stdout + r.stderr  # rank 1's traceback and note (which rank the summary names first is a race)
+    assert "RuntimeError: rank 1 raises at step 1 on purpose (test)" in out
+    assert "rank 1: exiting on an uncaught RuntimeError; ending the job" in out

@@ -21,6 +21,7 @@ import atexit
 import gc
 import json
 import os
+import sys
 import threading
 import time
 import warnings
@@ -54,7 +55,18 @@ _engines: "weakref.WeakSet[Zero8Engine]" = weakref.WeakSet()
 def _shutdown() -> None:
     """At exit: release every engine (its parameters get their own memory, so nothing references the C++
     buffers), then the world communicator, so the last communicator is destroyed while the interpreter is
-    whole and MPI is finalized (otherwise mpirun reports the ranks as exiting improperly)."""
+    whole and MPI is finalized (otherwise mpirun reports the ranks as exiting improperly).
+
+    A rank that exits on an uncaught exception (Python has printed it and set sys.last_value) ends the
+    whole job instead: its peers may be waiting for it in a collective, and a normal exit would leave
+    them there until the communicator timeout (300 s by default). A Zero8CommError is the exception: its
+    world has already failed, and every rank reports its own view of that failure."""
+    comm = _world.get("comm")
+    exc = getattr(sys, "last_value", None)
+    if comm is not None and comm.size > 1 and exc is not None and not isinstance(exc, _C.Zero8CommError):
+        print(f"[zero8] rank {comm.rank}: exiting on an uncaught {type(exc).__name__}; ending the job so that "
+              f"the other ranks do not wait for it", file=sys.stderr, flush=True)
+        comm.abort(1)
     for engine in list(_engines):
         engine.destroy()
     _world.clear()

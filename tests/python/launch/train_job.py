@@ -109,6 +109,8 @@ def train(a, rank: int, world: int, local_rank: int) -> dict:
     for step in range(start_step, a.steps):
         if rank in sleepers:
             time.sleep(a.sleep_step)  # the other ranks wait for this one inside the step's collectives
+        if rank == a.raise_rank and step == a.raise_step:
+            raise RuntimeError(f"rank {rank} raises at step {step} on purpose (test)")
         x, y = batch(step, rank, a.batch)
         if a.count_net:
             comm.barrier()
@@ -173,6 +175,8 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--sleep_step", type=float, default=0.0, help="seconds every rank sleeps after each step")
     p.add_argument("--sleep_ranks", default="", help="only these ranks sleep, at the start of each step")
+    p.add_argument("--raise_rank", type=int, default=-1, help="this rank raises RuntimeError at --raise_step")
+    p.add_argument("--raise_step", type=int, default=1)
     p.add_argument("--out", default="")
     p.add_argument("--count_net", action="store_true")
     p.add_argument("--comm_only", action="store_true")
