@@ -1,6 +1,7 @@
 // Checkpoints of the sharded optimizer (zero8/checkpoint.h) for the engine: collective save and load
 // with the client state and config carried as JSON text, plus the communicator-free readers (latest,
 // tags, verify, fp32 export). Every call releases the GIL; results come back as dicts.
+#include <map>
 #include <string>
 #include <vector>
 
@@ -13,12 +14,14 @@ void init_checkpoint(py::module_& m) {
   m.def(
       "checkpoint_save",
       [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag,
-         const std::string& client_state_json, const std::string& config_json, int keep_last) {
+         const std::string& client_state_json, const std::string& config_json, int keep_last,
+         const std::map<std::string, py::bytes>& extra_files) {
         ckpt::SaveOptions o;
         o.tag = tag;
         o.client_state = client_state_json;
         o.config_json = config_json;
         o.keep_last = keep_last;
+        for (const auto& [name, bytes] : extra_files) o.extra_files.emplace_back(name, std::string(bytes));
         ckpt::SaveResult r;
         {
           py::gil_scoped_release release;
@@ -32,9 +35,10 @@ void init_checkpoint(py::module_& m) {
         return d;
       },
       py::arg("opt"), py::arg("dir"), py::arg("tag") = "", py::arg("client_state_json") = "null",
-      py::arg("config_json") = "", py::arg("keep_last") = 0,
+      py::arg("config_json") = "", py::arg("keep_last") = 0, py::arg("extra_files") = std::map<std::string, py::bytes>{},
       "Collective atomic save of <dir>/<tag> (tag '' -> global_step<steps>) and <dir>/latest: dict(tag, path, "
-      "bytes, removed). client_state_json/config_json are JSON text stored as is ('' -> null).");
+      "bytes, removed). client_state_json/config_json are JSON text stored as is ('' -> null); extra_files "
+      "{name: bytes} (rank 0's are used) are written into the tag before it is installed, with checksums.");
   m.def(
       "checkpoint_load",
       [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag, bool verify) {

@@ -555,6 +555,35 @@ def test_checkpoint_resume_is_exact(tmp_path):
     assert e2.get_lr() == want_lr
 
 
+def test_model_states_file_is_part_of_the_atomic_save(tmp_path, monkeypatch):
+    # The .pt file is written into the tag with the shards and listed (with its checksum) in the
+    # manifest before the tag is installed; a save that fails while making it leaves `latest` alone.
+    engine, model, _, _ = engine_for(_resume_config())
+    train_engine(engine, DATA, 2, B)
+    engine.save_checkpoint(tmp_path)
+    manifest = json.loads((tmp_path / "global_step2" / "manifest.json").read_text())
+    listed = {f["name"]: f["role"] for f in manifest["files"]}
+    assert listed[MODEL_STATES_FILE] == "extra"
+    pt = tmp_path / "global_step2" / MODEL_STATES_FILE
+    assert zero8._C.checkpoint_verify(str(tmp_path / "global_step2"))["problems"] == []
+    raw = bytearray(pt.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    pt.write_bytes(bytes(raw))
+    problems = zero8._C.checkpoint_verify(str(tmp_path / "global_step2"))["problems"]
+    assert any(MODEL_STATES_FILE in p and "checksum mismatch" in p for p in problems), problems
+
+    train_engine(engine, DATA, 1, B)
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        engine.save_checkpoint(tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == "global_step2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "latest"]
+
+
 def test_model_states_file_loads_with_torch_alone(tmp_path):
     engine, model, _, _ = engine_for(config(zero8=FULL8, bf16={"enabled": True}))
     model.register_buffer("counter", torch.tensor([7.0]))

@@ -559,7 +559,8 @@ FileInfo file_from_json(const json& j, const Fields& F, const std::string& where
   FileInfo f;
   f.name = F.str(j, "name", where);
   f.role = F.str(j, "role", where);
-  if (f.role != "shard" && f.role != "model") CKPT_FAIL(F.src, where + ": unknown file role '" + f.role + "'");
+  if (f.role != "shard" && f.role != "model" && f.role != "extra")
+    CKPT_FAIL(F.src, where + ": unknown file role '" + f.role + "'");
   f.bytes = F.i64(j, "bytes", where);
   f.xxh3 = F.hash(j, "xxh3_64", where);
   if (f.role == "shard") {
@@ -595,6 +596,14 @@ std::vector<std::string> group_kinds(const Manifest& m, int g) {
   return k;
 }
 
+// An extra file's name: one plain path component that no file of the checkpoint itself uses.
+bool extra_name_ok(const std::string& name) {
+  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos || name.find('\\') != std::string::npos)
+    return false;
+  if (name == kManifestName || name == kModelName) return false;
+  return name.rfind("zero8_shard_rank", 0) != 0;
+}
+
 // Sections of all shards: each (group, kind) must tile its global range exactly once.
 void manifest_check_sections(const Manifest& m, const std::string& src) {
   int model_files = 0;
@@ -607,6 +616,10 @@ void manifest_check_sections(const Manifest& m, const std::string& src) {
     if (f.role == "model") {
       ++model_files;
       if (f.name != kModelName) CKPT_FAIL(src, "the model file is named '" + f.name + "', expected " + kModelName);
+      continue;
+    }
+    if (f.role == "extra") {
+      if (!extra_name_ok(f.name)) CKPT_FAIL(src, "extra file '" + f.name + "': not a plain file name of its own");
       continue;
     }
     if (f.rank < 0 || f.rank >= m.world)
@@ -1317,6 +1330,14 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
   ZERO8_CHECK_ARG(tag_check(tag, &why), "tag", "'" << tag << "' " << why);
   ZERO8_CHECK_ARG(!dir.empty(), "dir", "is empty");
   ZERO8_CHECK_ARG(opts.keep_last >= 0, "keep_last", "must be >= 0, got " << opts.keep_last);
+  for (size_t i = 0; i < opts.extra_files.size(); ++i) {
+    const std::string& name = opts.extra_files[i].first;
+    ZERO8_CHECK_ARG(extra_name_ok(name), "extra_files",
+                    "'" << name << "' is not a plain file name of its own (no '/', no leading '.', not the "
+                        "manifest, model or shard names)");
+    for (size_t k = 0; k < i; ++k)
+      ZERO8_CHECK_ARG(opts.extra_files[k].first != name, "extra_files", "'" << name << "' is given twice");
+  }
   const TimeoutRaise patient(c, env.io_timeout);
 
   // 1. Rank 0 prepares the temporary directory; its nonce names it for everyone.
@@ -1349,7 +1370,20 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
   f = attempt([&] {
     json arr = json::array();
     arr.push_back(file_to_json(shard_write(opt, tmp, nonce, env)));
-    if (r == 0) arr.push_back(file_to_json(model_write(opt, tmp, tag)));
+    if (r == 0) {
+      arr.push_back(file_to_json(model_write(opt, tmp, tag)));
+      for (const auto& [name, bytes] : opts.extra_files) {
+        FileInfo fi;
+        fi.name = name;
+        fi.role = "extra";
+        FileWriter w(join(tmp, name), true);
+        w.write(bytes.data(), int64_t(bytes.size()));
+        w.finish();
+        fi.bytes = w.offset();
+        fi.xxh3 = w.digest();
+        arr.push_back(file_to_json(fi));
+      }
+    }
     entries = arr.dump();
     crash_at(env, "after_shard", r);
   });

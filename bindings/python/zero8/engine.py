@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import io
 import json
 import os
 import sys
@@ -947,20 +948,31 @@ class Zero8Engine(torch.nn.Module):
             with open(latest_path, encoding="utf-8") as f:
                 old_latest = f.read()
         keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
-        res = _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last)
-        error = None
+        # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
+        # so a crash or a full disk never leaves `latest` naming a tag without it.
+        extra, error = {}, None
         if self.global_rank == 0:
             try:
-                self._write_model_states(res["path"], client_state, sched_state, exclude_frozen_parameters)
-                if not save_latest:
-                    _restore_latest(latest_path, old_latest)
+                extra[MODEL_STATES_FILE] = self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters)
+            except Exception as e:  # every rank must agree before the collective save
+                error = e
+        failed = self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"save_checkpoint: rank 0 could not serialize {MODEL_STATES_FILE} (see its error)")
+        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra)
+        error = None
+        if self.global_rank == 0 and not save_latest:
+            try:
+                _restore_latest(latest_path, old_latest)
             except Exception as e:  # every rank must leave the barrier below
                 error = e
         failed = self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]
         if error is not None:
             raise error
         if failed:
-            raise OSError(f"save_checkpoint: rank 0 could not write {MODEL_STATES_FILE} in {res['path']}")
+            raise OSError(f"save_checkpoint: rank 0 could not put back {latest_path}")
         return True
 
     def _module_state_dict(self, exclude_frozen: bool) -> dict:
@@ -973,7 +985,7 @@ class Zero8Engine(torch.nn.Module):
             out[k] = v.detach().clone()  # compact copies, not views into the engine's buffers
         return out
 
-    def _write_model_states(self, tag_path: str, client_state: dict, sched_state, exclude_frozen: bool) -> None:
+    def _model_states_bytes(self, client_state: dict, sched_state, exclude_frozen: bool) -> bytes:
         state = {
             "module": self._module_state_dict(exclude_frozen),
             "buffer_names": [n for n, _ in self.module.named_buffers()],
@@ -987,12 +999,9 @@ class Zero8Engine(torch.nn.Module):
             "ds_version": f"zero8 {_C.version()}",
         }
         state.update(client_state)
-        path = os.path.join(tag_path, MODEL_STATES_FILE)
-        tmp = path + ".tmp"
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -1061,7 +1070,13 @@ class Zero8Engine(torch.nn.Module):
     def _read_model_states(tag_path: str) -> dict:
         path = os.path.join(tag_path, MODEL_STATES_FILE)
         # Our own file; client_state may hold arbitrary picklable objects, as in DeepSpeed.
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
+                                  f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
 
     def _load_unmanaged(self, module_sd: dict, strict: bool) -> None:
         """Frozen parameters and buffers from the model-states file (the C++ load restored the rest)."""

@@ -57,6 +57,10 @@ struct SaveOptions {
   std::string config_json;    // the run's normalized config (zero8::to_json(Config)); "" -> null
   int keep_last = 0;          // > 0: afterwards keep only the K most recently saved complete tags
                               // (the one latest names is never removed)
+  // Rank 0's further files of the tag, (name, bytes): written and synced with the shards, before the
+  // tag is installed, and listed in the manifest (role "extra") with their checksums, so the tag is
+  // never visible without them (the engine's mp_rank_00_model_states.pt). Plain names only.
+  std::vector<std::pair<std::string, std::string>> extra_files;
 };
 
 struct SaveResult {
@@ -119,7 +123,7 @@ struct SectionInfo {
 
 struct FileInfo {
   std::string name;  // relative to the tag directory
-  std::string role;  // "shard" | "model"
+  std::string role;  // "shard" | "model" | "extra" (SaveOptions::extra_files)
   int rank = -1;     // shards: the saving rank
   int64_t bytes = 0;
   uint64_t xxh3 = 0;  // XXH3 64-bit (seed 0) of the whole file
