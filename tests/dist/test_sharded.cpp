@@ -187,6 +187,23 @@ void expect_states_equal(ShardedOptimizer& opt, Reference& ref) {
   }
 }
 
+// SGD without momentum or decay: the update is lr times the averaged gradient, linear in it, so a
+// reduction's error shows in the parameters as lr times itself.
+ShardConfig plain_sgd_config(float lr) {
+  ShardConfig c = base_config();
+  c.algo = optim::Algo::sgd;
+  c.hyper.beta1 = 0.0f;
+  c.hyper.weight_decay = 0.0f;
+  c.hyper.lr = lr;
+  return c;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, double(std::fabs(a[i] - b[i])));
+  return worst;
+}
+
 TEST(Sharded, EqualsSingleProcessBitExactWithFp32Communication) {
   for (optim::Algo algo : {optim::Algo::adamw, optim::Algo::adam, optim::Algo::sgd, optim::Algo::lion,
                            optim::Algo::rmsprop, optim::Algo::adagrad}) {
@@ -250,11 +267,7 @@ TEST(Sharded, Int8GradientsStayWithinTheCodecBound) {
   // spaced 0.9/64 = 0.0140625) times its block's absmax (<= 0.5 here, the gradient range); the own
   // contribution is added exactly. So per step and element |error| <= (world-1)/world * 0.5 *
   // 0.0140625 * 0.5.
-  ShardConfig c = base_config();
-  c.algo = optim::Algo::sgd;
-  c.hyper.beta1 = 0.0f;
-  c.hyper.weight_decay = 0.0f;
-  c.hyper.lr = 0.1f;
+  ShardConfig c = plain_sgd_config(0.1f);
   const int steps = 5;
   std::vector<float> exact, q;
   for (bool int8 : {false, true}) {
@@ -266,8 +279,7 @@ TEST(Sharded, Int8GradientsStayWithinTheCodecBound) {
   }
   const int n = world().size();
   const double bound = c.hyper.lr * steps * double(n - 1) / n * 0.5 * 0.0140625 * 0.5 + 1e-6;
-  double worst = 0.0;
-  for (size_t i = 0; i < q.size(); ++i) worst = std::max(worst, double(std::fabs(q[i] - exact[i])));
+  const double worst = max_abs_diff(q, exact);
   EXPECT_LE(worst, bound);
   if (n > 1) {
     EXPECT_GT(worst, 0.0) << "int8 reduction changed nothing: is it really quantizing?";
@@ -282,11 +294,7 @@ TEST(Sharded, StochasticInt8GradientsAreUnbiasedAndReproducible) {
   // draws. Nearest's mean |error| is about a quarter of a map gap per remote contribution; one stochastic
   // draw's error has a standard deviation of about 0.41 gap, so after K = 64 steps the mean |error| is
   // about 0.04 gap, a sixth of nearest's; 0.35 leaves room for the blocks whose values fall on codes.
-  ShardConfig c = base_config();
-  c.algo = optim::Algo::sgd;
-  c.hyper.beta1 = 0.0f;
-  c.hyper.weight_decay = 0.0f;
-  c.hyper.lr = 0.1f;
+  ShardConfig c = plain_sgd_config(0.1f);
   c.bits = 32;
   const int K = 64;
   auto run = [&](bool int8, bool stochastic, uint64_t seed) {
@@ -325,11 +333,7 @@ TEST(Sharded, Bf16GradientReductionRoundsEachContribution) {
   // bf16_grads (communication_data_type "bf16"): each remote contribution is rounded to bf16 (8
   // significant bits: relative error <= 2^-8), the own one is added exactly. One SGD step of lr 1 then
   // moves each parameter by the averaged gradient within (world - 1) / world * 2^-8 * max |g|.
-  ShardConfig c = base_config();
-  c.algo = optim::Algo::sgd;
-  c.hyper.beta1 = 0.0f;
-  c.hyper.weight_decay = 0.0f;
-  c.hyper.lr = 1.0f;
+  ShardConfig c = plain_sgd_config(1.0f);
   c.bits = 32;
   std::vector<float> exact, half;
   for (bool bf16 : {false, true}) {
@@ -340,8 +344,7 @@ TEST(Sharded, Bf16GradientReductionRoundsEachContribution) {
     (bf16 ? half : exact) = params_of(*opt);
   }
   const int n = world().size();
-  double worst = 0.0;
-  for (size_t i = 0; i < exact.size(); ++i) worst = std::max(worst, double(std::fabs(half[i] - exact[i])));
+  const double worst = max_abs_diff(half, exact);
   EXPECT_LE(worst, double(n - 1) / n * std::ldexp(1.0, -8) * 0.5 + 1e-6);  // |g| <= 0.5
   if (n > 1) {
     EXPECT_GT(worst, 0.0) << "bf16 reduction changed nothing: is it really rounding?";

@@ -32,7 +32,8 @@ namespace zero8::ckpt {
 // The shard files and safetensors hold raw little-endian numbers: the bytes in memory are written.
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the checkpoint format is little endian");
 
-std::string shard_file_name(int rank) { return "zero8_shard_rank" + std::to_string(rank) + ".bin"; }
+constexpr const char* kShardPrefix = "zero8_shard_rank";
+std::string shard_file_name(int rank) { return kShardPrefix + std::to_string(rank) + ".bin"; }
 
 namespace {
 
@@ -601,7 +602,7 @@ bool extra_name_ok(const std::string& name) {
   if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos || name.find('\\') != std::string::npos)
     return false;
   if (name == kManifestName || name == kModelName) return false;
-  return name.rfind("zero8_shard_rank", 0) != 0;
+  return name.rfind(kShardPrefix, 0) != 0;
 }
 
 // Sections of all shards: each (group, kind) must tile its global range exactly once.

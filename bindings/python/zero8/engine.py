@@ -426,7 +426,7 @@ class Zero8Engine(torch.nn.Module):
         # wall_clock_breakdown: seconds spent in forward / backward (of which gradient reduction) / step
         # since the last progress report, and the micro-batches and steps they cover.
         self._wall_clock = bool(d.get("wall_clock_breakdown", False))
-        self._timers = {"forward": 0.0, "backward": 0.0, "reduce": 0.0, "step": 0.0, "micro": 0, "steps": 0}
+        self._timers = self._new_timers()
         self._dtype = torch.float16 if self._fp16 else torch.bfloat16 if self._bf16 else torch.float32
         timeout = d.get("zero8", {}).get("comm_timeout_s")
         if timeout and os.environ.get("ZERO8_COMM_TIMEOUT") is None:
@@ -847,7 +847,11 @@ class Zero8Engine(torch.nn.Module):
                 f"{per_micro('backward'):.2f} (gradient reduction {per_micro('reduce'):.2f}) | per step | "
                 f"optimizer step: {1e3 * t['step'] / t['steps']:.2f} (rank 0, mean over the last {t['steps']} steps)"
             )
-        self._timers = dict.fromkeys(t, 0.0) | {"micro": 0, "steps": 0}
+        self._timers = self._new_timers()
+
+    @staticmethod
+    def _new_timers() -> dict:
+        return {"forward": 0.0, "backward": 0.0, "reduce": 0.0, "step": 0.0, "micro": 0, "steps": 0}
 
     @staticmethod
     def _log(msg: str) -> None:
@@ -950,30 +954,31 @@ class Zero8Engine(torch.nn.Module):
         keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
         # so a crash or a full disk never leaves `latest` naming a tag without it.
-        extra, error = {}, None
+        pt = self._on_rank0_agreed(
+            lambda: self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
+            RuntimeError(f"save_checkpoint: rank 0 could not serialize {MODEL_STATES_FILE} (see its error)"))
+        extra = {} if pt is None else {MODEL_STATES_FILE: pt}
+        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra)
+        self._on_rank0_agreed(lambda: None if save_latest else _restore_latest(latest_path, old_latest),
+                              OSError(f"save_checkpoint: rank 0 could not put back {latest_path}"))
+        return True
+
+    def _on_rank0_agreed(self, work: Callable[[], Any], failure: Exception) -> Any:
+        """Run ``work`` on rank 0 only, then let every rank learn whether it failed (a collective), so that
+        no rank goes on alone into the next collective: rank 0 re-raises its error, the others raise
+        ``failure``. Returns work's result on rank 0, None on the others."""
+        result, error = None, None
         if self.global_rank == 0:
             try:
-                extra[MODEL_STATES_FILE] = self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters)
-            except Exception as e:  # every rank must agree before the collective save
+                result = work()
+            except Exception as e:  # every rank must reach the all-reduce below
                 error = e
         failed = self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]
         if error is not None:
             raise error
         if failed:
-            raise RuntimeError(f"save_checkpoint: rank 0 could not serialize {MODEL_STATES_FILE} (see its error)")
-        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra)
-        error = None
-        if self.global_rank == 0 and not save_latest:
-            try:
-                _restore_latest(latest_path, old_latest)
-            except Exception as e:  # every rank must leave the barrier below
-                error = e
-        failed = self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]
-        if error is not None:
-            raise error
-        if failed:
-            raise OSError(f"save_checkpoint: rank 0 could not put back {latest_path}")
-        return True
+            raise failure
+        return result
 
     def _module_state_dict(self, exclude_frozen: bool) -> dict:
         sd = self.module.state_dict(keep_vars=True)
