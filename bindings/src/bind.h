@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "zero8/error.h"
+
 namespace py = pybind11;
 
 namespace zero8::bindings {
@@ -22,6 +24,11 @@ void init_config(py::module_& m);
 void init_sharded(py::module_& m);
 void init_checkpoint(py::module_& m);
 void init_int8(py::module_& m);
+
+// A Python exception raised in a callback C++ called, as the zero8::Error of the same kind (a Zero8*
+// error keeps its code; ValueError/KeyError/TypeError -> invalid_argument, OSError -> io,
+// NotImplementedError -> unsupported, anything else -> internal). Call with the GIL held.
+Error error_from_python(const py::error_already_set& e);
 
 // A pointer argument: Python passes an address as a non-negative int (0 for none).
 using Ptr = std::uintptr_t;

@@ -10,6 +10,20 @@
 
 namespace zero8::bindings {
 
+namespace {
+py::dict load_result_dict(const ckpt::LoadResult& r) {
+  py::dict d;
+  d["tag"] = r.tag;
+  d["path"] = r.path;
+  d["step"] = r.step;
+  d["saved_world"] = r.saved_world;
+  d["client_state_json"] = r.client_state;
+  d["config_json"] = r.config_json;
+  d["warnings"] = r.warnings;
+  return d;
+}
+}  // namespace
+
 void init_checkpoint(py::module_& m) {
   m.def(
       "checkpoint_save",
@@ -41,28 +55,39 @@ void init_checkpoint(py::module_& m) {
       "{name: bytes} (rank 0's are used) are written into the tag before it is installed, with checksums.");
   m.def(
       "checkpoint_load",
-      [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag, bool verify) {
+      [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag, bool verify,
+         py::object before_commit) {
         ckpt::LoadOptions o;
         o.tag = tag;
         o.verify = verify;
+        if (!before_commit.is_none())
+          o.before_commit = [&before_commit](const ckpt::LoadResult& staged) {
+            py::gil_scoped_acquire gil;
+            try {
+              before_commit(load_result_dict(staged));
+            } catch (const py::error_already_set& e) {
+              throw error_from_python(e);
+            }
+          };
         ckpt::LoadResult r;
         {
           py::gil_scoped_release release;
           r = ckpt::load(opt, dir, o);
         }
-        py::dict d;
-        d["tag"] = r.tag;
-        d["path"] = r.path;
-        d["step"] = r.step;
-        d["saved_world"] = r.saved_world;
-        d["client_state_json"] = r.client_state;
-        d["config_json"] = r.config_json;
-        d["warnings"] = r.warnings;
-        return d;
+        return load_result_dict(r);
       },
       py::arg("opt"), py::arg("dir"), py::arg("tag") = "", py::arg("verify") = true,
+      py::arg("before_commit") = py::none(),
       "Collective load (tag '' -> the one <dir>/latest names; any world size): dict(tag, path, step, "
-      "saved_world, client_state_json, config_json, warnings). On error opt is untouched.");
+      "saved_world, client_state_json, config_json, warnings). before_commit(dict) runs on every rank after "
+      "everything is validated and read, before anything changes; an exception there (on any rank) fails the "
+      "load everywhere. On error opt is untouched.");
+  m.def(
+      "checkpoint_client_state",
+      [](const std::string& tag_dir) { return ckpt::manifest_read_extras_checked(tag_dir).client_state; },
+      py::arg("tag_dir"), py::call_guard<py::gil_scoped_release>(),
+      "The client state JSON text of <tag_dir>/manifest.json, after checking the manifest and the checksum "
+      "of every extra file it lists (Zero8IOError naming the file otherwise).");
   m.def("latest_read", &ckpt::latest_read, py::arg("dir"), py::call_guard<py::gil_scoped_release>(),
         "The tag <dir>/latest names; Zero8IOError when missing or bad.");
   m.def("checkpoint_tags", &ckpt::tags_list, py::arg("dir"), py::call_guard<py::gil_scoped_release>(),

@@ -52,6 +52,22 @@ void raise_error(const Error& e) {
 
 }  // namespace
 
+Error error_from_python(const py::error_already_set& e) {
+  for (int i = 0; i < kNumCodes; ++i)
+    if (g_classes[i] != nullptr && e.matches(py::handle(g_classes[i])))
+      return Error(ErrorCode(i), py::str(e.value()).cast<std::string>());
+  ErrorCode code = ErrorCode::internal;
+  if (e.matches(PyExc_ValueError) || e.matches(PyExc_KeyError) || e.matches(PyExc_TypeError)) {
+    code = ErrorCode::invalid_argument;
+  } else if (e.matches(PyExc_OSError)) {
+    code = ErrorCode::io;
+  } else if (e.matches(PyExc_NotImplementedError)) {
+    code = ErrorCode::unsupported;
+  }
+  const std::string type = py::str(e.type().attr("__name__")).cast<std::string>();
+  return Error(code, type + ": " + py::str(e.value()).cast<std::string>());
+}
+
 void init_errors(py::module_& m) {
   g_base = new_class("zero8.Zero8Error", "Base class of every error zero8's C++ library raises (see .code).", nullptr);
   g_classes[int(ErrorCode::invalid_argument)] =

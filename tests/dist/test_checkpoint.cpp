@@ -127,6 +127,45 @@ TEST(Checkpoint, ResumeIsBitExact) {
   }
 }
 
+TEST(Checkpoint, BeforeCommitSeesTheResultAndItsFailureChangesNothing) {
+  TempDir dir;
+  auto a = ckpt_make(ckpt_config(), world(), 77);
+  ckpt_train(*a, 0, 2);
+  ckpt::SaveOptions so;
+  so.client_state = R"({"epoch": 4})";
+  const ckpt::SaveResult sr = ckpt::save(*a, dir.path, so);
+  const Snapshot saved = ckpt_snapshot(*a);
+  auto b = ckpt_make(ckpt_config(), world(), 1234);
+  ckpt_train(*b, 100, 1);
+  const Snapshot before = ckpt_snapshot(*b);
+  const int last = world().size() - 1;
+
+  // The hook throws on the last rank only: every rank fails with its message, nothing changes.
+  ckpt::LoadOptions lo;
+  int calls = 0;
+  lo.before_commit = [&](const ckpt::LoadResult& r) {
+    ++calls;
+    EXPECT_EQ(r.path, sr.path);
+    EXPECT_EQ(r.step, saved.steps);
+    EXPECT_EQ(nlohmann::json::parse(r.client_state), nlohmann::json::parse(so.client_state));
+    if (world().rank() == last) ZERO8_THROW(invalid_argument, "the caller's own file is bad");
+  };
+  try {
+    ckpt::load(*b, dir.path, lo);
+    ADD_FAILURE() << "load succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the caller's own file is bad"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(ckpt_diff(ckpt_snapshot(*b), before), "") << "a failed load changed the optimizer";
+
+  lo.before_commit = [&](const ckpt::LoadResult&) { ++calls; };
+  ckpt::load(*b, dir.path, lo);
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(ckpt_diff(ckpt_snapshot(*b), saved), "");
+}
+
 TEST(Checkpoint, ResumeWithoutRestoringTheWorkingCopyWouldDiffer) {
   // Why the working copy is saved: with int8 parameter sync it is not the rounded master, so
   // rebuilding it from the masters changes the next steps. (Guards the bit-exact test above against
@@ -238,11 +277,15 @@ void flip_byte(const std::string& path, int64_t offset) {
 
 void truncate_half(const std::string& path) { fs::resize_file(path, fs::file_size(path) / 2); }
 
-void manifest_edit(const std::string& tag_dir, const std::function<void(nlohmann::ordered_json&)>& f) {
+// Edits the manifest as a person would: without keep_checksum, its own checksum field goes too (what
+// a load then checks is the edited field); with it, the edit is corruption the checksum must catch.
+void manifest_edit(const std::string& tag_dir, const std::function<void(nlohmann::ordered_json&)>& f,
+                   bool keep_checksum = false) {
   const std::string p = tag_dir + "/manifest.json";
   const std::vector<uint8_t> b = file_read_bytes(p);
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(std::string(b.begin(), b.end()));
   f(j);
+  if (!keep_checksum) j.erase("manifest_xxh3");
   const std::string t = j.dump(1);
   file_write_bytes(p, std::vector<uint8_t>(t.begin(), t.end()));
 }
@@ -326,6 +369,11 @@ TEST(Checkpoint, BadInputFailsNamingTheFileAndChangesNothing) {
       {"unknown format version",
        [&](const std::string& d) { manifest_edit(d + "/" + tag, [](nlohmann::ordered_json& j) { j["format_version"] = 99; }); },
        same, ckpt_params(), {"manifest.json", "unknown format version 99"}},
+      {"a digit of the client state changed",
+       [&](const std::string& d) {
+         manifest_edit(d + "/" + tag, [](nlohmann::ordered_json& j) { j["client_state"] = {{"global_steps", 1008}}; }, true);
+       },
+       same, ckpt_params(), {"manifest.json", "checksum mismatch", "manifest_xxh3"}},
       {"manifest cut short", [&](const std::string& d) { truncate_half(d + "/" + tag + "/manifest.json"); }, same,
        ckpt_params(), {"manifest.json", "not valid JSON"}},
       {"a range in no shard",

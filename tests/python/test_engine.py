@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -582,6 +583,79 @@ def test_model_states_file_is_part_of_the_atomic_save(tmp_path, monkeypatch):
         engine.save_checkpoint(tmp_path)
     assert (tmp_path / "latest").read_text().strip() == "global_step2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "latest"]
+
+
+def _flip_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _edit_client_state(tag_dir: Path) -> None:
+    """A changed digit in the manifest's client state, its checksum field left as saved."""
+    p = tag_dir / "manifest.json"
+    m = json.loads(p.read_text())
+    m["client_state"]["engine"]["global_steps"] += 2
+    p.write_text(json.dumps(m, indent=1))
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
+def test_failed_load_leaves_the_engine_untouched(tmp_path, full):
+    # Every check runs before the C++ load installs anything: a load that raises leaves masters, 8-bit
+    # states, weights, buffers and counters as they were. Twin engines A and B train alike; only A
+    # tries the bad loads, then both take a step and must still agree bit for bit.
+    other, _, _, _ = engine_for(config(zero8=FULL8), seed=5)
+    train_engine(other, DATA, 4, B)
+    other.module.register_buffer("counter", torch.tensor([7.0]))
+    other.save_checkpoint(tmp_path / "good", tag="t")
+    twins = []
+    for _ in range(2):
+        e, m, _, _ = engine_for(config(zero8=FULL8))
+        m.register_buffer("counter", torch.tensor([1.0]))
+        train_engine(e, DATA, 2, B)
+        twins.append((e, m))
+    (a, ma), (b, mb) = twins
+    kw = {} if full else {"load_optimizer_states": False, "load_module_only": True}
+
+    def case(name: str, mutate, error, match: str) -> None:
+        d = tmp_path / name
+        shutil.copytree(tmp_path / "good", d)
+        mutate(d / "t")
+        with pytest.raises(error, match=match):
+            a.load_checkpoint(d, tag="t", **kw)
+        assert a.global_steps == 2 and ma.counter[0].item() == 1.0, name
+
+    case("pt_corrupt", lambda t: _flip_byte(t / MODEL_STATES_FILE), zero8.Zero8IOError,
+         f"{MODEL_STATES_FILE}: checksum mismatch")
+    case("client_state", _edit_client_state, zero8.Zero8IOError, "manifest.json: checksum mismatch")
+    ma.register_buffer("extra", torch.zeros(3))  # a key the checkpoint lacks (strict load)
+    case("missing_key", lambda t: None, zero8.Zero8ValueError, "lacks module keys \\['extra'\\]")
+    del ma.extra
+    ma.counter = torch.tensor([1.0, 1.0])
+    case("other_shape", lambda t: None, zero8.Zero8ValueError, "counter: saved \\(1,\\), model \\(2,\\)")
+    ma.counter = torch.tensor([1.0])
+    train_engine(a, DATA, 1, B)
+    train_engine(b, DATA, 1, B)
+    assert params_equal(ma, mb)
+    # The untouched copy loads, and brings its weights.
+    a.load_checkpoint(tmp_path / "good", tag="t", **kw)
+    assert params_equal(ma, other.module) and ma.counter.item() == 7.0
+    assert a.global_steps == (4 if full else 3)
+
+
+def test_resumed_hyperparameters_that_differ_from_the_config_warn(tmp_path):
+    engine, _, _, _ = engine_for(config(zero8=FULL8, weight_decay=0.01))
+    train_engine(engine, DATA, 1, B)
+    engine.save_checkpoint(tmp_path)
+    same, _, _, _ = engine_for(config(zero8=FULL8, weight_decay=0.01))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_checkpoint(tmp_path)
+    changed, _, opt, _ = engine_for(config(zero8=FULL8, weight_decay=0.1, lr=1e-3))
+    with pytest.warns(UserWarning, match=r"lr 0.003 \(configured 0.001\); weight_decay 0.01 \(configured 0.1\)"
+                                         r".*checkpoint wins"):
+        changed.load_checkpoint(tmp_path)
+    assert opt.param_groups[0]["weight_decay"] == 0.01  # as DeepSpeed: the checkpoint's value
 
 
 def test_model_states_file_loads_with_torch_alone(tmp_path):

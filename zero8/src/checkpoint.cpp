@@ -458,6 +458,16 @@ json file_to_json(const FileInfo& f) {
   return j;
 }
 
+// The manifest's own checksum: xxh3 of the compact dump of every other field (nlohmann's objects keep
+// their keys sorted, so a parsed manifest dumps to the same text). It covers what no file checksum
+// does: the layout, the config and the client state (the engine's step counters, the scheduler).
+constexpr const char* kManifestHashKey = "manifest_xxh3";
+uint64_t manifest_hash(json j) {
+  j.erase(kManifestHashKey);
+  const std::string text = j.dump();
+  return XXH3_64bits(text.data(), text.size());
+}
+
 json manifest_to_json(const Manifest& m) {
   json j;
   j["format"] = kFormatName;
@@ -510,6 +520,7 @@ json manifest_to_json(const Manifest& m) {
   j["files"] = std::move(files);
   j["config"] = json::parse(m.config_json);
   j["client_state"] = json::parse(m.client_state);
+  j[kManifestHashKey] = hex64(manifest_hash(j));
   return j;
 }
 
@@ -1518,15 +1529,19 @@ LoadResult load(ShardedOptimizer& opt, const std::string& dir, const LoadOptions
     FileSet files(path, m, opts.verify);
     stage_read(opt, files, s);
     if (r == 0) model_stage(m, opt, files, s);
+    // Extra files (the engine's model-states file) are read by the caller on every rank: checked here.
+    for (const FileInfo& fi : m.files)
+      if (fi.role == "extra") files.get(fi.name);
+    res.step = m.step;
+    res.saved_world = m.world;
+    res.client_state = m.client_state;
+    res.config_json = m.config_json;
+    if (opts.before_commit) opts.before_commit(res);
   });
   agree(c, f);
 
   // 3. Nothing failed anywhere: install.
   commit(m, opt, s);
-  res.step = m.step;
-  res.saved_world = m.world;
-  res.client_state = m.client_state;
-  res.config_json = m.config_json;
   return res;
 }
 
@@ -1544,6 +1559,14 @@ Manifest manifest_parse(const std::string& text, const std::string& src) {
   const Fields F{src};
   if (!j.is_object() || !j.contains("format") || j["format"] != kFormatName)
     CKPT_FAIL(src, std::string("not a zero8 checkpoint manifest (no \"format\": \"") + kFormatName + "\")");
+  // Manifests written before the checksum existed have none: they are read as before.
+  if (j.contains(kManifestHashKey)) {
+    const uint64_t saved = F.hash(j, kManifestHashKey), now = manifest_hash(j);
+    if (saved != now)
+      CKPT_FAIL(src, "checksum mismatch: xxh3 " + hex64(now) + " of its fields, '" + kManifestHashKey + "' says " + hex64(saved) +
+                       " (the manifest is corrupt or was edited; an edited manifest loads once its '" + kManifestHashKey +
+                       "' field is removed)");
+  }
   Manifest m;
   m.format_version = int(F.i64(j, "format_version"));
   if (m.format_version != kFormatVersion)
@@ -1671,6 +1694,14 @@ Manifest manifest_parse(const std::string& text, const std::string& src) {
 Manifest manifest_read(const std::string& tag_dir) {
   const std::string src = join(tag_dir, kManifestName);
   return manifest_parse(file_read_text(src), src);
+}
+
+Manifest manifest_read_extras_checked(const std::string& tag_dir) {
+  Manifest m = manifest_read(tag_dir);
+  FileSet files(tag_dir, m, true);
+  for (const FileInfo& fi : m.files)
+    if (fi.role == "extra") files.get(fi.name);
+  return m;
 }
 
 std::string latest_read(const std::string& dir) {

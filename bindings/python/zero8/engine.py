@@ -954,31 +954,35 @@ class Zero8Engine(torch.nn.Module):
         keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
         # so a crash or a full disk never leaves `latest` naming a tag without it.
-        pt = self._on_rank0_agreed(
+        pt = self._on_ranks_agreed(
             lambda: self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
-            RuntimeError(f"save_checkpoint: rank 0 could not serialize {MODEL_STATES_FILE} (see its error)"))
+            f"save_checkpoint: writing {MODEL_STATES_FILE}")
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
         _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra)
-        self._on_rank0_agreed(lambda: None if save_latest else _restore_latest(latest_path, old_latest),
-                              OSError(f"save_checkpoint: rank 0 could not put back {latest_path}"))
+        self._on_ranks_agreed(lambda: None if save_latest else _restore_latest(latest_path, old_latest),
+                              f"save_checkpoint: putting back {latest_path}")
         return True
 
-    def _on_rank0_agreed(self, work: Callable[[], Any], failure: Exception) -> Any:
-        """Run ``work`` on rank 0 only, then let every rank learn whether it failed (a collective), so that
-        no rank goes on alone into the next collective: rank 0 re-raises its error, the others raise
-        ``failure``. Returns work's result on rank 0, None on the others."""
+    def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False) -> Any:
+        """Run ``work`` on rank 0 (all_ranks: on every rank), then let every rank learn whether it failed
+        anywhere (a collective), so that no rank goes on alone into the next collective: a failing rank
+        re-raises its error; the others raise the first failing rank's, as the same kind of error,
+        prefixed with ``what`` and that rank. Returns work's result where it ran, else None."""
         result, error = None, None
-        if self.global_rank == 0:
+        if all_ranks or self.global_rank == 0:
             try:
                 result = work()
             except Exception as e:  # every rank must reach the all-reduce below
                 error = e
-        failed = self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]
+        if not self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]:
+            return result
+        mine = b"" if error is None else f"{type(error).__name__}\n{error}".encode()
+        reports = self._dp.all_gather_bytes(mine)
         if error is not None:
             raise error
-        if failed:
-            raise failure
-        return result
+        first = next(r for r, b in enumerate(reports) if b)
+        kind, _, message = reports[first].decode(errors="replace").partition("\n")
+        raise _error_class(kind)(f"{what}: rank {first} failed: {message}")
 
     def _module_state_dict(self, exclude_frozen: bool) -> dict:
         sd = self.module.state_dict(keep_vars=True)
@@ -1015,7 +1019,9 @@ class Zero8Engine(torch.nn.Module):
         Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file), or
         ``(None, None)`` when load_dir has no ``latest``. With load_optimizer_states (default) the C++
         load restores masters, 8-bit states, the working copy bit for bit, steps and loss scale; otherwise
-        only the module weights are read (from the .pt file) and the masters are reset from them."""
+        only the module weights are read (from the .pt file) and the masters are reset from them.
+        Everything is read and checked on every rank before anything changes: a load that raises (on any
+        rank, for any reason) leaves the engine as it was, on every rank."""
         self._check_live()
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
@@ -1025,27 +1031,45 @@ class Zero8Engine(torch.nn.Module):
                 warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
             return None, None
         tag = "" if tag is None else str(tag)
-        state: dict | None = None
-        if load_optimizer_states and not load_module_only:
-            res = _C.checkpoint_load(self._opt, load_dir, tag, True)
-            path = res["path"]
-            state = json.loads(res["client_state_json"]) if res["client_state_json"] else None
+        full = load_optimizer_states and not load_module_only
+        staged: dict = {}
+
+        def stage(path: str, client_state_json: str) -> None:
+            """Read and check everything the engine applies after the C++ load (which cannot fail then)."""
+            model_states = self._read_model_states(path)
+            module_sd = model_states.get("module") if isinstance(model_states, dict) else None
+            if not isinstance(module_sd, dict):
+                raise _C.Zero8IOError(f"{os.path.join(path, MODEL_STATES_FILE)}: no 'module' state dict")
+            self._check_module_states(module_sd, load_module_strict, managed_too=not full)
+            state = json.loads(client_state_json) if client_state_json else None
+            if not isinstance(state, dict) or state.get("format") != _ENGINE_STATE_FORMAT:
+                state = None
+            hyper_changes: list[str] = []
+            if state is not None and not load_module_only:
+                src = f"{os.path.join(path, 'manifest.json')}: client_state"
+                _check_engine_state(state, src)
+                if load_optimizer_states:
+                    hyper_changes = self._checked_resumed_groups(state.get("optimizer", []), src,
+                                                                 load_lr_scheduler_states)
+            staged.update(path=path, model_states=model_states, state=state, hyper_changes=hyper_changes)
+
+        if full:
+            res = _C.checkpoint_load(self._opt, load_dir, tag, True,
+                                     lambda r: stage(r["path"], r["client_state_json"]))
             if self.global_rank == 0:
                 for w in res.get("warnings", []):
                     warnings.warn(f"load_checkpoint: {w}", stacklevel=2)
-            model_states = self._read_model_states(path)
-            self._load_unmanaged(model_states.get("module", {}), load_module_strict)
+            self._load_unmanaged(staged["model_states"]["module"])
         else:
-            path = _C.checkpoint_tag_path(load_dir, tag or _C.latest_read(load_dir))
-            model_states = self._read_model_states(path)
+            def stage_module_only() -> None:
+                path = _C.checkpoint_tag_path(load_dir, tag or _C.latest_read(load_dir))
+                stage(path, _C.checkpoint_client_state(path))  # checks the manifest and the .pt file
+
+            self._on_ranks_agreed(stage_module_only, "load_checkpoint (nothing was loaded)", all_ranks=True)
             with torch.no_grad():
-                self.module.load_state_dict(model_states["module"], strict=load_module_strict)
+                self.module.load_state_dict(staged["model_states"]["module"], strict=load_module_strict)
             self._opt.init(0)  # masters from the loaded weights, everywhere equal
-            manifest = os.path.join(path, "manifest.json")
-            with open(manifest, encoding="utf-8") as f:
-                state = json.load(f).get("client_state")
-        if not isinstance(state, dict) or state.get("format") != _ENGINE_STATE_FORMAT:
-            state = None
+        path, model_states, state = staged["path"], staged["model_states"], staged["state"]
         if state is not None and not load_module_only:
             e = state["engine"]
             self.global_steps = int(e["global_steps"])
@@ -1054,6 +1078,12 @@ class Zero8Engine(torch.nn.Module):
             self.skipped_steps = int(e["skipped_steps"])
             if load_optimizer_states:
                 self.optimizer.load_state_dict({"param_groups": state.get("optimizer", [])})
+                if staged["hyper_changes"] and self.global_rank == 0:
+                    warnings.warn(
+                        "load_checkpoint: the checkpoint's optimizer hyperparameters replace the ones this engine "
+                        f"was configured with: {'; '.join(staged['hyper_changes'])}. As in DeepSpeed, the "
+                        "checkpoint wins; to train with the new values, set them in engine.optimizer.param_groups "
+                        "after loading", stacklevel=2)
             if load_lr_scheduler_states and self.lr_scheduler is not None:
                 sched = state.get("lr_scheduler")
                 if state.get("lr_scheduler_in_model_states"):
@@ -1083,20 +1113,83 @@ class Zero8Engine(torch.nn.Module):
             raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
                                   f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
 
-    def _load_unmanaged(self, module_sd: dict, strict: bool) -> None:
-        """Frozen parameters and buffers from the model-states file (the C++ load restored the rest)."""
+    def _check_module_states(self, module_sd: dict, strict: bool, managed_too: bool) -> None:
+        """The module entries a load will copy exist (strict) and have this model's shapes. managed_too:
+        the parameters the optimizer manages as well (else the C++ load restores those)."""
+        managed = set() if managed_too else {id(p) for p in self._params}
+        own = {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in managed}
+        missing = [k for k in own if k not in module_sd]
+        unexpected = [k for k in module_sd if k not in own] if managed_too else []
+        bad = [f"{k}: saved {tuple(module_sd[k].shape)}, model {tuple(v.shape)}" for k, v in own.items()
+               if k in module_sd and (not isinstance(module_sd[k], torch.Tensor) or module_sd[k].shape != v.shape)]
+        problems = []
+        if strict and missing:
+            problems.append(f"lacks module keys {missing}")
+        if strict and unexpected:
+            problems.append(f"has module keys this model lacks {unexpected}")
+        if bad:
+            problems.append(f"has other shapes ({'; '.join(bad)})")
+        if problems:
+            raise Zero8ValueError(f"load_checkpoint: {MODEL_STATES_FILE} {' and '.join(problems)}; nothing was loaded")
+
+    def _checked_resumed_groups(self, saved_groups, src: str, scheduler_restored: bool) -> list[str]:
+        """The saved param groups convert to the C++ hyperparameters; returns the values that differ from
+        this engine's (lr only without a restored LR scheduler, which sets it)."""
+        if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
+            raise _C.Zero8IOError(f"{src}: 'optimizer' is not a list of param groups")
+        changes: list[str] = []
+        for i, (g, saved) in enumerate(zip(self.optimizer.param_groups, saved_groups)):
+            merged = {**g, **{k: v for k, v in saved.items() if k != "params"}}
+            try:
+                _hyper_from_group(merged, self._algo, _ScratchHyper())
+            except (TypeError, ValueError, KeyError) as e:
+                raise _C.Zero8IOError(f"{src}: param group {i} does not convert ({type(e).__name__}: {e})") from e
+            if i > 0:
+                continue
+            for k, v in saved.items():
+                if k == "params" or k not in g or (k == "lr" and scheduler_restored and self.lr_scheduler is not None):
+                    continue
+                if not _same_hyper(v, g[k]):
+                    old = tuple(g[k]) if isinstance(g[k], (list, tuple)) else g[k]
+                    new = tuple(v) if isinstance(v, list) else v
+                    changes.append(f"{k} {new!r} (configured {old!r})")
+        return changes
+
+    def _load_unmanaged(self, module_sd: dict) -> None:
+        """Frozen parameters and buffers from the model-states file (the C++ load restored the rest);
+        _check_module_states has checked them."""
         managed = {id(p) for p in self._params}
-        missing = []
         with torch.no_grad():
             for k, v in self.module.state_dict(keep_vars=True).items():
-                if id(v) in managed:
-                    continue
-                if k in module_sd:
+                if id(v) not in managed and k in module_sd:
                     v.data.copy_(module_sd[k])
-                elif strict:
-                    missing.append(k)
-        if missing:
-            raise Zero8ValueError(f"load_checkpoint: {MODEL_STATES_FILE} lacks module keys {missing}")
+
+
+class _ScratchHyper:
+    """Takes the attributes _hyper_from_group writes, to check a saved param group before a load."""
+
+
+def _same_hyper(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_hyper(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return _f32(float(a)) == _f32(float(b))  # the C++ hyperparameters are float32
+    return a == b
+
+
+def _error_class(name: str) -> type[Exception]:
+    """The exception class another rank reported by name: a zero8 error or a builtin one, else RuntimeError."""
+    import builtins
+
+    cls = getattr(_C, name, None) if name.startswith("Zero8") else getattr(builtins, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
+
+
+def _check_engine_state(state: dict, src: str) -> None:
+    e = state.get("engine")
+    keys = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+    if not isinstance(e, dict) or not all(isinstance(e.get(k), int) for k in keys):
+        raise _C.Zero8IOError(f"{src}: 'engine' must hold the integer counters {list(keys)}")
 
 
 def _cast_floating(x, dtype):

@@ -245,3 +245,33 @@ def test_checkpoint_resume_is_exact():
         WORLD.barrier()
         if RANK == 0:
             shutil.rmtree(ckpt, ignore_errors=True)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
+def test_a_load_that_fails_on_one_rank_changes_nothing_anywhere(full):
+    # The last rank's model has a buffer the checkpoint lacks: every rank raises (the others name that
+    # rank), no rank changes anything, and no rank is left waiting in a collective.
+    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
+    ckpt = path.decode()
+    kw = {} if full else {"load_optimizer_states": False, "load_module_only": True}
+    try:
+        engine, model = engine_for(config(zero8=FULL8))
+        train(engine, 3)
+        engine.save_checkpoint(ckpt)
+        e2, m2 = engine_for(config(zero8=FULL8), seed=9)
+        train(e2, 1)
+        before = clone_params(m2)
+        if RANK == N - 1:
+            m2.register_buffer("extra", torch.zeros(2))
+        match = "lacks module keys" if RANK == N - 1 else f"rank {N - 1}.*lacks module keys"
+        with pytest.raises(zero8.Zero8ValueError, match=match):
+            e2.load_checkpoint(ckpt, **kw)
+        assert e2.global_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, m2.parameters()))
+        if RANK == N - 1:
+            del m2.extra
+        e2.load_checkpoint(ckpt, **kw)
+        assert params_equal(m2, model) and replicas_equal(m2)
+    finally:
+        WORLD.barrier()
+        if RANK == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -80,11 +81,6 @@ struct SaveResult {
 // any rank fails (the first failing rank's message); the temporary directory is then removed.
 SaveResult save(shard::ShardedOptimizer& opt, const std::string& dir, const SaveOptions& opts = {});
 
-struct LoadOptions {
-  std::string tag;    // "" -> the tag <dir>/latest names
-  bool verify = true; // check the xxh3 checksum of every file this rank reads (whole files)
-};
-
 struct LoadResult {
   std::string tag;
   std::string path;                   // <dir>/<tag> (or the directory it was recovered from)
@@ -93,6 +89,16 @@ struct LoadResult {
   std::string client_state = "null";  // JSON text as saved
   std::string config_json = "null";   // JSON text as saved
   std::vector<std::string> warnings;  // e.g. error-feedback residuals dropped at another world size
+};
+
+struct LoadOptions {
+  std::string tag;    // "" -> the tag <dir>/latest names
+  bool verify = true; // check the xxh3 checksum of every file this rank reads (whole files)
+  // Called on every rank once everything is validated and read, before anything changes, with the
+  // result load is about to return: a caller that reads more files of the tag (the Python engine's
+  // model-states file) validates them here, so that its failure too leaves opt untouched. A throw on
+  // any rank fails the load on every rank.
+  std::function<void(const LoadResult&)> before_commit;
 };
 
 // Loads a checkpoint into opt, which must describe the same model (parameter names, shapes and order),
@@ -182,6 +188,9 @@ struct Manifest {
 Manifest manifest_parse(const std::string& text, const std::string& source);
 // <tag_dir>/manifest.json, parsed and validated.
 Manifest manifest_read(const std::string& tag_dir);
+// manifest_read, then the size and xxh3 of every extra file it lists (SaveOptions::extra_files), as
+// load checks them: for a caller that reads only those (the engine's module-only load).
+Manifest manifest_read_extras_checked(const std::string& tag_dir);
 // The tag <dir>/latest names (validated); throws Error(io) naming the file when missing or bad.
 std::string latest_read(const std::string& dir);
 // The directory holding tag `tag` of `dir`: <dir>/<tag>, or the copy an interrupted two-rename
