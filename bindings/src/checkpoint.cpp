@@ -29,12 +29,13 @@ void init_checkpoint(py::module_& m) {
       "checkpoint_save",
       [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag,
          const std::string& client_state_json, const std::string& config_json, int keep_last,
-         const std::map<std::string, py::bytes>& extra_files) {
+         const std::map<std::string, py::bytes>& extra_files, bool update_latest) {
         ckpt::SaveOptions o;
         o.tag = tag;
         o.client_state = client_state_json;
         o.config_json = config_json;
         o.keep_last = keep_last;
+        o.update_latest = update_latest;
         for (const auto& [name, bytes] : extra_files) o.extra_files.emplace_back(name, std::string(bytes));
         ckpt::SaveResult r;
         {
@@ -50,9 +51,11 @@ void init_checkpoint(py::module_& m) {
       },
       py::arg("opt"), py::arg("dir"), py::arg("tag") = "", py::arg("client_state_json") = "null",
       py::arg("config_json") = "", py::arg("keep_last") = 0, py::arg("extra_files") = std::map<std::string, py::bytes>{},
-      "Collective atomic save of <dir>/<tag> (tag '' -> global_step<steps>) and <dir>/latest: dict(tag, path, "
-      "bytes, removed). client_state_json/config_json are JSON text stored as is ('' -> null); extra_files "
-      "{name: bytes} (rank 0's are used) are written into the tag before it is installed, with checksums.");
+      py::arg("update_latest") = true,
+      "Collective atomic save of <dir>/<tag> (tag '' -> global_step<steps>) and <dir>/latest (unless "
+      "update_latest is False): dict(tag, path, bytes, removed). client_state_json/config_json are JSON text "
+      "stored as is ('' -> null); extra_files {name: bytes} (rank 0's are used) are written into the tag before "
+      "it is installed, with checksums.");
   m.def(
       "checkpoint_load",
       [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag, bool verify,

@@ -206,6 +206,17 @@ TEST(Checkpoint, KeepLastKeepsTheMostRecentTags) {
   if (world().rank() == 0) {
     EXPECT_EQ(ckpt::tags_list(dir.path), (std::vector<std::string>{"rewind"}));
   }
+  // Without updating latest, keep_last 1 keeps both the tag latest names and the one just saved.
+  for (const char* tag : {"side1", "side2"}) {
+    so.tag = tag;
+    so.update_latest = false;
+    ckpt_train(*opt, 5, 1);
+    ckpt::save(*opt, dir.path, so);
+  }
+  if (world().rank() == 0) {
+    EXPECT_EQ(ckpt::latest_read(dir.path), "rewind");
+    EXPECT_EQ(ckpt::tags_list(dir.path), (std::vector<std::string>{"rewind", "side2"}));
+  }
 }
 
 TEST(Checkpoint, SavingAnExistingTagReplacesIt) {

@@ -993,13 +993,17 @@ void latest_write(const std::string& dir, const std::string& tag, const Env& env
   fsync_dir(dir);
 }
 
-std::vector<std::string> keep_last_prune(const std::string& dir, int keep, const std::string& latest) {
+// Removes all but the `keep` most recently saved tags; `saved` (just saved) and `latest` ("" when
+// there is none) always stay, and count toward `keep`.
+std::vector<std::string> keep_last_prune(const std::string& dir, int keep, const std::string& saved,
+                                         const std::string& latest) {
   std::vector<std::string> removed;
   if (keep <= 0) return removed;
   std::vector<TagEntry> tags = tags_scan(dir);  // oldest first
-  int kept = 1;                                 // latest
+  int kept = 0;
+  for (const TagEntry& t : tags) kept += t.name == saved || (t.name == latest && latest != saved);
   for (auto it = tags.rbegin(); it != tags.rend(); ++it) {
-    if (it->name == latest) continue;
+    if (it->name == saved || it->name == latest) continue;
     if (kept < keep) {
       ++kept;
       continue;
@@ -1442,11 +1446,19 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
     installed = true;
     fsync_dir(dir);
     crash_at(env, "before_latest", r);
-    latest_write(dir, tag, env);
+    if (opts.update_latest) latest_write(dir, tag, env);
     crash_at(env, "before_cleanup", r);
     if (!old.empty()) remove_tree(old);
     leftovers_remove(dir);
-    const std::vector<std::string> removed = keep_last_prune(dir, opts.keep_last, tag);
+    std::string latest = tag;
+    if (!opts.update_latest) {
+      try {
+        latest = latest_read(dir);
+      } catch (const Error&) {
+        latest.clear();  // none (or unreadable): only the new tag is protected
+      }
+    }
+    const std::vector<std::string> removed = keep_last_prune(dir, opts.keep_last, tag, latest);
     int64_t bytes = int64_t(text.size());
     for (const FileInfo& fi : m.files) bytes += fi.bytes;
     outcome = json{{"bytes", bytes}, {"removed", removed}}.dump();

@@ -946,11 +946,6 @@ class Zero8Engine(torch.nn.Module):
                 state[key] = None
                 state[f"{key}_in_model_states"] = True  # read back from the .pt file
         state["optimizer"] = _jsonable(state["optimizer"])
-        latest_path = os.path.join(save_dir, "latest")
-        old_latest = None
-        if not save_latest and self.global_rank == 0 and os.path.exists(latest_path):
-            with open(latest_path, encoding="utf-8") as f:
-                old_latest = f.read()
         keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
         # so a crash or a full disk never leaves `latest` naming a tag without it.
@@ -958,9 +953,8 @@ class Zero8Engine(torch.nn.Module):
             lambda: self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
             f"save_checkpoint: writing {MODEL_STATES_FILE}")
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
-        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra)
-        self._on_ranks_agreed(lambda: None if save_latest else _restore_latest(latest_path, old_latest),
-                              f"save_checkpoint: putting back {latest_path}")
+        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
+                           bool(save_latest))
         return True
 
     def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False) -> Any:
@@ -1206,20 +1200,6 @@ def _jsonable(x):
     if isinstance(x, torch.Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
     return x
-
-
-def _restore_latest(latest_path: str, old: str | None) -> None:
-    """save_latest=False: put back what 'latest' named before the save (the C++ save always updates it)."""
-    if old is None:
-        if os.path.exists(latest_path):
-            os.remove(latest_path)
-        return
-    tmp = latest_path + ".zero8tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(old)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, latest_path)
 
 
 # ---------------------------------------------------------------------------------------------

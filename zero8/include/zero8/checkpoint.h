@@ -57,7 +57,9 @@ struct SaveOptions {
                               // position, ...); "" -> null. Rank 0's value is the one saved.
   std::string config_json;    // the run's normalized config (zero8::to_json(Config)); "" -> null
   int keep_last = 0;          // > 0: afterwards keep only the K most recently saved complete tags
-                              // (the one latest names is never removed)
+                              // (the one latest names and the one just saved are never removed)
+  bool update_latest = true;  // false: <dir>/latest keeps naming what it named (DeepSpeed's
+                              // save_latest=False); the tag is still installed atomically
   // Rank 0's further files of the tag, (name, bytes): written and synced with the shards, before the
   // tag is installed, and listed in the manifest (role "extra") with their checksums, so the tag is
   // never visible without them (the engine's mp_rank_00_model_states.pt). Plain names only.
