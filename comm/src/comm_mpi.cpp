@@ -11,6 +11,9 @@
 //    other sub-communicators, fail at once with that reason instead of timing out one by one.
 //  * On a timeout, the rank asks its peers (over the mesh; their watcher threads answer even while
 //    their main thread computes or sleeps) what they are doing, and names the ranks not in the call.
+//  * A member that shut down normally (destroyed its last communicator: "bye" on the mesh, then it
+//    sits in MPI_Finalize) fails a call still waiting on it 1 s later, not at the timeout: the grace
+//    lets MPI complete a call whose part the peer finished just before it left.
 //  * Errors are returned, not fatal (MPI_ERRORS_RETURN on every communicator).
 // MPI_Init and MPI_Comm_split remain blocking: MPI_Init is bounded by the launcher, and split first
 // runs a polled all-gather, so every member is known to have arrived before the blocking call.
@@ -64,6 +67,18 @@ std::string fixed1(double s) {
   return os.str();
 }
 
+// The world ranks a call waits on: every other member of a collective, or the send/recv peer.
+std::vector<int> call_members(const WaitSpec& s) {
+  std::vector<int> out;
+  if (s.collective) {
+    for (size_t r = 0; r < s.world_ranks->size(); ++r)
+      if (int(r) != s.comm_rank) out.push_back((*s.world_ranks)[r]);
+  } else {
+    out.push_back((*s.world_ranks)[size_t(s.p2p_peer)]);
+  }
+  return out;
+}
+
 std::string peer_name(const WaitSpec& s, int world_rank) {
   const std::vector<int>& wr = *s.world_ranks;
   const auto it = std::find(wr.begin(), wr.end(), world_rank);
@@ -104,13 +119,7 @@ std::string timeout_cause(MpiWorld& w, const WaitSpec& s, double waited) {
   std::ostringstream os;
   os << "timed out after " << fixed1(waited) << " s (timeout " << s.timeout_s << " s)";
   if (!w.live) return os.str();
-  std::vector<int> ask;
-  if (s.collective) {
-    for (size_t r = 0; r < s.world_ranks->size(); ++r)
-      if (int(r) != s.comm_rank) ask.push_back((*s.world_ranks)[r]);
-  } else {
-    ask.push_back((*s.world_ranks)[size_t(s.p2p_peer)]);
-  }
+  const std::vector<int> ask = call_members(s);
   const double wait_s = std::min(2.0, std::max(0.2, s.timeout_s * 0.1));
   std::ostringstream missing, with_us;
   int n_missing = 0, n_with = 0;
@@ -181,6 +190,14 @@ struct ByteUnit {
 constexpr double kLingerSeconds = 2.0;
 constexpr double kLingerGraceSeconds = 0.2;
 
+// A wait looks this often for members that said "bye" (an atomic load unless one has).
+constexpr double kPeerCheckSeconds = 0.02;
+// A member that shut down normally may have completed its part of this call just before: MPI still
+// completes ours (the data is on its way; MPI_Finalize keeps progressing). After this long, and this
+// many polls (a rank that got no CPU meanwhile has not polled), it never will.
+constexpr double kByeGraceSeconds = 1.0;
+constexpr int kByeGracePolls = 100;
+
 // Point-to-point and broadcast move big buffers in pieces MPI's int count can describe.
 constexpr int64_t kPieceBytes = int64_t(1) << 30;
 
@@ -221,6 +238,9 @@ void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& do
       if (live) live->op_end(std::uncaught_exceptions() > exceptions);
     }
   } end{w.live.get(), std::uncaught_exceptions()};
+  double next_check = t0 + kPeerCheckSeconds;
+  double bye_since = 0.0;
+  int bye_rank = -1, bye_iter = 0;
   for (int iter = 0;; ++iter) {
     // Checked before done(): once a peer has died or given up, every later call fails, even one
     // that could complete locally (an eager send), so no rank carries on alone.
@@ -228,6 +248,19 @@ void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& do
     if (done()) return;
     const double t = now_s();
     if (t > deadline) mpi_fail(w, spec, timeout_cause(w, spec, t - t0));
+    if (w.live && t >= next_check) {
+      next_check = t + kPeerCheckSeconds;
+      if (bye_rank < 0 && w.live->peers_finished() > 0)
+        for (int r : call_members(spec))
+          if (w.live->peer_finished(r)) {
+            bye_rank = r;
+            bye_since = t;
+            bye_iter = iter;
+            break;
+          }
+      if (bye_rank >= 0 && t - bye_since >= kByeGraceSeconds && iter - bye_iter >= kByeGracePolls)
+        mpi_fail(w, spec, peer_name(spec, bye_rank) + " has shut down its communicators (it ended without joining this call)");
+    }
     backoff(w.live.get(), iter, t - t0);
   }
 }

@@ -53,8 +53,9 @@ struct WaitSpec {
 };
 
 // Polls done() until it returns true. Throws Error(comm) (after recording the failure in the
-// world and telling every peer) when a peer dies or gives up, or the deadline passes; the
-// message names the call and the peers responsible or not heard from.
+// world and telling every peer) when a peer dies or gives up, a member has shut down (said "bye")
+// and the call still has not completed a second later, or the deadline passes; the message names
+// the call and the peers responsible or not heard from.
 void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& done);
 [[noreturn]] void mpi_fail(MpiWorld& w, const WaitSpec& spec, const std::string& cause);
 

@@ -372,6 +372,7 @@ bool Liveness::handle_frame(int peer, uint32_t type, const char* payload, uint32
   switch (type) {
     case kBye: {
       std::lock_guard<std::mutex> lk(mu_);
+      if (!peers_[size_t(peer)].finished) peers_finished_.fetch_add(1, std::memory_order_release);
       peers_[size_t(peer)].finished = true;
       cv_.notify_all();
       return true;

@@ -47,6 +47,8 @@ class Liveness {
   };
   std::vector<Event> events() const;
   bool peer_finished(int rank) const;  // said "bye": destroyed its communicator normally
+  // How many peers said "bye" (cheap: an atomic load, so wait loops can skip peer_finished()).
+  int peers_finished() const { return peers_finished_.load(std::memory_order_acquire); }
 
   // On a timeout: ask `ranks` what they are doing; waits up to wait_s for their answers.
   struct PeerState {
@@ -94,6 +96,7 @@ class Liveness {
   bool forked_ = false;
   std::atomic<bool> alarm_{false};
   std::atomic<bool> stopping_{false};
+  std::atomic<int> peers_finished_{0};
   bool gave_up_ = false;
 
   mutable std::mutex mu_;  // guards everything below and Peer::finished/closed

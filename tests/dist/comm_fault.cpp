@@ -9,6 +9,8 @@
 //               and name it as not heard from; the sleeper's next call fails with their reason.
 //   recv      : rank 0 waits in recv from rank 1, which sleeps 3 s; rank 0 times out naming rank 1,
 //               and rank 1's send fails with rank 0's reason.
+//   exit      : rank 1 destroys its communicator normally and returns 0 (prints nothing) while rank 0
+//               waits in all_reduce; rank 0 fails about a second later, not at the timeout.
 #include <signal.h>
 #include <unistd.h>
 
@@ -93,6 +95,14 @@ int main(int argc, char** argv) {
       t_op = now_s();
       if (me == 0) world->recv(buf, sizeof(buf), 1, 5);
       if (me == 1) world->send(buf, sizeof(buf), 0, 5);
+    } else if (mode == "exit") {
+      if (me == 1) {
+        world.reset();
+        return 0;
+      }
+      t_op = now_s();
+      std::vector<float> v(1000, 1.0f);
+      world->all_reduce(v.data(), 1000, ReduceOp::sum);
     } else {
       std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
       return 2;

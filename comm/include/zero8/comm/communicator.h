@@ -27,10 +27,11 @@ namespace zero8::comm {
 // * Determinism: reductions of floating values are identical on every rank. The single and MPI
 //   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
 //   reproducible and equal a serial reference; NCCL sums in its own (fixed) ring order.
-// * Failure: no call waits forever. If a peer process dies, a peer reports that it gave up, or the
-//   call exceeds timeout() seconds, EVERY surviving rank gets zero8::Error(ErrorCode::comm) naming
-//   the call ("all_reduce #12 on 'dp[stage 0]' (rank 1 of 4)"), and the peer(s) responsible or not
-//   heard from. The failure is job-wide: a death anywhere in the world fails calls on every
+// * Failure: no call waits forever. If a peer process dies, a peer reports that it gave up, a member
+//   shut down normally (destroyed its last communicator) without joining the call (MPI backend: a
+//   second later), or the call exceeds timeout() seconds, EVERY surviving rank gets
+//   zero8::Error(ErrorCode::comm) naming the call ("all_reduce #12 on 'dp[stage 0]' (rank 1 of 4)"),
+//   and the peer(s) responsible or not heard from. The failure is job-wide: a death anywhere in the world fails calls on every
 //   communicator (ZeRO has no recovery, and a rank that carried on alone would only time out later),
 //   and once a rank has given up, its peers' next calls fail with its reason, even calls that could
 //   complete locally. After an error the process must exit with a non-zero status: the failed call's
