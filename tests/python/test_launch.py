@@ -509,3 +509,16 @@ def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
     out = r.stdout + r.stderr  # rank 1's traceback and note (which rank the summary names first is a race)
     assert "RuntimeError: rank 1 raises at step 1 on purpose (test)" in out
     assert "rank 1: exiting on an uncaught RuntimeError; ending the job" in out
+
+
+def test_rank_that_ends_its_loop_early_ends_the_job(tmp_path):
+    # Rank 1 runs out of data and exits normally (its engine says "bye" at exit) while rank 0 waits in the
+    # step's reduction: rank 0 must fail about a second later naming rank 1, not at the timeout (60 s here).
+    t0 = time.monotonic()
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "4", "--hidden", "64",
+                "--exit_rank", "1", "--exit_step", "1"], timeout=200)
+    elapsed = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 1 left (the comm timeout is 60 s)"
+    assert "rank 1 has shut down its communicators (it ended without joining this call)" in out, out[-3000:]

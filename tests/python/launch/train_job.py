@@ -111,6 +111,11 @@ def train(a, rank: int, world: int, local_rank: int) -> dict:
             time.sleep(a.sleep_step)  # the other ranks wait for this one inside the step's collectives
         if rank == a.raise_rank and step == a.raise_step:
             raise RuntimeError(f"rank {rank} raises at step {step} on purpose (test)")
+        if rank == a.exit_rank and step == a.exit_step:
+            print(f"rank {rank} ends its loop at step {step} (out of data, test)", flush=True)
+            return {"mode": a.mode, "world": world, "losses": losses}
+        if rank == a.save_alone_rank and step == a.save_alone_step:
+            engine.save_checkpoint(a.ckpt_dir)  # the others go on to the step's reduction
         x, y = batch(step, rank, a.batch)
         if a.count_net:
             comm.barrier()
@@ -177,6 +182,12 @@ def main() -> int:
     p.add_argument("--sleep_ranks", default="", help="only these ranks sleep, at the start of each step")
     p.add_argument("--raise_rank", type=int, default=-1, help="this rank raises RuntimeError at --raise_step")
     p.add_argument("--raise_step", type=int, default=1)
+    p.add_argument("--exit_rank", type=int, default=-1, help="this rank leaves its loop at --exit_step, as "
+                   "one that ran out of data, and exits normally")
+    p.add_argument("--exit_step", type=int, default=1)
+    p.add_argument("--save_alone_rank", type=int, default=-1, help="this rank alone calls save_checkpoint at "
+                   "--save_alone_step")
+    p.add_argument("--save_alone_step", type=int, default=1)
     p.add_argument("--out", default="")
     p.add_argument("--count_net", action="store_true")
     p.add_argument("--comm_only", action="store_true")
