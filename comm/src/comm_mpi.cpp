@@ -14,7 +14,11 @@
 //  * A member that shut down normally (destroyed its last communicator: "bye" on the mesh, then it
 //    sits in MPI_Finalize) fails a call still waiting on it 1 s later, not at the timeout: the grace
 //    lets MPI complete a call whose part the peer finished just before it left.
-//  * Errors are returned, not fatal (MPI_ERRORS_RETURN on every communicator).
+//  * Mismatched collectives (at the same collective number of a communicator, ranks call different
+//    ops): each rank keeps its last few calls, and on an MPI error (MPI_ERR_TRUNCATE), or a wait
+//    longer than 2 s (then every 5 s), compares them with the members' and names the mismatch.
+//  * Errors are returned, not fatal (MPI_ERRORS_RETURN on every communicator, and on MPI_COMM_WORLD
+//    when zero8 initialized MPI: OpenMPI reports failed nonblocking collectives there).
 // MPI_Init and MPI_Comm_split remain blocking: MPI_Init is bounded by the launcher, and split first
 // runs a polled all-gather, so every member is known to have arrived before the blocking call.
 #include "comm_mpi.h"
@@ -115,6 +119,45 @@ std::string alarm_cause(MpiWorld& w, const WaitSpec& s) {
   return "liveness alarm without an event";
 }
 
+// all_gather and all_gather_v (all_to_all and all_to_all_v) are one MPI collective, which ranks may
+// mix with matching sizes: not a mismatch.
+std::string op_family(const std::string& op) {
+  if (op.size() > 2 && op.compare(op.size() - 2, 2, "_v") == 0) return op.substr(0, op.size() - 2);
+  return op;
+}
+
+// "mismatched collectives: this rank called X, rank 1 called Y" when a member made another operation
+// than this rank at the same place (communicator and collective number) among their recent calls
+// (one rank alone in engine.save_checkpoint, a collective under a rank-dependent `if`); else "".
+// The earlier call may have completed on both sides (MPI matched their messages): the mismatch then
+// shows in a later call, which is why whole histories are compared, not just the current calls.
+std::string mismatch_cause(MpiWorld& w, const WaitSpec& s, double wait_s) {
+  if (!w.live || !s.collective || s.op.empty()) return "";
+  const std::vector<Liveness::CallRecord> mine = w.live->recent_calls();
+  std::vector<std::pair<size_t, std::string>> found;  // (index in mine, "rank 1 called Y")
+  for (const Liveness::PeerState& st : w.live->query(call_members(s), wait_s)) {
+    if (!st.answered) continue;
+    // The earliest divergence is the cause; later ones follow from it.
+    [&] {
+      for (size_t i = 0; i < mine.size(); ++i)
+        for (const Liveness::CallRecord& c : st.recent)
+          if (c.comm_id == mine[i].comm_id && c.seq == mine[i].seq && op_family(c.op) != op_family(mine[i].op)) {
+            found.emplace_back(i, peer_name(s, st.rank) + " called " + c.call);
+            return;
+          }
+    }();
+  }
+  if (found.empty()) return "";
+  std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::string out = "mismatched collectives";
+  for (size_t k = 0; k < found.size(); ++k) {
+    if (k == 0 || found[k].first != found[k - 1].first)
+      out += (k == 0 ? ": this rank called " : "; this rank called ") + mine[found[k].first].call;
+    out += ", " + found[k].second;
+  }
+  return out;
+}
+
 std::string timeout_cause(MpiWorld& w, const WaitSpec& s, double waited) {
   std::ostringstream os;
   os << "timed out after " << fixed1(waited) << " s (timeout " << s.timeout_s << " s)";
@@ -131,7 +174,7 @@ std::string timeout_cause(MpiWorld& w, const WaitSpec& s, double waited) {
       missing << (n_missing++ ? "; " : "") << who << " (has already shut down its communicators)";
     } else if (!st.answered) {
       missing << (n_missing++ ? "; " : "") << who << " (no answer to a status query within " << fixed1(wait_s) << " s)";
-    } else if (s.collective && st.comm_id == s.comm_id && st.seq == s.seq) {
+    } else if (s.collective && st.comm_id == s.comm_id && st.seq == s.seq && op_family(st.op) == op_family(s.op)) {
       // In this call, or already out of it (failed like us, or done with its part): not the culprit.
       with_us << (n_with++ ? ", " : "") << who;
     } else {
@@ -153,6 +196,26 @@ std::string mpi_error_text(int rc) {
   int len = 0;
   MPI_Error_string(rc, buf, &len);
   return std::string(buf, size_t(len));
+}
+
+// How long a query for what the members do may take (their watcher threads answer in microseconds;
+// only a stopped or overloaded process is slower).
+constexpr double kQuerySeconds = 0.5;
+
+// A failed MPI call of a collective: MPI's text ("MPI_ERR_TRUNCATE: message truncated") says little;
+// ranks that called different collectives at this place are the usual cause, so ask.
+std::string mpi_error_cause(MpiWorld& w, const WaitSpec& s, const std::string& what) {
+  std::string mismatch = mismatch_cause(w, s, kQuerySeconds);
+  if (mismatch.empty() && s.collective && !s.op.empty()) {
+    // The peer whose message failed ours has started its call, but may not have recorded it yet
+    // (it starts the MPI op, then waits): ask once more.
+    timespec ts{0, 100000000L};
+    nanosleep(&ts, nullptr);
+    mismatch = mismatch_cause(w, s, kQuerySeconds);
+  }
+  std::string cause = mismatch.empty() ? what : mismatch + " (" + what + ")";
+  if (w.live && w.live->alarm()) cause += "; " + alarm_cause(w, s);
+  return cause;
 }
 
 // MPI counts are int: move data in units of the largest power of two (<= 1 MiB) that divides every
@@ -197,6 +260,10 @@ constexpr double kPeerCheckSeconds = 0.02;
 // many polls (a rank that got no CPU meanwhile has not polled), it never will.
 constexpr double kByeGraceSeconds = 1.0;
 constexpr int kByeGracePolls = 100;
+// A wait this long asks the members whether one is in another collective at this call's place,
+// then again at this interval (they may arrive there later).
+constexpr double kMismatchFirstSeconds = 2.0;
+constexpr double kMismatchEverySeconds = 5.0;
 
 // Point-to-point and broadcast move big buffers in pieces MPI's int count can describe.
 constexpr int64_t kPieceBytes = int64_t(1) << 30;
@@ -230,7 +297,7 @@ int comm_size_of(MPI_Comm c) {
 
 void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& done) {
   const double t0 = now_s(), deadline = t0 + spec.timeout_s;
-  if (w.live) w.live->op_begin(spec.comm_id, spec.seq, spec.label);
+  if (w.live) w.live->op_begin(spec.comm_id, spec.seq, spec.op, spec.call, spec.label);
   struct End {
     Liveness* live;
     int exceptions;
@@ -238,7 +305,7 @@ void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& do
       if (live) live->op_end(std::uncaught_exceptions() > exceptions);
     }
   } end{w.live.get(), std::uncaught_exceptions()};
-  double next_check = t0 + kPeerCheckSeconds;
+  double next_check = t0 + kPeerCheckSeconds, next_query = t0 + kMismatchFirstSeconds;
   double bye_since = 0.0;
   int bye_rank = -1, bye_iter = 0;
   for (int iter = 0;; ++iter) {
@@ -260,6 +327,11 @@ void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& do
           }
       if (bye_rank >= 0 && t - bye_since >= kByeGraceSeconds && iter - bye_iter >= kByeGracePolls)
         mpi_fail(w, spec, peer_name(spec, bye_rank) + " has shut down its communicators (it ended without joining this call)");
+      if (t >= next_query) {
+        next_query = t + kMismatchEverySeconds;
+        const std::string mismatch = mismatch_cause(w, spec, kQuerySeconds);
+        if (!mismatch.empty()) mpi_fail(w, spec, mismatch);
+      }
     }
     backoff(w.live.get(), iter, t - t0);
   }
@@ -285,6 +357,10 @@ std::shared_ptr<MpiWorld> MpiWorld::acquire() {
     if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
       ZERO8_THROW(comm, "MPI backend: MPI_Init_thread failed");
     w->owns_mpi = true;
+    // OpenMPI 4.1 reports a failed nonblocking collective (MPI_ERR_TRUNCATE when ranks call
+    // mismatched collectives) to MPI_COMM_WORLD's handler, not the request's communicator's: with the
+    // default one, MPI_Testall would abort the process instead of returning the error to us.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &w->rank);
   MPI_Comm_size(MPI_COMM_WORLD, &w->size);
@@ -367,9 +443,11 @@ void MpiComm::set_failed(const std::string& reason) {
 WaitSpec MpiComm::wait_spec(OpKind kind, int p2p_peer) const {
   WaitSpec s;
   s.label = op_label(kind);
+  s.call = op_call(kind);
   s.comm_id = id_;
-  s.seq = seq();
+  s.seq = collective_seq();
   s.collective = kind != OpKind::send && kind != OpKind::recv;
+  s.op = s.collective ? op_kind_name(kind) : "";
   s.timeout_s = timeout();
   s.world_ranks = &world_ranks();
   s.comm_rank = rank();
@@ -380,21 +458,23 @@ WaitSpec MpiComm::wait_spec(OpKind kind, int p2p_peer) const {
 void MpiComm::check_mpi(int rc, OpKind kind, const char* call) {
   if (rc == MPI_SUCCESS) return;
   const WaitSpec spec = wait_spec(kind);
-  std::string cause = std::string(call) + " failed: " + mpi_error_text(rc);
-  if (world_->live && world_->live->alarm()) cause += "; " + alarm_cause(*world_, spec);
-  mpi_fail(*world_, spec, cause);
+  mpi_fail(*world_, spec, mpi_error_cause(*world_, spec, std::string(call) + " failed: " + mpi_error_text(rc)));
 }
 
 void MpiComm::wait_requests(std::vector<MPI_Request>& reqs, OpKind kind, int p2p_peer) {
   const WaitSpec spec = wait_spec(kind, p2p_peer);
+  std::vector<MPI_Status> st(reqs.size());
   mpi_wait(*world_, spec, [&] {
     int flag = 0;
-    const int rc = MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE);
-    if (rc != MPI_SUCCESS) {
-      std::string cause = "MPI_Testall failed: " + mpi_error_text(rc);
-      if (world_->live->alarm()) cause += "; " + alarm_cause(*world_, spec);
-      mpi_fail(*world_, spec, cause);
-    }
+    int rc = MPI_Testall(int(reqs.size()), reqs.data(), &flag, st.data());
+    if (rc == MPI_ERR_IN_STATUS)  // the request's own error says more ("MPI_ERR_TRUNCATE")
+      for (const MPI_Status& x : st)
+        if (x.MPI_ERROR != MPI_SUCCESS && x.MPI_ERROR != MPI_ERR_PENDING) {
+          rc = x.MPI_ERROR;
+          break;
+        }
+    if (rc != MPI_SUCCESS)
+      mpi_fail(*world_, spec, mpi_error_cause(*world_, spec, "MPI_Testall failed: " + mpi_error_text(rc)));
     return flag != 0;
   });
 }
@@ -504,7 +584,9 @@ std::unique_ptr<MpiComm> MpiComm::split_mpi(int color, int key, const std::strin
   std::vector<int> wr;
   for (int p : members) wr.push_back(world_rank(p));
   MPI_Comm_set_errhandler(child, MPI_ERRORS_RETURN);
-  auto c = std::make_unique<MpiComm>(world_, child, name, wr, mix_id(mix_id(id_, seq()), uint64_t(color)), timeout());
+  // Keyed by the collective number, which every member agrees on (seq() also counts send/recv).
+  const uint64_t id = mix_id(mix_id(id_, collective_seq()), uint64_t(color));
+  auto c = std::make_unique<MpiComm>(world_, child, name, wr, id, timeout());
   ZERO8_ASSERT(c->world_rank(c->rank()) == world_rank(rank()));
   return c;
 }

@@ -44,7 +44,9 @@ class MpiWorld {
 // that matter (a collective waits on every member; send/recv on one peer).
 struct WaitSpec {
   std::string label;               // "all_reduce #3 on 'world' (rank 0 of 4)"
-  uint64_t comm_id = 0, seq = 0;
+  std::string call;                // "all_reduce #3 on 'world'"
+  std::string op;                  // "all_reduce": compared with the members' ops; "" (send/recv, setup): not
+  uint64_t comm_id = 0, seq = 0;   // seq: Communicator::collective_seq(), equal on every member
   bool collective = true;
   double timeout_s = 300.0;
   const std::vector<int>* world_ranks = nullptr;  // comm rank -> world rank
@@ -54,8 +56,9 @@ struct WaitSpec {
 
 // Polls done() until it returns true. Throws Error(comm) (after recording the failure in the
 // world and telling every peer) when a peer dies or gives up, a member has shut down (said "bye")
-// and the call still has not completed a second later, or the deadline passes; the message names
-// the call and the peers responsible or not heard from.
+// and the call still has not completed a second later, a member called another collective than
+// this rank at the same place (spec.comm_id, spec.seq; checked after 2 s), or the deadline passes;
+// the message names the call and the peers responsible or not heard from.
 void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& done);
 [[noreturn]] void mpi_fail(MpiWorld& w, const WaitSpec& spec, const std::string& cause);
 

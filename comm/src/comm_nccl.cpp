@@ -193,7 +193,8 @@ class NcclComm final : public Communicator {
   WaitSpec spec(OpKind kind, int p2p_peer = -1) const {
     WaitSpec s = host_->wait_spec(kind, p2p_peer);
     s.label = op_label(kind);
-    s.seq = seq();
+    s.call = op_call(kind);
+    s.seq = collective_seq();
     s.comm_id = host_->id() ^ 0x6e63636cull;  // "nccl": distinct from the bootstrap communicator's calls
     return s;
   }

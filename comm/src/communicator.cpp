@@ -133,6 +133,7 @@ class Communicator::Call {
  public:
   Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(now_seconds()) {
     ++c_.seq_;
+    if (kind != OpKind::send && kind != OpKind::recv) ++c_.collective_seq_;
     if (c_.failed())
       ZERO8_THROW(comm, c_.op_label(kind) << ": communicator unusable after an earlier failure: " << c_.failure());
   }
@@ -172,10 +173,14 @@ void Communicator::count_bytes(OpKind kind, int peer, int64_t bytes) {
   s.bytes_to_peer[size_t(peer)] += uint64_t(bytes);
 }
 
-std::string Communicator::op_label(OpKind kind) const {
+std::string Communicator::op_call(OpKind kind) const {
   std::ostringstream os;
-  os << op_kind_name(kind) << " #" << seq_ << " on '" << name_ << "' (rank " << rank_ << " of " << size_ << ")";
+  os << op_kind_name(kind) << " #" << seq_ << " on '" << name_ << "'";
   return os.str();
+}
+
+std::string Communicator::op_label(OpKind kind) const {
+  return op_call(kind) + " (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ")";
 }
 
 void Communicator::set_failed(const std::string& reason) {

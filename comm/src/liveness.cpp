@@ -1,6 +1,8 @@
 // Liveness mesh (see liveness.h). Wire protocol on each pair's TCP connection, all little-endian
 // framed messages {u32 type, u32 length, payload}: HELLO once from the connecting (higher) rank,
-// then BYE (clean exit), GIVEUP (reason text), QUERY (id) and STATE (answer to a query).
+// then BYE (clean exit), GIVEUP (reason text), QUERY (id) and STATE (answer to a query: id, in_op,
+// comm_id, seq, op and call as u16-length strings, u8 count of recent calls each {comm_id, seq, op,
+// call}, then the text).
 #include "liveness.h"
 
 #include <arpa/inet.h>
@@ -135,6 +137,20 @@ template <class T> T get(const char* p) {
   T v;
   std::memcpy(&v, p, sizeof(T));
   return v;
+}
+// A u16 length, then the bytes.
+void put_string(std::string& s, const std::string& v) {
+  const std::string t = v.substr(0, 0xffff);
+  put(s, uint16_t(t.size()));
+  s += t;
+}
+bool get_string(const char* p, uint32_t len, uint32_t* off, std::string* v) {
+  if (len - *off < 2) return false;
+  const uint16_t n = get<uint16_t>(p + *off);
+  if (len - *off - 2 < n) return false;
+  v->assign(p + *off + 2, n);
+  *off += 2 + n;
+  return true;
 }
 
 std::string seconds_text(double s) {
@@ -398,6 +414,15 @@ bool Liveness::handle_frame(int peer, uint32_t type, const char* payload, uint32
         put(reply, uint8_t(in_op_ ? 1 : 0));
         put(reply, op_comm_);
         put(reply, op_seq_);
+        put_string(reply, op_name_);
+        put_string(reply, op_call_);
+        put(reply, uint8_t(recent_.size()));
+        for (const CallRecord& c : recent_) {
+          put(reply, c.comm_id);
+          put(reply, c.seq);
+          put_string(reply, c.op);
+          put_string(reply, c.call);
+        }
         reply += state_text_locked(now_s());
       }
       send_frame(peer, kState, reply);
@@ -412,7 +437,18 @@ bool Liveness::handle_frame(int peer, uint32_t type, const char* payload, uint32
       s.in_op = payload[8] != 0;
       s.comm_id = get<uint64_t>(payload + 9);
       s.seq = get<uint64_t>(payload + 17);
-      s.text.assign(payload + 25, len - 25);
+      uint32_t off = 25;
+      if (!get_string(payload, len, &off, &s.op) || !get_string(payload, len, &off, &s.call) || off >= len)
+        return false;
+      s.recent.resize(uint8_t(payload[off++]));
+      for (CallRecord& c : s.recent) {
+        if (len - off < 16) return false;
+        c.comm_id = get<uint64_t>(payload + off);
+        c.seq = get<uint64_t>(payload + off + 8);
+        off += 16;
+        if (!get_string(payload, len, &off, &c.op) || !get_string(payload, len, &off, &c.call)) return false;
+      }
+      s.text.assign(payload + off, len - off);
       std::lock_guard<std::mutex> lk(mu_);
       auto it = answers_.find(id);
       if (it != answers_.end()) it->second[peer] = s;
@@ -431,14 +467,26 @@ std::string Liveness::state_text_locked(double now) const {
   return "not in a communication call for " + seconds_text(now - op_since_) + " (last: " + op_label_ + ")";
 }
 
-void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& label) {
+void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, const std::string& call,
+                        const std::string& label) {
   std::lock_guard<std::mutex> lk(mu_);
   in_op_ = true;
   op_failed_ = false;
   op_comm_ = comm_id;
   op_seq_ = seq;
+  op_name_ = op;
+  op_call_ = call;
   op_label_ = label;
   op_since_ = now_s();
+  // A call made of several waits (all_reduce: an all-to-all, then an all-gather) is one record.
+  if (op.empty() || (!recent_.empty() && recent_.back().comm_id == comm_id && recent_.back().seq == seq)) return;
+  if (recent_.size() == kRecentCalls) recent_.erase(recent_.begin());
+  recent_.push_back(CallRecord{comm_id, seq, op, call});
+}
+
+std::vector<Liveness::CallRecord> Liveness::recent_calls() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return recent_;
 }
 
 void Liveness::op_end(bool failed) {

@@ -31,9 +31,23 @@ class Liveness {
   int size() const { return size_; }
   const std::string& address() const { return address_; }  // "ip:port" this rank listens on
 
-  // What the main thread is doing, for peers' queries. comm_id/seq identify a collective call.
-  void op_begin(uint64_t comm_id, uint64_t seq, const std::string& label);
+  // What the main thread is doing, for peers' queries. comm_id/seq identify a collective call
+  // across ranks; op is its operation ("all_reduce"; "" for calls that peers must not compare, as
+  // send/recv), call its name without this rank's place ("all_reduce #3 on 'world'"), label the
+  // full name for messages ("all_reduce #3 on 'world' (rank 1 of 4)").
+  void op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, const std::string& call,
+                const std::string& label);
   void op_end(bool failed);
+
+  // This rank's latest calls with an op (oldest first, at most kRecentCalls): comparing them with a
+  // peer's shows mismatched collectives even after one side's call has completed (MPI matched the
+  // two calls' messages) and it has moved on.
+  struct CallRecord {
+    uint64_t comm_id = 0, seq = 0;
+    std::string op, call;
+  };
+  static constexpr size_t kRecentCalls = 8;
+  std::vector<CallRecord> recent_calls() const;
 
   // True once a peer died or gave up (cheap: an atomic load, polled by wait loops).
   bool alarm() const { return alarm_.load(std::memory_order_acquire); }
@@ -58,6 +72,8 @@ class Liveness {
     bool finished = false;
     bool in_op = false;
     uint64_t comm_id = 0, seq = 0;  // its current or last call
+    std::string op, call;           // of that call (see op_begin)
+    std::vector<CallRecord> recent; // its recent_calls()
     std::string text;  // "in all_reduce #3 on 'world' (rank 1 of 4) for 2.0 s" / "not in a ..."
   };
   std::vector<PeerState> query(const std::vector<int>& ranks, double wait_s);
@@ -105,7 +121,8 @@ class Liveness {
   bool in_op_ = false;
   bool op_failed_ = false;
   uint64_t op_comm_ = 0, op_seq_ = 0;
-  std::string op_label_;
+  std::string op_name_, op_call_, op_label_;
+  std::vector<CallRecord> recent_;
   double op_since_ = 0.0;
   uint64_t next_query_ = 1;
   std::map<uint64_t, std::map<int, PeerState>> answers_;

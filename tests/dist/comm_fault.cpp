@@ -11,6 +11,9 @@
 //               and rank 1's send fails with rank 0's reason.
 //   exit      : rank 1 destroys its communicator normally and returns 0 (prints nothing) while rank 0
 //               waits in all_reduce; rank 0 fails about a second later, not at the timeout.
+//   mismatch  : rank 0 calls all_gather where rank 1 calls all_reduce, sizes compatible (no MPI error):
+//               rank 1's wait asks rank 0 and names the mismatch; rank 0's next call gets its reason.
+//   mismatch_size: the same, sizes not compatible: MPI_ERR_TRUNCATE, reported as the mismatch.
 #include <signal.h>
 #include <unistd.h>
 
@@ -103,6 +106,29 @@ int main(int argc, char** argv) {
       t_op = now_s();
       std::vector<float> v(1000, 1.0f);
       world->all_reduce(v.data(), 1000, ReduceOp::sum);
+    } else if (mode == "mismatch") {
+      // 1024 floats: all_reduce's all-to-all half sends rank 0 2048 bytes, as much as rank 0's
+      // all_gather expects, and takes 2048 bytes from it: MPI completes rank 0's call (with garbage)
+      // and no MPI call ever fails; rank 1 then waits in the all-gather half.
+      std::vector<float> v(1024, 1.0f);
+      if (me == 0) {
+        world->all_gather(v.data(), v.data(), 2048);
+        sleep(4);  // computes: only rank 1's wait can find the mismatch
+        t_op = now_s();
+        world->barrier();
+      } else {
+        t_op = now_s();
+        world->all_reduce(v.data(), 1024, ReduceOp::sum);
+      }
+    } else if (mode == "mismatch_size") {
+      // The same bytes on both ranks (1 KiB), but all_reduce's all-to-all half takes 512 from rank 0,
+      // which sends 1024: rank 1's MPI call fails with MPI_ERR_TRUNCATE, while rank 0's call
+      // completes and it moves on to the barrier.
+      std::vector<float> v(512, 1.0f);
+      t_op = now_s();
+      if (me == 0) world->all_gather(v.data(), v.data(), 1024);
+      if (me == 1) world->all_reduce(v.data(), 256, ReduceOp::sum);
+      world->barrier();
     } else {
       std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
       return 2;

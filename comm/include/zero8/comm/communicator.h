@@ -19,7 +19,8 @@ namespace zero8::comm {
 //   enqueues on its stream and waits for it too, see comm_nccl.cpp).
 // * Collective: every rank of the communicator calls the same collectives in the same order with
 //   matching sizes (as in MPI). Sizes are validated locally; a mismatch across ranks is a usage error
-//   that the transport may report as a comm error or a timeout.
+//   that the transport may report as a comm error or a timeout (the MPI backend names ranks that
+//   called a different collective at the same place: "mismatched collectives").
 // * Memory: buffers belong to the caller and must stay valid for the call. memory() says whether
 //   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
 //   overlap, except where an op says "in place".
@@ -214,6 +215,10 @@ class Communicator {
   // "all_reduce #12 on 'world' (rank 0 of 4)".
   uint64_t seq() const { return seq_; }
   std::string op_label(OpKind kind) const;
+  std::string op_call(OpKind kind) const;  // the label without this rank's place: "all_reduce #12 on 'world'"
+  // Collective calls so far, this one included: unlike seq(), equal on every member at the same
+  // collective even when only some of them have made send/recv calls on this communicator.
+  uint64_t collective_seq() const { return collective_seq_; }
 
  private:
   class Call;  // RAII timer + stats + failure check around one public call
@@ -226,6 +231,7 @@ class Communicator {
   double timeout_s_ = 300.0;
   CommStats stats_;
   uint64_t seq_ = 0;
+  uint64_t collective_seq_ = 0;
   std::string failure_;
 };
 
