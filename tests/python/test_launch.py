@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -522,3 +523,18 @@ def test_rank_that_ends_its_loop_early_ends_the_job(tmp_path):
     assert r.returncode != 0, out[-3000:]
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 1 left (the comm timeout is 60 s)"
     assert "rank 1 has shut down its communicators (it ended without joining this call)" in out, out[-3000:]
+
+
+def test_rank_that_saves_alone_ends_the_job_naming_the_mismatch(tmp_path):
+    # Rank 0 alone calls save_checkpoint (a checkpoint call under `if rank == 0:`, as DeepSpeed forbids)
+    # while rank 1 goes on to the step's reduction: both must fail within seconds naming the two calls,
+    # not after the save's I/O timeout (an hour) or with MPI's bare "message truncated".
+    t0 = time.monotonic()
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "4", "--hidden", "64",
+                "--ckpt_dir", tmp_path / "ckpt", "--save_alone_rank", "0", "--save_alone_step", "1"], timeout=200)
+    elapsed = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 0 saved alone (the comm timeout is 60 s)"
+    assert re.search(r"mismatched collectives: this rank called \w+ #\d+ on '[\w-]+', rank 1 called \w+ #\d+", out), \
+        out[-3000:]
