@@ -88,6 +88,16 @@ void init_errors(py::module_& m) {
       new_class("zero8.Zero8InternalError", "A broken invariant inside zero8: a bug (ErrorCode internal).",
                 PyExc_RuntimeError);
 
+  // The class knows its code too, so errors raised from Python (zero8's own modules) have .code.
+  for (int i = 0; i < kNumCodes; ++i) {
+    PyObject* code = PyUnicode_FromString(code_name(ErrorCode(i)));
+    if (!code || PyObject_SetAttrString(g_classes[i], "code", code) != 0) {
+      Py_XDECREF(code);
+      throw py::error_already_set();
+    }
+    Py_DECREF(code);
+  }
+
   m.attr("Zero8Error") = py::handle(g_base);
   m.attr("Zero8ValueError") = py::handle(g_classes[int(ErrorCode::invalid_argument)]);
   m.attr("Zero8NotSupportedError") = py::handle(g_classes[int(ErrorCode::unsupported)]);

@@ -130,6 +130,7 @@ def test_every_error_code_maps_to_its_class(code):
     assert str(e) == f"message of {code}" and e.code == code
     others = [c for k, (c, _) in CLASSES.items() if k != code]
     assert not any(isinstance(e, c) for c in others)
+    assert cls("raised from Python").code == code  # zero8's Python modules raise these classes too
 
 
 def test_errors_from_real_calls():

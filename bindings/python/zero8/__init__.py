@@ -8,7 +8,8 @@
 
 Submodules: ``functional`` (block-wise quantization), ``optim``, ``nn``, ``engine``, ``comm``; they are
 imported on first use. Errors from the C++ library are ``Zero8Error`` subclasses that are also the
-builtin exception for their kind (``Zero8ValueError`` is a ``ValueError``, ``Zero8IOError`` an ``OSError``...).
+builtin exception for their kind (``Zero8ValueError`` is a ``ValueError``, ``Zero8IOError`` an ``OSError``...);
+``.code`` names the kind (``"invalid_argument"``, ``"io"``, ...), on errors zero8's Python modules raise too.
 """
 
 from __future__ import annotations
