@@ -37,6 +37,7 @@
 #include "backends.h"
 #include "comm_env.h"
 #include "zero8/error.h"
+#include "zero8/kernels/hd.h"
 
 namespace zero8::comm::detail {
 
@@ -267,13 +268,6 @@ constexpr double kMismatchEverySeconds = 5.0;
 
 // Point-to-point and broadcast move big buffers in pieces MPI's int count can describe.
 constexpr int64_t kPieceBytes = int64_t(1) << 30;
-
-uint64_t mix_id(uint64_t a, uint64_t b) {
-  uint64_t z = a * 0x9e3779b97f4a7c15ull + b + 0x632be59bd9b4e019ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 int comm_rank_of(MPI_Comm c) {
   int r = 0;
@@ -585,7 +579,7 @@ std::unique_ptr<MpiComm> MpiComm::split_mpi(int color, int key, const std::strin
   for (int p : members) wr.push_back(world_rank(p));
   MPI_Comm_set_errhandler(child, MPI_ERRORS_RETURN);
   // Keyed by the collective number, which every member agrees on (seq() also counts send/recv).
-  const uint64_t id = mix_id(mix_id(id_, collective_seq()), uint64_t(color));
+  const uint64_t id = rng_mix(rng_mix(id_, collective_seq()), uint64_t(color));
   auto c = std::make_unique<MpiComm>(world_, child, name, wr, id, timeout());
   ZERO8_ASSERT(c->world_rank(c->rank()) == world_rank(rank()));
   return c;
@@ -595,7 +589,7 @@ std::unique_ptr<Communicator> mpi_create() {
   std::shared_ptr<MpiWorld> w = MpiWorld::acquire();
   // Each world communicator gets its own duplicate, so two of them never mix their messages.
   static uint64_t created = 0;
-  const uint64_t id = mix_id(1, ++created);
+  const uint64_t id = rng_mix(1, ++created);  // communicator ids: the same mixer as the seeds
   std::vector<int> identity(static_cast<size_t>(w->size));
   std::iota(identity.begin(), identity.end(), 0);
   WaitSpec spec;
