@@ -1105,6 +1105,13 @@ class FileSet {
   std::map<std::string, std::unique_ptr<FileReader>> open_;
 };
 
+// The size and (with verify) checksum of every extra file (SaveOptions::extra_files): zero8 does not
+// read them itself, its caller does.
+void extras_check(FileSet& files, const Manifest& m) {
+  for (const FileInfo& fi : m.files)
+    if (fi.role == "extra") files.get(fi.name);
+}
+
 struct SafetensorsEntry {
   DType dtype = DType::f32;
   std::vector<int64_t> shape;
@@ -1541,9 +1548,7 @@ LoadResult load(ShardedOptimizer& opt, const std::string& dir, const LoadOptions
     FileSet files(path, m, opts.verify);
     stage_read(opt, files, s);
     if (r == 0) model_stage(m, opt, files, s);
-    // Extra files (the engine's model-states file) are read by the caller on every rank: checked here.
-    for (const FileInfo& fi : m.files)
-      if (fi.role == "extra") files.get(fi.name);
+    extras_check(files, m);  // the caller reads them (the engine's model-states file, on every rank)
     res.step = m.step;
     res.saved_world = m.world;
     res.client_state = m.client_state;
@@ -1711,8 +1716,7 @@ Manifest manifest_read(const std::string& tag_dir) {
 Manifest manifest_read_extras_checked(const std::string& tag_dir) {
   Manifest m = manifest_read(tag_dir);
   FileSet files(tag_dir, m, true);
-  for (const FileInfo& fi : m.files)
-    if (fi.role == "extra") files.get(fi.name);
+  extras_check(files, m);
   return m;
 }
 
