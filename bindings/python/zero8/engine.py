@@ -18,6 +18,7 @@ listed in ``initialize``'s docstring.
 from __future__ import annotations
 
 import atexit
+import builtins
 import gc
 import io
 import json
@@ -25,6 +26,7 @@ import os
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -1034,7 +1036,7 @@ class Zero8Engine(torch.nn.Module):
             module_sd = model_states.get("module") if isinstance(model_states, dict) else None
             if not isinstance(module_sd, dict):
                 raise _C.Zero8IOError(f"{os.path.join(path, MODEL_STATES_FILE)}: no 'module' state dict")
-            self._check_module_states(module_sd, load_module_strict, managed_too=not full)
+            copies = self._check_module_states(module_sd, load_module_strict, managed_too=not full)
             state = json.loads(client_state_json) if client_state_json else None
             if not isinstance(state, dict) or state.get("format") != _ENGINE_STATE_FORMAT:
                 state = None
@@ -1045,7 +1047,8 @@ class Zero8Engine(torch.nn.Module):
                 if load_optimizer_states:
                     hyper_changes = self._checked_resumed_groups(state.get("optimizer", []), src,
                                                                  load_lr_scheduler_states)
-            staged.update(path=path, model_states=model_states, state=state, hyper_changes=hyper_changes)
+            staged.update(path=path, model_states=model_states, state=state, hyper_changes=hyper_changes,
+                          copies=copies)
 
         if full:
             res = _C.checkpoint_load(self._opt, load_dir, tag, True,
@@ -1053,7 +1056,9 @@ class Zero8Engine(torch.nn.Module):
             if self.global_rank == 0:
                 for w in res.get("warnings", []):
                     warnings.warn(f"load_checkpoint: {w}", stacklevel=2)
-            self._load_unmanaged(staged["model_states"]["module"])
+            with torch.no_grad():  # frozen parameters and buffers (the C++ load restored the rest)
+                for v, saved in staged["copies"]:
+                    v.data.copy_(saved)
         else:
             def stage_module_only() -> None:
                 path = _C.checkpoint_tag_path(load_dir, tag or _C.latest_read(load_dir))
@@ -1107,9 +1112,10 @@ class Zero8Engine(torch.nn.Module):
             raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
                                   f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
 
-    def _check_module_states(self, module_sd: dict, strict: bool, managed_too: bool) -> None:
+    def _check_module_states(self, module_sd: dict, strict: bool, managed_too: bool) -> list:
         """The module entries a load will copy exist (strict) and have this model's shapes. managed_too:
-        the parameters the optimizer manages as well (else the C++ load restores those)."""
+        the parameters the optimizer manages as well (else the C++ load restores those). Returns the
+        (model tensor, saved tensor) pairs to copy."""
         managed = set() if managed_too else {id(p) for p in self._params}
         own = {k: v for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in managed}
         missing = [k for k in own if k not in module_sd]
@@ -1125,6 +1131,7 @@ class Zero8Engine(torch.nn.Module):
             problems.append(f"has other shapes ({'; '.join(bad)})")
         if problems:
             raise Zero8ValueError(f"load_checkpoint: {MODEL_STATES_FILE} {' and '.join(problems)}; nothing was loaded")
+        return [(v, module_sd[k]) for k, v in own.items() if k in module_sd]
 
     def _checked_resumed_groups(self, saved_groups, src: str, scheduler_restored: bool) -> list[str]:
         """The saved param groups convert to the C++ hyperparameters; returns the values that differ from
@@ -1135,7 +1142,7 @@ class Zero8Engine(torch.nn.Module):
         for i, (g, saved) in enumerate(zip(self.optimizer.param_groups, saved_groups)):
             merged = {**g, **{k: v for k, v in saved.items() if k != "params"}}
             try:
-                _hyper_from_group(merged, self._algo, _ScratchHyper())
+                _hyper_from_group(merged, self._algo, types.SimpleNamespace())  # conversion check only
             except (TypeError, ValueError, KeyError) as e:
                 raise _C.Zero8IOError(f"{src}: param group {i} does not convert ({type(e).__name__}: {e})") from e
             if i > 0:
@@ -1149,20 +1156,6 @@ class Zero8Engine(torch.nn.Module):
                     changes.append(f"{k} {new!r} (configured {old!r})")
         return changes
 
-    def _load_unmanaged(self, module_sd: dict) -> None:
-        """Frozen parameters and buffers from the model-states file (the C++ load restored the rest);
-        _check_module_states has checked them."""
-        managed = {id(p) for p in self._params}
-        with torch.no_grad():
-            for k, v in self.module.state_dict(keep_vars=True).items():
-                if id(v) not in managed and k in module_sd:
-                    v.data.copy_(module_sd[k])
-
-
-class _ScratchHyper:
-    """Takes the attributes _hyper_from_group writes, to check a saved param group before a load."""
-
-
 def _same_hyper(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_hyper(x, y) for x, y in zip(a, b))
@@ -1173,8 +1166,6 @@ def _same_hyper(a, b) -> bool:
 
 def _error_class(name: str) -> type[Exception]:
     """The exception class another rank reported by name: a zero8 error or a builtin one, else RuntimeError."""
-    import builtins
-
     cls = getattr(_C, name, None) if name.startswith("Zero8") else getattr(builtins, name, None)
     return cls if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError
 
