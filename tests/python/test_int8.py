@@ -523,3 +523,28 @@ def test_bad_constructor_arguments():
     # The C++ layer validates again and names its argument.
     with pytest.raises(zero8.Zero8ValueError, match="block_rows"):
         _C.int8_quantize_blocks(0, _C.DType.f32, 0, 0, 0, 32, 0, 0)
+
+
+# ------------------------------------------------------------------------------ module conversions and loading
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_linear8bitlt_dtype_cast_keeps_float32_weight_scale(cast):
+    # model.half() / model.to(torch.bfloat16) on a converted model casts floating buffers; the per-row
+    # scales must stay float32 (the kernels read them as float32) so the output is unchanged up to the bias
+    # rounding, instead of garbage from reinterpreted bytes.
+    torch.manual_seed(30)
+    lin = torch.nn.Linear(40, 24)
+    m = Linear8bitLt.from_linear(lin)
+    x = torch.randn(6, 40)
+    before = m(x)
+    getattr(m, cast)()
+    assert m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32
+    assert m.bias.dtype == getattr(torch, cast if cast != "half" else "float16")
+    y = m(x)
+    # The only change is the bias rounded to the new dtype (half an ulp: 2^-11 for float16, 2^-8 for bf16).
+    tol = lin.bias.detach().abs().max().item() * 2.0**-8 + 1e-6
+    assert (y - before).abs().max().item() <= tol
+    x.requires_grad_()
+    m(x).sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()

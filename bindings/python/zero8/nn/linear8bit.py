@@ -147,6 +147,10 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
     ``out_dtype`` (or added into the float32 ``out`` with ``accumulate``). Scales are indexed
     ``row_scale[(i // row_group) * row_stride]`` (and likewise for columns): groups of the block size
     select one K-slice of a per-block GEMM."""
+    # The kernel reads raw pointers: the dtypes must be right, or its output is garbage, not an error.
+    check_dtype(acc, "acc", torch.int32)
+    check_dtype(row_scale, "row_scale", torch.float32)
+    check_dtype(col_scale, "col_scale", torch.float32)
     rows, cols = acc.shape
     if out is None:
         out = torch.empty((rows, cols), dtype=out_dtype)
@@ -242,7 +246,8 @@ class Linear8bitLt(torch.nn.Module):
       none). The LLM.int8 paper uses 6.0.
 
     The state dict holds ``weight`` (int8), ``weight_scale`` and ``bias``; it loads into a fresh
-    ``Linear8bitLt`` of the same shape without any float weights. CPU tensors of float32, bfloat16 or
+    ``Linear8bitLt`` of the same shape without any float weights. ``.half()`` / ``.to(dtype)`` cast the bias
+    (and a kept float weight) but leave ``weight_scale`` float32. CPU tensors of float32, bfloat16 or
     float16; the output has the input's dtype. Bad inputs raise ``zero8.Zero8ValueError`` naming them.
     """
 
@@ -278,6 +283,15 @@ class Linear8bitLt(torch.nn.Module):
             q, s = quantize_rows(w.detach().contiguous())
             self.register_buffer("weight", q)
             self.register_buffer("weight_scale", s)
+
+    def _apply(self, fn, recurse=True):
+        # model.half() / .to(torch.bfloat16) cast every floating buffer; the per-row scales are part of the
+        # int8 format (the kernels read float32), so they keep float32 and only follow a device move.
+        scale = self.weight_scale
+        super()._apply(fn, recurse)
+        if scale is not None and self.weight_scale is not None and self.weight_scale.dtype != torch.float32:
+            self.weight_scale = scale.to(self.weight_scale.device)
+        return self
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, threshold: float = 6.0,
