@@ -548,3 +548,27 @@ def test_linear8bitlt_dtype_cast_keeps_float32_weight_scale(cast):
     x.requires_grad_()
     m(x).sum().backward()
     assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_linear8bitlt_loads_a_float_linear_state_dict_by_quantizing_it(strict):
+    # An nn.Linear checkpoint (float weight, no weight_scale) into an int8 layer: the weight is quantized
+    # as from_linear does, not cast to int8 codes with stale scales (what strict=False used to do silently).
+    torch.manual_seed(31)
+    lin = torch.nn.Linear(40, 24)
+    want = Linear8bitLt.from_linear(lin)
+    m = Linear8bitLt(40, 24)
+    result = m.load_state_dict(lin.state_dict(), strict=strict)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(m.weight, want.weight) and torch.equal(m.weight_scale, want.weight_scale)
+    x = outlier_input(5, 40, [3])
+    assert torch.equal(m(x), want(x))
+    # The reverse: an int8 checkpoint into a layer that keeps float weights gets the dequantized weight.
+    fp = Linear8bitLt(40, 24, has_fp16_weights=True)
+    result = fp.load_state_dict(want.state_dict(), strict=strict)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert fp.weight.dtype == torch.float32
+    assert torch.equal(fp.weight.detach(), want.weight.float() * want.weight_scale[:, None])
+    # A float weight of the wrong shape still fails by shape.
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
+        Linear8bitLt(40, 25).load_state_dict(lin.state_dict(), strict=strict)

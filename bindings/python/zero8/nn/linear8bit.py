@@ -246,7 +246,8 @@ class Linear8bitLt(torch.nn.Module):
       none). The LLM.int8 paper uses 6.0.
 
     The state dict holds ``weight`` (int8), ``weight_scale`` and ``bias``; it loads into a fresh
-    ``Linear8bitLt`` of the same shape without any float weights. ``.half()`` / ``.to(dtype)`` cast the bias
+    ``Linear8bitLt`` of the same shape without any float weights. An ``nn.Linear`` state dict loads too (its
+    weight quantized on load), and an int8 one into a layer with ``has_fp16_weights=True`` (dequantized). ``.half()`` / ``.to(dtype)`` cast the bias
     (and a kept float weight) but leave ``weight_scale`` float32. CPU tensors of float32, bfloat16 or
     float16; the output has the input's dtype. Bad inputs raise ``zero8.Zero8ValueError`` naming them.
     """
@@ -292,6 +293,25 @@ class Linear8bitLt(torch.nn.Module):
         if scale is not None and self.weight_scale is not None and self.weight_scale.dtype != torch.float32:
             self.weight_scale = scale.to(self.weight_scale.device)
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A checkpoint in the other weight format is converted (torch would cast a float weight to int8
+        # codes, or int8 codes to float weights, without a word): a float weight without scales (an
+        # nn.Linear's) is quantized by rows as from_linear does; int8 codes with their scales are dequantized
+        # for a layer that keeps float weights. Other shapes are left to torch's size check.
+        wkey, skey = prefix + "weight", prefix + "weight_scale"
+        w = state_dict.get(wkey)
+        shape = (self.out_features, self.in_features)
+        if isinstance(w, Tensor) and tuple(w.shape) == shape:
+            if not self.has_fp16_weights and w.is_floating_point() and skey not in state_dict:
+                check_cpu(w, wkey)
+                state_dict[wkey], state_dict[skey] = quantize_rows(w.detach().float())
+            elif self.has_fp16_weights and w.dtype == torch.int8 and isinstance(state_dict.get(skey), Tensor):
+                scale = state_dict.pop(skey)
+                state_dict[wkey] = w.float() * scale.float()[:, None]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, threshold: float = 6.0,
