@@ -572,3 +572,15 @@ def test_linear8bitlt_loads_a_float_linear_state_dict_by_quantizing_it(strict):
     # A float weight of the wrong shape still fails by shape.
     with pytest.raises(RuntimeError, match="size mismatch for weight"):
         Linear8bitLt(40, 25).load_state_dict(lin.state_dict(), strict=strict)
+
+
+def test_int8linear_double_backward_raises_instead_of_dropping_terms():
+    # A gradient penalty through an Int8Linear: its backward runs int8 kernels autograd cannot see, so a
+    # second derivative through it must fail loudly; it used to return one that silently lacked the terms
+    # passing through the layer (half the norm of the true one for this net).
+    torch.manual_seed(32)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), Int8Linear(16, 4))
+    x = torch.randn(32, 8, requires_grad=True)
+    (gx,) = torch.autograd.grad(net(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.pow(2).sum().backward()

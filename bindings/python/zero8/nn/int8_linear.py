@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _C
 from .._C import Zero8ValueError
@@ -148,6 +149,7 @@ class _Int8LinearFn(torch.autograd.Function):
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
+    @once_differentiable  # int8 kernels autograd cannot trace: a second derivative must fail, not drop terms
     def backward(ctx, grad):
         qxb, sxb, weight = ctx.saved_tensors
         block = ctx.block
