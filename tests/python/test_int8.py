@@ -584,3 +584,43 @@ def test_int8linear_double_backward_raises_instead_of_dropping_terms():
     (gx,) = torch.autograd.grad(net(x).pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.pow(2).sum().backward()
+
+
+def test_convert_linear8bit_leaves_linears_it_cannot_replace_and_converts_a_bare_linear():
+    torch.manual_seed(33)
+    # MultiheadAttention reads out_proj.weight directly (it never calls out_proj), so converting it broke
+    # the attention with a dtype error: it stays float, the feed-forward linears are converted.
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            x = x + self.attn(x, x, x, need_weights=False)[0]
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    block = Block()
+    x = torch.randn(2, 5, 16)
+    ref = block(x).detach()
+    convert_linear8bit(block)
+    assert type(block.attn.out_proj) is torch.nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert isinstance(block.fc1, Linear8bitLt) and isinstance(block.fc2, Linear8bitLt)
+    for grad in (True, False):  # with and without autograd (MultiheadAttention's fast path)
+        with torch.set_grad_enabled(grad):
+            y = block.eval()(x)
+        assert ((y - ref).norm() / ref.norm()).item() < 0.03  # int8 error of two small layers (~1%)
+
+    # A subclass with its own forward would lose it: left alone.
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    net = convert_linear8bit(torch.nn.Sequential(Doubled(8, 8), torch.nn.Linear(8, 8)))
+    assert type(net[0]) is Doubled and isinstance(net[1], Linear8bitLt)
+    # A bare nn.Linear cannot be replaced in place: its int8 copy is returned.
+    lin = torch.nn.Linear(8, 4)
+    out = convert_linear8bit(lin, threshold=0.0)
+    assert isinstance(out, Linear8bitLt) and out.threshold == 0.0
+    xs = torch.randn(3, 8)
+    assert torch.equal(out(xs), Linear8bitLt.from_linear(lin, threshold=0.0)(xs))

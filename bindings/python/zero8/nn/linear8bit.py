@@ -364,16 +364,29 @@ def _skipped(name: str, skip: Iterable[str]) -> bool:
     return False
 
 
+def _replaceable(mod: torch.nn.Module) -> bool:
+    # nn.Linear itself or a subclass that keeps its forward (a subclass with its own forward would lose it).
+    return isinstance(mod, torch.nn.Linear) and type(mod).forward is torch.nn.Linear.forward
+
+
 def convert_linear8bit(model: torch.nn.Module, threshold: float = 6.0, skip: Sequence[str] = (),
                        has_fp16_weights: bool = False) -> torch.nn.Module:
     """Replace every ``torch.nn.Linear`` of ``model`` (in place) by a ``Linear8bitLt`` holding its weight
     in int8, except the modules named in ``skip`` (full dotted names, parents, or trailing components
-    such as ``"lm_head"``). Returns ``model``."""
+    such as ``"lm_head"``). Returns ``model``; a bare ``nn.Linear`` cannot be replaced in place, so its
+    ``Linear8bitLt`` copy is returned instead.
+
+    Left as they are: the ``out_proj`` of ``nn.MultiheadAttention`` (the attention reads its weight
+    directly instead of calling it) and subclasses of ``nn.Linear`` that define their own ``forward``."""
     if isinstance(skip, str):
         skip = [skip]
     skip = list(skip)
+    if _replaceable(model) and not _skipped("", skip):
+        return Linear8bitLt.from_linear(model, threshold=threshold, has_fp16_weights=has_fp16_weights)
+    attention = {name for name, mod in model.named_modules() if isinstance(mod, torch.nn.MultiheadAttention)}
     targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, torch.nn.Linear) and name and not _skipped(name, skip)]
+               if _replaceable(mod) and name and not _skipped(name, skip)
+               and name.rpartition(".")[0] not in attention]
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
