@@ -750,6 +750,32 @@ def test_module_surface_and_progress_print(capsys):
     assert "step=2," in out and "step=4," in out and "step=3," not in out and "grad_norm=" in out
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_engine_zero_grad_keeps_the_accumulated_gradients(set_to_none):
+    # A torch habit kept in a DeepSpeed loop: engine.zero_grad() before every micro-batch. DeepSpeed's
+    # accumulated gradients live in its optimizer, out of zero_grad's reach. zero8's stage 1 accumulates
+    # fp32 gradients in param.grad (a view of its buffer); zeroing it in place used to drop the earlier
+    # micro-batches of the accumulation without a word.
+    def run(zero_grad):
+        body, spare = make_model(), torch.nn.Linear(2, 2)  # spare: trainable, but not given to the engine
+        model = torch.nn.ModuleDict({"body": body, "spare": spare})
+        model.forward = body.forward
+        engine, _, _, _ = zero8.initialize(model=model, model_parameters=body.parameters(),
+                                           config=config(gas=2, stage=1, zero8=EXACT))
+        for s in range(3):
+            for k in range(2):
+                x, y = global_batch(DATA, 2 * s + k, B // 2)
+                if zero_grad:
+                    spare(torch.ones(2)).sum().backward()
+                    engine.zero_grad(set_to_none=set_to_none)
+                    assert spare.weight.grad is None if set_to_none else torch.count_nonzero(spare.weight.grad) == 0
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+        return body
+
+    assert params_equal(run(False), run(True))
+
+
 def test_wall_clock_breakdown_prints_times(capsys):
     engine, _, _, _ = engine_for(config(zero8=EXACT, steps_per_print=2, wall_clock_breakdown=True))
     train_engine(engine, DATA, 4, B)

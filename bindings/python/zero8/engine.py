@@ -652,6 +652,22 @@ class Zero8Engine(torch.nn.Module):
         self._dp = None
         self._world = None
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """DeepSpeed's engine.zero_grad(): clears the gradients of the module's parameters the engine does
+        not optimize (trainable ones left out of model_parameters). The others are the engine's: their
+        gradients are its accumulation buffers (in fp32, param.grad is a view of one), which backward and
+        step reduce and clear. Clearing them here would drop the micro-batches accumulated so far (stage 1),
+        where DeepSpeed's zero_grad cannot reach its accumulated gradients, so they are left alone."""
+        managed = set() if self.__dict__.get("_destroyed", True) else {id(p) for p in self._params}
+        for p in self.module.parameters():
+            if id(p) in managed or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().requires_grad_(False)
+                p.grad.zero_()
+
     def _check_live(self) -> None:
         if self._opt is None:
             raise RuntimeError("this zero8 engine was destroyed (engine.destroy() or interpreter exit)")
