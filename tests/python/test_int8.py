@@ -624,3 +624,21 @@ def test_convert_linear8bit_leaves_linears_it_cannot_replace_and_converts_a_bare
     assert isinstance(out, Linear8bitLt) and out.threshold == 0.0
     xs = torch.randn(3, 8)
     assert torch.equal(out(xs), Linear8bitLt.from_linear(lin, threshold=0.0)(xs))
+
+
+@pytest.mark.parametrize("make", [lambda: Linear8bitLt(16, 8), lambda: Linear8bitLt(16, 8, has_fp16_weights=True),
+                                  lambda: Int8Linear(16, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_batch_backpropagates_zero_gradients(make, dtype):
+    # As nn.Linear: an empty batch gives an empty output that is still part of the graph (backward used to
+    # fail with "does not require grad"), and zero gradients for the input and the trainable parameters.
+    m = make()
+    for shape in [(0, 16), (2, 0, 16)]:
+        m.zero_grad(set_to_none=True)
+        x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+        y = m(x)
+        assert y.shape == (*shape[:-1], 8) and y.dtype == dtype and y.requires_grad
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        for name, p in m.named_parameters():
+            assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any(), name

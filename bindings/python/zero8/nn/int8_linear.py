@@ -36,6 +36,7 @@ from .._C import Zero8ValueError
 from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code, ptr
 from .linear8bit import (
     _check_input,
+    _empty_linear,
     dequantize_blocks,
     dequantize_matmul,
     int8_mm,
@@ -242,8 +243,8 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features)
-        if x.numel() == 0:
-            return x.new_zeros(*x.shape[:-1], self.out_features)
+        if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
+            return _empty_linear(x, self.weight, self.bias)
         return _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact", self)
 
     def activation_memory(self) -> dict:

@@ -176,6 +176,12 @@ def _check_input(x: Tensor, in_features: int, name: str = "input") -> None:
         raise Zero8ValueError(f"{name} has shape {tuple(x.shape)}; its last dimension must be in_features={in_features}")
 
 
+def _empty_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``x W^T + b`` for an input without elements (its output is empty too), in the input's dtype and
+    connected to the graph, so backward gives zero gradients as ``nn.Linear`` does."""
+    return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
 # ---------------------------------------------------------------- LLM.int8()
 
 
@@ -340,8 +346,9 @@ class Linear8bitLt(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features)
-        if x.numel() == 0:
-            return x.new_zeros(*x.shape[:-1], self.out_features)
+        if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
+            w = self.weight if self.has_fp16_weights else x.new_zeros(()).expand(self.out_features, self.in_features)
+            return _empty_linear(x, w, self.bias)
         if self.has_fp16_weights:
             w_q, w_s = quantize_rows(self.weight.detach())
             w_fp = self.weight
