@@ -642,3 +642,16 @@ def test_empty_batch_backpropagates_zero_gradients(make, dtype):
         assert x.grad.shape == x.shape
         for name, p in m.named_parameters():
             assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any(), name
+
+
+def test_float64_weights_raise_errors_naming_the_layer_weight():
+    # The kernels take float32/bfloat16/float16: a float64 weight used to fail as "x has dtype float64",
+    # naming an internal argument.
+    with pytest.raises(zero8.Zero8ValueError, match="dtype"):
+        Linear8bitLt(8, 4, dtype=torch.float64)
+    with pytest.raises(zero8.Zero8ValueError, match="linear.weight"):
+        convert_linear8bit(torch.nn.Sequential(torch.nn.Linear(8, 4)).double())
+    x = torch.randn(2, 8)
+    for m in (Linear8bitLt(8, 4, has_fp16_weights=True).double(), Int8Linear(8, 4).double()):
+        with pytest.raises(zero8.Zero8ValueError, match=f"{type(m).__name__}.weight has dtype torch.float64"):
+            m(x)

@@ -36,6 +36,7 @@ from .._C import Zero8ValueError
 from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code, ptr
 from .linear8bit import (
     _check_input,
+    _check_weight,
     _empty_linear,
     dequantize_blocks,
     dequantize_matmul,
@@ -243,6 +244,7 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features)
+        _check_weight(self.weight, "Int8Linear.weight")
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
             return _empty_linear(x, self.weight, self.bias)
         return _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact", self)

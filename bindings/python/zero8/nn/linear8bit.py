@@ -176,6 +176,12 @@ def _check_input(x: Tensor, in_features: int, name: str = "input") -> None:
         raise Zero8ValueError(f"{name} has shape {tuple(x.shape)}; its last dimension must be in_features={in_features}")
 
 
+def _check_weight(w: Tensor, name: str) -> None:
+    # A float weight the kernels quantize (after model.double(), say): the error names the layer's weight.
+    if w.dtype not in FLOAT_DTYPES:
+        raise Zero8ValueError(f"{name} has dtype {w.dtype}; the int8 kernels take float32, bfloat16 or float16")
+
+
 def _empty_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``x W^T + b`` for an input without elements (its output is empty too), in the input's dtype and
     connected to the graph, so backward gives zero gradients as ``nn.Linear`` does."""
@@ -268,6 +274,8 @@ class Linear8bitLt(torch.nn.Module):
                                   f"{output_features}")
         if not (threshold >= 0):
             raise Zero8ValueError(f"threshold must be >= 0 (0 or inf: no outlier decomposition), got {threshold}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise Zero8ValueError(f"Linear8bitLt takes dtype float32, bfloat16 or float16, got {dtype}")
         self.in_features = input_features
         self.out_features = output_features
         self.threshold = float(threshold)
@@ -332,6 +340,7 @@ class Linear8bitLt(torch.nn.Module):
         m.has_fp16_weights = has_fp16_weights
         if linear.weight.device.type != "cpu":
             raise Zero8ValueError(f"linear.weight is on {linear.weight.device}; Linear8bitLt runs on CPU")
+        _check_weight(linear.weight, "linear.weight")
         if linear.bias is not None:
             m.bias = torch.nn.Parameter(linear.bias.detach().clone())
         else:
@@ -350,6 +359,7 @@ class Linear8bitLt(torch.nn.Module):
             w = self.weight if self.has_fp16_weights else x.new_zeros(()).expand(self.out_features, self.in_features)
             return _empty_linear(x, w, self.bias)
         if self.has_fp16_weights:
+            _check_weight(self.weight, "Linear8bitLt.weight")
             w_q, w_s = quantize_rows(self.weight.detach())
             w_fp = self.weight
         else:
