@@ -900,6 +900,21 @@ def test_model_parameters_and_dtypes_are_checked():
         zero8.initialize(model=make_model().bfloat16(), config=config(zero8=EXACT))
 
 
+def test_config_from_args_or_config_not_both(tmp_path):
+    # DeepSpeed reads args.deepspeed_config (a path) when config= is not given, and refuses both at once;
+    # zero8 used to take config= and ignore the file without a word.
+    import argparse
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config(gas=2, zero8=EXACT)))
+    engine, _, _, _ = zero8.initialize(args=argparse.Namespace(deepspeed_config=str(path), local_rank=0),
+                                       model=make_model())
+    assert engine.gradient_accumulation_steps() == 2
+    with pytest.raises(zero8.Zero8ValueError, match=r"both config= and args\.deepspeed_config"):
+        zero8.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=make_model(),
+                         config=config(zero8=EXACT))
+
+
 def test_unknown_keys_warn():
     cfg = config(zero8=EXACT, my_custom_key=1)
     cfg["zero_optimization"]["bogus_knob"] = True

@@ -1221,8 +1221,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     """deepspeed.initialize for zero8: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     - ``config``: a DeepSpeed config (dict, path or JSON text; ``args.deepspeed_config`` and
-      ``config_params`` as in DeepSpeed). It is validated in C++ (``zero8.Zero8ValueError`` naming the
-      key path); unknown keys warn once (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
+      ``config_params`` as in DeepSpeed, and as there config= with args.deepspeed_config is an error).
+      It is validated in C++ (``zero8.Zero8ValueError`` naming the key path); unknown keys warn once
+      (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
       communication (docs/CONFIG.md).
     - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
       Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and param_groups[0]
@@ -1243,8 +1244,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise Zero8NotSupportedError("initialize: mpu / mesh_param (model or pipeline parallelism) are not supported")
     if config is None and config_params is not None:
         config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "zero8_config", None)
+    args_key = next((k for k in ("deepspeed_config", "zero8_config") if getattr(args, k, None) is not None), None)
+    if config is not None and args_key is not None:
+        raise Zero8ValueError(
+            f"initialize: both config= and args.{args_key} ({getattr(args, args_key)!r}) were given; pass one "
+            f"(DeepSpeed refuses both too)")
+    if config is None and args_key is not None:
+        config = getattr(args, args_key)
     if config is None:
         raise Zero8ValueError("initialize: no config (pass config=, or args.deepspeed_config)")
     backend = raw_value(config, "zero8", "comm_backend", default="auto")
