@@ -941,6 +941,44 @@ def test_load_torch_optim_state_dict():
         zo.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ps]).load_state_dict(sd)
 
 
+def _stepped(opt_cls, **kw):
+    torch.manual_seed(4)
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = opt_cls([p], **kw)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("make_saved, load_into, match", [
+    # zero8 state dicts carry bitsandbytes' group aliases (SGD: betas = (momentum, dampening), eps = 0),
+    # which another algorithm would take for its own betas and eps.
+    (lambda: _stepped(zo.SGD8bit, lr=0.1, momentum=0.9).state_dict(), zo.AdamW8bit, "momentum"),
+    (lambda: _stepped(zo.AdamW8bit).state_dict(), zo.SGD8bit, "state2"),
+    (lambda: _stepped(zo.Lion8bit).state_dict(), zo.AdamW8bit, "state2"),
+    (lambda: _stepped(zo.AdamW8bit).state_dict(), zo.Lion8bit, "state2"),
+    (lambda: _stepped(zo.RMSprop).state_dict(), zo.Adagrad, "alpha"),
+    (lambda: _stepped(zo.Adagrad).state_dict(), zo.RMSprop, "lr_decay"),
+    (lambda: _stepped(zo.LAMB).state_dict(), zo.AdamW, "max_trust_ratio"),
+    (lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9).state_dict(), zo.AdamW, "momentum"),
+    (lambda: _stepped(torch.optim.Adam).state_dict(), zo.SGD, "exp_avg"),
+    (lambda: _stepped(torch.optim.Adam).state_dict(), zo.Lion, "exp_avg_sq"),
+])
+def test_state_dict_of_another_algorithm_is_refused(make_saved, load_into, match):
+    """A state dict saved by another algorithm is refused, naming what gives it away, instead of being read
+    as this one's (AdamW would continue with SGD's (momentum, dampening) as its betas and eps = 0, an SGD
+    with Adam's second moment dropped and beta2 as its dampening), and the optimizer is left unchanged."""
+    saved = make_saved()
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = load_into([p], lr=0.01)
+    before = copy.deepcopy(opt.param_groups[0])
+    with pytest.raises(ValueError, match=f"{match}.*another optimizer"):
+        opt.load_state_dict(saved)
+    assert len(opt.state) == 0 and opt.param_groups[0].keys() == before.keys()
+    assert all(opt.param_groups[0][k] == before[k] for k in before if k != "params")
+
+
 # ---------------------------------------------------------------------------------------------------
 # bitsandbytes interoperability (bitsandbytes' CPU build runs its 8-bit optimizers)
 

@@ -405,6 +405,14 @@ _TORCH_FLAGS_UNSUPPORTED = ("amsgrad", "maximize", "centered")
 _TORCH_GROUP_KEYS_DROPPED = frozenset({"amsgrad", "maximize", "centered", "foreach", "fused", "capturable",
                                        "differentiable", "decoupled_weight_decay"})
 
+# Group keys that tell the algorithms apart, and torch.optim's state names (Adam, SGD, RMSprop, Adagrad;
+# lion-pytorch's exp_avg): a saved group or state holding one that this optimizer neither has nor reads
+# was saved by another algorithm, and its values would be misread (e.g. SGD's bitsandbytes alias
+# betas = (momentum, dampening) as Adam's betas).
+_ALGO_GROUP_KEYS = ("momentum", "dampening", "nesterov", "alpha", "lr_decay", "initial_accumulator_value",
+                    "trust_coefficient", "bias_correction", "max_trust_ratio", "min_trust_ratio")
+_TORCH_STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum")
+
 
 def fixed_bits(base: type, bits: int, name: str, doc: str) -> type:
     """A subclass of `base` that always keeps `bits`-bit states (bitsandbytes' Adam8bit / Adam32bit
@@ -730,11 +738,36 @@ class Optimizer8bit(torch.optim.Optimizer):
         return {}
 
     def _check_saved_group(self, saved: Dict[str, Any], index: int) -> None:
-        """Refuse a saved group whose torch.optim flags ask for an update this optimizer does not make."""
+        """Refuse a saved group whose torch.optim flags ask for an update this optimizer does not make, or
+        that holds another algorithm's hyperparameters."""
         for flag in _TORCH_FLAGS_UNSUPPORTED:
             if saved.get(flag):
                 _unsupported(f"{flag} (saved param_groups[{index}])", saved[flag],
                              f"{type(self).__name__} cannot continue an optimizer that used it")
+        foreign = [k for k in _ALGO_GROUP_KEYS
+                   if k in saved and k not in self._GROUP_KEYS and k not in self._BNB_ONLY_KEYS]
+        if foreign:
+            raise Zero8ValueError(f"saved param_groups[{index}] has {', '.join(foreign)}, which "
+                                  f"{type(self).__name__} does not have: was this state dict saved by another "
+                                  f"optimizer?")
+
+    def _check_saved_states(self, saved: Dict[str, Any], where: str) -> None:
+        """Refuse a saved parameter state with another algorithm's states (or number of states)."""
+        name = type(self).__name__
+        own = self._TORCH_STATE_KEYS[:self.num_states]
+        foreign = [k for k in _TORCH_STATE_NAMES if k not in own and saved.get(k) is not None]
+        if self.num_states == 1 and saved.get("state2") is not None:
+            foreign.append("state2")
+        if foreign:
+            raise Zero8ValueError(f"{where} holds {', '.join(foreign)}, which {name} does not keep: was this "
+                                  f"state dict saved by another optimizer?")
+        if self.num_states == 2:
+            has = [saved.get(f"state{i}") is not None or saved.get(self._TORCH_STATE_KEYS[i - 1]) is not None
+                   for i in (1, 2)]
+            if has[0] != has[1]:
+                i = 2 if has[0] else 1
+                raise Zero8ValueError(f"{where} lacks state{i} ({self._TORCH_STATE_KEYS[i - 1]}), which {name} "
+                                      f"keeps: was this state dict saved by another optimizer?")
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's state_dict (the live state tensors, parameters by index) with bitsandbytes' group
@@ -752,7 +785,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         form), or by torch.optim's (``exp_avg``, ``momentum_buffer``...). Each state is converted to what
         this optimizer's config chooses for the parameter: 8-bit codes are kept as they are when the map
         and block size agree, and otherwise decoded and re-encoded; 8-bit <-> 32-bit converts values. The
-        tensors are copied (the loaded optimizer never shares memory with the saved dict).
+        tensors are copied (the loaded optimizer never shares memory with the saved dict). A state dict
+        with another algorithm's hyperparameters (SGD's momentum in AdamW...) or states (a second moment
+        in SGD, none in Adam) is refused (Zero8ValueError), the optimizer unchanged.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -811,6 +846,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         saved = dict(saved)
         if isinstance(saved.get(_BNB_WRAPPER_KEY), dict):
             saved.update(saved.pop(_BNB_WRAPPER_KEY))
+        self._check_saved_states(saved, where)
         n = p.numel()
         step = saved.get("step", 0)
         step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
