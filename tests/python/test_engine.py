@@ -342,6 +342,25 @@ def test_lr_schedule_classes_match_deepspeed_rules():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * (20 - 15) / (20 - 10))
 
 
+def test_warmup_cosine_class_scales_each_group_lr():
+    # DeepSpeed's WarmupCosineLR multiplies each param group's own lr (as at construction) by the
+    # schedule's ratio; the class used to write group 0's scaled lr into every group.
+    from zero8.lr_schedules import WarmupCosineLR
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.01}])
+    s = WarmupCosineLR(opt, total_num_steps=100, warmup_num_steps=10, warmup_type="linear")
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]  # t = -1: warmup_min_ratio 0
+    for _ in range(20):
+        s.step()
+    t, w, total, rc = 19, 10, 100, 1e-4  # docs/CONFIG.md, "Scheduler"
+    ratio = rc + (1 - rc) * (1 + math.cos(math.pi * min(1, (t - w + 1) / (total - w)))) / 2
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 * ratio, 0.01 * ratio], rel=1e-12)
+    assert s.get_last_lr() == [g["lr"] for g in opt.param_groups]
+    s.load_state_dict({"last_batch_iteration": 4})  # warmup, linear: ratio t / W
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 * 0.4, 0.01 * 0.4], rel=1e-12)
+
+
 # ---- client optimizers and schedulers ----
 
 def test_client_torch_adamw_equals_config_optimizer():

@@ -100,19 +100,21 @@ def scheduler_from_config(optimizer, config_json: str, world_size: int, base_lr:
     return Zero8LRScheduler(optimizer, schedule)
 
 
-def _optimizer_section(optimizer) -> dict:
+def _optimizer_section(optimizer, lr: float | None = None) -> dict:
     # OneCycle cycles beta1 for optimizers with betas (the C++ rule); an Adam section says "has betas".
     group = optimizer.param_groups[0]
+    lr = float(group["lr"]) if lr is None else lr
     if "betas" in group:
         b1, b2 = group["betas"]
-        return {"type": "Adam", "params": {"lr": float(group["lr"]), "betas": [float(b1), float(b2)]}}
-    return {"type": "SGD", "params": {"lr": float(group["lr"])}}
+        return {"type": "Adam", "params": {"lr": lr, "betas": [float(b1), float(b2)]}}
+    return {"type": "SGD", "params": {"lr": lr}}
 
 
-def _build(optimizer, type_name: str, params: dict) -> "_C.Scheduler":
+def _build(optimizer, type_name: str, params: dict, base_lr: float | None = None) -> "_C.Scheduler":
+    """The C++ schedule; base_lr: the optimizer lr the schedule scales (default: param group 0's)."""
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
-        "optimizer": _optimizer_section(optimizer),
+        "optimizer": _optimizer_section(optimizer, base_lr),
         "scheduler": {"type": type_name, "params": params},
     }
     normalized, _ = _C.config_parse(json.dumps(cfg), 1, f"zero8.lr_schedules.{type_name}")
@@ -143,15 +145,22 @@ class WarmupDecayLR(Zero8LRScheduler):
 
 
 class WarmupCosineLR(Zero8LRScheduler):
-    """deepspeed.runtime.lr_schedules.WarmupCosineLR: a ratio of the optimizer's lr, warmed up from
-    warmup_min_ratio to 1, then cosine down to cos_min_ratio at total_num_steps."""
+    """deepspeed.runtime.lr_schedules.WarmupCosineLR: a ratio of each param group's lr (as it was at
+    construction), warmed up from warmup_min_ratio to 1, then cosine down to cos_min_ratio at
+    total_num_steps."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
                  cos_min_ratio: float = 0.0001, warmup_type: str = "log", last_batch_iteration: int = -1):
         params = dict(total_num_steps=total_num_steps, warmup_min_ratio=warmup_min_ratio,
                       warmup_num_steps=warmup_num_steps, cos_min_ratio=cos_min_ratio, warmup_type=warmup_type)
-        super().__init__(optimizer, _build(optimizer, "WarmupCosineLR", params),
+        # The schedule over a base lr of 1 is the ratio; every group scales its own lr by it, as DeepSpeed.
+        self.org_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        super().__init__(optimizer, _build(optimizer, "WarmupCosineLR", params, base_lr=1.0),
                          last_batch_iteration)
+
+    def get_lr(self) -> list[float]:
+        ratio = float(self.schedule.lr_at(self.last_batch_iteration))
+        return [lr * ratio for lr in self.org_lrs]
 
 
 class OneCycle(Zero8LRScheduler):
