@@ -941,6 +941,25 @@ def test_load_torch_optim_state_dict():
         zo.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ps]).load_state_dict(sd)
 
 
+def test_loaded_groups_share_nothing_with_the_saved_dict():
+    """A tensor lr (which torch's schedulers update in place) or a list in a loaded group is the loaded
+    optimizer's own: a scheduler on the loaded copy leaves the saved optimizer's lr alone."""
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = zo.AdamW([p], lr=torch.tensor(0.01))
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()  # its groups hold the live values, as torch's do
+    sd["param_groups"][0]["custom"] = [1, 2]
+    q = torch.nn.Parameter(p.detach().clone())
+    loaded = zo.AdamW([q], lr=torch.tensor(0.01))
+    loaded.load_state_dict(sd)
+    torch.optim.lr_scheduler.LambdaLR(loaded, lambda epoch: 0.1)  # fills loaded's lr tensor with 0.001
+    loaded.param_groups[0]["custom"].append(3)
+    assert loaded.param_groups[0]["lr"].item() == pytest.approx(1e-3)
+    assert opt.param_groups[0]["lr"].item() == pytest.approx(1e-2)
+    assert sd["param_groups"][0]["custom"] == [1, 2]
+
+
 def _stepped(opt_cls, **kw):
     torch.manual_seed(4)
     p = torch.nn.Parameter(torch.randn(5000))

@@ -32,6 +32,7 @@ Whether a parameter gets 8-bit states is decided once, at its first step, on the
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import math
@@ -795,7 +796,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         groups = self.param_groups
-        saved_groups = state_dict["param_groups"]
+        saved_groups = copy.deepcopy(state_dict["param_groups"])  # a tensor lr is updated in place by schedulers
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
