@@ -267,6 +267,25 @@ def test_fp16_dynamic_loss_scale_and_overflow_skip(baseline):
     loss_close(losses, ref_losses)
 
 
+def test_fp16_skipped_step_keeps_the_last_grad_norm(capsys):
+    # DeepSpeed's ZeRO optimizer returns before computing the norm when it skips an fp16 step, so
+    # get_global_grad_norm() still gives the last applied step's; zero8 used to report 0.0 instead, a
+    # value that reads like vanishing gradients in a log.
+    engine, _, _, _ = engine_for(config(zero8=EXACT, fp16={"enabled": True, "initial_scale_power": 10},
+                                        steps_per_print=1))
+    assert engine.get_global_grad_norm() is None  # no step yet
+    train_engine(engine, DATA, 1, B, dtype=torch.float16)
+    norm = engine.get_global_grad_norm()
+    assert norm > 0.1
+    x, y = global_batch(DATA, 1, B)
+    engine.backward(loss_fn(engine(x.half()), y) * math.inf)
+    engine.step()
+    assert engine.was_step_skipped() and engine.get_global_grad_norm() == norm
+    assert "step=2, skipped=1" in capsys.readouterr().out.splitlines()[-1]
+    train_engine(engine, DATA, 1, B, dtype=torch.float16)
+    assert not engine.was_step_skipped() and engine.get_global_grad_norm() not in (norm, 0.0)
+
+
 def test_fp16_auto_cast():
     engine, model, _, _ = engine_for(config(zero8=EXACT, fp16={"enabled": True, "auto_cast": True}))
     x, _ = global_batch(DATA, 0, B)

@@ -413,6 +413,7 @@ class Zero8Engine(torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._last_info: dict | None = None
+        self._grad_norm: float | None = None  # of the last applied step (a skipped one computes none)
         self._step_applied = False
         self._backward_done = False
         self._in_step = False  # engine.step() is calling optimizer.step()
@@ -726,7 +727,9 @@ class Zero8Engine(torch.nn.Module):
         return out
 
     def get_global_grad_norm(self) -> float | None:
-        return None if self._last_info is None else float(self._last_info["grad_norm"])
+        """The global gradient norm (before clipping) of the last applied step, None before the first.
+        As in DeepSpeed, a step skipped on an fp16 overflow leaves the previous step's value."""
+        return self._grad_norm
 
     def was_step_skipped(self) -> bool:
         return self._last_info is not None and bool(self._last_info["skipped"]) and not self._step_applied
@@ -840,6 +843,7 @@ class Zero8Engine(torch.nn.Module):
                     )
             else:
                 self._step_applied = True
+                self._grad_norm = float(info["grad_norm"])
                 if self.lr_scheduler is not None:
                     opt = getattr(self.lr_scheduler, "optimizer", None)
                     if opt is not None:
@@ -852,10 +856,10 @@ class Zero8Engine(torch.nn.Module):
         self.micro_steps += 1
 
     def _report_progress(self) -> None:
-        info = self._last_info or {}
+        norm = self._grad_norm
         self._log(
             f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
-            f"loss_scale={float(self._opt.loss_scale)}, grad_norm={info.get('grad_norm', 0.0):.6g}"
+            f"loss_scale={float(self._opt.loss_scale)}, grad_norm={0.0 if norm is None else norm:.6g}"
         )
         t = self._timers
         if self._wall_clock and t["micro"] and t["steps"]:
@@ -1107,6 +1111,7 @@ class Zero8Engine(torch.nn.Module):
                     self.lr_scheduler.load_state_dict(sched)
             self._apply_hyper()
         self._last_info = None
+        self._grad_norm = None
         self._backward_done = False
         client_state: dict = {}
         if state is not None:
