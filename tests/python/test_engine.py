@@ -291,6 +291,22 @@ def test_fp16_auto_cast():
     x, _ = global_batch(DATA, 0, B)
     assert engine(x).dtype == torch.float16  # fp32 input cast by the engine
 
+    # A batch as one container, as DeepSpeed casts it too: floating tensors inside lists, tuples and dicts
+    # (it used to cast only top-level arguments, so the model got fp32 and failed on the dtype).
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = make_model()
+
+        def forward(self, batch):
+            x, (mask,) = batch["x"], batch["aux"]
+            assert mask.dtype == torch.int64  # integer tensors are left alone
+            return self.body(x)
+
+    engine, _, _, _ = zero8.initialize(model=Net(), config=config(zero8=EXACT, fp16={"enabled": True,
+                                                                                  "auto_cast": True}))
+    assert engine({"x": x, "aux": (torch.ones(3, dtype=torch.int64),)}).dtype == torch.float16
+
 
 # ---- schedules: DeepSpeed's positions ----
 

@@ -29,6 +29,7 @@ import time
 import types
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -1199,8 +1200,20 @@ def _check_engine_state(state: dict, src: str) -> None:
 
 
 def _cast_floating(x, dtype):
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.to(dtype)
+    """fp16 auto_cast of a forward input: floating tensors, also inside lists, tuples and mappings (a
+    batch passed as one container, which DeepSpeed casts too); other values as they are."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, Mapping):
+        cast = {k: _cast_floating(v, dtype) for k, v in x.items()}
+        try:
+            return cast if type(x) is dict else type(x)(cast)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return cast
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_cast_floating(v, dtype) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floating(v, dtype) for v in x)
     return x
 
 
