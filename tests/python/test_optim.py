@@ -1241,6 +1241,34 @@ def test_bad_values_at_step_time_and_in_added_groups():
         zo.LAMB8bit(_p(), max_unorm=0.5)
 
 
+@pytest.mark.parametrize("make, key, value, match", [
+    (lambda p: zo.AdamW8bit([p]), "betas", (0.9,), r"betas.*2 values"),
+    (lambda p: zo.AdamW8bit([p]), "betas", (0.9, 0.99, 0.999), r"betas.*2 values"),  # was: the first two
+    (lambda p: zo.Lion8bit([p]), "betas", (0.9, 1.0), r"betas\[1\]"),
+    (lambda p: zo.RMSprop8bit([p]), "alpha", 1.0, "alpha"),  # was: the kernel's name, 'beta2'
+    (lambda p: zo.SGD8bit([p], lr=0.1), "momentum", 1.5, "momentum"),  # was: 'beta1'
+    (lambda p: zo.SGD8bit([p], lr=0.1, momentum=0.9), "nesterov", "yes", "nesterov"),
+])
+def test_hyperparameters_set_after_construction_are_checked_by_name(make, key, value, match):
+    """A group value changed after construction (by hand or by a scheduler) is checked at step() with the
+    constructor's messages, naming the key and the group, before any parameter is updated; a per-parameter
+    override when it is made."""
+    p = torch.nn.Parameter(torch.zeros(10))
+    opt = make(p)
+    with pytest.raises(ValueError, match=match):
+        opt.override_config(p, key, value)
+    with pytest.raises(ValueError, match=match):
+        zo.GlobalOptimManager.get_instance().override_config(p, key, value)
+    opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(3))]))
+    opt.param_groups[1][key] = value
+    for q in (p, opt.param_groups[1]["params"][0]):
+        q.grad = torch.ones_like(q)
+    with pytest.raises(ValueError, match=match) as err:
+        opt.step()
+    assert "(param_groups[1])" in str(err.value)
+    assert len(opt.state) == 0  # every group is checked before any parameter moves
+
+
 def test_sparse_gradients_are_rejected():
     emb = torch.nn.Embedding(100, 8, sparse=True)
     opt = zo.Adam8bit(emb.parameters())

@@ -131,10 +131,7 @@ def _check_override(config: Dict[str, Any]) -> Dict[str, Any]:
     for k, v in config.items():
         if k not in _OVERRIDE_KEYS:
             raise Zero8ValueError(f"override key {k!r} is unknown; valid keys: {', '.join(sorted(_OVERRIDE_KEYS))}")
-    if "optim_bits" in config:
-        _check_bits(config["optim_bits"], "optim_bits")
-    if "min_8bit_size" in config:
-        _check_min_8bit_size(config["min_8bit_size"], "min_8bit_size")
+        _GROUP_CHECKS[k](v, k)
     return config
 
 
@@ -303,8 +300,9 @@ def _check_betas(value, name: str = "betas", count: int = 2) -> Tuple[float, ...
         raise Zero8ValueError(f"Invalid {name}: {value!r} (must be a pair of floats)") from None
     if len(betas) != count:
         raise Zero8ValueError(f"Invalid {name}: {value!r} (must hold {count} values)")
+    key, _, where = name.partition(" (")  # "betas (param_groups[1])" -> "betas[0] (param_groups[1])"
     for i, b in enumerate(betas):
-        _check_unit(b, f"{name}[{i}]")
+        _check_unit(b, f"{key}[{i}]" + (f" ({where}" if where else ""))
     return betas
 
 
@@ -520,6 +518,15 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_group(self, group: Dict[str, Any], index: int) -> None:
         where = "" if index == 0 else f" (param_groups[{index}])"
+        self._check_hyper(group, where)
+        for i, p in enumerate(group["params"]):
+            if p.dtype not in FLOAT_DTYPES:
+                raise Zero8ValueError(f"params[{i}]{where} has dtype {p.dtype}; zero8 optimizers take float32, "
+                                      f"bfloat16 or float16 parameters")
+
+    def _check_hyper(self, group: Dict[str, Any], where: str) -> None:
+        """The group's hyperparameters and 8-bit knobs, checked by name (at construction, add_param_group
+        and load_state_dict, and at each step for values changed since)."""
         for key in self._GROUP_KEYS + ("optim_bits", "min_8bit_size"):
             if key in group:
                 _GROUP_CHECKS[key](group[key], key + where)
@@ -529,10 +536,6 @@ class Optimizer8bit(torch.optim.Optimizer):
                                       or _num(group.get("dampening", 0), "dampening") != 0):
             raise Zero8ValueError(f"Invalid nesterov{where}: Nesterov momentum requires a momentum > 0 and "
                                   f"zero dampening")
-        for i, p in enumerate(group["params"]):
-            if p.dtype not in FLOAT_DTYPES:
-                raise Zero8ValueError(f"params[{i}]{where} has dtype {p.dtype}; zero8 optimizers take float32, "
-                                      f"bfloat16 or float16 parameters")
 
     def override_config(self, parameters, key: Optional[str] = None, value=None,
                         key_value_dict: Optional[Dict[str, Any]] = None, **kwargs) -> None:
@@ -632,6 +635,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         mng = GlobalOptimManager.get_instance()
         check_global = mng.has_overrides()
         check_own = len(self._overrides) > 0
+        for gi, group in enumerate(self.param_groups):  # values changed since construction (a scheduler...)
+            self._check_hyper(group, f" (param_groups[{gi}])")
         for gi, group in enumerate(self.param_groups):
             group_hyper = None
             for pi, p in enumerate(group["params"]):
