@@ -1269,6 +1269,23 @@ def test_hyperparameters_set_after_construction_are_checked_by_name(make, key, v
     assert len(opt.state) == 0  # every group is checked before any parameter moves
 
 
+@pytest.mark.parametrize("cls", [zo.AdamW8bit, zo.Lion8bit, zo.LAMB8bit])
+def test_betas_given_as_a_string_step_as_the_tuple(cls):
+    """bitsandbytes takes betas as a command-line string '(0.8, 0.9)': the group holds the numbers, and the
+    optimizer steps as with betas=(0.8, 0.9) (the string used to pass the check and fail at step())."""
+    torch.manual_seed(7)
+    w, grads = torch.randn(5000), [torch.randn(5000) for _ in range(3)]
+    ps = [torch.nn.Parameter(w.clone()) for _ in range(2)]
+    opts = [cls([ps[0]], betas="(0.8, 0.9)"), cls([ps[1]], betas=(0.8, 0.9))]
+    opts[0].add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(3))], betas=" 0.7 , 0.95"))
+    assert opts[0].param_groups[0]["betas"] == (0.8, 0.9) and opts[0].param_groups[1]["betas"] == (0.7, 0.95)
+    for g in grads:
+        for p, opt in zip(ps, opts):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.equal(ps[0], ps[1])
+
+
 def test_sparse_gradients_are_rejected():
     emb = torch.nn.Embedding(100, 8, sparse=True)
     opt = zo.Adam8bit(emb.parameters())

@@ -518,6 +518,8 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_group(self, group: Dict[str, Any], index: int) -> None:
         where = "" if index == 0 else f" (param_groups[{index}])"
+        if isinstance(group.get("betas"), str):  # '(0.9, 0.999)' from a command line: the numbers
+            group["betas"] = _check_betas(group["betas"], "betas" + where)
         self._check_hyper(group, where)
         for i, p in enumerate(group["params"]):
             if p.dtype not in FLOAT_DTYPES:
