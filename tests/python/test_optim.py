@@ -960,6 +960,13 @@ def test_loaded_groups_share_nothing_with_the_saved_dict():
     assert sd["param_groups"][0]["custom"] == [1, 2]
 
 
+def _bnb_form(sd):
+    """A 2-state zero8 state dict with the group keys bitsandbytes' 2-state optimizers save."""
+    for g in sd["param_groups"]:
+        g.update(alpha=0.0, t_alpha=None, t_beta3=None)
+    return sd
+
+
 def _stepped(opt_cls, **kw):
     torch.manual_seed(4)
     p = torch.nn.Parameter(torch.randn(5000))
@@ -983,6 +990,9 @@ def _stepped(opt_cls, **kw):
     (lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9).state_dict(), zo.AdamW, "momentum"),
     (lambda: _stepped(torch.optim.Adam).state_dict(), zo.SGD, "exp_avg"),
     (lambda: _stepped(torch.optim.Adam).state_dict(), zo.Lion, "exp_avg_sq"),
+    # bitsandbytes' 2-state groups carry its AdEMAMix keys (alpha, t_alpha, t_beta3); RMSprop would read
+    # their betas as (alpha, momentum) and blame a momentum of 0.999.
+    (lambda: _bnb_form(_stepped(zo.AdamW8bit).state_dict()), zo.RMSprop8bit, "t_alpha"),
 ])
 def test_state_dict_of_another_algorithm_is_refused(make_saved, load_into, match):
     """A state dict saved by another algorithm is refused, naming what gives it away, instead of being read

@@ -409,7 +409,8 @@ _TORCH_GROUP_KEYS_DROPPED = frozenset({"amsgrad", "maximize", "centered", "forea
 # was saved by another algorithm, and its values would be misread (e.g. SGD's bitsandbytes alias
 # betas = (momentum, dampening) as Adam's betas).
 _ALGO_GROUP_KEYS = ("momentum", "dampening", "nesterov", "alpha", "lr_decay", "initial_accumulator_value",
-                    "trust_coefficient", "bias_correction", "max_trust_ratio", "min_trust_ratio")
+                    "trust_coefficient", "bias_correction", "max_trust_ratio", "min_trust_ratio",
+                    "t_alpha", "t_beta3")  # the last two: in bitsandbytes' 2-state groups only
 _TORCH_STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum")
 
 
