@@ -72,15 +72,17 @@ void init_sharded(py::module_& m) {
   m.attr("GROUP_FP32") = int(Group::fp32);
 
   py::class_<ParamSpec>(m, "ParamSpec", "One model parameter, in model order.")
-      .def(py::init([](std::string name, std::vector<int64_t> shape, bool fp32_state) {
-             return ParamSpec{std::move(name), std::move(shape), fp32_state};
+      .def(py::init([](std::string name, std::vector<int64_t> shape, bool fp32_state, int hyper_group) {
+             return ParamSpec{std::move(name), std::move(shape), fp32_state, hyper_group};
            }),
-           py::arg("name"), py::arg("shape"), py::arg("fp32_state") = false)
+           py::arg("name"), py::arg("shape"), py::arg("fp32_state") = false, py::arg("hyper_group") = 0)
       .def_readwrite("name", &ParamSpec::name)
       .def_readwrite("shape", &ParamSpec::shape)
       .def_readwrite("fp32_state", &ParamSpec::fp32_state, "force 32-bit optimizer state (StableEmbedding)")
+      .def_readwrite("hyper_group", &ParamSpec::hyper_group, "the hyperparameter set (param group) that steps it")
       .def("numel", &ParamSpec::numel)
-      .def("__repr__", [](py::handle self) { return repr_fields(self, "ParamSpec", {"name", "shape", "fp32_state"}); });
+      .def("__repr__",
+           [](py::handle self) { return repr_fields(self, "ParamSpec", {"name", "shape", "fp32_state", "hyper_group"}); });
 
   py::class_<ShardConfig>(m, "ShardConfig",
                           "Configuration of the sharded optimizer (flat: layout and loss-scaler fields included). "
@@ -100,6 +102,8 @@ void init_sharded(py::module_& m) {
           "parameters with fewer elements keep fp32 states (decided per whole parameter)")
       .def_readwrite("algo", &ShardConfig::algo)
       .def_readwrite("hyper", &ShardConfig::hyper, "hyper.step is managed by the optimizer")
+      .def_readwrite("group_hypers", &ShardConfig::group_hypers,
+                     "one Hyper per hyper group (ParamSpec.hyper_group); empty: every group starts from hyper")
       .def_readwrite("bits", &ShardConfig::bits, "state bits of the 8-bit group (8 or 32)")
       .def_readwrite("initial_accumulator", &ShardConfig::initial_accumulator)
       .def_readwrite("stage", &ShardConfig::stage, "1: reduce at the accumulation boundary; 2: per bucket in backward")
@@ -250,7 +254,16 @@ void init_sharded(py::module_& m) {
           py::cpp_function([](ShardedOptimizer& o) -> optim::Hyper& { return o.hyper(); },
                            py::return_value_policy::reference_internal),
           [](ShardedOptimizer& o, const optim::Hyper& h) { o.hyper() = h; },
-          "The hyperparameters of the next steps, by reference (opt.hyper.lr = x changes them; step is managed).")
+          "The hyperparameters of the next steps of hyper group 0, by reference (opt.hyper.lr = x changes them; "
+          "step is managed).")
+      .def_property_readonly("num_hyper_groups", &ShardedOptimizer::num_hyper_groups)
+      .def(
+          "group_hyper", [](ShardedOptimizer& o, int g) -> optim::Hyper& { return o.hyper(g); },
+          py::arg("hyper_group"), py::return_value_policy::reference_internal,
+          "The hyperparameters of one hyper group, by reference (validated at every step).")
+      .def(
+          "set_group_hyper", [](ShardedOptimizer& o, int g, const optim::Hyper& h) { o.hyper(g) = h; },
+          py::arg("hyper_group"), py::arg("hyper"))
       .def_property_readonly("loss_scale", &ShardedOptimizer::loss_scale)
       .def_property("steps", &ShardedOptimizer::steps, &ShardedOptimizer::set_steps)
       .def_property_readonly("rank", &ShardedOptimizer::rank)

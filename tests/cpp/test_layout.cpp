@@ -96,6 +96,62 @@ TEST(Layout, SegmentsSplitRangesAtTensorBoundaries) {
   EXPECT_EQ(total, gl.numel);
 }
 
+TEST(Layout, HyperGroupsAreRunsStartingOnStateBlocks) {
+  // One hyper group: the parameters sit in model order with no gaps (the layout of every checkpoint
+  // saved before hyper groups existed).
+  const Layout one = Layout::build(odd_params(), LayoutConfig{2, 256, 2048, 4096});
+  for (int g = 0; g < kNumGroups; ++g) {
+    const GroupLayout& gl = one.groups[g];
+    ASSERT_EQ(gl.runs.size(), 1u);
+    int64_t off = 0;
+    for (int p : gl.params) {
+      EXPECT_EQ(one.slots[p].offset, off);
+      off += one.slots[p].numel;
+    }
+    EXPECT_EQ(gl.numel, off);
+    EXPECT_EQ(gl.runs[0].begin, 0);
+    EXPECT_EQ(gl.runs[0].end, off);
+  }
+  EXPECT_EQ(one.num_hyper_groups, 1);
+  // Groups 2, 0, 1 spread over the model: each group's parameters in model order, groups in index
+  // order, each run on a state block, nothing overlapping.
+  std::vector<ParamSpec> p = odd_params();
+  const int hg[] = {2, 1, 0, 1, 2, 0};
+  for (size_t i = 0; i < p.size(); ++i) p[i].hyper_group = hg[i];
+  for (int32_t sb : {64, 256}) {
+    const Layout l = Layout::build(p, LayoutConfig{3, sb, 2048, 4096});
+    EXPECT_EQ(l.num_hyper_groups, 3);
+    for (int g = 0; g < kNumGroups; ++g) {
+      const GroupLayout& gl = l.groups[g];
+      int64_t end = 0;
+      int last_group = -1;
+      for (const HyperRun& r : gl.runs) {
+        EXPECT_GT(r.hyper_group, last_group);
+        EXPECT_EQ(r.begin % sb, 0) << "run of hyper group " << r.hyper_group;
+        EXPECT_GE(r.begin, end);
+        EXPECT_LT(r.begin - end, sb);  // the padding is less than one block
+        int64_t off = r.begin;
+        for (int i : gl.params)
+          if (p[size_t(i)].hyper_group == r.hyper_group) {
+            EXPECT_EQ(l.slots[i].offset, off) << p[size_t(i)].name;
+            off += l.slots[i].numel;
+          }
+        EXPECT_EQ(r.end, off);
+        end = r.end;
+        last_group = r.hyper_group;
+      }
+      EXPECT_EQ(gl.numel, end);
+    }
+    // q8: embed (2), w1 (0), w2 (2) -> runs of groups 0 and 2; fp32: ln.bias (1), emb.stable (1), tiny (0).
+    EXPECT_EQ(l.group(Group::q8).runs.size(), 2u);
+    EXPECT_EQ(l.slots[2].offset, 0);                                 // w1, group 0, first
+    EXPECT_EQ(l.slots[0].offset, (37 * 997 + sb - 1) / sb * sb);     // embed, group 2, on the next block
+    EXPECT_EQ(l.slots[4].offset, l.slots[0].offset + 1031 * 37);     // w2 follows embed
+    EXPECT_EQ(l.slots[5].offset, 0);                                 // tiny, fp32 group 0
+    EXPECT_EQ(l.slots[1].offset, (4095 + sb - 1) / sb * sb);         // ln.bias, fp32 group 1
+  }
+}
+
 TEST(Layout, BadInputNamesTheProblem) {
   auto msg = [](std::vector<ParamSpec> p, LayoutConfig c) {
     try {
@@ -108,6 +164,8 @@ TEST(Layout, BadInputNamesTheProblem) {
   EXPECT_NE(msg({{"a", {3}}, {"a", {4}}}, {}).find("duplicate parameter name 'a'"), std::string::npos);
   EXPECT_NE(msg({{"", {3}}}, {}).find("empty name"), std::string::npos);
   EXPECT_NE(msg({{"w", {3, -1}}}, {}).find("'w'"), std::string::npos);
+  EXPECT_NE(msg({{"w", {3}, false, -1}}, {}).find("'w' has hyper_group -1"), std::string::npos);
+  EXPECT_NE(msg({{"w", {3}, false, kMaxHyperGroups}}, {}).find("'w' has hyper_group 65536"), std::string::npos);
   EXPECT_NE(msg({{"w", {3}}}, {0, 256, 2048, 4096}).find("'world'"), std::string::npos);
   EXPECT_NE(msg({{"w", {3}}}, {1, 100, 2048, 4096}).find("'state_block'"), std::string::npos);
   EXPECT_NE(msg({{"w", {3}}}, {1, 256, 8192, 4096}).find("'wire_block'"), std::string::npos);

@@ -513,7 +513,8 @@ json manifest_to_json(const Manifest& m) {
                           {"group", p.group},
                           {"offset", p.offset},
                           {"numel", p.numel},
-                          {"fp32_state", p.fp32_state}});
+                          {"fp32_state", p.fp32_state},
+                          {"hyper_group", p.hyper_group}});
   j["params"] = std::move(params);
   json files = json::array();
   for (const FileInfo& f : m.files) files.push_back(file_to_json(f));
@@ -908,7 +909,7 @@ Manifest manifest_of(ShardedOptimizer& opt) {
   m.algo = cfg.algo;
   m.state_bits = cfg.bits;
   m.num_states = optim::algo_num_states(cfg.algo);
-  m.hyper = cfg.hyper;
+  m.hyper = opt.hyper(0);
   m.initial_accumulator = cfg.initial_accumulator;
   m.state_block = lay.cfg.state_block;
   m.wire_block = lay.cfg.wire_block;
@@ -936,7 +937,7 @@ Manifest manifest_of(ShardedOptimizer& opt) {
   for (size_t i = 0; i < lay.params.size(); ++i) {
     const shard::ParamSlot& s = lay.slots[i];
     m.params.push_back(ParamInfo{lay.params[i].name, lay.params[i].shape, shard::group_name(s.group), s.offset, s.numel,
-                                 lay.params[i].fp32_state});
+                                 lay.params[i].fp32_state, lay.params[i].hyper_group});
   }
   return m;
 }
@@ -1226,6 +1227,12 @@ void compat_check(const Manifest& m, ShardedOptimizer& opt, const std::string& s
   if (m.state_bits == 8 && m.state_block != lay.cfg.state_block)
     CKPT_FAIL(src, "different state block size: " + std::to_string(m.state_block) + " in the checkpoint, " +
                      std::to_string(lay.cfg.state_block) + " in this optimizer (8-bit blocks cannot be re-cut)");
+  for (size_t i = 0; i < n; ++i)
+    if (m.params[i].hyper_group != lay.params[i].hyper_group)
+      CKPT_FAIL(src, "parameter '" + m.params[i].name + "' is in param group " + std::to_string(m.params[i].hyper_group) +
+                       " in the checkpoint, param group " + std::to_string(lay.params[i].hyper_group) +
+                       " here (the optimizer states are laid out by param group; load with the same groups, or "
+                       "without the optimizer states)");
   for (size_t i = 0; i < n; ++i)
     if (m.params[i].group != shard::group_name(lay.slots[i].group))
       CKPT_FAIL(src, "parameter '" + m.params[i].name + "' has " + m.params[i].group + " states in the checkpoint, " +
@@ -1665,7 +1672,8 @@ Manifest manifest_parse(const std::string& text, const std::string& src) {
     p.offset = F.i64(params[i], "offset", w);
     p.numel = F.i64(params[i], "numel", w);
     p.fp32_state = F.boolean(params[i], "fp32_state", w);
-    specs.push_back(shard::ParamSpec{p.name, p.shape, p.fp32_state});
+    p.hyper_group = params[i].contains("hyper_group") ? int(F.i64(params[i], "hyper_group", w)) : 0;
+    specs.push_back(shard::ParamSpec{p.name, p.shape, p.fp32_state, p.hyper_group});
     m.params.push_back(std::move(p));
   }
   // The layout is a pure function of the parameters and the block sizes: recompute it and hold the

@@ -35,17 +35,35 @@ Layout Layout::build(const std::vector<ParamSpec>& params, const LayoutConfig& c
   l.params = params;
   l.slots.resize(params.size());
   std::set<std::string> names;
+  std::vector<int> members[kNumGroups];  // model order
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& p = params[i];
     ZERO8_CHECK_ARG(!p.name.empty(), "params", "parameter " << i << " has an empty name");
     ZERO8_CHECK_ARG(names.insert(p.name).second, "params", "duplicate parameter name '" << p.name << "'");
     for (int64_t d : p.shape) ZERO8_CHECK_ARG(d >= 0, "params", "parameter '" << p.name << "' has dimension " << d);
+    ZERO8_CHECK_ARG(p.hyper_group >= 0 && p.hyper_group < kMaxHyperGroups, "params",
+                    "parameter '" << p.name << "' has hyper_group " << p.hyper_group << " (0.." << kMaxHyperGroups - 1
+                                  << " allowed)");
+    l.num_hyper_groups = std::max(l.num_hyper_groups, p.hyper_group + 1);
     // Decided on the whole parameter, never on a shard (DESIGN.md, States).
     const Group g = (p.fp32_state || p.numel() < cfg.min_8bit_size) ? Group::fp32 : Group::q8;
-    GroupLayout& gl = l.groups[int(g)];
-    l.slots[i] = ParamSlot{g, gl.numel, p.numel()};
-    gl.params.push_back(int(i));
-    gl.numel += p.numel();
+    members[int(g)].push_back(int(i));
+  }
+  for (int g = 0; g < kNumGroups; ++g) {
+    GroupLayout& gl = l.groups[g];
+    std::stable_sort(members[g].begin(), members[g].end(),
+                     [&](int a, int b) { return params[a].hyper_group < params[b].hyper_group; });
+    for (int i : members[g]) {
+      const int h = params[i].hyper_group;
+      if (gl.runs.empty() || gl.runs.back().hyper_group != h) {
+        if (!gl.runs.empty()) gl.numel = (gl.numel + cfg.state_block - 1) / cfg.state_block * cfg.state_block;
+        gl.runs.push_back(HyperRun{h, gl.numel, gl.numel});
+      }
+      l.slots[i] = ParamSlot{Group(g), gl.numel, params[i].numel()};
+      gl.params.push_back(i);
+      gl.numel += params[i].numel();
+      gl.runs.back().end = gl.numel;
+    }
   }
   for (int g = 0; g < kNumGroups; ++g) {
     GroupLayout& gl = l.groups[g];

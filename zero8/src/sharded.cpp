@@ -29,10 +29,19 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
                   "must be a finite number >= 0, got " << cfg.gradient_clipping);
   ZERO8_CHECK_ARG(!cfg.fp16 || cfg.working_dtype == DType::f16, "fp16",
                   "loss scaling is for float16 parameters; the working dtype is " << dtype_name(cfg.working_dtype));
-  optim::hyper_validate(cfg.algo, cfg.hyper);
   LayoutConfig lc = cfg.layout;
   lc.world = dp.size();
   layout_ = Layout::build(params, lc);
+  if (cfg.group_hypers.empty()) {
+    optim::hyper_validate(cfg.algo, cfg.hyper);
+    hypers_.assign(size_t(layout_.num_hyper_groups), cfg.hyper);
+  } else {
+    ZERO8_CHECK_ARG(int64_t(cfg.group_hypers.size()) >= layout_.num_hyper_groups, "group_hypers",
+                    cfg.group_hypers.size() << " entries, but a parameter is in hyper group "
+                                            << layout_.num_hyper_groups - 1);
+    hypers_ = cfg.group_hypers;
+    validate_hypers();
+  }
   const int r = dp.rank();
   const int esize = dtype_size(cfg.working_dtype);
   for (int g = 0; g < kNumGroups; ++g) {
@@ -72,6 +81,24 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
 }
 
 ShardedOptimizer::~ShardedOptimizer() = default;
+
+optim::Hyper& ShardedOptimizer::hyper(int hyper_group) {
+  ZERO8_CHECK_ARG(hyper_group >= 0 && size_t(hyper_group) < hypers_.size(), "hyper_group",
+                  hyper_group << " out of range (" << hypers_.size() << " hyper groups)");
+  return hypers_[size_t(hyper_group)];
+}
+
+// Each hyper group's values, as the kernels would check them, with the group named when there are several.
+void ShardedOptimizer::validate_hypers() const {
+  for (size_t i = 0; i < hypers_.size(); ++i) {
+    try {
+      optim::hyper_validate(cfg_.algo, hypers_[i]);
+    } catch (const Error& e) {
+      if (hypers_.size() == 1) throw;
+      throw Error(e.code(), "hyper group " + std::to_string(i) + ": " + e.what());
+    }
+  }
+}
 
 void ShardedOptimizer::reset_progress(int g) {
   pending_[g].clear();
@@ -217,7 +244,7 @@ double ShardedOptimizer::grad_sq_sum_local() const {
 void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scale) {
   const int64_t valid = layout_.groups[g].part_valid(rank());
   a.algo = cfg_.algo;
-  a.h = cfg_.hyper;
+  a.h = hypers_[0];
   a.h.step = steps_ + 1;
   a.h.grad_scale = grad_scale;
   a.n = valid;
@@ -237,54 +264,104 @@ void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scal
   }
 }
 
+// Calls f(hyper group, begin, end) for each hyper group's piece of this rank's partition of group g,
+// in offsets from the partition's start. Runs start on state blocks and partitions on whole blocks, so
+// every piece but a run's last starts and ends on a block boundary.
+template <class F>
+void ShardedOptimizer::for_each_run(int g, F&& f) const {
+  const GroupLayout& gl = layout_.groups[g];
+  const int64_t b = gl.part_begin(rank()), e = b + gl.part_valid(rank());
+  for (const HyperRun& run : gl.runs) {
+    const int64_t lo = std::max(b, run.begin), hi = std::min(e, run.end);
+    if (lo < hi) f(run.hyper_group, lo - b, hi - b);
+  }
+}
+
+// The kernel arguments of a whole partition (fill_step_args), narrowed to [lo, hi) of it and to the
+// hyperparameters of one hyper group. lo is a multiple of the state block (see for_each_run).
+static optim::StepArgs narrowed(const optim::StepArgs& whole, const optim::Hyper& h, int64_t lo, int64_t hi) {
+  optim::StepArgs a = whole;
+  a.h = h;
+  a.h.step = whole.h.step;
+  a.h.grad_scale = whole.h.grad_scale;
+  a.n = hi - lo;
+  a.param = static_cast<uint8_t*>(a.param) + lo * dtype_size(a.param_dtype);
+  if (a.master) a.master += lo;
+  a.grad = static_cast<const uint8_t*>(a.grad) + lo * dtype_size(a.grad_dtype);
+  if (a.bits == 8) {
+    ZERO8_ASSERT(lo % a.block == 0);
+    if (a.code1) a.code1 += lo, a.absmax1 += lo / a.block;
+    if (a.code2) a.code2 += lo, a.absmax2 += lo / a.block;
+  } else {
+    if (a.state1) a.state1 += lo;
+    if (a.state2) a.state2 += lo;
+  }
+  return a;
+}
+
+// Segment offsets (from lo) of the parameters in [lo, hi) of group g's partition on this rank, closed
+// by hi - lo, for per-tensor norms and trust ratios.
+static std::vector<int64_t> segment_offsets(const Layout& lay, int g, int64_t part_begin, int64_t lo, int64_t hi,
+                                            std::vector<int>* params) {
+  std::vector<int64_t> offs;
+  for (const Segment& s : lay.segments(Group(g), part_begin + lo, part_begin + hi)) {
+    offs.push_back(s.begin - part_begin - lo);
+    params->push_back(s.param);
+  }
+  offs.push_back(hi - lo);
+  return offs;
+}
+
 std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
   // Per-tensor norms: each rank sums its segments, one all_reduce adds them up per parameter.
   std::vector<double> sums(params_.size() * 2, 0.0);
   for (int g = 0; g < kNumGroups; ++g) {
-    const GroupLayout& gl = layout_.groups[g];
-    const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
-    if (valid == 0) continue;
-    const std::vector<Segment> segs = layout_.segments(Group(g), b, b + valid);
-    std::vector<int64_t> offs;
-    for (const Segment& s : segs) offs.push_back(s.begin - b);
-    offs.push_back(valid);
-    std::vector<optim::NormSums> out(segs.size());
-    optim::StepArgs a;
-    fill_step_args(g, a, grad_scale);
-    a.nseg = int64_t(segs.size());
-    a.seg_offsets = offs.data();
-    optim::norms_range(a, out.data(), cfg_.threads);
-    for (size_t i = 0; i < segs.size(); ++i) {
-      sums[2 * segs[i].param] += out[i].w_sq;
-      sums[2 * segs[i].param + 1] += out[i].u_sq;
-    }
+    const int64_t b = layout_.groups[g].part_begin(rank());
+    if (layout_.groups[g].part_valid(rank()) == 0) continue;
+    optim::StepArgs whole;
+    fill_step_args(g, whole, grad_scale);
+    for_each_run(g, [&](int h, int64_t lo, int64_t hi) {
+      std::vector<int> seg_params;
+      const std::vector<int64_t> offs = segment_offsets(layout_, g, b, lo, hi, &seg_params);
+      optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], lo, hi);
+      a.nseg = int64_t(seg_params.size());
+      a.seg_offsets = offs.data();
+      std::vector<optim::NormSums> out(seg_params.size());
+      if (out.empty()) return;
+      optim::norms_range(a, out.data(), cfg_.threads);
+      for (size_t i = 0; i < seg_params.size(); ++i) {
+        sums[2 * size_t(seg_params[i])] += out[i].w_sq;
+        sums[2 * size_t(seg_params[i]) + 1] += out[i].u_sq;
+      }
+    });
   }
   dp_.all_reduce(sums.data(), int64_t(sums.size()), comm::ReduceOp::sum);
   std::vector<float> trust(params_.size());
   for (size_t p = 0; p < params_.size(); ++p)
-    trust[p] = optim::optim_trust_ratio(cfg_.algo, cfg_.hyper, optim::NormSums{sums[2 * p], sums[2 * p + 1]});
+    trust[p] = optim::optim_trust_ratio(cfg_.algo, hypers_[size_t(params_[p].hyper_group)],
+                                        optim::NormSums{sums[2 * p], sums[2 * p + 1]});
   return trust;
 }
 
 void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<float>& trust_by_param) {
-  const GroupLayout& gl = layout_.groups[g];
-  const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
-  if (valid == 0) return;
-  optim::StepArgs a;
-  fill_step_args(g, a, grad_scale);
-  std::vector<int64_t> offs;
-  std::vector<float> trust;
-  if (optim::algo_has_trust_ratio(cfg_.algo)) {
-    for (const Segment& s : layout_.segments(Group(g), b, b + valid)) {
-      offs.push_back(s.begin - b);
-      trust.push_back(trust_by_param[s.param]);
+  const int64_t b = layout_.groups[g].part_begin(rank());
+  if (layout_.groups[g].part_valid(rank()) == 0) return;
+  optim::StepArgs whole;
+  fill_step_args(g, whole, grad_scale);
+  for_each_run(g, [&](int h, int64_t lo, int64_t hi) {
+    optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], lo, hi);
+    std::vector<int> seg_params;
+    std::vector<int64_t> offs;
+    std::vector<float> trust;
+    if (optim::algo_has_trust_ratio(cfg_.algo)) {
+      offs = segment_offsets(layout_, g, b, lo, hi, &seg_params);
+      for (int p : seg_params) trust.push_back(trust_by_param[size_t(p)]);
+      a.nseg = int64_t(trust.size());
+      a.seg_offsets = offs.data();
+      a.seg_trust = trust.data();
     }
-    offs.push_back(valid);
-    a.nseg = int64_t(trust.size());
-    a.seg_offsets = offs.data();
-    a.seg_trust = trust.data();
-  }
-  optim::step_range(a, cfg_.threads);
+    optim::step_range(a, cfg_.threads);
+  });
 }
 
 void ShardedOptimizer::param_sync(int g) {
@@ -335,6 +412,7 @@ void ShardedOptimizer::sync_working_from_master() {
 }
 
 StepInfo ShardedOptimizer::step() {
+  validate_hypers();  // before any collective: a scheduler's bad value fails here, the same on every rank
   StepInfo info;
   info.loss_scale = scaler_.scale();
   const bool overflow = overflow_anywhere();

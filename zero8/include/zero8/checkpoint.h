@@ -144,6 +144,7 @@ struct ParamInfo {
   std::string group;
   int64_t offset = 0, numel = 0;  // in the group's flat buffer
   bool fp32_state = false;
+  int hyper_group = 0;  // shard::ParamSpec::hyper_group (absent from manifests before it existed: 0)
 };
 
 struct GroupInfo {

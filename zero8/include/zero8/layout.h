@@ -14,12 +14,14 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
   bool fp32_state = false;  // force 32-bit optimizer state (e.g. the StableEmbedding weight)
+  int hyper_group = 0;      // which hyperparameter set steps it (the engine's param group index)
   int64_t numel() const;
 };
 
 // The two parameter groups: 8-bit optimizer state, and fp32 state (small or marked parameters).
 enum class Group : int { q8 = 0, fp32 = 1 };
 constexpr int kNumGroups = 2;
+constexpr int kMaxHyperGroups = 65536;  // ParamSpec::hyper_group is below this
 const char* group_name(Group g);
 
 struct LayoutConfig {
@@ -36,6 +38,16 @@ struct ParamSlot {
   int64_t numel = 0;
 };
 
+// The flat range of one hyperparameter set inside a group. Within a group the parameters are placed
+// by hyper group (model order within each), and each run starts on a state block, so no 8-bit block
+// holds states that two sets of hyperparameters update; the gap before a run is padding (zeros).
+// With one hyper group there is one run and no padding: the layout is the model order, as before.
+struct HyperRun {
+  int hyper_group = 0;
+  int64_t begin = 0;  // flat offsets within the group
+  int64_t end = 0;
+};
+
 // A contiguous piece of one tensor inside a flat range (used for per-tensor norms, e.g. LAMB).
 struct Segment {
   int param = 0;        // index into the ParamSpec list
@@ -46,7 +58,8 @@ struct Segment {
 struct GroupLayout {
   Group group = Group::q8;
   std::vector<int> params;  // parameter indices in flat order
-  int64_t numel = 0;        // sum of the parameters' elements
+  std::vector<HyperRun> runs;  // in flat order: one per hyper group with parameters in this group
+  int64_t numel = 0;        // end of the last parameter: their elements plus the padding between runs
   int64_t align = 0;        // partition boundaries are multiples of this (state and wire blocks)
   int64_t chunk = 0;        // elements per partition (a multiple of align); padded = chunk * world
   int world = 1;
@@ -64,8 +77,11 @@ struct Layout {
   std::vector<ParamSpec> params;
   std::vector<ParamSlot> slots;  // one per parameter
   GroupLayout groups[kNumGroups];
+  int num_hyper_groups = 1;  // 1 + the largest ParamSpec::hyper_group
 
-  // Builds and validates (names unique and non-empty, dims >= 0, block sizes powers of two, world >= 1).
+
+  // Builds and validates (names unique and non-empty, dims >= 0, hyper_group >= 0, block sizes powers of
+  // two, world >= 1).
   static Layout build(const std::vector<ParamSpec>& params, const LayoutConfig& cfg);
   const GroupLayout& group(Group g) const { return groups[int(g)]; }
   // Segments of the parameters overlapping [begin, end) of group g, clipped to it, in flat order.

@@ -23,6 +23,9 @@ struct ShardConfig {
   LayoutConfig layout;                 // layout.world is ignored: the communicator's size is used
   optim::Algo algo = optim::Algo::adamw;
   optim::Hyper hyper;                  // hyper.step is managed by the optimizer (steps taken so far + 1)
+  // Per hyper group (ParamSpec::hyper_group: the engine's param groups), at least one entry per group
+  // the parameters use; empty: every hyper group starts from `hyper`. algo and bits are shared.
+  std::vector<optim::Hyper> group_hypers;
   int bits = 8;                        // optimizer state bits of the 8-bit group (8 or 32)
   float initial_accumulator = 0.0f;    // adagrad
   int stage = 2;                       // 1: reduce at the accumulation boundary; 2: per bucket in backward
@@ -102,8 +105,10 @@ class ShardedOptimizer {
   // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does).
   StepInfo step();
 
-  // Learning rate and other hyperparameters of the next steps (schedulers change lr between steps).
-  optim::Hyper& hyper() { return cfg_.hyper; }
+  // Learning rate and other hyperparameters of the next steps of one hyper group (schedulers change lr
+  // between steps). Each is validated at every step.
+  optim::Hyper& hyper(int hyper_group = 0);
+  int num_hyper_groups() const { return int(hypers_.size()); }
   double loss_scale() const { return scaler_.scale(); }
   int64_t steps() const { return steps_; }
   MemoryStats memory() const;
@@ -129,7 +134,10 @@ class ShardedOptimizer {
   void clear_grad_inputs();
   bool overflow_anywhere();
   double grad_sq_sum_local() const;
+  void validate_hypers() const;
   void step_group(int g, float grad_scale, const std::vector<float>& trust_by_param);
+  template <class F>
+  void for_each_run(int g, F&& f) const;
   std::vector<float> trust_ratios(float grad_scale);
   void param_sync(int g);
   void fill_step_args(int g, optim::StepArgs& a, float grad_scale);
@@ -139,6 +147,7 @@ class ShardedOptimizer {
   comm::Communicator& dp_;
   Layout layout_;
   LossScaler scaler_;
+  std::vector<optim::Hyper> hypers_;               // per hyper group
   int64_t steps_ = 0;
   std::vector<uint8_t> working_[kNumGroups];      // bytes
   GradBuffer grads_[kNumGroups];                   // full, padded; pages handed back once reduced
