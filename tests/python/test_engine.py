@@ -517,16 +517,137 @@ def test_stable_embedding_weight_keeps_fp32_states():
     assert engine.global_steps == 1
 
 
-def test_param_group_hyperparameters_must_match():
-    model = make_model()
+def _hf_groups(model, decay_lr=3e-3, other_lr=1e-2):
+    """The usual transformer grouping: weights decay, biases do not (and here take their own lr too)."""
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
-    with pytest.raises(zero8.Zero8NotSupportedError, match=r"model_parameters\[1\]\.weight_decay"):
+    return [{"params": decay, "weight_decay": 0.1, "lr": decay_lr, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "lr": other_lr, "name": "no_decay"}]
+
+
+def _torch_grouped(steps, dtype, lambdas=None):
+    model = make_model().to(dtype)
+    opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in _hf_groups(model)])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas) if lambdas else None
+    for s in range(steps):
+        x, y = global_batch(DATA, s, B)
+        opt.zero_grad()
+        loss_fn(model(x.to(dtype)), y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return model
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_groups_step_with_their_own_hyperparameters(stage):
+    # model_parameters as param-group dicts with their own lr and weight decay (and a per-group LR
+    # schedule) train as torch's AdamW over the same groups: within 2x torch's own fp32 error.
+    lambdas = [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** s]
+    steps = 12
+    ref32, ref64 = _torch_grouped(steps, torch.float32, lambdas), _torch_grouped(steps, torch.float64, lambdas)
+    err = max_param_diff(ref32, ref64)
+    model = make_model()
+    engine, optimizer, _, _ = zero8.initialize(
+        model=model, model_parameters=_hf_groups(model), config=config(stage=stage, zero8=EXACT),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambdas))
+    assert [(g["name"], g["weight_decay"], len(g["params"])) for g in optimizer.param_groups] == [
+        ("decay", 0.1, 3), ("no_decay", 0.0, 3)]
+    train_engine(engine, DATA, steps, B)
+    assert max_param_diff(model, ref32) <= 2 * err + 1e-7, (max_param_diff(model, ref32), err)
+    # Not vacuous: one set of hyperparameters for both groups lands far away.
+    one = _torch_grouped(0, torch.float32)
+    opt = torch.optim.AdamW(one.parameters(), lr=3e-3, weight_decay=0.1)
+    for s in range(steps):
+        x, y = global_batch(DATA, s, B)
+        opt.zero_grad()
+        loss_fn(one(x), y).backward()
+        opt.step()
+    assert max_param_diff(one, ref32) > 100 * (2 * err + 1e-7)
+    assert engine.get_lr() == pytest.approx([3e-3 / (1 + steps), 1e-2 * 0.5 ** steps])
+
+
+def test_param_groups_of_a_client_optimizer():
+    # A torch client's groups train as torch does; a zero8.optim 8-bit client's group with lr 0 and no
+    # decay stays exactly where it was while the other group moves.
+    model = make_model()
+    client = torch.optim.AdamW([{k: v for k, v in g.items() if k != "name"} for g in _hf_groups(model)])
+    cfg = config(zero8=EXACT)
+    del cfg["optimizer"]
+    engine, optimizer, _, _ = zero8.initialize(model=model, optimizer=client, config=cfg)
+    assert optimizer.param_groups is client.param_groups
+    train_engine(engine, DATA, 8, B)
+    ref32, ref64 = _torch_grouped(8, torch.float32), _torch_grouped(8, torch.float64)
+    assert max_param_diff(model, ref32) <= 2 * max_param_diff(ref32, ref64) + 1e-7
+
+    model = make_model()
+    before = clone_params(model)
+    groups = _hf_groups(model, other_lr=0.0)
+    client = zero8.optim.AdamW8bit([{k: v for k, v in g.items() if k != "name"} for g in groups], min_8bit_size=16)
+    cfg8 = config(zero8=FULL8)
+    del cfg8["optimizer"]
+    engine, _, _, _ = zero8.initialize(model=model, optimizer=client, config=cfg8)
+    train_engine(engine, DATA, 4, B)
+    for (n, p), p0 in zip(model.named_parameters(), before):
+        assert torch.equal(p, p0) == n.endswith("bias"), n
+
+
+def test_param_groups_may_differ_only_in_their_own_keys():
+    model = make_model()
+    groups = _hf_groups(model)
+    groups[1]["bias_correction"] = False
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"model_parameters\[1\]\.bias_correction"):
         zero8.initialize(model=model, model_parameters=groups, config=config(zero8=EXACT))
-    groups[1]["weight_decay"] = 0.01  # the optimizer's own value: accepted
-    engine, _, _, _ = zero8.initialize(model=model, model_parameters=groups, config=config(zero8=EXACT))
-    assert len(engine._params) == 6
+    cfg = config(zero8=EXACT)
+    del cfg["optimizer"]
+    m = make_model()
+    sgd = torch.optim.SGD([{"params": [m[0].weight], "momentum": 0.9, "nesterov": True},
+                           {"params": [m[2].weight], "momentum": 0.9}], lr=0.1)
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"param_groups\[1\]\.nesterov"):
+        zero8.initialize(model=m, optimizer=sgd, config=cfg)
+    # A group added after initialize has no place in the sharded optimizer: the next step says so.
+    m = make_model()
+    engine, optimizer, _, _ = zero8.initialize(model=m, model_parameters=list(m.parameters())[:4],
+                                               config=config(zero8=EXACT))
+    optimizer.add_param_group({"params": list(m.parameters())[4:]})
+    x, y = global_batch(DATA, 0, B)
+    engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(zero8.Zero8NotSupportedError, match="cannot be added after zero8.initialize"):
+        engine.step()
+
+
+def test_param_groups_resume_exactly_and_must_match_on_load(tmp_path):
+    def build():
+        model = make_model()
+        engine, _, _, _ = zero8.initialize(model=model, model_parameters=_hf_groups(model),
+                                           config=config(zero8=FULL8))
+        return engine, model
+
+    straight, m1 = build()
+    train_engine(straight, DATA, 6, B)
+    first, _ = build()
+    train_engine(first, DATA, 3, B)
+    first.save_checkpoint(tmp_path)
+    resumed, m2 = build()
+    resumed.load_checkpoint(tmp_path)
+    for s in range(3, 6):  # steps 3..5 on the same batches as the straight run
+        x, y = global_batch(DATA, s, B)
+        resumed.backward(loss_fn(resumed(x), y))
+        resumed.step()
+    assert params_equal(m1, m2)
+    # Another grouping lays the states out differently, and the model order is another parameter order:
+    # each load fails naming a parameter, and nothing moves.
+    for case in ("one group", "model order"):
+        other = make_model()
+        groups = _hf_groups(other)
+        params = [{"params": groups[0]["params"] + groups[1]["params"]}] if case == "one group" else None
+        engine, _, _, _ = zero8.initialize(model=other, model_parameters=params, config=config(zero8=FULL8))
+        before = clone_params(other)
+        want = ("parameter '0.bias' is in param group 1 in the checkpoint, param group 0 here" if case == "one group"
+                else "the same parameters in another order: parameter 1 is '2.weight' in the checkpoint")
+        with pytest.raises(zero8.Zero8Error, match=want):
+            engine.load_checkpoint(tmp_path)
+        assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
 
 
 def test_frozen_parameters_are_left_alone():

@@ -1206,9 +1206,16 @@ void compat_check(const Manifest& m, ShardedOptimizer& opt, const std::string& s
   for (size_t i = 0; i < n; ++i) {
     const ParamInfo& a = m.params[i];
     const shard::ParamSpec& b = lay.params[i];
-    if (a.name != b.name)
-      CKPT_FAIL(src, "another model: parameter " + std::to_string(i) + " is '" + a.name + "' in the checkpoint, '" + b.name +
-                       "' in this model");
+    if (a.name != b.name) {
+      std::vector<std::string> saved, here;
+      for (const ParamInfo& p : m.params) saved.push_back(p.name);
+      for (const shard::ParamSpec& p : lay.params) here.push_back(p.name);
+      std::sort(saved.begin(), saved.end());
+      std::sort(here.begin(), here.end());
+      CKPT_FAIL(src, (saved == here ? "the same parameters in another order" : "another model") + std::string(": parameter ") +
+                       std::to_string(i) + " is '" + a.name + "' in the checkpoint, '" + b.name + "' in this model" +
+                       (saved == here ? " (the optimizer keeps the order it was given, param groups included)" : ""));
+    }
     if (a.shape != b.shape)
       CKPT_FAIL(src, "another model: parameter '" + a.name + "' has shape " + shape_text(a.shape) + " in the checkpoint, " +
                        shape_text(b.shape) + " in this model");

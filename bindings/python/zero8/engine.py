@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import copy
 import gc
 import io
 import json
@@ -116,17 +117,20 @@ _BNB_ALGOS = {
 }
 _BETA_ALGOS = ("adam", "adamw", "lamb", "lion")
 _MOMENTUM_ALGOS = ("sgd", "lars")
-# Group keys that are hyperparameters (compared across groups; the sharded optimizer has one Hyper).
+# Group keys that are hyperparameters. Each param group steps with its own values of _GROUP_KEYS (the
+# sharded optimizer's hyper groups); the others must be equal across groups.
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "alpha", "lr_decay",
                "initial_accumulator_value", "trust_coefficient", "max_trust_ratio", "max_coeff",
                "min_trust_ratio", "min_coeff",
                "bias_correction", "amsgrad", "maximize", "centered", "decoupled_weight_decay")
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "alpha")
 
 
 def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
     """{algo, bits, hyper: {field: value}, name, min_8bit_size?} of a client optimizer instance.
 
-    Read from its class and param_groups[0] (all groups must share their hyperparameters):
+    Read from its class and param_groups[0]; "group_hypers" holds each group's Hyper (they may differ
+    in _GROUP_KEYS, the rest must be equal):
     torch.optim Adam (adam_w when decoupled_weight_decay), AdamW, SGD, RMSprop, Adagrad; zero8.optim and
     bitsandbytes' Adam/AdamW/SGD/Lion/RMSprop/Adagrad/LAMB/LARS (8bit / 32bit by name or optim_bits).
     """
@@ -140,13 +144,14 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
     elif module.startswith("zero8") and isinstance(getattr(cls, "algo", None), _C.Algo):
         # zero8.optim: its own algorithm, state bits, block size and Hyper construction.
         groups = opt.param_groups
-        _check_groups_equal(groups, tuple(k for k in groups[0] if k != "params"))
+        _check_groups_equal(groups, tuple(k for k in groups[0] if k != "params" and k not in _GROUP_KEYS))
         g0 = groups[0]
         spec = {"algo": cls.algo.name, "bits": int(g0.get("optim_bits", opt.optim_bits)),
                 "hyper_obj": opt._hyper(g0), "name": f"{module}.{name}",
                 "min_8bit_size": int(g0.get("min_8bit_size", opt.min_8bit_size)),
                 "state_block": int(g0.get("block_size", opt.block_size))}
         spec["hyper"] = {"lr": float(g0["lr"])}
+        spec["group_hypers"] = [opt._hyper(g) for g in groups]
         if spec["algo"] == "adagrad":
             spec["hyper"]["initial_accumulator"] = float(g0.get("initial_accumulator_value", 0.0))
         return spec
@@ -170,7 +175,7 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
     groups = opt.param_groups
     if not groups:
         raise Zero8ValueError("optimizer: the client optimizer has no param groups")
-    _check_groups_equal(groups, _HYPER_KEYS)
+    _check_groups_equal(groups, tuple(k for k in _HYPER_KEYS if k not in _GROUP_KEYS))
     g0 = _with_bnb_names(groups[0], algo)
     for flag in ("amsgrad", "maximize", "centered"):
         if g0.get(flag):
@@ -234,7 +239,7 @@ def _check_groups_equal(groups: list[dict], keys) -> None:
             if k in g0 and g.get(k) != g0.get(k):
                 raise Zero8NotSupportedError(
                     f"optimizer.param_groups[{i}].{k}: {g.get(k)!r} differs from param_groups[0]'s {g0.get(k)!r}; "
-                    f"zero8's sharded optimizer runs one set of hyperparameters over all parameters"
+                    f"zero8's param groups may differ only in {', '.join(_GROUP_KEYS)}"
                 )
 
 
@@ -301,29 +306,28 @@ def _group_from_hyper(algo: str, h) -> dict:
 
 
 def _check_group_overrides(groups: list[dict], resolved: dict) -> None:
-    """model_parameters given as param-group dicts may not set their own hyperparameters (e.g.
-    weight_decay 0 for biases): the sharded optimizer runs one set over all parameters. Values equal to
-    the optimizer's are accepted."""
+    """model_parameters given as param-group dicts may set their own _GROUP_KEYS (e.g. weight_decay 0 for
+    biases and norms); other hyperparameters must equal the optimizer's."""
     for i, g in enumerate(groups):
         for k, v in g.items():
-            if k == "params" or k not in resolved:
+            if k == "params" or k not in resolved or k in _GROUP_KEYS:
                 continue
             want = resolved[k]
             same = (tuple(float(a) for a in v) == tuple(want)) if k == "betas" else (
                 v == want or (isinstance(v, (int, float)) and _f32(float(v)) == want))
             if not same:
                 raise Zero8NotSupportedError(
-                    f"model_parameters[{i}].{k}: {v!r} differs from the optimizer's {want!r}; zero8's sharded "
-                    f"optimizer runs one set of hyperparameters over all parameters (per-group values are not "
-                    f"supported)"
+                    f"model_parameters[{i}].{k}: {v!r} differs from the optimizer's {want!r}; zero8's param "
+                    f"groups may set their own {', '.join(_GROUP_KEYS)} only"
                 )
 
 
 class Zero8Optimizer(torch.optim.Optimizer):
     """The optimizer ``zero8.initialize`` returns (DeepSpeed returns its ZeRO optimizer wrapper): a
     ``torch.optim.Optimizer`` over the engine's parameters whose ``step()`` is the sharded step, so torch
-    LR schedulers can drive it through ``param_groups`` (group 0's lr/betas/momentum/weight_decay/eps are
-    read before every step; with a client optimizer, param_groups is the client's own list).
+    LR schedulers can drive it through ``param_groups``: one group per param group of model_parameters (or
+    one for all), each group's lr/betas/momentum/alpha/weight_decay/eps read before every step; with a
+    client optimizer, param_groups is the client's own list.
 
     The optimizer states live in C++ (sharded, 8-bit): ``state_dict()`` holds the hyperparameters and
     counters only; full states are saved by ``engine.save_checkpoint``. ``zero_grad()`` does nothing:
@@ -336,6 +340,7 @@ class Zero8Optimizer(torch.optim.Optimizer):
                               torch.optim.Optimizer.add_param_group)
 
     def __init__(self, engine: "Zero8Engine", params: list, defaults: dict, client=None):
+        # params: tensors (one group) or param-group dicts, one per hyper group of the sharded optimizer.
         super().__init__(params, defaults)
         if client is not None:
             self.param_groups = client.param_groups  # torch schedulers on the client drive this one too
@@ -391,7 +396,7 @@ _engine_count = 0
 class Zero8Engine(torch.nn.Module):
     """DeepSpeedEngine's training surface over zero8's sharded optimizer (see the module docstring).
 
-    Not done here: pipeline/model parallelism (mpu), ZeRO stage 3, offload, per-group hyperparameters.
+    Not done here: pipeline/model parallelism (mpu), ZeRO stage 3, offload.
     """
 
     def __init__(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
@@ -467,6 +472,8 @@ class Zero8Engine(torch.nn.Module):
         if client_optimizer is not None and callable(client_optimizer) and not isinstance(
                 client_optimizer, torch.optim.Optimizer):
             client_optimizer = client_optimizer(params)  # DeepSpeed: a callable taking the parameters
+            if isinstance(client_optimizer, torch.optim.Optimizer):
+                self._groups_from_client(params, client_optimizer)
         if client_optimizer is not None and config.info.get("optimizer_present"):
             raise Zero8ValueError(
                 "optimizer: both a client optimizer and an \"optimizer\" config section were given; pass one"
@@ -480,6 +487,14 @@ class Zero8Engine(torch.nn.Module):
                 for k, v in spec["hyper"].items():
                     setattr(h, k, v)
             sc.hyper = h
+            group_hypers = spec.get("group_hypers")
+            if group_hypers is None:  # torch / bitsandbytes: group 0's Hyper with each group's own values
+                group_hypers = []
+                for g in client_optimizer.param_groups:
+                    gh = copy.copy(h)
+                    _hyper_from_group(g, spec["algo"], gh)
+                    group_hypers.append(gh)
+            sc.group_hypers = group_hypers
             sc.bits = spec["bits"]
             sc.initial_accumulator = float(spec["hyper"].get("initial_accumulator", 0.0))
             if "min_8bit_size" in spec:
@@ -496,9 +511,20 @@ class Zero8Engine(torch.nn.Module):
             )
         self._algo = str(sc.algo.name)  # "adamw", "sgd", ...
         _check_group_overrides(self._param_group_dicts, _group_from_hyper(self._algo, sc.hyper))
+        if client_optimizer is None:
+            # The config's optimizer: each param group of model_parameters steps with the config's values
+            # and its own _GROUP_KEYS (a group of bare tensors with the config's alone).
+            defaults = _group_from_hyper(self._algo, sc.hyper)
+            group_hypers = []
+            for d in self._hyper_group_dicts:
+                gh = copy.copy(sc.hyper)
+                _hyper_from_group({**defaults, **{k: v for k, v in d.items() if k in _GROUP_KEYS}}, self._algo, gh)
+                group_hypers.append(gh)
+            sc.group_hypers = group_hypers
         if self._dtype != torch.float32:
             model.to(self._dtype)  # as DeepSpeed's engine casts the module (half() / bfloat16())
-        specs = [_C.ParamSpec(self._param_names[i], list(p.shape), self._fp32_state(p, i, sc, client_optimizer))
+        specs = [_C.ParamSpec(self._param_names[i], list(p.shape), self._fp32_state(p, i, sc, client_optimizer),
+                              self._hyper_group[i])
                  for i, p in enumerate(params)]
         self._opt = _C.ShardedOptimizer(specs, sc, dp)
         self._shard_config = sc
@@ -513,7 +539,14 @@ class Zero8Engine(torch.nn.Module):
 
         # The optimizer object handed back, and the LR scheduler.
         defaults = _group_from_hyper(self._algo, self._opt.hyper)
-        self.optimizer = Zero8Optimizer(self, list(params), defaults, client=client_optimizer)
+        groups: list = list(params)
+        if client_optimizer is None and len(self._hyper_group_dicts) > 1:
+            groups = []
+            for h, d in enumerate(self._hyper_group_dicts):
+                extra = {k: v for k, v in d.items() if k != "params" and k not in defaults}  # e.g. a "name"
+                groups.append({**extra, **_group_from_hyper(self._algo, self._opt.group_hyper(h)),
+                               "params": [p for p, hg in zip(params, self._hyper_group) if hg == h]})
+        self.optimizer = Zero8Optimizer(self, groups, defaults, client=client_optimizer)
         self.client_optimizer = client_optimizer
         self.lr_scheduler = None
         if client_lr_scheduler is not None:
@@ -535,9 +568,15 @@ class Zero8Engine(torch.nn.Module):
 
     # ---- setup ----
     def _collect_params(self, model, model_parameters, client_optimizer) -> list:
-        """The parameters to optimize, in order, without duplicates or frozen ones; param-group dicts of
-        model_parameters are kept in self._param_group_dicts for _check_group_overrides."""
+        """The parameters to optimize, in order, without duplicates or frozen ones (a parameter listed twice
+        stays in its first group). Sets self._hyper_group (each parameter's param group: the client
+        optimizer's group, else the model_parameters dict it came from, the bare tensors of model_parameters
+        forming one group) and self._hyper_group_dicts (those groups' dicts, {} for the bare tensors); the
+        dicts of model_parameters are also kept in self._param_group_dicts for _check_group_overrides."""
         self._param_group_dicts = []
+        self._hyper_group_dicts: list[dict] = []
+        self._hyper_group: list[int] = []
+        bare_group = None
         source: Iterable
         if model_parameters is not None:
             if isinstance(model_parameters, torch.Tensor):
@@ -557,24 +596,52 @@ class Zero8Engine(torch.nn.Module):
             group = item["params"] if isinstance(item, dict) else [item]
             if isinstance(group, torch.Tensor):
                 group = [group]
+            if isinstance(item, dict) and model_parameters is not None:
+                self._hyper_group_dicts.append(item)
+                hg = len(self._hyper_group_dicts) - 1
+            else:
+                if bare_group is None:
+                    self._hyper_group_dicts.append({})
+                    bare_group = len(self._hyper_group_dicts) - 1
+                hg = bare_group
             for p in group:
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"model_parameters: expected tensors or param-group dicts, got {type(p).__name__}")
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
+                    self._hyper_group.append(hg)
+        if not self._hyper_group_dicts:
+            self._hyper_group_dicts.append({})
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            self._groups_from_client(out, client_optimizer)
         return out
+
+    def _groups_from_client(self, params: list, client: torch.optim.Optimizer) -> None:
+        """With a client optimizer, its param groups are the hyper groups (param_groups is its list)."""
+        of: dict[int, int] = {}
+        for gi, g in enumerate(client.param_groups):
+            for p in g["params"]:
+                of.setdefault(id(p), gi)
+        missing = [i for i, p in enumerate(params) if id(p) not in of]
+        if missing:
+            p = params[missing[0]]
+            raise Zero8ValueError(
+                f"optimizer: {len(missing)} parameter(s) to train (first: one of shape {tuple(p.shape)}) are in none of "
+                f"the client optimizer's param groups; build the optimizer over the parameters to train")
+        self._hyper_group = [of[id(p)] for p in params]
+        self._hyper_group_dicts = list(client.param_groups)
 
     def _fp32_state(self, p: torch.Tensor, i: int, sc, client) -> bool:
         """Whether parameter i keeps 32-bit states: zero8.optim's per-parameter optim_bits=32 (e.g.
         zero8.nn.StableEmbedding) or a per-parameter min_8bit_size above its size. Other per-parameter
-        settings (lr, betas...) cannot apply to one sharded step and are an error."""
+        settings (lr, betas...) are an error: the engine takes them per param group."""
         cfg = _param_overrides(p, client)
         other = sorted(k for k in cfg if k not in ("optim_bits", "min_8bit_size"))
         if other:
             raise Zero8NotSupportedError(
                 f"parameter {self._param_names[i]}: per-parameter override of {other} is not supported by the "
-                f"sharded engine (one set of hyperparameters for all parameters)"
+                f"sharded engine; give the parameter a param group of its own with those values instead"
             )
         if cfg.get("optim_bits") == 8 and sc.bits == 32:
             raise Zero8NotSupportedError(
@@ -798,17 +865,17 @@ class Zero8Engine(torch.nn.Module):
         self._backward_done = True
 
     def _apply_hyper(self) -> None:
-        _hyper_from_group(self.optimizer.param_groups[0], self._algo, self._opt.hyper)
+        """Each param group's current values into its hyper group of the sharded optimizer."""
+        groups = self.optimizer.param_groups
+        if len(groups) != self._opt.num_hyper_groups:
+            raise Zero8NotSupportedError(
+                f"optimizer.param_groups: {len(groups)} groups, but the engine was built with "
+                f"{self._opt.num_hyper_groups}; param groups cannot be added after zero8.initialize")
+        for i, g in enumerate(groups):
+            _hyper_from_group(g, self._algo, self._opt.group_hyper(i))
 
     def _optimizer_step(self) -> dict:
         """The sharded step with the param groups' current hyperparameters (collective)."""
-        groups = self.optimizer.param_groups
-        for i, g in enumerate(groups[1:], 1):
-            if g["lr"] != groups[0]["lr"]:
-                raise Zero8NotSupportedError(
-                    f"optimizer.param_groups[{i}].lr = {g['lr']} differs from group 0's {groups[0]['lr']}: "
-                    "zero8's sharded optimizer runs one lr over all parameters"
-                )
         self._apply_hyper()
         b0 = self._bytes_sent()
         info = dict(self._opt.step())
@@ -1160,22 +1227,26 @@ class Zero8Engine(torch.nn.Module):
         this engine's (lr only without a restored LR scheduler, which sets it)."""
         if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
             raise _C.Zero8IOError(f"{src}: 'optimizer' is not a list of param groups")
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise Zero8ValueError(
+                f"{src}: the checkpoint has {len(saved_groups)} param group(s), this engine "
+                f"{len(self.optimizer.param_groups)}; load with the same param groups, or with "
+                f"load_optimizer_states=False")
         changes: list[str] = []
+        several = len(saved_groups) > 1
         for i, (g, saved) in enumerate(zip(self.optimizer.param_groups, saved_groups)):
             merged = {**g, **{k: v for k, v in saved.items() if k != "params"}}
             try:
                 _hyper_from_group(merged, self._algo, types.SimpleNamespace())  # conversion check only
             except (TypeError, ValueError, KeyError) as e:
                 raise _C.Zero8IOError(f"{src}: param group {i} does not convert ({type(e).__name__}: {e})") from e
-            if i > 0:
-                continue
             for k, v in saved.items():
                 if k == "params" or k not in g or (k == "lr" and scheduler_restored and self.lr_scheduler is not None):
                     continue
                 if not _same_hyper(v, g[k]):
                     old = tuple(g[k]) if isinstance(g[k], (list, tuple)) else g[k]
                     new = tuple(v) if isinstance(v, list) else v
-                    changes.append(f"{k} {new!r} (configured {old!r})")
+                    changes.append(f"{f'param group {i} ' if several else ''}{k} {new!r} (configured {old!r})")
         return changes
 
 def _same_hyper(a, b) -> bool:
