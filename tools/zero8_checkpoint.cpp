@@ -1,5 +1,5 @@
 // zero8-checkpoint: look at, verify and export zero8 checkpoints without a training job.
-//   inspect <dir> [--tag T]                          tags, latest, step, world size, bytes per part
+//   inspect <dir> [--tag T]                          tags, latest, step, world size, param groups, bytes per part
 //   verify  <dir> [--tag T]                          every checksum and range; exit 1 on any fault
 //   to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]   consolidated fp32 weights
 // <dir> is a checkpoint directory (the tag defaults to the one `latest` names) or a tag directory.
@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,33 @@ std::string time_text(double unix_s) {
   return buf;
 }
 
+// The param groups (hyper groups: each with its own hyperparameters) with their tensors and elements,
+// and the padding their runs add to the state groups (each run starts on a state block).
+std::string param_groups_text(const ckpt::Manifest& m) {
+  std::map<int, std::pair<int64_t, int64_t>> per;  // group -> tensors, elements
+  int64_t used[2] = {0, 0};
+  for (const ckpt::ParamInfo& p : m.params) {
+    auto& e = per[p.hyper_group];
+    ++e.first;
+    e.second += p.numel;
+    used[p.group == m.groups[0].name ? 0 : 1] += p.numel;
+  }
+  std::string t = "param groups: " + std::to_string(per.size());
+  if (per.size() > 1) {
+    const char* sep = " (";
+    for (const auto& [g, e] : per) {
+      t += sep + std::to_string(g) + ": " + std::to_string(e.first) + " tensors, " + std::to_string(e.second) + " elements";
+      sep = "; ";
+    }
+    t += ")";
+    const int64_t pad0 = m.groups[0].numel - used[0], pad1 = m.groups[1].numel - used[1];
+    if (pad0 || pad1)
+      t += ", padding between their runs: " + m.groups[0].name + " " + std::to_string(pad0) + ", " + m.groups[1].name + " " +
+           std::to_string(pad1) + " elements";
+  }
+  return t;
+}
+
 int inspect(const Args& a) {
   if (!is_tag_dir(a.dir)) {
     std::string latest;
@@ -99,6 +127,7 @@ int inspect(const Args& a) {
   std::printf("  parameters: %zu tensors, %lld elements (%s group %lld, %s group %lld), working dtype %s\n", m.params.size(),
               (long long)s.numel, m.groups[0].name.c_str(), (long long)m.groups[0].numel, m.groups[1].name.c_str(),
               (long long)m.groups[1].numel, dtype_name(m.working_dtype));
+  std::printf("  %s\n", param_groups_text(m).c_str());
   std::printf("  loss scale %g (%s), error feedback %s\n", m.loss_scaler.scale, m.fp16 ? "fp16 dynamic" : "static",
               m.error_feedback ? "on" : "off");
   std::printf("  bytes: master %s, codes %s, absmax %s, fp32 state %s, residual %s, model %s, other %s, total %s\n",

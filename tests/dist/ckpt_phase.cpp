@@ -1,10 +1,11 @@
 // One phase of a checkpoint scenario that needs several jobs (run_checkpoint.cmake strings them
 // together: save with N ranks then load with M, kill a rank mid-save then check, run the tool):
-//   ckpt_phase save <dir> <steps> [--resume] [--tag T] [--dump D]   (under mpirun)
-//   ckpt_phase check <dir> <allowed steps a,b>                       (under mpirun)
-//   ckpt_phase resize <dir> <dump>                                   (under mpirun)
-//   ckpt_phase fp32-compare <file.safetensors> <dump>                (one process)
-//   ckpt_phase flip <file> <offset | middle>                         (one process)
+//   ckpt_phase save <dir> <steps> [--resume] [--tag T] [--dump D] [--hyper]   (under mpirun)
+//   ckpt_phase check <dir> <allowed steps a,b>                                 (under mpirun)
+//   ckpt_phase resize <dir> <dump> [--hyper]                                   (under mpirun)
+//   ckpt_phase fp32-compare <file.safetensors> <dump> [--hyper]                (one process)
+//   ckpt_phase flip <file> <offset | middle>                                   (one process)
+// --hyper: the model in three param groups with their own hyperparameters (ckpt_hyper_params).
 // Prints "CKPT_PHASE OK" or "CKPT_PHASE FAIL rank R: what" lines; the exit status is non-zero when
 // any rank failed. The state dumps are gathered with the communicator alone, not the checkpoint code.
 #include <cmath>
@@ -68,12 +69,12 @@ void replicas_identical(ShardedOptimizer& opt) {
 }
 
 int phase_save(comm::Communicator& c, std::vector<std::string> args) {
-  const bool resume = opt_flag(args, "--resume");
+  const bool resume = opt_flag(args, "--resume"), hyper = opt_flag(args, "--hyper");
   const std::string tag = opt_value(args, "--tag"), dump = opt_value(args, "--dump");
-  PHASE_CHECK(args.size() == 2, "save <dir> <steps> [--resume] [--tag T] [--dump D]");
+  PHASE_CHECK(args.size() == 2, "save <dir> <steps> [--resume] [--tag T] [--dump D] [--hyper]");
   const std::string dir = args[0];
   const int steps = std::stoi(args[1]);
-  auto opt = ckpt_make(ckpt_config(), c);
+  auto opt = hyper ? ckpt_make(ckpt_hyper_config(), c, 77, ckpt_hyper_params()) : ckpt_make(ckpt_config(), c);
   int64_t first = 0;
   if (resume) first = ckpt::load(*opt, dir).step;
   ckpt_train(*opt, first, steps);
@@ -130,28 +131,45 @@ bool has_warning(const ckpt::LoadResult& r, const std::string& needle) {
 }
 
 // Single-process reference of `steps` fp32-communication steps of the whole model from a dumped state.
+// Each param group's run within a state group is stepped as a tensor of its own with that param
+// group's hyperparameters (without param groups: one run, the whole state group); the padding between
+// runs (codes and masters) is kept as dumped.
 struct Reference {
+  struct Run {
+    int hyper_group = 0;
+    int64_t begin = 0, end = 0;
+    std::unique_ptr<optim::State> state;
+  };
   shard::Layout layout;
   ShardConfig cfg;
+  Global saved;
   std::vector<float> master[2];
-  std::unique_ptr<optim::State> state[2];
+  std::vector<Run> runs[2];
 
-  Reference(const ShardConfig& c, const Global& G) : cfg(c) {
+  Reference(const ShardConfig& c, const Global& G, const std::vector<ParamSpec>& params) : cfg(c), saved(G) {
     shard::LayoutConfig lc = c.layout;
     lc.world = 1;
-    layout = shard::Layout::build(ckpt_params(), lc);
+    layout = shard::Layout::build(params, lc);
     for (int g = 0; g < 2; ++g) {
       const int64_t n = layout.groups[g].numel;
       master[g].resize(size_t(n));
       if (n) std::memcpy(master[g].data(), G.master[g].data(), size_t(n) * 4);
-      state[g] = std::make_unique<optim::State>(optim::StateLayout(c.algo, n, g == 0 ? c.bits : 32, c.layout.state_block));
-      for (int k = 1; k <= state[g]->layout().num_states; ++k) {
-        if (state[g]->layout().bits == 8) {
-          if (n) std::memcpy(state[g]->codes(k), G.codes[g][k - 1].data(), size_t(n));
-          if (n) std::memcpy(state[g]->absmax(k), G.absmax[g][k - 1].data(), size_t(state[g]->layout().num_blocks()) * 4);
-        } else if (n) {
-          std::memcpy(state[g]->fp32(k), G.fp32[g][k - 1].data(), size_t(n) * 4);
+      const int bits = g == 0 ? c.bits : 32;
+      const int64_t B = c.layout.state_block;
+      for (const shard::HyperRun& hr : layout.groups[g].runs) {
+        Run r{hr.hyper_group, hr.begin, hr.end, nullptr};
+        const int64_t rn = r.end - r.begin;
+        r.state = std::make_unique<optim::State>(optim::StateLayout(c.algo, rn, bits, c.layout.state_block));
+        for (int k = 1; k <= r.state->layout().num_states; ++k) {
+          if (bits == 8) {
+            std::memcpy(r.state->codes(k), G.codes[g][k - 1].data() + r.begin, size_t(rn));
+            std::memcpy(r.state->absmax(k), G.absmax[g][k - 1].data() + r.begin / B * 4,
+                        size_t(r.state->layout().num_blocks()) * 4);
+          } else {
+            std::memcpy(r.state->fp32(k), G.fp32[g][k - 1].data() + r.begin * 4, size_t(rn) * 4);
+          }
         }
+        runs[g].push_back(std::move(r));
       }
     }
   }
@@ -170,24 +188,36 @@ struct Reference {
           grad[size_t(s.offset + i)] = sum;
         }
       }
-      optim::Hyper h = cfg.hyper;
-      h.step = steps_before + 1;
-      h.grad_scale = float(1.0 / double(world));
-      optim::step(*state[g], h, master[g].data(), DType::f32, nullptr, grad.data(), DType::f32, 1);
+      for (Run& r : runs[g]) {
+        optim::Hyper h = cfg.group_hypers.empty() ? cfg.hyper : cfg.group_hypers[size_t(r.hyper_group)];
+        h.step = steps_before + 1;
+        h.grad_scale = float(1.0 / double(world));
+        optim::step(*r.state, h, master[g].data() + r.begin, DType::f32, nullptr, grad.data() + r.begin, DType::f32, 1);
+      }
     }
   }
 
   Global global() {
     Global G;
+    const int64_t B = cfg.layout.state_block;
     for (int g = 0; g < 2; ++g) {
       G.master[g] = bytes_of(master[g].data(), int64_t(master[g].size()));
       G.working[g] = G.master[g];
-      for (int k = 1; k <= state[g]->layout().num_states; ++k) {
-        if (state[g]->layout().bits == 8) {
-          G.codes[g][k - 1] = bytes_of(state[g]->codes(k), state[g]->layout().n);
-          G.absmax[g][k - 1] = bytes_of(state[g]->absmax(k), state[g]->layout().num_blocks());
-        } else {
-          G.fp32[g][k - 1] = bytes_of(state[g]->fp32(k), state[g]->layout().n);
+      for (int k = 0; k < 2; ++k) {
+        G.codes[g][k] = saved.codes[g][k];
+        G.absmax[g][k] = saved.absmax[g][k];
+        G.fp32[g][k] = saved.fp32[g][k];
+      }
+      for (const Run& r : runs[g]) {
+        const int64_t rn = r.end - r.begin;
+        for (int k = 1; k <= r.state->layout().num_states; ++k) {
+          if (r.state->layout().bits == 8) {
+            std::memcpy(G.codes[g][k - 1].data() + r.begin, r.state->codes(k), size_t(rn));
+            std::memcpy(G.absmax[g][k - 1].data() + r.begin / B * 4, r.state->absmax(k),
+                        size_t(r.state->layout().num_blocks()) * 4);
+          } else {
+            std::memcpy(G.fp32[g][k - 1].data() + r.begin * 4, r.state->fp32(k), size_t(rn) * 4);
+          }
         }
       }
     }
@@ -196,14 +226,19 @@ struct Reference {
 };
 
 // Load a checkpoint saved at another world size: every global block moved byte for byte, then
-// training goes on (and equals a single-process reference started from the saved state).
+// training goes on (and equals a single-process reference started from the saved state). --hyper:
+// with param groups, whose runs the new partitions cut elsewhere; each group keeps its own
+// hyperparameters after the load.
 int phase_resize(comm::Communicator& c, std::vector<std::string> args) {
-  PHASE_CHECK(args.size() == 2, "resize <dir> <dump>");
+  const bool hyper = opt_flag(args, "--hyper");
+  PHASE_CHECK(args.size() == 2, "resize <dir> <dump> [--hyper]");
   const std::string dir = args[0];
   const Global saved = ckpt_undump(args[1]);
+  const std::vector<ParamSpec> params = hyper ? ckpt_hyper_params() : ckpt_params();
+  const ShardConfig base = hyper ? ckpt_hyper_config() : ckpt_config();
   {
     // Same configuration: masters, codes, absmax, fp32 states and the bf16 working copy identical.
-    auto opt = ckpt_make(ckpt_config(), c, 11);
+    auto opt = ckpt_make(base, c, 11, params);
     const ckpt::LoadResult lr = ckpt::load(*opt, dir);
     const bool moved = lr.saved_world != c.size();
     PHASE_CHECK(has_warning(lr, "residuals dropped") == moved,
@@ -224,12 +259,12 @@ int phase_resize(comm::Communicator& c, std::vector<std::string> args) {
   }
   {
     // fp32 communication and an f32 working copy: training on equals the single-process reference.
-    ShardConfig cfg = ckpt_config();
+    ShardConfig cfg = base;
     cfg.int8_grads = false;
     cfg.int8_params = false;
     cfg.error_feedback = false;
     cfg.working_dtype = DType::f32;
-    auto opt = ckpt_make(cfg, c, 12);
+    auto opt = ckpt_make(cfg, c, 12, params);
     const ckpt::LoadResult lr = ckpt::load(*opt, dir);
     PHASE_CHECK(has_warning(lr, "recomputed from the fp32 masters"), "no warning about the working dtype");
     PHASE_CHECK(has_warning(lr, "error feedback is off"), "no warning about the unused residuals");
@@ -238,22 +273,40 @@ int phase_resize(comm::Communicator& c, std::vector<std::string> args) {
     for (int g = 0; g < 2; ++g) expect.working[g] = saved.master[g];  // f32 working copy = the masters
     std::string d = ckpt_global_diff(now, expect);
     PHASE_CHECK(d.empty(), "f32 load: " << d);
-    Reference ref(cfg, saved);
+    Reference ref(cfg, saved, params);
     for (int64_t s = lr.step; s < lr.step + 3; ++s) {
       ckpt_train(*opt, s, 1);
       ref.step(s, s, c.size());
     }
-    d = ckpt_global_diff(ckpt_gather(*opt), ref.global());
+    const Global after = ckpt_gather(*opt);
+    d = ckpt_global_diff(after, ref.global());
     PHASE_CHECK(d.empty(), "3 steps after the load differ from the single-process reference: " << d);
+    if (hyper) {
+      // The groups' hyperparameters show in every state: stepped with group 0's alone, the masters
+      // and states of each group but 0 would differ (so a load that lost them would be seen).
+      ShardConfig one = cfg;
+      one.group_hypers.assign(one.group_hypers.size(), cfg.hyper);
+      Reference flat(one, saved, params);
+      for (int64_t s = lr.step; s < lr.step + 3; ++s) flat.step(s, s, c.size());
+      const Global f = flat.global();
+      for (int g = 0; g < 2; ++g)
+        for (const auto& r : ref.runs[g]) {
+          if (r.hyper_group == 0) continue;
+          const bool same = std::memcmp(after.master[g].data() + r.begin * 4, f.master[g].data() + r.begin * 4,
+                                        size_t(r.end - r.begin) * 4) == 0;
+          PHASE_CHECK(!same, "param group " << r.hyper_group << " of group " << g << " moved as with group 0's hyperparameters");
+        }
+    }
     if (c.rank() == 0) std::printf("CKPT_PHASE resize: 3 fp32-communication steps equal the reference\n");
   }
   return 0;
 }
 
 // The exported safetensors, read with a reader of our own: one F32 tensor per parameter (name,
-// shape) whose bytes are the saved masters.
+// shape) whose bytes are the saved masters (--hyper: at the offsets of the model in param groups).
 int phase_fp32_compare(std::vector<std::string> args) {
-  PHASE_CHECK(args.size() == 2, "fp32-compare <file.safetensors> <dump>");
+  const bool hyper = opt_flag(args, "--hyper");
+  PHASE_CHECK(args.size() == 2, "fp32-compare <file.safetensors> <dump> [--hyper]");
   const std::vector<uint8_t> f = file_read_bytes(args[0]);
   const Global saved = ckpt_undump(args[1]);
   PHASE_CHECK(f.size() >= 8, "shorter than 8 bytes");
@@ -263,7 +316,7 @@ int phase_fp32_compare(std::vector<std::string> args) {
   const nlohmann::json h = nlohmann::json::parse(std::string(f.begin() + 8, f.begin() + 8 + long(hl)));
   PHASE_CHECK(h.at("__metadata__").at("format") == "pt", "metadata format is not pt");
   shard::LayoutConfig lc = ckpt_config().layout;
-  const shard::Layout lay = shard::Layout::build(ckpt_params(), lc);
+  const shard::Layout lay = shard::Layout::build(hyper ? ckpt_hyper_params() : ckpt_params(), lc);
   PHASE_CHECK(h.size() == lay.params.size() + 1, h.size() - 1 << " tensors for " << lay.params.size() << " parameters");
   int64_t data = 0;
   for (size_t p = 0; p < lay.params.size(); ++p) {

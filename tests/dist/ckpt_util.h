@@ -52,6 +52,34 @@ inline ShardConfig ckpt_config() {
   return c;
 }
 
+// The same model in three param groups (hyper groups), each with 8-bit and fp32-state parameters,
+// listed out of group order so the layout reorders them: group 0 w1 | scale, empty; group 1 w2 |
+// ln.w, bias; group 2 embed, w3 | stable. Runs start on state blocks (64): 8-bit runs [0, 5003),
+// [5056, 14059), [14080, 22950); fp32 runs [0, 1), [64, 181), [192, 285). Partitions at 2, 3 and 4
+// ranks cut through runs and tensors.
+inline std::vector<ParamSpec> ckpt_hyper_params() {
+  std::vector<ParamSpec> p = ckpt_params();
+  const int hg[] = {2, 1, 0, 1, 1, 2, 0, 2, 0};
+  for (size_t i = 0; i < p.size(); ++i) p[i].hyper_group = hg[i];
+  return p;
+}
+
+// ckpt_config() with its own lr, weight decay and betas per group.
+inline ShardConfig ckpt_hyper_config() {
+  ShardConfig c = ckpt_config();
+  optim::Hyper h1 = c.hyper, h2 = c.hyper;
+  h1.lr = 3e-3f;
+  h1.weight_decay = 0.0f;
+  h1.beta1 = 0.8f;
+  h1.beta2 = 0.99f;
+  h2.lr = 5e-3f;
+  h2.weight_decay = 0.1f;
+  h2.beta1 = 0.85f;
+  h2.beta2 = 0.95f;
+  c.group_hypers = {c.hyper, h1, h2};
+  return c;
+}
+
 inline float ckpt_init_value(uint64_t seed, int param, int64_t i) {
   return (rng_uniform(seed, uint64_t(param) * 1000003ull + uint64_t(i)) - 0.5f) * 0.2f;
 }

@@ -1,11 +1,13 @@
 # Checkpoint scenarios that take several jobs (ckpt_phase.cpp under mpirun, and the tool):
 #   -DMODE=resize -DFROM=<N> -DTO=<M>      save with N ranks, load with M: every block identical,
-#                                           training goes on and equals a single-process reference
+#         [-DHYPER=1]                       training goes on and equals a single-process reference
+#                                           (HYPER: the model in three param groups, ckpt_hyper_params)
 #   -DMODE=crash -DNP=<K> -DPOINT=<p> -DRANK=<r> -DALLOWED=<steps a,b> [-DSTEPS=<n>] [-DTAG=<t>]
 #                [-DEXCHANGE=0]             kill -9 rank r at save point p (ZERO8_CKPT_CRASH_AT):
 #                                           latest then names a complete tag that verifies and loads
 #                                           at an allowed step, and the next save works
 #   -DMODE=tool -DNP=<K>                    zero8-checkpoint inspect / verify / to-fp32 and their exit codes
+#   -DMODE=tool_hyper -DNP=<K>              inspect and to-fp32 of a checkpoint with param groups
 # Always: -DMPIEXEC=<mpirun> -DPHASE=<ckpt_phase> -DTOOL=<zero8-checkpoint> -DWORK=<scratch directory>
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
@@ -51,9 +53,13 @@ function(expect_match text regex)
   endif()
 endfunction()
 
+if(HYPER)
+  set(hyper --hyper)
+endif()
+
 if(MODE STREQUAL "resize")
-  phase(${FROM} ok save "${dir}" 3 --dump "${WORK}/dump")
-  phase(${TO} ok resize "${dir}" "${WORK}/dump")
+  phase(${FROM} ok save "${dir}" 3 --dump "${WORK}/dump" ${hyper})
+  phase(${TO} ok resize "${dir}" "${WORK}/dump" ${hyper})
   message(STATUS "${PHASE_OUT}")
 
 elseif(MODE STREQUAL "crash")
@@ -98,6 +104,7 @@ elseif(MODE STREQUAL "tool")
   # (358 blocks of 64), 211 in the fp32 group; AdamW keeps 2 states.
   expect_match("${TOOL_OUT}" "bytes: master 92348, codes 45752, absmax 2864, fp32 state 1688, ")
   expect_match("${TOOL_OUT}" "23087 elements \\(8bit group 22876, fp32 group 211\\), working dtype bfloat16")
+  expect_match("${TOOL_OUT}" "param groups: 1\n")
   tool(0 verify "${dir}")
   math(EXPR nfiles "${NP} + 1")
   expect_match("${TOOL_OUT}" "OK .*global_step4: ${nfiles} files")
@@ -127,6 +134,22 @@ elseif(MODE STREQUAL "tool")
   tool(1 inspect "${WORK}/empty")
   tool(2 frobnicate "${dir}")
   tool(2 verify)
+
+elseif(MODE STREQUAL "tool_hyper")
+  # The model in three param groups (ckpt_util.h, ckpt_hyper_params): each group's run starts on a
+  # state block of 64, so the 8-bit group holds 22950 elements (74 of padding), the fp32 group 285 (74).
+  phase(${NP} ok save "${dir}" 2 --hyper --dump "${WORK}/dump")
+  tool(0 inspect "${dir}")
+  message(STATUS "${TOOL_OUT}")
+  expect_match("${TOOL_OUT}" "23087 elements \\(8bit group 22950, fp32 group 285\\)")
+  expect_match("${TOOL_OUT}" "param groups: 3 \\(0: 3 tensors, 5004 elements. 1: 3 tensors, 9120 elements. 2: 3 tensors, 8963 elements\\), padding between their runs: 8bit 74, fp32 74 elements")
+  tool(0 verify "${dir}")
+  tool(0 to-fp32 "${dir}" "${WORK}/weights.safetensors")
+  phase(0 ok fp32-compare "${WORK}/weights.safetensors" "${WORK}/dump" --hyper)
+  # The same comparison with the offsets of the model without param groups fails: the export did
+  # place each tensor by its run.
+  phase(0 fail fp32-compare "${WORK}/weights.safetensors" "${WORK}/dump")
+  expect_match("${PHASE_OUT}" "differs from the saved masters")
 
 else()
   message(FATAL_ERROR "unknown MODE '${MODE}'")

@@ -2,8 +2,9 @@
 // run B: load, train on; every byte of parameters, masters, 8-bit states, residuals, step and loss
 // scaler equal), keep_last and same-tag replacement, and bad input (missing, truncated, corrupt or
 // foreign files, another model or optimizer, unknown format, no `latest`) fails naming the file and
-// the problem without changing the files or the optimizer. Other world sizes and crashes mid-save:
-// ckpt_phase.cpp with run_checkpoint.cmake.
+// the problem without changing the files or the optimizer; param groups (hyper groups): resume,
+// a load into other groups refused naming the parameter, manifests from before them. Other world
+// sizes and crashes mid-save: ckpt_phase.cpp with run_checkpoint.cmake.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -12,6 +13,9 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include "ckpt_util.h"
 #include "dist_env.h"
@@ -63,6 +67,7 @@ struct ResumeCase {
   ShardConfig cfg;
   int gas = 1;
   int64_t inf_step = -1;
+  std::vector<ParamSpec> params = ckpt_params();
 };
 
 std::vector<ResumeCase> resume_cases() {
@@ -87,6 +92,13 @@ std::vector<ResumeCase> resume_cases() {
   lamb.int8_params = false;
   lamb.error_feedback = false;
   v.push_back({"lamb 32-bit, f32, fp32 communication", lamb});
+  v.push_back({"adamw 8-bit in three param groups (own lr, weight decay, betas)", ckpt_hyper_config(), 1, -1,
+               ckpt_hyper_params()});
+  ShardConfig lamb_groups = ckpt_hyper_config();
+  lamb_groups.algo = optim::Algo::lamb;
+  lamb_groups.bits = 32;
+  lamb_groups.stage = 1;
+  v.push_back({"lamb 32-bit in three param groups, stage 1, accumulation 2", lamb_groups, 2, -1, ckpt_hyper_params()});
   return v;
 }
 
@@ -96,7 +108,7 @@ TEST(Checkpoint, ResumeIsBitExact) {
     SCOPED_TRACE(c.name);
     TempDir dir;
     // Run A: k steps, save, m more.
-    auto a = ckpt_make(c.cfg, world(), 77);
+    auto a = ckpt_make(c.cfg, world(), 77, c.params);
     ckpt_train(*a, 0, k, c.gas, c.inf_step);
     const Snapshot at_save = ckpt_snapshot(*a);
     ckpt::SaveOptions so;
@@ -111,7 +123,7 @@ TEST(Checkpoint, ResumeIsBitExact) {
 
     // Run B: another optimizer that has trained elsewhere (different parameters, states, residuals,
     // scaler), loads, and trains the same m steps.
-    auto b = ckpt_make(c.cfg, world(), 1234);
+    auto b = ckpt_make(c.cfg, world(), 1234, c.params);
     ckpt_train(*b, 100, 1, c.gas);
     ASSERT_NE(ckpt_diff(ckpt_snapshot(*b), at_save), "");
     const ckpt::LoadResult lr = ckpt::load(*b, dir.path);
@@ -301,6 +313,17 @@ void manifest_edit(const std::string& tag_dir, const std::function<void(nlohmann
   file_write_bytes(p, std::vector<uint8_t>(t.begin(), t.end()));
 }
 
+// manifest_xxh3 as zero8 computes it: XXH3-64 of the compact dump of every other field, in the
+// order they are written (checkpoint.cpp's json is nlohmann::ordered_json). Lets a test write a
+// manifest as an older zero8 did, checksum included.
+std::string manifest_xxh3_of(nlohmann::ordered_json j) {
+  j.erase("manifest_xxh3");
+  const std::string text = j.dump();
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", (unsigned long long)XXH3_64bits(text.data(), text.size()));
+  return buf;
+}
+
 TEST(Checkpoint, BadInputFailsNamingTheFileAndChangesNothing) {
   TempDir dir;
   const int w = world().size();
@@ -324,8 +347,9 @@ TEST(Checkpoint, BadInputFailsNamingTheFileAndChangesNothing) {
   };
   auto same = [] { return ckpt_config(); };
   auto nothing = [](const std::string&) {};
-  std::vector<ParamSpec> renamed = ckpt_params(), reshaped = ckpt_params(), fewer = ckpt_params();
+  std::vector<ParamSpec> renamed = ckpt_params(), reshaped = ckpt_params(), fewer = ckpt_params(), regrouped = ckpt_params();
   renamed[1].name = "ln.weight";
+  regrouped[1].hyper_group = 1;
   reshaped[2].shape = {5004};
   fewer.pop_back();
   std::vector<Case> cases = {
@@ -356,6 +380,8 @@ TEST(Checkpoint, BadInputFailsNamingTheFileAndChangesNothing) {
       {"another model: a name differs", nothing, same, renamed, {"manifest.json", "another model", "'ln.w'", "'ln.weight'"}},
       {"another model: a shape differs", nothing, same, reshaped, {"manifest.json", "'w1'", "[5003]", "[5004]"}},
       {"another model: a parameter fewer", nothing, same, fewer, {"manifest.json", "another model", "'empty'"}},
+      {"another param group", nothing, same, regrouped,
+       {"manifest.json", "parameter 'ln.w' is in param group 0 in the checkpoint, param group 1 here"}},
       {"different state block size", nothing,
        [] {
          ShardConfig c = ckpt_config();
@@ -436,6 +462,122 @@ TEST(Checkpoint, BadInputFailsNamingTheFileAndChangesNothing) {
   // The untouched copy still loads.
   auto opt = ckpt_make(ckpt_config(), world(), 9);
   EXPECT_EQ(ckpt::load(*opt, dir.path + "/good").step, 2);
+}
+
+TEST(Checkpoint, LoadIntoOtherParamGroupsFailsNamingTheParameterAndChangesNothing) {
+  // The optimizer states are laid out by param group (hyper group): a load into an optimizer whose
+  // parameters sit in other groups fails naming the first such parameter, on every rank, before
+  // anything moves. "renumbered" keeps every offset (groups 0, 1, 3 sort as 0, 1, 2): only the
+  // recorded group tells it apart.
+  TempDir dir;
+  {
+    auto a = ckpt_make(ckpt_hyper_config(), world(), 77, ckpt_hyper_params());
+    ckpt_train(*a, 0, 2);
+    ckpt::save(*a, dir.path + "/groups");
+    auto b = ckpt_make(ckpt_config(), world(), 77);
+    ckpt_train(*b, 0, 2);
+    ckpt::save(*b, dir.path + "/plain");
+  }
+  struct Case {
+    const char* name;
+    const char* ckpt;
+    std::vector<ParamSpec> params;
+    std::string expect;
+  };
+  std::vector<ParamSpec> plain = ckpt_params(), swapped = ckpt_hyper_params(), moved = ckpt_hyper_params(),
+                         renumbered = ckpt_hyper_params();
+  for (ParamSpec& p : swapped) p.hyper_group = p.hyper_group == 0 ? 0 : 3 - p.hyper_group;
+  moved[7].hyper_group = 0;  // w3, the last 8-bit parameter
+  for (ParamSpec& p : renumbered)
+    if (p.hyper_group == 2) p.hyper_group = 3;
+  const std::vector<Case> cases = {
+      {"param groups into a model without them", "groups", plain,
+       "parameter 'embed' is in param group 2 in the checkpoint, param group 0 here"},
+      {"groups 1 and 2 swapped", "groups", swapped, "parameter 'embed' is in param group 2 in the checkpoint, param group 1 here"},
+      {"one tensor in another group", "groups", moved, "parameter 'w3' is in param group 2 in the checkpoint, param group 0 here"},
+      {"group 2 renumbered 3", "groups", renumbered,
+       "parameter 'embed' is in param group 2 in the checkpoint, param group 3 here"},
+      {"no param groups into a model with them", "plain", ckpt_hyper_params(),
+       "parameter 'embed' is in param group 0 in the checkpoint, param group 2 here"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string d = dir.path + "/" + c.ckpt;
+    const auto before = world().rank() == 0 ? tree(d) : std::map<std::string, std::vector<uint8_t>>{};
+    ShardConfig cfg = ckpt_hyper_config();
+    cfg.group_hypers.resize(4, cfg.hyper);
+    auto opt = ckpt_make(cfg, world(), 9, c.params);
+    ckpt_train(*opt, 50, 1);
+    const Snapshot s = ckpt_snapshot(*opt);
+    try {
+      ckpt::load(*opt, d);
+      ADD_FAILURE() << "load accepted it";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::io) << e.what();
+      if (world().rank() == 0) std::printf("  %-40s -> %s\n", c.name, e.what());
+      for (const std::string& needle : {std::string("manifest.json"), c.expect})
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "'" << needle << "' not in: " << e.what();
+    }
+    EXPECT_EQ(ckpt_diff(ckpt_snapshot(*opt), s), "") << "a failed load changed the optimizer";
+    if (world().rank() == 0) {
+      EXPECT_TRUE(tree(d) == before) << "a failed load changed the files";
+    }
+    world().barrier();
+  }
+}
+
+TEST(Checkpoint, ManifestWithoutParamGroupsLoads) {
+  // A manifest written before param groups existed has no "hyper_group" (and its manifest_xxh3 covers
+  // the fields it has): every parameter is in group 0, and resume stays bit-exact.
+  TempDir dir;
+  const int k = 2, m = 2;
+  auto a = ckpt_make(ckpt_config(), world(), 77);
+  ckpt_train(*a, 0, k);
+  const Snapshot at_save = ckpt_snapshot(*a);
+  const ckpt::SaveResult sr = ckpt::save(*a, dir.path);
+  ckpt_train(*a, k, m);
+  const Snapshot run_a = ckpt_snapshot(*a);
+  auto erase_groups = [](nlohmann::ordered_json& j) {
+    for (auto& p : j["params"]) {
+      ASSERT_TRUE(p.contains("hyper_group")) << p.dump();
+      p.erase("hyper_group");
+    }
+    j["manifest_xxh3"] = manifest_xxh3_of(j);
+  };
+  if (world().rank() == 0) manifest_edit(sr.path, erase_groups, true);
+  world().barrier();
+  auto b = ckpt_make(ckpt_config(), world(), 1234);
+  ckpt_train(*b, 100, 1);
+  const ckpt::LoadResult lr = ckpt::load(*b, dir.path);
+  EXPECT_EQ(lr.step, k);
+  EXPECT_TRUE(lr.warnings.empty()) << lr.warnings.front();
+  EXPECT_EQ(ckpt_diff(ckpt_snapshot(*b), at_save), "") << "right after load, rank " << world().rank();
+  ckpt_train(*b, k, m);
+  EXPECT_EQ(ckpt_diff(ckpt_snapshot(*b), run_a), "") << "after " << m << " more steps, rank " << world().rank();
+  if (world().rank() == 0) {
+    const ckpt::Manifest mf = ckpt::manifest_read(sr.path);
+    for (const ckpt::ParamInfo& p : mf.params) EXPECT_EQ(p.hyper_group, 0) << p.name;
+    EXPECT_TRUE(ckpt::verify(sr.path).ok());
+  }
+
+  // A checkpoint with param groups whose fields were dropped is not read as group 0: its offsets are
+  // those of the groups' runs, and the manifest is refused naming the first parameter they disagree on.
+  auto g = ckpt_make(ckpt_hyper_config(), world(), 77, ckpt_hyper_params());
+  ckpt_train(*g, 0, 1);
+  const ckpt::SaveResult gr = ckpt::save(*g, dir.path + "/groups");
+  if (world().rank() == 0) manifest_edit(gr.path, erase_groups, true);
+  world().barrier();
+  auto c = ckpt_make(ckpt_config(), world(), 9);
+  const Snapshot before = ckpt_snapshot(*c);
+  try {
+    ckpt::load(*c, dir.path + "/groups");
+    ADD_FAILURE() << "a manifest with the groups' offsets and no groups loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 'embed': group/offset/numel 8bit/14080/4773 disagree with the layout"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(ckpt_diff(ckpt_snapshot(*c), before), "") << "a failed load changed the optimizer";
 }
 
 }  // namespace
