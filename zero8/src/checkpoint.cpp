@@ -458,8 +458,8 @@ json file_to_json(const FileInfo& f) {
   return j;
 }
 
-// The manifest's own checksum: xxh3 of the compact dump of every other field (nlohmann's objects keep
-// their keys sorted, so a parsed manifest dumps to the same text). It covers what no file checksum
+// The manifest's own checksum: xxh3 of the compact dump of every other field, keys in the order the file
+// lists them (json is nlohmann's ordered_json, so a parsed manifest dumps to the same text). It covers what no file checksum
 // does: the layout, the config and the client state (the engine's step counters, the scheduler).
 constexpr const char* kManifestHashKey = "manifest_xxh3";
 uint64_t manifest_hash(json j) {
