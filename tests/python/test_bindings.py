@@ -556,6 +556,11 @@ def test_sharded_hyper_is_live():
     assert opt.lr == 0.5 and opt.hyper.lr == 0.5
     opt.hyper.beta2 = 0.95  # by reference
     assert opt.config.hyper.beta2 == pytest.approx(0.95)
+    assert opt.num_hyper_groups == 1 and opt.group_hyper(0).beta2 == pytest.approx(0.95)
+    opt.group_hyper(0).lr = 0.25
+    assert opt.lr == 0.25 and opt.config.hyper.lr == 0.25
+    with pytest.raises(zero8.Zero8ValueError, match="hyper_group"):
+        opt.group_hyper(1)
 
 
 # ---------------------------------------------------------------------------------------------------

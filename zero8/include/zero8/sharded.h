@@ -71,7 +71,7 @@ class ShardedOptimizer {
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
   const Layout& layout() const { return layout_; }
-  const ShardConfig& config() const { return cfg_; }
+  const ShardConfig& config() const { return cfg_; }  // as constructed: hyper(i) holds the values of now
   comm::Communicator& comm() { return dp_; }
   int rank() const { return dp_.rank(); }
   int world() const { return dp_.size(); }
