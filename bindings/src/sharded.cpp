@@ -293,6 +293,8 @@ void init_sharded(py::module_& m) {
             return d;
           },
           "Bytes held by this rank: dict(working, grads, master, state, buffers).")
+      .def("refresh_masters", &ShardedOptimizer::refresh_masters,
+           "This rank's fp32 masters from its working copy (not collective), after the weights were changed in place.")
       .def("sync_working_from_master", &ShardedOptimizer::sync_working_from_master,
            py::call_guard<py::gil_scoped_release>(),
            "Collective: recompute the working copy from the masters (after loading a checkpoint).");

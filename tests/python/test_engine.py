@@ -650,6 +650,48 @@ def test_param_groups_resume_exactly_and_must_match_on_load(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_refresh_fp32_params_keeps_weights_loaded_into_the_module(dtype):
+    # lr 0: a step leaves the weights at the masters. Weights loaded into the module after initialize are
+    # lost at the next step unless the masters are refreshed from them (DeepSpeed's refresh_fp32_params).
+    extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
+    other = make_model(seed=5).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    for refresh, z8 in ((False, EXACT), (True, EXACT), (True, FULL8)):
+        engine, model, optimizer, _ = engine_for(config(lr=0.0, weight_decay=0.0, zero8=z8, **extra))
+        start = clone_params(model)
+        train_engine(engine, DATA, 1, B, dtype=other[0].weight.dtype)
+        model.load_state_dict(other.state_dict())
+        if refresh:
+            optimizer.refresh_fp32_params()
+        train_engine(engine, DATA, 2, B, dtype=other[0].weight.dtype)
+        want = list(other.parameters()) if refresh else start
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), want)), f"refresh={refresh} {z8}"
+
+
+def test_save_16bit_model_writes_the_weights_whole(tmp_path):
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8, bf16={"enabled": True}))
+    train_engine(engine, DATA, 2, B, dtype=torch.bfloat16)
+    assert engine.save_16bit_model(tmp_path / "export") is True
+    saved = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+    assert list(saved) == list(model.state_dict())
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    # Compact copies: the file holds the weights, not the engine's whole flat buffers once per tensor.
+    weights = sum(v.numel() * v.element_size() for v in saved.values())
+    assert (tmp_path / "export" / "pytorch_model.bin").stat().st_size < weights + 20000
+    engine.save_16bit_model(tmp_path / "export", "trainable.bin", exclude_frozen_parameters=True)
+    trainable = torch.load(tmp_path / "export" / "trainable.bin", weights_only=True)
+    assert "0.weight" not in trainable and set(trainable) == set(engine.module_state_dict(
+        exclude_frozen_parameters=True))
+    # A failed write leaves no partial file behind.
+    (tmp_path / "export" / "blocked.bin").mkdir()
+    with pytest.raises(OSError):
+        engine.save_16bit_model(tmp_path / "export", "blocked.bin")
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["blocked.bin", "pytorch_model.bin",
+                                                                      "trainable.bin"]
+
+
 def test_frozen_parameters_are_left_alone():
     model = make_model()
     model[0].weight.requires_grad_(False)

@@ -119,8 +119,13 @@ float* ShardedOptimizer::param_grad(int param) {
 }
 
 void ShardedOptimizer::init(int root) {
-  for (int g = 0; g < kNumGroups; ++g) {
+  for (int g = 0; g < kNumGroups; ++g)
     if (!working_[g].empty()) dp_.broadcast(working_[g].data(), int64_t(working_[g].size()), root);
+  refresh_masters();
+}
+
+void ShardedOptimizer::refresh_masters() {
+  for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
     for (int64_t i = 0; i < valid; ++i) master_[g][i] = dtype_load(working_[g].data(), cfg_.working_dtype, b + i);

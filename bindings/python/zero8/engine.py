@@ -374,6 +374,14 @@ class Zero8Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
 
+    def refresh_fp32_params(self) -> None:
+        """This rank's fp32 masters from the model's weights, after they were changed in place (e.g.
+        ``engine.module.load_state_dict(...)``); without it the next step starts from the old masters and
+        overwrites the change. As DeepSpeed's ZeRO optimizer: not collective, every rank should hold the
+        same weights. Under fp16/bf16 the masters take the 16-bit values."""
+        self._engine._check_live()
+        self._engine._opt.refresh_masters()
+
     def state_dict(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"param_groups": groups, "steps": int(self._engine._opt.steps),
@@ -1046,6 +1054,44 @@ class Zero8Engine(torch.nn.Module):
         _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
                            bool(save_latest))
         return True
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The module's state dict, as DeepSpeed's engine gives it: ``module.state_dict`` (views of the
+        weights), without the frozen parameters when ``exclude_frozen_parameters``."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the module's weights as one plain state dict (``torch.load``-able, e.g. for
+        ``from_pretrained``), in the working dtype (16-bit under fp16 or bf16, else float32), to
+        ``save_dir/save_filename``: compact copies, written to a temporary file and renamed into place, so
+        the file is whole or absent. Not collective (the other ranks write nothing). Returns True."""
+        self._check_live()
+        if self.global_rank != 0:
+            return True
+        save_dir = os.fspath(save_dir)
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(self._module_state_dict(exclude_frozen_parameters), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return True
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
     def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False) -> Any:
         """Run ``work`` on rank 0 (all_ranks: on every rank), then let every rank learn whether it failed

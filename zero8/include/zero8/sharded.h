@@ -91,6 +91,10 @@ class ShardedOptimizer {
   // Collective: make rank `root`'s working copy everyone's, and set the masters from it. Call once
   // after the model's parameters were written into the working buffers.
   void init(int root = 0);
+  // This rank's masters from its own working copy (not collective), after the caller changed the weights
+  // in place, e.g. loaded a state dict into the model: otherwise the next step would start from the old
+  // masters. Every rank should hold the same weights; after the next step each partition's owner wins.
+  void refresh_masters();
 
   // ---- the training loop ----
   // Stage 2: parameter `param`'s gradient of this micro-batch is complete in grad_input; the buckets
