@@ -212,6 +212,14 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """GPT-2 practice: weight decay on the matrices and embeddings (the config's weight_decay), none on
+    biases and LayerNorm gains."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "name": "decay"}, {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction=reduction)
 
@@ -415,7 +423,7 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         if rank != 0:
             warnings.simplefilter("ignore")  # config warnings once, from rank 0
-        engine, _, _, _ = zero8.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, optimizer, _, _ = zero8.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     batch = engine.train_batch_size()
@@ -448,7 +456,9 @@ def main(argv=None) -> int:
         z8 = cfg.get("zero8", {})
         print(corpus.describe())
         print(f"model: GPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} seq_len={args.seq_len} "
-              f"{'tied' if args.tie_weights else 'untied'} head, {n_params:,} parameters")
+              f"{'tied' if args.tie_weights else 'untied'} head, {n_params:,} parameters; param groups: "
+              + ", ".join(f"{g['name']} {sum(p.numel() for p in g['params']):,} (weight decay {g['weight_decay']:g})"
+                          for g in optimizer.param_groups))
         print(f"run: {world} rank(s), {steps} steps of {batch} sequences ({tokens_per_step} tokens; micro-batch "
               f"{micro} x {gas} accumulation per rank), config {args.config} (zero8 "
               f"{'on' if z8 and z8.get('enabled', True) else 'off'}), "
