@@ -1132,6 +1132,24 @@ def test_config_from_args_or_config_not_both(tmp_path):
                          config=config(zero8=EXACT))
 
 
+def test_deepspeed_script_entry_points(tmp_path):
+    # A DeepSpeed script's set-up: add_config_arguments on its parser, init_distributed, then
+    # initialize(args=...) reading --deepspeed_config.
+    import argparse
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config(gas=2, zero8=EXACT)))
+    parser = zero8.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed is True and args.deepspeed_config == str(path)
+    assert parser.parse_args([]).deepspeed_config is None
+    comm = zero8.init_distributed(dist_backend="nccl")  # DeepSpeed's arguments are accepted
+    assert comm is zero8.init_distributed() and (comm.rank, comm.size) == (0, 1)
+    engine, _, _, _ = zero8.initialize(args=args, model=make_model())
+    assert engine.gradient_accumulation_steps() == 2 and engine.global_rank == comm.rank
+    assert {"initialize", "add_config_arguments", "init_distributed"} <= set(dir(zero8))
+
+
 def test_unknown_keys_warn():
     cfg = config(zero8=EXACT, my_custom_key=1)
     cfg["zero_optimization"]["bogus_knob"] = True

@@ -31,6 +31,8 @@ __version__ = _C.version()
 # Imported on first attribute access (zero8.optim...). A name whose module is not installed raises
 # AttributeError, so hasattr() works.
 _SUBMODULES = ("functional", "optim", "nn", "engine", "comm", "config", "lr_schedules")
+# DeepSpeed's top-level names, from zero8.engine on first access.
+_ENGINE_NAMES = ("initialize", "add_config_arguments", "init_distributed")
 
 # What `from zero8 import *` gives: names that always exist (submodules are imported by name).
 __all__ = [
@@ -63,17 +65,17 @@ def _submodule(name: str):
 
 
 def __getattr__(name: str):
-    # Lazy submodules (torch-heavy parts load on first use), and initialize from zero8.engine.
+    # Lazy submodules (torch-heavy parts load on first use), and DeepSpeed's names from zero8.engine.
     if name in _SUBMODULES:
         module = _submodule(name)
         globals()[name] = module
         return module
-    if name == "initialize":
-        initialize = _submodule("engine").initialize
-        globals()["initialize"] = initialize
-        return initialize
+    if name in _ENGINE_NAMES:
+        value = getattr(_submodule("engine"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'zero8' has no attribute '{name}'")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES) | {"initialize"})
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES) | set(_ENGINE_NAMES))

@@ -1349,6 +1349,29 @@ def _jsonable(x):
 # ---------------------------------------------------------------------------------------------
 
 
+def add_config_arguments(parser):
+    """DeepSpeed's command-line arguments on an argparse parser, for scripts that pass ``args`` to
+    ``initialize``: ``--deepspeed`` (accepted; the engine runs whenever ``initialize`` is called) and
+    ``--deepspeed_config PATH``. Returns the parser."""
+    group = parser.add_argument_group("zero8 (DeepSpeed arguments)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted for DeepSpeed scripts; zero8's engine runs when the script calls initialize")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the DeepSpeed JSON config (with its \"zero8\" section) that initialize(args=...) reads")
+    return parser
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distributed_port=None, verbose: bool = True,
+                     timeout=None, init_method=None, dist_init_required=None, config=None, rank: int = -1,
+                     world_size: int = -1) -> "_C.Communicator":
+    """For scripts that call ``deepspeed.init_distributed()`` before ``initialize``: creates (or returns)
+    this process's world communicator (MPI under mpirun or zero8-launch, else one process). zero8 does
+    not start a torch.distributed process group, so the arguments are accepted and ignored; use
+    ``engine.global_rank`` / ``engine.world_size`` (or this communicator's ``rank`` and ``size``) instead
+    of ``torch.distributed.get_rank()``."""
+    return world_comm("auto")
+
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
@@ -1361,8 +1384,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
       (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
       communication (docs/CONFIG.md).
     - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
-      Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and param_groups[0]
-      hyperparameters are read; all groups must share them), or a callable taking the parameters.
+      Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and hyperparameters are read; its
+      param groups may differ in lr, weight_decay, eps and betas/momentum/alpha), or a callable taking
+      the parameters.
+    - ``model_parameters``: tensors, or param-group dicts that may set their own lr, weight_decay, eps
+      and betas/momentum/alpha (docs/ENGINE.md, "Param groups").
     - ``lr_scheduler``: None (the config's "scheduler"), a scheduler over the client optimizer or over
       the returned optimizer, or a callable taking the returned optimizer.
     - ``training_data``: a torch Dataset; the returned DataLoader yields micro-batches of this rank's
