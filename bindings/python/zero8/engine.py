@@ -548,7 +548,7 @@ class Zero8Engine(torch.nn.Module):
         # The optimizer object handed back, and the LR scheduler.
         defaults = _group_from_hyper(self._algo, self._opt.hyper)
         groups: list = list(params)
-        if client_optimizer is None and len(self._hyper_group_dicts) > 1:
+        if client_optimizer is None and self._param_group_dicts:  # the dicts' groups, their other keys kept
             groups = []
             for h, d in enumerate(self._hyper_group_dicts):
                 extra = {k: v for k, v in d.items() if k != "params" and k not in defaults}  # e.g. a "name"
