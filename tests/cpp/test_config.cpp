@@ -455,6 +455,31 @@ TEST(ConfigSchedule, WarmupLRLogAndLinear) {
   EXPECT_LR(cfg::lr_at(c.scheduler, 1), 1.5);
 }
 
+TEST(ConfigSchedule, ZeroWarmupStepsAreAcceptedAsDeepSpeedDoes) {
+  // The Hugging Face Trainer writes warmup_num_steps 0 when a run has no warmup; DeepSpeed takes it
+  // (max(2, 0) = 2): t = 0 is the minimum, t >= 1 the maximum (or the decay/cosine from there).
+  auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params":
+                 {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 0}}})");
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 0);
+  EXPECT_EQ(cfg::lr_at(c.scheduler, 0), 0.0);
+  EXPECT_LR(cfg::lr_at(c.scheduler, 1), 3e-5);
+  c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params":
+            {"warmup_min_lr": 0, "warmup_max_lr": 0.1, "warmup_num_steps": 0, "total_num_steps": 12}}})");
+  EXPECT_LR(cfg::lr_at(c.scheduler, 2), 0.1);        // (12 - 2) / (12 - 2)
+  EXPECT_LR(cfg::lr_at(c.scheduler, 7), 0.1 * 0.5);  // (12 - 7) / 10
+  c = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+                "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 0, "total_num_steps": 12}}})");
+  EXPECT_EQ(cfg::lr_at(c.scheduler, 0), 0.0);                // warmup_min_ratio 0
+  EXPECT_LR(cfg::lr_at(c.scheduler, 11), 0.002 * 0.0001);   // progress 1: cos_min_ratio
+  const auto back = cfg::parse_string(cfg::to_json(c), 1, "normalized.json");
+  EXPECT_TRUE(back == c);
+  // Negative counts stay an error: no DeepSpeed config means them.
+  const auto e = parse_error(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params":
+                 {"warmup_num_steps": -5}}})");
+  EXPECT_NE(std::string(e.what()).find("scheduler.params.warmup_num_steps: expected an integer >= 0, got -5"),
+            std::string::npos) << e.what();
+}
+
 TEST(ConfigSchedule, WarmupDecayLR) {
   const auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params":
       {"warmup_min_lr": 0, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "total_num_steps": 110,

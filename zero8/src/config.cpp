@@ -693,7 +693,8 @@ void parse_scheduler(Section& top, Config& c) {
       sc.warmup_max_lr = p.get_num_opt("warmup_max_lr", ge(0.0));
       // WarmupLR defaults to the optimizer's lr; WarmupDecayLR's constructor default is 0.001.
       if (!sc.warmup_max_lr) sc.warmup_max_lr = decay ? std::optional<double>(0.001) : sc.base_lr;
-      sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 1);
+      // 0 is what the Hugging Face Trainer writes for "no warmup"; the formulas use max(2, n), as DeepSpeed.
+      sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 0);
       read_warmup_type(p, sc);
       if (decay && sc.total_num_steps < sc.warmup_num_steps)
         p.warn("total_num_steps", "is less than warmup_num_steps " + std::to_string(sc.warmup_num_steps) +
@@ -705,7 +706,7 @@ void parse_scheduler(Section& top, Config& c) {
       if (!t) p.fail("total_num_steps", "missing: WarmupCosineLR needs the total number of steps");
       sc.total_num_steps = *t;
       sc.warmup_min_ratio = p.get_num("warmup_min_ratio", 0.0, ge(0.0));
-      sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 1);
+      sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 0);
       sc.cos_min_ratio = p.get_num("cos_min_ratio", 0.0001, ge(0.0));
       read_warmup_type(p, sc);
       if (sc.total_num_steps < sc.warmup_num_steps)
