@@ -727,6 +727,16 @@ void parse_scheduler(Section& top, Config& c) {
       // lr_schedules.py's command-line default is -1; any count <= 0 means no staircase.
       sc.cycle_first_stair_count = p.get_int("cycle_first_stair_count", 0, -1);
       sc.cycle_second_stair_count = p.get_int("cycle_second_stair_count", sc.cycle_first_stair_count, -1);
+      // DeepSpeed documents these stairs, but its OneCycle (lr_schedules.py) stores the counts and never
+      // reads them: its lr is the continuous triangle. zero8 applies them, so the run differs.
+      for (const char* k : {"cycle_first_stair_count", "cycle_second_stair_count"}) {
+        const json* v = p.raw(k);
+        if (v && v->is_number() && v->get<double>() > 0) {
+          p.warn(k, "staircase applied as DeepSpeed documents it, but DeepSpeed's OneCycle ignores it (its lr "
+                    "rises and falls continuously): the lr differs from a DeepSpeed run's; 0 gives DeepSpeed's");
+          break;  // once for the pair
+        }
+      }
       sc.decay_step_size = p.get_int("decay_step_size", 0, 0);
       sc.cycle_momentum = p.get_bool("cycle_momentum", true);
       sc.cycle_min_mom = p.get_num("cycle_min_mom", 0.8, in_co(0.0, 1.0));
@@ -1074,8 +1084,8 @@ double one_cycle_scale(const SchedulerConfig& s, int64_t t) {
     stairs = s.cycle_second_stair_count;
   }
   if (stairs > 0) {
-    // Stairs are counted from the integer batch offset, not from `scale` (lr_schedules.py explains:
-    // the float scale can land just under an exact stair at a half-cycle boundary).
+    // Stairs are counted from the integer batch offset, not from `scale`: the float scale can land just
+    // under an exact stair at a half-cycle boundary.
     const double ci = std::fmod(bi, total);
     const double pos = ci <= first ? ci * double(stairs) / first : (total - ci) * double(stairs) / second;
     scale = std::floor(pos) / double(stairs);
