@@ -293,6 +293,36 @@ TEST(ConfigErrors, NestedTypesAndValues) {
   EXPECT_STREQ(e.what(), "test.json: optimizer.type: expected a string, got 3");
 }
 
+TEST(ConfigErrors, HuggingFaceAutoValuesAreListedInOneError) {
+  // A Hugging Face Trainer config before the Trainer fills it in: one error names every "auto" the
+  // user has to replace, not one per run. The pydantic sections' "auto" (fp16, bf16, zero_optimization)
+  // are not listed: they take the default with a warning.
+  const auto e = parse_error(R"({
+    "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8, "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                  "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "zero8": {"comm_backend": "auto"}
+  })");
+  EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+  const std::string m = e.what();
+  EXPECT_EQ(m.rfind("test.json: train_batch_size: \"auto\" is filled in by the Hugging Face", 0), 0u) << m;
+  EXPECT_NE(m.find("\"auto\" also at: optimizer.params.lr, optimizer.params.betas, optimizer.params.weight_decay, "
+                   "scheduler.params.warmup_min_lr, scheduler.params.warmup_max_lr, scheduler.params.warmup_num_steps, "
+                   "scheduler.params.total_num_steps, gradient_accumulation_steps, gradient_clipping, "
+                   "train_micro_batch_size_per_gpu"),
+            std::string::npos) << m;
+  EXPECT_EQ(m.find("fp16.enabled"), std::string::npos) << m;
+  EXPECT_EQ(m.find("reduce_bucket_size"), std::string::npos) << m;
+  EXPECT_EQ(m.find("comm_backend"), std::string::npos) << m;  // one of its own values there
+  // A single "auto" keeps the short message.
+  const auto one = parse_error(R"({"train_batch_size": 8, "gradient_clipping": "auto"})");
+  EXPECT_EQ(std::string(one.what()).find("also at"), std::string::npos) << one.what();
+}
+
 TEST(ConfigErrors, MalformedJsonLineAndColumn) {
   // Line 3 holds `"b": }`: the parser stops at the '}' (column 8).
   auto e = parse_error("{\n  \"a\": 1,\n  \"b\": }\n");

@@ -86,10 +86,37 @@ enum class Auto { reject, use_default };
 struct Ctx {
   std::string source;
   std::vector<std::string>* warnings = nullptr;
+  const json* root = nullptr;  // the whole config, to list every "auto" in one error
 };
 
 std::string join_path(const std::string& path, const std::string& key) {
   return path.empty() ? key : path + "." + key;
+}
+
+void collect_auto(const json& v, const std::string& path, std::vector<std::string>& out) {
+  if (v.is_object()) {
+    for (auto it = v.begin(); it != v.end(); ++it) collect_auto(it.value(), join_path(path, it.key()), out);
+  } else if (v.is_array()) {
+    for (size_t i = 0; i < v.size(); ++i) collect_auto(v[i], path + "[" + std::to_string(i) + "]", out);
+  } else if (v.is_string() && v.get<std::string>() == "auto" && path != "zero8.comm_backend") {
+    out.push_back(path);
+  }
+}
+
+// Every "auto" zero8 rejects, in file order: a Hugging Face config carries a dozen, and one error naming
+// them all saves a parse per value. Left out: the sections where "auto" takes the default (fp16, bf16,
+// zero_optimization) and those zero8 does not read.
+std::vector<std::string> rejected_auto_paths(const json& root) {
+  static const std::set<std::string> read_top = {
+      "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+      "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
+      "zero_allow_untested_optimizer", "communication_data_type", "allgather_size", "optimizer", "scheduler",
+      "checkpoint", "zero8"};
+  std::vector<std::string> out;
+  if (!root.is_object()) return out;
+  for (auto it = root.begin(); it != root.end(); ++it)
+    if (read_top.count(it.key())) collect_auto(it.value(), it.key(), out);
+  return out;
 }
 
 [[noreturn]] void fail_at(const Ctx& ctx, const std::string& path, const std::string& msg,
@@ -166,7 +193,14 @@ class Section {
     const json* v = raw(key);
     if (!v || v->is_null()) return nullptr;
     if (v->is_string() && v->get<std::string>() == "auto") {
-      if (policy_ == Auto::reject) fail_at(ctx_, key_path(key), kAutoHint);
+      if (policy_ == Auto::reject) {
+        std::string others;
+        if (ctx_.root)
+          for (const std::string& p : rejected_auto_paths(*ctx_.root))
+            if (p != key_path(key)) others += (others.empty() ? "" : ", ") + p;
+        fail_at(ctx_, key_path(key),
+                std::string(kAutoHint) + (others.empty() ? "" : " (\"auto\" also at: " + others + ")"));
+      }
       warn_at(ctx_, key_path(key),
               "\"auto\" is not resolved here: the default is used, as DeepSpeed does (the Hugging Face "
               "Trainer fills \"auto\" in before DeepSpeed reads the config)");
@@ -886,6 +920,7 @@ Config parse_string(const std::string& json_text, int world_size, const std::str
   Ctx ctx{source_name, &c.warnings};
   const json root = parse_json_text(ctx, json_text);
   if (!root.is_object()) fail_at(ctx, "", "the config must be a JSON object, got " + show(root));
+  ctx.root = &root;
   Section top(ctx, &root, "", Auto::reject);
   parse_batch(top, world_size, c);
   parse_precision(top, c);
