@@ -123,12 +123,14 @@ def _build(optimizer, type_name: str, params: dict, base_lr: float | None = None
 
 class WarmupLR(Zero8LRScheduler):
     """deepspeed.runtime.lr_schedules.WarmupLR: from warmup_min_lr up to warmup_max_lr over
-    warmup_num_steps (log or linear), then constant."""
+    warmup_num_steps (log or linear), then constant. warmup_max_lr None: param group 0's lr, as DeepSpeed
+    (since its PR #7360; before, 0.001)."""
 
-    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
-        params = dict(warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr, warmup_num_steps=warmup_num_steps,
-                      warmup_type=warmup_type)
+        params = dict(warmup_min_lr=warmup_min_lr, warmup_num_steps=warmup_num_steps, warmup_type=warmup_type)
+        if warmup_max_lr is not None:  # else the parser takes the optimizer section's lr (group 0's)
+            params["warmup_max_lr"] = warmup_max_lr
         super().__init__(optimizer, _build(optimizer, "WarmupLR", params), last_batch_iteration)
 
 
