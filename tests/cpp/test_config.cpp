@@ -526,6 +526,16 @@ TEST(ConfigSchedule, WarmupDecayLR) {
   const auto d = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
       "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}})");
   EXPECT_EQ(d.scheduler.warmup_max_lr, 0.001);
+  // DeepSpeed does this silently; a Megatron-style config with lr 6e-4 would peak 1.7x higher than
+  // written, so zero8 says so (and not when the optimizer's lr is 0.001 anyway, or the peak is given).
+  EXPECT_TRUE(has_warning(d, "test.json: scheduler.params.warmup_max_lr: not given: WarmupDecayLR peaks at "
+                             "DeepSpeed's default 0.001, not optimizer.params.lr 0.5")) << all_warnings(d);
+  EXPECT_TRUE(parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}})")
+                  .warnings.empty());
+  EXPECT_TRUE(parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10, "warmup_max_lr": 0.5}}})")
+                  .warnings.empty());
 }
 
 TEST(ConfigSchedule, WarmupCosineLR) {

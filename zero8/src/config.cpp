@@ -726,7 +726,14 @@ void parse_scheduler(Section& top, Config& c) {
       sc.warmup_min_lr = p.get_num("warmup_min_lr", 0.0, ge(0.0));
       sc.warmup_max_lr = p.get_num_opt("warmup_max_lr", ge(0.0));
       // WarmupLR defaults to the optimizer's lr; WarmupDecayLR's constructor default is 0.001.
-      if (!sc.warmup_max_lr) sc.warmup_max_lr = decay ? std::optional<double>(0.001) : sc.base_lr;
+      if (!sc.warmup_max_lr) {
+        sc.warmup_max_lr = decay ? std::optional<double>(0.001) : sc.base_lr;
+        // DeepSpeed applies that 0.001 without a word; a config whose optimizer lr differs rarely means it.
+        if (decay && sc.base_lr && *sc.base_lr != 0.001)
+          p.warn("warmup_max_lr", "not given: WarmupDecayLR peaks at DeepSpeed's default 0.001, not "
+                                  "optimizer.params.lr " + fmt_num(*sc.base_lr) +
+                                      " (WarmupLR would take the optimizer's); give it to choose");
+      }
       // 0 is what the Hugging Face Trainer writes for "no warmup"; the formulas use max(2, n), as DeepSpeed.
       sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 0);
       read_warmup_type(p, sc);
