@@ -15,6 +15,7 @@ import time
 from .commands import Job, mpirun_command, select_exports, srun_command
 from .hostfile import LaunchError, expand_hostlist, read_hostfile, select_resources
 from .monitor import JobMonitor, run_job
+from .rank_wrapper import DEFAULT_STOP_GRACE
 
 __all__ = ["build_parser", "plan", "main"]
 
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also carry this variable to the ranks (repeatable)")
     p.add_argument("--log_dir", default="", help=f"per-rank logs go here (default {DEFAULT_LOG_ROOT}/<date-time>)")
     p.add_argument("--timeout", type=float, default=0.0, help="end the job after S seconds (0: no limit)")
-    p.add_argument("--stop_grace", type=float, default=30.0,
+    p.add_argument("--stop_grace", type=float, default=DEFAULT_STOP_GRACE,
                    help="seconds the ranks get to exit after a Ctrl-C/SIGTERM before the job is killed")
     p.add_argument("--fail_grace", type=float, default=30.0,
                    help="seconds after a rank failed before the launcher ends a job the engine did not end")
@@ -83,6 +84,7 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
     job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,
               module=args.module, no_python=args.no_python, no_prefix=args.no_prefix, net_if=args.net_if,
               oversubscribe=args.oversubscribe, launcher_args=shlex.split(args.launcher_args),
+              stop_grace=args.stop_grace,
               log_dir=os.path.abspath(args.log_dir or _default_log_dir()))
     if args.hostfile:
         pool = read_hostfile(args.hostfile)
@@ -179,12 +181,14 @@ def main(argv: list[str] | None = None) -> int:
                         + (" (every rank exited)" if ok and rc == 0 else f" ({engine} exit code {rc})")
                         + f"; logs: {job.log_dir}")
             return code
-        lines, code = monitor.failure_report()
+        # A negative code: the engine itself was killed by that signal (not a rank).
+        lines, code = monitor.failure_report(engine, -rc if rc < 0 and how == "done" else 0)
         if how == "timeout":
             monitor.say(f"job ended by --timeout {args.timeout:g} after {elapsed:.1f} s")
             code = 124
         else:
-            monitor.say(f"job FAILED after {elapsed:.1f} s ({engine} exit code {rc})")
+            monitor.say(f"job FAILED after {elapsed:.1f} s ({engine} " + (f"killed by signal {-rc})" if rc < 0 else
+                                                                         f"exit code {rc})"))
         for line in lines:
             monitor.say(line)
         monitor.say(f"logs: {job.log_dir}")

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .hostfile import LaunchError
-from .rank_wrapper import format_hosts
+from .rank_wrapper import DEFAULT_STOP_GRACE, format_hosts
 
 __all__ = ["Job", "Command", "EXPORT_PREFIXES", "EXPORT_NAMES", "PER_HOST_VARS", "select_exports",
            "read_env_file", "rank_command", "mpirun_command", "srun_command"]
@@ -49,6 +49,7 @@ class Job:
     oversubscribe: bool = False
     set_devices: bool = False            # slots were chosen explicitly: CUDA_VISIBLE_DEVICES per host
     launcher_args: list[str] = field(default_factory=list)
+    stop_grace: float = DEFAULT_STOP_GRACE  # the wrappers' too, should the engine die without ending them
     exports: "OrderedDict[str, str | None]" = field(default_factory=OrderedDict)  # None: the launcher's value
     python: str = sys.executable
 
@@ -127,6 +128,8 @@ def rank_command(job: Job) -> list[str]:
     cmd += ["--master_addr", job.master_addr, "--master_port", str(job.master_port)]
     if job.net_if:
         cmd += ["--net_if", job.net_if]
+    if job.stop_grace != DEFAULT_STOP_GRACE:
+        cmd += ["--stop_grace", f"{job.stop_grace:g}"]
     for flag in ("set_devices", "module", "no_python", "no_prefix"):
         if getattr(job, flag):
             cmd.append("--" + flag)

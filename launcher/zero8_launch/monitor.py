@@ -280,11 +280,14 @@ class JobMonitor:
             pass
         return list(r.tail), "its forwarded output"
 
-    def failure_report(self) -> tuple[list[str], int | None]:
+    def failure_report(self, engine: str = "mpirun", engine_signal: int = 0) -> tuple[list[str], int | None]:
         """(report lines, exit code of the rank that failed first) after a failed job. The cause is told
         apart from its consequences: ranks that were killed or failed on their own come first (with the
         end of their output); ranks whose communicator failed because of them (zero8.Zero8CommError) and
-        ranks ended by the job's abort are listed after."""
+        ranks ended by the job's abort are listed after. engine_signal: the engine itself was killed by
+        this signal, which is then the cause (its ranks' exit records were lost with it)."""
+        if engine_signal:
+            return self._engine_death_report(engine, engine_signal), 128 + engine_signal
         ranks = sorted(self.ranks.values(), key=lambda s: s.rank)
         info = {s.rank: self.rank_lines(s) for s in ranks}
 
@@ -364,6 +367,19 @@ class JobMonitor:
             num = primary[0].mpirun_signal.split()[0]
             code = 128 + int(num) if num.isdigit() else None
         return out, code
+
+    def _engine_death_report(self, engine: str, sig: int) -> list[str]:
+        out = [f"{engine} was killed by signal {sig} ({_signal_name(sig)}) while its ranks ran"]
+        ranks = sorted(self.ranks.values(), key=lambda s: s.rank)
+        failed = [s for s in ranks if s.exit_code not in (None, 0) and not s.stopped_by]
+        for s in failed[:4]:
+            out.append(f"rank {s.rank} had already " + (f"been killed by signal {s.signal} ({_signal_name(s.signal)})"
+                                                         if s.signal else f"exited with code {s.exit_code}"))
+        running = [s.rank for s in ranks if s.exit_code is None and s.started]
+        if running:
+            out.append(f"rank(s) {', '.join(map(str, running))} were still running: their wrappers end their "
+                       f"scripts (SIGTERM, then SIGKILL after --stop_grace); see their logs")
+        return out
 
 
 def _die_with_parent() -> None:

@@ -26,6 +26,7 @@ if __name__ == "__main__":
         signal.signal(_s, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
 
 import ctypes  # noqa: E402
+import errno  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -45,6 +46,9 @@ __all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_enviro
 MARKER = "[zero8-launch]"
 # Seconds an unterminated output line waits for its newline before being forwarded as is.
 PARTIAL_DELAY = 0.2
+# Seconds a script gets to exit after SIGTERM when its engine died without ending it (the launcher's
+# --stop_grace, passed on, overrides this).
+DEFAULT_STOP_GRACE = 30.0
 
 
 def _int_env(env, name: str) -> int | None:
@@ -178,10 +182,13 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         try:
             n = os.write(fd, view)
-        except BrokenPipeError:
-            return  # the launcher is gone: keep logging to the file
         except InterruptedError:
             continue
+        except OSError as e:
+            # The reader is gone (EPIPE for a pipe, EIO for mpirun's pseudo-terminal): keep logging to the file.
+            if e.errno in (errno.EPIPE, errno.EIO):
+                return
+            raise
         view = view[n:]
 
 
@@ -216,12 +223,13 @@ class _Prefixer:
         return bytes(out)
 
 
-def _relay(child: subprocess.Popen, sources: dict, log, prefix: bytes) -> None:
+def _relay(child: subprocess.Popen, sources: dict, log, prefix: bytes, tick=None) -> None:
     """Copies the child's stdout/stderr to the log file (in arrival order, unprefixed) and to this
     process's stdout/stderr (prefixed) until both close, or shortly after the child exits (a process the
     script started may hold the pipes open). Forwarding goes by whole lines, so that print()'s separate
     writes of text and newline are not interleaved with other ranks' lines downstream; an unterminated
-    line (a progress bar) is forwarded after PARTIAL_DELAY seconds."""
+    line (a progress bar) is forwarded after PARTIAL_DELAY seconds. `tick()`, if given, is called about
+    every PARTIAL_DELAY / 2 seconds."""
     sel = selectors.DefaultSelector()
     pending = {}
     for src, dst in sources.items():
@@ -237,6 +245,8 @@ def _relay(child: subprocess.Popen, sources: dict, log, prefix: bytes) -> None:
 
     exited_at = None
     while sel.get_map():
+        if tick is not None:
+            tick()
         if exited_at is None and child.poll() is not None:
             exited_at = time.monotonic()
         if exited_at is not None and time.monotonic() - exited_at > 2.0:
@@ -269,6 +279,13 @@ def _relay(child: subprocess.Popen, sources: dict, log, prefix: bytes) -> None:
         os.close(src)
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _child_setup() -> None:
     # Its own process group: mpirun/orted signal the whole group of the process they started (the
     # wrapper), and the wrapper must decide what the script gets (SIGUSR1 becomes SIGTERM). And if the
@@ -294,15 +311,15 @@ def parse_hosts(text: str) -> list:
     return out
 
 
-_VALUE_OPTS = ("log_dir", "hosts", "master_addr", "master_port", "net_if")
+_VALUE_OPTS = ("log_dir", "hosts", "master_addr", "master_port", "net_if", "stop_grace")
 _FLAG_OPTS = ("set_devices", "module", "no_python", "no_prefix")
 
 
 def _usage(msg: str) -> int:
     sys.stderr.write(f"zero8_launch.rank_wrapper: {msg}\n"
                      "usage: python -m zero8_launch.rank_wrapper [--log_dir D] [--hosts H:0,1@H2:0,1] "
-                     "[--master_addr A] [--master_port P] [--net_if IF] [--set_devices] [--module | --no_python] "
-                     "[--no_prefix] -- script [args...]\n")
+                     "[--master_addr A] [--master_port P] [--net_if IF] [--stop_grace S] [--set_devices] "
+                     "[--module | --no_python] [--no_prefix] -- script [args...]\n")
     return 2
 
 
@@ -323,7 +340,14 @@ def main(argv: list[str] | None = None) -> int:
             return _usage(f"unknown option '{a}'")
     if not argv or argv[0] != "--" or len(argv) < 2:
         return _usage("missing '-- script [args...]'")
+    try:
+        stop_grace = float(opts["stop_grace"]) if opts["stop_grace"] is not None else DEFAULT_STOP_GRACE
+    except ValueError:
+        return _usage(f"--stop_grace '{opts['stop_grace']}': expected seconds")
     program = argv[1:]
+    # The engine process that started this wrapper (mpirun, orted, slurmstepd): if it dies without ending
+    # this rank (SIGKILLed; or mpirun on a second SIGTERM, which exits at once), nothing else will.
+    engine_pid = os.getppid()
     world = {"hosts": parse_hosts(opts["hosts"]) if opts["hosts"] else None, "master_addr": opts["master_addr"],
              "master_port": opts["master_port"], "net_if": opts["net_if"] or "", "set_devices": opts["set_devices"]}
 
@@ -405,8 +429,33 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
 
         prefix = b"" if opts["no_prefix"] else f"[rank{rank}] ".encode()
-        _relay(child, {out_r: 1, err_r: 2}, log, prefix)
+        ending: dict = {}
+
+        def tick() -> None:
+            now = time.monotonic()
+            if "exited" not in ending and child.poll() is not None:
+                # The script has ended: so do the processes it started in its group (helpers, servers),
+                # as no rank may outlive the job. SIGTERM now, SIGKILL once its output is drained.
+                ending["exited"] = now
+                _signal_group(child.pid, signal.SIGTERM)
+            if "engine_gone" not in ending and os.getppid() != engine_pid:
+                ending["engine_gone"] = now
+                note = (f"zero8-launch: rank {rank}: the engine that started it (pid {engine_pid}) is gone; "
+                        f"ending the script (SIGTERM, SIGKILL after {stop_grace:g} s)\n")
+                log.write(note.encode())
+                log.flush()
+                _write_all(2, note.encode())
+                status["stopped_by"] = status["stopped_by"] or "engine_exit"
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+            if ("engine_gone" in ending and "killed" not in ending and child.poll() is None
+                    and now - ending["engine_gone"] > stop_grace):
+                ending["killed"] = now
+                _signal_group(child.pid, signal.SIGKILL)
+
+        _relay(child, {out_r: 1, err_r: 2}, log, prefix, tick)
         code = child.wait()
+        _signal_group(child.pid, signal.SIGKILL)
     finally:
         log.flush()
     status["end_time"] = time.time()

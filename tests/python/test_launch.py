@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -538,3 +539,113 @@ def test_rank_that_saves_alone_ends_the_job_naming_the_mismatch(tmp_path):
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 0 saved alone (the comm timeout is 60 s)"
     assert re.search(r"mismatched collectives: this rank called \w+ #\d+ on '[\w-]+', rank 1 called \w+ #\d+", out), \
         out[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# No process outlives the job
+# ---------------------------------------------------------------------------------------------
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a live process (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _kill_all(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _pids_in(directory: Path, pattern: str) -> list[int]:
+    return [int(p.read_text()) for p in sorted(directory.glob(pattern)) if p.read_text().strip()]
+
+
+@needs_mpirun
+def test_processes_a_rank_started_end_with_it(tmp_path):
+    # Each rank's script starts a helper (a data server, a tokenizer worker...) that would run for minutes,
+    # then rank 1 fails: no helper may outlive its rank (as under torchrun, which ends each worker's group).
+    script = tmp_path / "helper.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "helper = subprocess.Popen(['sleep', '300'])\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'helper_pid.' + rank), 'w').write(str(helper.pid))\n"
+        "if rank == '1':\n"
+        "    time.sleep(1)\n"
+        "    sys.exit('rank 1 fails on purpose (test)')\n"
+        "time.sleep(60)\n")
+    helpers: list[int] = []
+    try:
+        r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", script], timeout=90)
+        helpers = _pids_in(tmp_path, "helper_pid.*")
+        assert r.returncode == 1, r.stderr
+        assert len(helpers) == 2, r.stderr
+        left = _wait_gone(helpers, 5.0)
+        assert not left, f"helper process(es) {left} outlived their rank"
+    finally:
+        _kill_all(helpers)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+@needs_mpirun
+def test_ranks_end_when_the_engine_dies(tmp_path):
+    # mpirun dies without ending its ranks (SIGKILLed by the OOM killer; or on a second SIGTERM, which makes
+    # it exit at once: a SIGKILLed launcher's death signal reaches it once per launcher thread) while they
+    # run a script that catches SIGTERM and carries on: the ranks must still end, within --stop_grace plus
+    # a few seconds, not run on as orphans, and the launcher must say that the engine died.
+    script = tmp_path / "stubborn.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: print('SIGTERM caught; carrying on', flush=True))\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'script_pid.' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n")
+    proc = subprocess.Popen(launch_cmd(["--num_procs", "2", "--stop_grace", "2", "--log_dir", tmp_path / "logs",
+                                        script]),
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(ranks) < 2:
+            time.sleep(0.2)
+            ranks = _pids_in(tmp_path, "script_pid.*")
+        assert len(ranks) == 2, "the ranks did not start"
+        engine = _children(proc.pid)
+        assert len(engine) == 1, engine
+        os.kill(engine[0], signal.SIGKILL)
+        left = _wait_gone(ranks, 15.0)
+        assert not left, f"rank script(s) {left} outlived the engine"
+        out, err = proc.communicate(timeout=30)
+        # The engine's death is the cause, said as such (not as ranks that died), with 128 + its signal.
+        assert proc.returncode == 128 + signal.SIGKILL, err
+        assert "mpirun was killed by signal 9 (SIGKILL)" in err and "died" not in err, err
+        for rank in (0, 1):
+            log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
+            assert "SIGTERM caught; carrying on" in log and "is gone; ending the script" in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_all(ranks)
