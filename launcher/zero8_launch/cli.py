@@ -32,13 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank fails. Without --hostfile: --num_procs processes (default 1) on this machine.",
         epilog="Hostfile lines: 'hostname slots=N' ('#' comments). --include/--exclude: "
                "'host1@host2:0,2' (all of host1, slots 0 and 2 of host2). See docs/LAUNCH.md.")
-    p.add_argument("--hostfile", default=None, help="hosts and their slots, DeepSpeed's format (default: this machine only)")
+    p.add_argument("-H", "--hostfile", default=None, help="hosts and their slots, DeepSpeed's format (default: this machine only)")
     p.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
     p.add_argument("--num_procs", "--num_gpus", dest="num_procs", type=int, default=-1,
                    help="processes per node (slots 0..P-1 of each host); without a hostfile, processes on "
                         "this machine (default 1)")
-    p.add_argument("--include", default="", help="only these hosts/slots: host[:slot[,slot]]@host...")
-    p.add_argument("--exclude", default="", help="all but these hosts/slots: host[:slot[,slot]]@host...")
+    p.add_argument("-i", "--include", default="", help="only these hosts/slots: host[:slot[,slot]]@host...")
+    p.add_argument("-e", "--exclude", default="", help="all but these hosts/slots: host[:slot[,slot]]@host...")
     p.add_argument("--master_addr", default="", help="MASTER_ADDR for the ranks (default: the first host, "
                                                      "127.0.0.1 on this machine)")
     p.add_argument("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="MASTER_PORT (default 29500)")
@@ -57,8 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds the ranks get to exit after a Ctrl-C/SIGTERM before the job is killed")
     p.add_argument("--fail_grace", type=float, default=30.0,
                    help="seconds after a rank failed before the launcher ends a job the engine did not end")
-    p.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("--no_python", action="store_true", help="run the script directly, not with python")
+    p.add_argument("--no_local_rank", action="store_true",
+                   help="accepted for DeepSpeed command lines: zero8-launch never passes --local_rank to the script "
+                        "(it reads LOCAL_RANK)")
     p.add_argument("--no_prefix", action="store_true", help="do not prefix the ranks' output with [rankN]")
     p.add_argument("--dry_run", action="store_true", help="print the command and exit")
     p.add_argument("user_script", help="the training script (or module with --module)")

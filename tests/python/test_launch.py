@@ -29,7 +29,7 @@ from launch_util import (RANK_ENV, TRAIN_JOB, env_lines, installed_problem, job_
 _problem = installed_problem()
 if _problem is None:
     from zero8_launch import cli
-    from zero8_launch.commands import Job, mpirun_command, select_exports, srun_command
+    from zero8_launch.commands import Job, mpirun_command, rank_command, select_exports, srun_command
     from zero8_launch.hostfile import (LaunchError, expand_hostlist, filter_resources, parse_hostfile,
                                        read_hostfile, select_resources)
     from zero8_launch.monitor import JobMonitor, error_excerpt
@@ -250,6 +250,19 @@ def test_plan_defaults_and_errors(tmp_path):
     for bad in (["--num_nodes", "2", "s.py"], ["--include", "a", "s.py"], ["--module", "--no_python", "s.py"]):
         with pytest.raises(LaunchError):
             _plan(bad)
+
+
+def test_deepspeed_command_lines_are_accepted(tmp_path):
+    # Flags DeepSpeed users type: -H/-i/-e for --hostfile/--include/--exclude, -m for --module, and
+    # --no_local_rank (zero8-launch never passes --local_rank: the scripts read LOCAL_RANK).
+    hf = tmp_path / "hosts"
+    hf.write_text("n1 slots=2\nn2 slots=2\n")
+    job, _ = _plan(["-H", str(hf), "-i", "n2:1", "--no_local_rank", "--log_dir", str(tmp_path), "-m", "pkg.train",
+                    "--x", "1"])
+    assert job.hosts == {"n2": [1]} and job.module and job.script == "pkg.train" and job.script_args == ["--x", "1"]
+    job, _ = _plan(["-H", str(hf), "-e", "n1", "--log_dir", str(tmp_path), "s.py"])
+    assert list(job.hosts) == ["n2"]
+    assert "--local_rank" not in " ".join(rank_command(job))
 
 
 def test_dry_run_prints_the_command(tmp_path, capsys):
