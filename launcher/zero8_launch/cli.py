@@ -84,6 +84,11 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
     warnings: list[str] = []
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python exclude each other")
+    for flag, value in (("--num_procs/--num_gpus", args.num_procs), ("--num_nodes", args.num_nodes)):
+        if value == 0 or value < -1:
+            raise LaunchError(f"{flag} {value}: give a count >= 1 (or leave it out for all; -1 says the same)")
+    if not 1 <= args.master_port <= 65535:
+        raise LaunchError(f"--master_port {args.master_port}: not a TCP port (1..65535)")
     job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,
               module=args.module, no_python=args.no_python, no_prefix=args.no_prefix, net_if=args.net_if,
               oversubscribe=args.oversubscribe, launcher_args=shlex.split(args.launcher_args),

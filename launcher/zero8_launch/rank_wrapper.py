@@ -132,6 +132,8 @@ def rank_environment(env, world: dict) -> tuple[dict, dict, list[str]]:
         "LOCAL_SIZE": str(local_size if local_size is not None else 1),
         "PYTHONUNBUFFERED": "1",
     }
+    if node is None and nodes is None and not warnings and size is not None and local_size == size:
+        node, nodes = 0, 1  # every rank on this node (a local run without a hostfile): node 0 of 1
     if node is not None and nodes is not None:
         out["CROSS_RANK"], out["CROSS_SIZE"] = str(node), str(nodes)
     master_addr = world.get("master_addr")

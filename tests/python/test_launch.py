@@ -250,6 +250,13 @@ def test_plan_defaults_and_errors(tmp_path):
     for bad in (["--num_nodes", "2", "s.py"], ["--include", "a", "s.py"], ["--module", "--no_python", "s.py"]):
         with pytest.raises(LaunchError):
             _plan(bad)
+    # A count of 0 (or below -1, "all") used to run one rank without a word; ports outside 1..65535 failed late.
+    for bad, msg in ((["--num_gpus", "0", "s.py"], "--num_procs/--num_gpus 0"),
+                     (["--num_procs", "-3", "s.py"], "--num_procs/--num_gpus -3"),
+                     (["--hostfile", str(hf), "--num_nodes", "0", "s.py"], "--num_nodes 0"),
+                     (["--master_port", "70000", "s.py"], "--master_port 70000: not a TCP port")):
+        with pytest.raises(LaunchError, match=msg):
+            _plan(bad)
 
 
 def test_deepspeed_command_lines_are_accepted(tmp_path):
@@ -330,6 +337,15 @@ def test_rank_environment_single_host_and_devices():
     env, _, _ = rank_environment(_ompi(1, 2, 1, 2), world)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CROSS_SIZE"] == "1"
     assert "ZERO8_COMM_NODE" not in env and "ZERO8_COMM_IFADDR" not in env  # one host: defaults are right
+
+
+def test_rank_environment_local_run_is_node_0_of_1():
+    # Without a hostfile the engine's local size tells: all ranks here is one node; otherwise unknown.
+    world = {"master_addr": "127.0.0.1", "master_port": 29500, "set_devices": False}
+    env, _, _ = rank_environment(_ompi(1, 2, 1, 2), world)
+    assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == ("0", "1")
+    env, _, _ = rank_environment(_ompi(1, 2, 0, 1), world)
+    assert "CROSS_RANK" not in env and "CROSS_SIZE" not in env
 
 
 def test_rank_environment_slurm():
