@@ -1,4 +1,4 @@
-// Partition layout: a pure function of shapes, order, world size and block sizes (DESIGN.md, Sharding).
+// Partition layout: a pure function of shapes, order, hyper groups, world size and block sizes (DESIGN.md, Sharding).
 #include <gtest/gtest.h>
 
 #include <numeric>

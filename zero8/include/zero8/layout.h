@@ -1,5 +1,5 @@
-// Flat-buffer layout and ZeRO partitioning: which rank owns which range of which parameter group.
-// A pure function of (parameter shapes, order, world size, block sizes), so every process, and a
+// Flat-buffer layout and ZeRO partitioning: which rank owns which range of which state group (8-bit or fp32 states).
+// A pure function of (parameter shapes, order, hyper groups, world size, block sizes), so every process, and a
 // checkpoint loader at another world size, computes the same answer without talking to anyone.
 #pragma once
 
