@@ -268,18 +268,9 @@ void init_sharded(py::module_& m) {
       .def_property("steps", &ShardedOptimizer::steps, &ShardedOptimizer::set_steps)
       .def_property_readonly("rank", &ShardedOptimizer::rank)
       .def_property_readonly("world", &ShardedOptimizer::world)
-      .def_property_readonly(
-          "config",
-          [](ShardedOptimizer& o) {
-            ShardConfig c = o.config();
-            c.hyper = o.hyper(0);
-            if (o.num_hyper_groups() > 1 || !c.group_hypers.empty()) {
-              c.group_hypers.clear();
-              for (int i = 0; i < o.num_hyper_groups(); ++i) c.group_hypers.push_back(o.hyper(i));
-            }
-            return c;
-          },
-          "A copy of the config, with the hyperparameters of now (hyper: group 0's; group_hypers: every group's).")
+      .def_property_readonly("config", &ShardedOptimizer::config,
+                             "A copy of the config, with the hyperparameters of now (hyper: group 0's; group_hypers: "
+                             "every group's).")
       .def(
           "memory",
           [](const ShardedOptimizer& o) {

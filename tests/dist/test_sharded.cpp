@@ -138,7 +138,8 @@ std::vector<float> params_of(ShardedOptimizer& opt) {
   std::vector<float> out;
   for (size_t p = 0; p < opt.layout().params.size(); ++p) {
     const void* w = opt.param_working(int(p));
-    for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) out.push_back(dtype_load(w, opt.config().working_dtype, i));
+    const DType dt = opt.config().working_dtype;
+    for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) out.push_back(dtype_load(w, dt, i));
   }
   return out;
 }

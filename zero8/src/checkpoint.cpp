@@ -909,7 +909,7 @@ Manifest manifest_of(ShardedOptimizer& opt) {
   m.algo = cfg.algo;
   m.state_bits = cfg.bits;
   m.num_states = optim::algo_num_states(cfg.algo);
-  m.hyper = opt.hyper(0);
+  m.hyper = cfg.hyper;
   m.initial_accumulator = cfg.initial_accumulator;
   m.state_block = lay.cfg.state_block;
   m.wire_block = lay.cfg.wire_block;

@@ -82,6 +82,13 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
 
 ShardedOptimizer::~ShardedOptimizer() = default;
 
+ShardConfig ShardedOptimizer::config() const {
+  ShardConfig c = cfg_;
+  c.hyper = hypers_[0];
+  if (hypers_.size() > 1 || !cfg_.group_hypers.empty()) c.group_hypers = hypers_;
+  return c;
+}
+
 optim::Hyper& ShardedOptimizer::hyper(int hyper_group) {
   ZERO8_CHECK_ARG(hyper_group >= 0 && size_t(hyper_group) < hypers_.size(), "hyper_group",
                   hyper_group << " out of range (" << hypers_.size() << " hyper groups)");
@@ -249,8 +256,7 @@ double ShardedOptimizer::grad_sq_sum_local() const {
 void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scale) {
   const int64_t valid = layout_.groups[g].part_valid(rank());
   a.algo = cfg_.algo;
-  a.h = hypers_[0];
-  a.h.step = steps_ + 1;
+  a.h.step = steps_ + 1;  // a.h carries the step and the scale only: narrowed() adds a hyper group's values
   a.h.grad_scale = grad_scale;
   a.n = valid;
   a.grad = part_grad_[g].data();

@@ -71,7 +71,9 @@ class ShardedOptimizer {
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
 
   const Layout& layout() const { return layout_; }
-  const ShardConfig& config() const { return cfg_; }  // as constructed: hyper(i) holds the values of now
+  // The config, with the hyperparameters of now (schedulers change them through hyper(i)): hyper is
+  // hyper group 0's, group_hypers every group's (left empty with one group when none was given).
+  ShardConfig config() const;
   comm::Communicator& comm() { return dp_; }
   int rank() const { return dp_.rank(); }
   int world() const { return dp_.size(); }
