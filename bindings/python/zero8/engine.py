@@ -275,6 +275,13 @@ def _hyper_from_group(group: dict, algo: str, hyper) -> None:
         hyper.beta2 = float(group["alpha"])
 
 
+def _hyper_for_group(base, group: dict, algo: str):
+    """A copy of the C++ Hyper ``base`` with a param group's own values (_hyper_from_group)."""
+    h = copy.copy(base)
+    _hyper_from_group(group, algo, h)
+    return h
+
+
 def _f32(x: float) -> float:
     """A float32 hyperparameter as the shortest decimal that rounds to it (0.003, not 0.0030000000261)."""
     x32 = torch.tensor(x, dtype=torch.float32).item()
@@ -497,11 +504,7 @@ class Zero8Engine(torch.nn.Module):
             sc.hyper = h
             group_hypers = spec.get("group_hypers")
             if group_hypers is None:  # torch / bitsandbytes: group 0's Hyper with each group's own values
-                group_hypers = []
-                for g in client_optimizer.param_groups:
-                    gh = copy.copy(h)
-                    _hyper_from_group(g, spec["algo"], gh)
-                    group_hypers.append(gh)
+                group_hypers = [_hyper_for_group(h, g, spec["algo"]) for g in client_optimizer.param_groups]
             sc.group_hypers = group_hypers
             sc.bits = spec["bits"]
             sc.initial_accumulator = float(spec["hyper"].get("initial_accumulator", 0.0))
@@ -523,12 +526,9 @@ class Zero8Engine(torch.nn.Module):
             # The config's optimizer: each param group of model_parameters steps with the config's values
             # and its own _GROUP_KEYS (a group of bare tensors with the config's alone).
             defaults = _group_from_hyper(self._algo, sc.hyper)
-            group_hypers = []
-            for d in self._hyper_group_dicts:
-                gh = copy.copy(sc.hyper)
-                _hyper_from_group({**defaults, **{k: v for k, v in d.items() if k in _GROUP_KEYS}}, self._algo, gh)
-                group_hypers.append(gh)
-            sc.group_hypers = group_hypers
+            sc.group_hypers = [
+                _hyper_for_group(sc.hyper, {**defaults, **{k: v for k, v in d.items() if k in _GROUP_KEYS}}, self._algo)
+                for d in self._hyper_group_dicts]
         if self._dtype != torch.float32:
             model.to(self._dtype)  # as DeepSpeed's engine casts the module (half() / bfloat16())
         specs = [_C.ParamSpec(self._param_names[i], list(p.shape), self._fp32_state(p, i, sc, client_optimizer),
