@@ -904,6 +904,33 @@ print("ok")
     assert torch.equal(client["rng"], torch.tensor([1, 2])) and e2.module.counter.item() == 7.0
 
 
+def test_client_and_scheduler_states_come_back_as_saved(tmp_path):
+    # DeepSpeed pickles both, so they come back as they were. JSON would turn int keys into strings (a
+    # MultiStepLR's milestones Counter: the resumed lr never decays), tuples into lists and ints past
+    # 64 bits into floats, and NaN or inf made the save fail.
+    import collections
+
+    def build(seed=0):
+        model = make_model(seed)
+        engine, _, _, sched = zero8.initialize(
+            model=model, config=config(zero8=EXACT),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 5], gamma=0.1))
+        return engine, sched
+
+    engine, sched = build()
+    train_engine(engine, DATA, 2, B)
+    client = {"loss_by_epoch": {1: 0.5, 2: float("nan")}, "shape": (4, 2), "seen": 2**70, "best": float("inf"),
+              "order": collections.OrderedDict(b=1, a=2), "plain": {"epoch": 3, "name": "x", "lrs": [0.1, None]}}
+    engine.save_checkpoint(tmp_path, client_state=client)
+    train_engine(engine, DATA, 4, B)
+    e2, s2 = build(seed=5)
+    _, got = e2.load_checkpoint(tmp_path)
+    assert repr(got) == repr(client)  # the same types, keys and values (NaN compares unequal to itself)
+    assert s2.state_dict()["milestones"] == sched.state_dict()["milestones"] == collections.Counter({3: 1, 5: 1})
+    train_engine(e2, DATA, 4, B)
+    assert e2.get_lr() == engine.get_lr() == [pytest.approx(3e-5)]
+
+
 def test_checkpoint_latest_handling(tmp_path):
     engine, _, _, _ = engine_for(config(zero8=FULL8))
     with pytest.warns(UserWarning, match="no 'latest' file"):

@@ -23,6 +23,7 @@ import copy
 import gc
 import io
 import json
+import math
 import os
 import sys
 import threading
@@ -1034,15 +1035,14 @@ class Zero8Engine(torch.nn.Module):
         sched_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         state = {
             "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
-            "optimizer": self.optimizer.state_dict()["param_groups"], "client_keys": sorted(client_state),
+            "optimizer": self.optimizer.state_dict()["param_groups"], "client_keys": list(client_state),
         }
         for key, value in (("lr_scheduler", sched_state), ("client_state", client_state)):
-            try:
-                json.dumps(value)
+            if _json_exact(value):
                 state[key] = value
-            except (TypeError, ValueError):
+            else:  # read back from the .pt file, which pickles it as it is (as DeepSpeed's does)
                 state[key] = None
-                state[f"{key}_in_model_states"] = True  # read back from the .pt file
+                state[f"{key}_in_model_states"] = True
         state["optimizer"] = _jsonable(state["optimizer"])
         keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
@@ -1332,6 +1332,24 @@ def _cast_floating(x, dtype):
     if isinstance(x, (list, tuple)):
         return type(x)(_cast_floating(v, dtype) for v in x)
     return x
+
+
+def _json_exact(x) -> bool:
+    """x comes back from JSON (Python's dump, the C++ manifest's parse) as it was: plain dicts with str
+    keys, lists, str, bool, None, ints that fit 64 bits and finite floats. Int keys, tuples, Counters and
+    other subclasses would come back changed, NaN and inf not at all."""
+    t = type(x)
+    if x is None or t is bool or t is str:
+        return True
+    if t is int:
+        return -2**63 <= x < 2**64
+    if t is float:
+        return math.isfinite(x)
+    if t is list:
+        return all(_json_exact(v) for v in x)
+    if t is dict:
+        return all(type(k) is str and _json_exact(v) for k, v in x.items())
+    return False
 
 
 def _jsonable(x):
