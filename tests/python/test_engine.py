@@ -931,6 +931,40 @@ def test_client_and_scheduler_states_come_back_as_saved(tmp_path):
     assert e2.get_lr() == engine.get_lr() == [pytest.approx(3e-5)]
 
 
+def test_a_scheduler_state_of_another_kind_fails_the_load_before_anything_changes(tmp_path):
+    # A checkpoint of a torch StepLR run loaded into an engine with the config's WarmupLR (or a LambdaLR,
+    # as Hugging Face's linear warmup, loading a config scheduler's state): the scheduler refuses the
+    # state. That used to raise (KeyError) after the weights and optimizer states were installed.
+    def build(kind, seed=0):
+        cfg = config(zero8=FULL8)
+        kw = {}
+        if kind == "config":
+            cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+        elif kind == "steplr":
+            kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        else:
+            kw["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        model = make_model(seed)
+        engine, _, _, sched = zero8.initialize(model=model, config=cfg, **kw)
+        return engine, model, sched
+
+    for saved, loading in (("steplr", "config"), ("config", "lambdalr")):
+        engine, _, _ = build(saved)
+        train_engine(engine, DATA, 3, B)
+        engine.save_checkpoint(tmp_path, tag=saved)
+        e2, m2, s2 = build(loading, seed=5)
+        train_engine(e2, DATA, 1, B)
+        before, sched_before, lr_before = clone_params(m2), s2.state_dict(), e2.get_lr()
+        with pytest.raises(zero8.Zero8ValueError, match=f"LR scheduler state does not load into this engine's "
+                                                        f"{type(s2).__name__}.*nothing was loaded"):
+            e2.load_checkpoint(tmp_path, tag=saved)
+        assert all(torch.equal(a, b) for a, b in zip(before, m2.parameters())), saved
+        assert e2.global_steps == 1 and s2.state_dict() == sched_before and e2.get_lr() == lr_before
+        # Without the scheduler state the rest loads.
+        e2.load_checkpoint(tmp_path, tag=saved, load_lr_scheduler_states=False)
+        assert params_equal(m2, engine.module) and e2.global_steps == 3
+
+
 def test_checkpoint_latest_handling(tmp_path):
     engine, _, _, _ = engine_for(config(zero8=FULL8))
     with pytest.warns(UserWarning, match="no 'latest' file"):

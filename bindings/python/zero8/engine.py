@@ -39,7 +39,7 @@ import torch
 from . import _C
 from ._C import Zero8NotSupportedError, Zero8ValueError
 from .config import Zero8Config, load_config, raw_value
-from .lr_schedules import scheduler_from_config
+from .lr_schedules import Zero8LRScheduler, scheduler_from_config
 
 __all__ = ["initialize", "Zero8Engine", "Zero8Optimizer", "MODEL_STATES_FILE", "world_comm"]
 
@@ -1175,14 +1175,21 @@ class Zero8Engine(torch.nn.Module):
             if not isinstance(state, dict) or state.get("format") != _ENGINE_STATE_FORMAT:
                 state = None
             hyper_changes: list[str] = []
+            sched = None
             if state is not None and not load_module_only:
                 src = f"{os.path.join(path, 'manifest.json')}: client_state"
                 _check_engine_state(state, src)
                 if load_optimizer_states:
                     hyper_changes = self._checked_resumed_groups(state.get("optimizer", []), src,
                                                                  load_lr_scheduler_states)
+                if load_lr_scheduler_states and self.lr_scheduler is not None:
+                    sched = state.get("lr_scheduler")
+                    if state.get("lr_scheduler_in_model_states"):
+                        sched = model_states.get("lr_scheduler")
+                    if sched is not None:
+                        self._check_scheduler_state(sched, path)
             staged.update(path=path, model_states=model_states, state=state, hyper_changes=hyper_changes,
-                          copies=copies)
+                          copies=copies, sched=sched)
 
         if full:
             res = _C.checkpoint_load(self._opt, load_dir, tag, True,
@@ -1217,12 +1224,8 @@ class Zero8Engine(torch.nn.Module):
                         f"was configured with: {'; '.join(staged['hyper_changes'])}. As in DeepSpeed, the "
                         "checkpoint wins; to train with the new values, set them in engine.optimizer.param_groups "
                         "after loading", stacklevel=2)
-            if load_lr_scheduler_states and self.lr_scheduler is not None:
-                sched = state.get("lr_scheduler")
-                if state.get("lr_scheduler_in_model_states"):
-                    sched = model_states.get("lr_scheduler")
-                if sched is not None:
-                    self.lr_scheduler.load_state_dict(sched)
+            if staged["sched"] is not None:
+                self.lr_scheduler.load_state_dict(staged["sched"])
             self._apply_hyper()
         self._last_info = None
         self._grad_norm = None
@@ -1267,6 +1270,22 @@ class Zero8Engine(torch.nn.Module):
         if problems:
             raise Zero8ValueError(f"load_checkpoint: {MODEL_STATES_FILE} {' and '.join(problems)}; nothing was loaded")
         return [(v, module_sd[k]) for k, v in own.items() if k in module_sd]
+
+    def _check_scheduler_state(self, sd, tag_path: str) -> None:
+        """The LR scheduler takes the saved state, tried on a copy so that this one stays as it is (a zero8
+        schedule's load_state_dict writes lr into the param groups: its position is checked instead)."""
+        sched = self.lr_scheduler
+        try:
+            if isinstance(sched, Zero8LRScheduler):
+                int(sd["last_batch_iteration"])
+            else:
+                copy.copy(sched).load_state_dict(copy.deepcopy(sd))
+        except Exception as e:
+            raise Zero8ValueError(
+                f"load_checkpoint: {tag_path}: the saved LR scheduler state does not load into this engine's "
+                f"{type(sched).__name__} ({type(e).__name__}: {e}; saved by a scheduler of another kind?); nothing "
+                f"was loaded (load_lr_scheduler_states=False loads the rest and keeps this scheduler's "
+                f"position)") from e
 
     def _checked_resumed_groups(self, saved_groups, src: str, scheduler_restored: bool) -> list[str]:
         """The saved param groups convert to the C++ hyperparameters; returns the values that differ from
