@@ -41,6 +41,7 @@ from engine_util import (
     make_model,
     max_param_diff,
     mean_tail,
+    micro_batch,
     params_equal,
     train_engine,
     train_torch,
@@ -963,6 +964,46 @@ def test_a_scheduler_state_of_another_kind_fails_the_load_before_anything_change
         # Without the scheduler state the rest loads.
         e2.load_checkpoint(tmp_path, tag=saved, load_lr_scheduler_states=False)
         assert params_equal(m2, engine.module) and e2.global_steps == 3
+
+
+def _micro_steps(engine, step: int, ks) -> None:
+    """Micro-batches ks of global step `step` (one rank), each a backward and an engine.step()."""
+    for k in ks:
+        x, y = micro_batch(DATA, step, B, 0, 1, engine.gradient_accumulation_steps(), k)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+
+
+def test_a_save_in_the_middle_of_accumulation_resumes_at_the_start_of_that_step(tmp_path):
+    # The gradients of an unfinished step are not saved (nor are they by DeepSpeed, whose loaded engine
+    # starts counting micro-batches afresh). The loaded engine used to take the saved micro_steps, so its
+    # first step ended after the remaining micro-batches alone, and every later step straddled two global
+    # batches; the same with another gradient_accumulation_steps (another world size, the same batch).
+    straight, ms, _, _ = engine_for(config(gas=2, zero8=FULL8))
+    train_engine(straight, DATA, 3, B)
+    first, mf, _, _ = engine_for(config(gas=2, zero8=FULL8))
+    train_engine(first, DATA, 1, B)
+    _micro_steps(first, 1, [0])
+    with pytest.warns(UserWarning, match=r"middle of gradient accumulation \(micro-batch 1 of 2 of step 2\)"):
+        first.save_checkpoint(tmp_path)
+    _micro_steps(first, 1, [1])
+    _micro_steps(first, 2, [0, 1])
+    assert params_equal(ms, mf)  # the save leaves the accumulation it interrupts alone
+
+    resumed, mr, _, _ = engine_for(config(gas=2, zero8=FULL8), seed=5)
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.global_steps == 1 and resumed.micro_steps == 2 and not resumed.is_gradient_accumulation_boundary()
+    _micro_steps(resumed, 1, [0, 1])
+    _micro_steps(resumed, 2, [0, 1])
+    assert params_equal(ms, mr) and resumed.global_steps == 3
+
+    four, _, _, _ = engine_for(config(gas=4, zero8=FULL8), seed=5)
+    first.save_checkpoint(tmp_path, tag="gas2")  # 3 steps, 6 micro-batches of 2
+    four.load_checkpoint(tmp_path, tag="gas2")
+    _micro_steps(four, 3, [0, 1, 2])
+    assert four.global_steps == 3
+    _micro_steps(four, 3, [3])
+    assert four.global_steps == 4
 
 
 def test_checkpoint_latest_handling(tmp_path):

@@ -1032,6 +1032,12 @@ class Zero8Engine(torch.nn.Module):
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         client_state = dict(client_state or {})
         self._checkpoint_tag_validation(tag)
+        done = self.micro_steps % self._gas + int(self._backward_done)
+        if done and self.global_rank == 0:
+            warnings.warn(
+                f"save_checkpoint in the middle of gradient accumulation (micro-batch {done} of {self._gas} of step "
+                f"{self.global_steps + 1}): the gradients of that step are not saved; a load resumes at its start",
+                stacklevel=2)
         sched_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         state = {
             "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
@@ -1227,6 +1233,10 @@ class Zero8Engine(torch.nn.Module):
             if staged["sched"] is not None:
                 self.lr_scheduler.load_state_dict(staged["sched"])
             self._apply_hyper()
+        # A load starts a step: the gradients of a step unfinished at the save were not saved (and those
+        # accumulated here before the load belong to the replaced weights), so the next micro-batch is the
+        # first of gradient_accumulation_steps, whatever it was at the save.
+        self.micro_steps -= self.micro_steps % self._gas
         self._last_info = None
         self._grad_norm = None
         self._backward_done = False
