@@ -1006,6 +1006,34 @@ def test_a_save_in_the_middle_of_accumulation_resumes_at_the_start_of_that_step(
     assert four.global_steps == 4
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_load_in_the_middle_of_accumulation_drops_the_gradients_so_far(tmp_path, stage):
+    # E.g. a loop that reloads the last checkpoint when a loss spikes, between two micro-batches: the
+    # gradients accumulated so far belong to the replaced weights. They used to be added to the next step
+    # (in grad_input in stage 1, reduced into the partition in stage 2).
+    cfg = config(gas=2, stage=stage, zero8=FULL8)
+    first, mf, _, _ = engine_for(cfg)
+    train_engine(first, DATA, 1, B)
+    first.save_checkpoint(tmp_path)
+    _micro_steps(first, 1, [0, 1])
+    for kw in ({}, {"load_optimizer_states": False}):
+        e, m, _, _ = engine_for(cfg, seed=5)
+        train_engine(e, DATA, 1, B)
+        _micro_steps(e, 7, [0])
+        if kw:  # the weights only: the other states must be the ones the reference has too
+            e2, m2, _, _ = engine_for(cfg, seed=5)
+            train_engine(e2, DATA, 1, B)
+            e2.load_checkpoint(tmp_path, **kw)
+        e.load_checkpoint(tmp_path, **kw)
+        assert e.micro_steps == 2 and not e.is_gradient_accumulation_boundary()
+        _micro_steps(e, 1, [0, 1])
+        if kw:
+            _micro_steps(e2, 1, [0, 1])
+            assert params_equal(m, m2), kw
+        else:
+            assert params_equal(m, mf)
+
+
 def test_checkpoint_latest_handling(tmp_path):
     engine, _, _, _ = engine_for(config(zero8=FULL8))
     with pytest.warns(UserWarning, match="no 'latest' file"):

@@ -1319,6 +1319,7 @@ void model_stage(const Manifest& m, ShardedOptimizer& opt, FileSet& files, Stage
 }
 
 void commit(const Manifest& m, ShardedOptimizer& opt, Staged& s) {
+  opt.discard_gradients();  // of the weights being replaced; the saved residuals are restored below
   for (int g = 0; g < kNumGroups; ++g) {
     const shard::GroupLayout& gl = opt.layout().groups[g];
     float* master = opt.master(Group(g));

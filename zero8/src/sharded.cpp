@@ -129,6 +129,17 @@ void ShardedOptimizer::init(int root) {
   for (int g = 0; g < kNumGroups; ++g)
     if (!working_[g].empty()) dp_.broadcast(working_[g].data(), int64_t(working_[g].size()), root);
   refresh_masters();
+  discard_gradients();
+}
+
+void ShardedOptimizer::discard_gradients() {
+  clear_grad_inputs();
+  for (int g = 0; g < kNumGroups; ++g) {
+    std::fill(part_grad_[g].begin(), part_grad_[g].end(), 0.0f);
+    std::fill(residual_[g].begin(), residual_[g].end(), 0.0f);
+  }
+  micro_ = 0;
+  wire_calls_ = 0;
 }
 
 void ShardedOptimizer::refresh_masters() {

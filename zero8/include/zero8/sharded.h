@@ -91,8 +91,14 @@ class ShardedOptimizer {
   float* param_grad(int param);
 
   // Collective: make rank `root`'s working copy everyone's, and set the masters from it. Call once
-  // after the model's parameters were written into the working buffers.
+  // after the model's parameters were written into the working buffers. Starts a step: the gradients
+  // accumulated so far are dropped (discard_gradients).
   void init(int root = 0);
+  // Not collective (every rank calls it at the same point). Drops every gradient not yet applied: the
+  // micro-batches accumulated since the last step (grad_input, the reduced partitions) and the
+  // error-feedback residuals, so that the next micro-batch starts a step. init() and a checkpoint load
+  // call it: those gradients belong to weights they replace.
+  void discard_gradients();
   // This rank's masters from its own working copy (not collective), after the caller changed the weights
   // in place, e.g. loaded a state dict into the model: otherwise the next step would start from the old
   // masters. Every rank should hold the same weights; after the next step each partition's owner wins.
