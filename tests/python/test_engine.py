@@ -1034,6 +1034,38 @@ def test_a_load_in_the_middle_of_accumulation_drops_the_gradients_so_far(tmp_pat
             assert params_equal(m, mf)
 
 
+def test_frozen_parameters_and_another_model_on_load(tmp_path):
+    def build(seed, extra=False):
+        model = make_model(seed)
+        model[0].weight.requires_grad_(False)
+        if extra:
+            model.register_parameter("extra", torch.nn.Parameter(torch.ones(3)))
+        engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+        return engine, model
+
+    engine, model = build(0)
+    train_engine(engine, DATA, 2, B)
+    engine.save_checkpoint(tmp_path, tag="all")
+    engine.save_checkpoint(tmp_path, tag="trainable", exclude_frozen_parameters=True)
+    saved = torch.load(tmp_path / "trainable" / MODEL_STATES_FILE, weights_only=False)["module"]
+    assert "0.weight" not in saved and "0.bias" in saved
+    e2, m2 = build(5)
+    e2.load_checkpoint(tmp_path, tag="all")  # the frozen weight comes from the .pt file
+    assert params_equal(m2, model)
+    e3, m3 = build(5)
+    own = m3[0].weight.detach().clone()
+    with pytest.raises(zero8.Zero8ValueError, match=r"lacks module keys \['0.weight'\]"):
+        e3.load_checkpoint(tmp_path, tag="trainable")
+    e3.load_checkpoint(tmp_path, tag="trainable", load_module_strict=False)
+    assert torch.equal(m3[0].weight, own) and torch.equal(m3[2].weight, model[2].weight)
+    # A parameter more: the optimizer states do not fit, strict or not; the weights load without them.
+    e4, m4 = build(5, extra=True)
+    with pytest.raises(zero8.Zero8Error, match="another model.*'extra'"):
+        e4.load_checkpoint(tmp_path, tag="all", load_module_strict=False)
+    e4.load_checkpoint(tmp_path, tag="all", load_module_strict=False, load_optimizer_states=False)
+    assert torch.equal(m4[2].weight, model[2].weight) and torch.equal(m4.extra, torch.ones(3))
+
+
 def test_checkpoint_latest_handling(tmp_path):
     engine, _, _, _ = engine_for(config(zero8=FULL8))
     with pytest.warns(UserWarning, match="no 'latest' file"):
