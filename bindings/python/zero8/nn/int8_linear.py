@@ -31,55 +31,21 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _C
+from .. import _ops
 from .._C import Zero8ValueError
-from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code, ptr
-from .linear8bit import (
-    _check_input,
-    _check_weight,
-    _empty_linear,
-    dequantize_blocks,
-    dequantize_matmul,
-    int8_mm,
-    quantize_blocks,
-    quantize_cols,
-    quantize_rows,
-)
+from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code
+from . import linear8bit as _l8
+from .linear8bit import _check_input, _check_weight, _empty_linear, _seed, int8_mm
 
 __all__ = ["Int8Linear", "blockwise_int8_matmul"]
 
 
 def _blockwise_int8_matmul_sliced(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, block: int,
                                   out_dtype: torch.dtype = torch.float32, bias: Optional[Tensor] = None) -> Tensor:
-    """The per-block product through a library GEMM: one int8 GEMM per ``block``-wide slice of k, each
-    int32 result dequantized by its row-block and column-block scales and accumulated into a float32
-    output (the epilogue's ``out + float(acc) * (sa * sb)``), then ``+ bias``. The same bits as the fused
-    kernel (tested); used where that kernel cannot run (no AVX512_VNNI)."""
-    m, k = qa.shape
-    n = qb_t.shape[0]
-    nkb = sa.shape[1]
-    sa = sa.contiguous()
-    sb_t = sb_t.contiguous()
-    out = torch.zeros((m, n), dtype=torch.float32)
-    for s in range(nkb):
-        k0, k1 = s * block, min(k, (s + 1) * block)
-        acc = int8_mm(qa[:, k0:k1].contiguous(), qb_t[:, k0:k1].contiguous())
-        dequantize_matmul(acc, sa[:, s], sb_t[:, s], out=out, accumulate=True, row_group=block, row_stride=nkb,
-                          col_group=block, col_stride=nkb)
-    if bias is not None:
-        out += bias.float()
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
-
-
-def _as_stored(q: Tensor, s: Tensor):
-    """A 2-D operand as the C++ kernel takes it: ``(row-major tensor, its scales row-major, transposed)``,
-    where ``transposed`` says ``q`` is the transpose of the row-major tensor (``.t()`` of a contiguous
-    matrix, as backward passes), so no copy is made for it; other layouts are copied."""
-    if q.is_contiguous():
-        return q, s.contiguous(), False
-    if q.t().is_contiguous():
-        return q.t(), s.t().contiguous(), True
-    return q.contiguous(), s.contiguous(), False
+    """The per-block product through a library GEMM, one int8 GEMM per ``block``-wide slice of k (eager;
+    ``zero8._ops.int8_block_matmul_sliced``): the same bits as the fused kernel, used where that kernel
+    cannot run (no AVX512_VNNI)."""
+    return _ops.int8_block_matmul_sliced(qa, sa, qb_t, sb_t, block, out_dtype, bias, _l8._GEMM)
 
 
 def _check_block_operand(q: Tensor, s: Tensor, rows: int, cols: int, block: int, name: str, sname: str) -> None:
@@ -118,36 +84,30 @@ def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, bl
         dtype_code(bias, "bias")
         if bias.shape != (n,):
             raise Zero8ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
-    if _C.int8_block_matmul_backend() != "avx512-vnni":
-        return _blockwise_int8_matmul_sliced(qa, sa, qb_t, sb_t, block, out_dtype, bias)
-    a, sa_, a_trans = _as_stored(qa, sa)
-    b, sb_, b_is_t = _as_stored(qb_t, sb_t)  # b stored n x k (b_trans) unless qb_t is a transposed view
-    out = torch.empty((m, n), dtype=out_dtype)
-    bias_ = bias.float().contiguous() if bias is not None else None
-    _C.int8_block_matmul(ptr(a), ptr(sa_), a_trans, ptr(b), ptr(sb_), not b_is_t, m, n, k, block,
-                         ptr(bias_) if bias_ is not None else 0, ptr(out), dtype_code(out))
-    return out
+    # One op (zero8._ops): the fused kernel where the CPU has AVX512_VNNI, else the per-slice path.
+    return _ops.int8_block_matmul(qa, sa, qb_t, sb_t, block, out_dtype, bias, _l8._GEMM)
 
 
 class _Int8LinearFn(torch.autograd.Function):
+    # Calls the ops of zero8._ops directly: Int8Linear.forward has validated x and the weight, and under
+    # torch.compile a backward may not read tensor attributes such as .layout (which the checks read).
     @staticmethod
-    def forward(ctx, x, weight, bias, block, exact, module):
+    def forward(ctx, x, weight, bias, block, exact):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
+        gemm = _l8._GEMM
         # The activation kept for the backward pass: int8 per-block (Jetfire's data flow format).
-        qxb, sxb = quantize_blocks(x2, block)
+        qxb, sxb = _ops.int8_quantize_blocks(x2, block, None)
         if exact:
-            qwb, swb = quantize_blocks(weight.detach(), block)
-            y = blockwise_int8_matmul(qxb, sxb, qwb, swb, block, out_dtype=x.dtype, bias=bias)
+            qwb, swb = _ops.int8_quantize_blocks(weight.detach(), block, None)
+            y = _ops.int8_block_matmul(qxb, sxb, qwb, swb, block, x.dtype, bias, gemm)
         else:
-            qx, sx = quantize_rows(x2)
-            qw, sw = quantize_rows(weight.detach())
-            y = dequantize_matmul(int8_mm(qx, qw), sx, sw, out_dtype=x.dtype, bias=bias)
+            qx, sx = _ops.int8_quantize_rows(x2, None, None)
+            qw, sw = _ops.int8_quantize_rows(weight.detach(), None, None)
+            y = _ops.int8_dequantize_matmul(int8_mm(qx, qw), sx, sw, x.dtype, None, bias, 1, 1, 1, 1)
         ctx.save_for_backward(qxb, sxb, weight)
         ctx.block, ctx.exact, ctx.in_shape, ctx.x_dtype = block, exact, shape, x.dtype
         ctx.has_bias = bias is not None
-        if module is not None:
-            module._last_saved = (qxb.numel() + sxb.numel() * 4, x2.numel() * x2.element_size())
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -155,6 +115,7 @@ class _Int8LinearFn(torch.autograd.Function):
     def backward(ctx, grad):
         qxb, sxb, weight = ctx.saved_tensors
         block = ctx.block
+        gemm = _l8._GEMM
         g2 = grad.reshape(-1, grad.shape[-1]).contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
         grad_x = grad_w = grad_b = None
@@ -162,26 +123,29 @@ class _Int8LinearFn(torch.autograd.Function):
         if ctx.exact:
             # One stochastic per-block quantization of the output gradient serves both products: the
             # blocks of its transpose are its blocks transposed.
-            qgb, sgb = quantize_blocks(g2, block, stochastic=True)
+            qgb, sgb = _ops.int8_quantize_blocks(g2, block, _seed())
             if need_x:  # dX = dY W: reduction over the output features
-                qwb, swb = quantize_blocks(w, block)
-                grad_x = blockwise_int8_matmul(qgb, sgb, qwb.t(), swb.t(), block, out_dtype=ctx.x_dtype)
+                qwb, swb = _ops.int8_quantize_blocks(w, block, None)
+                grad_x = _ops.int8_block_matmul(qgb, sgb, qwb.t(), swb.t(), block, ctx.x_dtype, None, gemm)
             if need_w:  # dW = dY^T X: reduction over the tokens
-                grad_w = blockwise_int8_matmul(qgb.t(), sgb.t(), qxb.t(), sxb.t(), block)
+                grad_w = _ops.int8_block_matmul(qgb.t(), sgb.t(), qxb.t(), sxb.t(), block, torch.float32, None, gemm)
         else:
             if need_x:
-                qg, sg = quantize_rows(g2, stochastic=True)  # per token
-                qw, sw = quantize_cols(w)  # per input feature
-                grad_x = dequantize_matmul(int8_mm(qg, qw, b_trans=False), sg, sw, out_dtype=ctx.x_dtype)
+                qg, sg = _ops.int8_quantize_rows(g2, None, _seed())  # per token, stochastic
+                qw, sw = _ops.int8_quantize_cols(w, None)  # per input feature
+                grad_x = _ops.int8_dequantize_matmul(int8_mm(qg, qw, b_trans=False), sg, sw, ctx.x_dtype, None, None,
+                                                     1, 1, 1, 1)
             if need_w:
-                qg, sg = quantize_cols(g2, stochastic=True)  # per output feature
-                qx, sx = quantize_cols(dequantize_blocks(qxb, sxb, block))  # per input feature
-                grad_w = dequantize_matmul(int8_mm(qg.t(), qx, b_trans=False), sg, sx)
+                qg, sg = _ops.int8_quantize_cols(g2, _seed())  # per output feature, stochastic
+                xd = _ops.int8_dequantize_blocks(qxb, sxb, block, torch.float32)
+                qx, sx = _ops.int8_quantize_cols(xd, None)  # per input feature
+                grad_w = _ops.int8_dequantize_matmul(int8_mm(qg.t(), qx, b_trans=False), sg, sx, torch.float32, None,
+                                                     None, 1, 1, 1, 1)
         if need_b:
             grad_b = g2.float().sum(0)
         if grad_x is not None:
             grad_x = grad_x.reshape(ctx.in_shape)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class Int8Linear(torch.nn.Module):
@@ -247,7 +211,13 @@ class Int8Linear(torch.nn.Module):
         _check_weight(self.weight, "Int8Linear.weight")
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
             return _empty_linear(x, self.weight, self.bias)
-        return _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact", self)
+        y = _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact")
+        # What forward kept for backward: int8 codes of x plus one float32 scale per block (from the shapes,
+        # so that torch.compile needs no side effect inside the autograd.Function).
+        rows = x.numel() // self.in_features
+        blocks = -(-rows // self.block_size) * -(-self.in_features // self.block_size)
+        self._last_saved = (x.numel() + blocks * 4, x.numel() * x.element_size())
+        return y
 
     def activation_memory(self) -> dict:
         """What the last forward kept for backward: ``saved_bytes`` (int8 codes + per-block scales) versus

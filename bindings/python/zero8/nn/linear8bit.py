@@ -5,8 +5,9 @@ each activation row to int8 on the fly, and computes the input columns holding a
 the ``nn.Linear`` modules of a trained model for it.
 
 Also the int8 primitives both int8 layers use (``Int8Linear`` imports them): torch tensors in, validated
-here (errors name the tensor), raw pointers to ``zero8._C`` (the kernels of kernels/src/int8_*.cpp), and
-the int8 GEMM, which is ``torch._int_mm`` on CPU (measured faster than Debian's oneDNN, docs/INT8.md).
+here (errors name the tensor), then the kernels of kernels/src/int8_*.cpp as the torch custom ops of
+``zero8._ops`` (so ``torch.compile`` traces them without graph breaks), and the int8 GEMM: zero8's oneDNN
+one when built with it, else ``torch._int_mm`` (docs/INT8.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import _C
+from .. import _C, _ops
 from .._tensors import FLOAT_DTYPES, check_cpu, check_cpu_contiguous, check_dtype, dtype_code, ptr
 from .._C import Zero8ValueError
 
@@ -61,62 +62,44 @@ def _float_matrix(x: Tensor, name: str) -> Tensor:
     return x.contiguous()
 
 
-def _seed() -> int:
-    # Stochastic rounding draws from torch's generator, so torch.manual_seed makes a run reproducible.
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+def _seed() -> Tensor:
+    # Stochastic rounding draws its seed from torch's generator, so torch.manual_seed makes a run
+    # reproducible; a one-element tensor, drawn in the graph under torch.compile (zero8._ops).
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
 
 
 def quantize_rows(x: Tensor, col_mask: Optional[Tensor] = None, stochastic: bool = False):
     """Row-wise absmax int8 of a 2-D float tensor: ``(q int8 like x, scale float32[rows])``; columns with a
     nonzero ``col_mask`` byte are left out of the scale and coded 0."""
     x = _float_matrix(x, "x")
-    rows, cols = x.shape
-    q = torch.empty((rows, cols), dtype=torch.int8)
-    scale = torch.empty(rows, dtype=torch.float32)
-    mask_ptr = 0
     if col_mask is not None:
         check_cpu_contiguous(col_mask, "col_mask")
         check_dtype(col_mask, "col_mask", torch.uint8)
-        if col_mask.numel() != cols:
-            raise Zero8ValueError(f"col_mask has {col_mask.numel()} elements; expected {cols}")
-        mask_ptr = ptr(col_mask)
-    _C.int8_quantize_rows(ptr(x), dtype_code(x), rows, cols, ptr(q), ptr(scale), mask_ptr, stochastic,
-                          _seed() if stochastic else 0)
-    return q, scale
+        if col_mask.numel() != x.shape[1]:
+            raise Zero8ValueError(f"col_mask has {col_mask.numel()} elements; expected {x.shape[1]}")
+    return _ops.int8_quantize_rows(x, col_mask, _seed() if stochastic else None)
 
 
 def quantize_cols(x: Tensor, stochastic: bool = False):
     """Column-wise absmax int8: ``(q int8 like x, scale float32[cols])``."""
     x = _float_matrix(x, "x")
-    rows, cols = x.shape
-    q = torch.empty((rows, cols), dtype=torch.int8)
-    scale = torch.empty(cols, dtype=torch.float32)
-    _C.int8_quantize_cols(ptr(x), dtype_code(x), rows, cols, ptr(q), ptr(scale), stochastic,
-                          _seed() if stochastic else 0)
-    return q, scale
+    return _ops.int8_quantize_cols(x, _seed() if stochastic else None)
 
 
 def quantize_blocks(x: Tensor, block: int, stochastic: bool = False):
     """Per-block absmax int8 (Jetfire): ``(q int8 like x, scale float32[ceil(rows/block), ceil(cols/block)])``."""
     x = _float_matrix(x, "x")
-    rows, cols = x.shape
-    q = torch.empty((rows, cols), dtype=torch.int8)
-    scale = torch.empty((-(-rows // block), -(-cols // block)), dtype=torch.float32)
-    _C.int8_quantize_blocks(ptr(x), dtype_code(x), rows, cols, block, block, ptr(q), ptr(scale), stochastic,
-                            _seed() if stochastic else 0)
-    return q, scale
+    return _ops.int8_quantize_blocks(x, block, _seed() if stochastic else None)
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The float tensor of per-block codes: ``q * scale[block of q]``."""
-    rows, cols = q.shape
-    y = torch.empty((rows, cols), dtype=dtype)
-    _C.int8_dequantize_blocks(ptr(q), ptr(scale), rows, cols, block, block, ptr(y), dtype_code(y))
-    return y
+    return _ops.int8_dequantize_blocks(q, scale, block, dtype)
 
 
 def outlier_columns(x: Tensor, threshold: float):
-    """``(mask uint8[cols], count)``: columns holding any ``|x| >= threshold``."""
+    """``(mask uint8[cols], count)``: columns holding any ``|x| >= threshold``. (The layer finds them inside
+    the ``zero8::llm_int8_matmul`` op: the count steers the computation.)"""
     x = _float_matrix(x, "x")
     mask = torch.empty(x.shape[1], dtype=torch.uint8)
     count = _C.int8_outlier_columns(ptr(x), dtype_code(x), x.shape[0], x.shape[1], float(threshold), ptr(mask))
@@ -129,14 +112,9 @@ def int8_mm(a: Tensor, b: Tensor, b_trans: bool = True) -> Tensor:
     them contiguous: it takes row-major matrices)."""
     if _GEMM == "torch":
         return torch._int_mm(a, b.t() if b_trans else b)
-    a = a.contiguous()
-    b = b.contiguous()
-    n = b.shape[0] if b_trans else b.shape[1]
     if b.shape[1 if b_trans else 0] != a.shape[1]:
         raise Zero8ValueError(f"int8_mm: inner sizes differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b_trans={b_trans})")
-    c = torch.empty((a.shape[0], n), dtype=torch.int32)
-    _C.int8_gemm(ptr(a), ptr(b), ptr(c), a.shape[0], n, a.shape[1], b_trans)
-    return c
+    return _ops.int8_gemm(a, b, b_trans)
 
 
 def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_dtype=torch.float32,
@@ -151,19 +129,14 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
     check_dtype(acc, "acc", torch.int32)
     check_dtype(row_scale, "row_scale", torch.float32)
     check_dtype(col_scale, "col_scale", torch.float32)
-    rows, cols = acc.shape
+    if out is None and not accumulate:
+        return _ops.int8_dequantize_matmul(acc, row_scale, col_scale, out_dtype, add, bias, row_group, row_stride,
+                                           col_group, col_stride)
     if out is None:
-        out = torch.empty((rows, cols), dtype=out_dtype)
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.float()
-    if bias is not None:
-        bias = bias.contiguous()
-    if add is not None:
-        add = add.contiguous()
-    _C.int8_dequantize_matmul(ptr(acc), rows, cols, ptr(row_scale), row_group, row_stride, ptr(col_scale),
-                              col_group, col_stride, ptr(add) if add is not None else 0,
-                              ptr(bias) if bias is not None else 0, ptr(out), dtype_code(out), accumulate)
-    return out
+        out = torch.empty(tuple(acc.shape), dtype=out_dtype)
+    # Writing into a given tensor (the per-slice path accumulates into one) is eager only: not an op.
+    return _ops._dequantize_matmul_into(acc, row_scale, col_scale, add, bias, out, accumulate, row_group,
+                                        row_stride, col_group, col_stride)
 
 
 def _check_input(x: Tensor, in_features: int, name: str = "input") -> None:
@@ -191,26 +164,6 @@ def _empty_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
 # ---------------------------------------------------------------- LLM.int8()
 
 
-def _llm_int8_matmul(x2: Tensor, w_q: Tensor, w_scale: Tensor, w_fp: Optional[Tensor], threshold: float,
-                     bias: Optional[Tensor]) -> Tensor:
-    """LLM.int8's mixed-precision decomposition of ``x2 @ W.T (+ bias)`` for a 2-D contiguous x2."""
-    add = None
-    mask = None
-    if threshold > 0 and math.isfinite(threshold):
-        mask, count = outlier_columns(x2, threshold)
-        if count > 0:
-            idx = mask.nonzero().squeeze(1)
-            # The outlier features in float32: with fp weights when kept, else the dequantized int8
-            # columns (bitsandbytes does the same when the fp16 weights are gone).
-            w_out = w_fp[:, idx].float() if w_fp is not None else w_q[:, idx].float() * w_scale[:, None]
-            add = x2[:, idx].float() @ w_out.t()
-        else:
-            mask = None
-    q_x, s_x = quantize_rows(x2, col_mask=mask)
-    acc = int8_mm(q_x, w_q)
-    return dequantize_matmul(acc, s_x, w_scale, out_dtype=x2.dtype, add=add, bias=bias)
-
-
 class _Linear8bitLtFn(torch.autograd.Function):
     """Forward: the int8 decomposition. Backward (straight-through, as bitsandbytes): the input gradient
     ``grad @ W`` with the float (or dequantized int8) weight; the weight gradient only when fp weights are
@@ -220,7 +173,9 @@ class _Linear8bitLtFn(torch.autograd.Function):
     def forward(ctx, x, weight_fp, bias, w_q, w_scale, threshold):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
-        y = _llm_int8_matmul(x2, w_q, w_scale, weight_fp, threshold, bias)
+        # LLM.int8's mixed-precision decomposition, one op (zero8._ops): the outlier columns, and so
+        # the shapes of its float part, depend on the data.
+        y = _ops.llm_int8_matmul(x2, w_q, w_scale, weight_fp, threshold, bias, _GEMM)
         ctx.save_for_backward(x2 if weight_fp is not None and weight_fp.requires_grad else None, weight_fp, w_q,
                               w_scale)
         ctx.has_bias = bias is not None
