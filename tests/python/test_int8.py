@@ -8,9 +8,11 @@ conversion helper, a small GPT trained with Int8Linear to within 2% of float32, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import io
+import itertools
 import math
 import os
 import time
@@ -655,3 +657,173 @@ def test_float64_weights_raise_errors_naming_the_layer_weight():
     for m in (Linear8bitLt(8, 4, has_fp16_weights=True).double(), Int8Linear(8, 4).double()):
         with pytest.raises(zero8.Zero8ValueError, match=f"{type(m).__name__}.weight has dtype torch.float64"):
             m(x)
+
+
+# ------------------------------------------------------------------------------------------- meta device
+
+
+@contextlib.contextmanager
+def _init_empty_weights():
+    """accelerate's ``init_empty_weights()`` (include_buffers=False, its default) when accelerate is
+    installed, else the same thing: every parameter registered inside moves to the meta device, buffers
+    and plain tensors stay where they are made."""
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        init_empty_weights = None
+    if init_empty_weights is not None:
+        with init_empty_weights():
+            yield
+        return
+    register = torch.nn.Module.register_parameter
+
+    def register_empty_parameter(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            kwargs = dict(p.__dict__, requires_grad=param.requires_grad)
+            module._parameters[name] = type(p)(p.to("meta"), **kwargs)
+
+    torch.nn.Module.register_parameter = register_empty_parameter
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _on_meta(how, make):
+    """``make()`` run under one of the ways big models are created without memory."""
+    if how == "torch.device":
+        with torch.device("meta"):
+            return make(None)
+    if how == "device=":
+        return make("meta")
+    with _init_empty_weights():
+        return make(None)
+
+
+_META_LAYERS = {
+    "Linear8bitLt": lambda device: Linear8bitLt(40, 24, device=device),
+    "Linear8bitLt-fp16-weights": lambda device: Linear8bitLt(40, 24, has_fp16_weights=True, device=device),
+    "Int8Linear": lambda device: Int8Linear(40, 24, block_size=16, device=device),
+}
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert sa[k].device.type == "cpu" and sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("load", ["to_empty", "assign"])
+@pytest.mark.parametrize("layer", list(_META_LAYERS))
+def test_layer_created_on_meta_then_loaded_equals_one_built_on_cpu(layer, load):
+    # Big models are created on the meta device (no memory, no initialisation), then given their weights:
+    # to_empty(device="cpu") + load_state_dict, or load_state_dict(assign=True). The layer must end up
+    # exactly the one built on the CPU and loaded from the same checkpoint. Before, device="meta" was
+    # refused by both layers and Linear8bitLt failed under torch.device("meta") ("x is on device meta").
+    torch.manual_seed(40)
+    lin = torch.nn.Linear(40, 24)
+    ckpts = {"nn.Linear": lin.state_dict()}
+    if layer != "Int8Linear":
+        ckpts["int8"] = Linear8bitLt.from_linear(lin).state_dict()
+    x = outlier_input(6, 40, [5])
+    for (name, sd), how in itertools.product(ckpts.items(), ["torch.device", "device=", "init_empty_weights"]):
+        ref = _META_LAYERS[layer](None)
+        ref.load_state_dict(sd)
+        m = _on_meta(how, _META_LAYERS[layer])
+        assert all(t.is_meta for t in m.parameters())
+        if load == "to_empty":
+            m.to_empty(device="cpu")
+            result = m.load_state_dict(sd)
+        else:
+            result = m.load_state_dict(sd, assign=True)
+        assert result.missing_keys == [] and result.unexpected_keys == [], (name, how)
+        _same_state(m, ref)
+        if isinstance(m, Linear8bitLt) and not m.has_fp16_weights:
+            assert m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32
+        outs = []
+        for layer_ in (ref, m):
+            xx = x.clone().requires_grad_()
+            torch.manual_seed(41)  # Int8Linear's backward rounds stochastically
+            y = layer_(xx)
+            y.pow(2).sum().backward()
+            outs.append((y.detach(), xx.grad, [p.grad for p in layer_.parameters()]))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (name, how)
+        assert all(torch.equal(g0, g1) for g0, g1 in zip(outs[0][2], outs[1][2])), (name, how)
+
+
+@pytest.mark.parametrize("load", ["to_empty", "assign"])
+def test_convert_linear8bit_on_a_meta_model_then_load(load):
+    # transformers' flow: the model is built on meta, its nn.Linear modules replaced, then the float
+    # checkpoint (or an int8 one saved from a converted model) is loaded; the result equals converting the
+    # loaded float model. convert_linear8bit used to refuse meta weights.
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40),
+                                   torch.nn.ReLU(), torch.nn.Linear(40, 8))
+
+    torch.manual_seed(42)
+    trained = net()
+    ref = convert_linear8bit(copy.deepcopy(trained), skip=["4"])
+    x = outlier_input(5, 32, [2, 9])
+    want = ref(x)
+    for sd in (trained.state_dict(), ref.state_dict()):
+        with torch.device("meta"):
+            model = net()
+        model = convert_linear8bit(model, skip=["4"])
+        assert isinstance(model[0], Linear8bitLt) and model[0].weight.is_meta and model[0].weight.dtype == torch.int8
+        assert type(model[4]) is torch.nn.Linear
+        if load == "to_empty":
+            model.to_empty(device="cpu")
+            result = model.load_state_dict(sd)
+        else:
+            result = model.load_state_dict(sd, assign=True)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        _same_state(model, ref)
+        assert torch.equal(model(x), want)
+
+
+def test_meta_layers_raise_naming_the_layer_until_loaded():
+    # The combinations that cannot run say so, and what to do, instead of reading a meta tensor.
+    x = torch.randn(3, 40)
+    for make in _META_LAYERS.values():
+        m = make("meta")
+        name = type(m).__name__
+        with pytest.raises(zero8.Zero8ValueError, match=rf"{name}\.weight is on the meta device.*to_empty.*assign=True"):
+            m(x)
+        # Loading into meta tensors without assign=True is torch's no-op (with its warning): still meta.
+        with pytest.warns(UserWarning, match="meta"):
+            m.load_state_dict(torch.nn.Linear(40, 24).state_dict())
+        with pytest.raises(zero8.Zero8ValueError, match="meta device"):
+            m(x)
+        with pytest.raises(NotImplementedError, match="to_empty"):
+            m.to("cpu")  # torch's own message: there is no data to move
+    # Only the bias left on meta (a partial load) is named too.
+    m = Linear8bitLt(40, 24)
+    m.bias = torch.nn.Parameter(torch.empty(24, device="meta"))
+    with pytest.raises(zero8.Zero8ValueError, match=r"Linear8bitLt\.bias is on the meta device"):
+        m(x)
+    for make in (lambda: Linear8bitLt(8, 4, device="cuda"), lambda: Int8Linear(8, 4, device="cuda")):
+        with pytest.raises(zero8.Zero8ValueError, match="runs on CPU"):
+            make()
+
+
+def test_assign_keeps_the_float32_formats_a_copy_would_give():
+    # load_state_dict(assign=True) takes the checkpoint's tensors as they are: a bf16 checkpoint would give
+    # Int8Linear a bf16 master weight, and float16 scales would be read as float32 by the kernels.
+    torch.manual_seed(43)
+    lin = torch.nn.Linear(40, 24)
+    m = Int8Linear(40, 24, device="meta")
+    m.load_state_dict(lin.to(torch.bfloat16).state_dict(), assign=True)
+    assert m.weight.dtype == torch.float32 and m.bias.dtype == torch.float32
+    assert torch.equal(m.weight, lin.weight.float())
+    sd = Linear8bitLt.from_linear(lin.float()).state_dict()
+    sd["weight_scale"] = sd["weight_scale"].half()  # scales stored in float16 (say, a checkpoint cast whole)
+    copied, assigned = Linear8bitLt(40, 24), Linear8bitLt(40, 24, device="meta")
+    copied.load_state_dict(sd)
+    assigned.load_state_dict(sd, assign=True)
+    assert assigned.weight_scale.dtype == torch.float32
+    _same_state(assigned, copied)
+    x = torch.randn(4, 40)
+    assert torch.equal(assigned(x), copied(x))

@@ -35,7 +35,7 @@ from .. import _ops
 from .._C import Zero8ValueError
 from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code
 from . import linear8bit as _l8
-from .linear8bit import _check_input, _check_weight, _empty_linear, _seed, int8_mm
+from .linear8bit import _check_device_arg, _check_input, _check_loaded, _check_weight, _empty_linear, _seed, int8_mm
 
 __all__ = ["Int8Linear", "blockwise_int8_matmul"]
 
@@ -163,14 +163,15 @@ class Int8Linear(torch.nn.Module):
     - ``gemm``: ``"exact"`` (per-block scales in the reduction as well, Jetfire's math, the fused kernel)
       or ``"fast"`` (one library int8 GEMM per product, vector-wise scales): see the module docstring.
 
-    CPU tensors of float32, bfloat16 or float16 (the output has the input's dtype).
+    CPU tensors of float32, bfloat16 or float16 (the output has the input's dtype). Made on the meta device
+    (``device="meta"``), the layer holds shapes only until ``to_empty(device="cpu")`` + ``load_state_dict``
+    or ``load_state_dict(..., assign=True)``; a loaded weight is kept float32.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
                  gemm: str = "exact", device=None, dtype=None) -> None:
         super().__init__()
-        if device is not None and torch.device(device).type != "cpu":
-            raise Zero8ValueError(f"Int8Linear runs on CPU here; device={device!r}")
+        _check_device_arg(device, "Int8Linear")
         if dtype is not None and dtype != torch.float32:
             raise Zero8ValueError(f"Int8Linear keeps a float32 master weight; dtype={dtype}")
         if in_features <= 0 or out_features <= 0:
@@ -181,9 +182,9 @@ class Int8Linear(torch.nn.Module):
             raise Zero8ValueError(f"gemm must be 'fast' or 'exact', got {gemm!r}")
         self.in_features, self.out_features = in_features, out_features
         self.block_size, self.gemm = block_size, gemm
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device))
         if bias:
-            self.bias = torch.nn.Parameter(torch.empty(out_features))
+            self.bias = torch.nn.Parameter(torch.empty(out_features, device=device))
         else:
             self.register_parameter("bias", None)
         self._last_saved = None
@@ -198,15 +199,29 @@ class Int8Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block_size: int = 32, gemm: str = "exact") -> "Int8Linear":
-        """An Int8Linear with a copy of ``linear``'s weight and bias (float32)."""
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, block_size, gemm)
+        """An Int8Linear with a copy of ``linear``'s weight and bias (float32); on the meta device when
+        ``linear`` is."""
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, block_size, gemm,
+                device="meta" if linear.weight.is_meta else None)
         with torch.no_grad():
             m.weight.copy_(linear.weight.float())
             if linear.bias is not None:
                 m.bias.copy_(linear.bias.float())
         return m
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The master weight stays float32: load_state_dict(..., assign=True) takes the checkpoint's tensors
+        # as they are (a bf16 checkpoint would make a bf16 master), where copying would have converted them.
+        for key in (prefix + "weight", prefix + "bias"):
+            t = state_dict.get(key)
+            if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float32:
+                state_dict[key] = t.float()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def forward(self, x: Tensor) -> Tensor:
+        _check_loaded(self, "Int8Linear", ("weight", "bias"))
         _check_input(x, self.in_features)
         _check_weight(self.weight, "Int8Linear.weight")
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph

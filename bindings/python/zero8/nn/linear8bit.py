@@ -155,6 +155,24 @@ def _check_weight(w: Tensor, name: str) -> None:
         raise Zero8ValueError(f"{name} has dtype {w.dtype}; the int8 kernels take float32, bfloat16 or float16")
 
 
+def _check_device_arg(device, layer: str) -> None:
+    if device is not None and torch.device(device).type not in ("cpu", "meta"):
+        raise Zero8ValueError(f"{layer} runs on CPU here (or is created on the meta device, to be loaded later); "
+                              f"device={device!r}")
+
+
+def _check_loaded(module: torch.nn.Module, layer: str, names: Sequence[str]) -> None:
+    # A layer created on the meta device (torch.device("meta"), accelerate's init_empty_weights) has shapes
+    # but no data until a state dict is loaded into it.
+    for name in names:
+        t = getattr(module, name)
+        if t is not None and t.is_meta:
+            raise Zero8ValueError(
+                f"{layer}.{name} is on the meta device (the layer was created without data): load the weights "
+                f"first, with model.to_empty(device='cpu') then model.load_state_dict(state_dict), or with "
+                f"model.load_state_dict(state_dict, assign=True)")
+
+
 def _empty_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """``x W^T + b`` for an input without elements (its output is empty too), in the input's dtype and
     connected to the graph, so backward gives zero gradients as ``nn.Linear`` does."""
@@ -217,13 +235,15 @@ class Linear8bitLt(torch.nn.Module):
     weight quantized on load), and an int8 one into a layer with ``has_fp16_weights=True`` (dequantized). ``.half()`` / ``.to(dtype)`` cast the bias
     (and a kept float weight) but leave ``weight_scale`` float32. CPU tensors of float32, bfloat16 or
     float16; the output has the input's dtype. Bad inputs raise ``zero8.Zero8ValueError`` naming them.
+
+    Made on the meta device (``device="meta"``, ``with torch.device("meta"):``), the layer holds shapes
+    only until ``to_empty(device="cpu")`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``.
     """
 
     def __init__(self, input_features: int, output_features: int, bias: bool = True,
                  has_fp16_weights: bool = False, threshold: float = 6.0, device=None, dtype=None) -> None:
         super().__init__()
-        if device is not None and torch.device(device).type != "cpu":
-            raise Zero8ValueError(f"Linear8bitLt runs on CPU here; device={device!r}")
+        _check_device_arg(device, "Linear8bitLt")
         if input_features <= 0 or output_features <= 0:
             raise Zero8ValueError(f"input_features and output_features must be > 0, got {input_features}, "
                                   f"{output_features}")
@@ -235,12 +255,12 @@ class Linear8bitLt(torch.nn.Module):
         self.out_features = output_features
         self.threshold = float(threshold)
         self.has_fp16_weights = has_fp16_weights
-        w = torch.empty(output_features, input_features, dtype=dtype or torch.float32)
+        w = torch.empty(output_features, input_features, dtype=dtype or torch.float32, device=device)
         torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's initialisation
         if bias:
             bound = 1 / math.sqrt(input_features)
-            self.bias = torch.nn.Parameter(torch.empty(output_features, dtype=dtype or torch.float32).uniform_(-bound,
-                                                                                                                 bound))
+            b = torch.empty(output_features, dtype=dtype or torch.float32, device=device)
+            self.bias = torch.nn.Parameter(b.uniform_(-bound, bound))
         else:
             self.register_parameter("bias", None)
         self._set_weight(w)
@@ -249,6 +269,10 @@ class Linear8bitLt(torch.nn.Module):
         if self.has_fp16_weights:
             self.weight = torch.nn.Parameter(w)
             self.register_buffer("weight_scale", None)
+        elif w.is_meta:
+            # Created on the meta device: int8 codes and scales with shapes only, filled by a state dict.
+            self.register_buffer("weight", torch.empty(w.shape, dtype=torch.int8, device="meta"))
+            self.register_buffer("weight_scale", torch.empty(w.shape[0], dtype=torch.float32, device="meta"))
         else:
             q, s = quantize_rows(w.detach().contiguous())
             self.register_buffer("weight", q)
@@ -279,6 +303,11 @@ class Linear8bitLt(torch.nn.Module):
             elif self.has_fp16_weights and w.dtype == torch.int8 and isinstance(state_dict.get(skey), Tensor):
                 scale = state_dict.pop(skey)
                 state_dict[wkey] = w.float() * scale.float()[:, None]
+        # The scales stay float32 (the kernels read float32): load_state_dict(..., assign=True) takes the
+        # checkpoint's tensor as it is, where copying into the buffer would have converted it.
+        scale = state_dict.get(skey)
+        if not self.has_fp16_weights and isinstance(scale, Tensor) and scale.is_floating_point():
+            state_dict[skey] = scale.float()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -293,7 +322,7 @@ class Linear8bitLt(torch.nn.Module):
         m.in_features, m.out_features = linear.in_features, linear.out_features
         m.threshold = float(threshold)
         m.has_fp16_weights = has_fp16_weights
-        if linear.weight.device.type != "cpu":
+        if linear.weight.device.type not in ("cpu", "meta"):
             raise Zero8ValueError(f"linear.weight is on {linear.weight.device}; Linear8bitLt runs on CPU")
         _check_weight(linear.weight, "linear.weight")
         if linear.bias is not None:
@@ -309,6 +338,7 @@ class Linear8bitLt(torch.nn.Module):
         return n + (self.weight_scale.numel() * 4 if self.weight_scale is not None else 0)
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_loaded(self, "Linear8bitLt", ("weight", "weight_scale", "bias"))
         _check_input(x, self.in_features)
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
             w = self.weight if self.has_fp16_weights else x.new_zeros(()).expand(self.out_features, self.in_features)
