@@ -313,7 +313,11 @@ class JobMonitor:
             (s.signal and not s.stopped_by) or (s.exit_code is None and s.mpirun_signal)
             or (s.rank in seen_dead and (s.exit_code is None or s.signal))
             or (s.exit_code is None and s.started and not s.signalled))]
-        primary = killed + [s for s in failed if not comm_error(s)]
+        # Ranks that ended on their own come before ranks the job's end interrupted (stopped_by), and the
+        # job's exit code is theirs: the abort's SIGTERM can cut a peer's traceback before its
+        # Zero8CommError line, and that peer (exit 143) would otherwise be named first by rank order.
+        own = [s for s in failed if not comm_error(s)]
+        primary = killed + [s for s in own if not s.stopped_by] + [s for s in own if s.stopped_by]
         if not primary:
             by_end = sorted(failed, key=lambda s: s.order if s.order is not None else 1 << 30)
             primary = by_end[:1]
