@@ -46,6 +46,12 @@ def net_tx_bytes() -> int:
     return total
 
 
+def say_test_event(rank: int, what: str) -> None:
+    """Marks an injected failure with its wall-clock time: the launcher tests time the job's end from it,
+    not from the launch (on a loaded machine start-up alone takes more than their 30 s)."""
+    print(f"test event: rank {rank} {what} at t={time.time():.3f}", flush=True)
+
+
 def make_model(hidden: int, layers: int) -> torch.nn.Module:
     torch.manual_seed(1234)
     mods = [torch.nn.Linear(IN_DIM, hidden), torch.nn.Tanh()]
@@ -110,11 +116,14 @@ def train(a, rank: int, world: int, local_rank: int) -> dict:
         if rank in sleepers:
             time.sleep(a.sleep_step)  # the other ranks wait for this one inside the step's collectives
         if rank == a.raise_rank and step == a.raise_step:
+            say_test_event(rank, f"raises at step {step}")
             raise RuntimeError(f"rank {rank} raises at step {step} on purpose (test)")
         if rank == a.exit_rank and step == a.exit_step:
+            say_test_event(rank, f"ends its loop at step {step}")
             print(f"rank {rank} ends its loop at step {step} (out of data, test)", flush=True)
             return {"mode": a.mode, "world": world, "losses": losses}
         if rank == a.save_alone_rank and step == a.save_alone_step:
+            say_test_event(rank, f"saves alone at step {step}")
             engine.save_checkpoint(a.ckpt_dir)  # the others go on to the step's reduction
         x, y = batch(step, rank, a.batch)
         if a.count_net:
