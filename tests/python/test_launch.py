@@ -567,6 +567,7 @@ def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
     assert "rank 1: exiting on an uncaught RuntimeError; ending the job" in out
 
 
+@needs_mpirun
 def test_rank_that_ends_its_loop_early_ends_the_job(tmp_path):
     # Rank 1 runs out of data and exits normally (its engine says "bye" at exit) while rank 0 waits in the
     # step's reduction: rank 0 must fail about a second later naming rank 1, not at the timeout (60 s here).
@@ -579,6 +580,7 @@ def test_rank_that_ends_its_loop_early_ends_the_job(tmp_path):
     assert "rank 1 has shut down its communicators (it ended without joining this call)" in out, out[-3000:]
 
 
+@needs_mpirun
 def test_rank_that_saves_alone_ends_the_job_naming_the_mismatch(tmp_path):
     # Rank 0 alone calls save_checkpoint (a checkpoint call under `if rank == 0:`, as DeepSpeed forbids)
     # while rank 1 goes on to the step's reduction: both must fail within seconds naming the two calls,
