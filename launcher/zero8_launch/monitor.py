@@ -22,7 +22,7 @@ from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker
 # Seconds between repeats of the stop signal while some rank has not acknowledged it.
 STOP_RESEND = 0.5
 
-__all__ = ["JobMonitor", "RankState", "run_job", "error_excerpt"]
+__all__ = ["JobMonitor", "RankState", "run_job", "error_excerpt", "traceback_cut"]
 
 _RANK_LINE = re.compile(rb"^\[rank(\d+)\] ")
 _DASHES = re.compile(rb"^-{20,}\s*$")
@@ -74,6 +74,17 @@ def error_excerpt(lines: list[str], max_lines: int = 30) -> list[str]:
             break
     chosen = lines[start:] if start is not None else lines[-12:]
     return chosen[-max_lines:]
+
+
+def traceback_cut(lines: list[str]) -> bool:
+    """Whether the output ends inside a Python traceback: after its last "Traceback (most recent call
+    last):" line, only indented frame lines, no exception line (the process was ended while printing)."""
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            start = i
+            break
+    return start is not None and not any(l.strip() and not l[0].isspace() for l in lines[start + 1:])
 
 
 class JobMonitor:
@@ -284,8 +295,9 @@ class JobMonitor:
         """(report lines, exit code of the rank that failed first) after a failed job. The cause is told
         apart from its consequences: ranks that were killed or failed on their own come first (with the
         end of their output); ranks whose communicator failed because of them (zero8.Zero8CommError) and
-        ranks ended by the job's abort are listed after. engine_signal: the engine itself was killed by
-        this signal, which is then the cause (its ranks' exit records were lost with it)."""
+        ranks ended by the job's abort (also while they printed a traceback, which is then mentioned) are
+        listed after. engine_signal: the engine itself was killed by this signal, which is then the cause
+        (its ranks' exit records were lost with it)."""
         if engine_signal:
             return self._engine_death_report(engine, engine_signal), 128 + engine_signal
         ranks = sorted(self.ranks.values(), key=lambda s: s.rank)
@@ -300,6 +312,11 @@ class JobMonitor:
         # A rank failed if it exited non-zero on its own, or raised before the abort's signal reached it.
         failed = [s for s in ranks if (s.exit_code not in (None, 0) and not s.stopped_by and not s.signal)
                   or (s.stopped_by and has_error(s))]
+        # A rank that the abort ended while it printed a traceback (under load the SIGTERM can arrive before
+        # the exception line) did raise, but what is unknown, and most likely in consequence of the cause
+        # (a Zero8CommError): it is listed with the ranks the abort ended, unless no other rank is a cause.
+        cut = [s for s in failed if s.stopped_by and traceback_cut(info[s.rank][0])]
+        failed = [s for s in failed if s not in cut]
         # Ranks that the survivors' communicators saw die (the kernel closed their connections).
         seen_dead: set[int] = set()
         for s in failed:
@@ -309,17 +326,16 @@ class JobMonitor:
         # A wrapper always writes an exit record, also when the job is aborted (it passes the signal on
         # and waits); a started rank without one, that was never told to stop, lost its wrapper too:
         # killed together, or its host or daemon died.
-        killed = [s for s in ranks if s not in failed and (
+        killed = [s for s in ranks if s not in failed and s not in cut and (
             (s.signal and not s.stopped_by) or (s.exit_code is None and s.mpirun_signal)
             or (s.rank in seen_dead and (s.exit_code is None or s.signal))
             or (s.exit_code is None and s.started and not s.signalled))]
-        # Ranks that ended on their own come before ranks the job's end interrupted (stopped_by), and the
-        # job's exit code is theirs: the abort's SIGTERM can cut a peer's traceback before its
-        # Zero8CommError line, and that peer (exit 143) would otherwise be named first by rank order.
+        # Ranks that ended on their own come before ranks that raised and were then ended by the job's end
+        # (stopped_by, exit 143), and the job's exit code is theirs, not the first by rank order.
         own = [s for s in failed if not comm_error(s)]
         primary = killed + [s for s in own if not s.stopped_by] + [s for s in own if s.stopped_by]
         if not primary:
-            by_end = sorted(failed, key=lambda s: s.order if s.order is not None else 1 << 30)
+            by_end = sorted(failed or cut, key=lambda s: s.order if s.order is not None else 1 << 30)
             primary = by_end[:1]
         primary_ids = {s.rank for s in primary}
         out: list[str] = []
@@ -337,7 +353,7 @@ class JobMonitor:
             else:
                 how = f"exited with code {s.exit_code}" if s.exit_code else "failed"
             out.append(f"rank {s.rank}{where} {how}")
-            excerpt = error_excerpt(info[s.rank][0]) if s in failed else []
+            excerpt = error_excerpt(info[s.rank][0]) if s in failed or s in cut else []
             if excerpt:
                 out.append(f"  --- last lines of rank {s.rank}'s output ({info[s.rank][1]}) ---")
                 out += ["  " + l for l in excerpt]
@@ -357,7 +373,10 @@ class JobMonitor:
         aborted = [s for s in ranks if s.rank not in accounted and (s.exit_code is None or s.stopped_by)
                    and (s.started or s.exit_code is not None)]
         if aborted:
-            out.append(f"rank(s) {', '.join(str(s.rank) for s in aborted)} were ended by the job's abort")
+            cut_ids = [str(s.rank) for s in aborted if s in cut]
+            which = (f" (which cut off the traceback that rank {cut_ids[0]} was printing)" if len(cut_ids) == 1 else
+                     f" (which cut off the tracebacks that ranks {', '.join(cut_ids)} were printing)" if cut_ids else "")
+            out.append(f"rank(s) {', '.join(str(s.rank) for s in aborted)} were ended by the job's abort{which}")
         if self.world_size is not None:
             never = [r for r in range(self.world_size) if r not in self.ranks or not
                      (self.ranks[r].started or self.ranks[r].exit_code is not None)]

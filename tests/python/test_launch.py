@@ -434,6 +434,37 @@ def test_monitor_a_traceback_cut_by_the_abort_does_not_make_that_rank_the_cause(
     assert "  RuntimeError: boom" in lines
 
 
+def test_monitor_a_rank_whose_traceback_the_abort_cut_is_listed_as_ended_by_it():
+    # The engine output of a loaded run (launcher.log, shortened): rank 1 raises and aborts the job; the
+    # abort's SIGTERM ends rank 0 in the middle of its own traceback, before its exception line. Rank 1 is
+    # the only cause shown; rank 0 is among the ranks the abort ended, with a mention of its cut traceback.
+    m = JobMonitor("/nonexistent", 3, out=io.BytesIO(), err=io.BytesIO())
+    for r in (0, 1, 2):
+        m.feed("err", format_marker(rank=r, event="start", pid=10 + r).encode() + b"\n")
+    m.feed("out", b"[rank0] step 1/3 loss 0.505897\n")
+    m.feed("err", b"[rank1] Traceback (most recent call last):\n"
+           b"[rank1]   File \"train_job.py\", line 113, in train\n"
+           b"[rank1]     raise RuntimeError(f\"rank {rank} raises at step {step} on purpose (test)\")\n"
+           b"[rank1] RuntimeError: rank 1 raises at step 1 on purpose (test)\n"
+           b"[rank1] [zero8] rank 1: exiting on an uncaught RuntimeError; ending the job so that the other "
+           b"ranks do not wait for it\n")
+    m.feed("err", b"[rank0] Traceback (most recent call last):\n"
+           b"[rank0]   File \"train_job.py\", line 124, in train\n"
+           b"[rank0]     engine.backward(loss)\n"
+           b"[rank0]   File \"torch/autograd/__init__.py\", line 395, in backward\n")
+    for r in (0, 2):
+        m.feed("err", format_marker(rank=r, event="signal", name="SIGTERM").encode() + b"\n")
+        m.feed("err", format_marker(rank=r, event="exit", code=143, signal=15, stopped_by="SIGTERM").encode() + b"\n")
+    m.feed("err", format_marker(rank=1, event="exit", code=1, signal=0, stopped_by="").encode() + b"\n")
+    m.feed("err", b"")
+    lines, code = m.failure_report()
+    assert code == 1 and lines[0] == "rank 1 exited with code 1", lines
+    assert "  RuntimeError: rank 1 raises at step 1 on purpose (test)" in lines
+    assert not any(l.startswith("rank 0 ") or "rank 0's output" in l or "backward" in l for l in lines), lines
+    assert ("rank(s) 0, 2 were ended by the job's abort (which cut off the traceback that rank 0 was printing)"
+            in lines), lines
+
+
 def test_error_excerpt_starts_at_the_last_traceback():
     lines = ["x"] * 50 + ["Traceback (most recent call last):", "  File a", "E: 1", "Traceback (most recent call last):",
                           "  File b", "E: 2", ""]
