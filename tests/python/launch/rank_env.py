@@ -37,6 +37,9 @@ def main() -> int:
         signal.signal(signal.SIGTERM, on_term)
     if rank == a.fail_rank:
         time.sleep(a.fail_after)
+        # The tests time the job's end from this line, not from the launch (a loaded machine starts slowly).
+        print(f"test event: rank {rank} {'kills itself' if a.kill_self else 'raises'} at t={time.time():.3f}",
+              flush=True)
         if a.kill_self:
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"rank {rank} fails on purpose (test)")
