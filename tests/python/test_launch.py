@@ -465,6 +465,27 @@ def test_monitor_a_rank_whose_traceback_the_abort_cut_is_listed_as_ended_by_it()
             in lines), lines
 
 
+def test_monitor_keeps_mpirun_s_lost_help_message_error_in_its_log_only():
+    # OpenMPI 4.1.4's line in place of an aborting rank's MPI_ABORT banner (the four variants seen in
+    # launcher.log of loaded runs): in launcher.log, not on the console. Its other errors are still shown.
+    out, err, log = io.BytesIO(), io.BytesIO(), io.BytesIO()
+    m = JobMonitor("/nonexistent", 2, out=out, err=err, launcher_log=log)
+    lost = [b"[vm:04350] [[31744,0],0] ORTE_ERROR_LOG: Data unpack had inadequate space in file "
+            b"../../../orte/util/show_help.c at line 513",
+            b"[vm:04369] [[32239,0],0] ORTE_ERROR_LOG: Out of resource in file "
+            b"../../../orte/util/show_help.c at line 507",
+            b"[vm:04423] [[32185,0],0] ORTE_ERROR_LOG: Data unpack would read past end of buffer in file "
+            b"../../../orte/util/show_help.c at line 507",
+            b"[vm:04460] [[32146,0],0] ORTE_ERROR_LOG: Data unpack would read past end of buffer in file "
+            b"../../../orte/util/show_help.c at line 513"]
+    other = (b"[n1:63575] [[3722,0],1] ORTE_ERROR_LOG: Data unpack would read past end of buffer in file "
+             b"../../../../../orte/mca/grpcomm/direct/grpcomm_direct.c at line 351")
+    m.feed("err", b"[rank1] RuntimeError: boom\n" + b"\n".join(lost) + b"\n" + other + b"\n")
+    m.feed("err", b"")
+    assert err.getvalue() == b"[rank1] RuntimeError: boom\n" + other + b"\n"
+    assert all(l in log.getvalue() for l in lost)
+
+
 def test_error_excerpt_starts_at_the_last_traceback():
     lines = ["x"] * 50 + ["Traceback (most recent call last):", "  File a", "E: 1", "Traceback (most recent call last):",
                           "  File b", "E: 2", ""]
@@ -596,6 +617,7 @@ def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
     out = r.stdout + r.stderr  # rank 1's traceback and note, forwarded and in the summary's excerpt of its log
     assert "RuntimeError: rank 1 raises at step 1 on purpose (test)" in out
     assert "rank 1: exiting on an uncaught RuntimeError; ending the job" in out
+    assert "show_help.c" not in out  # OpenMPI's line in place of the MPI_ABORT banner, often (launcher.log only)
 
 
 @needs_mpirun
