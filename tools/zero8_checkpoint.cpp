@@ -1,7 +1,7 @@
 // zero8-checkpoint: look at, verify and export zero8 checkpoints without a training job.
 //   inspect <dir> [--tag T]                          tags, latest, step, world size, param groups, bytes per part
 //   verify  <dir> [--tag T]                          every checksum and range; exit 1 on any fault
-//   to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]   consolidated fp32 weights
+//   to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]   the module's state_dict, trained weights in fp32
 // <dir> is a checkpoint directory (the tag defaults to the one `latest` names) or a tag directory.
 #include <cstdio>
 #include <ctime>
@@ -135,6 +135,18 @@ int inspect(const Args& a) {
               bytes_text(s.fp32).c_str(), bytes_text(s.residual).c_str(), bytes_text(s.model).c_str(),
               bytes_text(s.other).c_str(), bytes_text(s.total).c_str());
   for (const ckpt::FileInfo& f : m.files) std::printf("  file %s: %s bytes\n", f.name.c_str(), bytes_text(f.bytes).c_str());
+  if (m.state_dict.empty()) {
+    std::printf("  state_dict: not listed (to-fp32 gives the trained parameters only)\n");
+  } else {
+    int64_t trained = 0, rest = 0, aliases = 0;
+    for (const ckpt::StateDictEntry& e : m.state_dict) {
+      if (e.name != e.tensor) ++aliases;
+      else if (e.source == "param") ++trained;
+      else ++rest;
+    }
+    std::printf("  state_dict: %zu keys: %lld trained, %lld frozen parameters and buffers, %lld tied aliases\n",
+                m.state_dict.size(), (long long)trained, (long long)rest, (long long)aliases);
+  }
   const std::string cs = m.client_state.size() > 200 ? m.client_state.substr(0, 200) + "..." : m.client_state;
   std::printf("  client state: %s\n  config: %s\n", cs.c_str(), m.config_json == "null" ? "none" : "stored");
   return 0;
@@ -154,10 +166,20 @@ int verify(const Args& a) {
 
 int to_fp32(const Args& a) {
   const std::string tag_dir = resolve(a);
-  ckpt::export_fp32(tag_dir, a.out, !a.no_verify);
+  const ckpt::ExportResult r = ckpt::export_fp32(tag_dir, a.out, !a.no_verify);
   const ckpt::Manifest m = ckpt::manifest_read(tag_dir);
-  std::printf("wrote %s: %zu fp32 tensors from the masters of %s (step %lld)\n", a.out.c_str(), m.params.size(),
-              tag_dir.c_str(), (long long)m.step);
+  if (r.complete) {
+    std::printf("wrote %s: the module's state_dict of %s (step %lld), %lld tensors: %lld trained (fp32 masters), %lld "
+                "frozen parameters and buffers (%s)\n",
+                a.out.c_str(), tag_dir.c_str(), (long long)m.step, (long long)r.tensors, (long long)r.trained,
+                (long long)r.rest, ckpt::kModelRestName);
+  } else {
+    std::printf("wrote %s: %lld fp32 tensors from the masters of %s (step %lld)\n", a.out.c_str(), (long long)r.tensors,
+                tag_dir.c_str(), (long long)m.step);
+    std::printf("note: this checkpoint lists no state_dict (saved before zero8 recorded one, or without the engine): "
+                "the output holds the trained parameters only; frozen parameters and buffers, if any, are in its "
+                "mp_rank_00_model_states.pt\n");
+  }
   return 0;
 }
 

@@ -3,6 +3,8 @@
 // tags, verify, fp32 export). Every call releases the GIL; results come back as dicts.
 #include <map>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bind.h"
@@ -29,7 +31,9 @@ void init_checkpoint(py::module_& m) {
       "checkpoint_save",
       [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag,
          const std::string& client_state_json, const std::string& config_json, int keep_last,
-         const std::map<std::string, py::bytes>& extra_files, bool update_latest) {
+         const std::map<std::string, py::bytes>& extra_files, bool update_latest,
+         const std::vector<std::pair<std::string, std::string>>& state_dict,
+         const std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, py::bytes>>& module_tensors) {
         ckpt::SaveOptions o;
         o.tag = tag;
         o.client_state = client_state_json;
@@ -37,6 +41,9 @@ void init_checkpoint(py::module_& m) {
         o.keep_last = keep_last;
         o.update_latest = update_latest;
         for (const auto& [name, bytes] : extra_files) o.extra_files.emplace_back(name, std::string(bytes));
+        o.state_dict = state_dict;
+        for (const auto& [name, dtype, shape, bytes] : module_tensors)
+          o.module_tensors.push_back(ckpt::SaveOptions::ModuleTensor{name, dtype, shape, std::string(bytes)});
         ckpt::SaveResult r;
         {
           py::gil_scoped_release release;
@@ -51,11 +58,13 @@ void init_checkpoint(py::module_& m) {
       },
       py::arg("opt"), py::arg("dir"), py::arg("tag") = "", py::arg("client_state_json") = "null",
       py::arg("config_json") = "", py::arg("keep_last") = 0, py::arg("extra_files") = std::map<std::string, py::bytes>{},
-      py::arg("update_latest") = true,
+      py::arg("update_latest") = true, py::arg("state_dict") = std::vector<std::pair<std::string, std::string>>{},
+      py::arg("module_tensors") = std::vector<std::tuple<std::string, std::string, std::vector<int64_t>, py::bytes>>{},
       "Collective atomic save of <dir>/<tag> (tag '' -> global_step<steps>) and <dir>/latest (unless "
       "update_latest is False): dict(tag, path, bytes, removed). client_state_json/config_json are JSON text "
       "stored as is ('' -> null); extra_files {name: bytes} (rank 0's are used) are written into the tag before "
-      "it is installed, with checksums.");
+      "it is installed, with checksums. state_dict [(key, source)] and module_tensors [(name, safetensors dtype, "
+      "shape, bytes)]: the module's whole state_dict for checkpoint_export_fp32 (zero8::ckpt::SaveOptions).");
   m.def(
       "checkpoint_load",
       [](shard::ShardedOptimizer& opt, const std::string& dir, const std::string& tag, bool verify,
@@ -113,9 +122,25 @@ void init_checkpoint(py::module_& m) {
         return d;
       },
       py::arg("tag_dir"), "Every check of a saved tag: dict(ok, problems, files, bytes).");
-  m.def("checkpoint_export_fp32", &ckpt::export_fp32, py::arg("tag_dir"), py::arg("out_path"),
-        py::arg("verify") = true, py::call_guard<py::gil_scoped_release>(),
-        "Consolidated fp32 weights (one tensor per parameter) of a tag as a safetensors file.");
+  m.def(
+      "checkpoint_export_fp32",
+      [](const std::string& tag_dir, const std::string& out_path, bool verify) {
+        ckpt::ExportResult r;
+        {
+          py::gil_scoped_release release;
+          r = ckpt::export_fp32(tag_dir, out_path, verify);
+        }
+        py::dict d;
+        d["tensors"] = r.tensors;
+        d["trained"] = r.trained;
+        d["rest"] = r.rest;
+        d["complete"] = r.complete;
+        return d;
+      },
+      py::arg("tag_dir"), py::arg("out_path"), py::arg("verify") = true,
+      "Consolidated weights of a tag as a safetensors file: the module's whole state_dict (trained parameters "
+      "fp32 from the masters, frozen parameters and buffers from model_rest.safetensors, 16-bit floats widened "
+      "to fp32) when the manifest lists it, else the trained parameters: dict(tensors, trained, rest, complete).");
 }
 
 }  // namespace zero8::bindings

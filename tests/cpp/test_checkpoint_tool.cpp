@@ -299,5 +299,137 @@ TEST_F(CheckpointTool, ExportOfACorruptCheckpointFailsAndWritesNothing) {
   for (const auto& e : fs::directory_iterator(dir_)) EXPECT_EQ(e.path().string().find("w.safetensors"), std::string::npos);
 }
 
+// The module's whole state_dict (SaveOptions::state_dict, module_tensors): the export gives every key in
+// state_dict order, trained ones from the masters, the others from model_rest.safetensors (16-bit floats
+// widened to F32 exactly, integers as saved), a tied alias under each name; verify checks that file.
+TEST_F(CheckpointTool, Fp32ExportOfAStateDictHoldsEveryKey) {
+  auto bytes_of = [](const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); };
+  std::vector<uint16_t> frozen(6);
+  for (size_t i = 0; i < frozen.size(); ++i) frozen[i] = f32_to_f16(0.25f * float(i) - 0.5f);
+  const std::vector<int64_t> pos = {0, 1, 2, (int64_t(1) << 40) + 3};  // not exact in float32
+  const uint16_t mean = f32_to_bf16(1.5f);
+  ckpt::SaveOptions so;
+  so.tag = "module";
+  so.module_tensors = {{"emb.weight", "F16", {2, 3}, bytes_of(frozen.data(), 12)},
+                       {"pos_ids", "I64", {4}, bytes_of(pos.data(), 32)},
+                       {"bn.mean", "BF16", {}, bytes_of(&mean, 2)}};
+  so.state_dict = {{"emb.weight", "emb.weight"}, {"a", "a"}, {"pos_ids", "pos_ids"}, {"b", "b"}, {"c", "c"},
+                   {"head.weight", "a"}, {"s", "s"}, {"bn.mean", "bn.mean"}, {"emb2.weight", "emb.weight"}};
+  const std::string tag_dir = ckpt::save(*opt_, dir_, so).path;
+  EXPECT_TRUE(ckpt::verify(tag_dir).ok());
+  EXPECT_EQ(ckpt::manifest_read(tag_dir).state_dict.size(), so.state_dict.size());
+
+  const std::string out = dir_ + "/full.safetensors";
+  const ckpt::ExportResult r = ckpt::export_fp32(tag_dir, out);
+  EXPECT_TRUE(r.complete);
+  EXPECT_EQ(r.tensors, 9);
+  EXPECT_EQ(r.trained, 5);
+  EXPECT_EQ(r.rest, 4);
+  const auto t = safetensors_load(out);
+  ASSERT_EQ(t.size(), so.state_dict.size());
+  {  // the header lists the keys in state_dict order
+    const std::vector<uint8_t> f = read_bytes(out);
+    uint64_t n = 0;
+    std::memcpy(&n, f.data(), 8);
+    const nlohmann::ordered_json h = nlohmann::ordered_json::parse(f.begin() + 8, f.begin() + 8 + long(n));
+    std::vector<std::string> keys;
+    for (auto it = h.begin(); it != h.end(); ++it)
+      if (it.key() != "__metadata__") keys.push_back(it.key());
+    std::vector<std::string> want;
+    for (const auto& e : so.state_dict) want.push_back(e.first);
+    EXPECT_EQ(keys, want);
+  }
+  for (size_t p = 0; p < params().size(); ++p) {
+    const shard::ParamSlot& s = opt_->layout().slots[p];
+    const auto& x = t.at(params()[p].name);
+    EXPECT_EQ(x.dtype, "F32");
+    ASSERT_EQ(int64_t(x.data.size()), s.numel * 4);
+    EXPECT_EQ(std::memcmp(x.data.data(), opt_->master(s.group) + s.offset, x.data.size()), 0) << params()[p].name;
+  }
+  EXPECT_EQ(t.at("head.weight").data, t.at("a").data);
+  EXPECT_EQ(t.at("head.weight").shape, t.at("a").shape);
+  for (const char* k : {"emb.weight", "emb2.weight"}) {
+    const auto& x = t.at(k);
+    EXPECT_EQ(x.dtype, "F32");
+    EXPECT_EQ(x.shape, (std::vector<int64_t>{2, 3}));
+    ASSERT_EQ(x.data.size(), 24u);
+    for (size_t i = 0; i < frozen.size(); ++i) {
+      float v;
+      std::memcpy(&v, x.data.data() + 4 * i, 4);
+      EXPECT_EQ(v, 0.25f * float(i) - 0.5f) << k << "[" << i << "]";
+    }
+  }
+  EXPECT_EQ(t.at("pos_ids").dtype, "I64");
+  EXPECT_EQ(t.at("pos_ids").data, std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(pos.data()),
+                                                        reinterpret_cast<const uint8_t*>(pos.data()) + 32));
+  EXPECT_EQ(t.at("bn.mean").dtype, "F32");
+  EXPECT_EQ(t.at("bn.mean").shape, std::vector<int64_t>{});
+  float m;
+  std::memcpy(&m, t.at("bn.mean").data.data(), 4);
+  EXPECT_EQ(m, 1.5f);
+
+  // The checkpoint still loads into the optimizer (the model_rest file is one of its checked files).
+  EXPECT_EQ(ckpt::load(*opt_, dir_, {"module"}).tag, "module");
+
+  // verify: a corrupt model_rest file, and one that disagrees with the manifest's state_dict.
+  const std::string rest = tag_dir + "/" + ckpt::kModelRestName;
+  const std::vector<uint8_t> rest0 = read_bytes(rest);
+  std::vector<uint8_t> b = rest0;
+  b[b.size() - 1] ^= 1;
+  write_bytes(rest, b);
+  ASSERT_EQ(ckpt::verify(tag_dir).problems.size(), 1u);
+  EXPECT_NE(ckpt::verify(tag_dir).problems[0].find("model_rest.safetensors: checksum mismatch"), std::string::npos);
+  EXPECT_THROW(ckpt::export_fp32(tag_dir, dir_ + "/bad.safetensors"), Error);
+  EXPECT_FALSE(fs::exists(dir_ + "/bad.safetensors"));
+  write_bytes(rest, rest0);
+  const std::string manifest = tag_dir + "/manifest.json";
+  const std::vector<uint8_t> manifest0 = read_bytes(manifest);
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(manifest0.begin(), manifest0.end());
+  for (auto& e : j["state_dict"])
+    if (e["name"] == "pos_ids") e["dtype"] = "I32", e["shape"] = {8};
+  j.erase("manifest_xxh3");
+  const std::string text = j.dump(1);
+  write_bytes(manifest, std::vector<uint8_t>(text.begin(), text.end()));
+  const std::vector<std::string> p = ckpt::verify(tag_dir).problems;
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_NE(p[0].find("tensor 'pos_ids' is I64 [4], the manifest says I32 [8]"), std::string::npos) << p[0];
+  write_bytes(manifest, manifest0);
+
+  // Without a state_dict (older checkpoints, callers without a module): the trained parameters only.
+  const ckpt::ExportResult old = ckpt::export_fp32(tag_dir_, dir_ + "/old.safetensors");
+  EXPECT_FALSE(old.complete);
+  EXPECT_EQ(old.tensors, int64_t(params().size()));
+  EXPECT_TRUE(ckpt::manifest_read(tag_dir_).state_dict.empty());
+}
+
+TEST_F(CheckpointTool, SaveChecksTheStateDictBeforeWriting) {
+  auto save_fails = [&](const ckpt::SaveOptions& so, const std::string& what) {
+    try {
+      ckpt::save(*opt_, dir_, so);
+      ADD_FAILURE() << "saved: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(dir_ + "/bad"));
+  };
+  ckpt::SaveOptions so;
+  so.tag = "bad";
+  so.state_dict = {{"a", "a"}, {"x", "nothing"}};
+  save_fails(so, "'nothing' is neither a trained parameter nor one of module_tensors");
+  so.state_dict = {{"a", "a"}, {"pos", "pos"}};
+  so.module_tensors = {{"pos", "I64", {4}, std::string(24, '\0')}};
+  save_fails(so, "24 bytes for 4 elements of I64");
+  so.module_tensors = {{"pos", "C64", {1}, std::string(8, '\0')}};
+  save_fails(so, "unsupported dtype 'C64'");
+  so.module_tensors = {{"pos", "I64", {1}, std::string(8, '\0')}, {"unused", "U8", {1}, std::string(1, '\0')}};
+  save_fails(so, "'unused' is not the source of any state_dict key");
+  so.module_tensors = {{"pos", "I64", {1}, std::string(8, '\0')}};
+  so.state_dict = {{"a", "a"}, {"pos", "pos"}, {"a", "pos"}};
+  save_fails(so, "key 'a' is given twice");
+  so.state_dict = {{"a", "a"}, {"pos", "pos"}};
+  so.extra_files = {{ckpt::kModelRestName, "x"}};
+  save_fails(so, "reserved");
+}
+
 }  // namespace
 }  // namespace zero8

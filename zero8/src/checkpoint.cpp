@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -322,6 +323,16 @@ bool tag_check(const std::string& t, std::string* why) {
 
 const char* safetensors_dtype(DType t) { return t == DType::f32 ? "F32" : t == DType::bf16 ? "BF16" : "F16"; }
 
+// Bytes per element of a safetensors dtype this format stores (the module's other state_dict entries
+// may be of any of these); 0 for any other.
+int st_dtype_size(const std::string& d) {
+  static const std::map<std::string, int> sizes = {{"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
+                                                   {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U64", 8},  {"U32", 4},
+                                                   {"U16", 2}, {"U8", 1},  {"BOOL", 1}};
+  auto it = sizes.find(d);
+  return it == sizes.end() ? 0 : it->second;
+}
+
 bool dtype_parse(const std::string& s, DType* t) {
   for (DType d : {DType::f32, DType::bf16, DType::f16})
     if (s == dtype_name(d) || s == safetensors_dtype(d)) {
@@ -519,6 +530,18 @@ json manifest_to_json(const Manifest& m) {
   json files = json::array();
   for (const FileInfo& f : m.files) files.push_back(file_to_json(f));
   j["files"] = std::move(files);
+  if (!m.state_dict.empty()) {
+    json sd = json::array();
+    for (const StateDictEntry& e : m.state_dict) {
+      json x{{"name", e.name}, {"source", e.source}, {"tensor", e.tensor}};
+      if (e.source == "model_rest") {
+        x["dtype"] = e.dtype;
+        x["shape"] = e.shape;
+      }
+      sd.push_back(std::move(x));
+    }
+    j["state_dict"] = std::move(sd);
+  }
   j["config"] = json::parse(m.config_json);
   j["client_state"] = json::parse(m.client_state);
   j[kManifestHashKey] = hex64(manifest_hash(j));
@@ -726,6 +749,45 @@ void manifest_check_sections(const Manifest& m, const std::string& src) {
   }
 }
 
+// The manifest's state_dict: unique keys, each resolving to a parameter or to a tensor of the model_rest
+// file (listed), the aliases of one tensor agreeing on its dtype and shape.
+void state_dict_parse(Manifest& m, const json& arr, const Fields& F) {
+  const std::string& src = F.src;
+  std::set<std::string> params, keys;
+  for (const ParamInfo& p : m.params) params.insert(p.name);
+  std::map<std::string, const StateDictEntry*> rest;
+  for (size_t i = 0; i < arr.size(); ++i) {
+    const std::string w = "state_dict[" + std::to_string(i) + "]";
+    StateDictEntry e;
+    e.name = F.str(arr[i], "name", w);
+    e.source = F.str(arr[i], "source", w);
+    e.tensor = F.str(arr[i], "tensor", w);
+    if (e.name.empty() || e.name == "__metadata__") CKPT_FAIL(src, w + ": key '" + e.name + "' cannot be a safetensors name");
+    if (!keys.insert(e.name).second) CKPT_FAIL(src, w + ": key '" + e.name + "' is listed twice");
+    if (e.source == "param") {
+      if (!params.count(e.tensor)) CKPT_FAIL(src, w + " '" + e.name + "': no parameter '" + e.tensor + "'");
+    } else if (e.source == "model_rest") {
+      e.dtype = F.str(arr[i], "dtype", w);
+      if (st_dtype_size(e.dtype) == 0) CKPT_FAIL(src, w + " '" + e.name + "': unknown dtype '" + e.dtype + "'");
+      for (const json& d : F.arr(arr[i], "shape", w)) {
+        if (!d.is_number_integer() || d.get<int64_t>() < 0) CKPT_FAIL(src, w + " '" + e.name + "': bad shape");
+        e.shape.push_back(d.get<int64_t>());
+      }
+    } else {
+      CKPT_FAIL(src, w + " '" + e.name + "': unknown source '" + e.source + "'");
+    }
+    m.state_dict.push_back(std::move(e));
+  }
+  for (const StateDictEntry& e : m.state_dict) {
+    if (e.source != "model_rest") continue;
+    auto [it, fresh] = rest.emplace(e.tensor, &e);
+    if (!fresh && (it->second->dtype != e.dtype || it->second->shape != e.shape))
+      CKPT_FAIL(src, "state_dict: '" + e.name + "' and '" + it->second->name + "' name the same tensor with another dtype or shape");
+  }
+  if (!rest.empty() && std::none_of(m.files.begin(), m.files.end(), [](const FileInfo& f) { return f.name == kModelRestName; }))
+    CKPT_FAIL(src, std::string("state_dict names tensors of ") + kModelRestName + ", which is not listed in 'files'");
+}
+
 // ---- tags in a directory ----
 
 struct TagEntry {
@@ -891,6 +953,83 @@ FileInfo model_write(ShardedOptimizer& opt, const std::string& tmp, const std::s
   w.write(text.data(), int64_t(text.size()));
   for (size_t i = 0; i < lay.params.size(); ++i)
     w.write(opt.param_working(int(i)), lay.slots[i].numel * es);
+  w.finish();
+  fi.bytes = w.offset();
+  fi.xxh3 = w.digest();
+  return fi;
+}
+
+// SaveOptions::state_dict and module_tensors checked and resolved against opt (rank 0, before anything
+// is written): the manifest's state_dict.
+std::vector<StateDictEntry> state_dict_of(ShardedOptimizer& opt, const SaveOptions& o) {
+  std::vector<StateDictEntry> out;
+  if (o.state_dict.empty()) {
+    ZERO8_CHECK_ARG(o.module_tensors.empty(), "module_tensors", "given without a state_dict naming them");
+    return out;
+  }
+  std::set<std::string> params;
+  for (const shard::ParamSpec& p : opt.layout().params) params.insert(p.name);
+  std::map<std::string, const SaveOptions::ModuleTensor*> rest;
+  for (const SaveOptions::ModuleTensor& t : o.module_tensors) {
+    const int es = st_dtype_size(t.dtype);
+    ZERO8_CHECK_ARG(es > 0, "module_tensors", "'" << t.name << "': unsupported dtype '" << t.dtype << "'");
+    ZERO8_CHECK_ARG(!t.name.empty() && t.name != "__metadata__", "module_tensors", "'" << t.name << "' cannot be a safetensors name");
+    ZERO8_CHECK_ARG(!params.count(t.name), "module_tensors", "'" << t.name << "' is also the name of a trained parameter");
+    int64_t n = 1;
+    for (int64_t d : t.shape) {
+      ZERO8_CHECK_ARG(d >= 0, "module_tensors", "'" << t.name << "': negative dimension");
+      n *= d;
+    }
+    ZERO8_CHECK_ARG(int64_t(t.bytes.size()) == n * es, "module_tensors",
+                    "'" << t.name << "': " << t.bytes.size() << " bytes for " << n << " elements of " << t.dtype);
+    ZERO8_CHECK_ARG(rest.emplace(t.name, &t).second, "module_tensors", "'" << t.name << "' is given twice");
+  }
+  std::set<std::string> keys, used;
+  for (const auto& [key, from] : o.state_dict) {
+    ZERO8_CHECK_ARG(!key.empty() && key != "__metadata__", "state_dict", "key '" << key << "' cannot be a safetensors name");
+    ZERO8_CHECK_ARG(keys.insert(key).second, "state_dict", "key '" << key << "' is given twice");
+    StateDictEntry e;
+    e.name = key;
+    e.tensor = from;
+    auto it = rest.find(from);
+    if (it != rest.end()) {
+      e.source = "model_rest";
+      e.dtype = it->second->dtype;
+      e.shape = it->second->shape;
+      used.insert(from);
+    } else {
+      ZERO8_CHECK_ARG(params.count(from), "state_dict",
+                      "key '" << key << "': '" << from << "' is neither a trained parameter nor one of module_tensors");
+      e.source = "param";
+    }
+    out.push_back(std::move(e));
+  }
+  for (const SaveOptions::ModuleTensor& t : o.module_tensors)
+    ZERO8_CHECK_ARG(used.count(t.name), "module_tensors", "'" << t.name << "' is not the source of any state_dict key");
+  return out;
+}
+
+// The module's other state_dict entries (SaveOptions::module_tensors) at their dtype, as safetensors.
+FileInfo model_rest_write(const std::vector<SaveOptions::ModuleTensor>& tensors, const std::string& tmp, const std::string& tag,
+                          int64_t step) {
+  json h;
+  h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}};
+  int64_t off = 0;
+  for (const SaveOptions::ModuleTensor& t : tensors) {
+    const int64_t n = int64_t(t.bytes.size());
+    h[t.name] = json{{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
+    off += n;
+  }
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  FileInfo fi;
+  fi.name = kModelRestName;
+  fi.role = "extra";
+  FileWriter w(join(tmp, fi.name), true);
+  const uint64_t hl = text.size();
+  w.write(&hl, 8);
+  w.write(text.data(), int64_t(text.size()));
+  for (const SaveOptions::ModuleTensor& t : tensors) w.write(t.bytes.data(), int64_t(t.bytes.size()));
   w.finish();
   fi.bytes = w.offset();
   fi.xxh3 = w.digest();
@@ -1114,7 +1253,7 @@ void extras_check(FileSet& files, const Manifest& m) {
 }
 
 struct SafetensorsEntry {
-  DType dtype = DType::f32;
+  std::string dtype;  // safetensors name (F32, BF16, I64, ...)
   std::vector<int64_t> shape;
   int64_t begin = 0, end = 0;  // relative to the data start
 };
@@ -1148,8 +1287,9 @@ Safetensors safetensors_parse(const FileReader& r) {
     const json& t = it.value();
     SafetensorsEntry e;
     const std::string what = "tensor '" + it.key() + "'";
-    if (!t.is_object() || !t.contains("dtype") || !t["dtype"].is_string() || !dtype_parse(t["dtype"].get<std::string>(), &e.dtype))
+    if (!t.is_object() || !t.contains("dtype") || !t["dtype"].is_string() || st_dtype_size(t["dtype"].get<std::string>()) == 0)
       CKPT_FAIL(r.path(), what + ": missing or unsupported dtype");
+    e.dtype = t["dtype"].get<std::string>();
     if (!t.contains("shape") || !t["shape"].is_array()) CKPT_FAIL(r.path(), what + ": missing shape");
     int64_t n = 1;
     for (const json& d : t["shape"]) {
@@ -1165,7 +1305,7 @@ Safetensors safetensors_parse(const FileReader& r) {
     if (e.begin < 0 || e.end < e.begin || e.end > data)
       CKPT_FAIL(r.path(), what + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
                             ") outside the " + std::to_string(data) + " data bytes");
-    if (e.end - e.begin != n * dtype_size(e.dtype))
+    if (e.end - e.begin != n * st_dtype_size(e.dtype))
       CKPT_FAIL(r.path(), what + ": " + std::to_string(e.end - e.begin) + " bytes for shape " + shape_text(e.shape));
     spans.emplace_back(e.begin, e.end);
     st.tensors.emplace(it.key(), std::move(e));
@@ -1186,9 +1326,9 @@ void model_check(const Safetensors& st, const Manifest& m, const std::string& pa
   for (const ParamInfo& p : m.params) {
     auto it = st.tensors.find(p.name);
     if (it == st.tensors.end()) CKPT_FAIL(path, "parameter '" + p.name + "' is missing");
-    if (it->second.dtype != m.working_dtype)
-      CKPT_FAIL(path, "parameter '" + p.name + "' is " + dtype_name(it->second.dtype) + ", the manifest says " +
-                        dtype_name(m.working_dtype));
+    if (it->second.dtype != safetensors_dtype(m.working_dtype))
+      CKPT_FAIL(path, "parameter '" + p.name + "' is " + it->second.dtype + ", the manifest says " +
+                        safetensors_dtype(m.working_dtype));
     if (it->second.shape != p.shape)
       CKPT_FAIL(path, "parameter '" + p.name + "' has shape " + shape_text(it->second.shape) + ", the manifest says " +
                         shape_text(p.shape));
@@ -1196,6 +1336,22 @@ void model_check(const Safetensors& st, const Manifest& m, const std::string& pa
   if (st.tensors.size() != m.params.size())
     CKPT_FAIL(path, std::to_string(st.tensors.size()) + " tensors, the manifest lists " + std::to_string(m.params.size()) +
                       " parameters");
+}
+
+// The model_rest file's tensors against the manifest's state_dict: exactly its model_rest tensors.
+void model_rest_check(const Safetensors& st, const Manifest& m, const std::string& path) {
+  std::set<std::string> want;
+  for (const StateDictEntry& e : m.state_dict) {
+    if (e.source != "model_rest" || !want.insert(e.tensor).second) continue;
+    auto it = st.tensors.find(e.tensor);
+    if (it == st.tensors.end()) CKPT_FAIL(path, "tensor '" + e.tensor + "' (state_dict key '" + e.name + "') is missing");
+    if (it->second.dtype != e.dtype || it->second.shape != e.shape)
+      CKPT_FAIL(path, "tensor '" + e.tensor + "' is " + it->second.dtype + " " + shape_text(it->second.shape) +
+                        ", the manifest says " + e.dtype + " " + shape_text(e.shape));
+  }
+  if (st.tensors.size() != want.size())
+    CKPT_FAIL(path, std::to_string(st.tensors.size()) + " tensors, the manifest's state_dict names " +
+                      std::to_string(want.size()));
 }
 
 // The checkpoint against the optimizer it is loaded into: what must match exactly.
@@ -1375,15 +1531,18 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
                         "manifest, model or shard names)");
     for (size_t k = 0; k < i; ++k)
       ZERO8_CHECK_ARG(opts.extra_files[k].first != name, "extra_files", "'" << name << "' is given twice");
+    ZERO8_CHECK_ARG(name != kModelRestName, "extra_files", "'" << name << "' is reserved for module_tensors");
   }
   const TimeoutRaise patient(c, env.io_timeout);
 
   // 1. Rank 0 prepares the temporary directory; its nonce names it for everyone.
   uint64_t nonce = 0;
   std::string client_state, config_json;
+  std::vector<StateDictEntry> state_dict;
   Failure f = attempt([&] {
     if (r != 0) return;
     client_state = json_option(opts.client_state, "client_state");
+    state_dict = state_dict_of(opt, opts);
     config_json = json_option(opts.config_json, "config_json");
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -1410,6 +1569,7 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
     arr.push_back(file_to_json(shard_write(opt, tmp, nonce, env)));
     if (r == 0) {
       arr.push_back(file_to_json(model_write(opt, tmp, tag)));
+      if (!opts.module_tensors.empty()) arr.push_back(file_to_json(model_rest_write(opts.module_tensors, tmp, tag, opt.steps())));
       for (const auto& [name, bytes] : opts.extra_files) {
         FileInfo fi;
         fi.name = name;
@@ -1444,6 +1604,7 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
     m.saved_unix_s = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     m.config_json = config_json;
     m.client_state = client_state;
+    m.state_dict = state_dict;
     FileInfo model;
     const std::string src = join(tmp, kManifestName);
     for (const std::string& e : all)
@@ -1719,6 +1880,7 @@ Manifest manifest_parse(const std::string& text, const std::string& src) {
   const json& files = F.arr(j, "files");
   for (size_t i = 0; i < files.size(); ++i) m.files.push_back(file_from_json(files[i], F, "files[" + std::to_string(i) + "]"));
   manifest_check_sections(m, src);
+  if (j.contains("state_dict")) state_dict_parse(m, F.arr(j, "state_dict"), F);
   m.config_json = F.at(j, "config", "").dump();
   m.client_state = F.at(j, "client_state", "").dump();
   return m;
@@ -1802,6 +1964,7 @@ VerifyResult verify(const std::string& tag_dir) {
     try {
       const FileReader& f = files.get(fi.name);
       if (fi.role == "model") model_check(safetensors_parse(f), m, f.path());
+      if (fi.name == kModelRestName && !m.state_dict.empty()) model_rest_check(safetensors_parse(f), m, f.path());
     } catch (const Error& e) {
       v.problems.push_back(strip_where(e.what()));
     }
@@ -1810,17 +1973,68 @@ VerifyResult verify(const std::string& tag_dir) {
   return v;
 }
 
-void export_fp32(const std::string& tag_dir, const std::string& out_path, bool verify_files) {
+ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path, bool verify_files) {
   const Manifest m = manifest_read(tag_dir);
+  const std::string src = join(tag_dir, kManifestName);
   FileSet files(tag_dir, m, verify_files);
+  std::map<std::string, const ParamInfo*> params;
+  for (const ParamInfo& p : m.params) params.emplace(p.name, &p);
+  // What to write, in order: the state_dict's keys, then any trained parameter it does not name (all of
+  // them for a manifest without a state_dict).
+  struct Out {
+    std::string name;
+    const ParamInfo* param = nullptr;          // from the masters
+    const StateDictEntry* rest = nullptr;      // from the model_rest file
+  };
+  std::vector<Out> outs;
+  std::set<std::string> named;
+  for (const StateDictEntry& e : m.state_dict) {
+    if (e.source == "param") {
+      outs.push_back(Out{e.name, params.at(e.tensor), nullptr});
+      named.insert(e.tensor);
+    } else {
+      outs.push_back(Out{e.name, nullptr, &e});
+    }
+  }
+  std::set<std::string> keys;
+  for (const Out& o : outs) keys.insert(o.name);
+  for (const ParamInfo& p : m.params) {
+    if (named.count(p.name)) continue;
+    if (!keys.insert(p.name).second) CKPT_FAIL(src, "parameter '" + p.name + "' is also the name of another state_dict entry");
+    outs.push_back(Out{p.name, &p, nullptr});
+  }
+  Safetensors rest_st;
+  const FileReader* rest_f = nullptr;
+  if (std::any_of(outs.begin(), outs.end(), [](const Out& o) { return o.rest != nullptr; })) {
+    rest_f = &files.get(kModelRestName);
+    rest_st = safetensors_parse(*rest_f);
+    model_rest_check(rest_st, m, rest_f->path());
+  }
+  // 16-bit floats are widened to F32 (exactly); every other dtype (F64, integers, BOOL) is kept.
+  auto out_dtype = [](const std::string& d) { return d == "F16" || d == "BF16" ? std::string("F32") : d; };
+
+  ExportResult res;
+  res.complete = !m.state_dict.empty();
   json h;
   h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", m.tag}, {"zero8_step", std::to_string(m.step)},
-                           {"zero8_source", "fp32 masters"}};
+                           {"zero8_source", res.complete ? "fp32 masters + model_rest" : "fp32 masters"}};
   int64_t off = 0;
-  for (const ParamInfo& p : m.params) {
-    if (p.name == "__metadata__") CKPT_FAIL(join(tag_dir, kManifestName), "a parameter named '__metadata__' cannot be exported");
-    h[p.name] = json{{"dtype", "F32"}, {"shape", p.shape}, {"data_offsets", {off, off + p.numel * 4}}};
-    off += p.numel * 4;
+  for (const Out& o : outs) {
+    if (o.name == "__metadata__") CKPT_FAIL(src, "a parameter named '__metadata__' cannot be exported");
+    int64_t n = 0;
+    std::string dt = "F32";
+    std::vector<int64_t> shape;
+    if (o.param) {
+      n = o.param->numel * 4;
+      shape = o.param->shape;
+    } else {
+      dt = out_dtype(o.rest->dtype);
+      shape = o.rest->shape;
+      const SafetensorsEntry& e = rest_st.tensors.at(o.rest->tensor);
+      n = (e.end - e.begin) / st_dtype_size(e.dtype) * st_dtype_size(dt);
+    }
+    h[o.name] = json{{"dtype", dt}, {"shape", shape}, {"data_offsets", {off, off + n}}};
+    off += n;
   }
   std::string text = h.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -1831,15 +2045,39 @@ void export_fp32(const std::string& tag_dir, const std::string& out_path, bool v
     w.write(&hl, 8);
     w.write(text.data(), int64_t(text.size()));
     std::vector<float> buf;
-    constexpr int64_t kChunk = int64_t(1) << 20;
-    for (const ParamInfo& p : m.params) {
-      const int g = group_index(p.group);
-      for (int64_t i = 0; i < p.numel; i += kChunk) {
-        const int64_t n = std::min(kChunk, p.numel - i);
+    std::vector<char> raw;
+    constexpr int64_t kChunk = int64_t(1) << 20;  // elements per read
+    for (const Out& o : outs) {
+      if (o.param) {
+        const ParamInfo& p = *o.param;
+        const int g = group_index(p.group);
+        for (int64_t i = 0; i < p.numel; i += kChunk) {
+          const int64_t n = std::min(kChunk, p.numel - i);
+          buf.resize(size_t(n));
+          files.read_range(g, "master", p.offset + i, p.offset + i + n, buf.data());
+          w.write(buf.data(), n * 4);
+        }
+        ++res.trained;
+        continue;
+      }
+      const SafetensorsEntry& e = rest_st.tensors.at(o.rest->tensor);
+      const int es = st_dtype_size(e.dtype);
+      const bool widen = e.dtype == "F16" || e.dtype == "BF16";
+      const int64_t numel = (e.end - e.begin) / es;
+      for (int64_t i = 0; i < numel; i += kChunk) {
+        const int64_t n = std::min(kChunk, numel - i);
+        raw.resize(size_t(n * es));
+        rest_f->read_at(rest_st.data_start + e.begin + i * es, raw.data(), n * es);
+        if (!widen) {
+          w.write(raw.data(), n * es);
+          continue;
+        }
         buf.resize(size_t(n));
-        files.read_range(g, "master", p.offset + i, p.offset + i + n, buf.data());
+        const DType d = e.dtype == "F16" ? DType::f16 : DType::bf16;
+        for (int64_t k = 0; k < n; ++k) buf[size_t(k)] = dtype_load(raw.data(), d, k);
         w.write(buf.data(), n * 4);
       }
+      ++res.rest;
     }
     w.finish();
     rename_or_fail(tmp, out_path);
@@ -1850,6 +2088,8 @@ void export_fp32(const std::string& tag_dir, const std::string& out_path, bool v
   }
   const fs::path parent = fs::absolute(out_path).parent_path();
   fsync_dir(parent.string());
+  res.tensors = int64_t(outs.size());
+  return res;
 }
 
 }  // namespace zero8::ckpt

@@ -23,6 +23,9 @@ constexpr int kFormatVersion = 1;
 constexpr const char* kManifestName = "manifest.json";
 constexpr const char* kModelName = "model.safetensors";
 constexpr const char* kLatestName = "latest";
+// The module's state_dict entries the optimizer does not train (frozen parameters, persistent buffers),
+// at their saved dtype: written when SaveOptions::module_tensors is given, listed as an extra file.
+constexpr const char* kModelRestName = "model_rest.safetensors";
 std::string shard_file_name(int rank);  // "zero8_shard_rank<rank>.bin"
 
 // Environment (read in checkpoint.cpp, at each save; the one place these are parsed):
@@ -64,6 +67,22 @@ struct SaveOptions {
   // tag is installed, and listed in the manifest (role "extra") with their checksums, so the tag is
   // never visible without them (the engine's mp_rank_00_model_states.pt). Plain names only.
   std::vector<std::pair<std::string, std::string>> extra_files;
+  // The module's whole state_dict, so that export_fp32 gives every key of it (the engine passes these;
+  // a caller without a module leaves them empty and the manifest lists the parameters only).
+  // state_dict: every key in order, as (key, source): the source is a parameter of opt (trained: the
+  // export takes it from the fp32 masters) or the name of one of module_tensors; a key whose source is
+  // another name is a tied alias (the same tensor under two names). module_tensors: the entries opt does
+  // not train, each as (name, safetensors dtype, shape, raw little-endian bytes), written by rank 0 to
+  // kModelRestName. Only rank 0's values are used; they are checked there (names unique, dtypes known,
+  // sizes, every source resolves) before anything is written.
+  struct ModuleTensor {
+    std::string name;
+    std::string dtype;  // F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL
+    std::vector<int64_t> shape;
+    std::string bytes;
+  };
+  std::vector<std::pair<std::string, std::string>> state_dict;
+  std::vector<ModuleTensor> module_tensors;
 };
 
 struct SaveResult {
@@ -138,6 +157,15 @@ struct FileInfo {
   std::vector<SectionInfo> sections;
 };
 
+// One key of the module's state_dict (the manifest's `state_dict`, in state_dict order).
+struct StateDictEntry {
+  std::string name;            // the key
+  std::string source;          // "param": a parameter of `params` (trained); "model_rest": a tensor of kModelRestName
+  std::string tensor;          // its name there (another name than `name`: a tied alias)
+  std::string dtype;           // model_rest: the saved safetensors dtype
+  std::vector<int64_t> shape;  // model_rest: the shape
+};
+
 struct ParamInfo {
   std::string name;
   std::vector<int64_t> shape;
@@ -182,6 +210,9 @@ struct Manifest {
   GroupInfo groups[shard::kNumGroups];
   std::vector<ParamInfo> params;
   std::vector<FileInfo> files;
+  // Every key of the module's state_dict; empty when the save had none (written before it existed, or by
+  // a caller without a module): then only the trained parameters are in the checkpoint's safetensors.
+  std::vector<StateDictEntry> state_dict;
   std::string config_json = "null", client_state = "null";
 };
 
@@ -227,9 +258,18 @@ struct VerifyResult {
 };
 VerifyResult verify(const std::string& tag_dir);
 
-// Consolidated fp32 weights from the masters of all shards: one F32 tensor per parameter (its name
-// and shape) in a safetensors file at out_path (written to a temporary name, synced, renamed).
-// verify_files: check each shard's checksum first.
-void export_fp32(const std::string& tag_dir, const std::string& out_path, bool verify_files = true);
+// Consolidated fp32 weights as one safetensors file at out_path (written to a temporary name, synced,
+// renamed). With the manifest's state_dict: every key of the module's state_dict, in its order; the
+// trained parameters F32 from the masters of all shards, the other entries from kModelRestName with
+// 16-bit floats widened to F32 (exact) and any other dtype as saved; a tied alias is written under
+// each of its names. Trained parameters the state_dict does not name follow. Without it (older
+// checkpoints): one F32 tensor per trained parameter. verify_files: check each file's checksum first.
+struct ExportResult {
+  int64_t tensors = 0;   // tensors written
+  int64_t trained = 0;   // of which from the masters (aliases included)
+  int64_t rest = 0;      // of which from kModelRestName (aliases included)
+  bool complete = false; // the manifest had a state_dict: the output is the module's whole state_dict
+};
+ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path, bool verify_files = true);
 
 }  // namespace zero8::ckpt
