@@ -1066,6 +1066,168 @@ def test_frozen_parameters_and_another_model_on_load(tmp_path):
     assert torch.equal(m4[2].weight, model[2].weight) and torch.equal(m4.extra, torch.ones(3))
 
 
+# ---- the consolidated weights (zero8-checkpoint to-fp32) ----
+
+ROOT = Path(__file__).resolve().parents[2]
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_read(path: Path) -> dict:
+    """A safetensors file read by the format's definition (u64 header length, JSON header, raw data), in
+    header order: the test needs neither the safetensors package nor zero8."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        data = bytearray(raw[8 + n + b:8 + n + e])
+        out[name] = torch.frombuffer(data, dtype=_ST_DTYPES[t["dtype"]]).reshape(t["shape"]) if data else \
+            torch.empty(t["shape"], dtype=_ST_DTYPES[t["dtype"]])
+    return out
+
+
+class _TiedLM(torch.nn.Module):
+    """A model whose state_dict holds more than the trained parameters: a frozen position embedding, a
+    tied output weight (the token embedding under a second name), BatchNorm's running statistics and
+    step count, a registered integer position-id buffer, and a non-persistent buffer (not in state_dict)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.pos = torch.nn.Embedding(6, 8)
+        self.pos.weight.requires_grad_(False)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("position_ids", torch.arange(6).unsqueeze(0))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos(self.position_ids[:, :ids.shape[1]])
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h)
+
+
+def _tied_lm_checkpoint(tmp_path: Path, dtype: str):
+    cfg = config(batch=4, zero8=EXACT)
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    model = _TiedLM(0)
+    engine, _, _, _ = zero8.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        ids = torch.randint(0, 16, (4, 6), generator=g)
+        logits = engine(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 16).float(), ids[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path, tag="t")
+    return engine, model, tmp_path / "t"
+
+
+def _check_full_state_dict(sd: dict, model: torch.nn.Module, dtype: str) -> None:
+    """sd (a to-fp32 output) loads strictly into a fresh model and equals the engine's module: the trained
+    weights as fp32 (the masters: the bf16 working copy is them rounded), the rest exactly, floats as fp32."""
+    want = model.state_dict()
+    assert list(sd) == list(want)  # every key, in state_dict order, the tied one included
+    fresh = _TiedLM(7)
+    fresh.load_state_dict(sd, strict=True)
+    trained = {k for k, v in model.state_dict(keep_vars=True).items()
+               if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+    assert trained == {"embed.weight", "head.weight", "norm.weight", "norm.bias"}
+    for k, v in want.items():
+        got = sd[k]
+        assert got.dtype == (torch.float32 if v.is_floating_point() else v.dtype), k
+        if k in trained and dtype == "bf16":
+            assert torch.equal(got.to(torch.bfloat16), v), k  # the master rounds to the working copy
+        else:
+            assert torch.equal(got.to(v.dtype), v) and torch.equal(got, v.to(got.dtype)), k
+    assert torch.equal(sd["head.weight"], sd["embed.weight"])
+    assert sd["norm.num_batches_tracked"].item() == 3 and sd["position_ids"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_to_fp32_gives_the_whole_state_dict(tmp_path, dtype):
+    # As DeepSpeed's zero_to_fp32: frozen parameters, persistent buffers and tied names are in the output,
+    # so a model loads it with strict=True (zero8's: 16-bit floats widened to fp32, integers as saved).
+    engine, model, tag_dir = _tied_lm_checkpoint(tmp_path / "ckpt", dtype)
+    assert zero8._C.checkpoint_verify(str(tag_dir))["ok"]
+    out = tmp_path / "model_fp32.safetensors"
+    r = zero8._C.checkpoint_export_fp32(str(tag_dir), str(out))
+    assert r == {"tensors": 9, "trained": 4, "rest": 5, "complete": True}
+    _check_full_state_dict(_safetensors_read(out), model, dtype)
+    # The checkpoint still resumes, and the frozen weight and buffers come back from it.
+    e2, _, _, _ = zero8.initialize(model=_TiedLM(5), config=engine.config)
+    e2.load_checkpoint(tmp_path / "ckpt", tag="t")
+    for k, v in model.state_dict().items():
+        assert torch.equal(e2.module.state_dict()[k], v), k
+    # exclude_frozen_parameters leaves the frozen weight out of the export too (as out of DeepSpeed's).
+    engine.save_checkpoint(tmp_path / "ckpt", tag="trainable", exclude_frozen_parameters=True)
+    zero8._C.checkpoint_export_fp32(str(tmp_path / "ckpt" / "trainable"), str(out))
+    assert list(_safetensors_read(out)) == [k for k in model.state_dict() if k != "pos.weight"]
+
+
+def test_a_buffer_safetensors_cannot_hold_leaves_to_fp32_as_before(tmp_path):
+    model = make_model(0)
+    model.register_buffer("freqs", torch.ones(4, dtype=torch.complex64))
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=EXACT))
+    train_engine(engine, DATA, 1, B)
+    with pytest.warns(UserWarning, match=r"freqs is torch.complex64, which .* cannot hold: zero8-checkpoint to-fp32 "
+                                         r"will give the trained parameters only") as w:
+        engine.save_checkpoint(tmp_path, tag="t")
+    assert w[0].filename == __file__  # the warning points at the caller's save_checkpoint
+    assert not (tmp_path / "t" / "model_rest.safetensors").exists()
+    r = zero8._C.checkpoint_export_fp32(str(tmp_path / "t"), str(tmp_path / "out.safetensors"))
+    assert not r["complete"] and r["tensors"] == len(list(model.parameters()))
+    assert "freqs" in torch.load(tmp_path / "t" / MODEL_STATES_FILE, weights_only=False)["module"]
+
+def _tool() -> Path:
+    return Path(os.environ.get("ZERO8_BUILD_DIR", ROOT / "build")) / "tools" / "zero8-checkpoint"
+
+
+def test_to_fp32_tool_gives_the_whole_state_dict(tmp_path):
+    if not _tool().is_file():
+        pytest.skip(f"no zero8-checkpoint in {_tool().parent} (run scripts/build.sh, or set ZERO8_BUILD_DIR)")
+    engine, model, tag_dir = _tied_lm_checkpoint(tmp_path / "ckpt", "bf16")
+
+    def tool(*args):
+        return subprocess.run([str(_tool()), *map(str, args)], capture_output=True, text=True, timeout=60)
+
+    assert tool("verify", tag_dir).returncode == 0
+    out = tmp_path / "model_fp32.safetensors"
+    r = tool("to-fp32", tmp_path / "ckpt", out)
+    assert r.returncode == 0, r.stderr
+    assert "9 tensors: 4 trained (fp32 masters), 5 frozen parameters and buffers" in r.stdout, r.stdout
+    _check_full_state_dict(_safetensors_read(out), model, "bf16")
+    python_out = tmp_path / "python.safetensors"
+    zero8._C.checkpoint_export_fp32(str(tag_dir), str(python_out))
+    assert python_out.read_bytes() == out.read_bytes()
+    assert "state_dict: 9 keys: 3 trained, 5 frozen parameters and buffers, 1 tied aliases" in \
+        tool("inspect", tag_dir).stdout
+    # A corrupt model_rest file: verify names it, to-fp32 fails and writes nothing.
+    rest = tag_dir / "model_rest.safetensors"
+    good = rest.read_bytes()
+    _flip_byte(rest)
+    r = tool("verify", tag_dir)
+    assert r.returncode == 1 and "model_rest.safetensors: checksum mismatch" in r.stderr, r.stderr
+    assert tool("to-fp32", tag_dir, tmp_path / "bad.safetensors").returncode == 1
+    assert not (tmp_path / "bad.safetensors").exists()
+    rest.write_bytes(good)
+    # A checkpoint saved before the manifest listed the state_dict: the trained parameters, with a note.
+    manifest = tag_dir / "manifest.json"
+    m = json.loads(manifest.read_text())
+    del m["state_dict"], m["manifest_xxh3"]
+    manifest.write_text(json.dumps(m))
+    r = tool("to-fp32", tag_dir, out)
+    assert r.returncode == 0 and "note: this checkpoint lists no state_dict" in r.stdout, r.stdout
+    assert list(_safetensors_read(out)) == ["embed.weight", "norm.weight", "norm.bias"]
+
+
 def test_checkpoint_latest_handling(tmp_path):
     engine, _, _, _ = engine_for(config(zero8=FULL8))
     with pytest.warns(UserWarning, match="no 'latest' file"):

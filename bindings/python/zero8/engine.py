@@ -48,6 +48,13 @@ __all__ = ["initialize", "Zero8Engine", "Zero8Optimizer", "MODEL_STATES_FILE", "
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 _ENGINE_STATE_FORMAT = "zero8-engine"
 _ENGINE_STATE_VERSION = 1
+# The torch dtypes the checkpoint's model_rest.safetensors stores (frozen parameters and buffers), by
+# their safetensors names.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 # ---------------------------------------------------------------------------------------------
 # The world communicator: one per process, kept for the process's lifetime (the MPI backend finalizes
@@ -1053,12 +1060,14 @@ class Zero8Engine(torch.nn.Module):
         keep_last = int(self.config.get("zero8", {}).get("checkpoint", {}).get("keep_last", 0) or 0)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
         # so a crash or a full disk never leaves `latest` naming a tag without it.
-        pt = self._on_ranks_agreed(
-            lambda: self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
+        written = self._on_ranks_agreed(
+            lambda: (self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
+                     self._module_rest(exclude_frozen_parameters)),
             f"save_checkpoint: writing {MODEL_STATES_FILE}")
+        pt, (state_dict, module_tensors) = (None, ([], [])) if written is None else written
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
         _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
-                           bool(save_latest))
+                           bool(save_latest), state_dict, module_tensors)
         return True
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
@@ -1129,6 +1138,40 @@ class Zero8Engine(torch.nn.Module):
                 continue
             out[k] = v.detach().clone()  # compact copies, not views into the engine's buffers
         return out
+
+    def _module_rest(self, exclude_frozen: bool) -> tuple[list, list]:
+        """The module's state_dict for the C++ checkpoint (zero8::ckpt::SaveOptions), so that ``zero8-checkpoint
+        to-fp32`` gives all of it, as DeepSpeed's zero_to_fp32 does: every key in order as (key, source), the
+        source being the trained parameter's name (the export takes it from the fp32 masters) or the key of
+        the first entry holding the same tensor (tied weights); and the entries the optimizer does not train
+        (frozen parameters, persistent buffers) as (name, safetensors dtype, shape, bytes) at their dtype.
+        Without the frozen parameters when ``exclude_frozen``. Entries that are not tensors (a module's extra
+        state) are left out; a tensor of a dtype safetensors cannot hold makes it ([], []) with a warning:
+        the export then gives the trained parameters only, as before."""
+        trained = {id(p): name for p, name in zip(self._params, self._param_names)}
+        frozen = {id(p) for p in self.module.parameters() if not p.requires_grad}
+        first: dict[int, str] = {}
+        state_dict, tensors = [], []
+        for key, v in self.module.state_dict(keep_vars=True).items():
+            if not isinstance(v, torch.Tensor) or (exclude_frozen and id(v) in frozen):
+                continue
+            if id(v) in trained:
+                state_dict.append((key, trained[id(v)]))
+                continue
+            if id(v) in first:  # the same tensor under another name
+                state_dict.append((key, first[id(v)]))
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(v.dtype)
+            if dtype is None:
+                warnings.warn(f"save_checkpoint: {key} is {v.dtype}, which the checkpoint's model_rest.safetensors "
+                              "cannot hold: zero8-checkpoint to-fp32 will give the trained parameters only (the "
+                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=5)
+                return [], []
+            first[id(v)] = key
+            t = v.detach().to("cpu").contiguous().reshape(-1)
+            tensors.append((key, dtype, list(v.shape), t.view(torch.uint8).numpy().tobytes()))
+            state_dict.append((key, key))
+        return state_dict, tensors
 
     def _model_states_bytes(self, client_state: dict, sched_state, exclude_frozen: bool) -> bytes:
         state = {

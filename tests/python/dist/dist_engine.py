@@ -276,6 +276,55 @@ def test_checkpoint_resume_is_exact():
             shutil.rmtree(ckpt, ignore_errors=True)
 
 
+def test_to_fp32_of_a_sharded_checkpoint_is_the_whole_state_dict():
+    # The trained weights come from every rank's master shard, the frozen layer and the buffers from
+    # model_rest.safetensors: a fresh model loads the export strictly and equals the trained one.
+    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
+    ckpt = path.decode()
+
+    def build(seed):
+        model = make_model(seed)
+        model[0].weight.requires_grad_(False)
+        model.register_buffer("seen", torch.arange(4))
+        model.register_buffer("scale", torch.full((3,), 0.5))
+        return model
+
+    got, want = None, None
+    try:
+        model = build(0)
+        engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=EXACT))
+        train(engine, 2)
+        engine.save_checkpoint(ckpt, tag="t")
+        if RANK == 0:
+            out = os.path.join(ckpt, "fp32.safetensors")
+            r = zero8._C.checkpoint_export_fp32(os.path.join(ckpt, "t"), out)
+            got = build(7)
+            got.load_state_dict(_safetensors_load(out), strict=True)
+            want = model
+    finally:
+        WORLD.barrier()
+        if RANK == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
+    if RANK == 0:
+        assert r["complete"] and r["tensors"] == len(model.state_dict())
+        for k, v in want.state_dict().items():
+            assert torch.equal(got.state_dict()[k], v), k
+
+
+def _safetensors_load(path: str) -> dict:
+    """A safetensors file by the format's definition (u64 header length, JSON header, raw data)."""
+    import json
+
+    dtypes = {"F32": torch.float32, "I64": torch.int64}
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    out = {}
+    for name, t in json.loads(raw[8:8 + n]).items():
+        if name != "__metadata__":
+            b, e = t["data_offsets"]
+            out[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]), dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+    return out
+
 @pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
 def test_a_load_that_fails_on_one_rank_changes_nothing_anywhere(full):
     # The last rank's model has a buffer the checkpoint lacks: every rank raises (the others name that
