@@ -369,7 +369,9 @@ TEST_F(CheckpointTool, Fp32ExportOfAStateDictHoldsEveryKey) {
   EXPECT_EQ(m, 1.5f);
 
   // The checkpoint still loads into the optimizer (the model_rest file is one of its checked files).
-  EXPECT_EQ(ckpt::load(*opt_, dir_, {"module"}).tag, "module");
+  ckpt::LoadOptions lo;
+  lo.tag = "module";
+  EXPECT_EQ(ckpt::load(*opt_, dir_, lo).tag, "module");
 
   // verify: a corrupt model_rest file, and one that disagrees with the manifest's state_dict.
   const std::string rest = tag_dir + "/" + ckpt::kModelRestName;

@@ -926,37 +926,54 @@ FileInfo shard_write(ShardedOptimizer& opt, const std::string& tmp, uint64_t non
   return fi;
 }
 
-// The working copy in its dtype as safetensors: u64 LE header length, a JSON header padded with
-// spaces to 8 bytes, then the tensors in model order (https://github.com/huggingface/safetensors).
-FileInfo model_write(ShardedOptimizer& opt, const std::string& tmp, const std::string& tag) {
-  const shard::Layout& lay = opt.layout();
-  const DType dt = opt.config().working_dtype;
-  const int es = dtype_size(dt);
+// One tensor of a safetensors file being written: its header entry and its bytes.
+struct SafetensorsTensor {
+  const std::string& name;
+  const std::string& dtype;
+  const std::vector<int64_t>& shape;
+  const void* data;
+  int64_t bytes;
+};
+
+// A safetensors file of the tag (https://github.com/huggingface/safetensors): u64 LE header length, a
+// JSON header padded with spaces to 8 bytes, then the tensors in the given order.
+FileInfo safetensors_write(const std::string& tmp, const char* name, const char* role, const std::string& tag,
+                           int64_t step, const std::vector<SafetensorsTensor>& tensors) {
   json h;
-  h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(opt.steps())}};
+  h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}};
   int64_t off = 0;
-  for (size_t i = 0; i < lay.params.size(); ++i) {
-    const shard::ParamSpec& p = lay.params[i];
-    ZERO8_CHECK_ARG(p.name != "__metadata__", "params", "a parameter named '__metadata__' cannot be saved as safetensors");
-    const int64_t n = lay.slots[i].numel * es;
-    h[p.name] = json{{"dtype", safetensors_dtype(dt)}, {"shape", p.shape}, {"data_offsets", {off, off + n}}};
-    off += n;
+  for (const SafetensorsTensor& t : tensors) {
+    h[t.name] = json{{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes}}};
+    off += t.bytes;
   }
   std::string text = h.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   FileInfo fi;
-  fi.name = kModelName;
-  fi.role = "model";
+  fi.name = name;
+  fi.role = role;
   FileWriter w(join(tmp, fi.name), true);
   const uint64_t hl = text.size();
   w.write(&hl, 8);
   w.write(text.data(), int64_t(text.size()));
-  for (size_t i = 0; i < lay.params.size(); ++i)
-    w.write(opt.param_working(int(i)), lay.slots[i].numel * es);
+  for (const SafetensorsTensor& t : tensors) w.write(t.data, t.bytes);
   w.finish();
   fi.bytes = w.offset();
   fi.xxh3 = w.digest();
   return fi;
+}
+
+// The working copy in its dtype, in model order.
+FileInfo model_write(ShardedOptimizer& opt, const std::string& tmp, const std::string& tag) {
+  const shard::Layout& lay = opt.layout();
+  const std::string dtype = safetensors_dtype(opt.config().working_dtype);
+  const int es = dtype_size(opt.config().working_dtype);
+  std::vector<SafetensorsTensor> tensors;
+  for (size_t i = 0; i < lay.params.size(); ++i) {
+    const shard::ParamSpec& p = lay.params[i];
+    ZERO8_CHECK_ARG(p.name != "__metadata__", "params", "a parameter named '__metadata__' cannot be saved as safetensors");
+    tensors.push_back({p.name, dtype, p.shape, opt.param_working(int(i)), lay.slots[i].numel * es});
+  }
+  return safetensors_write(tmp, kModelName, "model", tag, opt.steps(), tensors);
 }
 
 // SaveOptions::state_dict and module_tensors checked and resolved against opt (rank 0, before anything
@@ -1009,31 +1026,13 @@ std::vector<StateDictEntry> state_dict_of(ShardedOptimizer& opt, const SaveOptio
   return out;
 }
 
-// The module's other state_dict entries (SaveOptions::module_tensors) at their dtype, as safetensors.
+// The module's other state_dict entries (SaveOptions::module_tensors) at their dtype.
 FileInfo model_rest_write(const std::vector<SaveOptions::ModuleTensor>& tensors, const std::string& tmp, const std::string& tag,
                           int64_t step) {
-  json h;
-  h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}};
-  int64_t off = 0;
-  for (const SaveOptions::ModuleTensor& t : tensors) {
-    const int64_t n = int64_t(t.bytes.size());
-    h[t.name] = json{{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + n}}};
-    off += n;
-  }
-  std::string text = h.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  FileInfo fi;
-  fi.name = kModelRestName;
-  fi.role = "extra";
-  FileWriter w(join(tmp, fi.name), true);
-  const uint64_t hl = text.size();
-  w.write(&hl, 8);
-  w.write(text.data(), int64_t(text.size()));
-  for (const SaveOptions::ModuleTensor& t : tensors) w.write(t.bytes.data(), int64_t(t.bytes.size()));
-  w.finish();
-  fi.bytes = w.offset();
-  fi.xxh3 = w.digest();
-  return fi;
+  std::vector<SafetensorsTensor> out;
+  for (const SaveOptions::ModuleTensor& t : tensors)
+    out.push_back({t.name, t.dtype, t.shape, t.bytes.data(), int64_t(t.bytes.size())});
+  return safetensors_write(tmp, kModelRestName, "extra", tag, step, out);
 }
 
 // What the manifest says about the optimizer itself (everything but the files and the names).
