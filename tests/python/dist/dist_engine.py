@@ -26,6 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util
 
 import zero8  # noqa: E402
 from zero8.engine import world_comm  # noqa: E402
+from zero8.utils.zero_to_fp32 import (  # noqa: E402
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
 from engine_util import (  # noqa: E402
     EXACT,
     FULL8,
@@ -301,14 +305,21 @@ def test_to_fp32_of_a_sharded_checkpoint_is_the_whole_state_dict():
             got = build(7)
             got.load_state_dict(_safetensors_load(out), strict=True)
             want = model
+            # zero8.utils.zero_to_fp32 (DeepSpeed's names) gives the same, and loads it the same way.
+            sd = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+            same = list(sd) == list(_safetensors_load(out)) and \
+                all(torch.equal(sd[k], v) for k, v in _safetensors_load(out).items())
+            via_utils = load_state_dict_from_zero_checkpoint(build(8), ckpt, tag="t", strict=True)
     finally:
         WORLD.barrier()
         if RANK == 0:
             shutil.rmtree(ckpt, ignore_errors=True)
     if RANK == 0:
         assert r["complete"] and r["tensors"] == len(model.state_dict())
+        assert same
         for k, v in want.state_dict().items():
             assert torch.equal(got.state_dict()[k], v), k
+            assert torch.equal(via_utils.state_dict()[k], v), k
 
 
 def _safetensors_load(path: str) -> dict:

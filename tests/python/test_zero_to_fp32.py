@@ -1,0 +1,183 @@
+"""zero8.utils.zero_to_fp32, DeepSpeed's deepspeed.utils.zero_to_fp32 functions over zero8 checkpoints: the
+state_dict they give is the engine's (trained weights bit for bit its fp32 masters, the rest exactly, every
+key), loads strictly into a fresh model, follows `latest` or the tag asked for, names what is missing, and
+convert writes a safetensors file atomically. The export itself is tested in test_engine.py (to-fp32);
+the 2-rank case in dist/dist_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import safetensors.torch
+import torch
+
+import zero8
+from engine_util import EXACT, config
+from test_engine import _check_full_state_dict, _safetensors_read, _tied_lm_checkpoint, _TiedLM
+from zero8.utils.zero_to_fp32 import (
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
+
+torch.set_num_threads(1)
+
+
+def _masters(engine) -> dict:
+    """The engine's fp32 master of every trained parameter, by name (one rank: its partition is all)."""
+    opt = engine._opt
+    out = {}
+    for i, (name, p) in enumerate(zip(engine._param_names, engine._params)):
+        group, offset, numel = opt.param_slot(i)
+        begin, _ = opt.part_range(group)
+        flat = torch.frombuffer(bytearray(opt.master_values(group)), dtype=torch.float32)
+        out[name] = flat[offset - begin:offset - begin + numel].reshape(p.shape)
+    return out
+
+
+def _train(engine, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, 16, (4, 6), generator=g)
+        logits = engine(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 16).float(), ids[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+
+
+def _files(d) -> list:
+    return sorted(os.listdir(d))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_state_dict_is_the_engine_s_masters_and_module(tmp_path, dtype):
+    engine, model, tag_dir = _tied_lm_checkpoint(tmp_path / "ckpt", dtype)
+    before = _files(tmp_path / "ckpt")
+    sd = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")  # tag None: `latest` names "t"
+    # Every key in state_dict order, loading strictly; frozen weight and buffers exact, floats as fp32.
+    _check_full_state_dict(sd, model, dtype)
+    # The trained weights are the masters bit for bit (under bf16 the module holds their rounding).
+    masters = _masters(engine)
+    assert set(masters) == {"embed.weight", "norm.weight", "norm.bias"}
+    for name, m in masters.items():
+        assert sd[name].dtype == torch.float32 and torch.equal(sd[name], m), name
+    assert torch.equal(sd["head.weight"], masters["embed.weight"])  # the tied name too
+    if dtype == "bf16":
+        assert not torch.equal(masters["embed.weight"].to(torch.bfloat16).float(), masters["embed.weight"])
+    # The same tensors as the export tool's file, and on the CPU; the temporary file is gone.
+    out = tmp_path / "export.safetensors"
+    zero8._C.checkpoint_export_fp32(str(tag_dir), str(out))
+    want = _safetensors_read(out)
+    assert list(sd) == list(want)
+    for k, v in want.items():
+        assert sd[k].device.type == "cpu" and sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+    assert _files(tmp_path / "ckpt") == before
+
+
+def test_load_state_dict_into_a_fresh_model(tmp_path):
+    engine, model, _ = _tied_lm_checkpoint(tmp_path / "ckpt", "bf16")
+    masters = _masters(engine)
+    fresh = _TiedLM(7)
+    assert not torch.equal(fresh.embed.weight, masters["embed.weight"])
+    got = load_state_dict_from_zero_checkpoint(fresh, tmp_path / "ckpt", strict=True)
+    assert got is fresh  # DeepSpeed returns the model it was given, moved to the CPU
+    assert torch.equal(got.embed.weight, masters["embed.weight"]) and got.head.weight is got.embed.weight
+    assert torch.equal(got.norm.weight, masters["norm.weight"]) and torch.equal(got.norm.bias, masters["norm.bias"])
+    for k in ("pos.weight", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked", "position_ids"):
+        assert torch.equal(got.state_dict()[k], model.state_dict()[k].to(got.state_dict()[k].dtype)), k
+    # strict is passed through: a model with a buffer the checkpoint lacks loads only without it.
+    other = _TiedLM(8)
+    other.register_buffer("extra", torch.full((2,), 3.0))
+    with pytest.raises(RuntimeError, match="Missing key.*extra"):
+        load_state_dict_from_zero_checkpoint(other, tmp_path / "ckpt", strict=True)
+    got = load_state_dict_from_zero_checkpoint(other, tmp_path / "ckpt")  # strict=False, as DeepSpeed
+    assert torch.equal(got.embed.weight, masters["embed.weight"]) and torch.equal(got.extra, torch.full((2,), 3.0))
+
+
+def test_tag_selection_and_latest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    engine, _, _, _ = zero8.initialize(model=_TiedLM(0), config=config(batch=4, zero8=EXACT))
+    saved = {}
+    for tag, steps, latest in (("a", 1, True), ("b", 2, False)):
+        _train(engine, steps, seed=len(saved))
+        engine.save_checkpoint(ckpt, tag=tag, save_latest=latest)
+        saved[tag] = _masters(engine)
+    assert (ckpt / "latest").read_text().strip() == "a"
+    assert not torch.equal(saved["a"]["embed.weight"], saved["b"]["embed.weight"])
+    for tag, want_tag in ((None, "a"), ("a", "a"), ("b", "b")):
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
+        for name, m in saved[want_tag].items():
+            assert torch.equal(sd[name], m), (tag, name)
+    engine.save_checkpoint(ckpt, tag="b")  # the same weights as b; latest now names it
+    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert torch.equal(sd["embed.weight"], saved["b"]["embed.weight"])
+
+
+def test_missing_directory_latest_or_tag_is_named(tmp_path):
+    with pytest.raises(zero8.Zero8IOError, match=f"{tmp_path / 'nowhere'}.*no such checkpoint directory"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(zero8.Zero8IOError, match=f"{tmp_path / 'empty' / 'latest'}.*missing"):
+        load_state_dict_from_zero_checkpoint(_TiedLM(0), tmp_path / "empty")
+    _tied_lm_checkpoint(tmp_path / "ckpt", "fp32")
+    with pytest.raises(zero8.Zero8IOError, match=f"tag 'nope' is not in {tmp_path / 'ckpt'}"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="nope")
+    with pytest.raises(zero8.Zero8IOError, match="tag 'nope' is not in"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out.safetensors", tag="nope")
+    assert not (tmp_path / "out.safetensors").exists()
+    # A corrupt file of the tag: the checksum is checked, and the error names the file.
+    (tmp_path / "ckpt" / "t" / "manifest.json").write_text("{}")
+    with pytest.raises(zero8.Zero8IOError, match="manifest.json"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert not [f for f in _files(tmp_path / "ckpt") if f.startswith(".zero8-to-fp32-")]
+
+
+def test_a_checkpoint_directory_it_cannot_write_to(tmp_path, monkeypatch):
+    # The temporary export goes to the system's temporary directory then (root can write anywhere, so
+    # the refusal is simulated), and is removed there too.
+    import zero8.utils.zero_to_fp32 as z
+
+    _, model, _ = _tied_lm_checkpoint(tmp_path / "ckpt", "fp32")
+    made = []
+    real = z.tempfile.mkdtemp
+
+    def mkdtemp(prefix=None, dir=None):
+        if dir is not None:
+            raise PermissionError(13, "Permission denied", dir)
+        made.append(real(prefix=prefix))
+        return made[-1]
+
+    monkeypatch.setattr(z.tempfile, "mkdtemp", mkdtemp)
+    _check_full_state_dict(get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt"), model, "fp32")
+    assert len(made) == 1 and not os.path.exists(made[0])
+
+
+def test_convert_writes_a_safetensors_file_atomically(tmp_path):
+    engine, model, _ = _tied_lm_checkpoint(tmp_path / "ckpt", "bf16")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "model.safetensors"
+    out.write_bytes(b"an older file")  # replaced
+    assert convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out) is None
+    assert _files(out_dir) == ["model.safetensors"]  # no temporary file left beside it
+    sd = safetensors.torch.load_file(str(out))
+    _check_full_state_dict(sd, model, "bf16")
+    ref = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t")
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    with open(out, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["__metadata__"]["zero8_tag"] == "t"
+    # A directory (newer DeepSpeed's output_dir) is refused, not written into.
+    with pytest.raises(zero8.Zero8ValueError, match=f"{out_dir}: is a directory"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out_dir)
+
+
+def test_importable_under_deepspeed_s_path():
+    import zero8.utils.zero_to_fp32 as z
+
+    assert zero8.utils.zero_to_fp32 is z and "utils" in dir(zero8)
+    assert z.__all__ == ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint",
+                         "convert_zero_checkpoint_to_fp32_state_dict"]
