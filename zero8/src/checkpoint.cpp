@@ -935,12 +935,12 @@ struct SafetensorsTensor {
   int64_t bytes;
 };
 
-// A safetensors file of the tag (https://github.com/huggingface/safetensors): u64 LE header length, a
-// JSON header padded with spaces to 8 bytes, then the tensors in the given order.
-FileInfo safetensors_write(const std::string& tmp, const char* name, const char* role, const std::string& tag,
-                           int64_t step, const std::vector<SafetensorsTensor>& tensors) {
+// The head of a safetensors file (https://github.com/huggingface/safetensors): u64 LE header length, then
+// a JSON header (the metadata, then each tensor's dtype, shape and data offsets, the tensors in the
+// given order) padded with spaces to 8 bytes. The tensors' bytes follow it.
+void safetensors_header_write(FileWriter& w, const json& metadata, const std::vector<SafetensorsTensor>& tensors) {
   json h;
-  h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}};
+  h["__metadata__"] = metadata;
   int64_t off = 0;
   for (const SafetensorsTensor& t : tensors) {
     h[t.name] = json{{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes}}};
@@ -948,13 +948,20 @@ FileInfo safetensors_write(const std::string& tmp, const char* name, const char*
   }
   std::string text = h.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t hl = text.size();
+  w.write(&hl, 8);
+  w.write(text.data(), int64_t(text.size()));
+}
+
+// A safetensors file of the tag, the tensors' bytes in memory.
+FileInfo safetensors_write(const std::string& tmp, const char* name, const char* role, const std::string& tag,
+                           int64_t step, const std::vector<SafetensorsTensor>& tensors) {
   FileInfo fi;
   fi.name = name;
   fi.role = role;
   FileWriter w(join(tmp, fi.name), true);
-  const uint64_t hl = text.size();
-  w.write(&hl, 8);
-  w.write(text.data(), int64_t(text.size()));
+  safetensors_header_write(w, json{{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}},
+                           tensors);
   for (const SafetensorsTensor& t : tensors) w.write(t.data, t.bytes);
   w.finish();
   fi.bytes = w.offset();
@@ -1984,6 +1991,8 @@ ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path
     std::string name;
     const ParamInfo* param = nullptr;          // from the masters
     const StateDictEntry* rest = nullptr;      // from the model_rest file
+    std::string dtype = "F32";                 // as written
+    int64_t bytes = 0;                         // as written
   };
   std::vector<Out> outs;
   std::set<std::string> named;
@@ -2009,40 +2018,28 @@ ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path
     rest_st = safetensors_parse(*rest_f);
     model_rest_check(rest_st, m, rest_f->path());
   }
-  // 16-bit floats are widened to F32 (exactly); every other dtype (F64, integers, BOOL) is kept.
-  auto out_dtype = [](const std::string& d) { return d == "F16" || d == "BF16" ? std::string("F32") : d; };
 
   ExportResult res;
   res.complete = !m.state_dict.empty();
-  json h;
-  h["__metadata__"] = json{{"format", "pt"}, {"zero8_tag", m.tag}, {"zero8_step", std::to_string(m.step)},
-                           {"zero8_source", res.complete ? "fp32 masters + model_rest" : "fp32 masters"}};
-  int64_t off = 0;
-  for (const Out& o : outs) {
+  std::vector<SafetensorsTensor> head;
+  for (Out& o : outs) {
     if (o.name == "__metadata__") CKPT_FAIL(src, "a parameter named '__metadata__' cannot be exported");
-    int64_t n = 0;
-    std::string dt = "F32";
-    std::vector<int64_t> shape;
     if (o.param) {
-      n = o.param->numel * 4;
-      shape = o.param->shape;
+      o.bytes = o.param->numel * 4;
     } else {
-      dt = out_dtype(o.rest->dtype);
-      shape = o.rest->shape;
+      // 16-bit floats are widened to F32 (exactly); every other dtype (F64, integers, BOOL) is kept.
       const SafetensorsEntry& e = rest_st.tensors.at(o.rest->tensor);
-      n = (e.end - e.begin) / st_dtype_size(e.dtype) * st_dtype_size(dt);
+      if (e.dtype != "F16" && e.dtype != "BF16") o.dtype = e.dtype;
+      o.bytes = (e.end - e.begin) / st_dtype_size(e.dtype) * st_dtype_size(o.dtype);
     }
-    h[o.name] = json{{"dtype", dt}, {"shape", shape}, {"data_offsets", {off, off + n}}};
-    off += n;
+    head.push_back({o.name, o.dtype, o.param ? o.param->shape : o.rest->shape, nullptr, o.bytes});
   }
-  std::string text = h.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
   const std::string tmp = out_path + ".tmp-" + std::to_string(::getpid());
   try {
     FileWriter w(tmp, false);
-    const uint64_t hl = text.size();
-    w.write(&hl, 8);
-    w.write(text.data(), int64_t(text.size()));
+    safetensors_header_write(w, json{{"format", "pt"}, {"zero8_tag", m.tag}, {"zero8_step", std::to_string(m.step)},
+                                     {"zero8_source", res.complete ? "fp32 masters + model_rest" : "fp32 masters"}},
+                             head);
     std::vector<float> buf;
     std::vector<char> raw;
     constexpr int64_t kChunk = int64_t(1) << 20;  // elements per read
@@ -2061,7 +2058,7 @@ ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path
       }
       const SafetensorsEntry& e = rest_st.tensors.at(o.rest->tensor);
       const int es = st_dtype_size(e.dtype);
-      const bool widen = e.dtype == "F16" || e.dtype == "BF16";
+      const bool widen = o.dtype != e.dtype;
       const int64_t numel = (e.end - e.begin) / es;
       for (int64_t i = 0; i < numel; i += kChunk) {
         const int64_t n = std::min(kChunk, numel - i);
