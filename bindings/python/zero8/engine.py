@@ -1129,15 +1129,18 @@ class Zero8Engine(torch.nn.Module):
         kind, _, message = reports[first].decode(errors="replace").partition("\n")
         raise _error_class(kind)(f"{what}: rank {first} failed: {message}")
 
-    def _module_state_dict(self, exclude_frozen: bool) -> dict:
+    def _module_entries(self, exclude_frozen: bool) -> dict:
+        """The module's state_dict as a checkpoint saves it (the live tensors, not copies): without the
+        frozen parameters when ``exclude_frozen``."""
         sd = self.module.state_dict(keep_vars=True)
+        if not exclude_frozen:
+            return sd
         frozen = {id(p) for p in self.module.parameters() if not p.requires_grad}
-        out = {}
-        for k, v in sd.items():
-            if exclude_frozen and id(v) in frozen:
-                continue
-            out[k] = v.detach().clone()  # compact copies, not views into the engine's buffers
-        return out
+        return {k: v for k, v in sd.items() if id(v) not in frozen}
+
+    def _module_state_dict(self, exclude_frozen: bool) -> dict:
+        # compact copies, not views into the engine's buffers
+        return {k: v.detach().clone() for k, v in self._module_entries(exclude_frozen).items()}
 
     def _module_rest(self, exclude_frozen: bool) -> tuple[list, list]:
         """The module's state_dict for the C++ checkpoint (zero8::ckpt::SaveOptions), so that ``zero8-checkpoint
@@ -1149,11 +1152,10 @@ class Zero8Engine(torch.nn.Module):
         state) are left out; a tensor of a dtype safetensors cannot hold makes it ([], []) with a warning:
         the export then gives the trained parameters only, as before."""
         trained = {id(p): name for p, name in zip(self._params, self._param_names)}
-        frozen = {id(p) for p in self.module.parameters() if not p.requires_grad}
         first: dict[int, str] = {}
         state_dict, tensors = [], []
-        for key, v in self.module.state_dict(keep_vars=True).items():
-            if not isinstance(v, torch.Tensor) or (exclude_frozen and id(v) in frozen):
+        for key, v in self._module_entries(exclude_frozen).items():
+            if not isinstance(v, torch.Tensor):
                 continue
             if id(v) in trained:
                 state_dict.append((key, trained[id(v)]))
