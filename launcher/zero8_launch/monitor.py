@@ -71,17 +71,21 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+def _last_traceback(lines: list[str]) -> int | None:
+    """The index of the last "Traceback (most recent call last):" line, or None."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            return i
+    return None
+
+
 def error_excerpt(lines: list[str], max_lines: int = 30) -> list[str]:
     """The end of a rank's output that explains its failure: from its last Python traceback, else the
     last dozen lines."""
     lines = [l.rstrip("\n") for l in lines]
     while lines and not lines[-1].strip():
         lines.pop()
-    start = None
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last)"):
-            start = i
-            break
+    start = _last_traceback(lines)
     chosen = lines[start:] if start is not None else lines[-12:]
     return chosen[-max_lines:]
 
@@ -89,11 +93,7 @@ def error_excerpt(lines: list[str], max_lines: int = 30) -> list[str]:
 def traceback_cut(lines: list[str]) -> bool:
     """Whether the output ends inside a Python traceback: after its last "Traceback (most recent call
     last):" line, only indented frame lines, no exception line (the process was ended while printing)."""
-    start = None
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last)"):
-            start = i
-            break
+    start = _last_traceback(lines)
     return start is not None and not any(l.strip() and not l[0].isspace() for l in lines[start + 1:])
 
 
