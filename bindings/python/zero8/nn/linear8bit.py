@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import _C, _ops
-from .._tensors import FLOAT_DTYPES, check_cpu, check_cpu_contiguous, check_dtype, dtype_code, ptr
+from .._tensors import FLOAT_DTYPES, check_cpu, check_cpu_contiguous, check_dtype, dtype_code
 from .._C import Zero8ValueError
 
 __all__ = [
@@ -95,15 +95,6 @@ def quantize_blocks(x: Tensor, block: int, stochastic: bool = False):
 def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The float tensor of per-block codes: ``q * scale[block of q]``."""
     return _ops.int8_dequantize_blocks(q, scale, block, dtype)
-
-
-def outlier_columns(x: Tensor, threshold: float):
-    """``(mask uint8[cols], count)``: columns holding any ``|x| >= threshold``. (The layer finds them inside
-    the ``zero8::llm_int8_matmul`` op: the count steers the computation.)"""
-    x = _float_matrix(x, "x")
-    mask = torch.empty(x.shape[1], dtype=torch.uint8)
-    count = _C.int8_outlier_columns(ptr(x), dtype_code(x), x.shape[0], x.shape[1], float(threshold), ptr(mask))
-    return mask, count
 
 
 def int8_mm(a: Tensor, b: Tensor, b_trans: bool = True) -> Tensor:
