@@ -766,7 +766,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
     e2, m2, _, s2 = engine_for(_resume_config(), seed=5)  # different initial weights: all must be loaded
     path, client = e2.load_checkpoint(tmp_path)
     assert path == os.path.join(str(tmp_path), "global_step6", MODEL_STATES_FILE)
-    assert client == {"epoch": 3, "note": "x"}
+    assert {k: client[k] for k in ("epoch", "note")} == {"epoch": 3, "note": "x"}
     assert e2.global_steps == 6 and e2.micro_steps == 12 and s2.last_batch_iteration == sched.last_batch_iteration - 6
     tail2 = train_engine(e2, DATA, 6, B)
     assert tail2 == tail
@@ -926,6 +926,7 @@ def test_client_and_scheduler_states_come_back_as_saved(tmp_path):
     train_engine(engine, DATA, 4, B)
     e2, s2 = build(seed=5)
     _, got = e2.load_checkpoint(tmp_path)
+    got = {k: got[k] for k in client}
     assert repr(got) == repr(client)  # the same types, keys and values (NaN compares unequal to itself)
     assert s2.state_dict()["milestones"] == sched.state_dict()["milestones"] == collections.Counter({3: 1, 5: 1})
     train_engine(e2, DATA, 4, B)
@@ -1240,6 +1241,36 @@ def test_checkpoint_latest_handling(tmp_path):
     assert (tmp_path / "b" / MODEL_STATES_FILE).is_file()
     path, _ = engine.load_checkpoint(tmp_path)
     assert path.endswith(os.path.join("a", MODEL_STATES_FILE)) and engine.global_steps == 1
+
+
+@pytest.mark.parametrize("kw, consumed", [
+    ({}, {"module", "global_steps", "skipped_steps", "dp_world_size", "mp_world_size", "lr_scheduler"}),
+    ({"load_lr_scheduler_states": False}, {"module", "global_steps", "skipped_steps", "dp_world_size",
+                                           "mp_world_size"}),
+    ({"load_optimizer_states": False, "load_module_only": True}, {"module", "lr_scheduler"}),
+    ({"load_module_only": True, "load_lr_scheduler_states": False}, {"module"}),
+], ids=["full", "no_scheduler", "module_only", "module_only_no_scheduler"])
+@pytest.mark.filterwarnings("ignore:load_checkpoint. the checkpoint's optimizer hyperparameters")
+def test_load_returns_the_model_states_keys_deepspeed_returns(tmp_path, kw, consumed):
+    # DeepSpeed's _load_checkpoint returns as client_state every key of the model-states file but those it
+    # loaded: the module alone with load_module_only (so global_steps etc. come back for a warm start), else
+    # the module and its counters; lr_scheduler when the scheduler state was loaded. zero8 returned the
+    # caller's keys only. The caller's keys come back in every mode, one named like an engine key too.
+    cfg = config(zero8=FULL8)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
+    engine, _, _, _ = engine_for(cfg)
+    train_engine(engine, DATA, 2, B)
+    engine.save_checkpoint(tmp_path, client_state={"epoch": 3, "rng": torch.tensor([1, 2]), "global_samples": -1})
+    saved = torch.load(tmp_path / "global_step2" / MODEL_STATES_FILE, weights_only=False)
+    e2, _, _, _ = engine_for(cfg, seed=5)
+    _, client = e2.load_checkpoint(tmp_path, **kw)
+    assert list(client) == [k for k in saved if k not in consumed]
+    assert client["epoch"] == 3 and torch.equal(client["rng"], torch.tensor([1, 2])) and client["global_samples"] == -1
+    assert client["ds_config"] == engine.config and client["buffer_names"] == []
+    if kw.get("load_module_only"):
+        assert client["global_steps"] == 2 and client["dp_world_size"] == 1 and e2.global_steps == 0
+    if "lr_scheduler" not in consumed:
+        assert client["lr_scheduler"] == engine.lr_scheduler.state_dict()
 
 
 def test_load_module_only(tmp_path):

@@ -46,6 +46,13 @@ __all__ = ["initialize", "Zero8Engine", "Zero8Optimizer", "MODEL_STATES_FILE", "
 # DeepSpeed's file name for the model weights of model-parallel rank 0 (the only one here): a plain
 # torch.save of {'module': state_dict, ...}, so torch.load alone rebuilds the model.
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+# The keys of that file a load consumes, which load_checkpoint leaves out of the client_state it returns
+# (every other key comes back, as in DeepSpeed's _load_checkpoint): with load_module_only the module alone,
+# else the module and the engine counters. Keys DeepSpeed writes and zero8 does not (optimizer, param_shapes,
+# sparse_tensor_module_names, data_sampler, random_ltd, ...) are listed where DeepSpeed lists them.
+_LOADED_KEYS_MODULE_ONLY = ("module",)
+_LOADED_KEYS = ("module", "sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size",
+                "mp_world_size", "data_sampler", "random_ltd")
 _ENGINE_STATE_FORMAT = "zero8-engine"
 _ENGINE_STATE_VERSION = 1
 # The torch dtypes the checkpoint's model_rest.safetensors stores (frozen parameters and buffers), by
@@ -1197,8 +1204,9 @@ class Zero8Engine(torch.nn.Module):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Callable | None = None):
         """Collective load of ``<load_dir>/<tag>`` (tag None: the one ``latest`` names) at any world size.
-        Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file), or
-        ``(None, None)`` when load_dir has no ``latest``. With load_optimizer_states (default) the C++
+        Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file;
+        client_state: the keys of that file the load did not consume, the caller's saved client_state among
+        them, see _returned_client_state), or ``(None, None)`` when load_dir has no ``latest``. With load_optimizer_states (default) the C++
         load restores masters, 8-bit states, the working copy bit for bit, steps and loss scale; otherwise
         only the module weights are read (from the .pt file) and the masters are reset from them.
         Everything is read and checked on every rank before anything changes: a load that raises (on any
@@ -1285,13 +1293,24 @@ class Zero8Engine(torch.nn.Module):
         self._last_info = None
         self._grad_norm = None
         self._backward_done = False
-        client_state: dict = {}
-        if state is not None:
-            if state.get("client_state_in_model_states"):
-                client_state = {k: model_states[k] for k in state.get("client_keys", []) if k in model_states}
-            elif isinstance(state.get("client_state"), dict):
-                client_state = state["client_state"]
-        return os.path.join(path, MODEL_STATES_FILE), client_state
+        return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
+            model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
+
+    @staticmethod
+    def _returned_client_state(model_states: dict, state: dict | None, load_module_only: bool,
+                               load_optimizer_states: bool, load_lr_scheduler_states: bool) -> dict:
+        """What load_checkpoint returns as client_state: as DeepSpeed, every key of the model-states file but
+        those the load consumed (_LOADED_KEYS_MODULE_ONLY or _LOADED_KEYS, and lr_scheduler / optimizer when
+        their states were loaded), so engine keys such as ds_config and global_samples come back too. The
+        keys the caller saved in client_state always come back, even one named like an engine key (the
+        file holds the caller's value under it, since client_state is merged over the engine's keys)."""
+        consumed = set(_LOADED_KEYS_MODULE_ONLY if load_module_only else _LOADED_KEYS)
+        if load_lr_scheduler_states:
+            consumed.add("lr_scheduler")
+        if load_optimizer_states:
+            consumed.add("optimizer")
+        own = set(state.get("client_keys", [])) if state is not None else set()
+        return {k: v for k, v in model_states.items() if k not in consumed or k in own}
 
     @staticmethod
     def _read_model_states(tag_path: str) -> dict:
