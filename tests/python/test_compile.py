@@ -1,8 +1,10 @@
 """torch.compile of the int8 layers: their zero8._C kernels are torch custom ops (zero8._ops), so a model
 with Linear8bitLt and Int8Linear compiles with fullgraph=True, forward and backward, and gives the eager
 bits: the compiled graph calls the same kernels on the same inputs, and the seeds of stochastic rounding
-are drawn from torch's generator in the same order. Also torch.library.opcheck on every op (schema, fake
-function against the kernel, AOT dispatch with dynamic shapes).
+are drawn from torch's generator in the same order. The same for zero8.functional's block-wise codec
+(ops zero8::quantize_blockwise and zero8::dequantize_blockwise): user code calling quantize_blockwise and
+dequantize_blockwise compiles with fullgraph=True and gives the eager bits. Also torch.library.opcheck on
+every op (schema, fake function against the kernel, AOT dispatch with dynamic shapes).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch._dynamo
 
 import zero8.nn  # noqa: F401  (registers the zero8:: ops)
 from zero8 import _ops
+from zero8 import functional as F
 from zero8.nn import Int8Linear, Linear8bitLt
 
 EPS32 = 2.0**-24  # float32 unit roundoff
@@ -217,6 +220,25 @@ def _opcheck_cases():
     }
 
 
+def _opcheck_codec_cases():
+    # zero8.functional's ops, by name in torch.ops.zero8.
+    torch.manual_seed(10)
+    x = torch.randn(5, 300)
+    cube = torch.linspace(-1, 1, 256).pow(3)
+    q, s = F.quantize_blockwise(x, blocksize=64)
+    qc, sc = F.quantize_blockwise(x, code=cube, blocksize=128)
+    return {
+        "quantize_blockwise": ("quantize_blockwise", (x, None, 64, False)),
+        "quantize_blockwise-nonnegative-bf16": ("quantize_blockwise", (x.bfloat16(), None, 256, True)),
+        "quantize_blockwise-unsigned-map-f16": ("quantize_blockwise",
+                                                (x.half(), F.create_dynamic_map(signed=False), 128, True)),
+        "quantize_blockwise-custom-map": ("quantize_blockwise", (x, cube, 4096, False)),
+        "dequantize_blockwise": ("dequantize_blockwise", (q, s.absmax, s.code, 64, torch.float32)),
+        "dequantize_blockwise-no-map-bf16": ("dequantize_blockwise", (q, s.absmax, None, 64, torch.bfloat16)),
+        "dequantize_blockwise-custom-map-f16": ("dequantize_blockwise", (qc, sc.absmax, cube, 128, torch.float16)),
+    }
+
+
 @pytest.mark.parametrize("case", list(_opcheck_cases()))
 def test_opcheck(case):
     op, args = _opcheck_cases()[case]
@@ -224,11 +246,112 @@ def test_opcheck(case):
     assert all(v == "SUCCESS" for v in results.values()), results
 
 
+@pytest.mark.parametrize("case", list(_opcheck_codec_cases()))
+def test_opcheck_codec(case):
+    name, args = _opcheck_codec_cases()[case]
+    results = torch.library.opcheck(getattr(torch.ops.zero8, name).default, args)
+    assert all(v == "SUCCESS" for v in results.values()), results
+
+
 def test_ops_are_registered_in_the_zero8_namespace():
     names = {"int8_quantize_rows", "int8_quantize_cols", "int8_quantize_blocks", "int8_dequantize_blocks",
-             "int8_gemm", "int8_dequantize_matmul", "int8_block_matmul", "llm_int8_matmul"}
+             "int8_gemm", "int8_dequantize_matmul", "int8_block_matmul", "llm_int8_matmul", "quantize_blockwise",
+             "dequantize_blockwise"}
     for name in names:
         assert hasattr(torch.ops.zero8, name), name
     # Their fake functions give shapes and dtypes without running a kernel: meta tensors.
     q, s = torch.ops.zero8.int8_quantize_blocks(torch.empty(70, 40, device="meta"), 32, None)
     assert q.shape == (70, 40) and q.dtype == torch.int8 and s.shape == (3, 2) and s.dtype == torch.float32
+    q, s = torch.ops.zero8.quantize_blockwise(torch.empty(70, 40, device="meta"), None, 256, False)
+    assert q.shape == (70, 40) and q.dtype == torch.uint8 and s.shape == (11,) and s.dtype == torch.float32
+    y = torch.ops.zero8.dequantize_blockwise(q, s, None, 256, torch.bfloat16)
+    assert y.shape == (70, 40) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+
+
+# ---------------------------------------------------------------------------------------------------
+# zero8.functional's block-wise codec under torch.compile
+
+
+def quantize_round_trip(x, code=None, blocksize=256, nested=False, out_dtype=None):
+    """What user code does: quantize, dequantize (into `out` when out_dtype is given), and return the
+    codes, the stored scales and the decoded tensor."""
+    codes, state = F.quantize_blockwise(x, code=code, blocksize=blocksize, nested=nested)
+    out = None if out_dtype is None else torch.empty(x.shape, dtype=out_dtype)
+    y = F.dequantize_blockwise(codes, state, out=out)
+    return codes, state.absmax, y
+
+
+CODEC_CASES = {
+    "f32": dict(),
+    "bf16-nested": dict(nested=True, dtype=torch.bfloat16),
+    "f16-blocksize-64-into-f32": dict(blocksize=64, dtype=torch.float16, out_dtype=torch.float32),
+    "custom-map": dict(code=torch.linspace(-1, 1, 256).pow(3), blocksize=128),
+    "unsigned-map-nested": dict(code=F.create_dynamic_map(signed=False), nested=True, blocksize=4096),
+}
+
+
+def codec_input(case, shape=(33, 300)):
+    kw = dict(CODEC_CASES[case])
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(*shape, generator=g) * 10.0 ** (torch.rand(*shape, generator=g) * 4 - 2)
+    return x.to(kw.pop("dtype", torch.float32)), kw
+
+
+@pytest.mark.parametrize("case", list(CODEC_CASES))
+def test_codec_fullgraph_aot_eager_matches_eager_bit_for_bit(case):
+    x, kw = codec_input(case)
+    compiled = torch.compile(quantize_round_trip, backend="aot_eager", fullgraph=True)
+    for a, b in zip(quantize_round_trip(x, **kw), compiled(x, **kw)):
+        assert same_bits(a, b)
+
+
+def test_codec_out_and_absmax_arguments_compile():
+    # bitsandbytes' out= and absmax= buffers are filled inside the compiled graph as in eager.
+    def fill(x, out, absmax):
+        codes, state = F.quantize_blockwise(x, absmax=absmax, out=out, blocksize=128)
+        return F.dequantize_blockwise(codes, absmax=state.absmax, blocksize=128)
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(12))
+    want = [torch.empty(1000, dtype=torch.uint8), torch.empty(8)]
+    got = [torch.empty(1000, dtype=torch.uint8), torch.empty(8)]
+    y0 = fill(x, *want)
+    y1 = torch.compile(fill, backend="aot_eager", fullgraph=True)(x, *got)
+    assert same_bits(y0, y1) and all(same_bits(a, b) for a, b in zip(want, got))
+
+
+def test_codec_changing_sizes_recompile_dynamic_and_match_eager():
+    compiled = torch.compile(quantize_round_trip, backend="aot_eager", fullgraph=True)
+    for n in (1000, 3000, 4097, 70001):  # the second size makes the length dynamic
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        for a, b in zip(quantize_round_trip(x, nested=True), compiled(x, nested=True)):
+            assert same_bits(a, b), n
+
+
+def test_codec_no_graph_breaks():
+    x, kw = codec_input("bf16-nested")
+    explained = torch._dynamo.explain(quantize_round_trip)(x, **kw)
+    assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_codec_inductor_fullgraph():
+    # Inductor runs the ops as they are, so without nesting it gives the eager bits. With nesting the
+    # scales' mean (the offset) is a float sum inductor reduces in its own order: the codes are the eager
+    # ones and the offset is within the float32 summation bound of the eager offset.
+    compiled = torch.compile(quantize_round_trip, fullgraph=True)
+    x, kw = codec_input("f16-blocksize-64-into-f32")
+    for a, b in zip(quantize_round_trip(x, **kw), compiled(x, **kw)):
+        assert same_bits(a, b)
+
+    def offset_of(x):
+        codes, state = F.quantize_blockwise(x, blocksize=64, nested=True)
+        return codes, state.offset
+
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(13))
+    codes0, offset0 = offset_of(x)
+    codes1, offset1 = torch.compile(offset_of, fullgraph=True)(x)
+    assert same_bits(codes0, codes1)
+    _, plain = F.quantize_blockwise(x, blocksize=64)
+    scales = plain.absmax.abs().double()
+    bound = 2 * (scales.numel() - 1) * EPS32 * scales.sum() / scales.numel()
+    assert abs(float(offset1) - float(offset0)) <= bound

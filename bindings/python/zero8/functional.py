@@ -1,6 +1,11 @@
 """Block-wise 8-bit quantization of torch tensors with bitsandbytes' signatures (``bitsandbytes.functional``):
 ``create_dynamic_map``, ``quantize_blockwise`` and ``dequantize_blockwise``, on CPU tensors of float32,
-bfloat16 or float16, run by zero8's C++ codec (SIMD, OpenMP, GIL released).
+bfloat16 or float16, run by zero8's C++ codec (SIMD, OpenMP, GIL released). The codec runs as two torch
+custom ops, ``zero8::quantize_blockwise`` and ``zero8::dequantize_blockwise``, so ``torch.compile``
+(fullgraph) traces code calling these functions without a graph break; with ``aot_eager`` it gives the
+eager bits, and with inductor too, except the mean of nested scales, which inductor sums in its own order.
+In eager mode the dispatch costs about 7 us per call, which doubles the time of a call on a few thousand
+elements and is noise on large tensors.
 
 Format: a tensor is cut into blocks of ``blocksize`` elements (a power of two in 64..4096; bitsandbytes'
 default 4096); each block stores uint8 codes and one float32 scale. Decoding is ``code[q] * absmax`` as in
@@ -20,10 +25,12 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from . import _C
 from ._C import Zero8ValueError
-from ._tensors import check_cpu_contiguous, check_dtype, check_float_tensor, check_numel, dtype_code, ptr
+from ._tensors import (FLOAT_DTYPES, check_cpu_contiguous, check_dtype, check_float_tensor, check_numel,
+                       dtype_code, ptr)
 
 __all__ = ["QuantState", "create_dynamic_map", "quantize_blockwise", "dequantize_blockwise"]
 
@@ -42,6 +49,11 @@ def _standard_map(kind) -> torch.Tensor:
         t = torch.tensor(_C.map_values(kind), dtype=torch.float32)
         _standard_maps[int(kind)] = t
     return t
+
+
+# bitsandbytes' default map, the `code` of states quantized without one (a plain tensor, so that code
+# torch.compile traces reads it without calling into _C).
+_DEFAULT_MAP = _standard_map(_C.MapKind.dynamic_signed)
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
@@ -118,14 +130,19 @@ def _check_blocksize(blocksize) -> int:
     return blocksize
 
 
+def _check_code(code: Optional[torch.Tensor]) -> None:
+    if code is not None:
+        check_cpu_contiguous(code, "code")
+        check_dtype(code, "code", torch.float32)
+        check_numel(code, "code", 256, "a code table has 256 values")
+
+
 def _map_arg(code: Optional[torch.Tensor]):
     """(MapKind, None) for a standard map (the C++ side caches its table) or (None, values) for a custom
-    256-value code table; None is bitsandbytes' default, the dynamic signed map."""
+    256-value code table; None is bitsandbytes' default, the dynamic signed map. Compares the values, so
+    it runs inside the ops, where the data is real."""
     if code is None:
         return _C.MapKind.dynamic_signed, None
-    check_cpu_contiguous(code, "code")
-    check_dtype(code, "code", torch.float32)
-    check_numel(code, "code", 256, "a code table has 256 values")
     for kind in _STANDARD_KINDS:
         if torch.equal(code, _standard_map(kind)):
             return kind, None
@@ -133,7 +150,7 @@ def _map_arg(code: Optional[torch.Tensor]):
 
 
 def _code_tensor(code: Optional[torch.Tensor]) -> torch.Tensor:
-    return _standard_map(_C.MapKind.dynamic_signed) if code is None else code
+    return _DEFAULT_MAP if code is None else code
 
 
 _negation_tables: dict = {}
@@ -177,12 +194,72 @@ def _scales_make_nonnegative(out: torch.Tensor, absmax: torch.Tensor, blocksize:
     absmax.abs_()
 
 
+# ---------------------------------------------------------------- the codec as torch custom ops
+# One opaque kernel call each, with fake functions giving the output shapes (FakeTensor tracing, meta
+# tensors); the Python functions below validate the arguments and name them in errors, then call these.
+
+
+def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int,
+                               nonnegative_scales: bool) -> tuple[Tensor, Tensor]:
+    """(codes of A's shape, one float32 scale per block); nonnegative_scales: the first step of nesting
+    (``_scales_make_nonnegative``, for a sign-symmetric map)."""
+    A = A.contiguous()
+    kind, values = _map_arg(code)
+    n = A.numel()
+    out = torch.empty(A.shape, dtype=torch.uint8)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
+    if kind is not None:
+        _C.quantize_blockwise(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax))
+    else:
+        _C.quantize_blockwise_values(ptr(A), dtype_code(A), n, blocksize, values, ptr(out), ptr(absmax))
+    if nonnegative_scales:
+        table = _negation_table(kind, _code_tensor(code))
+        if table is not None:
+            _scales_make_nonnegative(out, absmax, blocksize, table)
+    return out, absmax
+
+
+def _dequantize_blockwise_kernel(A: Tensor, absmax: Tensor, code: Optional[Tensor], blocksize: int,
+                                 dtype: torch.dtype) -> Tensor:
+    """``code[A] * absmax`` per block, of A's shape, in `dtype`."""
+    A, absmax = A.contiguous(), absmax.contiguous()
+    kind, values = _map_arg(code)
+    n = A.numel()
+    out = torch.empty(A.shape, dtype=dtype)
+    if kind is not None:
+        _C.dequantize_blockwise(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out))
+    else:
+        _C.dequantize_blockwise_values(ptr(A), ptr(absmax), n, blocksize, values, ptr(out), dtype_code(out))
+    return out
+
+
+_quantize_blockwise_op = torch.library.custom_op("zero8::quantize_blockwise", _quantize_blockwise_kernel,
+                                                 mutates_args=(), device_types="cpu")
+_dequantize_blockwise_op = torch.library.custom_op("zero8::dequantize_blockwise", _dequantize_blockwise_kernel,
+                                                   mutates_args=(), device_types="cpu")
+
+
+@_quantize_blockwise_op.register_fake
+def _(A, code, blocksize, nonnegative_scales):
+    blocks = -(-A.numel() // blocksize)
+    return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((blocks,), dtype=torch.float32)
+
+
+@_dequantize_blockwise_op.register_fake
+def _(A, absmax, code, blocksize, dtype):
+    return A.new_empty(A.shape, dtype=dtype)
+
+
+# ---------------------------------------------------------------- bitsandbytes' functions
+
+
 def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, absmax: Optional[torch.Tensor] = None,
                        out: Optional[torch.Tensor] = None, blocksize: int = 4096,
                        nested: bool = False) -> Tuple[torch.Tensor, QuantState]:
     """Quantize A (CPU, contiguous, float32/bfloat16/float16) block-wise with the map `code` (default:
     the dynamic signed map). Returns (codes as uint8 of A's shape, QuantState). `absmax` (float32,
-    ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when given.
+    ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when given (copied
+    into: the op returns new tensors).
     nested=True quantizes the scales again (minus their mean, kept as `offset`), as bitsandbytes does.
     Before centring, it makes the scales non-negative (as bitsandbytes' are) when the map is sign-symmetric
     (the default map or any dynamic signed map; a map with -1, such as the linear signed map, has no
@@ -194,39 +271,33 @@ def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, abs
     signed scales are centred as they are. Centring by the mean is bitsandbytes' choice; it suits scales
     of similar size, and loses accuracy when they spread over decades (Cauchy-like data).
     """
-    dt = check_float_tensor(A, "A")
+    check_float_tensor(A, "A")
     blocksize = _check_blocksize(blocksize)
-    kind, values = _map_arg(code)
+    _check_code(code)
     n = A.numel()
     blocks = -(-n // blocksize)
-    if absmax is None:
-        absmax = torch.zeros(blocks, dtype=torch.float32)
-    else:
+    if absmax is not None:
         check_cpu_contiguous(absmax, "absmax")
         check_dtype(absmax, "absmax", torch.float32)
         check_numel(absmax, "absmax", blocks, f"one scale per block of {blocksize}")
-    if out is None:
-        out = torch.empty(A.shape, dtype=torch.uint8)
-    else:
+    if out is not None:
         check_cpu_contiguous(out, "out")
         check_dtype(out, "out", torch.uint8)
         check_numel(out, "out", n, "one code per element of A")
-    if kind is not None:
-        _C.quantize_blockwise(ptr(A), dt, n, blocksize, kind, ptr(out), ptr(absmax))
-    else:
-        _C.quantize_blockwise_values(ptr(A), dt, n, blocksize, values, ptr(out), ptr(absmax))
+    codes, scales = _quantize_blockwise_op(A, code, blocksize, nested)
+    if out is not None:
+        codes = out.copy_(codes.view(out.shape))
+    if absmax is not None:
+        scales = absmax.copy_(scales)
     code_t = _code_tensor(code)
     if nested:
-        table = _negation_table(kind, code_t)
-        if table is not None:
-            _scales_make_nonnegative(out, absmax, blocksize, table)
-        offset = absmax.mean()
-        qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=blocksize, nested=False)
+        offset = scales.mean()
+        qabsmax, state2 = quantize_blockwise(scales - offset, blocksize=blocksize, nested=False)
         state = QuantState(absmax=qabsmax, shape=A.shape, code=code_t, blocksize=blocksize, dtype=A.dtype,
                            offset=offset, state2=state2)
     else:
-        state = QuantState(absmax=absmax, shape=A.shape, code=code_t, blocksize=blocksize, dtype=A.dtype)
-    return out, state
+        state = QuantState(absmax=scales, shape=A.shape, code=code_t, blocksize=blocksize, dtype=A.dtype)
+    return codes, state
 
 
 def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = None,
@@ -235,8 +306,9 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
                          nested: bool = False) -> torch.Tensor:
     """Decode uint8 codes A to ``code[A] * absmax`` per block. Give either `quant_state` (from
     quantize_blockwise, or bitsandbytes') or `absmax` (+ `code`, `blocksize`; the result is then float32).
-    `out` (CPU, contiguous, float32/bfloat16/float16, A.numel() elements) is written when given; its dtype
-    wins. `nested` is accepted for signature compatibility (the state says whether it is nested)."""
+    `out` (CPU, contiguous, float32/bfloat16/float16, A.numel() elements) is filled when given (copied
+    into); its dtype wins. `nested` is accepted for signature compatibility (the state says whether it is
+    nested)."""
     del nested  # bitsandbytes reads nesting from the state as well
     if quant_state is None:
         if absmax is None:
@@ -245,7 +317,7 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
     check_cpu_contiguous(A, "A")
     check_dtype(A, "A", torch.uint8)
     bs = _check_blocksize(quant_state.blocksize)
-    kind, values = _map_arg(quant_state.code)
+    _check_code(quant_state.code)
     scales = quant_state.absmax
     if quant_state.nested:
         scales = dequantize_blockwise(quant_state.absmax, quant_state.state2)
@@ -257,13 +329,10 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
     check_numel(scales, "absmax", -(-n // bs), f"one scale per block of {bs}")
     if out is None:
         out_dtype = quant_state.dtype if quant_state.dtype is not None else torch.float32
-        out = torch.empty(A.shape, dtype=out_dtype)
-        dt = dtype_code(out, "quant_state.dtype")
-    else:
-        dt = check_float_tensor(out, "out")
-        check_numel(out, "out", n, "one element per code of A")
-    if kind is not None:
-        _C.dequantize_blockwise(ptr(A), ptr(scales), n, bs, kind, ptr(out), dt)
-    else:
-        _C.dequantize_blockwise_values(ptr(A), ptr(scales), n, bs, values, ptr(out), dt)
-    return out
+        if out_dtype not in FLOAT_DTYPES:
+            raise Zero8ValueError(f"quant_state.dtype is {out_dtype}; zero8 kernels take float32, bfloat16 or "
+                                  "float16")
+        return _dequantize_blockwise_op(A, scales, quant_state.code, bs, out_dtype)
+    check_float_tensor(out, "out")
+    check_numel(out, "out", n, "one element per code of A")
+    return out.copy_(_dequantize_blockwise_op(A, scales, quant_state.code, bs, out.dtype).view(out.shape))
