@@ -42,6 +42,14 @@ std::string resolve(const Args& a) {
   return ckpt::tag_path(a.dir, a.tag.empty() ? ckpt::latest_read(a.dir) : a.tag);
 }
 
+// `s` padded with spaces to `width` characters, counting UTF-8 code points rather than bytes so that a
+// tag such as "étape-2" lines up with ASCII ones (printf's %-24s counts bytes).
+std::string padded(const std::string& s, size_t width) {
+  size_t chars = 0;
+  for (unsigned char c : s) chars += (c & 0xC0) != 0x80;  // every byte but a continuation byte starts a character
+  return chars >= width ? s : s + std::string(width - chars, ' ');
+}
+
 std::string bytes_text(int64_t b) {
   char buf[64];
   if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof(buf), "%lld (%.2f GiB)", (long long)b, double(b) / double(1 << 30));
@@ -100,10 +108,10 @@ int inspect(const Args& a) {
     for (const std::string& t : tags) {
       try {
         const ckpt::Manifest m = ckpt::manifest_read((fs::path(a.dir) / t).string());
-        std::printf("  %-24s step %lld, world size %d%s\n", t.c_str(), (long long)m.step, m.world,
+        std::printf("  %s step %lld, world size %d%s\n", padded(t, 24).c_str(), (long long)m.step, m.world,
                     t == latest ? "  <- latest" : "");
       } catch (const Error& e) {
-        std::printf("  %-24s unreadable: %s\n", t.c_str(), e.what());
+        std::printf("  %s unreadable: %s\n", padded(t, 24).c_str(), e.what());
       }
     }
     for (const fs::directory_entry& e : fs::directory_iterator(a.dir)) {
