@@ -809,6 +809,64 @@ def test_meta_layers_raise_naming_the_layer_until_loaded():
             make()
 
 
+_META_INPUTS = [(torch.float32, (2, 7, 40)), (torch.bfloat16, (5, 40)), (torch.float16, (3, 0, 40))]
+
+
+@pytest.mark.parametrize("how", ["torch.device", "device=", "init_empty_weights"])
+@pytest.mark.parametrize("layer", list(_META_LAYERS))
+def test_meta_layer_given_a_meta_input_gives_shapes(layer, how):
+    # Shape inference on a model built without data (meta forwards, FLOP counting): a meta input gives a
+    # meta output, and a backward meta gradients, with the shapes and dtypes the loaded layer gives.
+    # Before, the forward raised "is on the meta device ... load the weights".
+    torch.manual_seed(44)
+    ref = _META_LAYERS[layer](None)
+    m = _on_meta(how, _META_LAYERS[layer])
+    for dtype, shape in _META_INPUTS:
+        x_ref = torch.randn(shape).to(dtype).requires_grad_()
+        torch.manual_seed(45)
+        y_ref = ref(x_ref)
+        y_ref.float().sum().backward()
+        x = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+        m.zero_grad(set_to_none=True)
+        y = m(x)
+        assert y.is_meta and y.shape == y_ref.shape and y.dtype == y_ref.dtype, (dtype, shape)
+        y.float().sum().backward()
+        assert x.grad.is_meta and x.grad.shape == x_ref.grad.shape and x.grad.dtype == x_ref.grad.dtype
+        for (name, p), p_ref in zip(m.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (p_ref.grad is None), name
+            if p.grad is not None:
+                assert p.grad.is_meta and p.grad.shape == p_ref.grad.shape and p.grad.dtype == p_ref.grad.dtype, name
+        ref.zero_grad(set_to_none=True)
+        if isinstance(m, Int8Linear):  # what the loaded layer would keep for backward
+            assert m.activation_memory() == ref.activation_memory()
+    # Given a CPU input, the layer still says it has no data.
+    with pytest.raises(zero8.Zero8ValueError, match="is on the meta device.*load the weights"):
+        m(torch.randn(3, 40))
+    # A CPU layer given a meta input still says the input is not a CPU tensor; a meta input of the wrong
+    # size or dtype is refused as a CPU one is.
+    with pytest.raises(zero8.Zero8ValueError, match=r"\binput is on device meta"):
+        ref(torch.empty(3, 40, device="meta"))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\binput has shape \(3, 41\)"):
+        m(torch.empty(3, 41, device="meta"))
+    with pytest.raises(zero8.Zero8ValueError, match=r"\binput has dtype torch.float64"):
+        m(torch.empty(3, 40, dtype=torch.float64, device="meta"))
+
+
+def test_flop_counter_on_meta_layers_counts_the_float_linear():
+    # torch.utils.flop_counter on a meta model: each layer counts as the float linear it computes,
+    # 2 * tokens * in * out multiply-adds forward (the int8 kernels run nothing on meta).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Linear8bitLt(40, 24), torch.nn.ReLU(), Int8Linear(24, 16),
+                                    Linear8bitLt(16, 8, has_fp16_weights=True))
+    x = torch.empty(4, 9, 40, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        y = model(x)
+    assert y.is_meta and y.shape == (4, 9, 8)
+    assert counter.get_total_flops() == 2 * 36 * (40 * 24 + 24 * 16 + 16 * 8)
+
+
 def test_assign_keeps_the_float32_formats_a_copy_would_give():
     # load_state_dict(assign=True) takes the checkpoint's tensors as they are: a bf16 checkpoint would give
     # Int8Linear a bf16 master weight, and float16 scales would be read as float32 by the kernels.

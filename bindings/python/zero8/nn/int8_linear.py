@@ -35,7 +35,8 @@ from .. import _ops
 from .._C import Zero8ValueError
 from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code
 from . import linear8bit as _l8
-from .linear8bit import _check_device_arg, _check_input, _check_loaded, _check_weight, _empty_linear, _seed, int8_mm
+from .linear8bit import (_check_device_arg, _check_input, _check_loaded, _check_weight, _float_linear, _is_meta_call,
+                         _seed, int8_mm)
 
 __all__ = ["Int8Linear", "blockwise_int8_matmul"]
 
@@ -165,7 +166,9 @@ class Int8Linear(torch.nn.Module):
 
     CPU tensors of float32, bfloat16 or float16 (the output has the input's dtype). Made on the meta device
     (``device="meta"``), the layer holds shapes only until ``to_empty(device="cpu")`` + ``load_state_dict``
-    or ``load_state_dict(..., assign=True)``; a loaded weight is kept float32.
+    or ``load_state_dict(..., assign=True)``; a loaded weight is kept float32. Until then a meta input gives
+    a meta output (shapes and dtypes, backward too; ``activation_memory()`` reports what the loaded layer
+    would keep) and a CPU input raises.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
@@ -221,12 +224,17 @@ class Int8Linear(torch.nn.Module):
                                       error_msgs)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_loaded(self, "Int8Linear", ("weight", "bias"))
-        _check_input(x, self.in_features)
+        meta = _is_meta_call(self, x, ("weight", "bias"))
+        if not meta:
+            _check_loaded(self, "Int8Linear", ("weight", "bias"))
+        _check_input(x, self.in_features, meta=meta)
         _check_weight(self.weight, "Int8Linear.weight")
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
-            return _empty_linear(x, self.weight, self.bias)
-        y = _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact")
+            return _float_linear(x, self.weight, self.bias)
+        if meta:  # shapes only (the layer has no data): the float product on meta tensors
+            y = _float_linear(x, self.weight, self.bias)
+        else:
+            y = _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact")
         # What forward kept for backward: int8 codes of x plus one float32 scale per block (from the shapes,
         # so that torch.compile needs no side effect inside the autograd.Function).
         rows = x.numel() // self.in_features

@@ -130,10 +130,12 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
                                         row_stride, col_group, col_stride)
 
 
-def _check_input(x: Tensor, in_features: int, name: str = "input") -> None:
+def _check_input(x: Tensor, in_features: int, name: str = "input", meta: bool = False) -> None:
+    """A float input of ``... x in_features`` on the CPU (or, with ``meta``, on the meta device)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    check_cpu(x, name)
+    if not (meta and x.is_meta):
+        check_cpu(x, name)
     if x.dtype not in FLOAT_DTYPES:
         raise Zero8ValueError(f"{name} has dtype {x.dtype}; expected float32, bfloat16 or float16")
     if x.dim() < 1 or x.shape[-1] != in_features:
@@ -164,9 +166,20 @@ def _check_loaded(module: torch.nn.Module, layer: str, names: Sequence[str]) -> 
                 f"model.load_state_dict(state_dict, assign=True)")
 
 
-def _empty_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``x W^T + b`` for an input without elements (its output is empty too), in the input's dtype and
-    connected to the graph, so backward gives zero gradients as ``nn.Linear`` does."""
+def _is_meta_call(module: torch.nn.Module, x, names: Sequence[str]) -> bool:
+    """A meta input to a layer on the meta device (created with device="meta" or under init_empty_weights,
+    not loaded: any of its tensors is meta, as Linear8bitLt's bias is when init_empty_weights left its int8
+    buffers on the CPU): shape inference or FLOP counting, answered by ``_float_linear`` on meta tensors. A
+    meta layer given a CPU input still raises (``_check_loaded``), a CPU layer given a meta input too."""
+    return isinstance(x, Tensor) and x.is_meta and any(
+        getattr(module, name) is not None and getattr(module, name).is_meta for name in names)
+
+
+def _float_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``x W^T + b`` as a float product, in the input's dtype and connected to the graph, where the int8
+    kernels have nothing to compute: an input without elements (the output is empty too, and backward gives
+    zero gradients as ``nn.Linear`` does) and a meta input (output and gradients with their shapes and
+    dtypes; torch.utils.flop_counter counts it as the float linear it stands for)."""
     return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -228,7 +241,8 @@ class Linear8bitLt(torch.nn.Module):
     float16; the output has the input's dtype. Bad inputs raise ``zero8.Zero8ValueError`` naming them.
 
     Made on the meta device (``device="meta"``, ``with torch.device("meta"):``), the layer holds shapes
-    only until ``to_empty(device="cpu")`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``.
+    only until ``to_empty(device="cpu")`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``;
+    until then a meta input gives a meta output (shapes and dtypes, backward too) and a CPU input raises.
     """
 
     def __init__(self, input_features: int, output_features: int, bias: bool = True,
@@ -329,11 +343,14 @@ class Linear8bitLt(torch.nn.Module):
         return n + (self.weight_scale.numel() * 4 if self.weight_scale is not None else 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_loaded(self, "Linear8bitLt", ("weight", "weight_scale", "bias"))
-        _check_input(x, self.in_features)
-        if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
+        names = ("weight", "weight_scale", "bias")
+        meta = _is_meta_call(self, x, names)
+        if not meta:
+            _check_loaded(self, "Linear8bitLt", names)
+        _check_input(x, self.in_features, meta=meta)
+        if meta or x.numel() == 0:  # shapes only, or an empty batch kept in the graph: the float product
             w = self.weight if self.has_fp16_weights else x.new_zeros(()).expand(self.out_features, self.in_features)
-            return _empty_linear(x, w, self.bias)
+            return _float_linear(x, w, self.bias)
         if self.has_fp16_weights:
             _check_weight(self.weight, "Linear8bitLt.weight")
             w_q, w_s = quantize_rows(self.weight.detach())
