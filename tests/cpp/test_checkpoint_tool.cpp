@@ -303,7 +303,7 @@ TEST_F(CheckpointTool, ExportOfACorruptCheckpointFailsAndWritesNothing) {
 // state_dict order, trained ones from the masters, the others from model_rest.safetensors (16-bit floats
 // widened to F32 exactly, integers as saved), a tied alias under each name; verify checks that file.
 TEST_F(CheckpointTool, Fp32ExportOfAStateDictHoldsEveryKey) {
-  auto bytes_of = [](const void* p, size_t n) { return std::string(static_cast<const char*>(p), n); };
+  auto bytes_of = [](const void* p, size_t n) { return ckpt::ByteSpan{p, int64_t(n)}; };
   std::vector<uint16_t> frozen(6);
   for (size_t i = 0; i < frozen.size(); ++i) frozen[i] = f32_to_f16(0.25f * float(i) - 0.5f);
   const std::vector<int64_t> pos = {0, 1, 2, (int64_t(1) << 40) + 3};  // not exact in float32
@@ -419,18 +419,23 @@ TEST_F(CheckpointTool, SaveChecksTheStateDictBeforeWriting) {
   so.state_dict = {{"a", "a"}, {"x", "nothing"}};
   save_fails(so, "'nothing' is neither a trained parameter nor one of module_tensors");
   so.state_dict = {{"a", "a"}, {"pos", "pos"}};
-  so.module_tensors = {{"pos", "I64", {4}, std::string(24, '\0')}};
+  const std::string zeros(32, '\0');
+  so.module_tensors = {{"pos", "I64", {4}, {zeros.data(), 24}}};
   save_fails(so, "24 bytes for 4 elements of I64");
-  so.module_tensors = {{"pos", "C64", {1}, std::string(8, '\0')}};
+  so.module_tensors = {{"pos", "I64", {1}, {nullptr, 8}}};
+  save_fails(so, "'pos': no data (null pointer)");
+  so.module_tensors = {{"pos", "C64", {1}, {zeros.data(), 8}}};
   save_fails(so, "unsupported dtype 'C64'");
-  so.module_tensors = {{"pos", "I64", {1}, std::string(8, '\0')}, {"unused", "U8", {1}, std::string(1, '\0')}};
+  so.module_tensors = {{"pos", "I64", {1}, {zeros.data(), 8}}, {"unused", "U8", {1}, {zeros.data(), 1}}};
   save_fails(so, "'unused' is not the source of any state_dict key");
-  so.module_tensors = {{"pos", "I64", {1}, std::string(8, '\0')}};
+  so.module_tensors = {{"pos", "I64", {1}, {zeros.data(), 8}}};
   so.state_dict = {{"a", "a"}, {"pos", "pos"}, {"a", "pos"}};
   save_fails(so, "key 'a' is given twice");
   so.state_dict = {{"a", "a"}, {"pos", "pos"}};
-  so.extra_files = {{ckpt::kModelRestName, "x"}};
+  so.extra_files = {{ckpt::kModelRestName, {zeros.data(), 1}}};
   save_fails(so, "reserved");
+  so.extra_files = {{"notes.txt", {nullptr, 4}}};
+  save_fails(so, "'notes.txt': 4 bytes at");
 }
 
 }  // namespace

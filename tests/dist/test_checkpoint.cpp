@@ -505,6 +505,57 @@ TEST(Checkpoint, BadInputFailsNamingTheFileAndChangesNothing) {
   EXPECT_EQ(ckpt::load(*opt, dir.path + "/good").step, 2);
 }
 
+// The module's other tensors (model_rest.safetensors) and an extra file: save writes them from the
+// caller's memory, and a load, which uses neither itself, checks the extra file on every rank (each
+// rank's caller reads it) and model_rest on rank 0 only: the other ranks do not read it. A corrupt
+// model_rest still fails the load on every rank and changes nothing.
+TEST(Checkpoint, LoadChecksModelRestOnRankZeroOnly) {
+  TempDir dir;
+  const int r = world().rank();
+  auto a = ckpt_make(ckpt_config(), world(), 77);
+  ckpt_train(*a, 0, 1);
+  std::vector<float> frozen(3000);
+  for (size_t i = 0; i < frozen.size(); ++i) frozen[i] = 0.5f * float(i);
+  const std::string notes(777, 'n');
+  ckpt::SaveOptions so;
+  so.extra_files = {{"notes.bin", {notes.data(), int64_t(notes.size())}}};
+  for (const ParamSpec& p : ckpt_params()) so.state_dict.emplace_back(p.name, p.name);
+  so.state_dict.emplace_back("frozen", "frozen");
+  so.module_tensors = {{"frozen", "F32", {3000}, {frozen.data(), int64_t(frozen.size() * 4)}}};
+  const std::string tag_dir = ckpt::save(*a, dir.path, so).path;
+  const ckpt::Manifest mf = ckpt::manifest_read(tag_dir);
+  std::map<std::string, int64_t> size;
+  for (const ckpt::FileInfo& f : mf.files) size[f.name] = f.bytes;
+  const std::string rest = tag_dir + "/" + ckpt::kModelRestName;
+  if (r == 0) {  // the tensor's bytes as given, after the safetensors head
+    const std::vector<uint8_t> b = file_read_bytes(rest);
+    ASSERT_EQ(int64_t(b.size()), size.at(ckpt::kModelRestName));
+    EXPECT_EQ(std::memcmp(b.data() + b.size() - frozen.size() * 4, frozen.data(), frozen.size() * 4), 0);
+    EXPECT_EQ(file_read_bytes(tag_dir + "/notes.bin"), std::vector<uint8_t>(notes.begin(), notes.end()));
+  }
+
+  auto b = ckpt_make(ckpt_config(), world(), 9);
+  const ckpt::LoadResult lr = ckpt::load(*b, dir.path);
+  int64_t want = size.at(ckpt::shard_file_name(r)) + size.at("notes.bin");
+  if (r == 0) want += size.at(ckpt::kModelName) + size.at(ckpt::kModelRestName);
+  EXPECT_EQ(lr.bytes_hashed, want) << "rank " << r;
+
+  if (r == 0) flip_byte(rest, size.at(ckpt::kModelRestName) - 5);
+  world().barrier();
+  auto c = ckpt_make(ckpt_config(), world(), 9);
+  const Snapshot before = ckpt_snapshot(*c);
+  try {
+    ckpt::load(*c, dir.path);
+    ADD_FAILURE() << "a corrupt model_rest loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model_rest.safetensors: checksum mismatch"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ckpt_diff(ckpt_snapshot(*c), before), "") << "a failed load changed the optimizer";
+  // The engine's module-only load checks the extra files without a communicator: model_rest on one rank.
+  EXPECT_NO_THROW(ckpt::manifest_read_extras_checked(tag_dir, false));
+  EXPECT_THROW(ckpt::manifest_read_extras_checked(tag_dir), Error);
+}
+
 TEST(Checkpoint, LoadIntoOtherParamGroupsFailsNamingTheParameterAndChangesNothing) {
   // The optimizer states are laid out by param group (hyper group): a load into an optimizer whose
   // parameters sit in other groups fails naming the first such parameter, on every rank, before

@@ -14,6 +14,7 @@ int8 communication, bf16 and fp16 stay within 0.2% of it on 1, 2 and 4 ranks). T
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -846,6 +847,8 @@ def test_failed_load_leaves_the_engine_untouched(tmp_path, full):
     case("pt_corrupt", lambda t: _flip_byte(t / MODEL_STATES_FILE), zero8.Zero8IOError,
          f"{MODEL_STATES_FILE}: checksum mismatch")
     case("client_state", _edit_client_state, zero8.Zero8IOError, "manifest.json: checksum mismatch")
+    case("rest_corrupt", lambda t: _flip_byte(t / "model_rest.safetensors"), zero8.Zero8IOError,
+         "model_rest.safetensors: checksum mismatch")  # no load reads it; rank 0 still checks it
     ma.register_buffer("extra", torch.zeros(3))  # a key the checkpoint lacks (strict load)
     case("missing_key", lambda t: None, zero8.Zero8ValueError, "lacks module keys \\['extra'\\]")
     del ma.extra
@@ -874,6 +877,84 @@ def test_resumed_hyperparameters_that_differ_from_the_config_warn(tmp_path):
                                          r".*checkpoint wins"):
         changed.load_checkpoint(tmp_path)
     assert opt.param_groups[0]["weight_decay"] == 0.01  # as DeepSpeed: the checkpoint's value
+
+
+class _PeakRss:
+    """Peak resident bytes of this process above the level at entry, sampled every millisecond."""
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        import time
+
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.above = max(self.peak, self._rss()) - self.base
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc")
+def test_a_large_frozen_tensor_costs_one_copy_to_save(tmp_path):
+    # A LoRA-style job: a 64 MB frozen embedding. Rank 0 held four copies of it at the peak of a save: a
+    # clone for the .pt file, the .pt bytes, and two for model_rest.safetensors (its bytes, then their C++
+    # copy). The writer now reads the tensor where it is and torch.save takes it uncloned, which leaves
+    # the serialized .pt bytes. (benchmarks/bench_checkpoint_frozen.py measures 300 MB: +1200 -> +300 MB.)
+    model = make_model(0)
+    model.register_parameter("frozen", torch.nn.Parameter(torch.randn(16 << 20), requires_grad=False))
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+    train_engine(engine, DATA, 1, B)
+    size = model.frozen.numel() * 4
+    with _PeakRss() as m:
+        engine.save_checkpoint(tmp_path, tag="t")
+    assert m.above < 1.5 * size, f"save_checkpoint took {m.above / 1e6:.0f} MB more for a {size / 1e6:.0f} MB tensor"
+    rest = (tmp_path / "t" / "model_rest.safetensors").read_bytes()
+    assert rest[-size:] == model.frozen.detach().numpy().tobytes()
+    assert torch.equal(torch.load(tmp_path / "t" / MODEL_STATES_FILE, weights_only=True)["module"]["frozen"],
+                       model.frozen)
+
+
+def test_the_model_states_file_is_what_copies_of_every_entry_gave(tmp_path, monkeypatch):
+    # torch.save writes a tensor's whole storage, once per storage: the .pt file copies the views into
+    # the engine's buffers (trained parameters) and the entries that share a storage (tied weights, a
+    # buffer that is a view of another), and saves a tensor that is all of its own storage as it is. The
+    # bytes are those of copying every entry, as the engine did before.
+    model = make_model(0)
+    model.register_parameter("frozen", torch.nn.Parameter(torch.randn(8, 4), requires_grad=False))
+    model.register_parameter("tied", model.frozen)
+    base = torch.randn(40)
+    for name, t in (("base", base), ("part", base[10:20]), ("tr", torch.randn(5, 4).t()), ("pos", torch.arange(9)),
+                    ("empty", torch.zeros(0, 3)), ("empty2", torch.zeros(0)), ("scalar", torch.tensor(3.5))):
+        model.register_buffer(name, t)
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+    train_engine(engine, DATA, 1, B)
+    saved = []
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, **kw: (saved.append(obj), real_save(obj, f, **kw))[1])
+    engine.save_checkpoint(tmp_path, tag="t")
+    module = saved[0]["module"]
+    assert module["frozen"].data_ptr() == model.frozen.data_ptr()  # no copy
+    assert module["tied"].data_ptr() != module["frozen"].data_ptr()
+    copied = {**saved[0], "module": {k: v.clone() for k, v in module.items()}}
+    monkeypatch.setattr(torch, "save", real_save)
+    want = io.BytesIO()
+    torch.save(copied, want)
+    assert (tmp_path / "t" / MODEL_STATES_FILE).read_bytes() == want.getvalue()
 
 
 def test_model_states_file_loads_with_torch_alone(tmp_path):

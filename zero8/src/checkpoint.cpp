@@ -1004,8 +1004,9 @@ std::vector<StateDictEntry> state_dict_of(ShardedOptimizer& opt, const SaveOptio
       ZERO8_CHECK_ARG(d >= 0, "module_tensors", "'" << t.name << "': negative dimension");
       n *= d;
     }
-    ZERO8_CHECK_ARG(int64_t(t.bytes.size()) == n * es, "module_tensors",
-                    "'" << t.name << "': " << t.bytes.size() << " bytes for " << n << " elements of " << t.dtype);
+    ZERO8_CHECK_ARG(t.bytes.size == n * es, "module_tensors",
+                    "'" << t.name << "': " << t.bytes.size << " bytes for " << n << " elements of " << t.dtype);
+    ZERO8_CHECK_ARG(t.bytes.data != nullptr || n == 0, "module_tensors", "'" << t.name << "': no data (null pointer)");
     ZERO8_CHECK_ARG(rest.emplace(t.name, &t).second, "module_tensors", "'" << t.name << "' is given twice");
   }
   std::set<std::string> keys, used;
@@ -1038,7 +1039,7 @@ FileInfo model_rest_write(const std::vector<SaveOptions::ModuleTensor>& tensors,
                           int64_t step) {
   std::vector<SafetensorsTensor> out;
   for (const SaveOptions::ModuleTensor& t : tensors)
-    out.push_back({t.name, t.dtype, t.shape, t.bytes.data(), int64_t(t.bytes.size())});
+    out.push_back({t.name, t.dtype, t.shape, t.bytes.data, t.bytes.size});
   return safetensors_write(tmp, kModelRestName, "extra", tag, step, out);
 }
 
@@ -1251,11 +1252,12 @@ class FileSet {
   std::map<std::string, std::unique_ptr<FileReader>> open_;
 };
 
-// The size and (with verify) checksum of every extra file (SaveOptions::extra_files): zero8 does not
-// read them itself, its caller does.
-void extras_check(FileSet& files, const Manifest& m) {
+// The size and (with verify) checksum of the extra files (SaveOptions::extra_files), which zero8 does not
+// read itself: its caller does, on every rank (the engine's model-states file). model_rest: also
+// kModelRestName, which no load reads; one rank checking it is enough to fail a load that agrees.
+void extras_check(FileSet& files, const Manifest& m, bool model_rest) {
   for (const FileInfo& fi : m.files)
-    if (fi.role == "extra") files.get(fi.name);
+    if (fi.role == "extra" && (model_rest || fi.name != kModelRestName)) files.get(fi.name);
 }
 
 struct SafetensorsEntry {
@@ -1538,6 +1540,9 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
     for (size_t k = 0; k < i; ++k)
       ZERO8_CHECK_ARG(opts.extra_files[k].first != name, "extra_files", "'" << name << "' is given twice");
     ZERO8_CHECK_ARG(name != kModelRestName, "extra_files", "'" << name << "' is reserved for module_tensors");
+    const ByteSpan& b = opts.extra_files[i].second;
+    ZERO8_CHECK_ARG(b.size >= 0 && (b.data != nullptr || b.size == 0), "extra_files",
+                    "'" << name << "': " << b.size << " bytes at " << b.data);
   }
   const TimeoutRaise patient(c, env.io_timeout);
 
@@ -1581,7 +1586,7 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
         fi.name = name;
         fi.role = "extra";
         FileWriter w(join(tmp, name), true);
-        w.write(bytes.data(), int64_t(bytes.size()));
+        w.write(bytes.data, bytes.size);
         w.finish();
         fi.bytes = w.offset();
         fi.xxh3 = w.digest();
@@ -1730,7 +1735,8 @@ LoadResult load(ShardedOptimizer& opt, const std::string& dir, const LoadOptions
     FileSet files(path, m, opts.verify);
     stage_read(opt, files, s);
     if (r == 0) model_stage(m, opt, files, s);
-    extras_check(files, m);  // the caller reads them (the engine's model-states file, on every rank)
+    extras_check(files, m, r == 0);
+    res.bytes_hashed = files.hashed();
     res.step = m.step;
     res.saved_world = m.world;
     res.client_state = m.client_state;
@@ -1897,10 +1903,10 @@ Manifest manifest_read(const std::string& tag_dir) {
   return manifest_parse(file_read_text(src), src);
 }
 
-Manifest manifest_read_extras_checked(const std::string& tag_dir) {
+Manifest manifest_read_extras_checked(const std::string& tag_dir, bool model_rest) {
   Manifest m = manifest_read(tag_dir);
   FileSet files(tag_dir, m, true);
-  extras_check(files, m);
+  extras_check(files, m, model_rest);
   return m;
 }
 

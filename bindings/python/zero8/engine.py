@@ -1073,8 +1073,10 @@ class Zero8Engine(torch.nn.Module):
             f"save_checkpoint: writing {MODEL_STATES_FILE}")
         pt, (state_dict, module_tensors) = (None, ([], [])) if written is None else written
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
+        # The C++ writer reads the tensors where they are: module_tensors keeps them alive until it returns.
+        views = [(k, dtype, shape, t.data_ptr(), t.numel() * t.element_size()) for k, dtype, shape, t in module_tensors]
         _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
-                           bool(save_latest), state_dict, module_tensors)
+                           bool(save_latest), state_dict, views)
         return True
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
@@ -1146,15 +1148,21 @@ class Zero8Engine(torch.nn.Module):
         return {k: v for k, v in sd.items() if id(v) not in frozen}
 
     def _module_state_dict(self, exclude_frozen: bool) -> dict:
-        # compact copies, not views into the engine's buffers
-        return {k: v.detach().clone() for k, v in self._module_entries(exclude_frozen).items()}
+        """The module's state_dict for torch.save, each tensor with a storage of its own and no more: a view
+        into the engine's buffers (a trained parameter) is copied, or the file would hold the whole buffer,
+        while a tensor that is all of its own storage (a frozen parameter, a buffer) is saved as it is. A
+        large frozen embedding costs no copy; the file is byte for byte what copies of every entry gave."""
+        seen: set[int] = set()
+        return {k: _compact(v.detach(), seen) if isinstance(v, torch.Tensor) else v
+                for k, v in self._module_entries(exclude_frozen).items()}
 
     def _module_rest(self, exclude_frozen: bool) -> tuple[list, list]:
         """The module's state_dict for the C++ checkpoint (zero8::ckpt::SaveOptions), so that ``zero8-checkpoint
         to-fp32`` gives all of it, as DeepSpeed's zero_to_fp32 does: every key in order as (key, source), the
         source being the trained parameter's name (the export takes it from the fp32 masters) or the key of
         the first entry holding the same tensor (tied weights); and the entries the optimizer does not train
-        (frozen parameters, persistent buffers) as (name, safetensors dtype, shape, bytes) at their dtype.
+        (frozen parameters, persistent buffers) as (name, safetensors dtype, shape, tensor) at their dtype, the
+        tensor contiguous on the CPU: the module's own tensor when it is (no copy), else a contiguous copy.
         Without the frozen parameters when ``exclude_frozen``. Entries that are not tensors (a module's extra
         state) are left out; a tensor of a dtype safetensors cannot hold makes it ([], []) with a warning:
         the export then gives the trained parameters only, as before."""
@@ -1177,8 +1185,7 @@ class Zero8Engine(torch.nn.Module):
                               f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=5)
                 return [], []
             first[id(v)] = key
-            t = v.detach().to("cpu").contiguous().reshape(-1)
-            tensors.append((key, dtype, list(v.shape), t.view(torch.uint8).numpy().tobytes()))
+            tensors.append((key, dtype, list(v.shape), v.detach().to("cpu").contiguous()))
             state_dict.append((key, key))
         return state_dict, tensors
 
@@ -1262,7 +1269,8 @@ class Zero8Engine(torch.nn.Module):
         else:
             def stage_module_only() -> None:
                 path = _C.checkpoint_tag_path(load_dir, tag or _C.latest_read(load_dir))
-                stage(path, _C.checkpoint_client_state(path))  # checks the manifest and the .pt file
+                # checks the manifest and the .pt file; model_rest.safetensors, which no rank reads, on rank 0
+                stage(path, _C.checkpoint_client_state(path, self._dp.rank == 0))
 
             self._on_ranks_agreed(stage_module_only, "load_checkpoint (nothing was loaded)", all_ranks=True)
             with torch.no_grad():
@@ -1387,6 +1395,20 @@ class Zero8Engine(torch.nn.Module):
                     new = tuple(v) if isinstance(v, list) else v
                     changes.append(f"{f'param group {i} ' if several else ''}{k} {new!r} (configured {old!r})")
         return changes
+
+
+def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
+    """t itself when it is the whole of a CPU storage not in ``seen`` (data pointers of the storages given out
+    before), else a copy: torch.save writes a tensor's whole storage, once per storage."""
+    exact = (t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj()
+             and not t.is_neg() and t.storage_offset() == 0
+             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    ptr = t.untyped_storage().data_ptr() if exact else None
+    if not exact or ptr in seen:
+        return t.clone()
+    seen.add(ptr)
+    return t
+
 
 def _same_hyper(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -365,3 +365,43 @@ def test_a_load_that_fails_on_one_rank_changes_nothing_anywhere(full):
         WORLD.barrier()
         if RANK == 0:
             shutil.rmtree(ckpt, ignore_errors=True)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
+def test_a_corrupt_model_rest_fails_the_load_on_every_rank(full):
+    # No load reads model_rest.safetensors (frozen parameters and buffers come from the .pt file), so only
+    # rank 0 checks it; its corruption still fails the load on every rank and changes nothing.
+    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
+    ckpt = path.decode()
+    kw = {} if full else {"load_optimizer_states": False, "load_module_only": True}
+    try:
+        engine, model = engine_for(config(zero8=FULL8))
+        model.register_buffer("counter", torch.arange(1000.0))
+        train(engine, 2)
+        engine.save_checkpoint(ckpt, tag="t")
+        rest = Path(ckpt) / "t" / "model_rest.safetensors"
+        if RANK == 0:
+            raw = bytearray(rest.read_bytes())
+            raw[-5] ^= 0xFF
+            rest.write_bytes(bytes(raw))
+        WORLD.barrier()
+        e2, m2 = engine_for(config(zero8=FULL8), seed=9)
+        m2.register_buffer("counter", torch.zeros(1000))
+        train(e2, 1)
+        before = clone_params(m2)
+        match = "model_rest.safetensors: checksum mismatch"
+        with pytest.raises(zero8.Zero8IOError, match=match if RANK == 0 else f"rank 0.*{match}"):
+            e2.load_checkpoint(ckpt, tag="t", **kw)
+        unchanged = e2.global_steps == 1 and m2.counter.sum().item() == 0.0 and \
+            all(torch.equal(a, b) for a, b in zip(before, m2.parameters()))
+        if RANK == 0:
+            raw[-5] ^= 0xFF
+            rest.write_bytes(bytes(raw))
+        WORLD.barrier()
+        e2.load_checkpoint(ckpt, tag="t", **kw)
+    finally:
+        WORLD.barrier()
+        if RANK == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
+    assert unchanged
+    assert params_equal(m2, model) and torch.equal(m2.counter, model.counter)

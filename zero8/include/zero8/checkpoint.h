@@ -54,6 +54,13 @@ constexpr const char* kCrashPoints[] = {
 // Save and load (collective over the optimizer's communicator: every rank calls them together)
 // ---------------------------------------------------------------------------------------------
 
+// Bytes the caller owns and leaves unchanged while save() runs: save() writes them from where they are
+// (no copy), so a large frozen tensor or model-states file costs no memory of its own during a save.
+struct ByteSpan {
+  const void* data = nullptr;
+  int64_t size = 0;
+};
+
 struct SaveOptions {
   std::string tag;            // "" -> "global_step<opt.steps()>"; no '/', no leading '.', not "latest"
   std::string client_state;   // JSON text stored as is in the manifest (epoch, scheduler, data
@@ -66,20 +73,20 @@ struct SaveOptions {
   // Rank 0's further files of the tag, (name, bytes): written and synced with the shards, before the
   // tag is installed, and listed in the manifest (role "extra") with their checksums, so the tag is
   // never visible without them (the engine's mp_rank_00_model_states.pt). Plain names only.
-  std::vector<std::pair<std::string, std::string>> extra_files;
+  std::vector<std::pair<std::string, ByteSpan>> extra_files;
   // The module's whole state_dict, so that export_fp32 gives every key of it (the engine passes these;
   // a caller without a module leaves them empty and the manifest lists the parameters only).
   // state_dict: every key in order, as (key, source): the source is a parameter of opt (trained: the
   // export takes it from the fp32 masters) or the name of one of module_tensors; a key whose source is
   // another name is a tied alias (the same tensor under two names). module_tensors: the entries opt does
-  // not train, each as (name, safetensors dtype, shape, raw little-endian bytes), written by rank 0 to
-  // kModelRestName. Only rank 0's values are used; they are checked there (names unique, dtypes known,
-  // sizes, every source resolves) before anything is written.
+  // not train, each as (name, safetensors dtype, shape, raw little-endian bytes: the tensor's own memory),
+  // written by rank 0 to kModelRestName. Only rank 0's values are used; they are checked there (names
+  // unique, dtypes known, sizes, every source resolves) before anything is written.
   struct ModuleTensor {
     std::string name;
     std::string dtype;  // F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL
     std::vector<int64_t> shape;
-    std::string bytes;
+    ByteSpan bytes;
   };
   std::vector<std::pair<std::string, std::string>> state_dict;
   std::vector<ModuleTensor> module_tensors;
@@ -110,6 +117,7 @@ struct LoadResult {
   std::string client_state = "null";  // JSON text as saved
   std::string config_json = "null";   // JSON text as saved
   std::vector<std::string> warnings;  // e.g. error-feedback residuals dropped at another world size
+  int64_t bytes_hashed = 0;           // bytes of the tag's files this rank checksummed (0 without verify)
 };
 
 struct LoadOptions {
@@ -223,8 +231,10 @@ Manifest manifest_parse(const std::string& text, const std::string& source);
 // <tag_dir>/manifest.json, parsed and validated.
 Manifest manifest_read(const std::string& tag_dir);
 // manifest_read, then the size and xxh3 of every extra file it lists (SaveOptions::extra_files), as
-// load checks them: for a caller that reads only those (the engine's module-only load).
-Manifest manifest_read_extras_checked(const std::string& tag_dir);
+// load checks them: for a caller that reads only those (the engine's module-only load). model_rest: also
+// kModelRestName, which no load reads (load checks it on rank 0 only; a caller on several ranks passes
+// true on one of them and agrees on the outcome).
+Manifest manifest_read_extras_checked(const std::string& tag_dir, bool model_rest = true);
 // The tag <dir>/latest names (validated); throws Error(io) naming the file when missing or bad.
 std::string latest_read(const std::string& dir);
 // The directory holding tag `tag` of `dir`: <dir>/<tag>, or the copy an interrupted two-rename
