@@ -118,7 +118,8 @@ def main() -> None:
         if own_dir and rank0:
             shutil.rmtree(root, ignore_errors=True)
     frozen_mb = engine.module.embed.weight.numel() * 4 / 1e6
-    result = {"rank": engine.global_rank, "world": engine.world_size, "frozen_mb": round(frozen_mb, 1), "cold": args.cold,
+    result = {"rank": engine.global_rank, "world": engine.world_size, "frozen_mb": round(frozen_mb, 1),
+              "cold": args.cold,
               "save_s": round(min(save_s), 3), "save_peak_rss_mb": round(min(save_mb), 1),
               "load_s": round(min(load_s), 3), "load_peak_rss_mb": round(min(load_mb), 1)}
     print(f"rank {result['rank']}/{result['world']}: frozen {frozen_mb:.0f} MB | save {result['save_s']:.3f} s, "
