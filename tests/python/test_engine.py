@@ -1354,6 +1354,27 @@ def test_load_returns_the_model_states_keys_deepspeed_returns(tmp_path, kw, cons
         assert client["lr_scheduler"] == engine.lr_scheduler.state_dict()
 
 
+def test_an_empty_tag_is_refused_naming_what_to_pass(tmp_path):
+    # DeepSpeed's tag="" saves into save_dir itself (and loads from load_dir itself); zero8 used to read it
+    # as the default tag, saving global_step<N> and loading the latest, without a word.
+    engine, model, _, _ = engine_for(config(zero8=FULL8))
+    train_engine(engine, DATA, 1, B)
+    with pytest.raises(zero8.Zero8ValueError, match=r"save_checkpoint: tag='' means save_dir itself in DeepSpeed.*"
+                                                    r"pass tag=None for global_step<N>"):
+        engine.save_checkpoint(tmp_path, tag="")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+    engine.save_checkpoint(tmp_path)
+    before = clone_params(model)
+    train_engine(engine, DATA, 1, B)
+    moved = clone_params(model)
+    with pytest.raises(zero8.Zero8ValueError, match=r"load_checkpoint: tag='' means load_dir itself in DeepSpeed.*"
+                                                    r"pass tag=None for the tag 'latest' names"):
+        engine.load_checkpoint(tmp_path, tag="")
+    assert all(torch.equal(a, b) for a, b in zip(moved, model.parameters())) and engine.global_steps == 2
+    engine.load_checkpoint(tmp_path, tag=None)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and engine.global_steps == 1
+
+
 def test_load_module_only(tmp_path):
     engine, model, _, _ = engine_for(config(zero8=EXACT))
     train_engine(engine, DATA, 3, B)

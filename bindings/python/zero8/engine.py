@@ -1040,9 +1040,11 @@ class Zero8Engine(torch.nn.Module):
         shards (fp32 masters and 8-bit states of every rank, model.safetensors, manifest) written
         atomically, and rank 0's ``mp_rank_00_model_states.pt`` ({'module': state_dict, ...} plus the
         client_state keys, as DeepSpeed) for ``torch.load``. Engine counters, the LR scheduler state and
-        client_state (when JSON-serializable) go into the manifest's client state. Returns True."""
+        client_state (when JSON-serializable) go into the manifest's client state. tag="" (DeepSpeed: save_dir
+        itself) raises Zero8ValueError. Returns True."""
         self._check_live()
         save_dir = os.fspath(save_dir)
+        _check_tag_not_empty(tag, "save_checkpoint", "save_dir", "global_step<N> (N = engine.global_steps)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         client_state = dict(client_state or {})
         self._checkpoint_tag_validation(tag)
@@ -1213,7 +1215,8 @@ class Zero8Engine(torch.nn.Module):
         """Collective load of ``<load_dir>/<tag>`` (tag None: the one ``latest`` names) at any world size.
         Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file;
         client_state: the keys of that file the load did not consume, the caller's saved client_state among
-        them, see _returned_client_state), or ``(None, None)`` when load_dir has no ``latest``. With load_optimizer_states (default) the C++
+        them, see _returned_client_state), or ``(None, None)`` when load_dir has no ``latest``; tag=""
+        (DeepSpeed: load_dir itself) raises Zero8ValueError. With load_optimizer_states (default) the C++
         load restores masters, 8-bit states, the working copy bit for bit, steps and loss scale; otherwise
         only the module weights are read (from the .pt file) and the masters are reset from them.
         Everything is read and checked on every rank before anything changes: a load that raises (on any
@@ -1222,6 +1225,7 @@ class Zero8Engine(torch.nn.Module):
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
         load_dir = os.fspath(load_dir)
+        _check_tag_not_empty(tag, "load_checkpoint", "load_dir", "the tag 'latest' names")
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             if self.global_rank == 0:
                 warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
@@ -1395,6 +1399,16 @@ class Zero8Engine(torch.nn.Module):
                     new = tuple(v) if isinstance(v, list) else v
                     changes.append(f"{f'param group {i} ' if several else ''}{k} {new!r} (configured {old!r})")
         return changes
+
+
+def _check_tag_not_empty(tag, call: str, dir_arg: str, default: str) -> None:
+    """tag="" is DeepSpeed's way to save into (load from) the directory itself, without a tag directory.
+    zero8 keeps every checkpoint in a tag directory (the atomic save renames it into place), so instead of
+    reading "" as the default tag, as it once did silently, it refuses it."""
+    if tag is not None and str(tag) == "":
+        raise Zero8ValueError(
+            f"{call}: tag='' means {dir_arg} itself in DeepSpeed, but zero8 keeps each checkpoint in a tag "
+            f"directory of {dir_arg}; pass tag=None for {default}, or a tag name")
 
 
 def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
