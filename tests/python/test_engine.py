@@ -498,6 +498,100 @@ def test_client_bitsandbytes_optimizer_keeps_its_hyperparameters(name, kw):
     assert params_equal(m1, m2)
 
 
+def _overriding_client(model, bits):
+    """zero8.optim.AdamW with bitsandbytes-style per-parameter overrides: one weight with its own lr, a
+    bias and a weight sharing another lr and no weight decay."""
+    opt = zero8.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, optim_bits=bits)
+    opt.override_config(model[0].weight, key_value_dict={"lr": 1e-3})
+    opt.override_config([model[2].bias, model[4].weight], lr=2e-2, weight_decay=0.0)
+    return opt
+
+
+def _decay(step):
+    return 1.0 / (1 + step)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_per_parameter_overrides_step_as_zero8_optim(bits):
+    # override_config(p, lr=...) replaces p's group value and stays fixed while a scheduler changes the
+    # group (bitsandbytes' GlobalOptimManager semantics, which zero8.optim has): the engine gives each
+    # overridden set its own hyper group, and steps as zero8.optim does, bit for bit (the same kernels on
+    # the same fp32 gradients; 8-bit states with the client's block size). It used to refuse overrides.
+    ref = make_model()
+    opt = _overriding_client(ref, bits)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _decay)
+    steps = 12
+    for s in range(steps):
+        x, y = global_batch(DATA, s, B)
+        opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        opt.step()
+        sched.step()
+    model = make_model()
+    client = _overriding_client(model, bits)
+    cfg = config(zero8={"optim_bits": bits, "int8_gradients": False})
+    del cfg["optimizer"]
+    engine, optimizer, _, _ = zero8.initialize(model=model, optimizer=client, config=cfg,
+                                               lr_scheduler=torch.optim.lr_scheduler.LambdaLR(client, _decay))
+    assert engine._opt.num_hyper_groups == 3 and len(optimizer.param_groups) == 1
+    train_engine(engine, DATA, steps, B)
+    assert params_equal(model, ref), max_param_diff(model, ref)
+    assert engine.get_lr() == pytest.approx([3e-3 / (1 + steps)])
+    assert [engine._opt.group_hyper(h).lr for h in (1, 2)] == pytest.approx([1e-3, 2e-2])
+    # Not vacuous: without the overrides the run lands elsewhere.
+    plain = make_model()
+    client = zero8.optim.AdamW(plain.parameters(), lr=3e-3, weight_decay=0.01, optim_bits=bits)
+    engine, _, _, _ = zero8.initialize(model=plain, optimizer=client, config=cfg,
+                                       lr_scheduler=torch.optim.lr_scheduler.LambdaLR(client, _decay))
+    train_engine(engine, DATA, steps, B)
+    assert max_param_diff(plain, ref) > 1e-3
+
+
+def test_global_overrides_with_the_config_optimizer_and_resume(tmp_path):
+    # GlobalOptimManager overrides apply with the config's optimizer too; the override groups are part of
+    # the checkpoint's layout: a resume is bit-exact, and a checkpoint saved without them loads its
+    # weights only (the optimizer states belong to another grouping, as with other param groups).
+    mng = zero8.optim.GlobalOptimManager.get_instance()
+    over = {"lr": 1e-2, "betas": (0.8, 0.99)}  # held by weak references: gone with each model
+
+    def build(seed, zero8_cfg=FULL8, override=True):
+        model = make_model(seed)
+        if override:
+            mng.override_config(model[2].weight, key_value_dict=over)
+        engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=zero8_cfg))
+        return engine, model
+
+    ref = make_model()
+    mng.override_config(ref[2].weight, key_value_dict=over)
+    opt = zero8.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01, optim_bits=32)
+    for s in range(3):
+        x, y = global_batch(DATA, s, B)
+        opt.zero_grad()
+        loss_fn(ref(x), y).backward()
+        opt.step()
+    exact, m32 = build(0, EXACT)
+    train_engine(exact, DATA, 3, B)
+    assert params_equal(m32, ref), max_param_diff(m32, ref)
+
+    engine, model = build(0)
+    train_engine(engine, DATA, 2, B)
+    engine.save_checkpoint(tmp_path, tag="with")
+    tail = train_engine(engine, DATA, 3, B)
+    e2, m2 = build(5)
+    e2.load_checkpoint(tmp_path, tag="with")
+    assert train_engine(e2, DATA, 3, B) == tail and params_equal(m2, model)
+
+    plain, _ = build(0, override=False)
+    train_engine(plain, DATA, 1, B)
+    plain.save_checkpoint(tmp_path, tag="without")
+    e3, m3 = build(5)
+    with pytest.raises(zero8.Zero8IOError, match="parameter '2.weight' is in param group 0 in the checkpoint, param "
+                                                 "group 1 here"):
+        e3.load_checkpoint(tmp_path, tag="without")
+    e3.load_checkpoint(tmp_path, tag="without", load_optimizer_states=False)
+    assert params_equal(m3, plain.module)
+
+
 def test_stable_embedding_weight_keeps_fp32_states():
     class Net(torch.nn.Module):
         def __init__(self):

@@ -297,6 +297,24 @@ def _hyper_for_group(base, group: dict, algo: str):
     return h
 
 
+# Per-parameter overrides that choose the state format rather than a hyperparameter.
+_STATE_OVERRIDE_KEYS = ("optim_bits", "min_8bit_size")
+# Per-parameter hyperparameters that _hyper_from_group does not write (the same in every param group of
+# the engine), by their C++ Hyper field.
+_OVERRIDE_FIELDS = {"dampening": float, "nesterov": bool, "lr_decay": float, "bias_correction": bool,
+                    "trust_coefficient": float, "max_trust_ratio": float, "min_trust_ratio": float}
+
+
+def _hyper_with_overrides(base, over: dict, algo: str):
+    """A copy of a param group's C++ Hyper with per-parameter overrides (zero8.optim's _OVERRIDE_KEYS but
+    optim_bits/min_8bit_size) in place of its values."""
+    h = _hyper_for_group(base, {**_group_from_hyper(algo, base), **over}, algo)
+    for k, v in over.items():
+        if k in _OVERRIDE_FIELDS:
+            setattr(h, k, _OVERRIDE_FIELDS[k](v))
+    return h
+
+
 def _f32(x: float) -> float:
     """A float32 hyperparameter as the shortest decimal that rounds to it (0.003, not 0.0030000000261)."""
     x32 = torch.tensor(x, dtype=torch.float32).item()
@@ -546,8 +564,9 @@ class Zero8Engine(torch.nn.Module):
                 for d in self._hyper_group_dicts]
         if self._dtype != torch.float32:
             model.to(self._dtype)  # as DeepSpeed's engine casts the module (half() / bfloat16())
+        hyper_of = self._override_hyper_groups(params, sc, client_optimizer)
         specs = [_C.ParamSpec(self._param_names[i], list(p.shape), self._fp32_state(p, i, sc, client_optimizer),
-                              self._hyper_group[i])
+                              hyper_of[i])
                  for i, p in enumerate(params)]
         self._opt = _C.ShardedOptimizer(specs, sc, dp)
         self._shard_config = sc
@@ -655,17 +674,38 @@ class Zero8Engine(torch.nn.Module):
         self._hyper_group = [of[id(p)] for p in params]
         self._hyper_group_dicts = list(client.param_groups)
 
+    def _override_hyper_groups(self, params: list, sc, client) -> list[int]:
+        """Each parameter's hyper group in the sharded optimizer. A parameter with per-parameter
+        hyperparameters (zero8.optim's override_config or GlobalOptimManager, bitsandbytes' too) steps in a
+        hyper group of its own, after the param groups, shared by the parameters of one param group with the
+        same overrides: its param group's values with the overrides in their place, at every step (so an
+        overridden lr stays fixed while a scheduler changes the group's, as in bitsandbytes and zero8.optim).
+        The others step in their param group's. Sets self._override_groups [(param group, overrides)] and
+        appends their Hyper to sc.group_hypers. Overrides are read here, once."""
+        self._override_groups: list[tuple[int, dict]] = []
+        hypers = list(sc.group_hypers)
+        known: dict[tuple[int, str], int] = {}
+        out = []
+        for i, p in enumerate(params):
+            gi = self._hyper_group[i]
+            over = {k: v for k, v in _param_overrides(p, client).items() if k not in _STATE_OVERRIDE_KEYS}
+            if not over:
+                out.append(gi)
+                continue
+            key = (gi, repr(sorted(over.items())))
+            if key not in known:
+                known[key] = len(hypers)
+                self._override_groups.append((gi, over))
+                hypers.append(_hyper_with_overrides(hypers[gi], over, self._algo))
+            out.append(known[key])
+        sc.group_hypers = hypers
+        return out
+
     def _fp32_state(self, p: torch.Tensor, i: int, sc, client) -> bool:
         """Whether parameter i keeps 32-bit states: zero8.optim's per-parameter optim_bits=32 (e.g.
-        zero8.nn.StableEmbedding) or a per-parameter min_8bit_size above its size. Other per-parameter
-        settings (lr, betas...) are an error: the engine takes them per param group."""
+        zero8.nn.StableEmbedding) or a per-parameter min_8bit_size above its size. (Per-parameter
+        hyperparameters: _override_hyper_groups.)"""
         cfg = _param_overrides(p, client)
-        other = sorted(k for k in cfg if k not in ("optim_bits", "min_8bit_size"))
-        if other:
-            raise Zero8NotSupportedError(
-                f"parameter {self._param_names[i]}: per-parameter override of {other} is not supported by the "
-                f"sharded engine; give the parameter a param group of its own with those values instead"
-            )
         if cfg.get("optim_bits") == 8 and sc.bits == 32:
             raise Zero8NotSupportedError(
                 f"parameter {self._param_names[i]}: optim_bits=8 override while the engine keeps 32-bit states"
@@ -888,14 +928,18 @@ class Zero8Engine(torch.nn.Module):
         self._backward_done = True
 
     def _apply_hyper(self) -> None:
-        """Each param group's current values into its hyper group of the sharded optimizer."""
+        """Each param group's current values into its hyper group of the sharded optimizer, and into the
+        hyper groups of its parameters with overrides, the overrides in their place."""
         groups = self.optimizer.param_groups
-        if len(groups) != self._opt.num_hyper_groups:
+        if len(groups) + len(self._override_groups) != self._opt.num_hyper_groups:
             raise Zero8NotSupportedError(
                 f"optimizer.param_groups: {len(groups)} groups, but the engine was built with "
-                f"{self._opt.num_hyper_groups}; param groups cannot be added after zero8.initialize")
+                f"{self._opt.num_hyper_groups - len(self._override_groups)}; param groups cannot be added after "
+                f"zero8.initialize")
         for i, g in enumerate(groups):
             _hyper_from_group(g, self._algo, self._opt.group_hyper(i))
+        for h, (gi, over) in enumerate(self._override_groups, len(groups)):
+            _hyper_from_group({**groups[gi], **over}, self._algo, self._opt.group_hyper(h))
 
     def _optimizer_step(self) -> dict:
         """The sharded step with the param groups' current hyperparameters (collective)."""
