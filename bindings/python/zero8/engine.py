@@ -1140,8 +1140,9 @@ class Zero8Engine(torch.nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the module's weights as one plain state dict (``torch.load``-able, e.g. for
         ``from_pretrained``), in the working dtype (16-bit under fp16 or bf16, else float32), to
-        ``save_dir/save_filename``: compact copies, written to a temporary file and renamed into place, so
-        the file is whole or absent. Not collective (the other ranks write nothing). Returns True."""
+        ``save_dir/save_filename``: each tensor compact (_module_state_dict: views into the engine's buffers
+        copied, nothing more), written to a temporary file and renamed into place, so the file is whole or
+        absent. Not collective (the other ranks write nothing). Returns True."""
         self._check_live()
         if self.global_rank != 0:
             return True
