@@ -11,6 +11,7 @@ test's collectives where possible, so one failing rank does not leave the others
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -256,11 +257,21 @@ def test_bf16_trains(baseline):
     assert abs(got - want) <= 0.02 * (ref_losses[0] - want) and same
 
 
-def test_checkpoint_resume_is_exact():
-    # Rank 0 picks the directory (a shared file system: all ranks are on this machine).
+@contextlib.contextmanager
+def shared_checkpoint_dir():
+    """A directory rank 0 makes and names to every rank (a shared file system: all ranks are on this
+    machine), removed by rank 0 once every rank is done with it."""
     path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
-    ckpt = path.decode()
     try:
+        yield path.decode()
+    finally:
+        WORLD.barrier()
+        if RANK == 0:
+            shutil.rmtree(path.decode(), ignore_errors=True)
+
+
+def test_checkpoint_resume_is_exact():
+    with shared_checkpoint_dir() as ckpt:
         cfg = config(gas=2, zero8=FULL8)
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
         engine, model = engine_for(cfg)
@@ -274,18 +285,11 @@ def test_checkpoint_resume_is_exact():
         ok = tail2 == tail and all(torch.equal(a, b) for a, b in zip(want, m2.parameters()))
         assert client["rank0_says"] == 0  # rank 0's client state is the one saved
         assert ok and e2.global_steps == 8
-    finally:
-        WORLD.barrier()
-        if RANK == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def test_to_fp32_of_a_sharded_checkpoint_is_the_whole_state_dict():
     # The trained weights come from every rank's master shard, the frozen layer and the buffers from
     # model_rest.safetensors: a fresh model loads the export strictly and equals the trained one.
-    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
-    ckpt = path.decode()
-
     def build(seed):
         model = make_model(seed)
         model[0].weight.requires_grad_(False)
@@ -294,7 +298,7 @@ def test_to_fp32_of_a_sharded_checkpoint_is_the_whole_state_dict():
         return model
 
     got, want = None, None
-    try:
+    with shared_checkpoint_dir() as ckpt:
         model = build(0)
         engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=EXACT))
         train(engine, 2)
@@ -310,10 +314,6 @@ def test_to_fp32_of_a_sharded_checkpoint_is_the_whole_state_dict():
             same = list(sd) == list(_safetensors_load(out)) and \
                 all(torch.equal(sd[k], v) for k, v in _safetensors_load(out).items())
             via_utils = load_state_dict_from_zero_checkpoint(build(8), ckpt, tag="t", strict=True)
-    finally:
-        WORLD.barrier()
-        if RANK == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
     if RANK == 0:
         assert r["complete"] and r["tensors"] == len(model.state_dict())
         assert same
@@ -340,10 +340,8 @@ def _safetensors_load(path: str) -> dict:
 def test_a_load_that_fails_on_one_rank_changes_nothing_anywhere(full):
     # The last rank's model has a buffer the checkpoint lacks: every rank raises (the others name that
     # rank), no rank changes anything, and no rank is left waiting in a collective.
-    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
-    ckpt = path.decode()
     kw = {} if full else {"load_optimizer_states": False, "load_module_only": True}
-    try:
+    with shared_checkpoint_dir() as ckpt:
         engine, model = engine_for(config(zero8=FULL8))
         train(engine, 3)
         engine.save_checkpoint(ckpt)
@@ -361,20 +359,14 @@ def test_a_load_that_fails_on_one_rank_changes_nothing_anywhere(full):
             del m2.extra
         e2.load_checkpoint(ckpt, **kw)
         assert params_equal(m2, model) and replicas_equal(m2)
-    finally:
-        WORLD.barrier()
-        if RANK == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
 def test_a_corrupt_model_rest_fails_the_load_on_every_rank(full):
     # No load reads model_rest.safetensors (frozen parameters and buffers come from the .pt file), so only
     # rank 0 checks it; its corruption still fails the load on every rank and changes nothing.
-    path = WORLD.broadcast_bytes(tempfile.mkdtemp(prefix="zero8_dist_ckpt_").encode() if RANK == 0 else b"", 0)
-    ckpt = path.decode()
     kw = {} if full else {"load_optimizer_states": False, "load_module_only": True}
-    try:
+    with shared_checkpoint_dir() as ckpt:
         engine, model = engine_for(config(zero8=FULL8))
         model.register_buffer("counter", torch.arange(1000.0))
         train(engine, 2)
@@ -399,9 +391,5 @@ def test_a_corrupt_model_rest_fails_the_load_on_every_rank(full):
             rest.write_bytes(bytes(raw))
         WORLD.barrier()
         e2.load_checkpoint(ckpt, tag="t", **kw)
-    finally:
-        WORLD.barrier()
-        if RANK == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
     assert unchanged
     assert params_equal(m2, model) and torch.equal(m2.counter, model.counter)
