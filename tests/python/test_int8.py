@@ -3,7 +3,8 @@ training, Jetfire-style per-block). Errors are checked against float64 reference
 derived from the quantization steps (a value rounded to nearest is off by at most half its scale; a
 stochastically rounded one by less than a whole scale), gradients against autograd of the float32
 nn.Linear, the outlier decomposition on a model with emergent outlier features, state dicts, the
-conversion helper, a small GPT trained with Int8Linear to within 2% of float32, and bad inputs.
+conversion helper, a small GPT trained with Int8Linear to within 2% of float32, FLOP counts, and bad
+inputs.
 """
 
 from __future__ import annotations
@@ -865,6 +866,55 @@ def test_flop_counter_on_meta_layers_counts_the_float_linear():
         y = model(x)
     assert y.is_meta and y.shape == (4, 9, 8)
     assert counter.get_total_flops() == 2 * 36 * (40 * 24 + 24 * 16 + 16 * 8)
+
+
+def _counted_flops(model, x, backward):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        y = model(x)
+        if backward:
+            y.float().sum().backward()
+    return counter.get_total_flops(), set(counter.get_flop_counts().get("Global", {}))
+
+
+@pytest.mark.parametrize("shape", [(6, 40), (2, 3, 40)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_flop_counter_on_cpu_inputs_counts_the_layers_as_float_linears(shape, bias):
+    # torch.utils.flop_counter on real CPU inputs: each int8 product counts 2 * m * n * k, forward and in
+    # backward, as torch counts nn.Linear's mm / addmm; quantizing, dequantizing and the epilogue count 0,
+    # as torch's elementwise ops (and nn.Linear's bias gradient sum) do. Linear8bitLt with int8 weights has
+    # no weight gradient, so it counts as an nn.Linear with a frozen weight; its outlier columns (column 3
+    # here, |x| = 40 >= 6) do not count twice. A meta layer given a meta input counts the same.
+    tokens = math.prod(shape[:-1])
+    layers = {  # name: (make on a device, trains its weight)
+        "Int8Linear exact": (lambda device: Int8Linear(40, 24, bias=bias, device=device), True),
+        "Int8Linear fast": (lambda device: Int8Linear(40, 24, bias=bias, gemm="fast", device=device), True),
+        "Linear8bitLt": (lambda device: Linear8bitLt(40, 24, bias=bias, device=device), False),
+        "Linear8bitLt fp16 weights": (lambda device: Linear8bitLt(40, 24, bias=bias, has_fp16_weights=True,
+                                                                  device=device), True),
+    }
+    int8_ops = {torch.ops.zero8.int8_block_matmul, torch.ops.zero8.int8_gemm, torch.ops.zero8.llm_int8_matmul,
+                torch.ops.aten.mm}  # aten.mm: Linear8bitLt's float straight-through backward
+    torch.manual_seed(46)
+    x0 = torch.randn(shape)
+    x0[..., 3] = 40.0
+    for name, (make, trains_weight) in layers.items():
+        ref = torch.nn.Linear(40, 24, bias=bias)
+        ref.weight.requires_grad_(trains_weight)
+        cpu, meta = make(None), make("meta")
+        for x_grad in (True, False):
+            products = 1 + x_grad + trains_weight
+            backward = x_grad or trains_weight or bias  # else nothing in the output needs a gradient
+            want = (2 * tokens * 40 * 24, 2 * tokens * 40 * 24 * products)
+            x_meta = torch.empty(shape, device="meta", requires_grad=x_grad)
+            for model, x in ((ref, x0.clone().requires_grad_(x_grad)), (cpu, x0.clone().requires_grad_(x_grad)),
+                             (meta, x_meta)):
+                runs = [(False, want[0])] + ([(True, want[1])] if backward else [])
+                for with_backward, total in runs:
+                    flops, ops = _counted_flops(model, x, with_backward)
+                    assert flops == total, (name, model, x_grad, with_backward)
+                    assert model is not cpu or ops <= int8_ops, (name, ops)
 
 
 def test_assign_keeps_the_float32_formats_a_copy_would_give():

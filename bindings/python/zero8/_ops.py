@@ -1,6 +1,7 @@
 """The int8 kernels of zero8._C as torch custom ops (namespace ``zero8``), so that ``torch.compile`` traces
 the int8 layers in one graph: each op runs its kernel as one opaque call, and its fake function gives the
-output shapes and dtypes without running it (FakeTensor tracing, meta tensors).
+output shapes and dtypes without running it (FakeTensor tracing, meta tensors). The ops that multiply
+matrices also have a FLOP formula, for ``torch.utils.flop_counter.FlopCounterMode``, which cannot see into them.
 
 Callers (zero8.nn.linear8bit's primitives) validate arguments and name them in errors; the ops take CPU
 tensors of the right dtypes and make 2-D operands contiguous (no copy when they are). Stochastic rounding
@@ -17,6 +18,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from . import _C
 from ._tensors import dtype_code, ptr
@@ -250,3 +252,36 @@ def _(qa, sa, qb_t, sb_t, block, out_dtype, bias, gemm):
 @llm_int8_matmul.register_fake
 def _(x, w_q, w_scale, w_fp, threshold, bias, gemm):
     return x.new_empty((x.shape[0], w_q.shape[0]), dtype=x.dtype)
+
+
+# ---------------------------------------------------------------- FLOP formulas (torch.utils.flop_counter)
+#
+# The three ops that multiply matrices count as the float product they compute, 2 * m * n * k, as torch
+# counts aten.mm (and aten._scaled_mm: no discount for int8 operands, nothing for the scaling epilogue).
+# So a layer counts what nn.Linear of its shape counts, and MFU keeps its usual meaning. LLM.int8's outlier
+# columns are not counted twice: the op computes one x @ W^T whatever the data. The quantize, dequantize
+# and epilogue ops are elementwise and have no formula: 0 flops, as torch counts its own elementwise ops.
+# torch copies its registry when a FlopCounterMode is made, so these count in modes made after zero8.nn
+# (which imports this module) is imported. torch passes each tensor argument to a formula as its shape.
+
+
+def _flops_mm(m, n, k):
+    return 2 * m * n * k
+
+
+@register_flop_formula(torch.ops.zero8.int8_gemm)
+def _flops_int8_gemm(a, b, b_trans, *args, out_shape=None, **kwargs):
+    m, k = a
+    return _flops_mm(m, b[0] if b_trans else b[1], k)
+
+
+@register_flop_formula(torch.ops.zero8.int8_block_matmul)
+def _flops_int8_block_matmul(qa, sa, qb_t, *args, out_shape=None, **kwargs):
+    m, k = qa
+    return _flops_mm(m, qb_t[0], k)
+
+
+@register_flop_formula(torch.ops.zero8.llm_int8_matmul)
+def _flops_llm_int8_matmul(x, w_q, *args, out_shape=None, **kwargs):
+    m, k = x
+    return _flops_mm(m, w_q[0], k)
