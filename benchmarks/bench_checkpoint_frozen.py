@@ -1,7 +1,9 @@
 """The cost of a large frozen tensor in engine checkpoints, as in a LoRA-style job: a frozen embedding of
 --mb megabytes (float32) and a small trained adapter. Times save_checkpoint and load_checkpoint and
 measures each one's peak resident memory above what the process held before it (sampled every 2 ms from
-/proc/self/statm, so a short spike may be missed by up to that much). --cold evicts the tag's files from
+/proc/self/statm, so a short spike may be missed by up to that much): all of it (RSS), and its anonymous
+part, the memory the process allocated, without the pages of files it maps (which are the page cache,
+shared by the ranks of a machine and dropped under memory pressure). --cold evicts the tag's files from
 the page cache before each load (posix_fadvise DONTNEED by rank 0), so the load reads them from the disk.
 Prints a table and a final JSON line.
 
@@ -27,13 +29,17 @@ from zero8.engine import world_comm
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def rss() -> int:
+def rss() -> tuple[int, int]:
+    """Resident bytes: all, and anonymous (resident minus the file-backed and shared pages)."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
+        fields = f.read().split()
+    resident, shared = int(fields[1]) * _PAGE, int(fields[2]) * _PAGE
+    return resident, resident - shared
 
 
 class PeakRss:
-    """Peak resident bytes above the level at entry, sampled in a thread while the block runs."""
+    """Peak resident bytes above the level at entry (all, and anonymous), sampled in a thread while the
+    block runs."""
 
     def __enter__(self):
         self.base = self.peak = rss()
@@ -44,14 +50,19 @@ class PeakRss:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, rss())
+            self._take()
             time.sleep(0.002)
+
+    def _take(self) -> None:
+        now = rss()
+        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss())
-        self.above = self.peak - self.base
+        self._take()
+        self.above = self.peak[0] - self.base[0]
+        self.anon_above = self.peak[1] - self.base[1]
 
 
 def evict(tag_dir: str) -> None:
@@ -99,7 +110,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="zero8-bench-ckpt-") if own_dir and rank0 else args.dir
     if own_dir and engine.world_size > 1:  # every rank must use rank 0's directory
         root = world_comm().all_gather_bytes((root or "").encode())[0].decode()
-    save_s, load_s, save_mb, load_mb = [], [], [], []
+    save_s, load_s, save_mb, load_mb, save_anon_mb, load_anon_mb = [], [], [], [], [], []
     try:
         for i in range(args.repeat):
             t0 = time.perf_counter()
@@ -107,6 +118,7 @@ def main() -> None:
                 engine.save_checkpoint(root, tag=f"t{i}")
             save_s.append(time.perf_counter() - t0)
             save_mb.append(m.above / 1e6)
+            save_anon_mb.append(m.anon_above / 1e6)
             if args.cold and rank0:  # the other ranks wait for rank 0 inside the load
                 evict(os.path.join(root, f"t{i}"))
             t0 = time.perf_counter()
@@ -114,6 +126,7 @@ def main() -> None:
                 engine.load_checkpoint(root, tag=f"t{i}")
             load_s.append(time.perf_counter() - t0)
             load_mb.append(m.above / 1e6)
+            load_anon_mb.append(m.anon_above / 1e6)
     finally:
         if own_dir and rank0:
             shutil.rmtree(root, ignore_errors=True)
@@ -121,10 +134,13 @@ def main() -> None:
     result = {"rank": engine.global_rank, "world": engine.world_size, "frozen_mb": round(frozen_mb, 1),
               "cold": args.cold,
               "save_s": round(min(save_s), 3), "save_peak_rss_mb": round(min(save_mb), 1),
-              "load_s": round(min(load_s), 3), "load_peak_rss_mb": round(min(load_mb), 1)}
+              "save_peak_anon_mb": round(min(save_anon_mb), 1),
+              "load_s": round(min(load_s), 3), "load_peak_rss_mb": round(min(load_mb), 1),
+              "load_peak_anon_mb": round(min(load_anon_mb), 1)}
     print(f"rank {result['rank']}/{result['world']}: frozen {frozen_mb:.0f} MB | save {result['save_s']:.3f} s, "
-          f"peak RSS +{result['save_peak_rss_mb']:.0f} MB | load {result['load_s']:.3f} s, peak RSS "
-          f"+{result['load_peak_rss_mb']:.0f} MB{' from the disk' if args.cold else ''} (best of {args.repeat})",
+          f"peak RSS +{result['save_peak_rss_mb']:.0f} MB (anonymous +{result['save_peak_anon_mb']:.0f} MB) | "
+          f"load {result['load_s']:.3f} s, peak RSS +{result['load_peak_rss_mb']:.0f} MB (anonymous "
+          f"+{result['load_peak_anon_mb']:.0f} MB){' from the disk' if args.cold else ''} (best of {args.repeat})",
           flush=True)
     print(json.dumps(result), flush=True)
 

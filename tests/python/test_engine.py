@@ -974,7 +974,12 @@ def test_resumed_hyperparameters_that_differ_from_the_config_warn(tmp_path):
 
 
 class _PeakRss:
-    """Peak resident bytes of this process above the level at entry, sampled every millisecond."""
+    """Peak resident bytes of this process above the level at entry, sampled every millisecond; with
+    ``anonymous``, its anonymous part only (resident minus file-backed and shared pages: what the process
+    allocated, without the page cache of the files it maps)."""
+
+    def __init__(self, anonymous: bool = False):
+        self.anonymous = anonymous
 
     def __enter__(self):
         import threading
@@ -985,10 +990,11 @@ class _PeakRss:
         self._thread.start()
         return self
 
-    @staticmethod
-    def _rss() -> int:
+    def _rss(self) -> int:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            fields = f.read().split()
+        pages = int(fields[1]) - (int(fields[2]) if self.anonymous else 0)
+        return pages * os.sysconf("SC_PAGE_SIZE")
 
     def _sample(self):
         import time
@@ -1021,6 +1027,43 @@ def test_a_large_frozen_tensor_costs_one_copy_to_save(tmp_path):
     assert rest[-size:] == model.frozen.detach().numpy().tobytes()
     assert torch.equal(torch.load(tmp_path / "t" / MODEL_STATES_FILE, weights_only=True)["module"]["frozen"],
                        model.frozen)
+
+
+def _mapped(path: Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(str(path)) for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc")
+@pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
+def test_a_large_frozen_tensor_is_loaded_without_a_copy(tmp_path, full):
+    # Every rank reads the .pt file: a plain torch.load put all of it in memory, so a 200 MB frozen
+    # embedding cost each rank 200 MB more during a load. Mapped from the file, the tensors are copied
+    # into the module from the page cache (file-backed pages, not counted here), and the mapping is gone
+    # when the load returns, also after a load that failed. (benchmarks/bench_checkpoint_frozen.py
+    # measures 300 MB.)
+    model = make_model(0)
+    model.register_parameter("frozen", torch.nn.Parameter(torch.randn(50 << 20), requires_grad=False))
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+    train_engine(engine, DATA, 1, B)
+    rng = torch.get_rng_state()
+    engine.save_checkpoint(tmp_path, tag="t", client_state={"rng": rng})
+    saved = model.frozen.detach().clone()
+    kw = {} if full else {"load_optimizer_states": False, "load_module_only": True}
+    pt = tmp_path / "t" / MODEL_STATES_FILE
+    with torch.no_grad():
+        model.frozen.zero_()
+    size = model.frozen.numel() * 4
+    with _PeakRss(anonymous=True) as m:
+        _, client_state = engine.load_checkpoint(tmp_path, tag="t", **kw)
+    assert m.above < size / 4, f"load_checkpoint took {m.above / 1e6:.0f} MB more for a {size / 1e6:.0f} MB tensor"
+    assert torch.equal(model.frozen, saved)
+    assert torch.equal(client_state["rng"], rng)  # a tensor of the file, copied out of it
+    assert not _mapped(pt), "the loaded model states still map the file"
+    model.register_buffer("extra", torch.zeros(3))  # a key the checkpoint lacks: a strict load fails
+    with pytest.raises(zero8.Zero8ValueError, match="lacks module keys"):
+        engine.load_checkpoint(tmp_path, tag="t", **kw)
+    assert not _mapped(pt), "a failed load left the file mapped"
 
 
 def test_the_model_states_file_is_what_copies_of_every_entry_gave(tmp_path, monkeypatch):

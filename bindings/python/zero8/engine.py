@@ -53,6 +53,8 @@ MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 _LOADED_KEYS_MODULE_ONLY = ("module",)
 _LOADED_KEYS = ("module", "sparse_tensor_module_names", "skipped_steps", "global_steps", "dp_world_size",
                 "mp_world_size", "data_sampler", "random_ltd")
+# torch.nn.Module.state_dict's key suffix for a module's get_extra_state().
+_EXTRA_STATE_SUFFIX = "_extra_state"
 _ENGINE_STATE_FORMAT = "zero8-engine"
 _ENGINE_STATE_VERSION = 1
 # The torch dtypes the checkpoint's model_rest.safetensors stores (frozen parameters and buffers), by
@@ -1180,7 +1182,10 @@ class Zero8Engine(torch.nn.Module):
         mine = b"" if error is None else f"{type(error).__name__}\n{error}".encode()
         reports = self._dp.all_gather_bytes(mine)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # the error's traceback holds this frame: no cycle keeping what its frames hold
+                error = None
         first = next(r for r, b in enumerate(reports) if b)
         kind, _, message = reports[first].decode(errors="replace").partition("\n")
         raise _error_class(kind)(f"{what}: rank {first} failed: {message}")
@@ -1371,15 +1376,25 @@ class Zero8Engine(torch.nn.Module):
 
     @staticmethod
     def _read_model_states(tag_path: str) -> dict:
+        """The model-states file, its module tensors mapped from the file (torch.load with mmap) rather than
+        read into memory: the load copies them into the module (the frozen parameters and buffers, or every
+        entry without the optimizer states) straight from the page cache, so a large frozen tensor costs no
+        rank a copy of its own. Everything else (the caller's client_state, the LR scheduler's state, a
+        module's extra state) may outlive the load, so it is copied out of the mapping here: the mapping goes
+        with the last module tensor, when the load returns."""
         path = os.path.join(tag_path, MODEL_STATES_FILE)
-        # Our own file; client_state may hold arbitrary picklable objects, as in DeepSpeed.
+        # Our own file; client_state may hold arbitrary picklable objects, as in DeepSpeed. torch.save's
+        # zipfile format (the only one zero8 writes) is what mmap needs.
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except FileNotFoundError:
             raise
         except Exception as e:
             raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
                                   f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
+        if not isinstance(states, dict):
+            return copy.deepcopy(states)
+        return {k: _module_entries_mapped(v) if k == "module" else copy.deepcopy(v) for k, v in states.items()}
 
     def _check_module_states(self, module_sd: dict, strict: bool, managed_too: bool) -> list:
         """The module entries a load will copy exist (strict) and have this model's shapes. managed_too:
@@ -1467,6 +1482,15 @@ def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
         return t.clone()
     seen.add(ptr)
     return t
+
+
+def _module_entries_mapped(module_sd):
+    """A loaded module state_dict with its tensors left in the file's mapping and its other entries (a
+    module's extra state, which set_extra_state may keep) copied out of it."""
+    if not isinstance(module_sd, dict):
+        return copy.deepcopy(module_sd)
+    return {k: v if isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE_SUFFIX) else copy.deepcopy(v)
+            for k, v in module_sd.items()}
 
 
 def _same_hyper(a, b) -> bool:
