@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -57,6 +58,11 @@ _LOADED_KEYS = ("module", "sparse_tensor_module_names", "skipped_steps", "global
 _EXTRA_STATE_SUFFIX = "_extra_state"
 _ENGINE_STATE_FORMAT = "zero8-engine"
 _ENGINE_STATE_VERSION = 1
+# The words of the C++ layout check (zero8/src/checkpoint.cpp, ckpt::load) for a parameter in another hyper
+# group than in the checkpoint, where the engine says which of the two are override groups
+# (Zero8Engine._hyper_groups_named).
+_HYPER_GROUP_MISMATCH = re.compile(
+    r"is in param group (?P<saved>\d+) in the checkpoint, param group (?P<here>\d+) here")
 # The torch dtypes the checkpoint's model_rest.safetensors stores (frozen parameters and buffers), by
 # their safetensors names.
 _SAFETENSORS_DTYPES = {
@@ -1104,6 +1110,8 @@ class Zero8Engine(torch.nn.Module):
         state = {
             "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
             "optimizer": self.optimizer.state_dict()["param_groups"], "client_keys": list(client_state),
+            "override_groups": [{"param_group": gi, "overrides": _jsonable(over)}
+                                for gi, over in self._override_groups],
         }
         for key, value in (("lr_scheduler", sched_state), ("client_state", client_state)):
             if _json_exact(value):
@@ -1312,8 +1320,14 @@ class Zero8Engine(torch.nn.Module):
                           copies=copies, sched=sched)
 
         if full:
-            res = _C.checkpoint_load(self._opt, load_dir, tag, True,
-                                     lambda r: stage(r["path"], r["client_state_json"]))
+            try:
+                res = _C.checkpoint_load(self._opt, load_dir, tag, True,
+                                         lambda r: stage(r["path"], r["client_state_json"]))
+            except _C.Zero8IOError as e:
+                named = self._hyper_groups_named(str(e), load_dir, tag)
+                if named is None:
+                    raise
+                raise _C.Zero8IOError(named) from None
             if self.global_rank == 0:
                 for w in res.get("warnings", []):
                     warnings.warn(f"load_checkpoint: {w}", stacklevel=2)
@@ -1357,6 +1371,39 @@ class Zero8Engine(torch.nn.Module):
         self._backward_done = False
         return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
             model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
+
+    def _hyper_groups_named(self, message: str, load_dir: str, tag: str) -> str | None:
+        """The C++ layout check's error for a parameter in another hyper group (_HYPER_GROUP_MISMATCH), with
+        the override groups among its numbers said for what they are; None for another error, or one about
+        param groups only. The C++ load numbers the hyper groups without knowing that those after the param
+        groups are override groups (_override_hyper_groups): a user with one param group would not know
+        "param group 1". The checkpoint's param groups and overrides are in its engine state, read here from
+        the manifest (the load failed before handing it over)."""
+        m = _HYPER_GROUP_MISMATCH.search(message)
+        if m is None:
+            return None
+        saved, here = int(m["saved"]), int(m["here"])
+        saved_what = here_what = None
+        state = _saved_engine_state(load_dir, tag)
+        saved_groups = state.get("optimizer") if state is not None else None
+        if isinstance(saved_groups, list) and saved >= len(saved_groups):
+            recorded = state.get("override_groups")
+            k = saved - len(saved_groups)
+            g = recorded[k] if isinstance(recorded, list) and k < len(recorded) else None
+            if isinstance(g, dict) and isinstance(g.get("overrides"), dict):
+                saved_what = _override_group_text(g.get("param_group"), g["overrides"])
+            else:  # a checkpoint of an engine that did not record its overrides
+                saved_what = f"an override group, numbered after the checkpoint's {len(saved_groups)} param group(s)"
+        n = len(self.optimizer.param_groups)
+        if here >= n:
+            here_what = _override_group_text(*self._override_groups[here - n])
+        if saved_what is None and here_what is None:
+            return None
+        head = (f"is in {'group' if saved_what else 'param group'} {saved} in the checkpoint, "
+                f"{'group' if here_what else 'param group'} {here} here")
+        what = ([f"group {saved} in the checkpoint is {saved_what}"] if saved_what else []) + (
+            [f"group {here} here is {here_what}"] if here_what else [])
+        return f"{message[:m.start()]}{head}, where {' and '.join(what)}{message[m.end():]}"
 
     @staticmethod
     def _returned_client_state(model_states: dict, state: dict | None, load_module_only: bool,
@@ -1482,6 +1529,24 @@ def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
         return t.clone()
     seen.add(ptr)
     return t
+
+
+def _override_group_text(param_group, overrides) -> str:
+    """What an override group is, for errors: its param group and the overrides (JSON lists as tuples)."""
+    shown = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    return f"the override group of param group {param_group} for parameters with override_config {shown}"
+
+
+def _saved_engine_state(load_dir: str, tag: str) -> dict | None:
+    """The engine state in a checkpoint's manifest (its client state), for an error's details: None when it
+    cannot be read or is not the engine's."""
+    try:
+        path = _C.checkpoint_tag_path(load_dir, tag or _C.latest_read(load_dir))
+        with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
+            state = json.load(f).get("client_state")
+    except (OSError, ValueError, AttributeError, _C.Zero8IOError):
+        return None
+    return state if isinstance(state, dict) and state.get("format") == _ENGINE_STATE_FORMAT else None
 
 
 def _module_entries_mapped(module_sd):
