@@ -110,26 +110,24 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="zero8-bench-ckpt-") if own_dir and rank0 else args.dir
     if own_dir and engine.world_size > 1:  # every rank must use rank 0's directory
         root = world_comm().all_gather_bytes((root or "").encode())[0].decode()
-    save_s, load_s, save_mb, load_mb, save_anon_mb, load_anon_mb = [], [], [], [], [], []
+    def measured(call) -> tuple:
+        """(seconds, peak RSS above the start in MB, its anonymous part in MB) of one call."""
+        t0 = time.perf_counter()
+        with PeakRss() as m:
+            call()
+        return time.perf_counter() - t0, m.above / 1e6, m.anon_above / 1e6
+
+    saves, loads = [], []
     try:
         for i in range(args.repeat):
-            t0 = time.perf_counter()
-            with PeakRss() as m:
-                engine.save_checkpoint(root, tag=f"t{i}")
-            save_s.append(time.perf_counter() - t0)
-            save_mb.append(m.above / 1e6)
-            save_anon_mb.append(m.anon_above / 1e6)
+            saves.append(measured(lambda: engine.save_checkpoint(root, tag=f"t{i}")))
             if args.cold and rank0:  # the other ranks wait for rank 0 inside the load
                 evict(os.path.join(root, f"t{i}"))
-            t0 = time.perf_counter()
-            with PeakRss() as m:
-                engine.load_checkpoint(root, tag=f"t{i}")
-            load_s.append(time.perf_counter() - t0)
-            load_mb.append(m.above / 1e6)
-            load_anon_mb.append(m.anon_above / 1e6)
+            loads.append(measured(lambda: engine.load_checkpoint(root, tag=f"t{i}")))
     finally:
         if own_dir and rank0:
             shutil.rmtree(root, ignore_errors=True)
+    (save_s, save_mb, save_anon_mb), (load_s, load_mb, load_anon_mb) = zip(*saves), zip(*loads)
     frozen_mb = engine.module.embed.weight.numel() * 4 / 1e6
     result = {"rank": engine.global_rank, "world": engine.world_size, "frozen_mb": round(frozen_mb, 1),
               "cold": args.cold,
