@@ -600,6 +600,30 @@ def test_global_overrides_with_the_config_optimizer_and_resume(tmp_path):
     assert params_equal(m3, plain.module)
 
 
+def test_changed_override_values_resume_with_a_warning(tmp_path):
+    # The same overridden parameters with other values: the layout matches, the optimizer states load, and
+    # the engine's own overrides apply; the warning names the group and both values. Equal values: silent.
+    mng = zero8.optim.GlobalOptimManager.get_instance()
+
+    def build(seed, lr):
+        model = make_model(seed)
+        mng.override_config(model[2].weight, key_value_dict={"lr": lr})
+        engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+        return engine
+
+    engine = build(0, 1e-2)
+    train_engine(engine, DATA, 1, B)
+    engine.save_checkpoint(tmp_path, tag="t")
+    with pytest.warns(UserWarning, match=r"group 1: \{'lr': 0.01\} in the checkpoint, \{'lr': 0.02\} here "
+                                         r"\(param group 0\)"):
+        changed = build(1, 2e-2)
+        changed.load_checkpoint(tmp_path, tag="t")
+    assert changed._override_groups == [(0, {"lr": 2e-2})]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build(1, 1e-2).load_checkpoint(tmp_path, tag="t")
+
+
 def test_stable_embedding_weight_keeps_fp32_states():
     class Net(torch.nn.Module):
         def __init__(self):

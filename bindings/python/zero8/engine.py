@@ -1303,6 +1303,7 @@ class Zero8Engine(torch.nn.Module):
             if not isinstance(state, dict) or state.get("format") != _ENGINE_STATE_FORMAT:
                 state = None
             hyper_changes: list[str] = []
+            override_changes: list[str] = []
             sched = None
             if state is not None and not load_module_only:
                 src = f"{os.path.join(path, 'manifest.json')}: client_state"
@@ -1310,6 +1311,7 @@ class Zero8Engine(torch.nn.Module):
                 if load_optimizer_states:
                     hyper_changes = self._checked_resumed_groups(state.get("optimizer", []), src,
                                                                  load_lr_scheduler_states)
+                    override_changes = self._override_changes(state.get("override_groups"))
                 if load_lr_scheduler_states and self.lr_scheduler is not None:
                     sched = state.get("lr_scheduler")
                     if state.get("lr_scheduler_in_model_states"):
@@ -1317,7 +1319,7 @@ class Zero8Engine(torch.nn.Module):
                     if sched is not None:
                         self._check_scheduler_state(sched, path)
             staged.update(path=path, model_states=model_states, state=state, hyper_changes=hyper_changes,
-                          copies=copies, sched=sched)
+                          override_changes=override_changes, copies=copies, sched=sched)
 
         if full:
             try:
@@ -1359,6 +1361,12 @@ class Zero8Engine(torch.nn.Module):
                         f"was configured with: {'; '.join(staged['hyper_changes'])}. As in DeepSpeed, the "
                         "checkpoint wins; to train with the new values, set them in engine.optimizer.param_groups "
                         "after loading", stacklevel=2)
+                if staged["override_changes"] and self.global_rank == 0:
+                    warnings.warn(
+                        "load_checkpoint: this engine's per-parameter overrides differ from the checkpoint's: "
+                        f"{'; '.join(staged['override_changes'])}. The optimizer states were loaded and this "
+                        "engine's overrides apply (override_config is read at initialize, as bitsandbytes reads it "
+                        "at every step)", stacklevel=2)
             if staged["sched"] is not None:
                 self.lr_scheduler.load_state_dict(staged["sched"])
             self._apply_hyper()
@@ -1371,6 +1379,21 @@ class Zero8Engine(torch.nn.Module):
         self._backward_done = False
         return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
             model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
+
+    def _override_changes(self, recorded) -> list[str]:
+        """The override groups whose overrides differ from the checkpoint's record of them (its engine state's
+        override_groups; the count matched, or the C++ layout check failed). Empty for a checkpoint saved
+        before the engine recorded them."""
+        if not isinstance(recorded, list):
+            return []
+        changes = []
+        for k, ((gi, over), saved) in enumerate(zip(self._override_groups, recorded)):
+            here = {"param_group": gi, "overrides": _jsonable(over)}
+            if saved != here:
+                h = len(self.optimizer.param_groups) + k
+                changes.append(f"group {h}: {saved.get('overrides') if isinstance(saved, dict) else saved} in the "
+                               f"checkpoint, {here['overrides']} here (param group {gi})")
+        return changes
 
     def _hyper_groups_named(self, message: str, load_dir: str, tag: str) -> str | None:
         """The C++ layout check's error for a parameter in another hyper group (_HYPER_GROUP_MISMATCH), with
