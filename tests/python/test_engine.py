@@ -1183,6 +1183,20 @@ def test_client_and_scheduler_states_come_back_as_saved(tmp_path):
     assert e2.get_lr() == engine.get_lr() == [pytest.approx(3e-5)]
 
 
+def test_client_state_tensors_that_share_storage_still_share_it(tmp_path):
+    # As torch.load gives them (and DeepSpeed returns them): one tensor under two keys is one tensor, and a
+    # view shares its base's storage, not a copy of it each (the file is mapped; these are copied out).
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=EXACT))
+    t = torch.arange(10.0)
+    engine.save_checkpoint(tmp_path, client_state={"ema": t, "head": t[:3], "same": t})
+    e2, _, _, _ = zero8.initialize(model=make_model(1), config=config(zero8=EXACT))
+    _, got = e2.load_checkpoint(tmp_path)
+    assert got["same"] is got["ema"] and torch.equal(got["ema"], t)
+    assert got["head"].untyped_storage().data_ptr() == got["ema"].untyped_storage().data_ptr()
+    got["ema"] += 1
+    assert got["head"].tolist() == [1.0, 2.0, 3.0]
+
+
 def test_a_scheduler_state_of_another_kind_fails_the_load_before_anything_changes(tmp_path):
     # A checkpoint of a torch StepLR run loaded into an engine with the config's WarmupLR (or a LambdaLR,
     # as Hugging Face's linear warmup, loading a config scheduler's state): the scheduler refuses the

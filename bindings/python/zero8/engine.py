@@ -1464,7 +1464,10 @@ class Zero8Engine(torch.nn.Module):
                                   f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
         if not isinstance(states, dict):
             return copy.deepcopy(states)
-        return {k: _module_entries_mapped(v) if k == "module" else copy.deepcopy(v) for k, v in states.items()}
+        # One deepcopy of every other key, so that entries sharing a tensor or a storage (client_state
+        # {"ema": t, "head": t[:3]}) still share it, as torch.load gives them.
+        rest = copy.deepcopy({k: v for k, v in states.items() if k != "module"})
+        return {k: _module_entries_mapped(v) if k == "module" else rest[k] for k, v in states.items()}
 
     def _check_module_states(self, module_sd: dict, strict: bool, managed_too: bool) -> list:
         """The module entries a load will copy exist (strict) and have this model's shapes. managed_too:
