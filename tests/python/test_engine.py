@@ -600,6 +600,18 @@ def test_global_overrides_with_the_config_optimizer_and_resume(tmp_path):
     assert params_equal(m3, plain.module)
 
 
+def test_equal_overrides_spelled_differently_share_a_group():
+    # 0 and 0.0, a list and a tuple of betas: the same values, one override group (not one per spelling,
+    # which a resume spelling them otherwise would find as another layout).
+    mng = zero8.optim.GlobalOptimManager.get_instance()
+    model = make_model()
+    mng.override_config(model[0].weight, key_value_dict={"weight_decay": 0, "betas": [0.8, 0.99]})
+    mng.override_config(model[2].weight, key_value_dict={"weight_decay": 0.0, "betas": (0.8, 0.99)})
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+    assert len(engine._override_groups) == 1
+    assert engine._opt.num_hyper_groups == 2
+
+
 def test_changed_override_values_resume_with_a_warning(tmp_path):
     # The same overridden parameters with other values: the layout matches, the optimizer states load, and
     # the engine's own overrides apply; the warning names the group and both values. Equal values: silent.

@@ -700,7 +700,7 @@ class Zero8Engine(torch.nn.Module):
             if not over:
                 out.append(gi)
                 continue
-            key = (gi, repr(sorted(over.items())))
+            key = (gi, _override_key(over))
             if key not in known:
                 known[key] = len(hypers)
                 self._override_groups.append((gi, over))
@@ -1555,6 +1555,18 @@ def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
         return t.clone()
     seen.add(ptr)
     return t
+
+
+def _override_key(overrides: dict) -> str:
+    """The overrides as a key that equal values share however they are spelled (0 and 0.0, a list and a
+    tuple of betas), so that they make one override group."""
+    def norm(v):
+        if isinstance(v, (list, tuple)):
+            return tuple(norm(x) for x in v)
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return repr(sorted((k, norm(v)) for k, v in overrides.items()))
 
 
 def _override_group_text(param_group, overrides) -> str:
