@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -67,8 +68,32 @@ std::string time_text(double unix_s) {
   return buf;
 }
 
+// What zero8.engine's state in the manifest's client_state says about the hyper groups: how many are
+// param groups (the engine numbers its per-parameter override groups after them) and, for each override
+// group, "override of param group G, {overrides}". param_groups -1: not an engine's checkpoint.
+struct EngineGroups {
+  int64_t param_groups = -1;
+  std::vector<std::string> overrides;
+};
+
+EngineGroups engine_groups(const ckpt::Manifest& m) {
+  EngineGroups g;
+  const nlohmann::json cs = nlohmann::json::parse(m.client_state, nullptr, /*allow_exceptions=*/false);
+  if (!cs.is_object() || cs.value("format", "") != "zero8-engine" || !cs.contains("optimizer") || !cs["optimizer"].is_array())
+    return g;
+  g.param_groups = int64_t(cs["optimizer"].size());
+  const auto og = cs.find("override_groups");
+  if (og != cs.end() && og->is_array())
+    for (const nlohmann::json& o : *og)
+      g.overrides.push_back(o.is_object() ? "override of param group " + o.value("param_group", nlohmann::json()).dump() + ", " +
+                                                o.value("overrides", nlohmann::json::object()).dump()
+                                          : o.dump());
+  return g;
+}
+
 // The param groups (hyper groups: each with its own hyperparameters) with their tensors and elements,
-// and the padding their runs add to the state groups (each run starts on a state block).
+// and the padding their runs add to the state groups (each run starts on a state block). An engine's
+// override groups are told apart from its param groups.
 std::string param_groups_text(const ckpt::Manifest& m) {
   std::map<int, std::pair<int64_t, int64_t>> per;  // group -> tensors, elements
   int64_t used[2] = {0, 0};
@@ -78,11 +103,18 @@ std::string param_groups_text(const ckpt::Manifest& m) {
     e.second += p.numel;
     used[p.group == m.groups[0].name ? 0 : 1] += p.numel;
   }
-  std::string t = "param groups: " + std::to_string(per.size());
+  const EngineGroups eg = engine_groups(m);
+  int64_t overridden = 0;
+  for (const auto& [g, e] : per) overridden += eg.param_groups >= 0 && g >= eg.param_groups;
+  std::string t = "param groups: " + std::to_string(int64_t(per.size()) - overridden);
+  if (overridden) t += ", override groups: " + std::to_string(overridden);
   if (per.size() > 1) {
     const char* sep = " (";
     for (const auto& [g, e] : per) {
-      t += sep + std::to_string(g) + ": " + std::to_string(e.first) + " tensors, " + std::to_string(e.second) + " elements";
+      t += sep + std::to_string(g);
+      const int64_t k = eg.param_groups >= 0 ? g - eg.param_groups : -1;
+      if (k >= 0) t += " [" + (k < int64_t(eg.overrides.size()) ? eg.overrides[size_t(k)] : std::string("override group")) + "]";
+      t += ": " + std::to_string(e.first) + " tensors, " + std::to_string(e.second) + " elements";
       sep = "; ";
     }
     t += ")";

@@ -612,6 +612,21 @@ def test_equal_overrides_spelled_differently_share_a_group():
     assert engine._opt.num_hyper_groups == 2
 
 
+def test_inspect_tells_override_groups_from_param_groups(tmp_path):
+    # The manifest numbers the override groups after the param groups; the tool reads the engine's state
+    # to say which is which (one param group here, not two).
+    if not _tool().is_file():
+        pytest.skip(f"no zero8-checkpoint in {_tool().parent} (run scripts/build.sh, or set ZERO8_BUILD_DIR)")
+    model = make_model()
+    zero8.optim.GlobalOptimManager.get_instance().override_config(model[2].weight, key_value_dict={"lr": 0.01})
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8))
+    engine.save_checkpoint(tmp_path, tag="t")
+    r = subprocess.run([str(_tool()), "inspect", str(tmp_path / "t")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"param groups: 1, override groups: 1 \(0: \d+ tensors, \d+ elements; "
+                     r'1 \[override of param group 0, \{"lr":0.01\}\]: 1 tensors, 8192 elements\)', r.stdout), r.stdout
+
+
 def test_changed_override_values_resume_with_a_warning(tmp_path):
     # The same overridden parameters with other values: the layout matches, the optimizer states load, and
     # the engine's own overrides apply; the warning names the group and both values. Equal values: silent.
