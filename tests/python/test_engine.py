@@ -1210,6 +1210,26 @@ def test_client_and_scheduler_states_come_back_as_saved(tmp_path):
     assert e2.get_lr() == engine.get_lr() == [pytest.approx(3e-5)]
 
 
+def test_a_model_states_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
+    # Some file systems (FUSE mounts) cannot map files: the load reads the file instead, and says so.
+    model = make_model()
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=EXACT))
+    train_engine(engine, DATA, 1, B)
+    engine.save_checkpoint(tmp_path, client_state={"epoch": 3})
+    real_load = torch.load
+
+    def no_mmap(*args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError("mmap: operation not supported")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", no_mmap)
+    e2, _, _, _ = zero8.initialize(model=make_model(1), config=config(zero8=EXACT))
+    with pytest.warns(UserWarning, match="could not be mapped .*mmap: operation not supported.*read into memory"):
+        _, client = e2.load_checkpoint(tmp_path)
+    assert client["epoch"] == 3 and params_equal(e2.module, model)
+
+
 def test_client_state_tensors_that_share_storage_still_share_it(tmp_path):
     # As torch.load gives them (and DeepSpeed returns them): one tensor under two keys is one tensor, and a
     # view shares its base's storage, not a copy of it each (the file is mapped; these are copied out).

@@ -1459,9 +1459,15 @@ class Zero8Engine(torch.nn.Module):
             states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except FileNotFoundError:
             raise
-        except Exception as e:
-            raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
-                                  f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
+        except Exception as mapped_error:
+            # A file system that cannot map files (some FUSE mounts) still reads it: load it into memory.
+            try:
+                states = torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as e:
+                raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
+                                      f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
+            warnings.warn(f"load_checkpoint: {path} could not be mapped ({type(mapped_error).__name__}: "
+                          f"{mapped_error}), so it was read into memory", stacklevel=3)
         if not isinstance(states, dict):
             return copy.deepcopy(states)
         # One deepcopy of every other key, so that entries sharing a tensor or a storage (client_state
