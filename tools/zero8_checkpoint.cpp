@@ -79,15 +79,17 @@ struct EngineGroups {
 EngineGroups engine_groups(const ckpt::Manifest& m) {
   EngineGroups g;
   const nlohmann::json cs = nlohmann::json::parse(m.client_state, nullptr, /*allow_exceptions=*/false);
-  if (!cs.is_object() || cs.value("format", "") != "zero8-engine" || !cs.contains("optimizer") || !cs["optimizer"].is_array())
-    return g;
-  g.param_groups = int64_t(cs["optimizer"].size());
+  if (!cs.is_object()) return g;
+  const auto format = cs.find("format"), groups = cs.find("optimizer");
+  if (format == cs.end() || *format != "zero8-engine" || groups == cs.end() || !groups->is_array()) return g;
+  g.param_groups = int64_t(groups->size());
   const auto og = cs.find("override_groups");
   if (og != cs.end() && og->is_array())
-    for (const nlohmann::json& o : *og)
-      g.overrides.push_back(o.is_object() ? "override of param group " + o.value("param_group", nlohmann::json()).dump() + ", " +
-                                                o.value("overrides", nlohmann::json::object()).dump()
-                                          : o.dump());
+    for (const nlohmann::json& o : *og) {
+      const auto pg = o.is_object() ? o.find("param_group") : o.end(), ov = o.is_object() ? o.find("overrides") : o.end();
+      g.overrides.push_back(pg != o.end() && ov != o.end() ? "override of param group " + pg->dump() + ", " + ov->dump()
+                                                           : o.dump());
+    }
   return g;
 }
 

@@ -625,6 +625,14 @@ def test_inspect_tells_override_groups_from_param_groups(tmp_path):
     assert r.returncode == 0, r.stderr
     assert re.search(r"param groups: 1, override groups: 1 \(0: \d+ tensors, \d+ elements; "
                      r'1 \[override of param group 0, \{"lr":0.01\}\]: 1 tensors, 8192 elements\)', r.stdout), r.stdout
+    # A client state that is not the engine's, with keys of other types: the groups are counted as they are.
+    manifest = tmp_path / "t" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["client_state"] = {"format": 3, "optimizer": 5}
+    del m["manifest_xxh3"]
+    manifest.write_text(json.dumps(m))
+    r = subprocess.run([str(_tool()), "inspect", str(tmp_path / "t")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "param groups: 2 (0: " in r.stdout, r.stdout + r.stderr
 
 
 def test_changed_override_values_resume_with_a_warning(tmp_path):
