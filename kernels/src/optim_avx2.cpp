@@ -29,6 +29,8 @@ struct V256 {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
   // 1 where u > 0, -1 where u < 0, else 0 (also NaN), as the scalar rule.
   static F sign(F u) {
     const F gt = _mm256_cmp_ps(u, zero(), _CMP_GT_OQ), lt = _mm256_cmp_ps(u, zero(), _CMP_LT_OQ);

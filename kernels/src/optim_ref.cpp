@@ -3,6 +3,7 @@
 // the CUDA kernels are checked against; also the algorithm tables, the step constants and the trust ratio.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "codec_internal.h"
@@ -66,6 +67,9 @@ OptimConsts optim_consts(Algo a, const Hyper& h) {
   c.first_step = h.step <= 1;
   c.nesterov = h.nesterov;
   c.momentum = h.beta1 != 0.0f;
+  const double b1 = h.beta1, b2 = h.beta2;
+  c.ratio_max = adam_like && b1 * b1 < b2 ? float((1.0 - b1) / std::sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2)))
+                                          : std::numeric_limits<float>::infinity();
   return c;
 }
 

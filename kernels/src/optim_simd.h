@@ -28,14 +28,22 @@ int simd_dtype_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
 template <class V>
 struct VConsts {
   using F = typename V::F;
-  F gs, lr, b1, b1c, b2, b2c, eps, wd, step, eps_hat, lamb_scale, decay, dampc;
+  F gs, lr, b1, b1c, b2, b2c, eps, wd, step, eps_hat, lamb_scale, decay, dampc, ratio_max, ratio_min;
   bool first, nesterov, momentum;
   explicit VConsts(const OptimConsts& c)
       : gs(V::set1(c.grad_scale)), lr(V::set1(c.lr)), b1(V::set1(c.beta1)), b1c(V::set1(c.beta1_c)),
         b2(V::set1(c.beta2)), b2c(V::set1(c.beta2_c)), eps(V::set1(c.eps)), wd(V::set1(c.weight_decay)),
         step(V::set1(c.step_size)), eps_hat(V::set1(c.eps_hat)), lamb_scale(V::set1(c.lamb_scale)), decay(V::set1(c.decay)),
-        dampc(V::set1(c.dampening_c)), first(c.first_step != 0), nesterov(c.nesterov != 0), momentum(c.momentum != 0) {}
+        dampc(V::set1(c.dampening_c)), ratio_max(V::set1(c.ratio_max)), ratio_min(V::set1(-c.ratio_max)),
+        first(c.first_step != 0), nesterov(c.nesterov != 0), momentum(c.momentum != 0) {}
 };
+
+// optim_ratio_clamp: min(bound, r) then max(-bound, .), in that operand order so that a NaN r passes
+// through (x86 min/max return the second operand when either is NaN), as the scalar rule.
+template <class V>
+inline typename V::F simd_ratio_clamp(const VConsts<V>& k, typename V::F r) {
+  return V::max(k.ratio_min, V::min(k.ratio_max, r));
+}
 
 // Where one piece's elements live; element j of the piece is at index j of every pointer.
 struct Ptrs {
@@ -64,7 +72,7 @@ inline typename V::F simd_update(const VConsts<V>& k, typename V::F g, typename 
     s1 = V::add(V::mul(k.b1, s1), V::mul(k.b1c, g));
     s2 = V::add(V::mul(k.b2, s2), V::mul(k.b2c, V::mul(g, g)));
     const F denom = V::add(V::sqrt(s2), k.eps_hat);
-    return V::sub(p, V::mul(k.step, V::div(s1, denom)));
+    return V::sub(p, V::mul(k.step, simd_ratio_clamp(k, V::div(s1, denom))));
   } else if constexpr (A == Algo::sgd || A == Algo::lars) {  // optim_sgd_one
     F d = V::mul(g, k.gs);
     d = V::add(d, V::mul(k.wd, p));
@@ -100,7 +108,7 @@ inline typename V::F simd_update(const VConsts<V>& k, typename V::F g, typename 
     s1 = V::add(V::mul(k.b1, s1), V::mul(k.b1c, g));
     s2 = V::add(V::mul(k.b2, s2), V::mul(k.b2c, V::mul(g, g)));
     const F denom = V::add(V::sqrt(s2), k.eps_hat);
-    const F u = V::add(V::mul(k.lamb_scale, V::div(s1, denom)), V::mul(k.wd, p));
+    const F u = V::add(V::mul(k.lamb_scale, simd_ratio_clamp(k, V::div(s1, denom))), V::mul(k.wd, p));
     return V::sub(p, V::mul(lr_trust, u));
   }
 }
@@ -115,7 +123,7 @@ inline typename V::F simd_direction(const VConsts<V>& k, typename V::F g, typena
     s1 = V::add(V::mul(k.b1, s1), V::mul(k.b1c, g));
     s2 = V::add(V::mul(k.b2, s2), V::mul(k.b2c, V::mul(g, g)));
     const F denom = V::add(V::sqrt(s2), k.eps_hat);
-    return V::add(V::mul(k.lamb_scale, V::div(s1, denom)), V::mul(k.wd, p));
+    return V::add(V::mul(k.lamb_scale, simd_ratio_clamp(k, V::div(s1, denom))), V::mul(k.wd, p));
   } else {
     (void)s1;
     (void)s2;

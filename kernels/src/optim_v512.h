@@ -25,6 +25,8 @@ struct V512 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
   // 1 where u > 0, -1 where u < 0, else 0 (also NaN), as the scalar rule.
   static F sign(F u) {
     const __mmask16 gt = _mm512_cmp_ps_mask(u, zero(), _CMP_GT_OQ);

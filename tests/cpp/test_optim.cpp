@@ -105,6 +105,16 @@ struct RefOptim {
 
   static T sgn(T x) { return x > 0 ? T(1) : (x < 0 ? T(-1) : T(0)); }
 
+  // Adam's moments satisfy |m| <= K sqrt(v) with K = (1-b1) / sqrt((1-b2)(1 - b1^2/b2)) (Cauchy-Schwarz
+  // over their sums of past gradients, for b1^2 < b2); zero8 clamps m / (sqrt(v) + eps) to it, which
+  // quantized states can exceed (optim_math.h). In the bias-corrected form below the bound is
+  // K sqrt(1-b2^t) on m / (sqrt(v_hat) + eps).
+  double ratio_bound() const {
+    const double b1 = h.beta1, b2 = h.beta2;
+    return b1 * b1 < b2 ? (1.0 - b1) / std::sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2)) : HUGE_VAL;
+  }
+  static T clamped(T x, double bound) { return x > T(bound) ? T(bound) : (x < T(-bound) ? T(-bound) : x); }
+
   // segs: tensor boundaries ({0, n} for one tensor) for the LAMB/LARS trust ratios.
   void step(const std::vector<double>& graw, int64_t t, std::vector<int64_t> segs = {}) {
     const size_t n = p.size();
@@ -133,7 +143,7 @@ struct RefOptim {
           s1[i] = b1 * s1[i] + one_b1 * gi;
           s2[i] = b2 * s2[i] + one_b2 * gi * gi;
           const T denom = T(std::sqrt(s2[i])) / T(std::sqrt(bc2)) + eps;
-          p[i] = pi - T(double(h.lr) / bc1) * (s1[i] / denom);
+          p[i] = pi - T(double(h.lr) / bc1) * clamped(s1[i] / denom, ratio_bound() * std::sqrt(bc2));
         }
         break;
       case Algo::sgd:
@@ -191,7 +201,7 @@ struct RefOptim {
           s1[i] = b1 * s1[i] + one_b1 * g[i];
           s2[i] = b2 * s2[i] + one_b2 * g[i] * g[i];
           const T mhat = s1[i] / T(bc1), vhat = s2[i] / T(bc2);
-          u[i] = mhat / (T(std::sqrt(vhat)) + eps) + wd * p[i];
+          u[i] = clamped(mhat / (T(std::sqrt(vhat)) + eps), ratio_bound() * std::sqrt(bc2) / bc1) + wd * p[i];
         }
         for (size_t s = 0; s + 1 < segs.size(); ++s) {
           double w2 = 0, u2 = 0;

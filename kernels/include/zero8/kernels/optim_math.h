@@ -29,6 +29,7 @@ struct OptimConsts {
   int32_t first_step;  // sgd/lars: step == 1, the momentum buffer starts as the gradient (torch)
   int32_t nesterov;    // sgd/lars
   int32_t momentum;    // sgd/lars: beta1 != 0 (else the state is neither read nor written)
+  float ratio_max;     // adam/adamw/lamb: the bound on |m| / sqrt(v) (optim_ratio_clamp); others: +inf
 };
 
 // Defined in optim_ref.cpp (not inline, so SIMD translation units compiled with other -m flags never
@@ -43,6 +44,16 @@ ZERO8_HD float optim_sqrt(float x) {
   return std::sqrt(x);
 #endif
 }
+
+// Exact Adam moments (m_0 = v_0 = 0) satisfy |m| <= ratio_max sqrt(v) at every step, with ratio_max =
+// (1-b1) / sqrt((1-b2) (1 - b1^2/b2)) when b1^2 < b2 (Cauchy-Schwarz over m's and v's sums of past
+// gradients; 1.165 for betas (0.9, 0.95), 7.27 for (0.9, 0.999)). 8-bit states can break it: a v whose
+// gradients are about 1e-3.5 of its block's largest rounds to 0 (the unsigned map's smallest value is
+// 3.25e-7 of the scale) while m, which scales with g rather than g^2, keeps its code, and m / (sqrt(v) +
+// eps) then takes steps of up to m / eps (rare embedding rows: 100x the learning rate). So the ratio
+// m / (sqrt(v) + eps_hat) is clamped to +-ratio_max: a no-op for exact moments, the bound for quantized
+// ones. NaN passes through (as in the SIMD order, min(bound, r) then max(-bound, .)).
+ZERO8_HD float optim_ratio_clamp(float r, float bound) { return r > bound ? bound : (r < -bound ? -bound : r); }
 
 // ---- Adam / AdamW ----
 // torch.optim.Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019): m <- b1 m + (1-b1) g,
@@ -60,7 +71,7 @@ ZERO8_HD float optim_adam_one(const OptimConsts& c, bool decoupled, float g, flo
   m = c.beta1 * m + c.beta1_c * g;
   v = c.beta2 * v + c.beta2_c * (g * g);
   const float denom = optim_sqrt(v) + c.eps_hat;
-  return p - c.step_size * (m / denom);
+  return p - c.step_size * optim_ratio_clamp(m / denom, c.ratio_max);
 }
 
 // ---- SGD with momentum, and LARS ----
@@ -130,7 +141,7 @@ ZERO8_HD float optim_lamb_direction(const OptimConsts& c, float g, float p, floa
   m = c.beta1 * m + c.beta1_c * g;
   v = c.beta2 * v + c.beta2_c * (g * g);
   const float denom = optim_sqrt(v) + c.eps_hat;
-  return c.lamb_scale * (m / denom) + c.weight_decay * p;
+  return c.lamb_scale * optim_ratio_clamp(m / denom, c.ratio_max) + c.weight_decay * p;
 }
 // lr_trust = lr * trust of the element's tensor (one float product, computed per segment).
 ZERO8_HD float optim_lamb_one(const OptimConsts& c, float g, float p, float& m, float& v, float lr_trust) {
