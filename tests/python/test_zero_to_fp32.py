@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
@@ -173,6 +175,27 @@ def test_convert_writes_a_safetensors_file_atomically(tmp_path):
     # A directory (newer DeepSpeed's output_dir) is refused, not written into.
     with pytest.raises(zero8.Zero8ValueError, match=f"{out_dir}: is a directory"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out_dir)
+
+
+def test_the_module_runs_as_deepspeed_s_script(tmp_path):
+    # `python zero_to_fp32.py <checkpoint_dir> <output_file> [-t TAG]` as DeepSpeed's script: it writes the
+    # file (a run that did nothing and exited 0 used to be all `python -m` gave), names errors, and says
+    # that a .bin name still gets safetensors.
+    _, model, _ = _tied_lm_checkpoint(tmp_path / "ckpt", "bf16")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "zero8.utils.zero_to_fp32", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+
+    out = tmp_path / "pytorch_model.bin"
+    r = run(tmp_path / "ckpt", out, "-t", "t")
+    assert r.returncode == 0, r.stderr
+    assert "will be a safetensors file, not a torch.save one" in r.stderr and f"wrote {out}" in r.stdout
+    _check_full_state_dict(safetensors.torch.load_file(str(out)), model, "bf16")
+    r = run(tmp_path / "nowhere", tmp_path / "x.safetensors")
+    assert r.returncode == 1 and "zero_to_fp32: error:" in r.stderr and "nowhere" in r.stderr, r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+    assert run(tmp_path / "ckpt").returncode == 2  # usage
 
 
 def test_importable_under_deepspeed_s_path():

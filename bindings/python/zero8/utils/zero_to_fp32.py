@@ -1,7 +1,8 @@
 """DeepSpeed's ``deepspeed.utils.zero_to_fp32`` functions over zero8 engine checkpoints: the module's whole
 state_dict with the trained weights in fp32 from the masters of all shards, as a dict, loaded into a model,
 or written to a safetensors file. ``zero8-checkpoint to-fp32`` in Python; the export is
-``_C.checkpoint_export_fp32`` (docs/CHECKPOINT.md, "zero8-checkpoint").
+``_C.checkpoint_export_fp32`` (docs/CHECKPOINT.md, "zero8-checkpoint"). As a script, like DeepSpeed's
+``zero_to_fp32.py``: ``python -m zero8.utils.zero_to_fp32 <checkpoint_dir> <output.safetensors> [-t TAG]``.
 
 Differences from DeepSpeed (docs/CHECKPOINT.md lists them): frozen parameters and 16-bit buffers come back
 fp32 (DeepSpeed keeps frozen ones 16-bit) and integer buffers stay integers (DeepSpeed makes them float);
@@ -10,8 +11,10 @@ a tied weight is one tensor per name, not one shared tensor; the output file is 
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import sys
 import tempfile
 
 import torch
@@ -81,3 +84,31 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
         raise _C.Zero8ValueError(f"{output_file}: is a directory; convert_zero_checkpoint_to_fp32_state_dict "
                                  "writes one safetensors file (give its path)")
     _C.checkpoint_export_fp32(_tag_dir(checkpoint_dir, tag), output_file, True)
+
+
+def main(argv=None) -> int:
+    """The command line: convert_zero_checkpoint_to_fp32_state_dict with DeepSpeed's script arguments
+    (checkpoint_dir, output_file, -t/--tag). Exit 0 with a summary, 1 with the error, 2 on bad usage."""
+    ap = argparse.ArgumentParser(
+        prog="python -m zero8.utils.zero_to_fp32",
+        description="Write a zero8 checkpoint's module state_dict, trained weights in fp32 from every rank's "
+                    "masters, to one safetensors file (load it with safetensors.torch.load_file).")
+    ap.add_argument("checkpoint_dir", help="the directory save_checkpoint wrote (holding `latest` and the tags)")
+    ap.add_argument("output_file", help="the safetensors file to write (written whole or not at all)")
+    ap.add_argument("-t", "--tag", default=None, help="the tag to convert (default: the one `latest` names)")
+    args = ap.parse_args(argv)
+    if os.path.splitext(args.output_file)[1].lower() in (".bin", ".pt", ".pth"):
+        print(f"zero_to_fp32: note: {args.output_file} will be a safetensors file, not a torch.save one "
+              "(load it with safetensors.torch.load_file)", file=sys.stderr)
+    try:
+        convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, tag=args.tag)
+    except (OSError, ValueError) as e:
+        print(f"zero_to_fp32: error: {e}", file=sys.stderr)
+        return 1
+    size = os.path.getsize(args.output_file)
+    print(f"zero_to_fp32: wrote {args.output_file} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
