@@ -1067,17 +1067,22 @@ class Zero8Engine(torch.nn.Module):
         return m
 
     # ---- checkpoints ----
-    def _checkpoint_tag_validation(self, tag: str) -> None:
+    def _checkpoint_tag(self, tag: str) -> str:
+        """The tag every rank saves under: rank 0's. checkpoint.tag_validation (DeepSpeed's Warn, Ignore,
+        Fail) says what another tag on some rank does: Fail raises on every rank, Warn warns (rank 0),
+        Ignore says nothing. Either way the shards go under rank 0's tag, since shards under several tags
+        are no checkpoint (DeepSpeed's Warn lets each rank write its own)."""
+        if self._dp.size == 1:
+            return tag
         mode = str(self.config.get("checkpoint", {}).get("tag_validation", "Warn")).lower()
-        if mode == "ignore" or self._dp.size == 1:
-            return
         tags = [t.decode() for t in self._dp.all_gather_bytes(tag.encode())]
         if len(set(tags)) > 1:
             msg = f"checkpoint tag differs across ranks: {tags}"
             if mode == "fail":
                 raise Zero8ValueError(f"checkpoint.tag_validation: {msg}")
-            if self.global_rank == 0:
-                warnings.warn(msg, stacklevel=3)
+            if mode != "ignore" and self.global_rank == 0:
+                warnings.warn(f"{msg}; every rank saves under rank 0's tag '{tags[0]}'", stacklevel=3)
+        return tags[0]
 
     def _engine_state(self) -> dict:
         return {
@@ -1099,7 +1104,7 @@ class Zero8Engine(torch.nn.Module):
         _check_tag_not_empty(tag, "save_checkpoint", "save_dir", "global_step<N> (N = engine.global_steps)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         client_state = dict(client_state or {})
-        self._checkpoint_tag_validation(tag)
+        tag = self._checkpoint_tag(tag)
         done = self.micro_steps % self._gas + int(self._backward_done)
         if done and self.global_rank == 0:
             warnings.warn(
@@ -1370,6 +1375,15 @@ class Zero8Engine(torch.nn.Module):
             if staged["sched"] is not None:
                 self.lr_scheduler.load_state_dict(staged["sched"])
             self._apply_hyper()
+            saved_config = model_states.get("ds_config") if isinstance(model_states, dict) else None
+            saved_batch = saved_config.get("train_batch_size") if isinstance(saved_config, dict) else None
+            if isinstance(saved_batch, int) and saved_batch != self.train_batch_size() and self.global_rank == 0:
+                warnings.warn(
+                    f"load_checkpoint: the checkpoint was trained with a global batch of {saved_batch} samples "
+                    f"({e.get('dp_world_size', '?')} data-parallel rank(s)); this engine's is "
+                    f"{self.train_batch_size()} ({self.dp_world_size} rank(s) x {self.train_micro_batch_size_per_gpu()} "
+                    f"x {self._gas} accumulation steps). Training goes on from step {self.global_steps} with the new "
+                    "batch; the LR schedule counts steps, not samples", stacklevel=2)
         # A load starts a step: the gradients of a step unfinished at the save were not saved (and those
         # accumulated here before the load belong to the replaced weights), so the next micro-batch is the
         # first of gradient_accumulation_steps, whatever it was at the save.

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -335,6 +336,31 @@ def _safetensors_load(path: str) -> dict:
             b, e = t["data_offsets"]
             out[name] = torch.frombuffer(bytearray(raw[8 + n + b:8 + n + e]), dtype=dtypes[t["dtype"]]).reshape(t["shape"])
     return out
+
+@pytest.mark.parametrize("mode", ["Warn", "Ignore", "Fail"])
+def test_ranks_saving_different_tags(mode):
+    # A tag made from a rank's own value (its loss, a timestamp): Fail raises on every rank, Warn and
+    # Ignore save every rank's shards under rank 0's tag, a checkpoint that loads (rank 1 used to fail
+    # creating its shard in a tag directory no rank had made).
+    with shared_checkpoint_dir() as ckpt:
+        engine, model = engine_for(config(zero8=FULL8, checkpoint={"tag_validation": mode}))
+        train(engine, 2)
+        if mode == "Fail":
+            with pytest.raises(zero8.Zero8ValueError, match=r"checkpoint.tag_validation: checkpoint tag differs "
+                                                            r"across ranks: \['r0', 'r1'"):
+                engine.save_checkpoint(ckpt, tag=f"r{RANK}")
+            return
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            engine.save_checkpoint(ckpt, tag=f"r{RANK}")
+        said = [str(w.message) for w in seen if "differs across ranks" in str(w.message)]
+        assert said == ([f"checkpoint tag differs across ranks: {[f'r{r}' for r in range(N)]}; every rank saves "
+                         "under rank 0's tag 'r0'"] if mode == "Warn" and RANK == 0 else [])
+        assert sorted(os.listdir(ckpt)) == ["latest", "r0"]
+        e2, m2 = engine_for(config(zero8=FULL8), seed=9)
+        e2.load_checkpoint(ckpt)
+        assert params_equal(m2, model)
+
 
 @pytest.mark.parametrize("full", [True, False], ids=["with_optimizer_states", "module_only"])
 def test_a_load_that_fails_on_one_rank_changes_nothing_anywhere(full):
