@@ -1238,6 +1238,21 @@ def test_a_model_states_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch
     assert client["epoch"] == 3 and params_equal(e2.module, model)
 
 
+def test_a_resume_with_another_global_batch_says_so(tmp_path):
+    # Resuming at another world size (or batch config) changes the global batch; the steps go on.
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(batch=32, zero8=EXACT))
+    train_engine(engine, DATA, 2, 32)
+    engine.save_checkpoint(tmp_path)
+    e2, _, _, _ = zero8.initialize(model=make_model(1), config=config(batch=16, zero8=EXACT))
+    with pytest.warns(UserWarning, match=r"trained with a global batch of 32 samples \(1 data-parallel rank\(s\)\); "
+                                         r"this engine's is 16 \(1 rank\(s\) x 16 x 1 accumulation steps\)"):
+        e2.load_checkpoint(tmp_path)
+    assert e2.global_steps == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero8.initialize(model=make_model(1), config=config(batch=32, zero8=EXACT))[0].load_checkpoint(tmp_path)
+
+
 def test_client_state_tensors_that_share_storage_still_share_it(tmp_path):
     # As torch.load gives them (and DeepSpeed returns them): one tensor under two keys is one tensor, and a
     # view shares its base's storage, not a copy of it each (the file is mapped; these are copied out).
