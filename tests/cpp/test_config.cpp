@@ -274,6 +274,14 @@ TEST(ConfigErrors, NestedTypesAndValues) {
   e = parse_error(R"({"train_batch_size": 8, "zero_optimization": {"offload_param": {"device": "nvme"}}})");
   EXPECT_EQ(e.code(), ErrorCode::unsupported);
   EXPECT_NE(std::string(e.what()).find("zero_optimization.offload_param.device"), std::string::npos) << e.what();
+  EXPECT_NE(std::string(e.what()).find("keeps the parameters on every rank"), std::string::npos) << e.what();
+  e = parse_error(R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})");
+  EXPECT_NE(std::string(e.what()).find("8-bit states already cut optimizer memory"), std::string::npos) << e.what();
+  e = parse_error(R"({"train_batch_size": 8, "checkpoint": {"use_node_local_storage": true}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  EXPECT_NE(std::string(e.what()).find("test.json: checkpoint.use_node_local_storage: true is not supported by zero8: "
+                                       "every rank must see the same file system"),
+            std::string::npos) << e.what();
   e = parse_error(R"({"train_batch_size": 8, "gradient_clipping": "auto"})");
   EXPECT_NE(std::string(e.what()).find("test.json: gradient_clipping: \"auto\" is filled in by the Hugging Face"),
             std::string::npos) << e.what();

@@ -506,8 +506,12 @@ void parse_offload(Section& z, const std::string& key, const std::string& what) 
   if (!o.present()) return;
   const int dev = o.get_choice("device", 0, {"none", "cpu", "nvme"});
   if (dev != 0)
-    o.fail("device", what + " offload is not supported by zero8 (its 8-bit states already cut optimizer memory "
-                            "about 4x): use \"none\" or remove " + z.key_path(key),
+    o.fail("device",
+           what + " offload is not supported by zero8 (" +
+               (what == "optimizer" ? std::string("its 8-bit states already cut optimizer memory about 4x")
+                                    : std::string("it shards optimizer states and gradients, ZeRO stages 1 and 2, and "
+                                                  "keeps the parameters on every rank")) +
+               "): use \"none\" or remove " + z.key_path(key),
            ErrorCode::unsupported);
   for (const char* k : {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline_read",
                         "pipeline_write", "fast_init", "ratio", "super_offload", "convert_grad_on_cpu",
@@ -849,6 +853,12 @@ void parse_checkpoint(Section& top, Config& c) {
   k.tag_validation = TagValidation(s.get_choice("tag_validation", 0, {"Warn", "Ignore", "Fail"}));
   k.load_universal = s.get_bool("load_universal", false);
   k.use_node_local_storage = s.get_bool("use_node_local_storage", false);
+  if (k.use_node_local_storage)
+    s.fail("use_node_local_storage",
+           "true is not supported by zero8: every rank must see the same file system at the checkpoint directory "
+           "(rank 0 creates the tag directory the others write into, and a load at another world size reads other "
+           "ranks' shards); use false or remove it",
+           ErrorCode::unsupported);
   s.ignore("parallel_write");
   s.ignore("writer");
   s.finish();
