@@ -82,6 +82,9 @@ def test_package_reexports_and_lazy_submodules():
     namespace = {}
     exec("from zero8 import *", namespace)
     assert namespace["Zero8ValueError"] is zero8.Zero8ValueError
+    # Every submodule dir(zero8) lists exists (it listed a zero8.comm that did not).
+    for name in zero8._SUBMODULES:
+        assert name in dir(zero8) and getattr(zero8, name).__name__ == f"zero8.{name}"
 
 
 def test_state_bytes_and_counts():
