@@ -13,7 +13,10 @@
 namespace zero8::comm::detail {
 
 namespace {
-constexpr double kDefaultTimeoutSeconds = 300.0;
+// 30 minutes, DeepSpeed's default process-group timeout (deepspeed/constants.py, default_pg_timeout): a
+// rank may spend minutes alone (rank 0's evaluation or checkpoint conversion) while the others wait. A
+// rank that dies or leaves is detected at once whatever the timeout (its connection closes).
+constexpr double kDefaultTimeoutSeconds = 1800.0;
 }
 
 double env_comm_timeout() {

@@ -608,7 +608,7 @@ def test_zero8_training_under_the_launcher(tmp_path):
 @needs_mpirun
 def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
     # Rank 1 raises between collectives; rank 0 is already waiting in the next step's reduction. The job
-    # must end about when rank 1 fails, not at the communicator timeout (300 s by default, 60 s in these tests).
+    # must end about when rank 1 fails, not at the communicator timeout (1800 s by default, 60 s in these tests).
     r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
                 "--raise_rank", "1", "--raise_step", "1"], timeout=200)
     elapsed = _seconds_since_test_event(r)

@@ -906,7 +906,7 @@ void parse_zero8(Section& top, Config& c) {
     }
   }
   z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl"}, true));
-  z.comm_timeout_s = s.get_num("comm_timeout_s", 300.0, gt(0.0));
+  z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, gt(0.0));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
   ck.finish();
