@@ -11,9 +11,10 @@ import shlex
 import shutil
 import sys
 import time
+from collections import OrderedDict
 
 from .commands import Job, mpirun_command, select_exports, srun_command
-from .hostfile import LaunchError, expand_hostlist, read_hostfile, select_resources
+from .hostfile import LOCAL_HOST, LaunchError, expand_hostlist, parse_core_list, read_hostfile, select_resources
 from .monitor import JobMonitor, run_job
 from .rank_wrapper import DEFAULT_STOP_GRACE
 
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_procs", "--num_gpus", dest="num_procs", type=int, default=-1,
                    help="processes per node (slots 0..P-1 of each host); without a hostfile, processes on "
                         "this machine (default 1)")
-    p.add_argument("-i", "--include", default="", help="only these hosts/slots: host[:slot[,slot]]@host...")
+    p.add_argument("-i", "--include", default="", help="only these hosts/slots: host[:slot[,slot]]@host... "
+                                                       "(without a hostfile: localhost, one slot per core)")
     p.add_argument("-e", "--exclude", default="", help="all but these hosts/slots: host[:slot[,slot]]@host...")
     p.add_argument("--master_addr", default="", help="MASTER_ADDR for the ranks (default: the first host, "
                                                      "127.0.0.1 on this machine)")
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds the ranks get to exit after a Ctrl-C/SIGTERM before the job is killed")
     p.add_argument("--fail_grace", type=float, default=30.0,
                    help="seconds after a rank failed before the launcher ends a job the engine did not end")
+    p.add_argument("--bind_cores_to_rank", action="store_true",
+                   help="give each rank of a host its own share of the host's cores (CPU affinity) and set "
+                        "OMP_NUM_THREADS to that share, as DeepSpeed does")
+    p.add_argument("--bind_core_list", default="",
+                   help="with --bind_cores_to_rank: the cores to share out, e.g. 0,2-5 (default: every core "
+                        "the rank may run on)")
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     p.add_argument("--no_python", action="store_true", help="run the script directly, not with python")
     p.add_argument("--no_local_rank", action="store_true",
@@ -92,8 +100,12 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
     job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,
               module=args.module, no_python=args.no_python, no_prefix=args.no_prefix, net_if=args.net_if,
               oversubscribe=args.oversubscribe, launcher_args=shlex.split(args.launcher_args),
-              stop_grace=args.stop_grace,
+              stop_grace=args.stop_grace, bind_cores=args.bind_cores_to_rank,
               log_dir=os.path.abspath(args.log_dir or _default_log_dir()))
+    if args.bind_core_list:
+        job.core_list = ",".join(map(str, parse_core_list(args.bind_core_list)))
+        if not args.bind_cores_to_rank:
+            warnings.append("--bind_core_list has no effect without --bind_cores_to_rank (as in DeepSpeed)")
     if args.hostfile:
         pool = read_hostfile(args.hostfile)
         job.hosts = select_resources(pool, args.num_nodes, args.num_procs, args.include, args.exclude,
@@ -118,10 +130,17 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
     else:
         if args.num_nodes > 1:
             raise LaunchError(f"--num_nodes {args.num_nodes} needs a --hostfile naming the nodes")
-        if args.include or args.exclude:
-            raise LaunchError("--include/--exclude need a --hostfile")
-        job.local_procs = args.num_procs if args.num_procs > 0 else 1
         job.master_addr = args.master_addr or "127.0.0.1"
+        if args.include or args.exclude:
+            # As DeepSpeed without a hostfile: the filters select slots of "localhost", here one per core.
+            cores = os.cpu_count() or 1
+            job.hosts = select_resources(OrderedDict([(LOCAL_HOST, cores)]), args.num_nodes, args.num_procs,
+                                         args.include, args.exclude, oversubscribe=True,
+                                         source=f"a run without --hostfile (its one host is {LOCAL_HOST}, "
+                                                f"with {cores} slot(s), one per core)")
+            job.set_devices = any(slots != list(range(len(slots))) for slots in job.hosts.values())
+        else:
+            job.local_procs = args.num_procs if args.num_procs > 0 else 1
     env_files = []
     # DeepSpeed's .deepspeed_env (home, then the working directory; DS_ENV_FILE names another file).
     name = environ.get("DS_ENV_FILE", ".deepspeed_env")

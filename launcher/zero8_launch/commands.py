@@ -48,6 +48,8 @@ class Job:
     net_if: str = ""
     oversubscribe: bool = False
     set_devices: bool = False            # slots were chosen explicitly: CUDA_VISIBLE_DEVICES per host
+    bind_cores: bool = False             # each rank bound to its share of its host's cores
+    core_list: str = ""                  # the cores to share out ("" : those the rank may run on)
     launcher_args: list[str] = field(default_factory=list)
     stop_grace: float = DEFAULT_STOP_GRACE  # the wrappers' too, should the engine die without ending them
     exports: "OrderedDict[str, str | None]" = field(default_factory=OrderedDict)  # None: the launcher's value
@@ -130,9 +132,11 @@ def rank_command(job: Job) -> list[str]:
         cmd += ["--net_if", job.net_if]
     if job.stop_grace != DEFAULT_STOP_GRACE:
         cmd += ["--stop_grace", f"{job.stop_grace:g}"]
-    for flag in ("set_devices", "module", "no_python", "no_prefix"):
+    for flag in ("set_devices", "bind_cores", "module", "no_python", "no_prefix"):
         if getattr(job, flag):
             cmd.append("--" + flag)
+    if job.bind_cores and job.core_list:
+        cmd += ["--core_list", job.core_list]
     return cmd + ["--", job.script] + list(job.script_args)
 
 
@@ -155,6 +159,10 @@ def mpirun_command(job: Job, mpirun: str = "mpirun", as_root: bool | None = None
     if job.oversubscribe or job.hosts is None:
         # This machine alone: P ranks whatever its core count (OpenMPI refuses more ranks than cores).
         cmd.argv.append("--oversubscribe")
+    if job.bind_cores:
+        # The wrappers bind each rank: mpirun's own binding (to one core per rank for up to 2 ranks)
+        # would hide the other cores from them.
+        cmd.argv += ["--bind-to", "none"]
     if job.multi_node and job.net_if:
         # ob1 + TCP on the named network for MPI, and the runtime's own (orted <-> mpirun) connections.
         cmd.argv += ["--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp",
@@ -189,6 +197,8 @@ def srun_command(job: Job, srun: str = "srun") -> Command:
             cmd.argv.append(f"--ntasks-per-node={job.num_procs}")
     if job.oversubscribe:
         cmd.argv.append("--overcommit")
+    if job.bind_cores:
+        cmd.argv.append("--cpu-bind=none")  # as for mpirun: the wrappers bind
     cmd.argv += ["--kill-on-bad-exit=1", "--export=ALL"]
     if job.multi_node:
         # --export=ALL would copy this host's values to every host.

@@ -9,7 +9,11 @@ import re
 from collections import OrderedDict
 
 __all__ = ["LaunchError", "parse_hostfile", "read_hostfile", "filter_resources", "select_resources",
-           "expand_hostlist"]
+           "expand_hostlist", "parse_core_list", "LOCAL_HOST"]
+
+# Without a hostfile, --include/--exclude select from this one host, with a slot per core (DeepSpeed's
+# runner uses "localhost" with the local device count then).
+LOCAL_HOST = "localhost"
 
 
 class LaunchError(ValueError):
@@ -68,10 +72,11 @@ def _parse_slots(spec: str, text: str) -> list[int]:
 
 
 def filter_resources(pool: "OrderedDict[str, list[int]]", include: str = "",
-                     exclude: str = "") -> "OrderedDict[str, list[int]]":
+                     exclude: str = "", source: str = "") -> "OrderedDict[str, list[int]]":
     """DeepSpeed's parse_resource_filter: `include`/`exclude` are NODE_SPEC[@NODE_SPEC...] with
     NODE_SPEC = host[:slot[,slot...]] (no slots: the whole host). Include keeps only what is named;
-    exclude removes it. Hosts left with no slot disappear; host order stays the hostfile's."""
+    exclude removes it. Hosts left with no slot disappear; host order stays the hostfile's. `source`
+    says where the pool came from in errors (default: the hostfile and its hosts)."""
     if include and exclude:
         raise LaunchError("--include and --exclude are mutually exclusive")
     if not include and not exclude:
@@ -85,7 +90,8 @@ def filter_resources(pool: "OrderedDict[str, list[int]]", include: str = "",
             raise LaunchError(f"{flag} '{spec_text}': empty host between '@' separators")
         host, sep, slot_text = spec.partition(":")
         if host not in pool:
-            raise LaunchError(f"{flag}: host '{host}' is not in the hostfile (hosts: {', '.join(pool)})")
+            raise LaunchError(f"{flag}: host '{host}' is not in "
+                              + (source or f"the hostfile (hosts: {', '.join(pool)})"))
         if sep:
             slots = _parse_slots(spec, slot_text)
             for s in slots:
@@ -104,7 +110,7 @@ def filter_resources(pool: "OrderedDict[str, list[int]]", include: str = "",
 
 def select_resources(pool: "OrderedDict[str, int]", num_nodes: int = -1, num_procs: int = -1,
                      include: str = "", exclude: str = "",
-                     oversubscribe: bool = False) -> "OrderedDict[str, list[int]]":
+                     oversubscribe: bool = False, source: str = "") -> "OrderedDict[str, list[int]]":
     """The hosts and slot indices the job runs on, as DeepSpeed selects them: include/exclude filters,
     or the first `num_nodes` hosts and `num_procs` processes (slots 0..num_procs-1) on each. Unlike
     DeepSpeed, asking for more nodes than listed, or more processes than a host's slots (without
@@ -112,7 +118,7 @@ def select_resources(pool: "OrderedDict[str, int]", num_nodes: int = -1, num_pro
     if (num_nodes > 0 or num_procs > 0) and (include or exclude):
         raise LaunchError("--num_nodes/--num_procs cannot be combined with --include/--exclude "
                           "(as in DeepSpeed): select hosts and slots one way")
-    active = filter_resources(OrderedDict((h, list(range(n))) for h, n in pool.items()), include, exclude)
+    active = filter_resources(OrderedDict((h, list(range(n))) for h, n in pool.items()), include, exclude, source)
     if not active:
         raise LaunchError("no host left after --include/--exclude")
     if num_nodes > 0:
@@ -126,6 +132,25 @@ def select_resources(pool: "OrderedDict[str, int]", num_nodes: int = -1, num_pro
                                   f"hostfile (raise slots=, or pass --oversubscribe)")
             active[h] = list(range(num_procs))
     return active
+
+
+def parse_core_list(text: str, flag: str = "--bind_core_list") -> list[int]:
+    """DeepSpeed's core list syntax: '0,2-5,7' -> [0, 2, 3, 4, 5, 7] (order kept). Raises LaunchError
+    naming the bad item, a backwards range or a core listed twice."""
+    cores: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        lo, dash, hi = item.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise LaunchError(f"{flag} '{text}': bad item '{item}' (expected cores like 0,2-5,7)")
+        first, last = int(lo), int(hi if dash else lo)
+        if last < first:
+            raise LaunchError(f"{flag} '{text}': range '{item}' runs backwards")
+        for c in range(first, last + 1):
+            if c in cores:
+                raise LaunchError(f"{flag} '{text}': core {c} is listed twice")
+            cores.append(c)
+    return cores
 
 
 _BRACKET = re.compile(r"^(?P<pre>[^\[\]]*)\[(?P<ranges>[^\[\]]+)\](?P<post>.*)$")

@@ -37,6 +37,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import urllib.parse  # noqa: E402
 
+from .hostfile import LaunchError, parse_core_list  # noqa: E402
 from .netinfo import pick_comm_ifaddr  # noqa: E402
 
 __all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_environment",
@@ -160,6 +161,36 @@ def rank_environment(env, world: dict) -> tuple[dict, dict, list[str]]:
     facts = dict(rank=rank, size=size, local_rank=int(out["LOCAL_RANK"]), local_size=int(out["LOCAL_SIZE"]),
                  node=node, nodes=nodes, host=host, engine=r["engine"])
     return out, facts, warnings
+
+
+def _core_text(cores) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def core_binding(core_list: str, local_rank: int, local_size: int, allowed) -> list[int]:
+    """The cores of local rank `local_rank` (of `local_size` on its host) under --bind_cores_to_rank, as
+    DeepSpeed shares them out (deepspeed/utils/numa.py, get_numactl_cmd): the list (default: the cores
+    this process may run on, ascending) cut into `local_size` equal runs in order, any remainder unused.
+    Raises LaunchError for cores this process may not use and for fewer cores than ranks."""
+    allowed = set(allowed)
+    cores = parse_core_list(core_list) if core_list else sorted(allowed)
+    missing = [c for c in cores if c not in allowed]
+    if missing:
+        raise LaunchError(f"--bind_core_list: core(s) {_core_text(missing)} are not available on this host "
+                          f"(this rank may run on cores {_core_text(allowed)})")
+    per = len(cores) // local_size
+    if per < 1:
+        raise LaunchError(f"--bind_cores_to_rank: {len(cores)} core(s) ({_core_text(cores)}) for {local_size} "
+                          f"ranks on this host: every rank needs a core of its own (start fewer ranks per host, "
+                          f"or leave out --bind_cores_to_rank)")
+    return cores[local_rank * per:(local_rank + 1) * per]
 
 
 def format_marker(**fields) -> str:
@@ -313,14 +344,15 @@ def parse_hosts(text: str) -> list:
     return out
 
 
-_VALUE_OPTS = ("log_dir", "hosts", "master_addr", "master_port", "net_if", "stop_grace")
-_FLAG_OPTS = ("set_devices", "module", "no_python", "no_prefix")
+_VALUE_OPTS = ("log_dir", "hosts", "master_addr", "master_port", "net_if", "stop_grace", "core_list")
+_FLAG_OPTS = ("set_devices", "bind_cores", "module", "no_python", "no_prefix")
 
 
 def _usage(msg: str) -> int:
     sys.stderr.write(f"zero8_launch.rank_wrapper: {msg}\n"
                      "usage: python -m zero8_launch.rank_wrapper [--log_dir D] [--hosts H:0,1@H2:0,1] "
                      "[--master_addr A] [--master_port P] [--net_if IF] [--stop_grace S] [--set_devices] "
+                     "[--bind_cores [--core_list 0,2-5]] "
                      "[--module | --no_python] [--no_prefix] -- script [args...]\n")
     return 2
 
@@ -355,8 +387,19 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ)
     updates, facts, warnings = rank_environment(env, world)
-    env.update(updates)
     rank = facts["rank"]
+    start_error = None
+    if opts["bind_cores"]:
+        # The wrapper binds itself and the script inherits it (so do the threads and processes it starts).
+        try:
+            cores = core_binding(opts["core_list"] or "", facts["local_rank"], facts["local_size"],
+                                 os.sched_getaffinity(0))
+            os.sched_setaffinity(0, cores)
+            updates["OMP_NUM_THREADS"] = str(len(cores))  # as DeepSpeed: one thread per bound core
+            facts["cores"] = _core_text(cores)
+        except (LaunchError, OSError) as e:
+            start_error = f"rank {rank}: {e}"
+    env.update(updates)
     for w in warnings:
         sys.stderr.write(f"zero8-launch: warning: {w}\n")
 
@@ -374,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     status = dict(rank=rank, world_size=facts["size"], local_rank=facts["local_rank"], host=facts["host"],
                   hostname=socket.gethostname(), command=cmd, log=os.path.abspath(log_path),
                   start_time=time.time(), end_time=None, exit_code=None, signal=None, stopped_by=None,
-                  environment={k: updates[k] for k in sorted(updates)})
+                  environment={k: updates[k] for k in sorted(updates)}, cores=facts.get("cores"))
 
     def write_status() -> None:
         tmp = status_path + ".tmp"
@@ -410,16 +453,20 @@ def main(argv: list[str] | None = None) -> int:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
+            if start_error:
+                raise LaunchError(start_error)
             child = subprocess.Popen(cmd, stdout=out_w, stderr=err_w, env=env, preexec_fn=_child_setup)
-        except OSError as e:
-            msg = f"cannot start {cmd[0]}: {e.strerror or e}\n"
+        except (OSError, LaunchError) as e:
+            # 127 as a shell's for a program it cannot run; 2 for a usage error (the core binding).
+            msg, code = ((f"cannot start {cmd[0]}: {e.strerror or e}\n", 127) if isinstance(e, OSError)
+                         else (f"zero8-launch: error: {e}\n", 2))
             log.write(msg.encode())
             _write_all(2, f"[rank{rank}] {msg}".encode())
-            status.update(end_time=time.time(), exit_code=127)
+            status.update(end_time=time.time(), exit_code=code)
             write_status()
-            sys.stderr.write(format_marker(rank=rank, event="exit", code=127, signal=0, stopped_by="",
+            sys.stderr.write(format_marker(rank=rank, event="exit", code=code, signal=0, stopped_by="",
                                            host=facts["host"] or "", seconds=0, log=status["log"]) + "\n")
-            return 127
+            return code
         finally:
             os.close(out_w)
             os.close(err_w)

@@ -30,11 +30,12 @@ _problem = installed_problem()
 if _problem is None:
     from zero8_launch import cli
     from zero8_launch.commands import Job, mpirun_command, rank_command, select_exports, srun_command
-    from zero8_launch.hostfile import (LaunchError, expand_hostlist, filter_resources, parse_hostfile,
-                                       read_hostfile, select_resources)
+    from zero8_launch.hostfile import (LaunchError, expand_hostlist, filter_resources, parse_core_list,
+                                       parse_hostfile, read_hostfile, select_resources)
     from zero8_launch.monitor import JobMonitor, error_excerpt
     from zero8_launch.netinfo import local_ipv4, pick_comm_ifaddr
-    from zero8_launch.rank_wrapper import _Prefixer, format_marker, parse_hosts, parse_marker, rank_environment
+    from zero8_launch.rank_wrapper import (_Prefixer, core_binding, format_marker, parse_hosts, parse_marker,
+                                           rank_environment)
 
 
 @pytest.fixture(autouse=True)
@@ -137,6 +138,68 @@ def test_select_num_nodes_and_num_procs():
     with pytest.raises(LaunchError, match="cannot be combined"):
         select_resources(pool, num_nodes=1, include="a")
     assert list(select_resources(pool, include="b:1@c").items()) == [("b", [1]), ("c", [0, 1])]
+
+
+def test_include_and_exclude_without_a_hostfile_select_local_slots(tmp_path):
+    # As DeepSpeed without a hostfile: the filters pick slots of "localhost", here one per core.
+    cores = os.cpu_count()
+    job, _ = _plan(["--include", "localhost:1", "--log_dir", str(tmp_path), "s.py"])
+    assert job.hosts == {"localhost": [1]} and job.set_devices and job.master_addr == "127.0.0.1"
+    if cores > 1:
+        job, _ = _plan(["-e", "localhost:0", "--log_dir", str(tmp_path), "s.py"])
+        assert job.hosts == {"localhost": list(range(1, cores))} and job.total_procs == cores - 1
+    job, _ = _plan(["-i", "localhost", "--log_dir", str(tmp_path), "s.py"])
+    assert job.hosts == {"localhost": list(range(cores))} and not job.set_devices
+    for argv, msg in ((["-i", "n1"], "host 'n1' is not in a run without --hostfile .*localhost, "
+                                     f"with {cores} slot"),
+                      (["-i", f"localhost:{cores}"], f"host 'localhost' has no slot {cores}"),
+                      (["-e", "localhost"], "no host left"),
+                      (["-i", "localhost", "--num_procs", "1"], "cannot be combined")):
+        with pytest.raises(LaunchError, match=msg):
+            _plan(argv + ["--log_dir", str(tmp_path), "s.py"])
+
+
+def test_core_lists_and_their_errors():
+    assert parse_core_list("0,2-5,7") == [0, 2, 3, 4, 5, 7]
+    assert parse_core_list("3") == [3]
+    for bad, msg in (("0-x", "bad item '0-x'"), ("1,,2", "bad item ''"), ("5-3", "range '5-3' runs backwards"),
+                     ("1,0-2", "core 1 is listed twice"), ("-1", "bad item '-1'")):
+        with pytest.raises(LaunchError, match=msg):
+            parse_core_list(bad)
+
+
+def test_core_binding_shares_the_cores_out_as_deepspeed_does():
+    allowed = set(range(8))
+    assert [core_binding("", r, 2, allowed) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # The remainder stays unused; a given list is shared out in its own order.
+    assert [core_binding("", r, 3, allowed) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [core_binding("6,7,1-3", r, 2, allowed) for r in range(2)] == [[6, 7], [1, 2]]
+    with pytest.raises(LaunchError, match=r"core\(s\) 9-10,12 are not available on this host \(this rank may "
+                                          r"run on cores 0-7\)"):
+        core_binding("1,9,10,12", 0, 1, allowed)
+    with pytest.raises(LaunchError, match=r"2 core\(s\) \(0-1\) for 3 ranks on this host: every rank needs"):
+        core_binding("0,1", 0, 3, allowed)
+
+
+def test_bind_cores_to_rank_command_lines(tmp_path):
+    job, warnings = _plan(["--num_procs", "2", "--bind_cores_to_rank", "--bind_core_list", "0-1",
+                           "--log_dir", str(tmp_path), "s.py"])
+    assert job.bind_cores and job.core_list == "0,1" and not warnings
+    argv = mpirun_command(job, "mpirun").argv
+    # mpirun's own binding is off (the wrappers bind), and the wrappers get the list.
+    assert argv[argv.index("--bind-to") + 1] == "none"
+    assert _tail_from(argv, "zero8_launch.rank_wrapper")[-5:] == ["--bind_cores", "--core_list", "0,1", "--", "s.py"]
+    assert "--cpu-bind=none" in srun_command(job).argv
+    job, warnings = _plan(["--bind_core_list", "0", "--log_dir", str(tmp_path), "s.py"])
+    assert warnings == ["--bind_core_list has no effect without --bind_cores_to_rank (as in DeepSpeed)"]
+    argv = mpirun_command(job, "mpirun").argv
+    assert "--bind-to" not in argv and "--bind_cores" not in argv and "--core_list" not in argv
+    with pytest.raises(LaunchError, match="--bind_core_list '1-0': range '1-0' runs backwards"):
+        _plan(["--bind_cores_to_rank", "--bind_core_list", "1-0", "s.py"])
+
+
+def _tail_from(argv: list[str], word: str) -> list[str]:
+    return argv[argv.index(word):]
 
 
 def test_expand_slurm_hostlist():
@@ -533,6 +596,37 @@ def _seconds_since_test_event(r: subprocess.CompletedProcess) -> float:
     m = re.search(r"^\[rank\d+\] test event: .* at t=(\d+\.\d+)$", r.stdout, re.M)
     assert m, "the rank script did not report its test event:\n" + r.stdout[-3000:] + r.stderr[-3000:]
     return time.time() - float(m.group(1))
+
+
+@needs_mpirun
+def test_bind_cores_to_rank_gives_each_rank_its_own_cores(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"this machine lets the tests run on {len(allowed)} core(s); the test shares out two")
+    r = launch(["--num_procs", "2", "--bind_cores_to_rank", "--log_dir", tmp_path / "a", RANK_ENV],
+               env=job_env(), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = env_lines(r.stdout)
+    per = len(allowed) // 2
+    for rank in (0, 1):
+        # Its share of the cores, and OMP_NUM_THREADS set to it (the tests' environment says 1).
+        assert seen[rank]["AFFINITY"] == allowed[rank * per:(rank + 1) * per]
+        assert seen[rank]["OMP_NUM_THREADS"] == str(per)
+    # One rank, two cores of a given list, chosen without a hostfile as slot 1 of localhost.
+    r = launch(["--include", "localhost:1", "--bind_cores_to_rank", "--bind_core_list",
+                f"{allowed[1]},{allowed[0]}", "--log_dir", tmp_path / "b", RANK_ENV], env=job_env(), timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = env_lines(r.stdout)
+    assert list(seen) == [0]
+    assert seen[0]["AFFINITY"] == sorted(allowed[:2]) and seen[0]["OMP_NUM_THREADS"] == "2"
+    assert (seen[0]["LOCAL_RANK"], seen[0]["WORLD_SIZE"], seen[0]["CUDA_VISIBLE_DEVICES"]) == ("0", "1", "1")
+    # More ranks than cores: every rank fails before starting the script, saying why.
+    n = len(allowed) + 1
+    r = launch(["--num_procs", str(n), "--bind_cores_to_rank", "--log_dir", tmp_path / "c", RANK_ENV],
+               env=job_env(), timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{len(allowed)} core(s)" in r.stderr and f"for {n} ranks on this host: every rank needs a core" in r.stderr
+    assert "ENV {" not in r.stdout
 
 
 @needs_mpirun

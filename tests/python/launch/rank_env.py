@@ -14,7 +14,7 @@ import time
 
 KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "ZERO8_COMM_NODE", "ZERO8_COMM_IFADDR", "ZERO8_LAUNCH_HOST", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
-        "ZERO8_TEST_EXPORT", "ZERO8_TEST_EXPLICIT"]
+        "ZERO8_TEST_EXPORT", "ZERO8_TEST_EXPLICIT", "OMP_NUM_THREADS"]
 
 
 def main() -> int:
@@ -26,7 +26,9 @@ def main() -> int:
     p.add_argument("--term_file", default="")
     a = p.parse_args()
     rank = int(os.environ.get("RANK", "-1"))
-    print("ENV " + json.dumps({k: os.environ.get(k) for k in KEYS}, sort_keys=True))
+    seen = {k: os.environ.get(k) for k in KEYS}
+    seen["AFFINITY"] = sorted(os.sched_getaffinity(0))  # the cores this rank may run on
+    print("ENV " + json.dumps(seen, sort_keys=True))
     print(f"hello from rank {rank} on stderr", file=sys.stderr)
     if a.term_file:
         def on_term(signum, _frame):
