@@ -195,7 +195,7 @@ int threads_for_block(int32_t block) { return block < kMaxThreads ? int(block) :
 
 void optim_step_cuda(const StepArgs& a, void* stream) {
   if (a.n <= 0) return;
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, static_cast<cudaStream_t>(stream)>>>(
@@ -210,7 +210,7 @@ void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream) {
     return;
   }
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   const size_t nparts = size_t(nblocks + nseg);
   double* parts = nullptr;

@@ -142,7 +142,7 @@ struct BlockUpdate {
 // (floating-point update, byte-permute encoding) keep each other's execution units busy.
 template <Algo A, int kStates, int G>
 void fused_step(const StepArgs& a) {
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const VConsts<V512> k(c);
   const __m512 lr = _mm512_set1_ps(c.lr);
   alignas(64) float bufs[4][kMaxBlock];  // states of two blocks: the one encoded, the one updated

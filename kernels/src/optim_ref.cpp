@@ -37,7 +37,7 @@ bool optim_uses_state(Algo a, const Hyper& h, int which) {
   return true;
 }
 
-OptimConsts optim_consts(Algo a, const Hyper& h) {
+OptimConsts optim_consts(Algo a, const Hyper& h, int state_bits) {
   OptimConsts c{};
   const double t = double(h.step);
   const bool adam_like = a == Algo::adam || a == Algo::adamw || a == Algo::lamb;
@@ -68,8 +68,9 @@ OptimConsts optim_consts(Algo a, const Hyper& h) {
   c.nesterov = h.nesterov;
   c.momentum = h.beta1 != 0.0f;
   const double b1 = h.beta1, b2 = h.beta2;
-  c.ratio_max = adam_like && b1 * b1 < b2 ? float((1.0 - b1) / std::sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2)))
-                                          : std::numeric_limits<float>::infinity();
+  const bool bounded = adam_like && state_bits == 8 && b1 * b1 < b2;  // optim_math.h, optim_ratio_clamp
+  c.ratio_max = bounded ? float((1.0 - b1) / std::sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2)))
+                        : std::numeric_limits<float>::infinity();
   return c;
 }
 
@@ -124,7 +125,7 @@ float param_load(const StepArgs& a, int64_t i) {
 }  // namespace
 
 void optim_step_ref(const StepArgs& a) {
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
   const bool trust_algo = algo_has_trust_ratio(a.algo);
   std::vector<float> buf1(a.block), buf2(a.block);
@@ -156,7 +157,7 @@ void optim_step_ref(const StepArgs& a) {
 }
 
 void optim_norms_ref(const StepArgs& a, NormSums* out) {
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = a.algo == Algo::lamb, use2 = a.algo == Algo::lamb;  // lars needs no state here
   NormFold fold(out, a.nseg > 0 ? a.nseg : 1);
   std::vector<float> buf1(a.block), buf2(a.block);

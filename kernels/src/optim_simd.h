@@ -223,7 +223,7 @@ void simd_step_block(const StepArgs& a, const OptimConsts& c, const VConsts<V>& 
 
 template <class V, Algo A>
 void simd_step(const StepArgs& a) {
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const VConsts<V> k(c);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
   alignas(64) float buf1[kMaxBlock], buf2[kMaxBlock];
@@ -268,7 +268,7 @@ void simd_norms_piece(const VConsts<V>& k, const Ptrs& q, int64_t len, double* w
 
 template <class V, Algo A>
 void simd_norms(const StepArgs& a, NormSums* out) {
-  const OptimConsts c = optim_consts(a.algo, a.h);
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const VConsts<V> k(c);
   const bool use = A == Algo::lamb;  // lars needs no state in phase 1
   const bool q8 = a.bits == 8;

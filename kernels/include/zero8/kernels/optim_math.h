@@ -29,12 +29,13 @@ struct OptimConsts {
   int32_t first_step;  // sgd/lars: step == 1, the momentum buffer starts as the gradient (torch)
   int32_t nesterov;    // sgd/lars
   int32_t momentum;    // sgd/lars: beta1 != 0 (else the state is neither read nor written)
-  float ratio_max;     // adam/adamw/lamb: the bound on |m| / sqrt(v) (optim_ratio_clamp); others: +inf
+  float ratio_max;     // adam/adamw/lamb with 8-bit states: the bound on |m| / sqrt(v) (optim_ratio_clamp);
+                       // otherwise +inf
 };
 
 // Defined in optim_ref.cpp (not inline, so SIMD translation units compiled with other -m flags never
-// share a copy of it with the reference).
-OptimConsts optim_consts(Algo a, const Hyper& h);
+// share a copy of it with the reference). state_bits: 8 or 32, the format of the states this step reads.
+OptimConsts optim_consts(Algo a, const Hyper& h, int state_bits);
 
 
 ZERO8_HD float optim_sqrt(float x) {
@@ -53,6 +54,11 @@ ZERO8_HD float optim_sqrt(float x) {
 // eps) then takes steps of up to m / eps (rare embedding rows: 100x the learning rate). So the ratio
 // m / (sqrt(v) + eps_hat) is clamped to +-ratio_max: a no-op for exact moments, the bound for quantized
 // ones. NaN passes through (as in the SIMD order, min(bound, r) then max(-bound, .)).
+// The bound holds only while the betas stay constant: after a change (say beta2 from 0.999 to 0.95) the
+// moments still carry the old betas' sums, and exact moments reach 2.5 against the new bound of 1.165.
+// So only 8-bit states are clamped (ratio_max is +inf with 32-bit states, which then follow torch
+// whatever the betas do), and with 8-bit states a change of betas can cut such steps short until the
+// moments have forgotten the old betas (about 1 / (1 - beta2) steps).
 ZERO8_HD float optim_ratio_clamp(float r, float bound) { return r > bound ? bound : (r < -bound ? -bound : r); }
 
 // ---- Adam / AdamW ----
