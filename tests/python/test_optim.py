@@ -972,6 +972,48 @@ def test_load_torch_optim_state_dict():
         zo.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ps]).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True),
+                                dict(momentum=0.9, dampening=0.3)], ids=["plain", "nesterov", "dampening"])
+def test_torch_sgd_state_without_a_step_keeps_its_momentum_buffer(kw):
+    """torch.optim.SGD saves its momentum_buffer without a step: the resumed step uses the buffer (as torch's
+    does), not the first-step rule that would replace it by the gradient. SGD: against torch's uninterrupted
+    run; LARS (same torch state names): against its own run resumed from a state dict that kept the step."""
+    gen = torch.Generator().manual_seed(11)
+    w0 = torch.randn(600, generator=gen)
+    grads = [torch.randn(600, generator=gen) for _ in range(8)]
+
+    def run(opt, p, gs):
+        for g in gs:
+            p.grad = g.clone()
+            opt.step()
+
+    p = torch.nn.Parameter(w0.clone())
+    ref = torch.optim.SGD([p], lr=0.1, **kw)
+    run(ref, p, grads[:4])
+    sd, mid = copy.deepcopy(ref.state_dict()), p.detach().clone()
+    assert "step" not in sd["state"][0]
+    run(ref, p, grads[4:])
+    for cls, tol in ((zo.SGD32bit, 1e-6), (zo.SGD8bit, 2e-2)):
+        q = torch.nn.Parameter(mid.clone())
+        opt = cls([q], lr=0.1, min_8bit_size=0, **kw)
+        opt.load_state_dict(sd)
+        run(opt, q, grads[4:])
+        assert ((q - p).norm() / (p - mid).norm()).item() < tol, cls.__name__
+
+    q = torch.nn.Parameter(w0.clone())
+    lars = zo.LARS32bit([q], lr=1.0, **kw)
+    run(lars, q, grads[:4])
+    own, mid = copy.deepcopy(lars.state_dict()), q.detach().clone()
+    run(lars, q, grads[4:])
+    torch_form = copy.deepcopy(own)
+    torch_form["state"][0] = {"momentum_buffer": own["state"][0]["state1"]}
+    r = torch.nn.Parameter(mid.clone())
+    resumed = zo.LARS32bit([r], lr=1.0, **kw)
+    resumed.load_state_dict(torch_form)
+    run(resumed, r, grads[4:])
+    assert torch.equal(r, q)
+
+
 def test_loaded_groups_share_nothing_with_the_saved_dict():
     """A tensor lr (which torch's schedulers update in place) or a list in a loaded group is the loaded
     optimizer's own: a scheduler on the loaded copy leaves the saved optimizer's lr alone."""

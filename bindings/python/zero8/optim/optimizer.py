@@ -857,10 +857,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             saved.update(saved.pop(_BNB_WRAPPER_KEY))
         self._check_saved_states(saved, where)
         n = p.numel()
-        step = saved.get("step", 0)
-        step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-        if step < 0:
-            raise Zero8ValueError(f"{where}: step {step} < 0")
+        step = saved.get("step")
+        if step is not None:
+            step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+            if step < 0:
+                raise Zero8ValueError(f"{where}: step {step} < 0")
         bits = self._state_bits(p, cfg)
         fresh = None
         out: Dict[str, Any] = {"step": step}
@@ -876,6 +877,11 @@ class Optimizer8bit(torch.optim.Optimizer):
                         out[k] = fresh[k]
                 continue
             codes, absmax, qmap, values = found
+            if out["step"] is None:
+                # A state saved without a step (torch.optim.SGD's momentum_buffer, lion-pytorch's exp_avg):
+                # it exists, so steps were taken and the next one is not the first, as torch resumes (SGD
+                # and LARS would otherwise replace the loaded momentum by the gradient at step 1).
+                out["step"] = 1
             if bits == 8 and codes is not None and absmax.numel() == -(-n // block) and _same_map(qmap, kind):
                 # zero8's layout already: the codes and scales are kept bit for bit.
                 out[f"state{i}"] = codes.reshape(p.shape)
@@ -891,6 +897,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 out[f"qmap{i}"] = _map(kind)
             else:
                 out[f"state{i}"] = values.reshape(p.shape)
+        if out["step"] is None:  # nothing saved (torch's SGD without momentum): a fresh start
+            out["step"] = 0
         if p.dtype != torch.float32:
             master = saved.get("master")
             if isinstance(master, torch.Tensor):
