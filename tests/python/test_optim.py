@@ -762,10 +762,11 @@ def test_rollback_of_model_and_optimizer_continues_bit_exactly(order):
         assert torch.equal(opt.state[p]["master"], ref_opt.state[q]["master"])
 
 
-def test_optimizer_load_state_dict_alone_restores_the_master():
-    """Loading only the optimizer's state restores its masters, which win over the parameters' current
-    values at the next step (the saved parameter values come back), as they always have; an edit of the
-    parameter after the load wins over the loaded master."""
+def test_optimizer_load_state_dict_keeps_the_models_weights():
+    """The parameter stays the truth across optimizer.load_state_dict: weights the model holds when the
+    optimizer's state is loaded (loaded into it before, e.g. EMA weights, or simply where training got to)
+    are where the next step starts, as with torch.optim and bitsandbytes; elements that are the rounding of
+    their loaded master keep its float32 bits; an edit after the load wins as well."""
     p = torch.nn.Parameter(torch.randn(300, 40).to(torch.bfloat16))
     opt = zo.AdamW8bit([p], lr=1e-2)
     gen = torch.Generator().manual_seed(9)
@@ -774,21 +775,74 @@ def test_optimizer_load_state_dict_alone_restores_the_master():
         p.grad = gr.clone()
         opt.step()
     saved_p, saved_opt = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    saved_master = saved_opt["state"][0]["master"]
     for gr in grads[3:]:
         p.grad = gr.clone()
         opt.step()
-    assert (p.detach() != saved_p).float().mean() > 0.9
+    now = p.detach().clone()
+    assert (now != saved_p).float().mean() > 0.9
+    with torch.no_grad():  # a few elements back at the saved point: their rounding matches the saved master
+        p[:5] = saved_p[:5]
+    now = p.detach().clone()
+    opt.load_state_dict(saved_opt)
+    opt.param_groups[0]["lr"] = 0.0
+    p.grad = grads[0].clone()
+    opt.step()
+    assert torch.equal(p.detach(), now)
+    agree = now == saved_master.to(torch.bfloat16)
+    assert agree[:5].all() and (~agree).float().mean() > 0.9
+    # float32 bits kept where the weights are the loaded master's rounding; the weights elsewhere
+    assert torch.equal(opt.state[p]["master"], torch.where(agree, saved_master, now.float()))
+
+    # EMA-style weights loaded into the model first, then the optimizer's state (the usual order).
+    with torch.no_grad():
+        p.fill_(0.5)
     opt.load_state_dict(saved_opt)
     opt.param_groups[0]["lr"] = 0.0
     opt.step()
-    assert torch.equal(p.detach(), saved_p)
-    assert torch.equal(opt.state[p]["master"], saved_opt["state"][0]["master"])
+    assert torch.equal(p.detach(), torch.full_like(p.detach(), 0.5))
+    half = torch.full_like(saved_master, 0.5)
+    assert torch.equal(opt.state[p]["master"], torch.where(half == saved_master.to(torch.bfloat16), saved_master, half))
+    assert (opt.state[p]["master"] == half).float().mean() > 0.9
+
+    # The optimizer's state first, then an edit: the edit wins too.
     opt.load_state_dict(saved_opt)
     opt.param_groups[0]["lr"] = 0.0
     with torch.no_grad():
-        p.fill_(0.5)
+        p.fill_(-0.25)
     opt.step()
-    assert torch.equal(p.detach(), torch.full_like(p.detach(), 0.5))
+    assert torch.equal(p.detach(), torch.full_like(p.detach(), -0.25))
+
+
+@pytest.mark.parametrize("reference", ["torch", "bitsandbytes"])
+def test_weights_loaded_before_the_optimizer_state_win_as_in_torch(reference):
+    """A bf16 model given new weights and then the optimizer's saved state: one resumed step lands where
+    torch.optim.AdamW (or bitsandbytes' AdamW8bit) puts it, next to the new weights."""
+    if reference == "bitsandbytes":
+        bnb = _bnb()
+    results = []
+    for make in (lambda ps: zo.AdamW8bit(ps, lr=1e-4, min_8bit_size=0),
+                 (lambda ps: torch.optim.AdamW(ps, lr=1e-4)) if reference == "torch"
+                 else (lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-4, min_8bit_size=0))):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(32, 16).to(torch.bfloat16)
+        o = make(m.parameters())
+        for _ in range(3):
+            o.zero_grad()
+            m(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
+            o.step()
+        sd = copy.deepcopy(o.state_dict())
+        m2 = torch.nn.Linear(32, 16).to(torch.bfloat16)
+        o2 = make(m2.parameters())
+        m2.load_state_dict({k: torch.full_like(v, 0.5) for k, v in m.state_dict().items()})
+        o2.load_state_dict(sd)
+        o2.zero_grad()
+        m2(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
+        o2.step()
+        results.append(m2.weight.detach().float())
+    ours, ref = results
+    assert (ref - 0.5).abs().max().item() <= 1e-2  # one step of lr 1e-4 from 0.5 (a bf16 ulp there: 2^-9)
+    assert (ours - ref).abs().max().item() <= 2 ** -8
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,9 +22,12 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   edit made through the parameter itself, and rebinding ``.data``) and its bits, for in-place edits
   through ``p.data``, which torch does not version: all of them for a parameter of up to 64 KiB, else
   about 1000 evenly spaced elements, so such an edit of only a few elements of a larger parameter can
-  go unseen (edit under ``torch.no_grad()`` instead). ``load_state_dict`` restores the saved masters, and
-  they win over the parameters' values at that moment (as before) unless a parameter is changed after
-  it (restoring the model after the optimizer keeps them too: its values are their rounding).
+  go unseen (edit under ``torch.no_grad()`` instead). ``load_state_dict`` restores the saved masters
+  and holds to the same rule: the next step compares every element of each parameter with the rounding
+  of its loaded master (all elements, once) and re-seeds those that differ. So weights loaded into the
+  model before or after the optimizer's state (EMA or averaged weights) are where training goes on from,
+  as in torch and bitsandbytes, and weights restored from the same checkpoint, being the masters'
+  rounding, keep the exact float32 masters.
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``.
@@ -840,13 +843,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
                                               f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
         self.__setstate__({"state": state, "param_groups": new_groups})
-        for p in id_map.values():  # the loaded masters win over the parameters' values as they are now
-            master = self.state[p].get("master") if p in self.state else None
-            if (isinstance(master, torch.Tensor) and p.numel() > 0 and p.device.type == "cpu"
-                    and p.element_size() == 2 and p.is_contiguous()):  # what _snapshot reads
-                self._synced[id(p)] = _synced(p, master)
-            else:
-                self._synced.pop(id(p), None)
+        for p in id_map.values():
+            # The parameter stays the truth: without a record, the next step compares all its elements with
+            # the rounding of the loaded master and re-seeds those that differ (weights loaded into the model
+            # before this win, as in torch; the same checkpoint's weights keep the exact masters).
+            self._synced.pop(id(p), None)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
