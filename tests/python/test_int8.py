@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import inspect
 import io
 import itertools
 import math
@@ -24,11 +25,14 @@ import torch.nn.functional as F
 
 import zero8
 from zero8 import _C
-from zero8.nn import Int8Linear, Linear8bitLt, convert_linear8bit
+from zero8.nn import Int8Linear, Linear8bitLt, bnb_state_dict, convert_linear8bit
 from zero8.nn import linear8bit as l8
 from zero8.nn.int8_linear import _blockwise_int8_matmul_sliced, blockwise_int8_matmul
 
 EPS32 = 2.0**-24  # float32 unit roundoff
+# Linear8bitLt for inference (int8 weights, the paper's outlier threshold); its defaults are bitsandbytes'
+# (float weights kept and trained, no outlier decomposition).
+INT8_INFERENCE = dict(has_fp16_weights=False, threshold=6.0)
 
 
 def fp_slack(x64: torch.Tensor, w64: torch.Tensor, k: int) -> torch.Tensor:
@@ -137,7 +141,7 @@ def test_linear8bitlt_state_dict_roundtrip_without_float_weights():
     sd = m.state_dict()
     assert set(sd) == {"weight", "weight_scale", "bias"}
     assert sd["weight"].dtype == torch.int8 and sd["weight_scale"].dtype == torch.float32
-    fresh = Linear8bitLt(64, 40)
+    fresh = Linear8bitLt(64, 40, **INT8_INFERENCE)
     assert [name for name, _ in fresh.named_parameters()] == ["bias"]  # no float weight anywhere
     fresh.load_state_dict(sd)
     x = outlier_input(10, 64, [7])
@@ -146,7 +150,7 @@ def test_linear8bitlt_state_dict_roundtrip_without_float_weights():
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
-    fresh2 = Linear8bitLt(64, 40)
+    fresh2 = Linear8bitLt(64, 40, **INT8_INFERENCE)
     fresh2.load_state_dict(torch.load(buf))
     assert torch.equal(fresh2(x), m(x))
 
@@ -190,6 +194,150 @@ def test_linear8bitlt_fp16_weights_train_straight_through():
     assert torch.allclose(m.weight.grad, g.t() @ x.detach(), rtol=1e-5, atol=1e-6)
     assert torch.allclose(x.grad, g @ lin.weight.detach(), rtol=1e-5, atol=1e-6)
     assert torch.allclose(m.bias.grad, g.sum(0), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------- Linear8bitLt and bitsandbytes
+
+# bitsandbytes 0.50's Linear8bitLt(input_features, output_features, ...) defaults, checked against the
+# installed bitsandbytes when there is one.
+BNB_LINEAR8BITLT_DEFAULTS = {"bias": True, "has_fp16_weights": True, "threshold": 0.0, "index": None, "device": None}
+
+
+def _bnb_int8_linear(bnb, lin: torch.nn.Linear, threshold: float = 6.0):
+    """bitsandbytes' int8 Linear8bitLt holding ``lin``: loaded as floats, quantized by the move to its device
+    (on the CPU as on a GPU), as its docstring says."""
+    b = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, has_fp16_weights=False, threshold=threshold)
+    b.load_state_dict(lin.state_dict())
+    return b.to("cpu")
+
+
+def test_linear8bitlt_constructor_defaults_are_bitsandbytes():
+    # bitsandbytes code that trains Linear8bitLt(in, out) must train its weight here too; the defaults
+    # were inference's (has_fp16_weights=False, threshold=6.0), which silently froze the weight.
+    ours = inspect.signature(Linear8bitLt).parameters
+    want = dict(BNB_LINEAR8BITLT_DEFAULTS)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        bnb = None
+    if bnb is not None:
+        theirs = inspect.signature(bnb.nn.Linear8bitLt).parameters
+        want = {name: p.default for name, p in theirs.items() if p.default is not inspect.Parameter.empty}
+        assert list(ours)[:len(theirs)] == list(theirs)  # the same names in the same positions
+    assert {name: ours[name].default for name in want} == want
+    torch.manual_seed(7)
+    m = Linear8bitLt(48, 24)
+    assert m.has_fp16_weights and m.threshold == 0.0 and m.index is None
+    assert [(n, p.dtype) for n, p in m.named_parameters() if p.requires_grad] == [("weight", torch.float32),
+                                                                                 ("bias", torch.float32)]
+    before = m.weight.detach().clone()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(16, 48)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(m.weight.detach(), before)  # the weight trains
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("has_fp16_weights", [False, True])
+def test_linear8bitlt_loads_a_bitsandbytes_int8_state_dict(has_fp16_weights, strict):
+    # bitsandbytes saves weight (int8 codes), SCB (each row's absmax: weight = codes * SCB / 127) and
+    # weight_format. A strict load used to fail on SCB and weight_format; strict=False loaded the codes with
+    # the layer's own scales, silently ~10x worse than bitsandbytes.
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(8)
+    k, n = 64, 40
+    lin = torch.nn.Linear(k, n)
+    sd = _bnb_int8_linear(bnb, lin).state_dict()
+    assert {key: v.dtype for key, v in sd.items()} == {"weight": torch.int8, "bias": torch.float32,
+                                                      "SCB": torch.float32, "weight_format": torch.uint8}
+    bnb_weight = bnb.functional.int8_vectorwise_dequant(sd["weight"], sd["SCB"])  # bitsandbytes' own decoding
+    m = Linear8bitLt(k, n, has_fp16_weights=has_fp16_weights, threshold=6.0)
+    result = m.load_state_dict(sd, strict=strict)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    if has_fp16_weights:
+        w = m.weight.detach()
+    else:
+        assert torch.equal(m.weight, sd["weight"]) and torch.equal(m.weight_scale, sd["SCB"] / 127)
+        w = m.weight.float() * m.weight_scale[:, None]
+    # The same weights: bitsandbytes multiplies by float32(1/127), zero8 divides by 127, each rounded.
+    assert ((w.double() - bnb_weight.double()).abs() <= 4 * EPS32 * bnb_weight.double().abs()).all()
+    # The same outputs, to float rounding, as the layer given bitsandbytes' decoded weight as floats (its
+    # forward quantizes them back to bitsandbytes' codes, with scales within an ulp of SCB / 127).
+    x = outlier_input(12, k, [3, 50])
+    ref = Linear8bitLt(k, n, has_fp16_weights=True, threshold=6.0)
+    ref.load_state_dict({"weight": bnb_weight, "bias": sd["bias"]})
+    x64, w64 = x.double(), bnb_weight.double()
+    y, y_ref = m(x).double(), ref(x).double()
+    assert ((y - y_ref).abs() <= fp_slack(x64, w64, k) + EPS32 * sd["bias"].double().abs()).all()
+    # And the int8 error of the activations alone against float64 with those weights (the weights being
+    # exact, the bound has no weight term), where the old load was off by the wrong scales.
+    y64 = x64 @ w64.t() + sd["bias"].double()
+    outl = (x64.abs() >= 6.0).any(0)
+    sx = x64[:, ~outl].abs().amax(1) / 127
+    bound = vectorwise_bound(x64, w64, sx, torch.zeros(n), outl) + fp_slack(x64, w64, k) + 8 * EPS32 * y64.abs()
+    assert ((y - y64).abs() <= bound).all()
+
+
+def test_bnb_state_dict_loads_into_bitsandbytes_and_back():
+    # bnb_state_dict(model) writes each int8 layer's scales as bitsandbytes' SCB (+ weight_format): a
+    # bitsandbytes model quantized the same way loads it strictly and decodes the same weights; zero8 loads
+    # it back. model.state_dict() keeps zero8's weight_scale (bit-exact round trip).
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(9)
+    lin0, lin2 = torch.nn.Linear(32, 48), torch.nn.Linear(48, 16)
+    model = torch.nn.Sequential(Linear8bitLt.from_linear(lin0), torch.nn.ReLU(),
+                                Linear8bitLt.from_linear(lin2, has_fp16_weights=True))
+    sd = bnb_state_dict(model)
+    assert set(sd) == {"0.weight", "0.bias", "0.SCB", "0.weight_format", "2.weight", "2.bias"}
+    assert set(model.state_dict()) == {"0.weight", "0.weight_scale", "0.bias", "2.weight", "2.bias"}
+    theirs = torch.nn.Sequential(bnb.nn.Linear8bitLt(32, 48, has_fp16_weights=False, threshold=6.0),
+                                 torch.nn.ReLU(), bnb.nn.Linear8bitLt(48, 16)).to("cpu")
+    result = theirs.load_state_dict(sd)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(theirs[0].weight.data, model[0].weight)
+    decoded = bnb.functional.int8_vectorwise_dequant(theirs[0].weight.data, theirs[0].weight.SCB)
+    ours = model[0].weight.float() * model[0].weight_scale[:, None]
+    assert ((decoded.double() - ours.double()).abs() <= 4 * EPS32 * ours.double().abs()).all()
+    assert torch.equal(theirs[2].weight.data, model[2].weight.detach())
+    back = torch.nn.Sequential(Linear8bitLt(32, 48, **INT8_INFERENCE), torch.nn.ReLU(),
+                               Linear8bitLt(48, 16, has_fp16_weights=True, threshold=6.0))
+    result = back.load_state_dict(sd)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(back[0].weight, model[0].weight)
+    assert ((back[0].weight_scale - model[0].weight_scale).abs() <= 2 * EPS32 * model[0].weight_scale).all()
+
+
+def test_linear8bitlt_malformed_state_dicts_raise_naming_the_key():
+    torch.manual_seed(10)
+    good = bnb_state_dict(torch.nn.Sequential(Linear8bitLt.from_linear(torch.nn.Linear(16, 8))))
+
+    def load(change, strict=True, layer=None):
+        sd = dict(good)
+        change(sd)
+        model = torch.nn.Sequential(layer or Linear8bitLt(16, 8, **INT8_INFERENCE))
+        return model.load_state_dict(sd, strict=strict)
+
+    load(lambda sd: None)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "0.CB"'):
+        load(lambda sd: sd.update({"0.CB": sd["0.weight"]}))
+    with pytest.raises(zero8.Zero8ValueError, match=r"0\.SCB must be a 1-D float tensor of 8 .*shape \(7,\)"):
+        load(lambda sd: sd.update({"0.SCB": sd["0.SCB"][:7]}), strict=False)
+    with pytest.raises(zero8.Zero8ValueError, match=r"0\.SCB must be .*dtype torch.int32"):
+        load(lambda sd: sd.update({"0.SCB": sd["0.SCB"].int()}))
+    with pytest.raises(zero8.Zero8ValueError,
+                       match=r"0\.weight_format is tensor\(2, dtype=torch.uint8\) \(col_turing\): only .*row-major"):
+        load(lambda sd: sd.update({"0.weight_format": torch.tensor(2, dtype=torch.uint8)}))
+    with pytest.raises(zero8.Zero8ValueError, match=r"0\.weight_format is 'col32'"):
+        load(lambda sd: sd.update({"0.weight_format": "col32"}))
+    load(lambda sd: sd.update({"0.weight_format": "row"}))  # older bitsandbytes saved the name
+    with pytest.raises(zero8.Zero8ValueError, match=r"both 0\.weight_scale .* and 0\.SCB"):
+        load(lambda sd: sd.update({"0.weight_scale": sd["0.SCB"] / 127}))
+    with pytest.raises(zero8.Zero8ValueError, match=r"0\.SCB .* int8 codes of 0\.weight.*dtype torch.float32"):
+        load(lambda sd: sd.update({"0.weight": sd["0.weight"].float()}))
+    # int8 codes without any scales: strict=False used to keep the layer's old scales, silently.
+    for layer in (None, Linear8bitLt(16, 8, has_fp16_weights=True)):
+        with pytest.raises(zero8.Zero8ValueError, match=r"0\.weight holds int8 codes .* 0\.weight_scale .* 0\.SCB"):
+            load(lambda sd: (sd.pop("0.SCB"), sd.pop("0.weight_format")), strict=False, layer=layer)
 
 
 # --------------------------------------------------------------------------------------------- Int8Linear
@@ -493,7 +641,7 @@ def test_small_gpt_trained_with_int8linear_within_2pct_of_fp32():
 # ------------------------------------------------------------------------------------------ bad inputs
 
 
-@pytest.mark.parametrize("make", [lambda: Linear8bitLt(16, 8), lambda: Int8Linear(16, 8)])
+@pytest.mark.parametrize("make", [lambda: Linear8bitLt(16, 8, **INT8_INFERENCE), lambda: Int8Linear(16, 8)])
 def test_bad_inputs_raise_zero8_value_errors_naming_the_tensor(make):
     m = make()
     with pytest.raises(zero8.Zero8ValueError, match="input"):
@@ -560,7 +708,7 @@ def test_linear8bitlt_loads_a_float_linear_state_dict_by_quantizing_it(strict):
     torch.manual_seed(31)
     lin = torch.nn.Linear(40, 24)
     want = Linear8bitLt.from_linear(lin)
-    m = Linear8bitLt(40, 24)
+    m = Linear8bitLt(40, 24, **INT8_INFERENCE)
     result = m.load_state_dict(lin.state_dict(), strict=strict)
     assert result.missing_keys == [] and result.unexpected_keys == []
     assert torch.equal(m.weight, want.weight) and torch.equal(m.weight_scale, want.weight_scale)
@@ -574,7 +722,7 @@ def test_linear8bitlt_loads_a_float_linear_state_dict_by_quantizing_it(strict):
     assert torch.equal(fp.weight.detach(), want.weight.float() * want.weight_scale[:, None])
     # A float weight of the wrong shape still fails by shape.
     with pytest.raises(RuntimeError, match="size mismatch for weight"):
-        Linear8bitLt(40, 25).load_state_dict(lin.state_dict(), strict=strict)
+        Linear8bitLt(40, 25, **INT8_INFERENCE).load_state_dict(lin.state_dict(), strict=strict)
 
 
 def test_int8linear_double_backward_raises_instead_of_dropping_terms():
@@ -629,7 +777,8 @@ def test_convert_linear8bit_leaves_linears_it_cannot_replace_and_converts_a_bare
     assert torch.equal(out(xs), Linear8bitLt.from_linear(lin, threshold=0.0)(xs))
 
 
-@pytest.mark.parametrize("make", [lambda: Linear8bitLt(16, 8), lambda: Linear8bitLt(16, 8, has_fp16_weights=True),
+@pytest.mark.parametrize("make", [lambda: Linear8bitLt(16, 8, **INT8_INFERENCE),
+                                  lambda: Linear8bitLt(16, 8, has_fp16_weights=True, threshold=6.0),
                                   lambda: Int8Linear(16, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_empty_batch_backpropagates_zero_gradients(make, dtype):
@@ -704,8 +853,9 @@ def _on_meta(how, make):
 
 
 _META_LAYERS = {
-    "Linear8bitLt": lambda device: Linear8bitLt(40, 24, device=device),
-    "Linear8bitLt-fp16-weights": lambda device: Linear8bitLt(40, 24, has_fp16_weights=True, device=device),
+    "Linear8bitLt": lambda device: Linear8bitLt(40, 24, **INT8_INFERENCE, device=device),
+    "Linear8bitLt-fp16-weights": lambda device: Linear8bitLt(40, 24, has_fp16_weights=True, threshold=6.0,
+                                                             device=device),
     "Int8Linear": lambda device: Int8Linear(40, 24, block_size=16, device=device),
 }
 
@@ -801,7 +951,7 @@ def test_meta_layers_raise_naming_the_layer_until_loaded():
         with pytest.raises(NotImplementedError, match="to_empty"):
             m.to("cpu")  # torch's own message: there is no data to move
     # Only the bias left on meta (a partial load) is named too.
-    m = Linear8bitLt(40, 24)
+    m = Linear8bitLt(40, 24, **INT8_INFERENCE)
     m.bias = torch.nn.Parameter(torch.empty(24, device="meta"))
     with pytest.raises(zero8.Zero8ValueError, match=r"Linear8bitLt\.bias is on the meta device"):
         m(x)
@@ -859,8 +1009,8 @@ def test_flop_counter_on_meta_layers_counts_the_float_linear():
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        model = torch.nn.Sequential(Linear8bitLt(40, 24), torch.nn.ReLU(), Int8Linear(24, 16),
-                                    Linear8bitLt(16, 8, has_fp16_weights=True))
+        model = torch.nn.Sequential(Linear8bitLt(40, 24, **INT8_INFERENCE), torch.nn.ReLU(), Int8Linear(24, 16),
+                                    Linear8bitLt(16, 8, has_fp16_weights=True, threshold=6.0))
     x = torch.empty(4, 9, 40, device="meta")
     with FlopCounterMode(display=False) as counter:
         y = model(x)
@@ -890,9 +1040,9 @@ def test_flop_counter_on_cpu_inputs_counts_the_layers_as_float_linears(shape, bi
     layers = {  # name: (make on a device, trains its weight)
         "Int8Linear exact": (lambda device: Int8Linear(40, 24, bias=bias, device=device), True),
         "Int8Linear fast": (lambda device: Int8Linear(40, 24, bias=bias, gemm="fast", device=device), True),
-        "Linear8bitLt": (lambda device: Linear8bitLt(40, 24, bias=bias, device=device), False),
+        "Linear8bitLt": (lambda device: Linear8bitLt(40, 24, bias=bias, **INT8_INFERENCE, device=device), False),
         "Linear8bitLt fp16 weights": (lambda device: Linear8bitLt(40, 24, bias=bias, has_fp16_weights=True,
-                                                                  device=device), True),
+                                                                  threshold=6.0, device=device), True),
     }
     int8_ops = {torch.ops.zero8.int8_block_matmul, torch.ops.zero8.int8_gemm, torch.ops.zero8.llm_int8_matmul,
                 torch.ops.aten.mm}  # aten.mm: Linear8bitLt's float straight-through backward
@@ -928,7 +1078,8 @@ def test_assign_keeps_the_float32_formats_a_copy_would_give():
     assert torch.equal(m.weight, lin.weight.float())
     sd = Linear8bitLt.from_linear(lin.float()).state_dict()
     sd["weight_scale"] = sd["weight_scale"].half()  # scales stored in float16 (say, a checkpoint cast whole)
-    copied, assigned = Linear8bitLt(40, 24), Linear8bitLt(40, 24, device="meta")
+    copied = Linear8bitLt(40, 24, **INT8_INFERENCE)
+    assigned = Linear8bitLt(40, 24, **INT8_INFERENCE, device="meta")
     copied.load_state_dict(sd)
     assigned.load_state_dict(sd, assign=True)
     assert assigned.weight_scale.dtype == torch.float32

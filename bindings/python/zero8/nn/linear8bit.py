@@ -1,8 +1,9 @@
 """LLM.int8() inference layers (Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication for
-Transformers at Scale"): ``Linear8bitLt`` keeps int8 weights with one absmax scale per output row, quantizes
-each activation row to int8 on the fly, and computes the input columns holding any ``|x| >= threshold``
-(the emergent outlier features) in float32, added back to the int8 product. ``convert_linear8bit`` swaps
-the ``nn.Linear`` modules of a trained model for it.
+Transformers at Scale"): ``Linear8bitLt`` (bitsandbytes' constructor, defaults and int8 state dicts) keeps
+int8 weights with one absmax scale per output row (or a float weight quantized at every forward, its
+default), quantizes each activation row to int8 on the fly, and computes the input columns holding any
+``|x| >= threshold`` (the emergent outlier features) in float32, added back to the int8 product.
+``convert_linear8bit`` swaps the ``nn.Linear`` modules of a trained model for it.
 
 Also the int8 primitives both int8 layers use (``Int8Linear`` imports them): torch tensors in, validated
 here (errors name the tensor), then the kernels of kernels/src/int8_*.cpp as the torch custom ops of
@@ -24,6 +25,7 @@ from .._C import Zero8ValueError
 
 __all__ = [
     "Linear8bitLt",
+    "bnb_state_dict",
     "convert_linear8bit",
     "int8_gemm_backend",
     "set_int8_gemm_backend",
@@ -44,7 +46,8 @@ def int8_gemm_backend() -> str:
 
 
 def set_int8_gemm_backend(name: str) -> None:
-    """Choose the int8 GEMM: ``"torch"`` (default) or ``"zero8"`` (for comparisons, docs/INT8.md)."""
+    """Choose the int8 GEMM: ``"zero8"`` (the default when zero8 is built with oneDNN) or ``"torch"`` (the
+    default otherwise), for comparisons (docs/INT8.md)."""
     global _GEMM
     if name not in ("torch", "zero8"):
         raise Zero8ValueError(f"int8 GEMM backend must be 'torch' or 'zero8', got {name!r}")
@@ -220,25 +223,33 @@ class _Linear8bitLtFn(torch.autograd.Function):
 
 
 class Linear8bitLt(torch.nn.Module):
-    """LLM.int8() linear layer (bitsandbytes' ``Linear8bitLt`` constructor):
+    """LLM.int8() linear layer, with bitsandbytes' ``Linear8bitLt`` constructor and defaults:
 
-    ``Linear8bitLt(input_features, output_features, bias=True, has_fp16_weights=False, threshold=6.0)``
+    ``Linear8bitLt(input_features, output_features, bias=True, has_fp16_weights=True, threshold=0.0,
+    index=None, device=None, dtype=None)``
 
-    - weights: int8 with one scale per output row (``scale = max|W[j]| / 127``, codes
-      ``round(W / scale)``), the buffers ``weight`` (int8, out x in) and ``weight_scale`` (float32, out);
-      with ``has_fp16_weights=True`` the float ``weight`` Parameter is kept (trainable) and quantized at
-      every forward.
+    - ``has_fp16_weights=True`` (the default, as in bitsandbytes): the float ``weight`` Parameter is kept,
+      trainable, and quantized at every forward. ``has_fp16_weights=False`` (inference): the weight is
+      int8 with one scale per output row (``scale = max|W[j]| / 127``, codes ``round(W / scale)``), the
+      buffers ``weight`` (int8, out x in) and ``weight_scale`` (float32, out), and is not trained.
     - activations: each row of the input quantized to int8 with its own absmax scale, int8 x int8 -> int32
       GEMM, output ``acc * row_scale * weight_scale (+ bias)``.
     - outliers: input columns (features) holding any ``|x| >= threshold`` leave the int8 path; their
-      product with the weight columns is computed in float32 and added back (``threshold=0`` or ``inf``:
-      none). The LLM.int8 paper uses 6.0.
+      product with the weight columns is computed in float32 and added back (``threshold=0``, the default,
+      or ``inf``: none). The LLM.int8 paper (and transformers' ``llm_int8_threshold``) uses 6.0:
+      inference is ``Linear8bitLt(in, out, has_fp16_weights=False, threshold=6.0)``, what
+      ``from_linear`` and ``convert_linear8bit`` make by default.
+    - ``index``: accepted and kept as ``self.index``, unused, as in bitsandbytes.
 
-    The state dict holds ``weight`` (int8), ``weight_scale`` and ``bias``; it loads into a fresh
-    ``Linear8bitLt`` of the same shape without any float weights. An ``nn.Linear`` state dict loads too (its
-    weight quantized on load), and an int8 one into a layer with ``has_fp16_weights=True`` (dequantized). ``.half()`` / ``.to(dtype)`` cast the bias
-    (and a kept float weight) but leave ``weight_scale`` float32. CPU tensors of float32, bfloat16 or
-    float16; the output has the input's dtype. Bad inputs raise ``zero8.Zero8ValueError`` naming them.
+    The state dict of an int8 layer holds ``weight`` (int8), ``weight_scale`` and ``bias``; it loads into a
+    fresh ``Linear8bitLt(..., has_fp16_weights=False)`` of the same shape without any float weights. Also
+    loaded: an ``nn.Linear`` state dict (its weight quantized on load), an int8 one into a layer with
+    ``has_fp16_weights=True`` (dequantized), and bitsandbytes' int8 ``Linear8bitLt`` state dict (``weight``
+    int8, ``SCB`` the per-row absmax, ``weight = int8 * SCB / 127``, ``weight_format`` 0 for row-major):
+    ``weight_scale = SCB / 127``. ``bnb_state_dict(model)`` saves in bitsandbytes' form. ``.half()`` /
+    ``.to(dtype)`` cast the bias (and a kept float weight) but leave ``weight_scale`` float32. CPU tensors of
+    float32, bfloat16 or float16; the output has the input's dtype. Bad inputs and malformed state dicts
+    raise ``zero8.Zero8ValueError`` naming them.
 
     Made on the meta device (``device="meta"``, ``with torch.device("meta"):``), the layer holds shapes
     only until ``to_empty(device="cpu")`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``;
@@ -246,7 +257,8 @@ class Linear8bitLt(torch.nn.Module):
     """
 
     def __init__(self, input_features: int, output_features: int, bias: bool = True,
-                 has_fp16_weights: bool = False, threshold: float = 6.0, device=None, dtype=None) -> None:
+                 has_fp16_weights: bool = True, threshold: float = 0.0, index=None, device=None,
+                 dtype=None) -> None:
         super().__init__()
         _check_device_arg(device, "Linear8bitLt")
         if input_features <= 0 or output_features <= 0:
@@ -260,15 +272,17 @@ class Linear8bitLt(torch.nn.Module):
         self.out_features = output_features
         self.threshold = float(threshold)
         self.has_fp16_weights = has_fp16_weights
+        self.index = index
         w = torch.empty(output_features, input_features, dtype=dtype or torch.float32, device=device)
         torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))  # nn.Linear's initialisation
+        # weight before bias, as nn.Linear and bitsandbytes: optimizer states are matched by parameter order.
+        self._set_weight(w)
         if bias:
             bound = 1 / math.sqrt(input_features)
             b = torch.empty(output_features, dtype=dtype or torch.float32, device=device)
             self.bias = torch.nn.Parameter(b.uniform_(-bound, bound))
         else:
             self.register_parameter("bias", None)
-        self._set_weight(w)
 
     def _set_weight(self, w: Tensor) -> None:
         if self.has_fp16_weights:
@@ -297,9 +311,15 @@ class Linear8bitLt(torch.nn.Module):
         # A checkpoint in the other weight format is converted (torch would cast a float weight to int8
         # codes, or int8 codes to float weights, without a word): a float weight without scales (an
         # nn.Linear's) is quantized by rows as from_linear does; int8 codes with their scales are dequantized
-        # for a layer that keeps float weights. Other shapes are left to torch's size check.
+        # for a layer that keeps float weights; bitsandbytes' SCB become weight_scale. Other shapes are left
+        # to torch's size check.
         wkey, skey = prefix + "weight", prefix + "weight_scale"
+        _bnb_scales_to_zero8(state_dict, prefix)
         w = state_dict.get(wkey)
+        if isinstance(w, Tensor) and w.dtype == torch.int8 and skey not in state_dict:
+            # Else strict=False would decode them with the layer's old scales, silently wrong.
+            raise Zero8ValueError(f"{wkey} holds int8 codes but the state dict has no per-row scales for them: "
+                                  f"{skey} (zero8) or {prefix}SCB (bitsandbytes)")
         shape = (self.out_features, self.in_features)
         if isinstance(w, Tensor) and tuple(w.shape) == shape:
             if not self.has_fp16_weights and w.is_floating_point() and skey not in state_dict:
@@ -319,7 +339,8 @@ class Linear8bitLt(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, threshold: float = 6.0,
                     has_fp16_weights: bool = False) -> "Linear8bitLt":
-        """An int8 copy of a trained ``nn.Linear`` (its weight quantized by rows, its bias kept)."""
+        """An int8 copy of a trained ``nn.Linear`` (its weight quantized by rows, its bias kept). Its
+        defaults are inference's (int8 weights, the paper's threshold 6.0), not the constructor's."""
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
         if not (threshold >= 0):
@@ -327,14 +348,15 @@ class Linear8bitLt(torch.nn.Module):
         m.in_features, m.out_features = linear.in_features, linear.out_features
         m.threshold = float(threshold)
         m.has_fp16_weights = has_fp16_weights
+        m.index = None
         if linear.weight.device.type not in ("cpu", "meta"):
             raise Zero8ValueError(f"linear.weight is on {linear.weight.device}; Linear8bitLt runs on CPU")
         _check_weight(linear.weight, "linear.weight")
+        m._set_weight(linear.weight.detach().clone())
         if linear.bias is not None:
             m.bias = torch.nn.Parameter(linear.bias.detach().clone())
         else:
             m.register_parameter("bias", None)
-        m._set_weight(linear.weight.detach().clone())
         return m
 
     def weight_bytes(self) -> int:
@@ -363,6 +385,65 @@ class Linear8bitLt(torch.nn.Module):
         return (f"input_features={self.in_features}, output_features={self.out_features}, "
                 f"bias={self.bias is not None}, has_fp16_weights={self.has_fp16_weights}, "
                 f"threshold={self.threshold}")
+
+
+# ---------------------------------------------------------------- bitsandbytes' int8 state dicts
+
+# bitsandbytes' weight_format codes (bitsandbytes/utils.py); only row-major is a plain out x in matrix, the
+# others are GPU tile layouts that bitsandbytes >= 0.45 refuses to load too.
+_BNB_WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
+
+
+def _bnb_scales_to_zero8(state_dict, prefix: str) -> None:
+    """bitsandbytes' int8 ``Linear8bitLt`` saves ``weight`` (int8 codes, row-major), ``SCB`` (each output
+    row's absmax: ``weight = codes * SCB / 127``) and ``weight_format``; zero8's scale is ``SCB / 127``
+    (``absmax / 127`` in float32, as the kernels compute it). Replaces them in ``state_dict`` by
+    ``weight_scale``; malformed entries raise naming the key."""
+    wkey, skey, bkey, fkey = prefix + "weight", prefix + "weight_scale", prefix + "SCB", prefix + "weight_format"
+    if fkey in state_dict:
+        fmt = state_dict.pop(fkey)
+        value = fmt
+        if isinstance(fmt, Tensor):
+            value = fmt.item() if fmt.numel() == 1 and not fmt.is_floating_point() else None
+        name = _BNB_WEIGHT_FORMATS.get(value, value) if isinstance(value, int) else value
+        if name != "row":
+            known = f" ({name})" if isinstance(value, int) and name != value else ""
+            raise Zero8ValueError(f"{fkey} is {fmt!r}{known}: only bitsandbytes' row-major int8 weight (0 or 'row') "
+                                  f"loads, as in bitsandbytes >= 0.45 (col32/col_turing/col_ampere are GPU tile "
+                                  f"layouts)")
+    if bkey not in state_dict:
+        return
+    scb = state_dict.pop(bkey)
+    w = state_dict.get(wkey)
+    if skey in state_dict:
+        raise Zero8ValueError(f"the state dict has both {skey} (zero8's per-row scales) and {bkey} "
+                              f"(bitsandbytes'): one layer has one set of scales")
+    if not (isinstance(w, Tensor) and w.dtype == torch.int8 and w.dim() == 2):
+        got = f"dtype {w.dtype}, shape {tuple(w.shape)}" if isinstance(w, Tensor) else "nothing"
+        raise Zero8ValueError(f"{bkey} (bitsandbytes' per-row absmax) scales the int8 codes of {wkey}, a 2-D "
+                              f"int8 tensor; got {got}")
+    if not (isinstance(scb, Tensor) and scb.is_floating_point() and scb.dim() == 1 and scb.numel() == w.shape[0]):
+        got = f"dtype {scb.dtype}, shape {tuple(scb.shape)}" if isinstance(scb, Tensor) else type(scb).__name__
+        raise Zero8ValueError(f"{bkey} must be a 1-D float tensor of {w.shape[0]} per-row absmax values (one per "
+                              f"row of {wkey}); got {got}")
+    state_dict[skey] = scb.detach().float() / 127
+
+
+def bnb_state_dict(model: torch.nn.Module) -> dict:
+    """``model.state_dict()`` with the scales of each int8 ``Linear8bitLt`` (``has_fp16_weights=False``) in
+    bitsandbytes' form: ``SCB = weight_scale * 127`` (the per-row absmax) and ``weight_format`` (0,
+    row-major) instead of ``weight_scale``. A bitsandbytes model of int8 ``Linear8bitLt`` layers, quantized
+    before loading as bitsandbytes requires (``has_fp16_weights=False``, then ``.to(device)``), loads it
+    with ``load_state_dict``; zero8 loads it too. ``model.state_dict()`` keeps ``weight_scale``: its round
+    trip is bit for bit, where ``SCB / 127`` may give back a scale one float32 ulp away."""
+    sd = model.state_dict()
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, Linear8bitLt) and not mod.has_fp16_weights:
+            prefix = name + "." if name else ""
+            scale = sd.pop(prefix + "weight_scale")
+            sd[prefix + "SCB"] = (scale.double() * 127).float()
+            sd[prefix + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
+    return sd
 
 
 def _skipped(name: str, skip: Iterable[str]) -> bool:
