@@ -1449,6 +1449,37 @@ def test_non_cpu_devices_are_refused():
         opt.step()
 
 
+def test_fsdp2_dtensor_parameters_are_refused_naming_them():
+    """FSDP2 (fully_shard) makes the parameters DTensors, whose data_ptr() is 0: zero8.optim refuses them
+    by name (as not supported, pointing to DDP or zero8's engine) instead of failing in the kernel on a
+    null pointer. One fake single-rank process group (no sockets), removed afterwards."""
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.fsdp import fully_shard
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=1)
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        fully_shard(m)
+        assert type(m[0].weight).__name__ == "DTensor"
+        with pytest.raises(NotImplementedError, match=r"params\[0\] \('0.weight'\) is a DTensor.*FSDP2.*zero8.initialize"):
+            zo.AdamW8bit(m.named_parameters(), min_8bit_size=0)
+        with pytest.raises(NotImplementedError, match=r"params\[1\] \(param_groups\[1\]\) is a DTensor"):
+            zo.SGD([{"params": []}, {"params": [torch.nn.Parameter(torch.zeros(3)), m[1].weight]}])
+        # Put into a group after construction: refused at the step, by name.
+        plain = torch.nn.Parameter(torch.zeros(8))
+        opt = zo.AdamW32bit([plain])
+        opt.param_groups[0]["params"].append(m[1].bias)
+        m(torch.randn(2, 8)).sum().backward()
+        with pytest.raises(NotImplementedError, match=r"param_groups\[0\]\['params'\]\[1\] is a DTensor"):
+            opt.step()
+        with pytest.raises(NotImplementedError, match="DTensor"):  # zero8.functional too
+            ZF.quantize_blockwise(m[0].weight.detach())
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------------
 # StableEmbedding
 

@@ -5,6 +5,8 @@ with any torch build). Torch types stop here: callers pass ``ptr(t)`` and ``dtyp
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import _C
@@ -18,7 +20,9 @@ __all__ = [
     "check_dtype",
     "check_numel",
     "check_float_tensor",
+    "check_not_dtensor",
     "dtype_code",
+    "is_dtensor",
     "ptr",
     "torch_dtype",
 ]
@@ -55,10 +59,29 @@ def torch_dtype(code) -> torch.dtype:
     return _TORCH[int(code)]
 
 
+def is_dtensor(t) -> bool:
+    """Whether t is a torch.distributed DTensor (FSDP2's sharded parameters, tensor parallelism). Its
+    device is its local shard's, but its data_ptr() is 0: the data is in a local tensor it wraps. (No
+    DTensor exists unless torch.distributed.tensor was imported, so it is looked up, never imported.)"""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def check_not_dtensor(t: torch.Tensor, name: str,
+                      why: str = "zero8 does not support DTensors; it reads plain CPU tensors") -> None:
+    """Zero8NotSupportedError naming `name` if t is a DTensor; `why`: the caller's reason and alternative."""
+    if is_dtensor(t):
+        raise Zero8NotSupportedError(f"{name} is a DTensor (a torch.distributed sharded tensor, e.g. a parameter "
+                                     f"of a module wrapped by FSDP2's fully_shard): {why}")
+
+
 def check_cpu(t: torch.Tensor, name: str) -> None:
     """The tensor lives in host memory. A CUDA tensor is a valid request the Python layer does not route
-    to the CUDA kernels (Zero8NotSupportedError); any other device is a bad argument (Zero8ValueError)."""
+    to the CUDA kernels (Zero8NotSupportedError); any other device is a bad argument (Zero8ValueError). A
+    DTensor is refused (Zero8NotSupportedError): its data pointer is not its data."""
     _check_is_tensor(t, name)
+    check_not_dtensor(t, name)
     dev = t.device.type
     if dev == "cpu":
         return

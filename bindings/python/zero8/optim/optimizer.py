@@ -51,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
-from .._tensors import FLOAT_DTYPES, check_cpu, dtype_code
+from .._tensors import FLOAT_DTYPES, check_cpu, check_not_dtensor, dtype_code
 
 __all__ = [
     "GlobalOptimManager",
@@ -106,6 +106,18 @@ def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
     keep = (rounded == pv) | (rounded.isnan() & pv.isnan())
     if not bool(keep.all()):
         mv.copy_(torch.where(keep, mv, pv.to(torch.float32)))
+
+
+_DTENSOR_WHY = ("DTensor/FSDP2-sharded parameters are not supported by zero8.optim; give it whole parameters "
+                "(DDP's are plain tensors), or let zero8's own engine (zero8.initialize) shard the optimizer "
+                "state across ranks instead")
+
+
+def _named(group: Dict[str, Any], i: int) -> str:
+    """" ('name')" for params[i] of a group made from named parameters (torch >= 2.6 keeps their names in
+    the group's param_names), else ""."""
+    names = group.get("param_names")
+    return f" ({names[i]!r})" if names is not None and i < len(names) else ""
 
 
 class Zero8UnsupportedArgumentError(Zero8ValueError, Zero8NotSupportedError):
@@ -526,6 +538,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             group["betas"] = _check_betas(group["betas"], "betas" + where)
         self._check_hyper(group, where)
         for i, p in enumerate(group["params"]):
+            check_not_dtensor(p, f"params[{i}]{where}{_named(group, i)}", _DTENSOR_WHY)
             if p.dtype not in FLOAT_DTYPES:
                 raise Zero8ValueError(f"params[{i}]{where} has dtype {p.dtype}; zero8 optimizers take float32, "
                                       f"bfloat16 or float16 parameters")
@@ -660,7 +673,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         return loss
 
     def _step_param(self, p: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int, pi: int) -> None:
-        name = f"param_groups[{gi}]['params'][{pi}]"
+        name = f"param_groups[{gi}]['params'][{pi}]{_named(group, pi)}"
+        check_not_dtensor(p, name, _DTENSOR_WHY)  # made one after the optimizer was (not seen by _check_group)
         grad = p.grad
         if grad.layout != torch.strided:
             raise Zero8ValueError(f"{name} (shape {tuple(p.shape)}) has a sparse gradient; zero8 optimizers "
