@@ -1449,6 +1449,37 @@ def test_non_cpu_devices_are_refused():
         opt.step()
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.complex64])
+def test_frozen_parameters_of_other_dtypes_are_skipped_as_in_torch(dtype):
+    """A frozen parameter of a dtype the kernels do not take (int8 codes, float64 or complex constants) in
+    model.parameters() is accepted and skipped, as torch.optim and bitsandbytes skip a parameter without a
+    gradient: the others step exactly as without it. A gradient on it at step time is an error naming it;
+    such a parameter that requires a gradient is refused when the optimizer is built, as before."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    frozen = torch.nn.Parameter(torch.ones(8, dtype=dtype), requires_grad=False)
+    twin = copy.deepcopy(lin)
+    opt = zo.AdamW8bit([lin.weight, frozen, lin.bias], min_8bit_size=0)
+    ref = zo.AdamW8bit(twin.parameters(), min_8bit_size=0)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        for m, o in ((lin, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    assert torch.equal(lin.weight, twin.weight) and torch.equal(lin.bias, twin.bias)
+    assert torch.equal(frozen, torch.ones(8, dtype=dtype)) and frozen not in opt.state
+    opt.load_state_dict(opt.state_dict())  # no state for it: the state dict round-trips
+
+    frozen.grad = torch.ones(8, dtype=dtype)
+    with pytest.raises(zero8.Zero8ValueError, match=rf"param_groups\[0\]\['params'\]\[1\] has dtype {dtype} and a gradient"):
+        opt.step()
+    assert frozen not in opt.state
+    if dtype.is_floating_point or dtype.is_complex:
+        with pytest.raises(zero8.Zero8ValueError, match=rf"params\[0\] \('w'\) has dtype {dtype} and requires a gradient"):
+            zo.AdamW([("w", torch.nn.Parameter(torch.ones(8, dtype=dtype)))])
+
+
 def test_fsdp2_dtensor_parameters_are_refused_naming_them():
     """FSDP2 (fully_shard) makes the parameters DTensors, whose data_ptr() is 0: zero8.optim refuses them
     by name (as not supported, pointing to DDP or zero8's engine) instead of failing in the kernel on a

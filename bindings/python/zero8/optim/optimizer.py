@@ -539,9 +539,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._check_hyper(group, where)
         for i, p in enumerate(group["params"]):
             check_not_dtensor(p, f"params[{i}]{where}{_named(group, i)}", _DTENSOR_WHY)
-            if p.dtype not in FLOAT_DTYPES:
-                raise Zero8ValueError(f"params[{i}]{where} has dtype {p.dtype}; zero8 optimizers take float32, "
-                                      f"bfloat16 or float16 parameters")
+            # Another dtype (int8 codes, float64 or complex constants) may sit in a group as long as it is
+            # frozen: torch.optim and bitsandbytes skip a parameter without a gradient, and so does step().
+            if p.dtype not in FLOAT_DTYPES and p.requires_grad:
+                raise Zero8ValueError(f"params[{i}]{where}{_named(group, i)} has dtype {p.dtype} and requires a "
+                                      f"gradient; zero8 optimizers step float32, bfloat16 or float16 parameters "
+                                      f"(one of another dtype is accepted only frozen, requires_grad=False)")
 
     def _check_hyper(self, group: Dict[str, Any], where: str) -> None:
         """The group's hyperparameters and 8-bit knobs, checked by name (at construction, add_param_group
@@ -675,6 +678,10 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _step_param(self, p: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int, pi: int) -> None:
         name = f"param_groups[{gi}]['params'][{pi}]{_named(group, pi)}"
         check_not_dtensor(p, name, _DTENSOR_WHY)  # made one after the optimizer was (not seen by _check_group)
+        if p.dtype not in FLOAT_DTYPES:  # accepted frozen (_check_group), and now it has a gradient
+            raise Zero8ValueError(f"{name} has dtype {p.dtype} and a gradient; zero8 optimizers step float32, "
+                                  f"bfloat16 or float16 parameters (one of another dtype is accepted only while "
+                                  f"it has no gradient)")
         grad = p.grad
         if grad.layout != torch.strided:
             raise Zero8ValueError(f"{name} (shape {tuple(p.shape)}) has a sparse gradient; zero8 optimizers "
@@ -867,6 +874,9 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _load_param_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any],
                           where: str) -> Dict[str, Any]:
+        if p.dtype not in FLOAT_DTYPES:
+            raise Zero8ValueError(f"{where} is a state of a parameter of dtype {p.dtype}, which zero8 optimizers "
+                                  f"do not step (float32, bfloat16 or float16)")
         saved = dict(saved)
         if isinstance(saved.get(_BNB_WRAPPER_KEY), dict):
             saved.update(saved.pop(_BNB_WRAPPER_KEY))
