@@ -230,7 +230,11 @@ void init_sharded(py::module_& m) {
       .def("init", &ShardedOptimizer::init, py::arg("root") = 0, py::call_guard<py::gil_scoped_release>(),
            "Collective: root's working copy becomes everyone's, and the masters are set from it.")
       .def("grad_ready", &ShardedOptimizer::grad_ready, py::arg("param"), py::call_guard<py::gil_scoped_release>(),
-           "Parameter i's gradient of this micro-batch is complete (stage 2 reduces the buckets it completes).")
+           "Parameter i's gradient of this micro-batch is complete (stage 2 reduces the buckets it completes,\n"
+           "in one order of all buckets that every rank follows).")
+      .def("param_reduced", &ShardedOptimizer::param_reduced, py::arg("param"),
+           "Whether a bucket holding parameter i was reduced this micro-batch (a later addition to its gradient\n"
+           "would be lost).")
       .def("backward_end", &ShardedOptimizer::backward_end, py::arg("boundary"),
            py::call_guard<py::gil_scoped_release>(),
            "Collective end of a micro-batch's backward; boundary: the last micro-batch of the accumulation.")

@@ -242,6 +242,39 @@ TEST(Sharded, Stage1EqualsStage2AndBucketingDoesNotMatter) {
   for (size_t i = 1; i < results.size(); ++i) EXPECT_EQ(results[i], results[0]) << "configuration " << i;
 }
 
+// Ranks need not report the same parameters, nor in the same order: a branch or an expert unused on one
+// rank gets no gradient and is never reported there, and another graph reports in another order. Stage 2
+// still reduces the buckets in one order on every rank (the head during backward, the rest at
+// backward_end), so the collectives match and the result is stage 1's, which reduces everything at the
+// end. (Reducing buckets as each rank completed them mixed buckets across ranks or deadlocked.)
+TEST(Sharded, Stage2RanksReportingDifferentParametersMatchStage1) {
+  ShardConfig c = base_config();
+  c.reduce_bucket_size = 1024;
+  std::vector<float> results[2];
+  for (int stage : {1, 2}) {
+    c.stage = stage;
+    auto opt = make(c);
+    const int r = opt->rank(), n = int(opt->layout().params.size());
+    for (int s = 0; s < 3; ++s) {
+      const int unused = (r + 2 * s) % n;  // this rank's unused parameter this step
+      for (int p = 0; p < n; ++p) {
+        if (p == unused) continue;
+        float* g = opt->param_grad(p);
+        for (int64_t i = 0; i < opt->layout().slots[p].numel; ++i) g[i] += grad_value(r, s, 0, p, i);
+      }
+      for (int k = 0; k < n; ++k) {  // odd ranks report in forward order, even ones in reverse
+        const int p = r % 2 ? k : n - 1 - k;
+        if (p != unused) opt->grad_ready(p);
+      }
+      opt->backward_end(true);
+      opt->step();
+    }
+    results[stage - 1] = params_of(*opt);
+    expect_replicas_identical(*opt);
+  }
+  EXPECT_EQ(results[1], results[0]) << "rank " << world().rank();
+}
+
 TEST(Sharded, GradientAccumulationStage1MatchesStage2) {
   // With accumulation the two stages add the same numbers in a different order (stage 1: micro-
   // batches first, then ranks; stage 2: ranks first), so they agree to fp32 rounding: a relative

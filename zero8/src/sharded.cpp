@@ -76,6 +76,19 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
       }
     }
   }
+  // The reduction order, the same on every rank: buckets by their first (lowest-index) parameter, last
+  // first, as backward completes them when the model's parameters are listed in forward order; buckets
+  // of padding only at the end.
+  std::vector<std::pair<int64_t, std::pair<int, int>>> keyed;
+  for (int g = 0; g < kNumGroups; ++g) {
+    std::vector<int64_t> first(buckets_[g].size(), -1);
+    for (int idx : layout_.groups[g].params)
+      for (int bi : param_buckets_[g][size_t(idx)])
+        if (first[size_t(bi)] < 0 || idx < first[size_t(bi)]) first[size_t(bi)] = idx;
+    for (size_t bi = 0; bi < buckets_[g].size(); ++bi) keyed.push_back({first[bi], {g, int(bi)}});
+  }
+  std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& k : keyed) order_.push_back(k.second);
   pending_.resize(kNumGroups);
   for (int g = 0; g < kNumGroups; ++g) reset_progress(g);
 }
@@ -193,13 +206,30 @@ void ShardedOptimizer::grad_ready(int param) {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
   if (cfg_.stage != 2) return;
   const int g = int(layout_.slots[param].group);
-  for (int bi : param_buckets_[g][param]) {
-    if (--pending_[g][bi] == 0 && !done_[g][bi]) {
-      reduce_bucket(g, buckets_[g][bi]);
-      done_[g][bi] = true;
-      release_reduced(g, int(bi));
+  for (int bi : param_buckets_[g][param]) --pending_[g][bi];
+  reduce_ready_in_order();
+}
+
+// Reduce the buckets at the head of the order whose parameters have all been reported; stop at the first
+// one still waiting, so every rank reduces the buckets in the same order.
+void ShardedOptimizer::reduce_ready_in_order() {
+  for (; next_ < order_.size(); ++next_) {
+    const auto [g, bi] = order_[next_];
+    if (pending_[g][size_t(bi)] > 0) break;
+    if (!done_[g][size_t(bi)]) {
+      reduce_bucket(g, buckets_[g][size_t(bi)]);
+      done_[g][size_t(bi)] = true;
+      release_reduced(g, bi);
     }
   }
+}
+
+bool ShardedOptimizer::param_reduced(int param) const {
+  ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  const int g = int(layout_.slots[param].group);
+  for (int bi : param_buckets_[g][param])
+    if (done_[g][size_t(bi)]) return true;
+  return false;
 }
 
 // Hand back the memory of the run of reduced buckets around bucket bi (a huge page may straddle two
@@ -213,13 +243,14 @@ void ShardedOptimizer::release_reduced(int g, int bi) {
 }
 
 void ShardedOptimizer::reduce_all_pending() {
-  // Same order on every rank: groups in order, buckets in order.
-  for (int g = 0; g < kNumGroups; ++g)
-    for (size_t bi = 0; bi < buckets_[g].size(); ++bi)
-      if (!done_[g][bi]) {
-        reduce_bucket(g, buckets_[g][bi]);
-        done_[g][bi] = true;
-      }
+  // The rest of the order every rank follows (grad_ready reduced its head).
+  for (; next_ < order_.size(); ++next_) {
+    const auto [g, bi] = order_[next_];
+    if (!done_[g][size_t(bi)]) {
+      reduce_bucket(g, buckets_[g][size_t(bi)]);
+      done_[g][size_t(bi)] = true;
+    }
+  }
 }
 
 void ShardedOptimizer::clear_grad_inputs() {
@@ -227,6 +258,7 @@ void ShardedOptimizer::clear_grad_inputs() {
     grads_[g].zero();
     reset_progress(g);
   }
+  next_ = 0;
 }
 
 void ShardedOptimizer::backward_end(bool boundary) {

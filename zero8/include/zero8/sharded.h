@@ -106,9 +106,16 @@ class ShardedOptimizer {
 
   // ---- the training loop ----
   // Stage 2: parameter `param`'s gradient of this micro-batch is complete in grad_input; the buckets
-  // it completes are reduced now (overlapping the rest of backward). Stage 1: records it only.
-  // Every rank must report the same parameters in the same order (same model, same graph).
+  // it completes are reduced now (overlapping the rest of backward), in one fixed order of all buckets
+  // (by their first parameter, last first: the order backward usually completes them), so a bucket waits
+  // for those before it in that order. Ranks may report different parameters or orders (a branch or an
+  // expert unused on one rank): each rank reduces a prefix of the same order during backward and the
+  // rest at backward_end, so their collectives match. Stage 1: records nothing. Report each parameter
+  // at most once per micro-batch, once its gradient is whole: a later addition to it is lost if its
+  // bucket was reduced (param_reduced says whether it was).
   void grad_ready(int param);
+  // Whether a bucket holding `param` was reduced this micro-batch.
+  bool param_reduced(int param) const;
   // End of a micro-batch's backward (collective). Stage 2 reduces the buckets not yet reduced and
   // clears grad_input; stage 1 reduces everything when `boundary` (the last micro-batch of the
   // accumulation) and otherwise keeps accumulating in grad_input.
@@ -142,6 +149,7 @@ class ShardedOptimizer {
   void reset_progress(int g);
   void reduce_bucket(int g, const Bucket& b);
   void reduce_all_pending();
+  void reduce_ready_in_order();
   void release_reduced(int g, int bi);
   void clear_grad_inputs();
   bool overflow_anywhere();
@@ -174,6 +182,8 @@ class ShardedOptimizer {
   std::vector<bool> done_[kNumGroups];             // per group, per bucket: reduced this micro-batch
   std::vector<Bucket> buckets_[kNumGroups];
   std::vector<std::vector<int>> param_buckets_[kNumGroups];  // per param index: buckets it overlaps
+  std::vector<std::pair<int, int>> order_;         // every (group, bucket), in the order all ranks reduce them
+  size_t next_ = 0;                                // order_[next_] is the next bucket to reduce
   int micro_ = 0;                                  // micro-batches since the last boundary
   uint64_t wire_calls_ = 0;                        // wire collectives since the last step (stochastic seeds)
   comm::WireOptions wire_options(comm::WireFormat format);
