@@ -499,6 +499,40 @@ def test_client_bitsandbytes_optimizer_keeps_its_hyperparameters(name, kw):
     assert params_equal(m1, m2)
 
 
+@pytest.mark.parametrize("lib,name,extra,decoupled", [
+    ("bitsandbytes", "Adam32bit", {}, True),
+    ("bitsandbytes", "Adam", {}, True),
+    ("zero8", "Adam32bit", {}, True),
+    ("zero8", "Adam32bit", {"decoupled_weight_decay": False}, False),
+    ("torch", "Adam", {}, False),
+    ("torch", "Adam", {"decoupled_weight_decay": True}, True),
+])
+def test_client_adam_runs_the_weight_decay_rule_of_its_class(lib, name, extra, decoupled):
+    # bitsandbytes' Adam decouples weight decay (its update is AdamW's), and so do zero8.optim's classes of
+    # the same names unless decoupled_weight_decay=False; torch.optim.Adam adds the L2 term unless
+    # decoupled_weight_decay=True. The engine used to run bitsandbytes' Adam with the L2 term.
+    if lib == "bitsandbytes":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mod = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed").optim
+    else:
+        mod = zero8.optim if lib == "zero8" else torch.optim
+    kw = dict(lr=3e-3, weight_decay=0.5)  # strong decay: the two rules end far apart
+    steps = 10
+    refs = {d: fp32_baseline_error(DATA, steps, B, opt_cls=torch.optim.AdamW if d else torch.optim.Adam, **kw)
+            for d in (True, False)}
+    ref, err = refs[decoupled]
+    assert max_param_diff(refs[True][0], refs[False][0]) > 100 * err
+    cfg = config(zero8=EXACT)
+    del cfg["optimizer"]
+    model = make_model()
+    engine, _, _, _ = zero8.initialize(model=model, optimizer=getattr(mod, name)(model.parameters(), **kw, **extra),
+                                       config=cfg)
+    assert engine._algo == ("adamw" if decoupled else "adam")
+    train_engine(engine, DATA, steps, B)
+    assert max_param_diff(model, ref) <= 2 * err
+
+
 def _overriding_client(model, bits):
     """zero8.optim.AdamW with bitsandbytes-style per-parameter overrides: one weight with its own lr, a
     bias and a weight sharing another lr and no weight decay."""

@@ -180,8 +180,9 @@ class RefLARS(torch.optim.Optimizer):
 # name -> (reference factory, zero8 factory (params, bits), the reference's state names with the zero8 map
 # of each). Hyperparameters are chosen so that every optimizer trains the task well within STEPS.
 CASES = {
-    "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3),
-             lambda ps, b: zo.Adam(ps, lr=1e-2, weight_decay=1e-3, optim_bits=b, min_8bit_size=0),
+    "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3),  # L2, as torch.optim.Adam
+             lambda ps, b: zo.Adam(ps, lr=1e-2, weight_decay=1e-3, optim_bits=b, min_8bit_size=0,
+                                   decoupled_weight_decay=False),
              [("exp_avg", SIGNED), ("exp_avg_sq", UNSIGNED)]),
     "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-2),
               lambda ps, b: zo.AdamW(ps, lr=1e-2, weight_decay=1e-2, optim_bits=b, min_8bit_size=0),
@@ -1314,6 +1315,85 @@ def test_bitsandbytes_global_overrides_are_honoured():
         assert opt.state[p]["state1"].dtype == torch.float32
     finally:
         bnb.optim.GlobalOptimManager.get_instance().initialize()
+
+
+def _adam_wd_run(make, dtype=torch.float32):
+    """10 steps of _interop_params from the same start with the same gradients: (final, start)."""
+    ps = [torch.nn.Parameter(p.detach().to(dtype)) for p in _interop_params()]
+    start = [p.detach().clone() for p in ps]
+    _run(make(ps), ps, [[g.to(dtype) for g in gs] for gs in _grad_seq(ps, 10, 0)])
+    return [p.detach() for p in ps], start
+
+
+@pytest.mark.parametrize("name", ["Adam", "Adam8bit", "Adam32bit"])
+def test_adam_weight_decay_is_decoupled_as_in_bitsandbytes(name):
+    """bitsandbytes' Adam, Adam8bit and Adam32bit decouple weight decay (their update is torch.optim.AdamW's),
+    so zero8's classes of the same names do by default; decoupled_weight_decay=False is torch.optim.Adam's
+    L2 rule. zero8 used to apply L2 under these names: 0.95 of the distance travelled away from bitsandbytes
+    here, with a decay strong enough (0.5) that the two rules end far apart."""
+    bnb = _bnb()
+    kw = dict(lr=1e-2, weight_decay=0.5)
+    ours = getattr(zo, name)
+    theirs, start = _adam_wd_run(lambda ps: getattr(bnb.optim, name)(ps, **kw))
+    z, _ = _adam_wd_run(lambda ps: ours(ps, **kw))
+    if "8bit" in name:  # 8-bit states: within twice bitsandbytes' own 8-bit error against float32 AdamW
+        adamw, adamw_start = _adam_wd_run(lambda ps: torch.optim.AdamW(ps, **kw))
+        tol = 2 * rel_dist(theirs, adamw, start)
+        assert rel_dist(z, theirs, start) <= tol
+        adam, _ = _adam_wd_run(lambda ps: torch.optim.Adam(ps, **kw))
+    else:  # 32-bit states: no worse than twice float32's own error against float64
+        adamw, adamw_start = _adam_wd_run(lambda ps: torch.optim.AdamW(ps, **kw), torch.float64)
+        assert rel_dist(z, adamw, adamw_start) <= 2 * rel_dist(theirs, adamw, adamw_start) + 2.0**-22
+        adam, _ = _adam_wd_run(lambda ps: torch.optim.Adam(ps, **kw), torch.float64)
+        tol = 2 * rel_dist(_adam_wd_run(lambda ps: torch.optim.Adam(ps, **kw))[0], adam, adamw_start) + 2.0**-22
+    z_l2, _ = _adam_wd_run(lambda ps: ours(ps, **kw, decoupled_weight_decay=False))
+    assert rel_dist(z_l2, adam, adamw_start) <= tol
+    assert rel_dist(adam, adamw, adamw_start) > 0.5  # the two rules, far apart here
+
+
+def test_adam_weight_decay_rule_is_kept_in_state_dicts_groups_and_copies():
+    """The rule is the optimizer's: recorded in its groups and state dicts as torch.optim.Adam records it,
+    kept by copies, refused in a group that asks for the other one, and a saved state of the other rule
+    (torch.optim's flag; bitsandbytes' Adam, always decoupled) is refused when it has weight decay."""
+    bnb = _bnb()
+    p = torch.nn.Parameter(torch.randn(8192))
+    assert zo.Adam8bit([p]).algo == _C.Algo.adamw
+    assert zo.Adam8bit([p], decoupled_weight_decay=False).algo == _C.Algo.adam
+    for decoupled in (True, False):
+        opt = _stepped(zo.Adam8bit, weight_decay=0.1, decoupled_weight_decay=decoupled)
+        assert opt.state_dict()["param_groups"][0]["decoupled_weight_decay"] is decoupled
+        for copied in (copy.deepcopy(opt), __import__("pickle").loads(__import__("pickle").dumps(opt))):
+            assert copied.algo == opt.algo
+    with pytest.raises(zero8.Zero8ValueError, match="decoupled_weight_decay"):
+        zo.Adam([dict(params=[p], decoupled_weight_decay=False)])
+    opt = zo.Adam([p])
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    p.grad = torch.randn_like(p)
+    with pytest.raises(zero8.Zero8ValueError, match=r"decoupled_weight_decay \(param_groups\[0\]\)"):
+        opt.step()
+
+    def saved_by(make):
+        q = torch.nn.Parameter(torch.randn(5000))
+        o = make([q])
+        q.grad = torch.randn_like(q)
+        o.step()
+        return o.state_dict()
+
+    def load(sd, **kw):
+        o = zo.Adam8bit([torch.nn.Parameter(torch.randn(5000))], weight_decay=0.1, **kw)
+        o.load_state_dict(sd)
+
+    bnb_sd = saved_by(lambda ps: bnb.optim.Adam8bit(ps, weight_decay=0.1))
+    torch_sd = saved_by(lambda ps: torch.optim.Adam(ps, weight_decay=0.1))
+    load(bnb_sd)
+    load(torch_sd, decoupled_weight_decay=False)
+    with pytest.raises(zo.Zero8UnsupportedArgumentError, match="decoupled_weight_decay=False"):
+        load(torch_sd)
+    with pytest.raises(zo.Zero8UnsupportedArgumentError, match="applied decoupled weight decay"):
+        load(bnb_sd, decoupled_weight_decay=False)
+    with pytest.raises(zo.Zero8UnsupportedArgumentError, match="applied L2 weight decay"):
+        load(saved_by(lambda ps: zo.Adam8bit(ps, weight_decay=0.1, decoupled_weight_decay=False)))
+    load(saved_by(lambda ps: torch.optim.Adam(ps)))  # no weight decay: either rule continues it
 
 
 # ---------------------------------------------------------------------------------------------------

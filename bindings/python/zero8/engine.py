@@ -131,11 +131,13 @@ def _local_rank() -> int:
 # Client optimizers: their type and hyperparameters become the sharded optimizer's algorithm/Hyper.
 # ---------------------------------------------------------------------------------------------
 
-# torch.optim classes by name -> zero8 algorithm.
+# torch.optim classes by name -> zero8 algorithm (torch's Adam: adamw when decoupled_weight_decay is set).
 _TORCH_ALGOS = {"Adam": "adam", "AdamW": "adamw", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad"}
-# zero8.optim / bitsandbytes class names (without the 8bit/32bit suffix) -> algorithm.
+# bitsandbytes class names (without the Paged prefix and the 8bit/32bit suffix) -> algorithm. Its Adam
+# decouples weight decay as its AdamW does (p *= 1 - lr wd: bitsandbytes 0.50's Adam32bit steps as
+# torch.optim.AdamW), so both are adamw. (zero8.optim's optimizers name their own algorithm: their algo.)
 _BNB_ALGOS = {
-    "Adam": "adam", "AdamW": "adamw", "SGD": "sgd", "Lion": "lion", "RMSprop": "rmsprop",
+    "Adam": "adamw", "AdamW": "adamw", "SGD": "sgd", "Lion": "lion", "RMSprop": "rmsprop",
     "Adagrad": "adagrad", "LAMB": "lamb", "LARS": "lars", "Momentum": "sgd",
 }
 _BETA_ALGOS = ("adam", "adamw", "lamb", "lion")
@@ -154,8 +156,10 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
 
     Read from its class and param_groups[0]; "group_hypers" holds each group's Hyper (they may differ
     in _GROUP_KEYS, the rest must be equal):
-    torch.optim Adam (adam_w when decoupled_weight_decay), AdamW, SGD, RMSprop, Adagrad; zero8.optim and
-    bitsandbytes' Adam/AdamW/SGD/Lion/RMSprop/Adagrad/LAMB/LARS (8bit / 32bit by name or optim_bits).
+    torch.optim Adam (L2 weight decay; adamw when decoupled_weight_decay), AdamW, SGD, RMSprop, Adagrad;
+    zero8.optim's optimizers (their own ``algo``: Adam's follows its decoupled_weight_decay) and bitsandbytes'
+    Adam/AdamW/SGD/Lion/RMSprop/Adagrad/LAMB/LARS (8bit / 32bit by name or optim_bits; Adam decoupled, as
+    bitsandbytes applies it).
     """
     cls = type(opt)
     name = cls.__name__
@@ -164,12 +168,13 @@ def _client_optimizer_spec(opt, zero8_enabled: bool, config_bits: int) -> dict:
     algo = None
     if module.startswith("torch.optim") and name in _TORCH_ALGOS:
         algo = _TORCH_ALGOS[name]
-    elif module.startswith("zero8") and isinstance(getattr(cls, "algo", None), _C.Algo):
-        # zero8.optim: its own algorithm, state bits, block size and Hyper construction.
+    elif module.startswith("zero8") and isinstance(getattr(opt, "algo", None), _C.Algo):
+        # zero8.optim: its own algorithm (the instance's: Adam's depends on decoupled_weight_decay), state
+        # bits, block size and Hyper construction.
         groups = opt.param_groups
         _check_groups_equal(groups, tuple(k for k in groups[0] if k != "params" and k not in _GROUP_KEYS))
         g0 = groups[0]
-        spec = {"algo": cls.algo.name, "bits": int(g0.get("optim_bits", opt.optim_bits)),
+        spec = {"algo": opt.algo.name, "bits": int(g0.get("optim_bits", opt.optim_bits)),
                 "hyper_obj": opt._hyper(g0), "name": f"{module}.{name}",
                 "min_8bit_size": int(g0.get("min_8bit_size", opt.min_8bit_size)),
                 "state_block": int(g0.get("block_size", opt.block_size))}
