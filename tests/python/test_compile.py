@@ -23,9 +23,9 @@ from zero8.nn import Int8Linear, Linear8bitLt
 EPS32 = 2.0**-24  # float32 unit roundoff
 
 LAYERS = {
-    "Linear8bitLt": lambda k, n: Linear8bitLt(k, n),
-    "Linear8bitLt-no-outliers": lambda k, n: Linear8bitLt(k, n, threshold=0.0),
-    "Linear8bitLt-fp16-weights": lambda k, n: Linear8bitLt(k, n, has_fp16_weights=True),
+    "Linear8bitLt": lambda k, n: Linear8bitLt(k, n, has_fp16_weights=False, threshold=6.0),
+    "Linear8bitLt-no-outliers": lambda k, n: Linear8bitLt(k, n, has_fp16_weights=False, threshold=0.0),
+    "Linear8bitLt-fp16-weights": lambda k, n: Linear8bitLt(k, n, has_fp16_weights=True, threshold=6.0),
     "Int8Linear-exact": lambda k, n: Int8Linear(k, n),
     "Int8Linear-fast": lambda k, n: Int8Linear(k, n, gemm="fast", block_size=16),
 }
@@ -124,7 +124,7 @@ def test_compiled_training_matches_eager_step_for_step():
 
 def test_changing_batch_sizes_recompile_dynamic_and_match_eager():
     torch.manual_seed(3)
-    m = torch.nn.Sequential(Linear8bitLt(64, 40), Int8Linear(40, 24))
+    m = torch.nn.Sequential(Linear8bitLt(64, 40, has_fp16_weights=False, threshold=6.0), Int8Linear(40, 24))
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
     for rows in (5, 9, 33, 70):  # the second size makes the batch dimension dynamic
         x = make_input((rows, 64), torch.float32, seed=rows)
@@ -136,7 +136,8 @@ def test_changing_batch_sizes_recompile_dynamic_and_match_eager():
 
 def test_no_graph_breaks():
     torch.manual_seed(4)
-    m = torch.nn.Sequential(Linear8bitLt(64, 40), torch.nn.GELU(), Linear8bitLt(40, 40, has_fp16_weights=True),
+    m = torch.nn.Sequential(Linear8bitLt(64, 40, has_fp16_weights=False, threshold=6.0), torch.nn.GELU(),
+                            Linear8bitLt(40, 40, has_fp16_weights=True, threshold=6.0),
                             Int8Linear(40, 32), torch.nn.Tanh(), Int8Linear(32, 16, gemm="fast"))
     x = make_input((6, 64), torch.float32)
     # Training: dynamo traces each autograd.Function's backward while tracing the forward.
@@ -159,7 +160,8 @@ def test_inductor_fullgraph_forward_bits_and_gradients():
     torch.manual_seed(5)
     # ReLU between the layers: exact in any implementation (inductor's GELU may differ from aten's by an ulp,
     # and the next layer would then quantize another input).
-    m = torch.nn.Sequential(Linear8bitLt(64, 40), torch.nn.ReLU(), Int8Linear(40, 24))
+    m = torch.nn.Sequential(Linear8bitLt(64, 40, has_fp16_weights=False, threshold=6.0), torch.nn.ReLU(),
+                            Int8Linear(40, 24))
     x = make_input((2, 9, 64), torch.float32)
     # The output gradients of the two layers in eager, for the bound on their bias gradients.
     outputs = {}
