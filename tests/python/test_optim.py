@@ -846,6 +846,87 @@ def test_weights_loaded_before_the_optimizer_state_win_as_in_torch(reference):
     assert (ours - ref).abs().max().item() <= 2 ** -8
 
 
+def _state_bytes(opt):
+    """Bytes of every tensor in an optimizer's state, each storage once (a map shared by all counts once)."""
+    seen, total = set(), 0
+    for st in opt.state.values():
+        for v in _unwrap(st).values():
+            if torch.is_tensor(v) and v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                total += v.numel() * v.element_size()
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_false_keeps_no_master_as_bitsandbytes(dtype):
+    """master_weights=False keeps no float32 master: each step is the float32 step of the 16-bit value,
+    rounded back (bitsandbytes' way), i.e. that of a float32 twin set to the 16-bit value before each step,
+    with the same states; 8-bit states then take what bitsandbytes' take for a 16-bit parameter."""
+    p16, p32, grads = _twins(dtype, (64, 64), 5)
+    o16 = zo.AdamW8bit([p16], lr=1e-2, min_8bit_size=0, master_weights=False)
+    o32 = zo.AdamW8bit([p32], lr=1e-2, min_8bit_size=0)
+    start = p16.detach().clone()
+    for g in grads:
+        p16.grad, p32.grad = g.clone(), g.float()
+        o16.step()
+        o32.step()
+        assert torch.equal(p16.detach(), p32.detach().to(dtype))
+        with torch.no_grad():
+            p32.copy_(p16.float())
+    assert (p16.detach() != start).float().mean() > 0.9
+    st16, st32 = o16.state[p16], o32.state[p32]
+    assert "master" not in st16 and "master" not in o16.state_dict()["state"][0]
+    assert all(torch.equal(st16[k], st32[k]) for k in ("state1", "absmax1", "state2", "absmax2"))
+    n = p16.numel()
+    assert _state_bytes(o16) - 2 * 256 * 4 == 2 * n + 2 * 4 * (n // 256)  # codes and scales (and the 2 maps)
+    bnb = _bnb()
+    q = torch.nn.Parameter(start.clone())
+    theirs = bnb.optim.AdamW8bit([q], lr=1e-2, min_8bit_size=0)
+    q.grad = grads[0].clone()
+    theirs.step()
+    assert _state_bytes(o16) == _state_bytes(theirs)
+
+
+def test_master_weights_in_state_dicts_groups_overrides_and_copies():
+    """A saved master loaded into a master_weights=False optimizer is dropped (the parameter is the truth),
+    a state without one loaded into a master_weights=True optimizer gets one from the parameter; the knob
+    may be set per group or per parameter (read at the parameter's first step) and is kept by copies."""
+    p = torch.nn.Parameter(torch.randn(300).to(torch.bfloat16))
+    opt = zo.AdamW8bit([p], lr=1e-2, min_8bit_size=0)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert "master" in sd["state"][0]
+    q = torch.nn.Parameter(torch.full((300,), 0.5, dtype=torch.bfloat16))
+    without = zo.AdamW8bit([q], min_8bit_size=0, master_weights=False)
+    without.load_state_dict(sd)
+    assert "master" not in without.state[q]
+    without.param_groups[0]["lr"] = 0.0
+    q.grad = torch.randn_like(q)
+    without.step()
+    assert torch.equal(q.detach(), torch.full_like(q.detach(), 0.5))
+    with_master = zo.AdamW8bit([q], min_8bit_size=0)
+    with_master.load_state_dict(without.state_dict())
+    assert torch.equal(with_master.state[q]["master"], q.detach().float())
+
+    a, b, c, d = (torch.nn.Parameter(torch.randn(8).to(torch.bfloat16)) for _ in range(4))
+    lion = zo.Lion([{"params": [a, c]}, {"params": [b], "master_weights": False}])
+    lion.override_config(c, master_weights=False)
+    adam = zo.Adam([{"params": [d], "master_weights": False}])  # Adam's constructor lacks the keyword
+    for x in (a, b, c, d):
+        x.grad = torch.randn_like(x)
+    lion.step()
+    adam.step()
+    assert "master" in lion.state[a] and "master" not in lion.state[b] and "master" not in lion.state[c]
+    assert "master" not in adam.state[d]
+    assert copy.deepcopy(zo.SGD([a], master_weights=False)).master_weights is False
+    with pytest.raises(zero8.Zero8ValueError, match="master_weights"):
+        zo.SGD8bit([a], master_weights=1)
+    with pytest.raises(zero8.Zero8ValueError, match="master_weights"):
+        zo.SGD([{"params": [a], "master_weights": "no"}])
+
+
 # ---------------------------------------------------------------------------------------------------
 # State dicts
 

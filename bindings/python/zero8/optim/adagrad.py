@@ -14,6 +14,7 @@ class Adagrad(Optimizer8bit):
     """torch.optim.Adagrad: ``clr = lr / (1 + (t-1) lr_decay)``; ``g += wd p``; ``s += g^2`` (``s`` starts
     at ``initial_accumulator_value``); ``p -= clr g / (sqrt(s) + eps)``. Unlike bitsandbytes, ``lr_decay``
     and ``initial_accumulator_value`` may be nonzero.
+    ``master_weights=False`` keeps no float32 master of bfloat16/float16 parameters (see ``Optimizer8bit``).
     """
 
     algo = _C.Algo.adagrad
@@ -23,12 +24,12 @@ class Adagrad(Optimizer8bit):
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10, *,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False, block_size=256):
+                 is_paged=False, block_size=256, master_weights=True):
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, eps=eps),
                          optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
                          percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged,
-                         block_size=block_size)
+                         block_size=block_size, master_weights=master_weights)
 
     def _hyper(self, c):
         return _C.Hyper(lr=_num(c["lr"], "lr"), lr_decay=_num(c["lr_decay"], "lr_decay"),

@@ -19,6 +19,7 @@ class LAMB(Optimizer8bit):
     bitsandbytes' ``max_unorm`` (its approximation of the trust ratio by update-norm clipping) is accepted
     and ignored with a warning when not its default; ``adam_w_mode=False`` and ``amsgrad=True`` are
     rejected (the paper's decay is decoupled).
+    ``master_weights=False`` keeps no float32 master of bfloat16/float16 parameters (see ``Optimizer8bit``).
     """
 
     algo = _C.Algo.lamb
@@ -30,7 +31,7 @@ class LAMB(Optimizer8bit):
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, adam_w_mode=True, *, optim_bits=32, args=None, min_8bit_size=4096,
                  max_unorm=1.0, max_trust_ratio=10.0, min_trust_ratio=0.0, percentile_clipping=100, block_wise=True, is_paged=False,
-                 block_size=256):
+                 block_size=256, master_weights=True):
         if amsgrad:
             _unsupported("amsgrad", amsgrad, "zero8 keeps no running maximum of the second moment")
         if not adam_w_mode:
@@ -40,7 +41,8 @@ class LAMB(Optimizer8bit):
                                       min_trust_ratio=min_trust_ratio),
                          optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
                          percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged,
-                         block_size=block_size, max_unorm=max_unorm)
+                         block_size=block_size, max_unorm=max_unorm,
+                         master_weights=master_weights)
 
     def _hyper(self, c):
         b1, b2 = c["betas"][:2]

@@ -16,6 +16,7 @@ class LARS(SGD):
     ``r = trust_coefficient ||p|| / ||d||`` (1 when either norm is 0; clipped at ``max_trust_ratio``,
     default 10, 0: no clip, and raised to ``min_trust_ratio``, default 0) before the momentum. Arguments as ``SGD``; bitsandbytes' ``max_unorm`` is
     accepted and ignored with a warning when not its default.
+    ``master_weights=False`` keeps no float32 master of bfloat16/float16 parameters (see ``Optimizer8bit``).
     """
 
     algo = _C.Algo.lars
@@ -24,7 +25,8 @@ class LARS(SGD):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  optim_bits=32, args=None, min_8bit_size=4096, max_unorm=0.02, trust_coefficient=0.001,
-                 max_trust_ratio=10.0, min_trust_ratio=0.0, percentile_clipping=100, block_wise=True, is_paged=False, block_size=256):
+                 max_trust_ratio=10.0, min_trust_ratio=0.0, percentile_clipping=100, block_wise=True, is_paged=False,
+                 block_size=256, master_weights=True):
         # SGD's group keys plus the two trust-ratio keys (skipping SGD's constructor, which has no room
         # for them).
         super(SGD, self).__init__(
@@ -32,7 +34,8 @@ class LARS(SGD):
                          nesterov=nesterov, trust_coefficient=trust_coefficient, max_trust_ratio=max_trust_ratio,
                          min_trust_ratio=min_trust_ratio),
             optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size, percentile_clipping=percentile_clipping,
-            block_wise=block_wise, is_paged=is_paged, block_size=block_size, max_unorm=max_unorm)
+            block_wise=block_wise, is_paged=is_paged, block_size=block_size, max_unorm=max_unorm,
+            master_weights=master_weights)
 
     def _hyper(self, c):
         h = super()._hyper(c)

@@ -13,7 +13,11 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   ``state2``/``absmax2``/``qmap2`` (dynamic unsigned map).
 - 32-bit: ``state1`` (and ``state2``) float32 of ``p.shape``.
 - bfloat16/float16 parameters: ``master``, the float32 master copy the update is applied to (the
-  parameter is its rounding), as a mixed-precision optimizer must keep. The parameter stays the truth:
+  parameter is its rounding), as a mixed-precision optimizer must keep, 4 bytes per parameter on top of
+  the states (8-bit AdamW: 6.03 bytes per parameter instead of 2.03). ``master_weights=False`` keeps none,
+  as bitsandbytes: each step then widens the 16-bit parameter into a temporary float32 buffer, runs the
+  same kernel with it as the master and writes the rounded result to the parameter, so an update smaller
+  than half a 16-bit ulp is lost (rounded away) at every step. With a master, the parameter stays the truth:
   an element changed outside the optimizer since its last step (``model.load_state_dict``, a rollback,
   an EMA swap, clamping, re-initialisation, ``p.data.zero_()``, ``p.data = t``) is no longer the
   rounding of its master, and the next step re-seeds that element's master from the parameter, keeping
@@ -30,7 +34,8 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   rounding, keep the exact float32 masters.
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
-8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``.
+8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
+gets a master too (its config's ``master_weights``).
 """
 
 from __future__ import annotations
@@ -138,6 +143,7 @@ def _unsupported(name: str, value, why: str):
 _OVERRIDE_KEYS = frozenset({
     "optim_bits", "min_8bit_size", "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
     "alpha", "lr_decay", "bias_correction", "trust_coefficient", "max_trust_ratio", "min_trust_ratio",
+    "master_weights",
 })
 
 
@@ -168,7 +174,8 @@ class GlobalOptimManager:
         mng.override_config([w1, w2], key_value_dict={"lr": 1e-4})       # any hyperparameter
         mng.register_module_override(emb, "weight", {"optim_bits": 32})  # whatever emb.weight is at step time
 
-    Overrides are looked up when a parameter's state is created (``optim_bits``, ``min_8bit_size``) and at
+    Overrides are looked up when a parameter's state is created (``optim_bits``, ``min_8bit_size``,
+    ``master_weights``) and at
     every step (hyperparameters); they win over the parameter group's values. Parameters are held by
     identity through weak references (an override never keeps a tensor or module alive), so
     ``register_parameters`` is not needed and does nothing (kept for bitsandbytes code). Also consulted:
@@ -362,6 +369,7 @@ _GROUP_CHECKS: Dict[str, Callable[[Any, str], Any]] = {
     "max_trust_ratio": _check_nonneg,
     "min_trust_ratio": _check_nonneg,
     "optim_bits": _check_bits,
+    "master_weights": _check_bool,
     "min_8bit_size": _check_min_8bit_size,
 }
 
@@ -458,8 +466,13 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     Optimizer-wide 8-bit knobs: ``optim_bits`` (8 or 32), ``min_8bit_size`` (parameters with fewer
     elements keep 32-bit states), ``block_size`` (state block, 256 as bitsandbytes; other powers of two in
-    64..4096 are zero8's). Each may also be set per parameter group (a group key of the same name) or per
-    parameter (``override_config``/``GlobalOptimManager``). bitsandbytes' ``args`` object, if given,
+    64..4096 are zero8's), ``master_weights`` (bfloat16/float16 parameters: True, the default, keeps a
+    float32 master copy, 4 bytes per parameter; False keeps none and updates the 16-bit parameter through
+    a temporary float32 copy each step, as bitsandbytes does: 8-bit states then take 2 + 8/256 bytes per
+    parameter in all, and updates below half a 16-bit ulp are rounded away). Each may also be set per
+    parameter group (a group key of the same name) or per parameter (``override_config``/
+    ``GlobalOptimManager``); ``optim_bits``, ``min_8bit_size`` and ``master_weights`` are read when the
+    parameter's state is made, at its first step. bitsandbytes' ``args`` object, if given,
     supplies them instead (its ``optim_bits``, ``min_8bit_size``, ``percentile_clipping``...).
     """
 
@@ -470,7 +483,8 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any], *, optim_bits: int = 32, args=None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
-                 is_paged: bool = False, block_size: int = BNB_BLOCK_SIZE, max_unorm=None):
+                 is_paged: bool = False, block_size: int = BNB_BLOCK_SIZE, max_unorm=None,
+                 master_weights: bool = True):
         if args is not None:  # bitsandbytes' MockArgs / argparse namespace
             optim_bits = getattr(args, "optim_bits", optim_bits)
             min_8bit_size = getattr(args, "min_8bit_size", min_8bit_size)
@@ -480,6 +494,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self.optim_bits = _check_bits(optim_bits)
         self.min_8bit_size = _check_min_8bit_size(min_8bit_size)
         self.block_size = _check_block_size(block_size)
+        self.master_weights = _check_bool(master_weights, "master_weights")
         if percentile_clipping != 100:
             _unsupported("percentile_clipping", percentile_clipping,
                          "zero8 does not clip by gradient-norm percentiles; clip gradients before step() "
@@ -505,6 +520,7 @@ class Optimizer8bit(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
         state.update(optim_bits=self.optim_bits, min_8bit_size=self.min_8bit_size, block_size=self.block_size,
+                     master_weights=self.master_weights,
                      _override_pairs=[(p, dict(c)) for p, c in self._overrides.items()])
         return state
 
@@ -518,6 +534,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 self._overrides[p] = c
         if not hasattr(self, "_synced"):  # a copy or unpickled optimizer: its first step compares in full
             self._synced = {}
+        if not hasattr(self, "master_weights"):  # pickled before the knob existed
+            self.master_weights = True
 
     # ---- configuration ----
 
@@ -549,7 +567,7 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _check_hyper(self, group: Dict[str, Any], where: str) -> None:
         """The group's hyperparameters and 8-bit knobs, checked by name (at construction, add_param_group
         and load_state_dict, and at each step for values changed since)."""
-        for key in self._GROUP_KEYS + ("optim_bits", "min_8bit_size"):
+        for key in self._GROUP_KEYS + ("optim_bits", "min_8bit_size", "master_weights"):
             if key in group:
                 _GROUP_CHECKS[key](group[key], key + where)
         if "block_size" in group:
@@ -589,6 +607,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         cfg.setdefault("optim_bits", self.optim_bits)
         cfg.setdefault("min_8bit_size", self.min_8bit_size)
         cfg.setdefault("block_size", self.block_size)
+        cfg.setdefault("master_weights", self.master_weights)
         cfg.update(global_cfg if global_cfg is not None else param_config(p))
         own = self._overrides.get(p)
         if own:
@@ -640,7 +659,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             else:
                 state[f"state{i}"] = (torch.zeros(p.shape, dtype=torch.float32) if values is None
                                       else values.reshape(p.shape).clone())
-        if p.dtype != torch.float32:
+        if p.dtype != torch.float32 and cfg["master_weights"]:
             state["master"] = p.detach().to(torch.float32).contiguous().clone()
         return state
 
@@ -704,10 +723,13 @@ class Optimizer8bit(torch.optim.Optimizer):
         if s1.numel() != n:
             raise Zero8ValueError(f"{name} has {n} elements but its optimizer state1 has {s1.numel()}")
         master = state.get("master")
-        if (master is None) != (p.dtype == torch.float32):
-            raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state "
-                                  f"{'lacks' if master is None else 'has'} a float32 master copy (was the "
-                                  f"parameter's dtype changed after its first step?)")
+        if master is not None and p.dtype == torch.float32:
+            raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state has a float32 master copy (was "
+                                  f"the parameter's dtype changed after its first step?)")
+        if master is None and p.dtype != torch.float32 and self._wants_master(group, p, over):
+            raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state lacks the float32 master copy "
+                                  f"that master_weights=True asks for (was the parameter's dtype changed after "
+                                  f"its first step, or master_weights set after it? It is decided then)")
         state["step"] += 1
         if n == 0:
             return
@@ -728,6 +750,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         a.param_dtype = dtype_code(p, name)
         if master is not None:
             a.master = master.data_ptr()
+        elif p.dtype != torch.float32:  # master_weights=False: a float32 copy for this step only
+            work = p.detach().to(torch.float32)
+            a.master = work.data_ptr()
         a.grad = grad.data_ptr()
         a.grad_dtype = dtype_code(grad, f"{name}.grad")
         two = self._num_states == 2
@@ -749,6 +774,13 @@ class Optimizer8bit(torch.optim.Optimizer):
         _C.step_tensor(a)
         if master is not None:  # the kernel writes through the pointer: torch's version is not bumped
             self._synced[id(p)] = _synced(p, master)
+
+    def _wants_master(self, group: Dict[str, Any], p: torch.Tensor, over) -> bool:
+        """p's master_weights, as _config would say, without building the whole config."""
+        for cfg in (self._overrides.get(p), over):
+            if cfg and "master_weights" in cfg:
+                return cfg["master_weights"]
+        return group.get("master_weights", self.master_weights)
 
     @staticmethod
     def _state_block(state: Dict[str, Any], n: int) -> int:
@@ -924,7 +956,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 out[f"state{i}"] = values.reshape(p.shape)
         if out["step"] is None:  # nothing saved (torch's SGD without momentum): a fresh start
             out["step"] = 0
-        if p.dtype != torch.float32:
+        if p.dtype != torch.float32 and cfg["master_weights"]:
             master = saved.get("master")
             if isinstance(master, torch.Tensor):
                 if master.numel() != n:
@@ -932,7 +964,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 out["master"] = master.detach().to(torch.float32).reshape(p.shape).contiguous().clone()
             else:  # bitsandbytes and torch keep none: the parameter's value is the best master there is
                 out["master"] = p.detach().to(torch.float32).contiguous().clone()
-        return out  # other saved keys (bitsandbytes' unorm_vec, torch's max_exp_avg_sq) have no use here
+        return out  # other saved keys (bitsandbytes' unorm_vec, torch's max_exp_avg_sq; a master under
+        # master_weights=False, the parameter being the truth) have no use here
 
     def _saved_state(self, saved: Dict[str, Any], i: int, n: int, where: str):
         """State i of a saved parameter state as (codes, absmax, qmap, None) for 8-bit codes (a missing

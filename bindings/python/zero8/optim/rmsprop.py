@@ -14,6 +14,7 @@ class RMSprop(Optimizer8bit):
     """RMSprop (Hinton, lecture 6e; torch.optim.RMSprop): ``g += wd p``; ``v = alpha v + (1-alpha) g^2``;
     ``p -= lr g / (sqrt(v) + eps)``. ``momentum`` != 0 and ``centered=True`` are not implemented
     (Zero8UnsupportedArgumentError; bitsandbytes' CPU path ignores momentum, zero8 refuses it).
+    ``master_weights=False`` keeps no float32 master of bfloat16/float16 parameters (see ``Optimizer8bit``).
     """
 
     algo = _C.Algo.rmsprop
@@ -23,7 +24,7 @@ class RMSprop(Optimizer8bit):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False, *,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False, block_size=256):
+                 is_paged=False, block_size=256, master_weights=True):
         if momentum != 0:
             _unsupported("momentum", momentum, "zero8's RMSprop keeps one state (the square average)")
         if centered:
@@ -31,7 +32,7 @@ class RMSprop(Optimizer8bit):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay),
                          optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
                          percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged,
-                         block_size=block_size)
+                         block_size=block_size, master_weights=master_weights)
 
     def _hyper(self, c):
         return _C.Hyper(lr=_num(c["lr"], "lr"), beta2=_num(c["alpha"], "alpha"), eps=_num(c["eps"], "eps"),

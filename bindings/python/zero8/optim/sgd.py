@@ -15,6 +15,7 @@ class SGD(Optimizer8bit):
     (1 - dampening) d``; ``p -= lr (d + momentum buf)`` (nesterov) or ``lr buf``. The momentum buffer is
     the one state (8-bit: dynamic signed map). ``momentum=0`` is plain SGD (the state is then untouched;
     bitsandbytes refuses it, zero8 allows it as torch does). ``lr`` defaults to 1e-3 as in torch.
+    ``master_weights=False`` keeps no float32 master of bfloat16/float16 parameters (see ``Optimizer8bit``).
     """
 
     algo = _C.Algo.sgd
@@ -24,12 +25,12 @@ class SGD(Optimizer8bit):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False, block_size=256):
+                 is_paged=False, block_size=256, master_weights=True):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=nesterov),
                          optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
                          percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged,
-                         block_size=block_size)
+                         block_size=block_size, master_weights=master_weights)
 
     def _hyper(self, c):
         return _C.Hyper(lr=_num(c["lr"], "lr"), beta1=_num(c["momentum"], "momentum"),
