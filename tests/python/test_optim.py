@@ -846,6 +846,25 @@ def test_weights_loaded_before_the_optimizer_state_win_as_in_torch(reference):
     assert (ours - ref).abs().max().item() <= 2 ** -8
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_gradient_element_poisons_its_8bit_block_as_documented(bad):
+    """Documented, not a wish: one NaN/Inf gradient element makes its parameter element non-finite (as in
+    torch), and with 8-bit states the next step makes its whole 256-element block NaN (the block scale is
+    NaN); 32-bit states keep it to the element. GradScaler's skip is the remedy."""
+    for bits, spread in ((8, 256), (32, 1)):
+        p = torch.nn.Parameter(torch.randn(1024))
+        opt = zo.AdamW([p], lr=1e-3, optim_bits=bits, min_8bit_size=0)
+        g = torch.randn(1024)
+        g[300] = bad
+        p.grad = g
+        opt.step()
+        assert (~p.isfinite()).nonzero().flatten().tolist() == [300]
+        p.grad = torch.randn(1024)
+        opt.step()
+        bad_now = (~p.isfinite()).nonzero().flatten()
+        assert bad_now.numel() == spread and bad_now.min().item() == (256 if bits == 8 else 300)
+
+
 def _state_bytes(opt):
     """Bytes of every tensor in an optimizer's state, each storage once (a map shared by all counts once)."""
     seen, total = set(), 0

@@ -33,6 +33,15 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   as in torch and bitsandbytes, and weights restored from the same checkpoint, being the masters'
   rounding, keep the exact float32 masters.
 
+Non-finite gradients: a NaN or Inf gradient element makes its parameter element NaN or Inf, as in
+torch. With 8-bit states it also makes the scale of its state block non-finite (a NaN scale, see
+``zero8.functional``), so the next step turns the whole block NaN: ``block_size`` (256) elements of the
+states, and so of the parameter. 32-bit states keep it to the element, as torch does; bitsandbytes'
+8-bit states spread an Inf over its block the same way. Skip such steps: ``torch.amp.GradScaler`` does
+(its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as does the
+engine's fp16 loss scaling; or check the gradients before stepping
+(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
+
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
 gets a master too (its config's ``master_weights``).
