@@ -759,7 +759,20 @@ class Zero8Engine(torch.nn.Module):
                 t.data.copy_(src)
 
     def _register_hooks(self) -> None:
-        self._reported = bytearray(len(self._params))
+        # A parameter's gradient may arrive in several parts in one backward: a weight shared by segments
+        # of reentrant activation checkpointing, where each segment runs a backward of its own (one backward
+        # sums every use of a weight before its hook runs). Stage 2 reduces a bucket once all its
+        # parameters are reported, so a parameter is reported at its last arrival, counted in earlier
+        # backwards. The first backward counts them without reporting any (everything is reduced at its
+        # end) when some parameter is not in the loss's graph (inside such a segment, or unused); otherwise
+        # each arrives once and is reported at once. An arrival beyond the largest count seen is still in
+        # time while its bucket waits, and raises if the bucket was reduced: that part would be lost.
+        # (DeepSpeed's stage 2 asserts on any second arrival.)
+        self._arrivals = [0] * len(self._params)  # this micro-batch
+        self._expected = [0] * len(self._params)  # the most arrivals a backward has seen
+        self._counting = False  # this backward only counts (the first one, when the graph hides parameters)
+        self._backwards = 0
+        self._in_backward = False
         fp32 = self._dtype == torch.float32
         for i, p in enumerate(self._params):
             gv = self._grad_views[i]
@@ -771,11 +784,43 @@ class Zero8Engine(torch.nn.Module):
                     # into the fp32 buffer the optimizer reads.
                     gv.add_(grad)
                     param.grad = gv if fp32 else None
-                if not self._reported[i]:
-                    self._reported[i] = 1
-                    self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
+                if not self._in_backward:
+                    return  # a backward outside engine.backward (the torch loop): its gradient just stays
+                self._arrivals[i] += 1
+                if not self._counting:
+                    self._gradient_arrived(i)
 
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _params_outside_graph(self, loss: torch.Tensor) -> bool:
+        """Whether some trainable parameter is not a leaf of loss's autograd graph (walked once)."""
+        wanted = {id(p) for p in self._params}
+        seen, stack = set(), [loss.grad_fn]
+        while stack and wanted:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+            if var is not None:
+                wanted.discard(id(var))
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return bool(wanted)
+
+    def _gradient_arrived(self, i: int) -> None:
+        n, expected = self._arrivals[i], max(1, self._expected[i])
+        if n == expected:
+            self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
+        elif n > expected:
+            self._expected[i] = n
+            if self._opt.param_reduced(i):
+                raise RuntimeError(
+                    f"rank {self.global_rank}: parameter '{self._param_names[i]}' got a part of its gradient "
+                    f"({n} parts in this backward, at most {expected} before) after ZeRO stage 2 had reduced it: "
+                    f"that part would be lost. A weight shared by more uses in one backward than in earlier "
+                    f"ones (reentrant activation checkpointing, data-dependent reuse) varies its count; the "
+                    f"next backwards wait for {n} parts. Use stage 1, or torch.utils.checkpoint with "
+                    f"use_reentrant=False, to avoid it altogether")
 
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's engine.destroy()): hooks removed, the parameters keep their
@@ -914,11 +959,18 @@ class Zero8Engine(torch.nn.Module):
         if scale_wrt_gas and self._gas > 1:
             loss = loss / self._gas
         scaled = loss.float() * float(self._opt.loss_scale) if self._fp16 else loss
+        if self._backwards == 0:
+            self._counting = self._params_outside_graph(scaled)
+        self._backwards += 1
         b0 = self._bytes_sent()
         t0 = time.perf_counter()
-        scaled.backward(retain_graph=retain_graph)
+        self._in_backward = True
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward = False
         unused = [] if self._ignore_unused else [
-            self._param_names[i] for i, done in enumerate(self._reported) if not done]
+            self._param_names[i] for i, n in enumerate(self._arrivals) if not n]
         t1 = time.perf_counter()
         self._backward_end()  # collective: every rank gets here before any raises below
         t2 = time.perf_counter()
@@ -937,7 +989,9 @@ class Zero8Engine(torch.nn.Module):
 
     def _backward_end(self) -> None:
         self._opt.backward_end(self.is_gradient_accumulation_boundary())
-        self._reported = bytearray(len(self._params))
+        self._expected = [max(e, n) for e, n in zip(self._expected, self._arrivals)]
+        self._arrivals = [0] * len(self._params)
+        self._counting = False
         self._backward_done = True
 
     def _apply_hyper(self) -> None:
