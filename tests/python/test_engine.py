@@ -225,6 +225,24 @@ def test_stage2_gradient_release(dtype):
 
 # ---- mixed precision ----
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_non_finite_gradient_skips_the_step_without_a_loss_scale_message(dtype, capsys):
+    # bf16 and fp32 have no loss scale: the skip is logged as what it is (the audit saw "Attempted loss
+    # scale: 1.0, reducing to 1.0"), and nothing changes.
+    cfg = config(zero8=EXACT, bf16={"enabled": dtype == "bf16"})
+    engine, model, _, _ = engine_for(cfg)
+    before = clone_params(model)
+    x, y = global_batch(DATA, 0, B)
+    x = x.to(torch.bfloat16) if dtype == "bf16" else x
+    engine.backward(loss_fn(engine(x), y) * float("nan"))
+    engine.step()
+    out = capsys.readouterr()
+    assert engine.skipped_steps == 1 and engine.was_step_skipped()
+    assert "Skipping step 1: a gradient on some rank is inf or NaN" in out.out + out.err
+    assert "loss scale" not in (out.out + out.err).replace("no loss scale", "")
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))
+
+
 def test_bf16(baseline):
     _, ref_losses, _ = baseline
     engine, model, _, _ = engine_for(config(zero8=EXACT, bf16={"enabled": True}))

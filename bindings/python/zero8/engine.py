@@ -1038,11 +1038,14 @@ class Zero8Engine(torch.nn.Module):
             self._timers["steps"] += 1
             if info["skipped"]:
                 self.skipped_steps += 1
-                if self.global_rank == 0:
+                if self.global_rank == 0 and self._fp16:
                     self._log(
                         f"OVERFLOW! Rank {self.global_rank} Skipping step. Attempted loss scale: {scale_before}, "
                         f"reducing to {float(self._opt.loss_scale)}"
                     )
+                elif self.global_rank == 0:
+                    self._log(f"Skipping step {self.global_steps + 1}: a gradient on some rank is inf or NaN "
+                              f"(bf16/fp32: no loss scale to lower; the weights and states are unchanged)")
             else:
                 self._step_applied = True
                 self._grad_norm = float(info["grad_norm"])
