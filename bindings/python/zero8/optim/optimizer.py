@@ -38,8 +38,8 @@ torch. With 8-bit states it also makes the scale of its state block non-finite (
 ``zero8.functional``), so the next step turns the whole block NaN: ``block_size`` (256) elements of the
 states, and so of the parameter. 32-bit states keep it to the element, as torch does; bitsandbytes'
 8-bit states spread an Inf over its block the same way. Skip such steps: ``torch.amp.GradScaler`` does
-(its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as does the
-engine's fp16 loss scaling; or check the gradients before stepping
+(its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as zero8's
+engine does in every precision; or check the gradients before stepping
 (``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
