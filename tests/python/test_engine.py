@@ -560,6 +560,18 @@ def _overriding_client(model, bits):
     return opt
 
 
+def test_master_weights_override_is_not_a_hyper_group():
+    # zero8.optim's master_weights (keep a float32 master of a 16-bit parameter) chooses a state format, as
+    # optim_bits does: the engine keeps masters of every parameter anyway, so it adds no hyper group.
+    model = make_model(0)
+    opt = zero8.optim.AdamW(model.parameters(), lr=3e-3)
+    opt.override_config(model[0].weight, master_weights=False)
+    cfg = config(zero8=EXACT)
+    del cfg["optimizer"]
+    engine, _, _, _ = zero8.initialize(model=model, optimizer=opt, config=cfg)
+    assert engine._opt.num_hyper_groups == 1
+
+
 def _decay(step):
     return 1.0 / (1 + step)
 

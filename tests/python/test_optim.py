@@ -932,13 +932,16 @@ def test_master_weights_in_state_dicts_groups_overrides_and_copies():
     a, b, c, d = (torch.nn.Parameter(torch.randn(8).to(torch.bfloat16)) for _ in range(4))
     lion = zo.Lion([{"params": [a, c]}, {"params": [b], "master_weights": False}])
     lion.override_config(c, master_weights=False)
-    adam = zo.Adam([{"params": [d], "master_weights": False}])  # Adam's constructor lacks the keyword
-    for x in (a, b, c, d):
+    adam = zo.Adam([{"params": [d], "master_weights": False}])
+    e = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    adam8 = zo.Adam8bit([e], master_weights=False)  # the keyword, on Adam and its fixed-bits classes too
+    for x in (a, b, c, d, e):
         x.grad = torch.randn_like(x)
     lion.step()
     adam.step()
+    adam8.step()
     assert "master" in lion.state[a] and "master" not in lion.state[b] and "master" not in lion.state[c]
-    assert "master" not in adam.state[d]
+    assert "master" not in adam.state[d] and "master" not in adam8.state[e] and adam8.master_weights is False
     assert copy.deepcopy(zo.SGD([a], master_weights=False)).master_weights is False
     with pytest.raises(zero8.Zero8ValueError, match="master_weights"):
         zo.SGD8bit([a], master_weights=1)

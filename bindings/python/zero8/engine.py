@@ -310,8 +310,9 @@ def _hyper_for_group(base, group: dict, algo: str):
     return h
 
 
-# Per-parameter overrides that choose the state format rather than a hyperparameter.
-_STATE_OVERRIDE_KEYS = ("optim_bits", "min_8bit_size")
+# Per-parameter overrides that choose the state format rather than a hyperparameter (master_weights: the
+# engine keeps float32 masters of every parameter anyway).
+_STATE_OVERRIDE_KEYS = ("optim_bits", "min_8bit_size", "master_weights")
 # Per-parameter hyperparameters that _hyper_from_group does not write (the same in every param group of
 # the engine), by their C++ Hyper field.
 _OVERRIDE_FIELDS = {"dampening": float, "nesterov": bool, "lr_decay": float, "bias_correction": bool,

@@ -26,7 +26,8 @@ class Adam(Optimizer8bit):
     when it has weight decay.
 
     ``optim_bits`` (8 or 32) picks the state format; see ``Optimizer8bit`` for ``min_8bit_size``,
-    ``block_size``, ``args`` and per-parameter overrides. ``amsgrad``, ``percentile_clipping`` != 100 and
+    ``block_size``, ``args``, ``master_weights`` (False: no float32 master of bfloat16/float16 parameters,
+    as bitsandbytes) and per-parameter overrides. ``amsgrad``, ``percentile_clipping`` != 100 and
     ``is_paged`` are bitsandbytes arguments zero8 rejects (Zero8UnsupportedArgumentError).
     """
 
@@ -36,7 +37,7 @@ class Adam(Optimizer8bit):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False, block_size=256, decoupled_weight_decay=True):
+                 is_paged=False, block_size=256, decoupled_weight_decay=True, master_weights=True):
         if amsgrad:
             _unsupported("amsgrad", amsgrad, "zero8 keeps no running maximum of the second moment")
         _check_bool(decoupled_weight_decay, "decoupled_weight_decay")
@@ -45,7 +46,7 @@ class Adam(Optimizer8bit):
                                       decoupled_weight_decay=decoupled_weight_decay),
                          optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
                          percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged,
-                         block_size=block_size)
+                         block_size=block_size, master_weights=master_weights)
 
     # The kernel's algorithm follows the instance's choice (AdamW fixes it with a class attribute). Read from
     # defaults, which torch's __getstate__ keeps: copies and unpickled optimizers keep the rule.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import _C
 from .adam import Adam
-from .optimizer import _check_bool, fixed_bits
+from .optimizer import fixed_bits
 
 __all__ = ["AdamW", "AdamW8bit", "AdamW32bit"]
 
@@ -24,9 +24,8 @@ class AdamW(Adam):
                  is_paged=False, block_size=256, master_weights=True):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits=optim_bits, args=args,
                          min_8bit_size=min_8bit_size, percentile_clipping=percentile_clipping,
-                         block_wise=block_wise, is_paged=is_paged, block_size=block_size)
-        # Adam's constructor does not take it: set before any state exists, which is when it is read.
-        self.master_weights = _check_bool(master_weights, "master_weights")
+                         block_wise=block_wise, is_paged=is_paged, block_size=block_size,
+                         master_weights=master_weights)
 
 
 AdamW8bit = fixed_bits(AdamW, 8, "AdamW8bit", "AdamW with 8-bit block-wise states (bitsandbytes' AdamW8bit).")
