@@ -207,20 +207,19 @@ void ShardedOptimizer::grad_ready(int param) {
   if (cfg_.stage != 2) return;
   const int g = int(layout_.slots[param].group);
   for (int bi : param_buckets_[g][param]) --pending_[g][bi];
-  reduce_ready_in_order();
+  reduce_in_order(true);
 }
 
-// Reduce the buckets at the head of the order whose parameters have all been reported; stop at the first
-// one still waiting, so every rank reduces the buckets in the same order.
-void ShardedOptimizer::reduce_ready_in_order() {
+// Reduce buckets along the order every rank follows: during backward (only_ready) those at its head whose
+// parameters have all been reported, stopping at the first one still waiting, and handing their memory
+// back; at the end of backward all that are left (grad_input is cleared next).
+void ShardedOptimizer::reduce_in_order(bool only_ready) {
   for (; next_ < order_.size(); ++next_) {
     const auto [g, bi] = order_[next_];
-    if (pending_[g][size_t(bi)] > 0) break;
-    if (!done_[g][size_t(bi)]) {
-      reduce_bucket(g, buckets_[g][size_t(bi)]);
-      done_[g][size_t(bi)] = true;
-      release_reduced(g, bi);
-    }
+    if (only_ready && pending_[g][size_t(bi)] > 0) break;
+    reduce_bucket(g, buckets_[g][size_t(bi)]);
+    done_[g][size_t(bi)] = true;
+    if (only_ready) release_reduced(g, bi);
   }
 }
 
@@ -242,17 +241,6 @@ void ShardedOptimizer::release_reduced(int g, int bi) {
   grads_[g].release(buckets_[g][size_t(lo)].begin, buckets_[g][size_t(hi)].end);
 }
 
-void ShardedOptimizer::reduce_all_pending() {
-  // The rest of the order every rank follows (grad_ready reduced its head).
-  for (; next_ < order_.size(); ++next_) {
-    const auto [g, bi] = order_[next_];
-    if (!done_[g][size_t(bi)]) {
-      reduce_bucket(g, buckets_[g][size_t(bi)]);
-      done_[g][size_t(bi)] = true;
-    }
-  }
-}
-
 void ShardedOptimizer::clear_grad_inputs() {
   for (int g = 0; g < kNumGroups; ++g) {
     grads_[g].zero();
@@ -264,7 +252,7 @@ void ShardedOptimizer::clear_grad_inputs() {
 void ShardedOptimizer::backward_end(bool boundary) {
   ++micro_;
   if (cfg_.stage == 2 || boundary) {
-    reduce_all_pending();
+    reduce_in_order(false);
     clear_grad_inputs();
   }
   if (boundary) micro_ = 0;

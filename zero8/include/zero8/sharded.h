@@ -148,8 +148,7 @@ class ShardedOptimizer {
   struct Bucket;
   void reset_progress(int g);
   void reduce_bucket(int g, const Bucket& b);
-  void reduce_all_pending();
-  void reduce_ready_in_order();
+  void reduce_in_order(bool only_ready);
   void release_reduced(int g, int bi);
   void clear_grad_inputs();
   bool overflow_anywhere();

@@ -735,7 +735,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         if master is not None and p.dtype == torch.float32:
             raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state has a float32 master copy (was "
                                   f"the parameter's dtype changed after its first step?)")
-        if master is None and p.dtype != torch.float32 and self._wants_master(group, p, over):
+        if master is None and p.dtype != torch.float32 and self._config(group, p, over)["master_weights"]:
             raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state lacks the float32 master copy "
                                   f"that master_weights=True asks for (was the parameter's dtype changed after "
                                   f"its first step, or master_weights set after it? It is decided then)")
@@ -783,13 +783,6 @@ class Optimizer8bit(torch.optim.Optimizer):
         _C.step_tensor(a)
         if master is not None:  # the kernel writes through the pointer: torch's version is not bumped
             self._synced[id(p)] = _synced(p, master)
-
-    def _wants_master(self, group: Dict[str, Any], p: torch.Tensor, over) -> bool:
-        """p's master_weights, as _config would say, without building the whole config."""
-        for cfg in (self._overrides.get(p), over):
-            if cfg and "master_weights" in cfg:
-                return cfg["master_weights"]
-        return group.get("master_weights", self.master_weights)
 
     @staticmethod
     def _state_block(state: Dict[str, Any], n: int) -> int:
