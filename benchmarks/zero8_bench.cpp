@@ -621,7 +621,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = argv[1];
-  if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+  // "help", and --help/-h anywhere (also after a command, as in "zero8-bench codec --help").
+  bool help = cmd == "help";
+  for (int i = 1; i < argc; ++i) help = help || std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0;
+  if (help) {
     std::printf("%s", kUsage);
     return 0;
   }

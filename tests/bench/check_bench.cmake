@@ -1,9 +1,16 @@
 # cmake -P helper for the zero8-bench CLI tests. BENCH: the binary; ARGS: its arguments (a list).
 # Success mode: exit 0 and the last line is a JSON object holding each of KEYS as a number > 0, and
 # each "key=value" of EQUALS with exactly that numeric value.
+# EXPECT_HELP mode: exit 0, the usage text on stdout, nothing on stderr.
 # EXPECT_FAIL mode: a non-zero exit, "usage:" on stderr, and a first line "zero8-bench: ..." that matches
 # MESSAGE (a regular expression).
 execute_process(COMMAND ${BENCH} ${ARGS} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(EXPECT_HELP)
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "^usage: zero8-bench" OR NOT err STREQUAL "")
+    message(FATAL_ERROR "zero8-bench ${ARGS} should print the usage on stdout and exit 0; exit ${rc}:\n${out}\n${err}")
+  endif()
+  return()
+endif()
 if(EXPECT_FAIL)
   if(rc EQUAL 0)
     message(FATAL_ERROR "zero8-bench ${ARGS} should have failed but exited 0:\n${out}")
