@@ -92,9 +92,18 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
     warnings: list[str] = []
     if args.module and args.no_python:
         raise LaunchError("--module and --no_python exclude each other")
-    for flag, value in (("--num_procs/--num_gpus", args.num_procs), ("--num_nodes", args.num_nodes)):
+    # What leaving a count out means depends on where the ranks run: say that, not "all".
+    if args.hostfile:
+        all_procs, all_nodes = "every slot of each host", "every host of the hostfile"
+    elif args.launcher == "slurm":
+        all_procs, all_nodes = "srun's default for the allocation", "every node of the allocation"
+    else:
+        all_procs, all_nodes = "1 process (the default without a hostfile)", "this machine alone"
+    for flag, value, default in (("--num_procs/--num_gpus", args.num_procs, all_procs),
+                                 ("--num_nodes", args.num_nodes, all_nodes)):
         if value == 0 or value < -1:
-            raise LaunchError(f"{flag} {value}: give a count >= 1 (or leave it out for all; -1 says the same)")
+            raise LaunchError(f"{flag} {value}: give a count >= 1, or leave it out for {default} "
+                              f"(-1 says the same)")
     if not 1 <= args.master_port <= 65535:
         raise LaunchError(f"--master_port {args.master_port}: not a TCP port (1..65535)")
     job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,

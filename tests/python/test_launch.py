@@ -322,6 +322,20 @@ def test_plan_defaults_and_errors(tmp_path):
             _plan(bad)
 
 
+def test_count_of_zero_says_what_leaving_it_out_means(tmp_path):
+    # "leave it out for all" was wrong without a hostfile, where leaving --num_procs out runs 1 process.
+    hf = tmp_path / "hosts"
+    hf.write_text("n1 slots=2\n")
+    for argv, meaning in ((["--num_procs", "0"], "1 process (the default without a hostfile)"),
+                          (["--num_nodes", "0"], "this machine alone"),
+                          (["-H", str(hf), "--num_procs", "0"], "every slot of each host"),
+                          (["-H", str(hf), "--num_nodes", "0"], "every host of the hostfile"),
+                          (["--launcher", "slurm", "--num_procs", "0"], "srun's default for the allocation")):
+        with pytest.raises(LaunchError) as e:
+            _plan(argv + ["s.py"], {"SLURM_JOB_NODELIST": "gpu1"})
+        assert str(e.value).endswith(f": give a count >= 1, or leave it out for {meaning} (-1 says the same)")
+
+
 def test_deepspeed_command_lines_are_accepted(tmp_path):
     # Flags DeepSpeed users type: -H/-i/-e for --hostfile/--include/--exclude, -m for --module, and
     # --no_local_rank (zero8-launch never passes --local_rank: the scripts read LOCAL_RANK).
