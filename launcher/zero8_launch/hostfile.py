@@ -23,6 +23,8 @@ class LaunchError(ValueError):
 # DeepSpeed's pattern is r'^(\S+)\s+slots=(\d+)'; anything after the slots (OpenMPI's max_slots=...) is
 # ignored there and here. A line that does not match is an error, not a 1-slot host as in OpenMPI.
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)(?:\s+.*)?$")
+# Characters that separate hosts and slots in the lists built from host names.
+_HOST_SEPARATORS = ":@,"
 
 
 def parse_hostfile(text: str, source: str = "<hostfile>") -> "OrderedDict[str, int]":
@@ -39,6 +41,13 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> "OrderedDict[str, i
         if m is None:
             raise LaunchError(f"{source}:{lineno}: bad hostfile line '{raw.strip()}': expected 'hostname slots=N'")
         host, slots_text = m.group("host"), m.group("slots")
+        bad = [c for c in _HOST_SEPARATORS if c in host]
+        if bad:
+            # mpirun's --host (host:slots,...), the wrapper's --hosts (host:slots@...) and MASTER_ADDR
+            # would read them as separators.
+            raise LaunchError(f"{source}:{lineno}: bad host name '{host}': "
+                              f"{' '.join(repr(c) for c in bad)} cannot be in a host name "
+                              f"(expected a host name or an IPv4 address)")
         if not slots_text.isdigit() or int(slots_text) < 1:
             raise LaunchError(f"{source}:{lineno}: bad slot count '{slots_text}' for host '{host}': "
                               f"expected a positive integer")

@@ -74,6 +74,10 @@ def test_hostfile_duplicate_host_names_both_lines():
     ("worker-0 slots=-1", "bad slot count '-1'"),
     ("worker-0 slots=two", "bad slot count 'two'"),
     ("worker-0 slots=", "bad hostfile line"),
+    # Separators in mpirun's --host list and the wrapper's: '127.0.0.1:5' became --host 127.0.0.1:5:1.
+    ("127.0.0.1:5 slots=1", "bad host name '127.0.0.1:5': ':' cannot be in a host name"),
+    ("a,b slots=1", "bad host name 'a,b': ',' cannot be in a host name"),
+    ("a@b:1 slots=1", "bad host name 'a@b:1': ':' '@' cannot be in a host name"),
 ])
 def test_hostfile_bad_lines_name_file_and_line(line, what):
     with pytest.raises(LaunchError) as e:
