@@ -24,8 +24,27 @@ DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (torch.distributed's) default
 DEFAULT_LOG_ROOT = "zero8_logs"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that `--launcher_args X` among the launcher's own options (before the script)
+    is read as `--launcher_args=X`: argparse takes a separate value that starts with '-' and has no
+    space in it ('--mpi=pmix', '--report-bindings') for an unknown option and fails with "expected one
+    argument"."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        takes_value = {s for a in self._actions if a.nargs != 0 for s in a.option_strings}
+        i = 0
+        while i < len(args) and args[i].startswith("-") and args[i] not in ("-", "--"):
+            if args[i] == "--launcher_args" and i + 1 < len(args):
+                args[i:i + 2] = [f"--launcher_args={args[i + 1]}"]
+            elif args[i] in takes_value:
+                i += 1  # its value, which is not the script
+            i += 1
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="zero8-launch",
         description="Start script.py on every rank of a job (OpenMPI's mpirun or SLURM's srun), with "
                     "DeepSpeed's environment variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR, "

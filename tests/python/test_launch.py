@@ -353,6 +353,21 @@ def test_deepspeed_command_lines_are_accepted(tmp_path):
     assert "--local_rank" not in " ".join(rank_command(job))
 
 
+def test_launcher_args_may_be_one_option(tmp_path, capsys):
+    # LAUNCH.md's example `--launcher_args "--mpi=pmix"` failed in argparse ("expected one argument"), as did
+    # any one-word value that starts with '-'; the script's own --launcher_args stay the script's.
+    for argv, engine_args in ((["--launcher", "slurm", "--master_addr", "n1", "--launcher_args", "--mpi=pmix"],
+                               ["--mpi=pmix"]),
+                              (["--num_procs", "2", "--launcher_args", "--report-bindings"], ["--report-bindings"]),
+                              (["--launcher_args", "--bind-to none"], ["--bind-to", "none"]),
+                              (["--launcher_args=-v"], ["-v"])):
+        job, _ = _plan(argv + ["--log_dir", str(tmp_path), "s.py", "--launcher_args", "-x"])
+        assert job.launcher_args == engine_args and job.script_args == ["--launcher_args", "-x"]
+    assert cli.main(["--launcher", "slurm", "--master_addr", "n1", "--launcher_args", "--mpi=pmix", "--dry_run",
+                     "--log_dir", str(tmp_path), "s.py"]) == 0
+    assert "--export=ALL --mpi=pmix " in capsys.readouterr().out
+
+
 def test_dry_run_prints_the_command(tmp_path, capsys):
     hf = tmp_path / "hosts"
     hf.write_text("10.1.0.1 slots=2\n10.1.0.2 slots=2\n")
