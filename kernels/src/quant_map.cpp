@@ -200,7 +200,7 @@ QuantTable table_build(const std::vector<float>& values) {
   QuantTable t{};
   for (int i = 0; i < 256; ++i) {
     ZERO8_CHECK_ARG(std::isfinite(values[i]) && std::fabs(values[i]) <= 1.0f, "values",
-                    "value " << i << " = " << values[i] << " is not finite in [-1, 1]");
+                    "value " << i << " = " << values[i] << " is not a finite value within [-1, 1]");
     ZERO8_CHECK_ARG(i == 0 || values[i - 1] <= values[i], "values", "not sorted at index " << i);
     t.values[i] = values[i];
   }

@@ -270,6 +270,54 @@ def test_custom_code_table():
                            code[codes.long()] * state.absmax.repeat_interleave(128)[: x.numel()])
 
 
+def test_any_code_table_decodes_and_only_sorted_maps_within_one_quantize():
+    # bitsandbytes' states may carry any 256 values (unsorted, or beyond [-1, 1]); decoding needs no
+    # thresholds, so zero8 decodes them as code[A] * absmax. Quantizing needs a sorted map within [-1, 1],
+    # and the error names the first value at fault.
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 256, (3 * 64 + 5,), dtype=torch.uint8, generator=g)
+    absmax = torch.rand(4, generator=g) + 0.5
+    for code in (torch.rand(256, generator=g) * 2 - 1, torch.linspace(-1, 1, 256) * 2):
+        want = code[codes.long()] * absmax.repeat_interleave(64)[: codes.numel()]
+        state = F.QuantState(absmax=absmax, code=code, blocksize=64, dtype=torch.float32)
+        assert torch.equal(F.dequantize_blockwise(codes, state), want)
+        assert torch.equal(F.dequantize_blockwise(codes, state, out=torch.empty(codes.shape, dtype=torch.bfloat16)),
+                           want.bfloat16())
+    x = torch.randn(300, generator=g)
+    with pytest.raises(zero8.Zero8ValueError, match=r"code\[0\] = -2\.0 is not a finite value within \[-1, 1\]"):
+        F.quantize_blockwise(x, code=torch.linspace(-1, 1, 256) * 2, blocksize=64)
+    unsorted = torch.linspace(-1, 1, 256)
+    unsorted[[3, 4]] = unsorted[[4, 3]]
+    with pytest.raises(zero8.Zero8ValueError, match="code is not sorted ascending at index 4"):
+        F.quantize_blockwise(x, code=unsorted, blocksize=64)
+
+
+def test_blocksize_takes_any_integer_type():
+    np = pytest.importorskip("numpy")
+    x = torch.randn(300, generator=torch.Generator().manual_seed(9))
+    want = F.quantize_blockwise(x, blocksize=64)
+    for b in (np.int64(64), torch.tensor(64)):
+        got = F.quantize_blockwise(x, blocksize=b)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1] and type(got[1].blocksize) is int
+    for b in (64.0, True, "64"):
+        with pytest.raises(zero8.Zero8ValueError, match="blocksize must be an int"):
+            F.quantize_blockwise(x, blocksize=b)
+
+
+def test_nested_scales_leave_a_non_finite_scale_out_of_the_offset():
+    # One NaN element: its block's scale is NaN. The offset is the mean of the other scales (as without
+    # it), and the NaN spreads to its group of 64 scales only (64 * 64 elements), as ARCHITECTURE.md says.
+    x = torch.randn(64 * 64 * 4, generator=torch.Generator().manual_seed(10))
+    x[64 * 64 + 5] = float("nan")
+    codes, state = F.quantize_blockwise(x, blocksize=64, nested=True)
+    plain = F.quantize_blockwise(x, blocksize=64)[1].absmax.abs()
+    finite = plain.isfinite()
+    assert int((~finite).sum()) == 1
+    assert float(state.offset) == pytest.approx(float(plain[finite].mean()), rel=1e-6)
+    bad = ~F.dequantize_blockwise(codes, state).isfinite()
+    assert int(bad.sum()) == 64 * 64 and bool(bad[64 * 64: 2 * 64 * 64].all())
+
+
 def test_nested_absmax():
     x = torch.randn(64 * 1024, generator=torch.Generator().manual_seed(5))
     codes, state = F.quantize_blockwise(x, blocksize=256, nested=True)
@@ -454,8 +502,8 @@ def test_bad_sizes_and_maps():
         F.quantize_blockwise(x, out=torch.empty(999, dtype=torch.uint8))
     with pytest.raises(zero8.Zero8ValueError, match=r"\bcode has 255 elements; expected 256"):
         F.quantize_blockwise(x, code=torch.linspace(-1, 1, 255))
-    # The C++ side validates a custom table too (here: not sorted), naming its argument.
-    with pytest.raises(zero8.Zero8ValueError, match="'values'.*not sorted"):
+    # A custom table is validated before the C++ side gets it (here: not sorted), naming the argument.
+    with pytest.raises(zero8.Zero8ValueError, match="code is not sorted ascending at index 1"):
         F.quantize_blockwise(x, code=torch.linspace(1, -1, 256))
     codes, state = F.quantize_blockwise(x, blocksize=256)
     with pytest.raises(zero8.Zero8ValueError, match="needs quant_state or absmax"):

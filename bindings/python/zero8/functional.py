@@ -23,6 +23,7 @@ offset is the scales' mean, as in bitsandbytes, unless 0 quantizes them better (
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -124,8 +125,13 @@ class QuantState:
 
 
 def _check_blocksize(blocksize) -> int:
-    if isinstance(blocksize, bool) or not isinstance(blocksize, int):
-        raise Zero8ValueError(f"blocksize must be an int, got {type(blocksize).__name__}")
+    """blocksize as an int: any integer type (a numpy or 0-d torch integer too, as bitsandbytes takes)."""
+    try:
+        if isinstance(blocksize, bool):
+            raise TypeError
+        blocksize = operator.index(blocksize)
+    except TypeError:
+        raise Zero8ValueError(f"blocksize must be an int, got {type(blocksize).__name__}") from None
     if not (64 <= blocksize <= 4096 and blocksize & (blocksize - 1) == 0):
         raise Zero8ValueError(f"blocksize must be a power of two in 64..4096, got {blocksize}")
     return blocksize
@@ -148,6 +154,17 @@ def _map_arg(code: Optional[torch.Tensor]):
         if torch.equal(code, _standard_map(kind)):
             return kind, None
     return None, code.tolist()
+
+
+def _codec_table_problem(values: list) -> Optional[str]:
+    """Why the C++ codec cannot take the custom map `values` (its nearest-code thresholds need 256 finite
+    values sorted ascending within [-1, 1]), or None when it can."""
+    for i, v in enumerate(values):
+        if not (abs(v) <= 1.0):  # False for NaN too
+            return f"code[{i}] = {v} is not a finite value within [-1, 1]"
+        if i and values[i - 1] > v:
+            return f"code is not sorted ascending at index {i} ({values[i - 1]} > {v})"
+    return None
 
 
 def _code_tensor(code: Optional[torch.Tensor]) -> torch.Tensor:
@@ -212,6 +229,11 @@ def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int
     if kind is not None:
         _C.quantize_blockwise(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax))
     else:
+        problem = _codec_table_problem(values)
+        if problem is not None:
+            raise Zero8ValueError(f"quantize_blockwise: {problem}. zero8 quantizes to the nearest value of a map "
+                                  "of 256 finite values sorted ascending within [-1, 1] (dequantize_blockwise "
+                                  "decodes with any 256 values)")
         _C.quantize_blockwise_values(ptr(A), dtype_code(A), n, blocksize, values, ptr(out), ptr(absmax))
     if nonnegative_scales:
         table = _negation_table(kind, _code_tensor(code))
@@ -229,6 +251,12 @@ def _dequantize_blockwise_kernel(A: Tensor, absmax: Tensor, code: Optional[Tenso
     out = torch.empty(A.shape, dtype=dtype)
     if kind is not None:
         _C.dequantize_blockwise(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out))
+    elif _codec_table_problem(values) is not None:
+        # A map the codec's tables do not take (unsorted, or values outside [-1, 1]), as bitsandbytes
+        # states may carry: decoding needs no thresholds, so torch does it, with the codec's arithmetic
+        # (the float32 product, then one rounding to dtype).
+        scales = absmax.repeat_interleave(blocksize)[:n]
+        out.view(-1).copy_(code[A.reshape(-1).long()] * scales)
     else:
         _C.dequantize_blockwise_values(ptr(A), ptr(absmax), n, blocksize, values, ptr(out), dtype_code(out))
     return out
@@ -260,13 +288,19 @@ def _nest_scales(scales: Tensor, blocksize: int) -> Tuple[Tensor, Tensor, QuantS
     scale with its scale, so that sum tracks the error nesting adds to the data. The mean suits scales of
     similar size (normal, Student-t(3) data: offset 0 gives 6-36% more error); 0 suits scales spread over
     decades, whose small ones the mean would turn into near-equal negatives (Cauchy data: 0.30-0.50 of the
-    mean's error). Chosen with torch.where, so a compiled caller keeps one graph."""
-    means = scales.mean()
+    mean's error). Chosen with torch.where, so a compiled caller keeps one graph.
+    A non-finite scale (a block holding NaN or Inf) takes no part in the mean and the choice, so the
+    other scales nest as they would without it; it still makes its group of `blocksize` scales NaN (the
+    nested format has no room for one NaN scale), so blocksize**2 elements decode as NaN."""
+    finite = scales.isfinite()
+    means = torch.where(finite, scales, 0).sum() / finite.sum().clamp_min(1)
     candidates = []
     for offset in (means, torch.zeros_like(means)):
         q, state2 = quantize_blockwise(scales - offset, blocksize=blocksize, nested=False)
         back = dequantize_blockwise(q, state2) + offset
-        error = ((back - scales).abs() / scales.abs().clamp_min(torch.finfo(torch.float32).tiny)).sum()
+        # The group of the non-finite scale decodes as NaN with either offset; the rest is compared.
+        error = torch.where(finite & back.isfinite(),
+                            (back - scales).abs() / scales.abs().clamp_min(torch.finfo(torch.float32).tiny), 0).sum()
         candidates.append((q, offset, state2, error))
     (q0, o0, s0, e0), (q1, o1, s1, e1) = candidates
     use_mean = e0 <= e1
@@ -329,7 +363,9 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
     """Decode uint8 codes A to ``code[A] * absmax`` per block. Give either `quant_state` (from
     quantize_blockwise, or bitsandbytes') or `absmax` (+ `code`, `blocksize`; the result is then float32).
     `out` (CPU, contiguous, float32/bfloat16/float16, A.numel() elements) is filled when given (copied
-    into); its dtype wins. `nested` is accepted for signature compatibility (the state says whether it is
+    into); its dtype wins. `code` may be any 256 float32 values (bitsandbytes' states may carry maps
+    that are unsorted or reach beyond [-1, 1]; quantize_blockwise takes only sorted maps within it).
+    `nested` is accepted for signature compatibility (the state says whether it is
     nested)."""
     del nested  # bitsandbytes reads nesting from the state as well
     if quant_state is None:
