@@ -573,7 +573,14 @@ TEST(ConfigSchedule, OneCycleLrAndMomentum) {
       "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.011,
        "cycle_first_step_size": 10, "cycle_second_step_size": 20, "decay_step_size": 5, "decay_lr_rate": 0.5,
        "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.1}}})");
-  EXPECT_TRUE(c.warnings.empty()) << all_warnings(c);  // beta2 is already 0.99
+  // beta2 is already 0.99. The one warning: momentum 0.95 * (1 + 0.1 * k) leaves [0, 1) at k = 0.6, which
+  // is iteration 32 ((32 - 30 + 1) / 5), where it is 0.95 * 1.06 = 1.007; at 31 it is 0.95 * 1.04.
+  ASSERT_EQ(c.warnings.size(), 1u) << all_warnings(c);
+  EXPECT_NE(c.warnings[0].find("scheduler.params.decay_mom_rate: momentum after the cycle is cycle_max_mom * "
+                               "(1 + decay_mom_rate * k) for the k-th decay interval, which leaves [0, 1) at "
+                               "scheduler step 32 (beta1 1.007)"),
+            std::string::npos)
+      << c.warnings[0];
   const auto& s = c.scheduler;
   ASSERT_TRUE(s.momentum_cycled);
   // Cycle of 30 iterations, rising for 10 (step ratio 1/3), falling for 20.
@@ -591,6 +598,13 @@ TEST(ConfigSchedule, OneCycleLrAndMomentum) {
   EXPECT_LR(cfg::momentum_at(s, 30), 0.95 * (1.0 + 0.1 * 0.2));
   EXPECT_LR(cfg::lr_at(s, 39), 0.001 / 2.0);           // 10 / 5 = 2 decay steps
   EXPECT_LR(cfg::momentum_at(s, 39), 0.95 * 1.2);      // DeepSpeed grows momentum past 1 here too
+  // A negative rate leaves [0, 1) below 0: 0.95 * (1 - 2 * k) < 0 from k > 1/2, iteration 32 again (k = 0.6).
+  const auto n = parse(R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9, 0.99]}},
+      "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.011,
+       "cycle_first_step_size": 10, "cycle_second_step_size": 20, "decay_step_size": 5,
+       "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": -2}}})");
+  ASSERT_EQ(n.warnings.size(), 1u) << all_warnings(n);
+  EXPECT_NE(n.warnings[0].find("at scheduler step 32 (beta1 -0.19)"), std::string::npos) << n.warnings[0];
 }
 
 TEST(ConfigSchedule, OneCycleStairsAndNoDecay) {

@@ -380,6 +380,25 @@ def test_one_cycle_cycles_betas():
     assert engine._opt.hyper.beta2 == pytest.approx(0.99)
 
 
+def test_one_cycle_momentum_decay_past_one_is_named():
+    # decay_mom_rate raises momentum after the cycle without a bound: 0.9 * (1 + 0.1 k) is 0.99 at
+    # scheduler step 4 (k = 1) and 1.08 at step 5. Initialize says so, and step 5 stops with an error
+    # naming the key, not with the optimizer's "beta1 must be in [0, 1)" (or, in DeepSpeed, silently).
+    cfg = config(zero8=EXACT)
+    cfg["scheduler"] = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+                                                       "cycle_first_step_size": 2, "decay_step_size": 1,
+                                                       "decay_mom_rate": 0.1}}
+    with pytest.warns(Zero8ConfigWarning, match=r"decay_mom_rate: .*leaves \[0, 1\) at scheduler step 5 "
+                                                r"\(beta1 1\.08\)"):
+        engine, _, _, _ = engine_for(cfg)
+    for _ in range(5):  # the scheduler steps after each optimizer step: at step 4 after the fifth
+        train_engine(engine, DATA, 1, B)
+    assert engine.get_mom()[0] == pytest.approx((0.99, 0.99))
+    with pytest.raises(zero8.Zero8ValueError, match=r"OneCycle: scheduler step 5 sets beta1 \(momentum\) to 1\.08.*"
+                                                   r"scheduler\.params\.decay_mom_rate"):
+        train_engine(engine, DATA, 1, B)
+
+
 def test_lr_schedule_classes_match_deepspeed_rules():
     from zero8.lr_schedules import WarmupDecayLR, WarmupLR
 

@@ -794,6 +794,25 @@ void parse_scheduler(Section& top, Config& c) {
       if (sc.cycle_momentum && c.optimizer.present && !has_betas)
         p.warn("cycle_momentum", std::string("momentum is not cycled: ") + optimizer_type_name(ot) +
                                      " has no betas (DeepSpeed disables it the same way)");
+      // After the cycle DeepSpeed's formula moves momentum by decay_mom_rate without a bound, so any
+      // nonzero rate takes beta1 out of [0, 1) at some step (DeepSpeed then sets it silently; zero8's
+      // scheduler stops there with an error naming this key). Say at initialize which step that is.
+      if (sc.momentum_cycled && sc.decay_step_size > 0 && sc.decay_mom_rate != 0.0 && sc.cycle_max_mom > 0.0) {
+        const double need = sc.decay_mom_rate > 0 ? (1.0 / sc.cycle_max_mom - 1.0) / sc.decay_mom_rate
+                                                  : -1.0 / sc.decay_mom_rate;  // interval where it leaves [0, 1)
+        const double total = double(sc.cycle_first_step_size) + double(sc.cycle_second_step_size);
+        double t = std::max(total, std::floor(total - 1.0 + need * double(sc.decay_step_size)) - 1.0);
+        while (t < 9e15) {
+          const double m = momentum_at(sc, int64_t(t));
+          if (!(m >= 0.0 && m < 1.0)) break;
+          t += 1.0;
+        }
+        if (t < 9e15)
+          p.warn("decay_mom_rate", "momentum after the cycle is cycle_max_mom * (1 + decay_mom_rate * k) for the k-th "
+                                   "decay interval, which leaves [0, 1) at scheduler step " + fmt_num(t) + " (beta1 " +
+                                   fmt_num(momentum_at(sc, int64_t(t))) + "); the step there raises. DeepSpeed "
+                                   "sets such a beta1 silently; 0 keeps momentum at cycle_max_mom");
+      }
       if (sc.momentum_cycled && c.optimizer.present && c.optimizer.beta2 != kOneCycleBeta2)
         p.warn("cycle_momentum", "cycling sets betas to (momentum, 0.99) as DeepSpeed does: optimizer beta2 " +
                                      fmt_num(c.optimizer.beta2) + " is replaced by 0.99");

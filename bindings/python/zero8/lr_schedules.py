@@ -64,6 +64,12 @@ class Zero8LRScheduler:
     def _apply(self) -> None:
         lrs = self.get_lr()
         moms = self.get_mom()
+        if moms is not None and not 0.0 <= moms[0][0] < 1.0:
+            raise _C.Zero8ValueError(
+                f"{self.type}: scheduler step {self.last_batch_iteration} sets beta1 (momentum) to {moms[0][0]:.6g}, "
+                "outside [0, 1): after the cycle momentum is cycle_max_mom * (1 + decay_mom_rate * k) for the k-th "
+                "decay interval, without a bound; set scheduler.params.decay_mom_rate to 0 (momentum stays at "
+                "cycle_max_mom) or small enough for the run's length")
         for i, group in enumerate(self.optimizer.param_groups):
             group["lr"] = lrs[i]
             if moms is not None:
