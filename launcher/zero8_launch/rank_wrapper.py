@@ -331,6 +331,41 @@ def _child_setup() -> None:
         pass
 
 
+def _start_group_guard(pgid: int) -> tuple[int, int]:
+    """Starts a process that SIGKILLs process group `pgid` (the script's) if this wrapper dies before it
+    has ended the script: mpirun's abort, and the job's end after --stop_grace or a second Ctrl-C, SIGKILL
+    the wrapper's group about a second after SIGTERM; a script that ignores SIGTERM then dies by
+    PR_SET_PDEATHSIG, but the processes it started would live on. The guard waits on a pipe that only this
+    wrapper can write to: a byte releases it (`_release_group_guard`), end-of-file (the wrapper is gone, its
+    end closed by the kernel) fires it. It runs in its own process group, out of reach of the SIGKILL that
+    ends the wrapper, and holds none of the wrapper's files (the engine waits for the rank's output to
+    close). Returns (its pid, the pipe's write end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            for s in FORWARDED_SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(devnull, fd)
+            os.closerange(3, r)
+            os.closerange(r + 1, os.sysconf("SC_OPEN_MAX"))
+            if os.read(r, 1) == b"":
+                _signal_group(pgid, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(r)
+    return pid, w
+
+
+def _release_group_guard(pid: int, w: int) -> None:
+    _write_all(w, b"x")
+    os.close(w)
+    os.waitpid(pid, 0)
+
+
 def format_hosts(hosts) -> str:
     """[[host, [slots]], ...] -> 'host:0,1@host2:0,1' (the wrapper's --hosts)."""
     return "@".join(f"{h}:{','.join(str(x) for x in slots)}" for h, slots in hosts)
@@ -470,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             os.close(out_w)
             os.close(err_w)
+        guard = _start_group_guard(child.pid)
         running["child"] = child
         status["pid"] = child.pid
         write_status()
@@ -505,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         _relay(child, {out_r: 1, err_r: 2}, log, prefix, tick)
         code = child.wait()
         _signal_group(child.pid, signal.SIGKILL)
+        _release_group_guard(*guard)
     finally:
         log.flush()
     status["end_time"] = time.time()

@@ -883,3 +883,46 @@ def test_ranks_end_when_the_engine_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
         _kill_all(ranks)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("how", ["stop_grace_runs_out", "second_ctrl_c", "another_rank_fails"])
+def test_processes_of_a_rank_that_ignores_sigterm_end_with_the_job(tmp_path, how):
+    # The scripts ignore SIGTERM and have started a helper; the job is then ended by force: mpirun SIGKILLs
+    # the wrappers about a second after its SIGTERM, and the scripts die with them (PR_SET_PDEATHSIG). Their
+    # helpers used to live on, re-parented to init: no helper may outlive the job.
+    script = tmp_path / "deaf.py"
+    script.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "helper = subprocess.Popen(['sleep', '300'])\n"
+        f"open(os.path.join({str(tmp_path)!r}, 'helper_pid.' + rank), 'w').write(str(helper.pid))\n"
+        f"if rank == '1' and {how == 'another_rank_fails'}:\n"
+        "    time.sleep(1)\n"
+        "    sys.exit('rank 1 fails on purpose (test)')\n"
+        "time.sleep(300)\n")
+    grace = ["--stop_grace", "2"] if how == "stop_grace_runs_out" else ["--stop_grace", "30", "--fail_grace", "5"]
+    proc = subprocess.Popen(launch_cmd(["--num_procs", "2", *grace, "--log_dir", tmp_path / "logs", script]),
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    helpers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(helpers) < 2:
+            time.sleep(0.2)
+            helpers = _pids_in(tmp_path, "helper_pid.*")
+        assert len(helpers) == 2, "the ranks did not start their helpers"
+        if how != "another_rank_fails":
+            time.sleep(0.5)  # past the scripts' SIG_IGN
+            proc.send_signal(signal.SIGINT)
+            if how == "second_ctrl_c":
+                time.sleep(1.0)
+                proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == (1 if how == "another_rank_fails" else 128 + signal.SIGINT), err
+        left = _wait_gone(helpers, 5.0)
+        assert not left, f"helper process(es) {left} outlived the job ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_all(helpers)
