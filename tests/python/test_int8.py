@@ -182,6 +182,40 @@ def test_convert_linear8bit_skip_list_and_in_place():
     assert ((net(x) - ref).norm() / ref.norm()).item() < 0.03
 
 
+def test_convert_linear8bit_keeps_frozen_parameters_and_ties():
+    torch.manual_seed(7)
+    emb = torch.nn.Embedding(10, 16)
+    net = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16),
+                               "c": torch.nn.Linear(16, 16), "head": torch.nn.Linear(16, 10, bias=False)})
+    net["b"].weight = net["a"].weight  # tied linears
+    net["head"].weight = emb.weight    # tied to a module that stays float
+    net["a"].bias.requires_grad_(False)
+    net["c"].weight.requires_grad_(False)
+    model = torch.nn.ModuleDict({"emb": emb, "net": net})
+    x = torch.randn(4, 16)
+    want = {k: net[k](x).detach() for k in ("a", "b")}
+    with pytest.warns(UserWarning, match=r"net\.head\.weight shares its weight with emb\.weight, which is not "
+                                         r"converted"):
+        convert_linear8bit(model)
+    a, b, c = net["a"], net["b"], net["c"]
+    assert a.weight is b.weight and a.weight_scale is b.weight_scale and a.weight.dtype == torch.int8
+    assert not a.bias.requires_grad and b.bias.requires_grad
+    for k in ("a", "b"):
+        assert ((net[k](x) - want[k]).norm() / want[k].norm()).item() < 0.02
+    # has_fp16_weights keeps float Parameters: the tie is the same Parameter, and a frozen weight stays so.
+    net2 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    net2[1].weight = net2[0].weight
+    net2[2].weight.requires_grad_(False)
+    convert_linear8bit(net2, has_fp16_weights=True)
+    assert net2[0].weight is net2[1].weight and net2[0].weight.requires_grad
+    assert not net2[2].weight.requires_grad and net2[2].bias.requires_grad
+    # Int8Linear.from_linear too.
+    lin = torch.nn.Linear(8, 8)
+    lin.bias.requires_grad_(False)
+    il = Int8Linear.from_linear(lin)
+    assert il.weight.requires_grad and not il.bias.requires_grad
+
+
 def test_linear8bitlt_fp16_weights_train_straight_through():
     torch.manual_seed(6)
     lin = torch.nn.Linear(48, 24)

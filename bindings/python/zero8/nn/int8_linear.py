@@ -210,6 +210,9 @@ class Int8Linear(torch.nn.Module):
             m.weight.copy_(linear.weight.float())
             if linear.bias is not None:
                 m.bias.copy_(linear.bias.float())
+        m.weight.requires_grad_(linear.weight.requires_grad)  # frozen parameters stay frozen
+        if linear.bias is not None:
+            m.bias.requires_grad_(linear.bias.requires_grad)
         return m
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -14,6 +14,7 @@ one when built with it, else ``torch._int_mm`` (docs/INT8.md).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -353,8 +354,10 @@ class Linear8bitLt(torch.nn.Module):
             raise Zero8ValueError(f"linear.weight is on {linear.weight.device}; Linear8bitLt runs on CPU")
         _check_weight(linear.weight, "linear.weight")
         m._set_weight(linear.weight.detach().clone())
+        if has_fp16_weights:
+            m.weight.requires_grad_(linear.weight.requires_grad)  # a frozen weight stays frozen
         if linear.bias is not None:
-            m.bias = torch.nn.Parameter(linear.bias.detach().clone())
+            m.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         else:
             m.register_parameter("bias", None)
         return m
@@ -468,7 +471,12 @@ def convert_linear8bit(model: torch.nn.Module, threshold: float = 6.0, skip: Seq
     ``Linear8bitLt`` copy is returned instead.
 
     Left as they are: the ``out_proj`` of ``nn.MultiheadAttention`` (the attention reads its weight
-    directly instead of calling it) and subclasses of ``nn.Linear`` that define their own ``forward``."""
+    directly instead of calling it) and subclasses of ``nn.Linear`` that define their own ``forward``.
+
+    Frozen parameters stay frozen. Linears sharing one weight stay tied: they share the int8 weight and
+    its scales (or, with ``has_fp16_weights``, the float weight). A weight shared with a module that is
+    not converted (an embedding tied to ``lm_head``) cannot stay tied to an int8 copy: that is warned
+    about, naming both; skip the linear to keep the tie."""
     if isinstance(skip, str):
         skip = [skip]
     skip = list(skip)
@@ -478,8 +486,27 @@ def convert_linear8bit(model: torch.nn.Module, threshold: float = 6.0, skip: Seq
     targets = [(name, mod) for name, mod in model.named_modules()
                if _replaceable(mod) and name and not _skipped(name, skip)
                and name.rpartition(".")[0] not in attention]
+    converted_weights = {id(lin.weight) for _, lin in targets}
+    owners: dict = {}  # id of a weight to be converted -> names of every parameter slot holding it
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in converted_weights:
+            owners.setdefault(id(p), []).append(pname)
+    target_names = {name + ".weight" for name, _ in targets}
+    for names in owners.values():
+        kept = [n for n in names if n not in target_names]
+        if kept:
+            warnings.warn(f"convert_linear8bit: {', '.join(n for n in names if n in target_names)} shares its weight "
+                          f"with {', '.join(kept)}, which is not converted; the int8 copy no longer follows it "
+                          f"(skip the linear to keep the tie)", stacklevel=2)
+    made: dict = {}  # id of a float weight -> the first Linear8bitLt made from it
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Linear8bitLt.from_linear(lin, threshold=threshold, has_fp16_weights=has_fp16_weights))
+        new = Linear8bitLt.from_linear(lin, threshold=threshold, has_fp16_weights=has_fp16_weights)
+        first = made.setdefault(id(lin.weight), new)
+        if first is not new:  # tied linears share the converted weight, as they shared the float one
+            new.weight = first.weight
+            if not has_fp16_weights:
+                new.weight_scale = first.weight_scale
+        setattr(parent, child, new)
     return model
