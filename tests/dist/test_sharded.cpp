@@ -712,6 +712,22 @@ TEST(Sharded, ParamGroupHyperparametersAreCheckedNamingTheGroup) {
   EXPECT_THROW(opt.hyper(3), Error);
 }
 
+TEST(Sharded, StepBeforeInitIsRefused) {
+  // Before init() the masters are zeros: a step would replace the model's weights by the update from zero.
+  ShardedOptimizer opt(test_params(), base_config(), world());
+  fill_local_grads(opt, 0, 0);
+  opt.backward_end(true);
+  try {
+    opt.step();
+    FAIL() << "step before init accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ShardedOptimizer::step called before init()"), std::string::npos)
+        << e.what();
+  }
+  opt.init(0);
+  EXPECT_EQ(opt.step().step, 1);
+}
+
 TEST(Sharded, BadConfigurationNamesTheProblem) {
   ShardConfig c = base_config();
   c.stage = 3;

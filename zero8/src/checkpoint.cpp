@@ -1512,6 +1512,7 @@ void commit(const Manifest& m, ShardedOptimizer& opt, Staged& s) {
       if (opt.rank() == 0) std::memcpy(opt.working(Group(g)), s.working[g].data(), size_t(bytes));
       opt.comm().broadcast(opt.working(Group(g)), bytes, 0);
     }
+    opt.mark_initialized();
   } else {
     opt.sync_working_from_master();
   }

@@ -161,6 +161,7 @@ void ShardedOptimizer::refresh_masters() {
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
     for (int64_t i = 0; i < valid; ++i) master_[g][i] = dtype_load(working_[g].data(), cfg_.working_dtype, b + i);
   }
+  initialized_ = true;
 }
 
 // ---- gradient reduction ----
@@ -451,9 +452,14 @@ void ShardedOptimizer::sync_working_from_master() {
     param_sync(g);
     cfg_.int8_params = q;
   }
+  initialized_ = true;
 }
 
 StepInfo ShardedOptimizer::step() {
+  // Zero masters would overwrite the model's weights with the update from zero (every rank alike).
+  if (!initialized_)
+    throw Error(ErrorCode::invalid_argument, "ShardedOptimizer::step called before init() (rank " +
+                                                 std::to_string(rank()) + "): the masters were never set");
   validate_hypers();  // before any collective: a scheduler's bad value fails here, the same on every rank
   StepInfo info;
   info.loss_scale = scaler_.scale();

@@ -92,7 +92,8 @@ class ShardedOptimizer {
 
   // Collective: make rank `root`'s working copy everyone's, and set the masters from it. Call once
   // after the model's parameters were written into the working buffers. Starts a step: the gradients
-  // accumulated so far are dropped (discard_gradients).
+  // accumulated so far are dropped (discard_gradients). Until init(), refresh_masters(),
+  // sync_working_from_master() or a checkpoint load (mark_initialized) set the masters, step() throws.
   void init(int root = 0);
   // Not collective (every rank calls it at the same point). Drops every gradient not yet applied: the
   // micro-batches accumulated since the last step (grad_input, the reduced partitions) and the
@@ -143,6 +144,9 @@ class ShardedOptimizer {
   // Recompute the working copy from the masters (all-gather in the working dtype): after loading a
   // checkpoint, so every replica holds the rounded masters.
   void sync_working_from_master();
+  // A checkpoint load wrote the masters and the state directly: the optimizer may step.
+  void mark_initialized() { initialized_ = true; }
+  bool initialized() const { return initialized_; }
 
  private:
   struct Bucket;
@@ -168,6 +172,7 @@ class ShardedOptimizer {
   LossScaler scaler_;
   std::vector<optim::Hyper> hypers_;               // per hyper group
   int64_t steps_ = 0;
+  bool initialized_ = false;                       // the masters were set (init, a load): step() may run
   std::vector<uint8_t> working_[kNumGroups];      // bytes
   GradBuffer grads_[kNumGroups];                   // full, padded; pages handed back once reduced
   std::vector<float> part_grad_[kNumGroups];       // this rank's reduced gradient (chunk elements)
