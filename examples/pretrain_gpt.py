@@ -28,8 +28,9 @@ steps_per_print steps (loss, validation loss, tokens/s, optimizer-state bytes, p
 per rank), <out_dir>/train_log.csv and, at the end, <out_dir>/loss.png (matplotlib). Checkpoints go to
 --save_dir every --save_interval steps, at the end, and when any rank gets SIGTERM, SIGINT (Ctrl-C) or
 SIGUSR1 (what OpenMPI's mpirun forwards): the ranks agree at the next step boundary, save together and
-exit with status 0. --resume continues from the latest checkpoint (weights, 8-bit states, scheduler,
-data position) with the same losses as an uninterrupted run.
+exit with status 0 (no CSV row for the stop step: the checkpoint carries the losses of the open report
+window). --resume continues from the latest checkpoint (weights, 8-bit states, scheduler, data position,
+report window, elapsed time) with the same losses and CSV rows as an uninterrupted run.
 
 Optional packages (PyPI): tqdm for the progress bar, matplotlib for the plot; without them the example
 prints a plain progress line and skips the plot.
@@ -360,28 +361,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="DeepSpeed JSON config (examples/configs/)")
     p.add_argument("--out_dir", default="out/pretrain", help="CSV log, plot, and checkpoints by default")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps (default: the config's scheduler total_num_steps; also sets it)")
-    p.add_argument("--batch_size", type=int, default=None, help="global batch in sequences (config's by default)")
+                   help="optimizer steps, >= 1 (default: the config's scheduler total_num_steps; also sets it)")
+    p.add_argument("--batch_size", type=int, default=None,
+                   help="global batch in sequences, >= 1 (config's by default)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=None,
-                   help="micro-batches per step and rank (config's by default)")
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--d_model", type=int, default=128)
-    p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_head", type=int, default=4)
+                   help="micro-batches per step and rank, >= 1 (config's by default)")
+    p.add_argument("--seq_len", type=int, default=128, help="context in bytes, >= 1")
+    p.add_argument("--d_model", type=int, default=128, help="width, >= 1 and a multiple of --n_head")
+    p.add_argument("--n_layer", type=int, default=4, help="transformer blocks, >= 1")
+    p.add_argument("--n_head", type=int, default=4, help="attention heads, >= 1")
     p.add_argument("--tie_weights", action="store_true", help="share the embedding matrix with the head")
-    p.add_argument("--corpus_mb", type=float, default=4.0, help="bytes of standard-library source used")
+    p.add_argument("--corpus_mb", type=float, default=4.0, help="MB of standard-library source used, > 0")
     p.add_argument("--seed", type=int, default=1234, help="model initialization and batch sampling")
-    p.add_argument("--eval_interval", type=int, default=50, help="steps between validation losses")
-    p.add_argument("--eval_seqs", type=int, default=128, help="validation sequences (fixed, spread evenly)")
-    p.add_argument("--log_interval", type=int, default=None, help="report/CSV period (config's steps_per_print)")
+    p.add_argument("--eval_interval", type=int, default=50, help="steps between validation losses, >= 1")
+    p.add_argument("--eval_seqs", type=int, default=128,
+                   help="validation sequences, >= 1 (fixed, spread evenly)")
+    p.add_argument("--log_interval", type=int, default=None,
+                   help="report/CSV period in steps, >= 1 (config's steps_per_print by default)")
     p.add_argument("--save_dir", default=None, help="checkpoint directory (default <out_dir>/checkpoints)")
     p.add_argument("--save_interval", type=int, default=100, help="steps between checkpoints; 0: only at the end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--no_plot", action="store_true", help="no PNG at the end")
     p.add_argument("--step_sleep", type=float, default=0.0,
-                   help="seconds to sleep after every step (tests and demos: time to send a signal)")
-    return p.parse_args(argv)
+                   help="seconds to sleep after every step, >= 0 (tests and demos: time to send a signal)")
+    args = p.parse_args(argv)
+    # Values that would otherwise end in a bare traceback (a division by zero in evaluate, a modulo by
+    # zero in the loop, a KeyError in the engine) or be taken silently with another meaning.
+    at_least = {"steps": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "seq_len": 1, "d_model": 1,
+                "n_layer": 1, "n_head": 1, "eval_interval": 1, "eval_seqs": 1, "log_interval": 1,
+                "save_interval": 0, "step_sleep": 0}
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        if value is not None and not value >= low:
+            p.error(f"--{name} {value} must be at least {low}")
+    if not args.corpus_mb > 0:
+        p.error(f"--corpus_mb {args.corpus_mb} must be above 0")
+    if args.d_model % args.n_head:
+        p.error(f"--d_model {args.d_model} is not a multiple of --n_head {args.n_head}")
+    return args
 
 
 def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: int, world: int, comm,
@@ -420,16 +438,29 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = GPT(args.d_model, args.n_layer, args.n_head, args.seq_len, args.tie_weights)
     n_params = sum(p.numel() for p in model.parameters())
-    with warnings.catch_warnings():
-        if rank != 0:
-            warnings.simplefilter("ignore")  # config warnings once, from rank 0
-        engine, optimizer, _, _ = zero8.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    # The engine gets the config as a dict (with this script's overrides), so its warnings and errors start
+    # with "<config dict>": they are given the file's name instead, as docs/CONFIG.md shows them.
+    def named(msg: str) -> str:
+        return args.config + msg[len("<config dict>"):] if msg.startswith("<config dict>") else msg
+
+    with warnings.catch_warnings(record=True) as config_warnings:
+        warnings.simplefilter("ignore" if rank != 0 else "default")  # config warnings once, from rank 0
+        try:
+            engine, optimizer, _, _ = zero8.initialize(model=model, model_parameters=param_groups(model),
+                                                       config=cfg)
+        except zero8.Zero8ValueError as e:
+            overrides = [f"--{name} {getattr(args, name)}" for name in ("steps", "batch_size",
+                         "gradient_accumulation_steps") if getattr(args, name) is not None]
+            raise SystemExit(named(str(e)) + (f" (the config as changed by {', '.join(overrides)})" if overrides
+                                              else "")) from None
+    for w in config_warnings:
+        warnings.warn_explicit(named(str(w.message)), w.category, w.filename, w.lineno)
     gas = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     batch = engine.train_batch_size()
     tokens_per_step = batch * args.seq_len
 
-    start = 0
+    start, log_state = 0, {}
     if args.resume:
         path, client = engine.load_checkpoint(save_dir)
         if path is None:
@@ -442,6 +473,12 @@ def main(argv=None) -> int:
         start = int(data["next_step"])
         if start != engine.global_steps:
             raise SystemExit(f"--resume: data position {start} != engine step {engine.global_steps} in {path}")
+        if start >= steps:
+            raise SystemExit(f"--resume: the checkpoint in {save_dir} is at step {start}, not below --steps {steps}: "
+                             f"nothing to train; raise --steps")
+        # The report window open at the checkpoint and the run time so far (absent from checkpoints of
+        # older versions of this script: then the window restarts), so the CSV continues as if unbroken.
+        log_state = (client or {}).get("log", {})
 
     # Per-rank facts, gathered for the report (memory and state bytes differ by partition).
     state_bytes = int(engine.memory_stats()["state"])
@@ -467,6 +504,7 @@ def main(argv=None) -> int:
 
     progress = Progress(rank == 0, not args.no_progress, start, steps)
     t_run = time.perf_counter()
+    elapsed_before = float(log_state.get("elapsed_s", 0.0))  # run time before the resume
     timer = {"t": t_run, "tokens": start * tokens_per_step}
     saved_step = -1
 
@@ -484,7 +522,8 @@ def main(argv=None) -> int:
                "val_loss": "" if val is None else repr(val), "lr": "" if lr is None else repr(lr),
                "tokens_per_s": f"{tok_s:.1f}" if loss is not None else "", "bytes_sent": sum(r[0] for r in per_rank),
                "gradient_bytes": sum(r[1] for r in per_rank), "state_bytes": sum(r[2] for r in per_rank),
-               "max_rss_mb": f"{max(r[3] for r in per_rank):.1f}", "elapsed_s": f"{now - t_run:.2f}"}
+               "max_rss_mb": f"{max(r[3] for r in per_rank):.1f}",
+               "elapsed_s": f"{elapsed_before + now - t_run:.2f}"}
         with open(csv_path, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, fieldnames=CSV_FIELDS).writerow(row)
         if report:
@@ -502,7 +541,8 @@ def main(argv=None) -> int:
             return
         engine.save_checkpoint(save_dir, client_state={"data": {
             "next_step": step_done, "seed": args.seed, "corpus": corpus.fingerprint,
-            "tokens": step_done * tokens_per_step, "seq_len": args.seq_len, "batch": batch}})
+            "tokens": step_done * tokens_per_step, "seq_len": args.seq_len, "batch": batch}, "log": {
+            "loss_sum": loss_sum, "loss_n": loss_n, "elapsed_s": elapsed_before + time.perf_counter() - t_run}})
         saved_step = step_done
         if rank == 0:
             progress.write(f"checkpoint saved: step {step_done} in {save_dir}")
@@ -513,7 +553,9 @@ def main(argv=None) -> int:
         log_row(0, None, last_val, None, report=True)
 
     step, stopped_by = start, ""
-    loss_sum, loss_n = 0.0, 0
+    # The training losses of the steps since the last CSV row: saved with a checkpoint, so a resumed run
+    # writes the same averages as an uninterrupted one.
+    loss_sum, loss_n = float(log_state.get("loss_sum", 0.0)), int(log_state.get("loss_n", 0))
     while step < steps:
         # The global batch of this step; this rank's micro-batches are its rows.
         offsets = batch_offsets(args.seed, step, batch, corpus.train.numel(), args.seq_len)
@@ -543,7 +585,8 @@ def main(argv=None) -> int:
         evaluated = step % args.eval_interval == 0 or step == steps
         if evaluated:
             last_val = evaluate(engine, corpus, val_offsets, args.seq_len, rank, world, comm, micro)
-        if step % log_interval == 0 or evaluated or step == steps or stops:
+        # No row of its own at a stop: the checkpoint carries the open window to the resumed run.
+        if step % log_interval == 0 or evaluated or step == steps:
             log_row(step, loss_sum / loss_n, last_val if evaluated else None, step_lr,
                     report=step % log_interval == 0 or step == steps)
             loss_sum, loss_n = 0.0, 0
@@ -561,7 +604,7 @@ def main(argv=None) -> int:
             print(f"stopped by {stopped_by} after step {step}: checkpoint saved in {save_dir}; "
                   f"continue with --resume", flush=True)
         else:
-            print(f"done: {steps} steps in {elapsed:.1f} s "
+            print(f"done: {step - start} steps{f' (from step {start})' if start else ''} in {elapsed:.1f} s "
                   f"({(step - start) * tokens_per_step / elapsed:,.0f} tokens/s); "
                   f"final validation loss {last_val:.4f}", flush=True)
         if not args.no_plot:

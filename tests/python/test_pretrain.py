@@ -3,7 +3,9 @@ and 2 processes (mpirun), writes its CSV log and PNG plot, a 2-rank run reproduc
 for bit, and SIGTERM to one rank mid-run makes every rank save a checkpoint and exit cleanly, after which
 --resume continues with exactly the losses of an uninterrupted run. All runs use the exact config
 (examples/configs/gpt_fp32_adamw.json: 32-bit AdamW states, fp32 gradients on the wire) and one thread
-per process, so every difference would be a real one.
+per process, so every difference would be a real one. Also, on one process: option values out of range
+are argparse errors, --resume with nothing to train fails, a stopped and resumed run writes the CSV rows of
+an uninterrupted one, and config warnings and errors name the file.
 """
 
 from __future__ import annotations
@@ -203,3 +205,109 @@ def test_sigterm_saves_and_resume_continues_exactly(runs):
     assert f"resumed at step {stopped}" in resumed_out, resumed_out
     # Bit-exact continuation: weights, fp32 states, scheduler position and data position restored.
     assert _losses(_rows(out_dir)) == _losses(_rows(runs["two"]))
+
+
+def _example_module():
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import pretrain_gpt
+    finally:
+        sys.path.pop(0)
+    return pretrain_gpt
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--steps", "0"), ("--batch_size", "0"), ("--gradient_accumulation_steps", "0"), ("--seq_len", "0"),
+    ("--d_model", "0"), ("--n_layer", "0"), ("--n_head", "0"), ("--corpus_mb", "0"), ("--eval_interval", "0"),
+    ("--eval_seqs", "0"), ("--log_interval", "0"), ("--log_interval", "-1"), ("--save_interval", "-1"),
+    ("--step_sleep", "-1"),
+])
+def test_option_values_out_of_range_are_named(option, value, capsys):
+    # Each used to end in a traceback (division or modulo by zero, a KeyError in the engine) or be taken
+    # with another meaning (--log_interval 0: the config's period; -1: every step).
+    with pytest.raises(SystemExit) as e:
+        _example_module().parse_args(["--config", str(CONFIG), option, value])
+    assert e.value.code == 2
+    assert f"{option} {float(value) if option in ('--corpus_mb', '--step_sleep') else value}" in capsys.readouterr().err
+
+
+def test_option_values_at_the_bounds_are_taken():
+    args = _example_module().parse_args(["--config", str(CONFIG), "--save_interval", "0", "--step_sleep", "0",
+                                         "--log_interval", "1", "--d_model", "6", "--n_head", "3"])
+    assert (args.save_interval, args.step_sleep, args.log_interval) == (0, 0.0, 1)
+
+
+def _run_fails(np: int, out_dir: Path, *extra: str) -> str:
+    r = subprocess.run(_cmd(np, out_dir, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode != 0, f"the run succeeded:\n{(r.stdout + r.stderr)[-3000:]}"
+    return r.stdout + r.stderr
+
+
+def test_resume_with_steps_not_above_the_checkpoint_is_an_error(tmp_path):
+    # It used to save the checkpoint's step again and print "done" with a NaN validation loss.
+    _run(1, tmp_path, "--steps", "3", "--no_progress", "--no_plot")
+    for steps in ("3", "2"):
+        out = _run_fails(1, tmp_path, "--steps", steps, "--no_progress", "--no_plot", "--resume")
+        assert (f"--resume: the checkpoint in {tmp_path / 'checkpoints'} is at step 3, not below --steps {steps}: "
+                f"nothing to train; raise --steps") in out, out
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "global_step3"
+
+
+def test_interrupted_and_resumed_log_matches_uninterrupted(tmp_path):
+    # A report every 3 steps and a stop between reports: the resumed run's first row must average the
+    # whole window (the steps before the stop too), and the stop writes no row of its own.
+    steps = ["--steps", "12", "--log_interval", "3", "--no_progress", "--no_plot"]
+    _run(1, tmp_path / "whole", *steps)
+    out_dir = tmp_path / "stopped"
+    proc = subprocess.Popen(_cmd(1, out_dir, *steps, "--step_sleep", "0.3"), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        csv_path = out_dir / "train_log.csv"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if csv_path.is_file() and len(csv_path.read_text().splitlines()) > 2:  # header, steps 0 and 3
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be signalled:\n{proc.communicate()[0][-4000:]}"
+        os.kill(proc.pid, signal.SIGTERM)  # during step 4's sleep, most likely
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"exit {proc.returncode} after SIGTERM:\n{out[-5000:]}"
+    stopped = int((out_dir / "checkpoints" / "latest").read_text().strip().removeprefix("global_step"))
+    assert 3 < stopped < 12, stopped
+    assert [int(r["step"]) for r in _rows(out_dir)] == [0, 3] + ([6] if stopped >= 6 else []) + (
+        [9] if stopped >= 9 else [])
+    out = _run(1, out_dir, *steps, "--resume")
+    assert f"done: {12 - stopped} steps (from step {stopped}) in " in out, out
+    resumed, whole = _rows(out_dir), _rows(tmp_path / "whole")
+    assert _losses(resumed) == _losses(whole), (stopped, _losses(resumed), _losses(whole))
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in whole]
+    elapsed = [float(r["elapsed_s"]) for r in resumed]
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= 0.3 * stopped, elapsed  # continues the stopped run's
+
+
+def test_config_warnings_and_errors_name_the_file(tmp_path):
+    # The example passes the engine a dict (the config with its overrides), which the engine names
+    # "<config dict>"; the example puts the file's name back.
+    import json
+
+    cfg = json.loads(CONFIG.read_text())
+    cfg["zero_optimization"]["reduce_bucket_sise"] = 1
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(cfg))
+    tiny = [a if a != str(CONFIG) else str(path) for a in TINY]
+    env = {**_env(), "PYTHONWARNINGS": "default"}
+    r = subprocess.run([sys.executable, str(EXAMPLE), *tiny, "--steps", "1", "--no_progress", "--no_plot",
+                        "--out_dir", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{path}: zero_optimization.reduce_bucket_sise: unknown key" in r.stderr, r.stderr
+    assert "<config dict>" not in r.stderr, r.stderr
+    # 8 sequences do not split into 3 accumulated micro-batches: the engine's error, without a traceback.
+    out = _run_fails(1, tmp_path / "out", "--gradient_accumulation_steps", "3")
+    assert f"{CONFIG}: train_batch_size: 8 is not divisible by gradient_accumulation_steps 3" in out, out
+    assert "(the config as changed by --steps 60, --batch_size 8, --gradient_accumulation_steps 3)" in out, out
+    assert "Traceback" not in out, out
