@@ -728,6 +728,43 @@ TEST(Sharded, StepBeforeInitIsRefused) {
   EXPECT_EQ(opt.step().step, 1);
 }
 
+// Runs the constructor and returns its error message ("" if it accepted the arguments).
+std::string construction_error(const std::vector<ParamSpec>& params, const ShardConfig& c) {
+  try {
+    ShardedOptimizer opt(params, c, world());
+    return "";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    return e.what();
+  }
+}
+
+TEST(Sharded, RanksPassingDifferentParametersOrConfigsAllFailNamingIt) {
+  // Without the check, a shape that differs by one row "worked" with garbage (the buckets' owner
+  // ranges disagree), and other differences hung in mismatched collectives until the timeout.
+  const int n = world().size(), r = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::vector<ParamSpec> p = test_params();
+  if (r == n - 1) p[3].shape = {3, 3000};
+  std::string e = construction_error(p, base_config());
+  EXPECT_NE(e.find("the ranks passed different parameters"), std::string::npos) << e;
+  EXPECT_NE(e.find("parameter 3 is 'w2' shape [3, 3001] on rank 0, rank " + std::to_string(n - 1) +
+                   " 'w2' shape [3, 3000]"), std::string::npos) << e;
+  // One rank has a parameter more: the first parameter only some ranks have is named.
+  p = test_params();
+  if (r == 0) p.push_back({"extra", {10}});
+  e = construction_error(p, base_config());
+  EXPECT_NE(e.find("parameter 7 is 'extra' shape [10] on rank 0, rank 1 no such parameter (7 parameters)"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("parameter counts: rank 1 7"), std::string::npos) << e;
+  ShardConfig c = base_config();
+  if (r == 1) c.stage = 1;
+  e = construction_error(test_params(), c);
+  EXPECT_NE(e.find("the ranks passed different configs: 'stage' is 2 on rank 0, rank 1 1"), std::string::npos) << e;
+  // Still in step: the same arguments everywhere construct.
+  EXPECT_EQ(construction_error(test_params(), base_config()), "");
+}
+
 TEST(Sharded, BadConfigurationNamesTheProblem) {
   ShardConfig c = base_config();
   c.stage = 3;

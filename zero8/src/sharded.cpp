@@ -19,6 +19,128 @@ struct ShardedOptimizer::Bucket {
   int nparams = 0;  // parameters overlapping the bucket
 };
 
+// ---- agreement across ranks ----
+
+namespace {
+
+uint64_t hash_bytes(uint64_t h, const std::string& s) {
+  h = rng_mix(h, s.size());
+  for (unsigned char c : s) h = rng_mix(h, c);
+  return h;
+}
+
+// What must be equal on every rank for the collectives to match and the replicas to agree.
+uint64_t param_hash(const ParamSpec& p) {
+  uint64_t h = hash_bytes(0x70617261ull, p.name);
+  h = rng_mix(h, p.shape.size());
+  for (int64_t d : p.shape) h = rng_mix(h, uint64_t(d));
+  return rng_mix(rng_mix(h, p.fp32_state ? 1 : 0), uint64_t(p.hyper_group));
+}
+
+std::string param_text(const std::vector<ParamSpec>& params, size_t i) {
+  if (i >= params.size()) return "no such parameter (" + std::to_string(params.size()) + " parameters)";
+  const ParamSpec& p = params[i];
+  std::string t = "'" + p.name + "' shape [";
+  for (size_t d = 0; d < p.shape.size(); ++d) t += (d ? ", " : "") + std::to_string(p.shape[d]);
+  t += "]";
+  if (p.fp32_state) t += " fp32_state";
+  if (p.hyper_group != 0) t += " hyper group " + std::to_string(p.hyper_group);
+  return t;
+}
+
+// The config fields that decide the collectives a step makes and the values it computes.
+struct ConfigField {
+  const char* name;
+  int64_t value;
+};
+std::vector<ConfigField> config_fields(const ShardConfig& c) {
+  int64_t clip = 0;
+  std::memcpy(&clip, &c.gradient_clipping, sizeof(clip));
+  return {{"stage", c.stage},
+          {"algo", int64_t(c.algo)},
+          {"bits", c.bits},
+          {"working_dtype", int64_t(c.working_dtype)},
+          {"int8_grads", c.int8_grads},
+          {"bf16_grads", c.bf16_grads},
+          {"int8_params", c.int8_params},
+          {"stochastic_wire", c.stochastic_wire},
+          {"reduce_bucket_size", c.reduce_bucket_size},
+          {"gradient_clipping (bits)", clip},
+          {"fp16", c.fp16},
+          {"layout.state_block", c.layout.state_block},
+          {"layout.wire_block", c.layout.wire_block},
+          {"layout.min_8bit_size", c.layout.min_8bit_size}};
+}
+
+// "rank 1 (x), rank 3 (y)": the ranks whose value differs from rank 0's.
+template <class T, class Text>
+std::string ranks_differing(const std::vector<T>& per_rank, Text text) {
+  std::string out;
+  for (size_t r = 1; r < per_rank.size(); ++r)
+    if (per_rank[r] != per_rank[0]) out += (out.empty() ? "" : ", ") + ("rank " + std::to_string(r) + " " + text(r));
+  return out;
+}
+
+}  // namespace
+
+// Collective: every rank must pass the same parameters and config (sharded.h); otherwise the ranks'
+// collectives differ in size or number, which ends in garbage, MPI errors or a timeout much later.
+// One all-gather of the counts, a hash of the specs and the config fields; on a difference (every
+// rank sees the same records, so all throw) more all-gathers find the first differing parameter.
+static void check_same_on_every_rank(const std::vector<ParamSpec>& params, const ShardConfig& cfg,
+                                     comm::Communicator& dp) {
+  const int world = dp.size();
+  if (world == 1) return;
+  const std::vector<ConfigField> fields = config_fields(cfg);
+  uint64_t ph = rng_mix(0x7368617264ull, params.size());
+  for (const ParamSpec& p : params) ph = rng_mix(ph, param_hash(p));
+  std::vector<int64_t> mine = {int64_t(params.size()), int64_t(ph)};
+  for (const ConfigField& f : fields) mine.push_back(f.value);
+  const size_t k = mine.size();
+  std::vector<int64_t> all(k * size_t(world));
+  dp.all_gather(mine.data(), all.data(), int64_t(k * sizeof(int64_t)));
+  auto column = [&](size_t j) {
+    std::vector<int64_t> c(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) c[size_t(r)] = all[size_t(r) * k + j];
+    return c;
+  };
+  const std::string who = "ShardedOptimizer (rank " + std::to_string(dp.rank()) + " of " + std::to_string(world) + "): ";
+  if (column(1) != std::vector<int64_t>(size_t(world), all[1])) {
+    // The first parameter that differs: compare the specs of the parameters every rank has.
+    const std::vector<int64_t> counts = column(0);
+    const int64_t common = *std::min_element(counts.begin(), counts.end());
+    std::vector<uint64_t> h(static_cast<size_t>(common)), hs(static_cast<size_t>(common * world));
+    for (int64_t i = 0; i < common; ++i) h[size_t(i)] = param_hash(params[size_t(i)]);
+    if (common > 0) dp.all_gather(h.data(), hs.data(), common * int64_t(sizeof(uint64_t)));
+    int64_t first = common;  // none of the common ones: a rank has more parameters
+    for (int64_t i = 0; i < common && first == common; ++i)
+      for (int r = 1; r < world; ++r)
+        if (hs[size_t(r * common + i)] != hs[size_t(i)]) first = i;
+    // Every rank's description of that parameter, in fixed-size records.
+    constexpr size_t kText = 240;
+    std::string t = param_text(params, size_t(first)).substr(0, kText - 1);
+    t.resize(kText, '\0');
+    std::vector<char> texts(kText * size_t(world));
+    dp.all_gather(t.data(), texts.data(), int64_t(kText));
+    std::vector<std::string> per_rank;
+    for (int r = 0; r < world; ++r) per_rank.emplace_back(texts.data() + size_t(r) * kText);
+    std::string msg = who + "the ranks passed different parameters (every rank must pass the same names, shapes " +
+                      "and order): parameter " + std::to_string(first) + " is " + per_rank[0] + " on rank 0, ";
+    msg += ranks_differing(per_rank, [&](size_t r) { return per_rank[r]; });
+    if (counts != std::vector<int64_t>(size_t(world), counts[0]))
+      msg += "; parameter counts: " + ranks_differing(counts, [&](size_t r) { return std::to_string(counts[r]); }) +
+             " (rank 0: " + std::to_string(counts[0]) + ")";
+    throw Error(ErrorCode::invalid_argument, msg);
+  }
+  for (size_t j = 0; j < fields.size(); ++j) {
+    const std::vector<int64_t> c = column(2 + j);
+    if (c != std::vector<int64_t>(size_t(world), c[0]))
+      throw Error(ErrorCode::invalid_argument,
+                  who + "the ranks passed different configs: '" + fields[j].name + "' is " + std::to_string(c[0]) +
+                      " on rank 0, " + ranks_differing(c, [&](size_t r) { return std::to_string(c[r]); }));
+  }
+}
+
 ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const ShardConfig& cfg,
                                    comm::Communicator& dp)
     : params_(params), cfg_(cfg), dp_(dp), scaler_(cfg.fp16 ? cfg.loss_scaler : LossScalerConfig{false, 1.0}) {
@@ -29,6 +151,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
                   "must be a finite number >= 0, got " << cfg.gradient_clipping);
   ZERO8_CHECK_ARG(!cfg.fp16 || cfg.working_dtype == DType::f16, "fp16",
                   "loss scaling is for float16 parameters; the working dtype is " << dtype_name(cfg.working_dtype));
+  check_same_on_every_rank(params, cfg, dp);
   LayoutConfig lc = cfg.layout;
   lc.world = dp.size();
   layout_ = Layout::build(params, lc);
