@@ -14,6 +14,8 @@
 //   mismatch  : rank 0 calls all_gather where rank 1 calls all_reduce, sizes compatible (no MPI error):
 //               rank 1's wait asks rank 0 and names the mismatch; rank 0's next call gets its reason.
 //   mismatch_size: the same, sizes not compatible: MPI_ERR_TRUNCATE, reported as the mismatch.
+//   mismatch_bucket: both call bucket_reduce_scatter, rank 0 with 1000 elements, rank 1 with 2000:
+//               MPI_ERR_TRUNCATE is returned (not fatal) and raised as zero8::Error naming the call.
 #include <signal.h>
 #include <unistd.h>
 
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "zero8/comm/communicator.h"
+#include "zero8/comm/quantized.h"
 #include "zero8/error.h"
 
 namespace {
@@ -128,6 +131,19 @@ int main(int argc, char** argv) {
       t_op = now_s();
       if (me == 0) world->all_gather(v.data(), v.data(), 1024);
       if (me == 1) world->all_reduce(v.data(), 256, ReduceOp::sum);
+      world->barrier();
+    } else if (mode == "mismatch_bucket") {
+      // The same collective with different sizes (rank 0: 1000 elements, rank 1: 2000), as ranks
+      // with different models would call it: rank 0 receives more than it posted (MPI_ERR_TRUNCATE).
+      const int64_t len = me == 0 ? 1000 : 2000;
+      std::vector<float> v(static_cast<size_t>(len), 1.0f), out(static_cast<size_t>(len));
+      std::vector<int64_t> off(size_t(n) + 1);
+      for (int p = 0; p <= n; ++p) off[size_t(p)] = len * p / n / 64 * 64;
+      off[size_t(n)] = len;
+      WireOptions o;
+      o.block = 64;
+      t_op = now_s();
+      bucket_reduce_scatter(*world, v.data(), len, off, out.data(), o);
       world->barrier();
     } else {
       std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
