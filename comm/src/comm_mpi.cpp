@@ -17,6 +17,8 @@
 //  * Mismatched collectives (at the same collective number of a communicator, ranks call different
 //    ops): each rank keeps its last few calls, and on an MPI error (MPI_ERR_TRUNCATE), or a wait
 //    longer than 2 s (then every 5 s), compares them with the members' and names the mismatch.
+//    Mismatched calls whose messages fit each other complete without either, and go unnoticed
+//    (communicator.h says which).
 //  * Errors are returned, not fatal (MPI_ERRORS_RETURN on every communicator, and on MPI_COMM_WORLD
 //    when zero8 initialized MPI: OpenMPI reports failed nonblocking collectives there).
 // MPI_Init and MPI_Comm_split remain blocking: MPI_Init is bounded by the launcher, and split first

@@ -19,8 +19,14 @@ namespace zero8::comm {
 //   enqueues on its stream and waits for it too, see comm_nccl.cpp).
 // * Collective: every rank of the communicator calls the same collectives in the same order with
 //   matching sizes (as in MPI). Sizes are validated locally; a mismatch across ranks is a usage error
-//   that the transport may report as a comm error or a timeout (the MPI backend names ranks that
-//   called a different collective at the same place: "mismatched collectives").
+//   that the transport may report as a comm error or a timeout. The MPI backend names ranks that
+//   called a different collective at the same place ("mismatched collectives") when the mismatch
+//   makes a call fail in MPI (MPI_ERR_TRUNCATE) or wait longer than 2 s: it then compares the
+//   members' last few calls. Not detected: different collectives whose messages happen to fit each
+//   other (bucket_reduce_scatter on one rank where another calls bucket_all_gather on the same
+//   layout) complete with wrong data, and are named only if a later call fails or waits 2 s; the
+//   same collective with different sizes that fit is never named. (MPI collectives carry no tag to
+//   tell them apart; checking every call would cost an extra exchange or a copy of every payload.)
 // * Memory: buffers belong to the caller and must stay valid for the call. memory() says whether
 //   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
 //   overlap, except where an op says "in place".
