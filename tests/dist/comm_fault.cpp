@@ -11,6 +11,8 @@
 //               and rank 1's send fails with rank 0's reason.
 //   exit      : rank 1 destroys its communicator normally and returns 0 (prints nothing) while rank 0
 //               waits in all_reduce; rank 0 fails about a second later, not at the timeout.
+//   exit_throw: rank 1 throws outside any call, catches it, destroys its communicator and returns 1
+//               while rank 0 waits in bucket_reduce_scatter (timeout 20 s): the same, a second later.
 //   mismatch  : rank 0 calls all_gather where rank 1 calls all_reduce, sizes compatible (no MPI error):
 //               rank 1's wait asks rank 0 and names the mismatch; rank 0's next call gets its reason.
 //   mismatch_size: the same, sizes not compatible: MPI_ERR_TRUNCATE, reported as the mismatch.
@@ -24,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -109,6 +112,25 @@ int main(int argc, char** argv) {
       t_op = now_s();
       std::vector<float> v(1000, 1.0f);
       world->all_reduce(v.data(), 1000, ReduceOp::sum);
+    } else if (mode == "exit_throw") {
+      // As `exit`, but as a program that fails on rank 1 (outside any call), returns 1 from main and
+      // so destroys its communicators; rank 0 waits in an all_to_all_v-based collective, with the
+      // timeout set on the communicator.
+      world->set_timeout(20);
+      if (me == 1) {
+        try {
+          throw std::runtime_error("rank 1 fails outside communication");
+        } catch (const std::runtime_error&) {
+          world.reset();
+          return 1;
+        }
+      }
+      t_op = now_s();
+      std::vector<float> v(1000, 1.0f), out(500);
+      const std::vector<int64_t> off = {0, 512, 1000};
+      WireOptions o;
+      o.block = 64;
+      bucket_reduce_scatter(*world, v.data(), 1000, off, out.data(), o);
     } else if (mode == "mismatch") {
       // 1024 floats: all_reduce's all-to-all half sends rank 0 2048 bytes, as much as rank 0's
       // all_gather expects, and takes 2048 bytes from it: MPI completes rank 0's call (with garbage)
