@@ -10,6 +10,9 @@
 #include "zero8/error.h"
 #include "zero8/kernels/hd.h"
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace zero8::shard {
 
 // A contiguous flat range [begin, end) of a group whose gradients are reduced together. Bounds are
@@ -23,29 +26,25 @@ struct ShardedOptimizer::Bucket {
 
 namespace {
 
-uint64_t hash_bytes(uint64_t h, const std::string& s) {
-  h = rng_mix(h, s.size());
-  for (unsigned char c : s) h = rng_mix(h, c);
-  return h;
-}
-
-// What must be equal on every rank for the collectives to match and the replicas to agree.
-uint64_t param_hash(const ParamSpec& p) {
-  uint64_t h = hash_bytes(0x70617261ull, p.name);
-  h = rng_mix(h, p.shape.size());
-  for (int64_t d : p.shape) h = rng_mix(h, uint64_t(d));
-  return rng_mix(rng_mix(h, p.fp32_state ? 1 : 0), uint64_t(p.hyper_group));
-}
-
-std::string param_text(const std::vector<ParamSpec>& params, size_t i) {
-  if (i >= params.size()) return "no such parameter (" + std::to_string(params.size()) + " parameters)";
-  const ParamSpec& p = params[i];
+// A parameter's spec as text ('name' shape [a, b] ...): every field that must be equal on every rank
+// (hashed for the comparison, shown in the error).
+std::string spec_text(const ParamSpec& p) {
   std::string t = "'" + p.name + "' shape [";
   for (size_t d = 0; d < p.shape.size(); ++d) t += (d ? ", " : "") + std::to_string(p.shape[d]);
   t += "]";
   if (p.fp32_state) t += " fp32_state";
   if (p.hyper_group != 0) t += " hyper group " + std::to_string(p.hyper_group);
   return t;
+}
+
+uint64_t param_hash(const ParamSpec& p) {
+  const std::string t = spec_text(p);
+  return XXH3_64bits(t.data(), t.size());
+}
+
+std::string param_text(const std::vector<ParamSpec>& params, size_t i) {
+  if (i >= params.size()) return "no such parameter (" + std::to_string(params.size()) + " parameters)";
+  return spec_text(params[i]);
 }
 
 // The config fields that decide the collectives a step makes and the values it computes.
