@@ -807,6 +807,16 @@ def _pids_in(directory: Path, pattern: str) -> list[int]:
     return [int(p.read_text()) for p in sorted(directory.glob(pattern)) if p.read_text().strip()]
 
 
+def _wait_for_pids(directory: Path, pattern: str, count: int, timeout: float = 60.0) -> list[int]:
+    """The pids in `directory`'s files matching `pattern`, once `count` are there or at the timeout."""
+    deadline = time.monotonic() + timeout
+    pids = _pids_in(directory, pattern)
+    while len(pids) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = _pids_in(directory, pattern)
+    return pids
+
+
 @needs_mpirun
 def test_processes_a_rank_started_end_with_it(tmp_path):
     # Each rank's script starts a helper (a data server, a tokenizer worker...) that would run for minutes,
@@ -862,10 +872,7 @@ def test_ranks_end_when_the_engine_dies(tmp_path):
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(ranks) < 2:
-            time.sleep(0.2)
-            ranks = _pids_in(tmp_path, "script_pid.*")
+        ranks = _wait_for_pids(tmp_path, "script_pid.*", 2)
         assert len(ranks) == 2, "the ranks did not start"
         engine = _children(proc.pid)
         assert len(engine) == 1, engine
@@ -907,10 +914,7 @@ def test_processes_of_a_rank_that_ignores_sigterm_end_with_the_job(tmp_path, how
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     helpers: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(helpers) < 2:
-            time.sleep(0.2)
-            helpers = _pids_in(tmp_path, "helper_pid.*")
+        helpers = _wait_for_pids(tmp_path, "helper_pid.*", 2)
         assert len(helpers) == 2, "the ranks did not start their helpers"
         if how != "another_rank_fails":
             time.sleep(0.5)  # past the scripts' SIG_IGN
