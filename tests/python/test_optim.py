@@ -1198,6 +1198,13 @@ def _bnb_form(sd):
     return sd
 
 
+def _without_name(sd):
+    """A zero8 state dict as bitsandbytes' optimizer of the same algorithm saves it: no algorithm name."""
+    for g in sd["param_groups"]:
+        del g["zero8_algorithm"]
+    return sd
+
+
 def _stepped(opt_cls, **kw):
     torch.manual_seed(4)
     p = torch.nn.Parameter(torch.randn(5000))
@@ -1210,11 +1217,12 @@ def _stepped(opt_cls, **kw):
 
 @pytest.mark.parametrize("make_saved, load_into, match", [
     # zero8 state dicts carry bitsandbytes' group aliases (SGD: betas = (momentum, dampening), eps = 0),
-    # which another algorithm would take for its own betas and eps.
+    # which another algorithm would take for its own betas and eps. Those without the algorithm's name (as
+    # bitsandbytes saves them) are refused for their states.
     (lambda: _stepped(zo.SGD8bit, lr=0.1, momentum=0.9).state_dict(), zo.AdamW8bit, "momentum"),
-    (lambda: _stepped(zo.AdamW8bit).state_dict(), zo.SGD8bit, "state2"),
-    (lambda: _stepped(zo.Lion8bit).state_dict(), zo.AdamW8bit, "state2"),
-    (lambda: _stepped(zo.AdamW8bit).state_dict(), zo.Lion8bit, "state2"),
+    (lambda: _without_name(_stepped(zo.AdamW8bit).state_dict()), zo.SGD8bit, "state2"),
+    (lambda: _without_name(_stepped(zo.Lion8bit).state_dict()), zo.AdamW8bit, "state2"),
+    (lambda: _without_name(_stepped(zo.AdamW8bit).state_dict()), zo.Lion8bit, "state2"),
     (lambda: _stepped(zo.RMSprop).state_dict(), zo.Adagrad, "alpha"),
     (lambda: _stepped(zo.Adagrad).state_dict(), zo.RMSprop, "lr_decay"),
     (lambda: _stepped(zo.LAMB).state_dict(), zo.AdamW, "max_trust_ratio"),
@@ -1224,6 +1232,15 @@ def _stepped(opt_cls, **kw):
     # bitsandbytes' 2-state groups carry its AdEMAMix keys (alpha, t_alpha, t_beta3); RMSprop would read
     # their betas as (alpha, momentum) and blame a momentum of 0.999.
     (lambda: _bnb_form(_stepped(zo.AdamW8bit).state_dict()), zo.RMSprop8bit, "t_alpha"),
+    # Lion's group has no key of its own: its betas and eps alias are what SGD, LARS, RMSprop and Adagrad read
+    # from bitsandbytes' 1-state groups (SGD would continue with momentum 0.9, dampening 0.99; Adagrad with
+    # eps = 0 and a non-finite step). zero8's state dicts name their algorithm.
+    (lambda: _stepped(zo.Lion8bit).state_dict(), zo.SGD8bit, "zero8_algorithm = 'lion'"),
+    (lambda: _stepped(zo.Lion8bit).state_dict(), zo.LARS8bit, "zero8_algorithm = 'lion'"),
+    (lambda: _stepped(zo.Lion8bit).state_dict(), zo.RMSprop8bit, "zero8_algorithm = 'lion'"),
+    (lambda: _stepped(zo.Lion8bit).state_dict(), zo.Adagrad8bit, "zero8_algorithm = 'lion'"),
+    # bitsandbytes' Lion8bit saves no name; its betas still give it away to Adagrad (bitsandbytes' saves (0, 0)).
+    (lambda: _without_name(_stepped(zo.Lion8bit).state_dict()), zo.Adagrad8bit, "betas"),
 ])
 def test_state_dict_of_another_algorithm_is_refused(make_saved, load_into, match):
     """A state dict saved by another algorithm is refused, naming what gives it away, instead of being read
@@ -1237,6 +1254,23 @@ def test_state_dict_of_another_algorithm_is_refused(make_saved, load_into, match
         opt.load_state_dict(saved)
     assert len(opt.state) == 0 and opt.param_groups[0].keys() == before.keys()
     assert all(opt.param_groups[0][k] == before[k] for k in before if k != "params")
+
+
+@pytest.mark.parametrize("saved_cls, kw, load_into", [
+    (zo.AdamW8bit, {}, zo.LAMB8bit), (zo.Adam8bit, {}, zo.LAMB8bit), (zo.SGD8bit, {"momentum": 0.9}, zo.LARS8bit),
+    (zo.Lion8bit, {}, zo.Lion32bit)])
+def test_state_dict_of_a_compatible_algorithm_loads(saved_cls, kw, load_into):
+    """The algorithm name refuses only what would be misread: LAMB continues Adam's moments, LARS SGD's
+    momentum, and each algorithm its own at either state width. The name stays out of param_groups."""
+    saved = _stepped(saved_cls, lr=0.1, **kw).state_dict()
+    assert {g["zero8_algorithm"] for g in saved["param_groups"]} == {saved_cls._ALGORITHM}
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = load_into([p], lr=0.01)
+    opt.load_state_dict(saved)
+    assert "zero8_algorithm" not in opt.param_groups[0] and opt.state[p]["step"] == 2
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert torch.isfinite(p).all()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Adagrad8bit / Adagrad32bit names and arguments): Duchi et al. 2011.
 from __future__ import annotations
 
 from .. import _C
+from .._C import Zero8ValueError
 from .optimizer import Optimizer8bit, _num, fixed_bits
 
 __all__ = ["Adagrad", "Adagrad8bit", "Adagrad32bit"]
@@ -19,6 +20,7 @@ class Adagrad(Optimizer8bit):
 
     algo = _C.Algo.adagrad
     _GROUP_KEYS = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    _ALGORITHM = "adagrad"
     _TORCH_STATE_KEYS = ("sum",)
     _BNB_ONLY_KEYS = ("betas",)
 
@@ -41,6 +43,16 @@ class Adagrad(Optimizer8bit):
 
     def _bnb_group_aliases(self, g):
         return {"betas": (0.0, 0.0)}
+
+    def _check_saved_group(self, saved, index):
+        super()._check_saved_group(saved, index)
+        # bitsandbytes' Adagrad saves betas = (0, 0); other betas are another 1-state algorithm's (Lion's, whose
+        # eps alias 0 would be read as Adagrad's eps and divide by a zero root).
+        betas = saved.get("betas")
+        if betas is not None and any(_num(b, f"betas (saved param_groups[{index}])") != 0 for b in betas):
+            raise Zero8ValueError(f"saved param_groups[{index}] has betas = {tuple(betas)}, which Adagrad does not "
+                                  f"have (bitsandbytes' Adagrad saves (0, 0)): was this state dict saved by "
+                                  f"another optimizer?")
 
 
 Adagrad8bit = fixed_bits(Adagrad, 8, "Adagrad8bit",

@@ -32,6 +32,7 @@ class Adam(Optimizer8bit):
     """
 
     _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+    _ALGORITHM = "adam"  # AdamW too: the decay rule is checked from decoupled_weight_decay
     _TORCH_STATE_KEYS = ("exp_avg", "exp_avg_sq")
     _BNB_ONLY_KEYS = ("alpha", "t_alpha", "t_beta3")  # bitsandbytes' AdEMAMix knobs in every 2-state group
 

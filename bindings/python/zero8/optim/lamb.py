@@ -24,6 +24,8 @@ class LAMB(Optimizer8bit):
 
     algo = _C.Algo.lamb
     _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio", "min_trust_ratio")
+    _ALGORITHM = "lamb"
+    _LOADS_FROM = ("adam",)  # the same two moments; the group gains LAMB's defaults
     _TORCH_STATE_KEYS = ("exp_avg", "exp_avg_sq")
     _BNB_ONLY_KEYS = ("alpha", "t_alpha", "t_beta3")
     _MAX_UNORM_DEFAULT = 1.0

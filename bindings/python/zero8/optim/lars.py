@@ -21,6 +21,8 @@ class LARS(SGD):
 
     algo = _C.Algo.lars
     _GROUP_KEYS = SGD._GROUP_KEYS + ("trust_coefficient", "max_trust_ratio", "min_trust_ratio")
+    _ALGORITHM = "lars"
+    _LOADS_FROM = ("sgd",)  # the same momentum buffer; the group gains LARS's defaults
     _MAX_UNORM_DEFAULT = 0.02
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,

@@ -18,6 +18,7 @@ class Lion(Optimizer8bit):
 
     algo = _C.Algo.lion
     _GROUP_KEYS = ("lr", "betas", "weight_decay")
+    _ALGORITHM = "lion"
     _TORCH_STATE_KEYS = ("exp_avg",)  # lion-pytorch's name of the momentum
     _BNB_ONLY_KEYS = ("eps",)
 

@@ -445,6 +445,12 @@ _ALGO_GROUP_KEYS = ("momentum", "dampening", "nesterov", "alpha", "lr_decay", "i
                     "t_alpha", "t_beta3")  # the last two: in bitsandbytes' 2-state groups only
 _TORCH_STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum")
 
+# The group key naming the algorithm that saved a zero8 state dict. The keys above cannot tell every pair
+# apart: Lion's group (lr, betas, weight_decay and bitsandbytes' eps alias) is also what SGD, RMSprop and
+# Adagrad read from bitsandbytes' 1-state groups. Not kept in param_groups: added by state_dict(), read
+# and dropped by load_state_dict().
+_ALGORITHM_KEY = "zero8_algorithm"
+
 
 def fixed_bits(base: type, bits: int, name: str, doc: str) -> type:
     """A subclass of `base` that always keeps `bits`-bit states (bitsandbytes' Adam8bit / Adam32bit
@@ -489,6 +495,8 @@ class Optimizer8bit(torch.optim.Optimizer):
     _GROUP_KEYS: Tuple[str, ...] = ()
     _TORCH_STATE_KEYS: Tuple[str, ...] = ()
     _BNB_ONLY_KEYS: Tuple[str, ...] = ()  # group keys bitsandbytes saves that this optimizer drops on load
+    _ALGORITHM = ""  # the name state_dict() records (_ALGORITHM_KEY); Adam and AdamW share "adam"
+    _LOADS_FROM: Tuple[str, ...] = ()  # other algorithms whose saved groups and states mean the same here
 
     def __init__(self, params, defaults: Dict[str, Any], *, optim_bits: int = 32, args=None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
@@ -817,6 +825,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise Zero8ValueError(f"saved param_groups[{index}] has {', '.join(foreign)}, which "
                                   f"{type(self).__name__} does not have: was this state dict saved by another "
                                   f"optimizer?")
+        algorithm = saved.get(_ALGORITHM_KEY)
+        if algorithm is not None and algorithm != self._ALGORITHM and algorithm not in self._LOADS_FROM:
+            raise Zero8ValueError(f"saved param_groups[{index}] has {_ALGORITHM_KEY} = {algorithm!r}, which "
+                                  f"{type(self).__name__} ({self._ALGORITHM}) cannot continue: was this state "
+                                  f"dict saved by another optimizer?")
 
     def _check_saved_states(self, saved: Dict[str, Any], where: str) -> None:
         """Refuse a saved parameter state with another algorithm's states (or number of states)."""
@@ -838,11 +851,13 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's state_dict (the live state tensors, parameters by index) with bitsandbytes' group
-        aliases added (e.g. SGD's ``betas = (momentum, dampening)``), so bitsandbytes can load it."""
+        aliases added (e.g. SGD's ``betas = (momentum, dampening)``), so bitsandbytes can load it, and the
+        algorithm's name (group key ``zero8_algorithm``), so zero8 refuses to load it into another algorithm."""
         sd = super().state_dict()
         for g in sd["param_groups"]:
             for k, v in self._bnb_group_aliases(g).items():
                 g.setdefault(k, v)
+            g[_ALGORITHM_KEY] = self._ALGORITHM
         return sd
 
     @torch._disable_dynamo
@@ -853,8 +868,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         this optimizer's config chooses for the parameter: 8-bit codes are kept as they are when the map
         and block size agree, and otherwise decoded and re-encoded; 8-bit <-> 32-bit converts values. The
         tensors are copied (the loaded optimizer never shares memory with the saved dict). A state dict
-        with another algorithm's hyperparameters (SGD's momentum in AdamW...) or states (a second moment
-        in SGD, none in Adam) is refused (Zero8ValueError), the optimizer unchanged.
+        with another algorithm's hyperparameters (SGD's momentum in AdamW...), states (a second moment
+        in SGD, none in Adam) or name (zero8's ``zero8_algorithm`` group key: Lion's in SGD) is refused
+        (Zero8ValueError), the optimizer unchanged. LAMB also loads Adam's and AdamW's, LARS SGD's. One pair
+        cannot be told apart: bitsandbytes' Lion and SGD save the same group keys and state, so bitsandbytes'
+        Lion8bit state dict loads into SGD (as it does into bitsandbytes' SGD8bit).
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -875,7 +893,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             new = {k: v for k, v in group.items() if k != "params"}
             mapped = self._from_bnb_group(saved)
             for k, v in saved.items():
-                if k == "params" or k in self._BNB_ONLY_KEYS or k in _TORCH_GROUP_KEYS_DROPPED:
+                if k == "params" or k == _ALGORITHM_KEY or k in self._BNB_ONLY_KEYS or k in _TORCH_GROUP_KEYS_DROPPED:
                     continue
                 new[k] = v
             for k, v in mapped.items():

@@ -19,6 +19,7 @@ class RMSprop(Optimizer8bit):
 
     algo = _C.Algo.rmsprop
     _GROUP_KEYS = ("lr", "alpha", "eps", "weight_decay")
+    _ALGORITHM = "rmsprop"
     _TORCH_STATE_KEYS = ("square_avg",)
     _BNB_ONLY_KEYS = ("betas", "momentum")
 

@@ -20,6 +20,7 @@ class SGD(Optimizer8bit):
 
     algo = _C.Algo.sgd
     _GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    _ALGORITHM = "sgd"
     _TORCH_STATE_KEYS = ("momentum_buffer",)
     _BNB_ONLY_KEYS = ("betas", "eps")
 
