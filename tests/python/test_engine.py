@@ -838,6 +838,40 @@ def test_param_groups_of_a_client_optimizer():
         assert torch.equal(p, p0) == n.endswith("bias"), n
 
 
+def test_callable_optimizer_is_built_over_model_parameters_as_given():
+    # DeepSpeed calls a callable optimizer with model_parameters as given: param-group dicts keep their own
+    # weight decay and lr (once they got a flat list and trained with one group's values), and without
+    # model_parameters it gets every module parameter, frozen ones too, of which the engine trains the
+    # trainable ones, each once.
+    cfg = config(zero8=EXACT)
+    del cfg["optimizer"]
+    model = make_model()
+    groups = [{k: v for k, v in g.items() if k != "name"} for g in _hf_groups(model)]
+    got = []
+
+    def build(params):
+        got.append(params)
+        return torch.optim.AdamW(params)
+
+    engine, optimizer, _, _ = zero8.initialize(model=model, optimizer=build, model_parameters=iter(groups),
+                                               config=cfg)
+    assert got == [groups]
+    assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, 3e-3), (0.0, 1e-2)]
+    train_engine(engine, DATA, 8, B)
+    ref32, ref64 = _torch_grouped(8, torch.float32), _torch_grouped(8, torch.float64)
+    assert max_param_diff(model, ref32) <= 2 * max_param_diff(ref32, ref64) + 1e-7
+
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    got.clear()
+    engine, _, _, _ = zero8.initialize(model=model, optimizer=build, config=cfg)
+    assert len(got) == 1 and [id(p) for p in got[0]] == [id(p) for p in model.parameters()]
+    assert engine.memory_stats()["params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    train_engine(engine, DATA, 2, B)
+    assert torch.equal(model[0].weight, frozen) and engine.global_steps == 2
+
+
 def test_param_groups_may_differ_only_in_their_own_keys():
     model = make_model()
     groups = _hf_groups(model)

@@ -503,6 +503,19 @@ class Zero8Engine(torch.nn.Module):
         if timeout and os.environ.get("ZERO8_COMM_TIMEOUT") is None:
             dp.timeout = float(timeout)
 
+        # A client optimizer given as a callable is built first, as DeepSpeed builds it: over model_parameters
+        # as given (param-group dicts keep their own hyperparameters), or over all the module's parameters,
+        # as one list (a generator is read once, here). The parameters to optimize are then read from it.
+        if client_optimizer is not None and callable(client_optimizer) and not isinstance(
+                client_optimizer, torch.optim.Optimizer):
+            if isinstance(model_parameters, torch.Tensor):
+                raise TypeError("model_parameters: expected an iterable of tensors or param-group dicts, got one "
+                                "tensor (wrap it in a list)")
+            if model_parameters is not None:
+                model_parameters = list(model_parameters)
+            client_optimizer = client_optimizer(
+                list(model.parameters()) if model_parameters is None else model_parameters)
+
         # Parameters to optimize: the client's list (or param groups) or all trainable ones, in order.
         params = self._collect_params(model, model_parameters, client_optimizer)
         if not params:
@@ -531,11 +544,6 @@ class Zero8Engine(torch.nn.Module):
         sc = _C.shard_config_from_json(config.json, dp.size)
         zero8_on = bool(config.info.get("zero8_enabled"))
         z8 = d.get("zero8", {})
-        if client_optimizer is not None and callable(client_optimizer) and not isinstance(
-                client_optimizer, torch.optim.Optimizer):
-            client_optimizer = client_optimizer(params)  # DeepSpeed: a callable taking the parameters
-            if isinstance(client_optimizer, torch.optim.Optimizer):
-                self._groups_from_client(params, client_optimizer)
         if client_optimizer is not None and config.info.get("optimizer_present"):
             raise Zero8ValueError(
                 "optimizer: both a client optimizer and an \"optimizer\" config section were given; pass one"
@@ -1787,8 +1795,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
       communication (docs/CONFIG.md).
     - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
       Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and hyperparameters are read; its
-      param groups may differ in lr, weight_decay, eps and betas/momentum/alpha), or a callable taking
-      the parameters.
+      param groups may differ in lr, weight_decay, eps and betas/momentum/alpha), or a callable that
+      builds one: called with model_parameters as a list (param-group dicts as given, their own values
+      kept), or with all the module's parameters when model_parameters is None, as DeepSpeed calls it.
     - ``model_parameters``: tensors, or param-group dicts that may set their own lr, weight_decay, eps
       and betas/momentum/alpha (docs/ENGINE.md, "Param groups").
     - ``lr_scheduler``: None (the config's "scheduler"), a scheduler over the client optimizer or over
