@@ -1065,17 +1065,39 @@ def test_deepcopy_and_pickle_keep_knobs_and_overrides():
         assert clone.state[cq]["state1"].dtype == torch.float32
 
 
-def test_non_contiguous_parameter_is_made_contiguous():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [zo.Lion8bit, zo.AdamW8bit, zo.SGD32bit])
+def test_strided_parameter_is_updated_in_place(cls, dtype):
+    """A strided parameter (a transposed view of another tensor, a channels_last conv weight) is updated in
+    place, as torch.optim does: its storage and strides stay (the view's base sees the update, the conv
+    keeps its memory format), with the values of a contiguous twin's steps."""
     torch.manual_seed(6)
-    w = torch.randn(80, 64)
-    p = torch.nn.Parameter(w.t())  # a transposed view: not contiguous
-    q = torch.nn.Parameter(w.t().contiguous())
-    g = torch.randn(64, 80)
-    opts = zo.Lion8bit([p], lr=1e-2), zo.Lion8bit([q], lr=1e-2)
-    for opt, x in zip(opts, (p, q)):
-        x.grad = g.t().contiguous().t()  # non-contiguous gradient too
+    base = torch.randn(80, 64).to(dtype)
+    conv = torch.randn(16, 9, 3, 3).to(dtype).to(memory_format=torch.channels_last)
+    params = [torch.nn.Parameter(base.t()), torch.nn.Parameter(conv)]
+    twins = [torch.nn.Parameter(p.detach().contiguous()) for p in params]
+    strides, ptrs = [p.stride() for p in params], [p.data_ptr() for p in params]
+    kw = {"momentum": 0.9} if cls is zo.SGD32bit else {}
+    opt, twin_opt = cls(params, lr=1e-2, min_8bit_size=0, **kw), cls(twins, lr=1e-2, min_8bit_size=0, **kw)
+    for _ in range(3):
+        for p, t in zip(params, twins):
+            g = torch.randn(p.shape).to(dtype)
+            p.grad, t.grad = g.t().contiguous().t() if g.dim() == 2 else g, g.clone()
         opt.step()
-    assert p.is_contiguous() and torch.equal(p, q)
+        twin_opt.step()
+    for p, t, stride, ptr in zip(params, twins, strides, ptrs):
+        assert p.stride() == stride and p.data_ptr() == ptr
+        assert torch.equal(p, t)
+    assert torch.equal(base, twins[0].detach().t())  # the view's base holds the update
+    # The 16-bit master stays in step with the parameter: edited in place through the view, it is re-seeded.
+    with torch.no_grad():
+        base.t()[0, 0] = 0.5
+        twins[0][0, 0] = 0.5
+    for p, t in zip(params, twins):
+        p.grad, t.grad = torch.ones_like(p), torch.ones_like(t)
+    opt.step()
+    twin_opt.step()
+    assert torch.equal(params[0], twins[0]) and torch.equal(params[1], twins[1])
 
 
 def test_load_requantizes_foreign_maps_and_blocks():

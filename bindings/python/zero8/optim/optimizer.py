@@ -107,9 +107,10 @@ def _snapshot(p: torch.Tensor) -> bytes:
     return elements[::(n // _SYNC_SAMPLE) | 1].tobytes()
 
 
-def _synced(p: torch.Tensor, master: torch.Tensor) -> tuple:
-    """The record of contiguous 16-bit p as the optimizer leaves it, its master current."""
-    return (p._version, p.data_ptr(), master, _snapshot(p))
+def _synced(p: torch.Tensor, master: torch.Tensor, bits: torch.Tensor) -> tuple:
+    """The record of 16-bit p as the optimizer leaves it, its master current (bits: p itself, or its
+    contiguous copy when p is a strided view)."""
+    return (p._version, p.data_ptr(), master, _snapshot(bits))
 
 
 def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
@@ -526,7 +527,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"ratio of the paper (clipped at max_trust_ratio) instead of bitsandbytes' update-norm clipping",
                 stacklevel=3)
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
-        self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master), see _step_param
+        self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master, bits), see _step_param
         super().__init__(params, defaults)
 
     _MAX_UNORM_DEFAULT = None
@@ -726,8 +727,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         check_cpu(grad, f"{name}.grad")
         if grad.shape != p.shape:
             raise Zero8ValueError(f"{name}.grad has shape {tuple(grad.shape)}; the parameter has {tuple(p.shape)}")
-        if not p.is_contiguous():  # the states follow the parameter's contiguous (row-major) order
-            p.data = p.data.contiguous()
+        # The states follow the parameter's row-major order. A strided parameter (a transposed view, a
+        # channels_last weight) is stepped in a contiguous copy and copied back: as torch.optim, the update
+        # is in place, keeping its storage and strides.
+        strided = not p.is_contiguous()
+        work = p.detach().contiguous() if strided else p.data
         if not grad.is_contiguous():
             grad = grad.contiguous()
 
@@ -756,14 +760,14 @@ class Optimizer8bit(torch.optim.Optimizer):
             # the bits. (A record's master is held, so an id reused by a new parameter never matches.)
             rec = self._synced.get(id(p))
             if (rec is None or rec[0] != p._version or rec[1] != p.data_ptr() or rec[2] is not master
-                    or _snapshot(p) != rec[3]):
+                    or _snapshot(work) != rec[3]):
                 _reseed_master(p, master)
         hyper.step = state["step"]
         a = _C.StepArgs()
         a.algo = self.algo
         a.h = hyper
         a.n = n
-        a.param = p.data_ptr()
+        a.param = work.data_ptr()
         a.param_dtype = dtype_code(p, name)
         if master is not None:
             a.master = master.data_ptr()
@@ -789,8 +793,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             if two:
                 a.state2 = state["state2"].data_ptr()
         _C.step_tensor(a)
+        if strided:  # as the kernel's write: through .data, torch's version is not bumped
+            p.data.copy_(work)
         if master is not None:  # the kernel writes through the pointer: torch's version is not bumped
-            self._synced[id(p)] = _synced(p, master)
+            self._synced[id(p)] = _synced(p, master, work)
 
     @staticmethod
     def _state_block(state: Dict[str, Any], n: int) -> int:
