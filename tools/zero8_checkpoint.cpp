@@ -20,14 +20,15 @@ namespace {
 namespace fs = std::filesystem;
 using namespace zero8;
 
-int usage(const char* msg) {
+// The usage text: on stderr with exit 2 after a usage error (msg), on stdout with exit 0 when asked for (-h).
+int usage(const char* msg, bool asked = false) {
   if (msg) std::fprintf(stderr, "zero8-checkpoint: %s\n", msg);
-  std::fprintf(stderr,
+  std::fprintf(asked ? stdout : stderr,
                "usage: zero8-checkpoint inspect <dir> [--tag T]\n"
                "       zero8-checkpoint verify <dir> [--tag T]\n"
                "       zero8-checkpoint to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]\n"
                "<dir>: a checkpoint directory (default tag: the one <dir>/latest names) or a tag directory\n");
-  return 2;
+  return asked ? 0 : 2;
 }
 
 struct Args {
@@ -231,6 +232,7 @@ int main(int argc, char** argv) {
   if (argc < 2) return usage(nullptr);
   Args a;
   a.cmd = argv[1];
+  if (a.cmd == "-h" || a.cmd == "--help") return usage(nullptr, true);
   std::vector<std::string> pos;
   for (int i = 2; i < argc; ++i) {
     const std::string s = argv[i];
@@ -240,8 +242,7 @@ int main(int argc, char** argv) {
     } else if (s == "--no-verify") {
       a.no_verify = true;
     } else if (s == "-h" || s == "--help") {
-      usage(nullptr);
-      return 0;
+      return usage(nullptr, true);
     } else if (!s.empty() && s[0] == '-') {
       return usage(("unknown option " + s).c_str());
     } else {

@@ -143,6 +143,13 @@ elseif(MODE STREQUAL "tool")
   tool(1 inspect "${WORK}/empty")
   tool(2 frobnicate "${dir}")
   tool(2 verify)
+  # Help as the command or after one: the usage, exit 0.
+  foreach(help --help -h)
+    tool(0 ${help})
+    expect_match("${TOOL_OUT}" "usage: zero8-checkpoint inspect <dir>")
+    tool(0 verify ${help})
+    expect_match("${TOOL_OUT}" "usage: zero8-checkpoint inspect <dir>")
+  endforeach()
 
 elseif(MODE STREQUAL "tool_hyper")
   # The model in three param groups (ckpt_util.h, ckpt_hyper_params): each group's run starts on a
