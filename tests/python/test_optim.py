@@ -419,6 +419,28 @@ def test_lr_schedulers_change_the_effective_lr(sched):
     assert rel_dist(flat_lr, ref64, init) > 100 * rel_dist(ref32, ref64, init)
 
 
+def test_numpy_scalar_hyperparameters_are_numbers():
+    """lr and weight_decay as numpy scalars (a schedule table's np.float32), which torch.optim.AdamW accepts,
+    give the same steps as the Python floats they equal; a bool or a string is still refused by name."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(3)
+    p, q = torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(5000))
+    q.data.copy_(p.data)
+    mine = zo.AdamW8bit([p], lr=np.float32(1e-2), weight_decay=np.float64(0.1), betas=(np.float32(0.9), 0.999))
+    ref = zo.AdamW8bit([q], lr=float(np.float32(1e-2)), weight_decay=0.1, betas=(float(np.float32(0.9)), 0.999))
+    for i in range(3):
+        mine.param_groups[0]["lr"] = np.float32(1e-2 / (i + 1))  # a scheduler writing numpy scalars
+        ref.param_groups[0]["lr"] = float(np.float32(1e-2 / (i + 1)))
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+        mine.step()
+        ref.step()
+    assert torch.equal(p, q)
+    for bad in (True, "1e-3"):
+        with pytest.raises(ValueError, match="lr.*must be a number"):
+            zo.AdamW8bit([torch.nn.Parameter(torch.randn(4))], lr=bad)
+
+
 def test_scheduler_to_zero_lr_stops_the_parameters():
     p = torch.nn.Parameter(torch.randn(5000))
     opt = zo.Adam8bit([p], lr=1e-2)

@@ -53,6 +53,7 @@ import copy
 import ctypes
 import functools
 import math
+import numbers
 import sys
 import warnings
 import weakref
@@ -303,7 +304,8 @@ def _num(value, name: str) -> float:
         if value.numel() != 1:
             raise Zero8ValueError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: also numpy's scalars (a schedule table's np.float32 lr), which torch.optim accepts.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise Zero8ValueError(f"{name} must be a number, got {type(value).__name__}")
     return float(value)
 
