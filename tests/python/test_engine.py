@@ -2015,6 +2015,29 @@ def test_model_parameters_and_dtypes_are_checked():
         zero8.initialize(model=make_model().bfloat16(), config=config(zero8=EXACT))
 
 
+def test_a_parameter_in_two_param_groups_is_an_error():
+    # torch.optim (and so DeepSpeed) refuses a parameter in two param groups; it was kept in the first one,
+    # silently training the bias with weight decay. A parameter listed twice in one group trains once, with
+    # a warning, as torch warns.
+    model = make_model()
+    groups = [{"params": list(model.parameters()), "weight_decay": 0.1},
+              {"params": [model[4].bias], "weight_decay": 0.0}]
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        torch.optim.AdamW(groups)
+    both = r"model_parameters\[0\] and model_parameters\[1\]: parameter '4\.bias' is in both \(param groups 0 and 1\)"
+    with pytest.raises(zero8.Zero8ValueError, match=both):
+        zero8.initialize(model=model, model_parameters=groups, config=config(zero8=EXACT))
+    mixed = [model[0].weight, {"params": [model[2].weight]}, {"params": [model[0].weight]}]  # the bare ones: a group
+    with pytest.raises(zero8.Zero8ValueError, match=r"model_parameters\[0\] and model_parameters\[2\]: parameter "
+                                                    r"'0\.weight' is in both"):
+        zero8.initialize(model=model, model_parameters=mixed, config=config(zero8=EXACT))
+    params = list(model.parameters())
+    with pytest.warns(UserWarning, match=r"param group 0 lists parameter '0\.weight' more than once; it is trained"):
+        engine, _, _, _ = zero8.initialize(model=model, model_parameters=params + params[:1],
+                                           config=config(zero8=EXACT))
+    assert engine.memory_stats()["params"] == sum(p.numel() for p in params)
+
+
 def test_config_from_args_or_config_not_both(tmp_path):
     # DeepSpeed reads args.deepspeed_config (a path) when config= is not given, and refuses both at once;
     # zero8 used to take config= and ignore the file without a word.

@@ -632,11 +632,13 @@ class Zero8Engine(torch.nn.Module):
 
     # ---- setup ----
     def _collect_params(self, model, model_parameters, client_optimizer) -> list:
-        """The parameters to optimize, in order, without duplicates or frozen ones (a parameter listed twice
-        stays in its first group). Sets self._hyper_group (each parameter's param group: the client
-        optimizer's group, else the model_parameters dict it came from, the bare tensors of model_parameters
-        forming one group) and self._hyper_group_dicts (those groups' dicts, {} for the bare tensors); the
-        dicts of model_parameters are also kept in self._param_group_dicts for _check_group_overrides."""
+        """The parameters to optimize, in order, without duplicates or frozen ones. A parameter in two param
+        groups (two dicts, or a dict and the bare tensors) is an error, as in torch.optim; one listed twice in
+        the same group is kept once, with a warning as torch gives. Sets self._hyper_group (each parameter's
+        param group: the client optimizer's group, else the model_parameters dict it came from, the bare
+        tensors of model_parameters forming one group) and self._hyper_group_dicts (those groups' dicts, {}
+        for the bare tensors); the dicts of model_parameters are also kept in self._param_group_dicts for
+        _check_group_overrides."""
         self._param_group_dicts = []
         self._hyper_group_dicts: list[dict] = []
         self._hyper_group: list[int] = []
@@ -651,7 +653,10 @@ class Zero8Engine(torch.nn.Module):
             source = [p for g in client_optimizer.param_groups for p in g["params"]]
         else:
             source = model.parameters()
-        out, seen = [], set()
+        out = []
+        where: dict[int, tuple[int, int]] = {}  # id(tensor) -> (its param group, its model_parameters index)
+        names = {id(p): n for n, p in model.named_parameters()}
+        warned = False
         for index, item in enumerate(source):
             if isinstance(item, dict) and "params" not in item:
                 raise Zero8ValueError(f"model_parameters[{index}]: a param group without 'params'")
@@ -671,10 +676,25 @@ class Zero8Engine(torch.nn.Module):
             for p in group:
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"model_parameters: expected tensors or param-group dicts, got {type(p).__name__}")
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-                    self._hyper_group.append(hg)
+                first = where.get(id(p))
+                if first is None:
+                    where[id(p)] = (hg, index)
+                    if p.requires_grad:
+                        out.append(p)
+                        self._hyper_group.append(hg)
+                    continue
+                name = f"'{names[id(p)]}'" if id(p) in names else f"of shape {tuple(p.shape)}"
+                if first[0] != hg:
+                    raise Zero8ValueError(
+                        f"model_parameters[{first[1]}] and model_parameters[{index}]: parameter {name} is in both "
+                        f"(param groups {first[0]} and {hg}); a parameter may be in one param group only, as in "
+                        f"torch.optim")
+                if not warned:
+                    warned = True
+                    warnings.warn(
+                        f"model_parameters: param group {hg} lists parameter {name} more than once; it is trained "
+                        f"once (torch.optim warns too: \"optimizer contains a parameter group with duplicate "
+                        f"parameters\")", stacklevel=4)
         if not self._hyper_group_dicts:
             self._hyper_group_dicts.append({})
         if isinstance(client_optimizer, torch.optim.Optimizer):
