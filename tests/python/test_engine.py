@@ -498,6 +498,21 @@ def test_callable_scheduler_gets_the_engine_optimizer():
     assert engine.get_lr() == pytest.approx([3e-3 / 4])
 
 
+@pytest.mark.parametrize("cls", [torch.optim.lr_scheduler.ConstantLR, zero8.lr_schedules.WarmupLR])
+def test_scheduler_class_is_called_with_the_engine_optimizer(cls):
+    # DeepSpeed calls any callable lr_scheduler with the optimizer; a class has a step attribute, and was
+    # returned as it was, so the first engine.step() failed calling step on the class.
+    engine, _, optimizer, sched = engine_for(config(zero8=EXACT), lr_scheduler=cls)
+    assert type(sched) is cls and sched.optimizer is optimizer and engine.lr_scheduler is sched
+    train_engine(engine, DATA, 3, B)
+    ref_opt = torch.optim.SGD(make_model().parameters(), lr=3e-3)
+    ref = cls(ref_opt)
+    for _ in range(3):
+        ref_opt.step()
+        ref.step()
+    assert engine.get_lr() == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+
+
 def test_client_zero8_optimizer_equals_config_optimizer():
     # zero8.optim.AdamW8bit passed as the client optimizer runs the same sharded 8-bit AdamW as the
     # config's "AdamW" with a zero8 section (same state block 256 and min_8bit_size 4096 defaults).

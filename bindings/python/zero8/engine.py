@@ -614,7 +614,10 @@ class Zero8Engine(torch.nn.Module):
         self.client_optimizer = client_optimizer
         self.lr_scheduler = None
         if client_lr_scheduler is not None:
-            if callable(client_lr_scheduler) and not hasattr(client_lr_scheduler, "step"):
+            # A class (which has a step attribute too) or a function is a factory called with the optimizer, as
+            # DeepSpeed calls any callable; a scheduler instance is kept.
+            if isinstance(client_lr_scheduler, type) or (
+                    callable(client_lr_scheduler) and not hasattr(client_lr_scheduler, "step")):
                 client_lr_scheduler = client_lr_scheduler(self.optimizer)
             self.lr_scheduler = client_lr_scheduler
         else:
@@ -1821,7 +1824,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     - ``model_parameters``: tensors, or param-group dicts that may set their own lr, weight_decay, eps
       and betas/momentum/alpha (docs/ENGINE.md, "Param groups").
     - ``lr_scheduler``: None (the config's "scheduler"), a scheduler over the client optimizer or over
-      the returned optimizer, or a callable taking the returned optimizer.
+      the returned optimizer, or a callable taking the returned optimizer (a function, or a scheduler
+      class such as ``torch.optim.lr_scheduler.ConstantLR`` or ``zero8.lr_schedules.WarmupLR``).
     - ``training_data``: a torch Dataset; the returned DataLoader yields micro-batches of this rank's
       share (DistributedSampler over the data-parallel ranks), else None.
 
