@@ -178,6 +178,17 @@ TEST_F(CheckpointTool, TagsAndLatest) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("/nope: missing"), std::string::npos) << e.what();
   }
+  // A tag is a name in the directory, never a path out of it (the tool's --tag, zero_to_fp32's -t).
+  fs::create_directories(dir_ + "/sub");
+  for (const std::string bad : {"../first", "../sub/../first", "sub/", ".", ".."}) {
+    try {
+      ckpt::tag_path(dir_ + "/sub", bad);
+      ADD_FAILURE() << "tag '" << bad << "' was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("'tag': '" + bad + "' "), std::string::npos) << e.what();
+    }
+  }
   write_bytes(dir_ + "/latest", {'.', '.', '/', 'x'});
   try {
     ckpt::latest_read(dir_);

@@ -130,6 +130,13 @@ def test_missing_directory_latest_or_tag_is_named(tmp_path):
     with pytest.raises(zero8.Zero8IOError, match="tag 'nope' is not in"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out.safetensors", tag="nope")
     assert not (tmp_path / "out.safetensors").exists()
+    # A tag is a name in checkpoint_dir, never a path out of it (tmp_path/other/../ckpt/t is the tag t).
+    (tmp_path / "other").mkdir()
+    with pytest.raises(zero8.Zero8ValueError, match="'tag': '../ckpt/t' contains '/'"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "other", tag="../ckpt/t")
+    with pytest.raises(zero8.Zero8ValueError, match="'tag': '../ckpt/t' contains '/'"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "other", tmp_path / "out.safetensors", tag="../ckpt/t")
+    assert not (tmp_path / "out.safetensors").exists()
     # A corrupt file of the tag: the checksum is checked, and the error names the file.
     (tmp_path / "ckpt" / "t" / "manifest.json").write_text("{}")
     with pytest.raises(zero8.Zero8IOError, match="manifest.json"):

@@ -313,10 +313,10 @@ void remove_tree(const std::string& p) {
 bool tag_check(const std::string& t, std::string* why) {
   if (t.empty()) *why = "is empty";
   else if (t.size() > 200) *why = "is longer than 200 characters";
-  else if (t[0] == '.') *why = "starts with '.' (names of temporary directories do)";
-  else if (t == kLatestName || t == kLatestTmpName) *why = "is reserved";
   else if (std::any_of(t.begin(), t.end(), [](char ch) { return ch == '/' || (unsigned char)ch < 0x20 || ch == 0x7f; }))
     *why = "contains '/' or a control character";
+  else if (t[0] == '.') *why = "starts with '.' (names of temporary directories do)";
+  else if (t == kLatestName || t == kLatestTmpName) *why = "is reserved";
   else return true;
   return false;
 }
@@ -1925,6 +1925,9 @@ std::string latest_read(const std::string& dir) {
 }
 
 std::string tag_path(const std::string& dir, const std::string& tag) {
+  // A tag is a name in dir: "../other/global_step3" would read another directory's checkpoint.
+  std::string why;
+  ZERO8_CHECK_ARG(tag_check(tag, &why), "tag", "'" << tag << "' " << why << " (a tag is the name of a directory in " << dir << ")");
   const std::string p = join(dir, tag);
   if (exists(join(p, kManifestName))) return p;
   // An interrupted two-rename replace: the old tag waits under its .replaced- name.

@@ -238,7 +238,8 @@ Manifest manifest_read_extras_checked(const std::string& tag_dir, bool model_res
 // The tag <dir>/latest names (validated); throws Error(io) naming the file when missing or bad.
 std::string latest_read(const std::string& dir);
 // The directory holding tag `tag` of `dir`: <dir>/<tag>, or the copy an interrupted two-rename
-// replace left (see ZERO8_CKPT_RENAME_EXCHANGE). Throws Error(io) when there is none.
+// replace left (see ZERO8_CKPT_RENAME_EXCHANGE). Throws Error(io) when there is none, and
+// Error(invalid_argument) naming the tag when it is not a tag name (empty, '/', a leading '.', ...).
 std::string tag_path(const std::string& dir, const std::string& tag);
 // Complete tags of dir (subdirectories with a manifest.json), oldest save first.
 std::vector<std::string> tags_list(const std::string& dir);
