@@ -1794,6 +1794,36 @@ def test_stats_and_dataloader():
     assert engine.local_rank == 0 and engine.global_rank == 0 and engine.world_size == 1 and engine.dp_world_size == 1
 
 
+def test_deepspeed_io_takes_deepspeed_arguments():
+    # DeepSpeed's deepspeed_io(dataset, batch_size, route, pin_memory, data_sampler, collate_fn,
+    # num_local_io_workers): positional route "eval" was taken for the collate_fn, route= and pin_memory=
+    # were refused. Eval and predict read each rank's share in order, train shuffles; collate_fn and
+    # dataloader_drop_last default to initialize's.
+    dataset = torch.utils.data.TensorDataset(torch.arange(5.0))
+    seen = []
+
+    def collate(rows):
+        seen.append(len(rows))
+        return torch.stack([r[0] for r in rows])
+
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=EXACT), collate_fn=collate)
+    for route in ("eval", "predict"):
+        loader = engine.deepspeed_io(dataset, 2, route, True, None, None, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "pin_memory ... no accelerator" warning at each iteration
+            assert [b.tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0]]
+        assert seen == [2, 2, 1] and not loader.sampler.shuffle
+        seen.clear()
+    train = engine.deepspeed_io(dataset, route="train", pin_memory=False, num_local_io_workers=None)
+    assert train.sampler.shuffle and train.batch_size == B and train.num_workers == 0
+    assert sorted(x for b in train for x in b.tolist()) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(zero8.Zero8ValueError, match=r"deepspeed_io: route 'test' is not one of DeepSpeed's routes"):
+        engine.deepspeed_io(dataset, 2, "test")
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=EXACT, dataloader_drop_last=True))
+    assert engine.dataloader_drop_last()
+    assert [b[0].tolist() for b in engine.deepspeed_io(dataset, 2, "eval")] == [[0.0, 1.0], [2.0, 3.0]]
+
+
 def test_module_surface_and_progress_print(capsys):
     cfg = config(zero8=EXACT, steps_per_print=2)
     engine, model, _, _ = engine_for(cfg)

@@ -56,6 +56,9 @@ _LOADED_KEYS = ("module", "sparse_tensor_module_names", "skipped_steps", "global
                 "mp_world_size", "data_sampler", "random_ltd")
 # torch.nn.Module.state_dict's key suffix for a module's get_extra_state().
 _EXTRA_STATE_SUFFIX = "_extra_state"
+# DeepSpeed's deepspeed_io routes (deepspeed.runtime.constants.ROUTE_*).
+ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
+_ROUTES = (ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE)
 _ENGINE_STATE_FORMAT = "zero8-engine"
 _ENGINE_STATE_VERSION = 1
 # The words of the C++ layout check (zero8/src/checkpoint.cpp, ckpt::load) for a parameter in another hyper
@@ -487,6 +490,8 @@ class Zero8Engine(torch.nn.Module):
         self._in_step = False  # engine.step() is calling optimizer.step()
         self._bytes = {"gradients": 0, "step": 0}
         self._hooks: list = []
+        self.collate_fn = None  # initialize's collate_fn, deepspeed_io's default
+        self._dataloader_drop_last = False  # the config's dataloader_drop_last (initialize sets it)
         d = config.dict
         self._gas = int(d["gradient_accumulation_steps"])
         self._fp16 = bool(d["fp16"]["enabled"])
@@ -1116,18 +1121,38 @@ class Zero8Engine(torch.nn.Module):
     def _log(msg: str) -> None:
         print(f"[zero8] {msg}", flush=True)
 
-    def deepspeed_io(self, dataset, batch_size: int | None = None, collate_fn=None, num_local_io_workers=0,
-                     data_sampler=None, drop_last: bool = False, shuffle: bool = True, seed: int = 0):
-        """A DataLoader of this rank's micro-batches (DeepSpeed's deepspeed_io): DistributedSampler over the
-        data-parallel ranks, batch size train_micro_batch_size_per_gpu."""
+    def dataloader_drop_last(self) -> bool:
+        return self._dataloader_drop_last
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = ROUTE_TRAIN, pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None, *,
+                     drop_last: bool | None = None, shuffle: bool | None = None, seed: int = 0):
+        """A DataLoader of this rank's micro-batches, with DeepSpeed's deepspeed_io arguments in its order.
+        Without data_sampler, a DistributedSampler over the data-parallel ranks: shuffled (seed ``seed``) on
+        the "train" route (and "encode", which DeepSpeed handles as train), in order on "eval" and "predict"
+        (as DeepSpeed's, so each rank evaluates its share). batch_size None: train_micro_batch_size_per_gpu;
+        collate_fn None: the one given to initialize; num_local_io_workers None: 0 (the batches are loaded
+        in this process); pin_memory as the DataLoader's (it only applies with an accelerator: zero8 trains
+        on the CPU). zero8's keyword-only extras: drop_last (None: the config's dataloader_drop_last) and
+        shuffle (None: the route's)."""
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
+        if route not in _ROUTES:
+            raise Zero8ValueError(
+                f"deepspeed_io: route {route!r} is not one of DeepSpeed's routes {', '.join(map(repr, _ROUTES))}")
         if data_sampler is None:
+            if shuffle is None:
+                shuffle = route not in (ROUTE_EVAL, ROUTE_PREDICT)
             data_sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size, rank=self._dp.rank,
                                               shuffle=shuffle, seed=seed)
+        # The DataLoader ignores pin_memory without an accelerator, with a warning at every iteration.
+        accelerator = getattr(torch, "accelerator", None)
+        pin_memory = bool(pin_memory) and (accelerator.is_available() if accelerator else torch.cuda.is_available())
         return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=data_sampler,
-                          collate_fn=collate_fn, num_workers=num_local_io_workers or 0, drop_last=drop_last)
+                          collate_fn=self.collate_fn if collate_fn is None else collate_fn, pin_memory=pin_memory,
+                          num_workers=num_local_io_workers or 0,
+                          drop_last=self._dataloader_drop_last if drop_last is None else bool(drop_last))
 
     # ---- statistics ----
     def comm_stats(self) -> dict:
@@ -1826,8 +1851,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     - ``lr_scheduler``: None (the config's "scheduler"), a scheduler over the client optimizer or over
       the returned optimizer, or a callable taking the returned optimizer (a function, or a scheduler
       class such as ``torch.optim.lr_scheduler.ConstantLR`` or ``zero8.lr_schedules.WarmupLR``).
-    - ``training_data``: a torch Dataset; the returned DataLoader yields micro-batches of this rank's
-      share (DistributedSampler over the data-parallel ranks), else None.
+    - ``training_data``: a torch Dataset; the returned DataLoader (``engine.deepspeed_io(training_data)``)
+      yields micro-batches of this rank's share (DistributedSampler over the data-parallel ranks), made
+      by ``collate_fn``, else None.
 
     Processes: under mpirun every rank runs this (MPI backend, chosen automatically; no
     torch.distributed process group is needed: ``distributed_port`` and ``dist_init_required`` are
@@ -1857,8 +1883,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg = load_config(config, dp.size, rank=world.rank)
     engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
                          client_lr_scheduler=lr_scheduler)
+    engine.collate_fn = collate_fn
+    engine._dataloader_drop_last = bool(raw_value(config, "dataloader_drop_last", default=False))
     loader = None
     if training_data is not None:
-        loader = engine.deepspeed_io(training_data, collate_fn=collate_fn,
-                                     drop_last=bool(raw_value(config, "dataloader_drop_last", default=False)))
+        loader = engine.deepspeed_io(training_data)
     return engine, engine.optimizer, loader, engine.lr_scheduler
