@@ -1824,6 +1824,20 @@ def test_deepspeed_io_takes_deepspeed_arguments():
     assert [b[0].tolist() for b in engine.deepspeed_io(dataset, 2, "eval")] == [[0.0, 1.0], [2.0, 3.0]]
 
 
+def test_no_sync_and_pipeline_methods_say_what_to_do_instead():
+    # They raised a bare AttributeError (the module has no such attribute).
+    engine, _, _, _ = engine_for(config(zero8=EXACT))
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"engine\.no_sync\(\): not supported.*"
+                                                           r"gradient_accumulation_steps"):
+        with engine.no_sync():
+            pass
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"engine\.train_batch\(\): DeepSpeed's PipelineEngine.*"
+                                                           r"engine\.backward\(loss\); engine\.step\(\)"):
+        engine.train_batch(iter([]))
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"engine\.eval_batch\(\): .*no pipeline parallelism"):
+        engine.eval_batch(data_iter=iter([]))
+
+
 def test_module_surface_and_progress_print(capsys):
     cfg = config(zero8=EXACT, steps_per_print=2)
     engine, model, _, _ = engine_for(cfg)

@@ -979,6 +979,30 @@ class Zero8Engine(torch.nn.Module):
                 return getattr(module, name)
             raise
 
+    def no_sync(self, *args, **kwargs):
+        """DeepSpeed's context for backwards that skip the gradient all-reduce; not supported: zero8 runs one
+        engine.backward per micro-batch, each followed by engine.step (a second backward before step is an
+        error), and gradient_accumulation_steps already gives what no_sync is for."""
+        raise Zero8NotSupportedError(
+            "engine.no_sync(): not supported; zero8 runs one engine.backward(loss) and one engine.step() per "
+            "micro-batch (two backwards without a step are an error). Set gradient_accumulation_steps in the config "
+            "instead: at ZeRO stage 1 the gradients are reduced once per step, at the accumulation boundary, which "
+            "is what no_sync gives; at stage 2 each backward reduces its buckets as they fill (DeepSpeed refuses "
+            "no_sync at stage 2 too)")
+
+    def train_batch(self, *args, **kwargs):
+        """DeepSpeed's PipelineEngine.train_batch; not supported (no pipeline parallelism)."""
+        raise Zero8NotSupportedError(
+            "engine.train_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Train "
+            "each micro-batch with loss = engine(batch); engine.backward(loss); engine.step() (the optimizer steps "
+            "at every gradient_accumulation_steps-th micro-batch)")
+
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's PipelineEngine.eval_batch; not supported (no pipeline parallelism)."""
+        raise Zero8NotSupportedError(
+            "engine.eval_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Evaluate "
+            "with engine.eval() and, under torch.no_grad(), engine(batch)")
+
     def _bytes_sent(self) -> int:
         return sum(int(s["bytes"]) for s in self._dp.stats().values())
 
