@@ -310,6 +310,28 @@ TEST_F(CheckpointTool, ExportOfACorruptCheckpointFailsAndWritesNothing) {
   for (const auto& e : fs::directory_iterator(dir_)) EXPECT_EQ(e.path().string().find("w.safetensors"), std::string::npos);
 }
 
+// With verification, the export checks every file verify checks, also those it does not read: a corrupt
+// model.safetensors (the working copy; the export takes the masters) fails it as it fails verify.
+TEST_F(CheckpointTool, ExportChecksEveryFileVerifyChecks) {
+  const std::string model = tag_dir_ + "/model.safetensors", out = dir_ + "/w.safetensors";
+  const std::vector<uint8_t> model0 = read_bytes(model);
+  std::vector<uint8_t> b = model0;
+  b[b.size() - 3] ^= 0x10;  // a byte of the last tensor's data: the file still parses
+  write_bytes(model, b);
+  ASSERT_EQ(ckpt::verify(tag_dir_).problems.size(), 1u);
+  try {
+    ckpt::export_fp32(tag_dir_, out);
+    ADD_FAILURE() << "exported a checkpoint whose model file is corrupt";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.safetensors: checksum mismatch"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(out));
+  // Without verification the export reads the masters only, and they are intact.
+  const ckpt::ExportResult r = ckpt::export_fp32(tag_dir_, out, /*verify_files=*/false);
+  EXPECT_EQ(r.tensors, int64_t(params().size()));
+  write_bytes(model, model0);
+}
+
 // The module's whole state_dict (SaveOptions::state_dict, module_tensors): the export gives every key in
 // state_dict order, trained ones from the masters, the others from model_rest.safetensors (16-bit floats
 // widened to F32 exactly, integers as saved), a tied alias under each name; verify checks that file.

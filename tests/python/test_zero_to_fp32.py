@@ -137,7 +137,19 @@ def test_missing_directory_latest_or_tag_is_named(tmp_path):
     with pytest.raises(zero8.Zero8ValueError, match="'tag': '../ckpt/t' contains '/'"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "other", tmp_path / "out.safetensors", tag="../ckpt/t")
     assert not (tmp_path / "out.safetensors").exists()
-    # A corrupt file of the tag: the checksum is checked, and the error names the file.
+    # A corrupt file of the tag, also one the export does not read (the model-states file, the working
+    # copy): every checksum is checked, and the error names the file.
+    for name in ("mp_rank_00_model_states.pt", "model.safetensors"):
+        path = tmp_path / "ckpt" / "t" / name
+        good = path.read_bytes()
+        path.write_bytes(good[:-9] + bytes([good[-9] ^ 1]) + good[-8:])
+        with pytest.raises(zero8.Zero8IOError, match=f"{name}: checksum mismatch"):
+            get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+        with pytest.raises(zero8.Zero8IOError, match=f"{name}: checksum mismatch"):
+            convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out.safetensors")
+        assert not (tmp_path / "out.safetensors").exists()
+        path.write_bytes(good)
+    # A corrupt manifest: the error names it.
     (tmp_path / "ckpt" / "t" / "manifest.json").write_text("{}")
     with pytest.raises(zero8.Zero8IOError, match="manifest.json"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")

@@ -1992,7 +1992,17 @@ VerifyResult verify(const std::string& tag_dir) {
 ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path, bool verify_files) {
   const Manifest m = manifest_read(tag_dir);
   const std::string src = join(tag_dir, kManifestName);
-  FileSet files(tag_dir, m, verify_files);
+  if (verify_files) {
+    // Every file of the tag, as `zero8-checkpoint verify` checks it, not only those the export reads: a
+    // corrupt model file or model-states file means a damaged checkpoint, which an export must not hide.
+    const VerifyResult v = verify(tag_dir);
+    if (!v.ok()) {
+      std::string all = v.problems[0];
+      for (size_t i = 1; i < v.problems.size(); ++i) all += "; " + v.problems[i];
+      ZERO8_THROW(io, all);
+    }
+  }
+  FileSet files(tag_dir, m, /*verify=*/false);  // verify() hashed every file; sizes and headers are checked again
   std::map<std::string, const ParamInfo*> params;
   for (const ParamInfo& p : m.params) params.emplace(p.name, &p);
   // What to write, in order: the state_dict's keys, then any trained parameter it does not name (all of

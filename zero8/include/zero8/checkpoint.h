@@ -274,7 +274,10 @@ VerifyResult verify(const std::string& tag_dir);
 // trained parameters F32 from the masters of all shards, the other entries from kModelRestName with
 // 16-bit floats widened to F32 (exact) and any other dtype as saved; a tied alias is written under
 // each of its names. Trained parameters the state_dict does not name follow. Without it (older
-// checkpoints): one F32 tensor per trained parameter. verify_files: check each file's checksum first.
+// checkpoints): one F32 tensor per trained parameter. verify_files: first run verify(tag_dir), which
+// checks every file of the tag (also those the export does not read: model.safetensors, the engine's
+// model-states file), and throw Error(io) with its problems ("<file>: <problem>; ...") if it finds any;
+// false: sizes and headers of the files read are still checked, checksums are not.
 struct ExportResult {
   int64_t tensors = 0;   // tensors written
   int64_t trained = 0;   // of which from the masters (aliases included)
