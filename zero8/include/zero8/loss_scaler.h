@@ -1,6 +1,7 @@
 // fp16 dynamic loss scaling with DeepSpeed's rules (deepspeed/runtime/fp16/loss_scaler.py): start at
-// 2^initial_scale_power, halve on overflow once hysteresis is used up, double after scale_window
-// clean steps, never below min_scale. bf16 and fp32 use a static scale of 1.
+// 2^initial_scale_power, halve on overflow once hysteresis is used up, double at the first clean step
+// after scale_window clean ones (DeepSpeed's stable_interval = cur_iter - last_overflow_iter - 1), never
+// below min_scale. bf16 and fp32 use a static scale of 1.
 #pragma once
 
 #include <cstdint>
