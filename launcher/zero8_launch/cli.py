@@ -9,6 +9,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from collections import OrderedDict
@@ -103,6 +104,24 @@ def _default_log_dir() -> str:
         i += 1
         path = f"{base}-{i}"
     return path
+
+
+def engine_status(engine: str, rc: int) -> str:
+    """How the engine ended, for the summary: 'mpirun exit code 1' or 'mpirun killed by signal 11 (SIGSEGV)'
+    (Popen's negative return code)."""
+    if rc < 0:
+        try:
+            name = f" ({signal.Signals(-rc).name})"
+        except ValueError:
+            name = ""
+        return f"{engine} killed by signal {-rc}{name}"
+    return f"{engine} exit code {rc}"
+
+
+def exit_code_of(rc: int) -> int:
+    """The launcher's exit code for an engine return code: a death by signal N is 128+N, as a shell says
+    (sys.exit(-11) would exit 245)."""
+    return 128 - rc if rc < 0 else rc
 
 
 def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
@@ -233,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             code = 128 + (monitor.stop_signal or 2)
             ok = all(s.exit_code == 0 or (s.exit_code is not None and s.stopped_by) for s in monitor.ranks.values())
             monitor.say(f"job stopped on request after {elapsed:.1f} s"
-                        + (" (every rank exited)" if ok and rc == 0 else f" ({engine} exit code {rc})")
+                        + (" (every rank exited)" if ok and rc == 0 else f" ({engine_status(engine, rc)})")
                         + f"; logs: {job.log_dir}")
             return code
         # A negative code: the engine itself was killed by that signal (not a rank).
@@ -242,12 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             monitor.say(f"job ended by --timeout {args.timeout:g} after {elapsed:.1f} s")
             code = 124
         else:
-            monitor.say(f"job FAILED after {elapsed:.1f} s ({engine} " + (f"killed by signal {-rc})" if rc < 0 else
-                                                                         f"exit code {rc})"))
+            monitor.say(f"job FAILED after {elapsed:.1f} s ({engine_status(engine, rc)})")
         for line in lines:
             monitor.say(line)
         monitor.say(f"logs: {job.log_dir}")
-        return code if code else (rc if rc else 1)
+        return code if code else (exit_code_of(rc) if rc else 1)
 
 
 if __name__ == "__main__":

@@ -779,6 +779,48 @@ def test_rank_that_saves_alone_ends_the_job_naming_the_mismatch(tmp_path):
 # No process outlives the job
 # ---------------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------------
+# Engines that misbehave (a stand-in `mpirun` first on PATH): what the launcher reports
+# ---------------------------------------------------------------------------------------------
+
+def _fake_mpirun(tmp_path: Path, body: str) -> dict:
+    """job_env() with a stand-in `mpirun` (a Python script running `body`) first on PATH; it writes
+    <tmp_path>/engine.ready once its signal handlers are in place, and never dumps core."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    engine = bindir / "mpirun"
+    engine.write_text(f"#!{sys.executable}\n"
+                      "import os, resource, signal, sys, time\n"
+                      "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+                      "signal.signal(signal.SIGSEGV, signal.SIG_DFL)\n"
+                      "def segv(*_):\n"
+                      "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+                      f"READY = {str(tmp_path / 'engine.ready')!r}\n" + body)
+    engine.chmod(0o755)
+    return job_env(PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _wait_for_file(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g} s"
+        time.sleep(0.05)
+
+
+def test_engine_killed_by_a_signal_exits_128_plus_n(tmp_path):
+    # mpirun reports a lost daemon and hangs; the launcher ends it after --fail_grace and mpirun dies of
+    # SIGSEGV (OpenMPI 4.1's mpirun did, in PMIx_Finalize). The exit code was sys.exit(-11), i.e. 245.
+    env = _fake_mpirun(tmp_path, "print('-' * 74 + '\\nAn ORTE daemon has unexpectedly failed after launch and before\\n"
+                                 "communicating back to mpirun.\\n' + '-' * 74, file=sys.stderr, flush=True)\n"
+                                 "signal.signal(signal.SIGTERM, segv)\n"
+                                 "while True:\n    time.sleep(1)\n")
+    r = launch(["--num_procs", "2", "--fail_grace", "0.5", "--log_dir", tmp_path / "logs", RANK_ENV],
+               env=env, timeout=60)
+    assert r.returncode == 128 + signal.SIGSEGV, r.stderr
+    assert "job FAILED after" in r.stderr and "(mpirun killed by signal 11 (SIGSEGV))" in r.stderr, r.stderr
+    assert "exit code -11" not in r.stderr
+
+
 def _alive(pid: int) -> bool:
     """Whether pid is a live process (a zombie waiting for its reaper counts as gone)."""
     try:
