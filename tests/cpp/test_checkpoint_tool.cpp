@@ -4,6 +4,7 @@
 // kind of fault and names the file; the bytes per part add up from the layout; tags and latest.
 // (Multi-rank checkpoints and the tool's command line: tests/dist/run_checkpoint.cmake.)
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -330,6 +331,69 @@ TEST_F(CheckpointTool, ExportChecksEveryFileVerifyChecks) {
   const ckpt::ExportResult r = ckpt::export_fp32(tag_dir_, out, /*verify_files=*/false);
   EXPECT_EQ(r.tensors, int64_t(params().size()));
   write_bytes(model, model0);
+}
+
+// The output path is checked before anything is read or written: the export never replaces a file of the
+// checkpoint it reads (directly, by a hard link or a symbolic link), a directory, fifo or device, and its
+// errors name the path given, not the temporary file. A replaced file keeps its permission bits; a symbolic
+// link is written through.
+TEST_F(CheckpointTool, ExportOutputPathIsCheckedFirst) {
+  const std::vector<uint8_t> model0 = read_bytes(tag_dir_ + "/model.safetensors");
+  auto refused = [&](const std::string& out, const std::string& what) {
+    try {
+      ckpt::export_fp32(tag_dir_, out);
+      ADD_FAILURE() << "exported to " << out;
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.rfind(out + ": ", 0) == 0 || m.rfind(out + " (a symbolic link", 0) == 0, true) << m;
+      EXPECT_NE(m.find(what), std::string::npos) << m;
+      EXPECT_EQ(m.find(".tmp-"), std::string::npos) << m;
+    }
+  };
+  // Files of the checkpoint being read.
+  refused(tag_dir_ + "/model.safetensors", "a file of the checkpoint being exported");
+  refused(tag_dir_ + "/../global_step2/manifest.json", "a file of the checkpoint being exported");
+  refused(dir_ + "/latest", "a file of the checkpoint being exported");
+  fs::create_hard_link(tag_dir_ + "/zero8_shard_rank0.bin", dir_ + "/hard.st");
+  refused(dir_ + "/hard.st", "a file of the checkpoint being exported");
+  fs::create_symlink(tag_dir_ + "/model.safetensors", dir_ + "/link.st");
+  refused(dir_ + "/link.st", "a file of the checkpoint being exported");
+  EXPECT_TRUE(ckpt::verify(tag_dir_).ok());
+  EXPECT_EQ(read_bytes(tag_dir_ + "/model.safetensors"), model0);
+  EXPECT_EQ(ckpt::latest_read(dir_), "global_step2");
+  // Not a file to replace, or nowhere to write.
+  fs::create_directory(dir_ + "/adir");
+  refused(dir_ + "/adir", "is a directory");
+  ASSERT_EQ(::mkfifo((dir_ + "/fifo").c_str(), 0644), 0);
+  refused(dir_ + "/fifo", "not a regular file");
+  EXPECT_TRUE(fs::is_fifo(dir_ + "/fifo"));
+  refused(dir_ + "/nodir/w.st", "the directory " + dir_ + "/nodir does not exist");
+  try {
+    ckpt::export_fp32(tag_dir_, "");
+    ADD_FAILURE() << "exported to ''";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+  }
+  for (const auto& e : fs::directory_iterator(dir_)) EXPECT_EQ(e.path().string().find(".tmp-"), std::string::npos) << e.path();
+
+  // A 0600 file is replaced and stays 0600; its other name (a hard link) keeps the old bytes.
+  const std::string priv = dir_ + "/priv.st";
+  write_bytes(priv, {'o', 'l', 'd'});
+  fs::permissions(priv, fs::perms::owner_read | fs::perms::owner_write);
+  fs::create_hard_link(priv, dir_ + "/priv2.st");
+  ckpt::export_fp32(tag_dir_, priv);
+  EXPECT_EQ(fs::status(priv).permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(safetensors_load(priv).size(), params().size());
+  EXPECT_EQ(read_bytes(dir_ + "/priv2.st"), (std::vector<uint8_t>{'o', 'l', 'd'}));
+  // A symbolic link is written through: the link stays, the file it leads to (existing or not) is the export.
+  write_bytes(dir_ + "/target", {'x'});
+  fs::create_symlink("target", dir_ + "/to_target.st");
+  fs::create_symlink("new_target", dir_ + "/to_new.st");
+  ckpt::export_fp32(tag_dir_, dir_ + "/to_target.st");
+  ckpt::export_fp32(tag_dir_, dir_ + "/to_new.st");
+  for (const char* name : {"/to_target.st", "/to_new.st"}) EXPECT_TRUE(fs::is_symlink(dir_ + name)) << name;
+  EXPECT_EQ(read_bytes(dir_ + "/target"), read_bytes(priv));
+  EXPECT_EQ(read_bytes(dir_ + "/new_target"), read_bytes(priv));
 }
 
 // The module's whole state_dict (SaveOptions::state_dict, module_tensors): the export gives every key in

@@ -194,6 +194,19 @@ def test_convert_writes_a_safetensors_file_atomically(tmp_path):
     # A directory (newer DeepSpeed's output_dir) is refused, not written into.
     with pytest.raises(zero8.Zero8ValueError, match=f"{out_dir}: is a directory"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out_dir)
+    # A replaced file keeps its permission bits.
+    os.chmod(out, 0o600)
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out)
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    # A file of the checkpoint itself is never the output (the rename would replace it with the export).
+    own = tmp_path / "ckpt" / "t" / "model.safetensors"
+    before = own.read_bytes()
+    with pytest.raises(zero8.Zero8IOError, match=f"{own}: is a file of the checkpoint being exported"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", own)
+    assert own.read_bytes() == before and zero8._C.checkpoint_verify(str(tmp_path / "ckpt" / "t"))["ok"]
+    # A missing directory is named as given, before anything is written.
+    with pytest.raises(zero8.Zero8IOError, match=f"{out_dir / 'nodir' / 'x.st'}: the directory .* does not exist"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out_dir / "nodir" / "x.st")
 
 
 def test_the_module_runs_as_deepspeed_s_script(tmp_path):

@@ -176,11 +176,13 @@ struct HashState {
 };
 
 // Sequential writer that hashes what it writes; finish() syncs the data to disk.
+// Errors name `shown` (default: the path written): export_fp32 names the user's output path rather
+// than its temporary file.
 class FileWriter {
  public:
-  FileWriter(const std::string& path, bool exclusive) : path_(path) {
+  FileWriter(const std::string& path, bool exclusive, const std::string& shown = "") : path_(shown.empty() ? path : shown) {
     fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (exclusive ? O_EXCL : O_TRUNC), 0644);
-    if (fd_ < 0) CKPT_FAIL(path, "cannot create: " + errno_text(errno));
+    if (fd_ < 0) CKPT_FAIL(path_, "cannot create: " + errno_text(errno));
   }
   ~FileWriter() {
     if (fd_ >= 0) ::close(fd_);
@@ -209,6 +211,9 @@ class FileWriter {
   }
   int64_t offset() const { return off_; }
   uint64_t digest() const { return hash_.digest(); }
+  void chmod(mode_t mode) {
+    if (::fchmod(fd_, mode) != 0) CKPT_FAIL(path_, "cannot set the permissions: " + errno_text(errno));
+  }
   void finish() {
     if (::fsync(fd_) != 0) CKPT_FAIL(path_, "fsync failed: " + errno_text(errno));
     const int fd = fd_;
@@ -1989,7 +1994,65 @@ VerifyResult verify(const std::string& tag_dir) {
   return v;
 }
 
+namespace {
+
+// Where export_fp32 writes out_path, checked before anything is read: out_path, or the file a symbolic
+// link there leads to (written through: the link stays a link). Refused, naming out_path: an empty path,
+// a missing parent directory, an existing directory, device, fifo or socket, and an existing file of the
+// checkpoint being read (a file of the tag, found by inode so that hard links and links count, or the
+// checkpoint's latest): the rename would put the export in its place.
+struct ExportTarget {
+  std::string path;   // the file to replace or create
+  std::string shown;  // out_path in errors (and where it leads, for a link)
+  int mode = -1;      // the permission bits of the file replaced (-1: a new file)
+};
+
+ExportTarget export_target(const std::string& tag_dir, const std::string& out_path) {
+  ZERO8_CHECK_ARG(!out_path.empty(), "out_path", "is empty (the safetensors file to write)");
+  ExportTarget t{out_path, out_path};
+  struct stat st;
+  bool found = false;
+  for (int hops = 0;; ++hops) {
+    if (::lstat(t.path.c_str(), &st) != 0) {
+      if (errno != ENOENT) CKPT_FAIL(t.shown, "cannot write it: " + errno_text(errno));
+      break;
+    }
+    if (!S_ISLNK(st.st_mode)) {
+      found = true;
+      break;
+    }
+    if (hops == 40) CKPT_FAIL(out_path, "too many levels of symbolic links");
+    std::error_code ec;
+    const fs::path to = fs::read_symlink(t.path, ec);
+    if (ec) CKPT_FAIL(out_path, "cannot read the symbolic link " + t.path + ": " + ec.message());
+    t.path = (to.is_absolute() ? to : fs::path(t.path).parent_path() / to).string();
+    t.shown = out_path + " (a symbolic link to " + t.path + ")";
+  }
+  const fs::path parent = fs::path(t.path).has_parent_path() ? fs::path(t.path).parent_path() : fs::path(".");
+  struct stat pst;
+  if (::stat(parent.c_str(), &pst) != 0)
+    CKPT_FAIL(t.shown, errno == ENOENT ? "the directory " + parent.string() + " does not exist"
+                                       : "cannot write into " + parent.string() + ": " + errno_text(errno));
+  if (!S_ISDIR(pst.st_mode)) CKPT_FAIL(t.shown, parent.string() + " is not a directory");
+  if (!found) return t;
+  if (S_ISDIR(st.st_mode)) CKPT_FAIL(t.shown, "is a directory (the output is one safetensors file: give its path)");
+  if (!S_ISREG(st.st_mode)) CKPT_FAIL(t.shown, "is not a regular file (a device, fifo or socket): it is not replaced");
+  std::vector<std::string> own = {join(join(tag_dir, ".."), kLatestName), join(join(tag_dir, ".."), kLatestTmpName)};
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(tag_dir, ec)) own.push_back(e.path().string());
+  for (const std::string& f : own) {
+    struct stat fst;
+    if (::stat(f.c_str(), &fst) == 0 && fst.st_dev == st.st_dev && fst.st_ino == st.st_ino)
+      CKPT_FAIL(t.shown, "is a file of the checkpoint being exported (" + f + "): it is not replaced");
+  }
+  t.mode = int(st.st_mode & 07777);
+  return t;
+}
+
+}  // namespace
+
 ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path, bool verify_files) {
+  const ExportTarget target = export_target(tag_dir, out_path);
   const Manifest m = manifest_read(tag_dir);
   const std::string src = join(tag_dir, kManifestName);
   if (verify_files) {
@@ -2054,9 +2117,10 @@ ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path
     }
     head.push_back({o.name, o.dtype, o.param ? o.param->shape : o.rest->shape, nullptr, o.bytes});
   }
-  const std::string tmp = out_path + ".tmp-" + std::to_string(::getpid());
+  const std::string tmp = target.path + ".tmp-" + std::to_string(::getpid());
   try {
-    FileWriter w(tmp, false);
+    FileWriter w(tmp, false, target.shown);
+    if (target.mode >= 0) w.chmod(mode_t(target.mode));  // a replaced file keeps its permissions
     safetensors_header_write(w, json{{"format", "pt"}, {"zero8_tag", m.tag}, {"zero8_step", std::to_string(m.step)},
                                      {"zero8_source", res.complete ? "fp32 masters + model_rest" : "fp32 masters"}},
                              head);
@@ -2096,13 +2160,14 @@ ExportResult export_fp32(const std::string& tag_dir, const std::string& out_path
       ++res.rest;
     }
     w.finish();
-    rename_or_fail(tmp, out_path);
+    if (::rename(tmp.c_str(), target.path.c_str()) != 0)
+      CKPT_FAIL(target.shown, "cannot rename the written file into place: " + errno_text(errno));
   } catch (...) {
     std::error_code ec;
     fs::remove(tmp, ec);
     throw;
   }
-  const fs::path parent = fs::absolute(out_path).parent_path();
+  const fs::path parent = fs::absolute(target.path).parent_path();
   fsync_dir(parent.string());
   res.tensors = int64_t(outs.size());
   return res;
