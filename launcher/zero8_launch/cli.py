@@ -23,6 +23,7 @@ __all__ = ["build_parser", "plan", "main"]
 
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (torch.distributed's) default
 DEFAULT_LOG_ROOT = "zero8_logs"
+DEFAULT_START_TIMEOUT = 300.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also carry this variable to the ranks (repeatable)")
     p.add_argument("--log_dir", default="", help=f"per-rank logs go here (default {DEFAULT_LOG_ROOT}/<date-time>)")
     p.add_argument("--timeout", type=float, default=0.0, help="end the job after S seconds (0: no limit)")
+    p.add_argument("--start_timeout", type=float, default=DEFAULT_START_TIMEOUT,
+                   help=f"end the job if some rank has not started S seconds after the launch, naming it and "
+                        f"its host (default {DEFAULT_START_TIMEOUT:g}; 0: wait forever)")
     p.add_argument("--stop_grace", type=float, default=DEFAULT_STOP_GRACE,
                    help="seconds the ranks get to exit after a Ctrl-C/SIGTERM before the job is killed")
     p.add_argument("--fail_grace", type=float, default=30.0,
@@ -142,6 +146,8 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
         if value == 0 or value < -1:
             raise LaunchError(f"{flag} {value}: give a count >= 1, or leave it out for {default} "
                               f"(-1 says the same)")
+    if args.start_timeout < 0:
+        raise LaunchError(f"--start_timeout {args.start_timeout:g}: give seconds >= 0 (0: wait forever)")
     if not 1 <= args.master_port <= 65535:
         raise LaunchError(f"--master_port {args.master_port}: not a TCP port (1..65535)")
     job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,
@@ -235,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     n = job.total_procs
     launcher_log_path = os.path.join(job.log_dir, "launcher.log")
     with open(launcher_log_path, "wb") as launcher_log:
-        monitor = JobMonitor(job.log_dir, n, launcher_log=launcher_log)
+        monitor = JobMonitor(job.log_dir, n, launcher_log=launcher_log, hosts=job.hosts)
         monitor.say(f"{n} rank(s) on {where}" if n is not None else f"ranks on {where}")
         monitor.say(f"running: {cmd.text()}")
         monitor.say(f"logs: {job.log_dir}/rank<R>.log (engine output: {launcher_log_path})")
         t0 = time.monotonic()
         rc, how = run_job(cmd.argv, env, monitor, timeout=args.timeout, stop_grace=args.stop_grace,
-                          fail_grace=args.fail_grace)
+                          fail_grace=args.fail_grace, start_timeout=args.start_timeout)
         elapsed = time.monotonic() - t0
         failed = [s for s in monitor.ranks.values() if s.exit_code not in (None, 0) and not s.stopped_by]
         if how == "done" and rc == 0 and not failed:
@@ -260,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         if how == "timeout":
             monitor.say(f"job ended by --timeout {args.timeout:g} after {elapsed:.1f} s")
             code = 124
+        elif how == "start-timeout":
+            monitor.say(f"job FAILED after {elapsed:.1f} s: not every rank started within --start_timeout "
+                        f"{args.start_timeout:g}")
+            code = code or 1  # not mpirun's code: the launcher ended it
         else:
             monitor.say(f"job FAILED after {elapsed:.1f} s ({engine_status(engine, rc)})")
         for line in lines:

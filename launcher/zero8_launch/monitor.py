@@ -21,6 +21,8 @@ from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker
 
 # Seconds between repeats of the stop signal while some rank has not acknowledged it.
 STOP_RESEND = 0.5
+# Seconds after the launch at which the launcher says which ranks it still waits for (once).
+START_NOTICE = 30.0
 
 __all__ = ["JobMonitor", "RankState", "run_job", "error_excerpt", "traceback_cut"]
 
@@ -100,9 +102,15 @@ def traceback_cut(lines: list[str]) -> bool:
 class JobMonitor:
     """Consumes the engine's stdout/stderr (feed) and keeps the ranks' states."""
 
-    def __init__(self, log_dir: str, world_size: int | None, out=None, err=None, launcher_log=None):
+    def __init__(self, log_dir: str, world_size: int | None, out=None, err=None, launcher_log=None, hosts=None):
         self.log_dir = log_dir
         self.world_size = world_size
+        # hosts: {host: slots} in rank order (the hostfile's selection), to name the host of a rank that
+        # never reported (ranks are placed host by host); None when the launcher does not know it.
+        self.placement: dict[int, str] = {}
+        for host, slots in (hosts or {}).items():
+            for _ in range(slots if isinstance(slots, int) else len(slots)):
+                self.placement[len(self.placement)] = host
         self.out = out if out is not None else sys.stdout.buffer
         self.err = err if err is not None else sys.stderr.buffer
         self.launcher_log = launcher_log
@@ -242,6 +250,36 @@ class JobMonitor:
             self.mpirun_notes.append(note)
         if self.first_failure is None:
             self.first_failure = time.monotonic()
+
+    def not_started(self) -> list[int]:
+        """The ranks (of world_size, if known) that have neither reported a start nor an end."""
+        if self.world_size is None:
+            return []
+        with self._lock:
+            return [r for r in range(self.world_size) if r not in self.ranks
+                    or not (self.ranks[r].started or self.ranks[r].exit_code is not None)]
+
+    def describe_ranks(self, ranks: list[int]) -> str:
+        """'0, 1 (host a), 2 (host b)': the ranks, grouped by the host the launcher placed them on."""
+        groups: list[tuple[str, list[int]]] = []
+        for r in ranks:
+            host = (self.ranks[r].host if r in self.ranks else "") or self.placement.get(r, "")
+            if groups and groups[-1][0] == host:
+                groups[-1][1].append(r)
+            else:
+                groups.append((host, [r]))
+        return ", ".join(", ".join(map(str, rs)) + (f" (host {h})" if h else "") for h, rs in groups)
+
+    def start_causes(self, ranks: list[int]) -> str:
+        """What most likely kept these ranks from starting."""
+        hosts = sorted({self.placement[r] for r in ranks if r in self.placement})
+        if not hosts:
+            return ("likely causes: the engine could not start them (its own output, in launcher.log, may say "
+                    "why), or starting the script is slow on this machine")
+        return (f"likely causes: the engine's daemon on host(s) {', '.join(hosts)} could not connect back to this "
+                f"host (a firewall dropping its packets, a --net_if on which it cannot reach this host, routing), "
+                f"the host is unreachable (ssh), or starting the script there is slow; the engine's own output "
+                f"is in launcher.log")
 
     def stop_unacknowledged(self) -> bool:
         """After a stop request: whether some rank has neither said that it got the stop signal nor ended
@@ -387,11 +425,12 @@ class JobMonitor:
             which = (f" (which cut off the traceback that rank {cut_ids[0]} was printing)" if len(cut_ids) == 1 else
                      f" (which cut off the tracebacks that ranks {', '.join(cut_ids)} were printing)" if cut_ids else "")
             out.append(f"rank(s) {', '.join(str(s.rank) for s in aborted)} were ended by the job's abort{which}")
-        if self.world_size is not None:
-            never = [r for r in range(self.world_size) if r not in self.ranks or not
-                     (self.ranks[r].started or self.ranks[r].exit_code is not None)]
-            if never and len(never) < self.world_size:
-                out.append(f"rank(s) {', '.join(map(str, never))} never reported a start")
+        never = self.not_started()
+        if never:
+            # Also when none started (a host whose daemon never connected back holds up every rank).
+            out.append(f"rank(s) {self.describe_ranks(never)} never reported a start"
+                       + (" (no rank did)" if len(never) == self.world_size else ""))
+            out.append(self.start_causes(never))
         out += self.mpirun_notes
         code = None
         if primary and primary[0].exit_code:
@@ -425,9 +464,10 @@ def _die_with_parent() -> None:
 
 
 def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.0, stop_grace: float = 30.0,
-            fail_grace: float = 30.0, kill_grace: float = 10.0) -> tuple[int, str]:
+            fail_grace: float = 30.0, kill_grace: float = 10.0, start_timeout: float = 0.0) -> tuple[int, str]:
     """Runs the engine; returns (its exit code, how it ended: 'done' | 'timeout' | 'stopped' |
-    'failed-hung'). Signals: the first SIGINT/SIGTERM asks the ranks to stop (STOP_SIGNAL through the
+    'failed-hung' | 'start-timeout'). While some rank has not reported a start, the launcher says which
+    after START_NOTICE seconds, and ends the job after start_timeout seconds (0: never). Signals: the first SIGINT/SIGTERM asks the ranks to stop (STOP_SIGNAL through the
     engine, SIGTERM for the scripts) and gives them stop_grace seconds; a second, or the grace running
     out, terminates the engine (then SIGKILL after kill_grace). A rank failure that the engine does not
     turn into the job's end within fail_grace seconds terminates it too."""
@@ -484,6 +524,23 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
                     deadlines["resend"] = now + STOP_RESEND
                 else:
                     del deadlines["resend"]
+            # Ranks that never start (a host whose daemon cannot connect back) would otherwise hold the job
+            # silently until --timeout, if any.
+            if ("started" not in deadlines and "term" not in deadlines and how == "done"
+                    and monitor.first_failure is None and now - start > min(START_NOTICE, start_timeout or START_NOTICE)):
+                waiting = monitor.not_started()
+                if not waiting:
+                    deadlines["started"] = now
+                elif start_timeout > 0 and now - start > start_timeout:
+                    monitor.say(f"start timeout: rank(s) {monitor.describe_ranks(waiting)} did not start within "
+                                f"{start_timeout:g} s; ending the job")
+                    how = "start-timeout"
+                    deadlines["term"] = now
+                elif now - start > START_NOTICE and "start_notice" not in deadlines:
+                    deadlines["start_notice"] = now
+                    monitor.say(f"still waiting for rank(s) {monitor.describe_ranks(waiting)} to start after "
+                                f"{now - start:.0f} s" + (f" (--start_timeout {start_timeout:g} ends the job)"
+                                                          if start_timeout > 0 else ""))
             if timeout > 0 and now - start > timeout and "term" not in deadlines:
                 monitor.say(f"timeout: the job ran longer than {timeout:g} s; ending it")
                 how = "timeout"

@@ -821,6 +821,61 @@ def test_engine_killed_by_a_signal_exits_128_plus_n(tmp_path):
     assert "exit code -11" not in r.stderr
 
 
+_ENGINE_THAT_STARTS_NOTHING = ("open(READY, 'w').close()\n"
+                               "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))\n"
+                               "while True:\n    time.sleep(1)\n")
+
+
+def test_timeout_report_names_ranks_that_never_started_also_when_none_did(tmp_path):
+    # A host whose daemon never connects back: no rank ever starts. The report said nothing about it
+    # (it named ranks that never started only when some others had).
+    hf = tmp_path / "hosts"
+    hf.write_text("n0 slots=2\nn1 slots=2\n")
+    env = _fake_mpirun(tmp_path, _ENGINE_THAT_STARTS_NOTHING)
+    r = launch(["--hostfile", hf, "--timeout", "1", "--log_dir", tmp_path / "logs", RANK_ENV], env=env, timeout=60)
+    assert r.returncode == 124, r.stderr
+    assert "rank(s) 0, 1 (host n0), 2, 3 (host n1) never reported a start (no rank did)" in r.stderr, r.stderr
+    assert "daemon on host(s) n0, n1 could not connect back to this host" in r.stderr
+
+
+def test_start_timeout_ends_a_job_whose_ranks_do_not_all_start(tmp_path):
+    # Rank 0 (on n0) starts, rank 1 (on n1) never does: --start_timeout ends the job naming rank 1 and n1.
+    hf = tmp_path / "hosts"
+    hf.write_text("n0 slots=1\nn1 slots=1\n")
+    env = _fake_mpirun(tmp_path, "print('[zero8-launch] rank=0 event=start pid=1 host=n0', file=sys.stderr, flush=True)\n"
+                                 + _ENGINE_THAT_STARTS_NOTHING)
+    t0 = time.monotonic()
+    r = launch(["--hostfile", hf, "--start_timeout", "1", "--log_dir", tmp_path / "logs", RANK_ENV],
+               env=env, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert time.monotonic() - t0 < 30
+    assert "start timeout: rank(s) 1 (host n1) did not start within 1 s; ending the job" in r.stderr, r.stderr
+    assert "not every rank started within --start_timeout 1" in r.stderr
+    assert "rank(s) 1 (host n1) never reported a start\n" in r.stderr
+    assert "daemon on host(s) n1 could not connect back to this host (a firewall" in r.stderr
+    r = launch(["--start_timeout", "-1", "--dry_run", RANK_ENV], timeout=60)
+    assert r.returncode == 2 and "--start_timeout -1: give seconds >= 0" in r.stderr, r.stderr
+
+
+def test_launcher_says_which_ranks_it_still_waits_for(tmp_path, monkeypatch):
+    from zero8_launch import monitor as mon
+
+    env = _fake_mpirun(tmp_path, _ENGINE_THAT_STARTS_NOTHING)
+    monkeypatch.setattr(mon, "START_NOTICE", 0.2)
+    err = io.BytesIO()
+    m = JobMonitor(str(tmp_path), 2, out=io.BytesIO(), err=err, hosts=OrderedDict([("n0", [0]), ("n1", [0])]))
+    m.feed("err", format_marker(rank=0, event="start", pid=1, host="n0").encode() + b"\n")
+    rc, how = mon.run_job([str(tmp_path / "bin" / "mpirun")], env, m, start_timeout=1.5)
+    text = err.getvalue().decode()
+    assert how == "start-timeout", text
+    lines = text.splitlines()
+    waiting = [l for l in lines if "still waiting" in l]
+    assert len(waiting) == 1 and waiting[0].startswith("zero8-launch: still waiting for rank(s) 1 (host n1) to start "
+                                                       "after "), text
+    assert waiting[0].endswith("(--start_timeout 1.5 ends the job)")
+    assert lines.index(waiting[0]) < next(i for i, l in enumerate(lines) if "start timeout:" in l)
+
+
 def _alive(pid: int) -> bool:
     """Whether pid is a live process (a zombie waiting for its reaper counts as gone)."""
     try:
