@@ -3,6 +3,7 @@
 //   verify  <dir> [--tag T]                          every checksum and range; exit 1 on any fault
 //   to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]   the module's state_dict, trained weights in fp32
 // <dir> is a checkpoint directory (the tag defaults to the one `latest` names) or a tag directory.
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -129,6 +130,83 @@ std::string param_groups_text(const ckpt::Manifest& m) {
   return t;
 }
 
+// One line of inspect's tag list.
+struct TagRow {
+  std::string tag, path;  // path: <dir>/<tag>, or the .replaced- directory holding it
+  double saved = 0.0;
+  std::string text;       // "step S, world size W" or "unreadable: <error>"
+  bool readable = false;
+};
+
+// The tags of a checkpoint directory as save and load see them: the complete tags (tags_list), each tag
+// an interrupted two-rename replace left only under .replaced-<tag>-<nonce> (tag_path reads it there and
+// the next save renames it back), and tag directories whose manifest cannot be read or validated (listed
+// with the error, never used). Then the leftovers the next save removes.
+int inspect_list(const Args& a, const std::string& latest) {
+  std::vector<TagRow> rows;
+  std::vector<std::string> leftovers;
+  auto row = [&](const std::string& tag, const std::string& path) {
+    TagRow r;
+    r.tag = tag;
+    r.path = path;
+    try {
+      const ckpt::Manifest m = ckpt::manifest_read(path);
+      r.saved = m.saved_unix_s;
+      r.text = "step " + std::to_string(m.step) + ", world size " + std::to_string(m.world);
+      r.readable = true;
+    } catch (const Error& e) {
+      r.text = std::string("unreadable: ") + e.what();
+    }
+    rows.push_back(r);
+  };
+  const std::vector<std::string> tags = ckpt::tags_list(a.dir);
+  for (const std::string& t : tags) row(t, (fs::path(a.dir) / t).string());
+  for (const fs::directory_entry& e : fs::directory_iterator(a.dir)) {
+    const std::string n = e.path().filename().string();
+    std::error_code ec;
+    if (n.rfind(".tmp-", 0) == 0 || n == "latest.tmp") {
+      leftovers.push_back(n + " (removed by the next save)");
+    } else if (n.rfind(".replaced-", 0) == 0) {
+      std::string tag;
+      try {
+        tag = ckpt::manifest_read(e.path().string()).tag;
+      } catch (const Error&) {
+      }
+      std::string holder;
+      try {
+        if (!tag.empty()) holder = ckpt::tag_path(a.dir, tag);
+      } catch (const Error&) {
+      }
+      if (tag.empty())
+        leftovers.push_back(n + " (no readable manifest; removed by the next save)");
+      else if (!fs::equivalent(holder, e.path(), ec))
+        leftovers.push_back(n + " (an older copy of tag " + tag + ", which is in place; removed by the next save)");
+      else
+        row(tag, e.path().string());  // the only copy of its tag
+    } else if (n[0] != '.' && e.is_directory(ec) && fs::exists(e.path() / ckpt::kManifestName, ec) &&
+               std::find(tags.begin(), tags.end(), n) == tags.end()) {
+      row(n, e.path().string());  // a manifest tags_list could not read: a damaged tag
+    }
+  }
+  // Oldest save first, as tags_list orders them; unreadable ones (no save time) last, by name.
+  std::stable_sort(rows.begin(), rows.end(), [](const TagRow& x, const TagRow& y) {
+    if (x.readable != y.readable) return x.readable;
+    return x.readable ? x.saved < y.saved : x.tag < y.tag;
+  });
+  const size_t complete = size_t(std::count_if(rows.begin(), rows.end(), [](const TagRow& r) { return r.readable; }));
+  std::printf("tags (%zu, oldest first%s):\n", rows.size(),
+              complete == rows.size() ? "" : ("; " + std::to_string(rows.size() - complete) + " unreadable").c_str());
+  for (const TagRow& r : rows) {
+    std::printf("  %s %s%s\n", padded(r.tag, 24).c_str(), r.text.c_str(), r.tag == latest ? "  <- latest" : "");
+    const std::string n = fs::path(r.path).filename().string();
+    if (n != r.tag)
+      std::printf("  %s held in %s after an interrupted replace: read from there, renamed back by the next save\n",
+                  padded("", 24).c_str(), n.c_str());
+  }
+  for (const std::string& l : leftovers) std::printf("  leftover of an interrupted save: %s\n", l.c_str());
+  return int(complete);
+}
+
 int inspect(const Args& a) {
   if (!is_tag_dir(a.dir)) {
     std::string latest;
@@ -138,23 +216,8 @@ int inspect(const Args& a) {
       std::printf("latest: none (%s)\n", e.what());
     }
     if (!latest.empty()) std::printf("latest: %s\n", latest.c_str());
-    const std::vector<std::string> tags = ckpt::tags_list(a.dir);
-    std::printf("tags (%zu, oldest first):\n", tags.size());
-    for (const std::string& t : tags) {
-      try {
-        const ckpt::Manifest m = ckpt::manifest_read((fs::path(a.dir) / t).string());
-        std::printf("  %s step %lld, world size %d%s\n", padded(t, 24).c_str(), (long long)m.step, m.world,
-                    t == latest ? "  <- latest" : "");
-      } catch (const Error& e) {
-        std::printf("  %s unreadable: %s\n", padded(t, 24).c_str(), e.what());
-      }
-    }
-    for (const fs::directory_entry& e : fs::directory_iterator(a.dir)) {
-      const std::string n = e.path().filename().string();
-      if (n.rfind(".tmp-", 0) == 0 || n.rfind(".replaced-", 0) == 0 || n == "latest.tmp")
-        std::printf("  leftover of an interrupted save: %s (removed by the next save)\n", n.c_str());
-    }
-    if (latest.empty() && a.tag.empty()) return tags.empty() ? 1 : 0;
+    const int complete = inspect_list(a, latest);
+    if (latest.empty() && a.tag.empty()) return complete == 0 ? 1 : 0;
   }
   const std::string tag_dir = resolve(a);
   const ckpt::Manifest m = ckpt::manifest_read(tag_dir);
