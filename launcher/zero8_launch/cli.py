@@ -256,10 +256,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if how == "stopped":
             code = 128 + (monitor.stop_signal or 2)
+            # Over the ranks that reported; those that never started are said apart (all() over none is true).
             ok = all(s.exit_code == 0 or (s.exit_code is not None and s.stopped_by) for s in monitor.ranks.values())
-            monitor.say(f"job stopped on request after {elapsed:.1f} s"
-                        + (" (every rank exited)" if ok and rc == 0 else f" ({engine_status(engine, rc)})")
-                        + f"; logs: {job.log_dir}")
+            never = monitor.not_started()
+            if never and len(never) == n:
+                what = f"before any rank had started ({engine_status(engine, rc)})"
+            elif never:
+                what = (f"(rank(s) {monitor.describe_ranks(never)} had not started; "
+                        + ("the others exited" if ok else engine_status(engine, rc)) + ")")
+            else:
+                what = "(every rank exited)" if ok and rc == 0 else f"({engine_status(engine, rc)})"
+            monitor.say(f"job stopped on request after {elapsed:.1f} s {what}; logs: {job.log_dir}")
             return code
         # A negative code: the engine itself was killed by that signal (not a rank).
         lines, code = monitor.failure_report(engine, -rc if rc < 0 and how == "done" else 0)

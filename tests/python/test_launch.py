@@ -857,6 +857,27 @@ def test_start_timeout_ends_a_job_whose_ranks_do_not_all_start(tmp_path):
     assert r.returncode == 2 and "--start_timeout -1: give seconds >= 0" in r.stderr, r.stderr
 
 
+def test_stop_before_any_rank_started_says_so(tmp_path):
+    # Stopped while no rank had started (the summary said "(every rank exited)": all() over no rank), and
+    # stopped while mpirun then died of a signal (it said "mpirun exit code -11").
+    hf = tmp_path / "hosts"
+    hf.write_text("n0 slots=1\nn1 slots=1\n")
+    for exits, summary in (("sys.exit(0)", "before any rank had started (mpirun exit code 0)"),
+                           ("segv()", "before any rank had started (mpirun killed by signal 11 (SIGSEGV))")):
+        sub = tmp_path / exits[:3]
+        sub.mkdir()
+        env = _fake_mpirun(sub, _ENGINE_THAT_STARTS_NOTHING.replace("sys.exit(0)", exits))
+        proc = subprocess.Popen(launch_cmd(["--hostfile", hf, "--log_dir", sub / "logs", RANK_ENV]), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for_file(sub / "engine.ready")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err
+        assert re.search(r"^zero8-launch: job stopped on request after [\d.]+ s " + re.escape(summary) + "; logs: ",
+                         err, re.M), err
+        assert "every rank exited" not in err
+
+
 def test_launcher_says_which_ranks_it_still_waits_for(tmp_path, monkeypatch):
     from zero8_launch import monitor as mon
 
