@@ -190,7 +190,8 @@ def test_convert_writes_a_safetensors_file_atomically(tmp_path):
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     with open(out, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    assert header["__metadata__"]["zero8_tag"] == "t"
+    assert header["__metadata__"] == {"format": "pt", "zero8_tag": "t", "zero8_step": "3",
+                                      "zero8_source": "fp32 masters + model_rest"}  # as CHECKPOINT.md lists
     # A directory (newer DeepSpeed's output_dir) is refused, not written into.
     with pytest.raises(zero8.Zero8ValueError, match=f"{out_dir}: is a directory"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out_dir)
@@ -207,6 +208,29 @@ def test_convert_writes_a_safetensors_file_atomically(tmp_path):
     # A missing directory is named as given, before anything is written.
     with pytest.raises(zero8.Zero8IOError, match=f"{out_dir / 'nodir' / 'x.st'}: the directory .* does not exist"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out_dir / "nodir" / "x.st")
+
+
+def test_default_tag_counts_skipped_steps_the_step_fields_do_not(tmp_path):
+    # CHECKPOINT.md: the engine's default tag is global_step<global_steps>, which counts steps skipped on an
+    # fp16 overflow (as DeepSpeed's); the manifest's step and the export's zero8_step are optimizer steps applied.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.Linear(300, 4))
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 2}, "zero8": {}, "fp16": {"enabled": True, "initial_scale_power": 30}}
+    engine, *_ = zero8.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for _ in range(2):  # a loss scale of 2**30 overflows fp16: both steps are skipped
+        engine.backward(engine(torch.randn(2, 8).half()).float().pow(2).mean() * 1e4)
+        engine.step()
+    assert (engine.global_steps, engine.skipped_steps) == (2, 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    manifest = json.loads((tmp_path / "ckpt" / "global_step2" / "manifest.json").read_text())
+    assert manifest["step"] == 0
+    out = tmp_path / "out.safetensors"
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out)
+    with open(out, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["__metadata__"]["zero8_tag"] == "global_step2" and header["__metadata__"]["zero8_step"] == "0"
 
 
 def test_the_module_runs_as_deepspeed_s_script(tmp_path):
