@@ -6,10 +6,12 @@ file per rank; a failing rank ends the whole job and its error is shown. docs/LA
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -17,6 +19,7 @@ from collections import OrderedDict
 from .commands import Job, mpirun_command, select_exports, srun_command
 from .hostfile import LOCAL_HOST, LaunchError, expand_hostlist, parse_core_list, read_hostfile, select_resources
 from .monitor import JobMonitor, run_job
+from .netinfo import local_ipv4, this_host_among
 from .rank_wrapper import DEFAULT_STOP_GRACE
 
 __all__ = ["build_parser", "plan", "main"]
@@ -128,6 +131,27 @@ def exit_code_of(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def _check_net_if_subnet(net_if: str, hosts: list[str]) -> list[str]:
+    """--net_if as a subnet: this host must have an address in it when it runs ranks (else mpirun would
+    use whatever network it finds, or none); when it is not one of the hosts, only a warning (mpirun, which
+    runs here, may still reach the hosts' daemons). Interface names are checked by mpirun."""
+    try:
+        net = ipaddress.IPv4Network(net_if, strict=False)
+    except ValueError as e:
+        raise LaunchError(f"--net_if {net_if}: not an interface name or an IPv4 subnet ({e})")
+    ifaces = local_ipv4()
+    if any(i.ip in net for i in ifaces.values()):
+        return []
+    have = ", ".join(f"{name} {i}" for name, i in ifaces.items()) or "none"
+    here = this_host_among(hosts, (LOCAL_HOST,))
+    if here is not None:
+        raise LaunchError(f"--net_if {net_if}: this host ({socket.gethostname()}, '{here}' in the hostfile) has no "
+                          f"address in {net}; its addresses: {have}. Give the subnet the hosts share, or an "
+                          f"interface name")
+    return [f"--net_if {net_if}: this host ({socket.gethostname()}, not in the hostfile) has no address in {net} "
+            f"(its addresses: {have}); mpirun runs here and must reach the hosts' daemons"]
+
+
 def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
     """The Job the options describe, and warnings. Raises LaunchError on contradictory options."""
     environ = os.environ if environ is None else environ
@@ -165,6 +189,8 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
                                      oversubscribe=args.oversubscribe)
         job.set_devices = any(slots != list(range(len(slots))) for slots in job.hosts.values())
         job.master_addr = args.master_addr or next(iter(job.hosts))
+        if job.multi_node and "/" in args.net_if:
+            warnings += _check_net_if_subnet(args.net_if, list(job.hosts))
     elif args.launcher == "slurm":
         if args.include or args.exclude:
             raise LaunchError("--include/--exclude need a --hostfile (under SLURM, srun's --nodelist/--exclude "

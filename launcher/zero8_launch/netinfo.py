@@ -10,7 +10,7 @@ import ipaddress
 import socket
 import struct
 
-__all__ = ["local_ipv4", "pick_comm_ifaddr"]
+__all__ = ["local_ipv4", "pick_comm_ifaddr", "this_host_among"]
 
 _SIOCGIFADDR = 0x8915
 _SIOCGIFNETMASK = 0x891B
@@ -36,6 +36,17 @@ def _resolve_ipv4(host: str) -> list[str]:
         return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, socket.AF_INET)})
     except (socket.gaierror, UnicodeError):
         return []
+
+
+def this_host_among(names, local_names=("localhost",)) -> str | None:
+    """The first of these host names that is this machine (a name of it, or a name resolving to one of its
+    addresses, loopback included), or None."""
+    mine = {str(i.ip) for i in local_ipv4().values()}
+    own = {socket.gethostname(), socket.getfqdn(), *local_names}
+    for name in names:
+        if name in own or any(a in mine or a.startswith("127.") for a in _resolve_ipv4(name)):
+            return name
+    return None
 
 
 def _route_source(dest: str) -> str | None:

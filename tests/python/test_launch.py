@@ -8,6 +8,7 @@ The two-host runs are in test_multinode.py.
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import os
 import re
@@ -379,6 +380,28 @@ def test_dry_run_prints_the_command(tmp_path, capsys):
     assert cli.main(["--dry_run", "--launcher", "slurm", "--hostfile", str(hf), "--log_dir",
                      str(tmp_path / "l"), "train.py"]) == 0
     assert "srun --ntasks=4 --nodes=2" in capsys.readouterr().out
+
+
+def test_net_if_subnet_this_host_has_no_address_in_is_refused(tmp_path, capsys):
+    # A subnet no host has was accepted and the job ran over whatever network OpenMPI found.
+    subnet = "10.232.9.0/24"
+    assert not any(i.ip in ipaddress.IPv4Network(subnet) for i in local_ipv4().values())
+    hf = tmp_path / "hosts"
+    hf.write_text("127.0.0.1 slots=1\n10.232.9.9 slots=1\n")  # this host runs rank 0
+    args = ["--dry_run", "--hostfile", str(hf), "--log_dir", str(tmp_path / "l"), "train.py"]
+    assert cli.main(["--net_if", subnet] + args) == 2
+    err = capsys.readouterr().err
+    assert f"error: --net_if {subnet}: this host (" in err and "'127.0.0.1' in the hostfile) has no address in " \
+        f"{subnet}; its addresses: " in err, err
+    lo = next(n for n, i in local_ipv4().items() if str(i.ip) == "127.0.0.1")
+    assert f"{lo} 127.0.0.1/8" in err
+    assert cli.main(["--net_if", "127.0.0.0/8"] + args) == 0  # a subnet this host has
+    assert cli.main(["--net_if", "10.232.9.0/33"] + args) == 2
+    assert "--net_if 10.232.9.0/33: not an interface name or an IPv4 subnet" in capsys.readouterr().err
+    # This host not in the hostfile: it cannot tell, only warns.
+    hf.write_text("10.232.9.8 slots=1\n10.232.9.9 slots=1\n")
+    assert cli.main(["--net_if", subnet] + args) == 0
+    assert f"warning: --net_if {subnet}: this host (" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
