@@ -15,7 +15,7 @@
 #   netns_cluster.sh exec z8h0 zero8-launch --hostfile /tmp/hosts --net_if 10.208.0.0/24 script.py
 # starts ranks on both hosts. docs/LAUNCH.md has more. 'run' (and tests/python/test_multinode.py) hold
 # /run/lock/zero8-netns-<prefix>.lock while the cluster exists. Environment: ZERO8_NETNS_PREFIX (default
-# z8h), ZERO8_NETNS_NET (default 10.208.0: the first three octets of the /24).
+# z8h; 1-13 letters, digits and '-': the hosts' names are hostnames), ZERO8_NETNS_NET (default 10.208.0: the first three octets of the /24).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 prefix="${ZERO8_NETNS_PREFIX:-z8h}"
@@ -71,6 +71,12 @@ cmd_down() {
 }
 
 cmd_up() {
+  # Each host's name is its namespace's name, set as its hostname at every 'exec': letters, digits and
+  # '-' only ('_' made every exec fail with "hostname: the specified hostname is invalid"), and the veth
+  # names (<prefix>v0) must fit in 15 characters.
+  [[ "$prefix" =~ ^[A-Za-z0-9][A-Za-z0-9-]{0,12}$ ]] ||
+    die "ZERO8_NETNS_PREFIX '$prefix': use 1-13 letters, digits and '-' (not first): it names the hosts" \
+        "(${hosts[0]}, ${hosts[1]}), which are also their hostnames, and their interfaces (${veths[0]})"
   need_root
   cmd_down
   ip netns add "${hosts[0]}"

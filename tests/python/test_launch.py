@@ -404,6 +404,21 @@ def test_net_if_subnet_this_host_has_no_address_in_is_refused(tmp_path, capsys):
     assert f"warning: --net_if {subnet}: this host (" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("prefix", ["lfx_t", "-lfx", "lfx-too-long-pfx"])
+def test_netns_cluster_refuses_a_prefix_that_cannot_be_a_hostname(prefix):
+    # A '_' in the prefix made the cluster, then failed at every exec ("hostname: the specified hostname is
+    # invalid"); a prefix over 13 characters makes veth names over 15.
+    script = Path(__file__).resolve().parents[2] / "scripts" / "netns_cluster.sh"
+    env = dict(os.environ, ZERO8_NETNS_PREFIX=prefix, ZERO8_NETNS_NET="10.232.0")
+    try:
+        r = subprocess.run(["bash", str(script), "up"], env=env, capture_output=True, text=True, timeout=60)
+    finally:  # the old script made the namespaces (as root): remove them
+        subprocess.run(["bash", str(script), "down"], env=env, capture_output=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.startswith(f"netns_cluster: ZERO8_NETNS_PREFIX '{prefix}': use 1-13 letters, digits and '-'"), r.stderr
+    assert "up:" not in r.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # The rank wrapper's pieces
 # ---------------------------------------------------------------------------------------------
