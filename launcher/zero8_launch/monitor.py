@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import re
 import signal
@@ -64,6 +65,7 @@ class RankState:
     order: int | None = None  # position among the ranks' ends, as the launcher saw them
     mpirun_signal: str = ""   # mpirun's report: "9 (Killed)"
     signalled: str = ""       # the wrapper received this signal from the engine/launcher (job ending)
+    record: str = ""          # how it ended was read from this status file, its exit record having been lost
 
 
 def _signal_name(num: int) -> str:
@@ -119,6 +121,7 @@ class JobMonitor:
         self.first_failure: float | None = None
         self.ends = 0
         self.stop_signal = 0                    # the signal that asked the launcher to stop, if any
+        self.started_at = time.time()           # status files older than this are another job's
         self._lock = threading.Lock()
         self._buf = {"out": b"", "err": b""}
         self._continuing = {"out": None, "err": None}  # rank whose unterminated segment was forwarded
@@ -339,6 +342,34 @@ class JobMonitor:
             pass
         return list(r.tail), "its forwarded output"
 
+    def read_status_records(self) -> None:
+        """For ranks whose exit record did not reach the launcher (its engine daemon died with the output
+        path), how they ended from their status files (rank<R>.status.json), when this host can read them
+        (a shared log dir) and they are this job's (written after the launch, by the process that started)."""
+        ranks = range(self.world_size) if self.world_size is not None else sorted(self.ranks)
+        for r in ranks:
+            s = self.ranks.get(r)
+            if s is not None and s.exit_code is not None:
+                continue
+            path = os.path.join(self.log_dir, f"rank{r}.status.json")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    rec = json.load(f)
+                fresh = float(rec.get("start_time") or 0) >= self.started_at - 5.0  # 5 s: clocks of other hosts
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+            if not fresh or rec.get("exit_code") is None or (s is not None and s.pid and rec.get("pid") != s.pid):
+                continue
+            s = self.rank(r)
+            s.started = s.started or rec.get("pid") is not None
+            s.host = s.host or rec.get("host") or ""
+            s.exit_code = int(rec["exit_code"])
+            sig = rec.get("signal")
+            s.signal = (int(sig) if str(sig).isdigit() else
+                        signal.Signals[sig].value if sig in signal.Signals.__members__ else 0) if sig else 0
+            s.stopped_by = rec.get("stopped_by") or ""
+            s.record = path
+
     def failure_report(self, engine: str = "mpirun", engine_signal: int = 0) -> tuple[list[str], int | None]:
         """(report lines, exit code of the rank that failed first) after a failed job. The cause is told
         apart from its consequences: ranks that were killed or failed on their own come first (with the
@@ -348,6 +379,7 @@ class JobMonitor:
         (its ranks' exit records were lost with it)."""
         if engine_signal:
             return self._engine_death_report(engine, engine_signal), 128 + engine_signal
+        self.read_status_records()
         ranks = sorted(self.ranks.values(), key=lambda s: s.rank)
         info = {s.rank: self.rank_lines(s) for s in ranks}
 
@@ -377,7 +409,7 @@ class JobMonitor:
         killed = [s for s in ranks if s not in failed and s not in cut and (
             (s.signal and not s.stopped_by) or (s.exit_code is None and s.mpirun_signal)
             or (s.rank in seen_dead and (s.exit_code is None or s.signal))
-            or (s.exit_code is None and s.started and not s.signalled))]
+            or (s.exit_code is None and s.started and not s.signalled) or s.stopped_by == "engine_exit")]
         # Ranks that ended on their own come before ranks that raised and were then ended by the job's end
         # (stopped_by, exit 143), and the job's exit code is theirs, not the first by rank order.
         own = [s for s in failed if not comm_error(s)]
@@ -389,7 +421,12 @@ class JobMonitor:
         out: list[str] = []
         for s in primary[:4]:
             where = f" (host {s.host})" if s.host else ""
-            if s.signal and not s.stopped_by:
+            if s.stopped_by == "engine_exit":
+                how = (f"was ended by its wrapper (exit code {s.exit_code}"
+                       + (f", signal {s.signal} ({_signal_name(s.signal)})" if s.signal else "")
+                       + ") because the engine process that started it died (the engine's daemon on its host, "
+                         "or mpirun)" + (f"; per its status file {s.record}" if s.record else ""))
+            elif s.signal and not s.stopped_by:
                 how = f"was killed by signal {s.signal} ({_signal_name(s.signal)})"
             elif s.exit_code is None and s.mpirun_signal:
                 how = f"was killed: signal {s.mpirun_signal} per mpirun (no exit record: its wrapper died too)"

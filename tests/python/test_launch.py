@@ -599,6 +599,33 @@ def test_monitor_a_rank_whose_traceback_the_abort_cut_is_listed_as_ended_by_it()
             in lines), lines
 
 
+def test_monitor_reads_the_status_file_of_a_rank_whose_exit_record_was_lost(tmp_path):
+    # The daemon (orted) of rank 1's host was SIGKILLed: its wrapper ended the script (exit 143, stopped_by
+    # engine_exit) and wrote rank1.status.json in the shared log dir, but its exit record never reached the
+    # launcher, whose report said "rank 1 (host n1) died: no exit record".
+    def run(record_pid):
+        m = JobMonitor(str(tmp_path), 2, out=io.BytesIO(), err=io.BytesIO())
+        for r in (0, 1):
+            m.feed("err", format_marker(rank=r, event="start", pid=10 + r, host=f"n{r}").encode() + b"\n")
+        (tmp_path / "rank1.status.json").write_text(json.dumps(
+            {"rank": 1, "host": "n1", "pid": record_pid, "start_time": time.time(), "exit_code": 143,
+             "signal": "SIGTERM", "stopped_by": "engine_exit"}))
+        m.feed("err", b"[rank0] Traceback (most recent call last):\n[rank0] zero8.Zero8CommError: barrier #8 on "
+                      b"'world' (rank 0 of 2): rank 1 died (its connection closed without a clean shutdown)\n")
+        m.feed("err", format_marker(rank=0, event="exit", code=1, signal=0, stopped_by="").encode() + b"\n")
+        return m.failure_report()
+
+    lines, code = run(record_pid=11)
+    assert lines[0] == ("rank 1 (host n1) was ended by its wrapper (exit code 143, signal 15 (SIGTERM)) because the "
+                        "engine process that started it died (the engine's daemon on its host, or mpirun); per its "
+                        f"status file {tmp_path / 'rank1.status.json'}"), lines
+    assert code == 143 and not any("no exit record" in l for l in lines)
+    assert "rank(s) 0 then failed with communication errors, e.g.:" in lines
+    # Another job's file (another pid) is not taken for this one's.
+    lines, _ = run(record_pid=99)
+    assert lines[0].startswith("rank 1 (host n1) died: no exit record"), lines
+
+
 def test_monitor_keeps_mpirun_s_lost_help_message_error_in_its_log_only():
     # OpenMPI 4.1.4's line in place of an aborting rank's MPI_ABORT banner (the four variants seen in
     # launcher.log of loaded runs): in launcher.log, not on the console. Its other errors are still shown.
