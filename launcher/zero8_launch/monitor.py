@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .netinfo import this_host_among
 from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker
 
 # Seconds between repeats of the stop signal while some rank has not acknowledged it.
@@ -275,14 +276,18 @@ class JobMonitor:
 
     def start_causes(self, ranks: list[int]) -> str:
         """What most likely kept these ranks from starting."""
-        hosts = sorted({self.placement[r] for r in ranks if r in self.placement})
-        if not hosts:
+        hosts = list(dict.fromkeys(self.placement[r] for r in ranks if r in self.placement))
+        here = this_host_among(hosts) if hosts else None
+        remote = [h for h in hosts if h != here]
+        if not remote:
             return ("likely causes: the engine could not start them (its own output, in launcher.log, may say "
                     "why), or starting the script is slow on this machine")
-        return (f"likely causes: the engine's daemon on host(s) {', '.join(hosts)} could not connect back to this "
+        # mpirun starts no rank before every daemon has reported back: this host's ranks wait for the others.
+        return (f"likely causes: the engine's daemon on host(s) {', '.join(remote)} could not connect back to this "
                 f"host (a firewall dropping its packets, a --net_if on which it cannot reach this host, routing), "
-                f"the host is unreachable (ssh), or starting the script there is slow; the engine's own output "
-                f"is in launcher.log")
+                f"the host is unreachable (ssh), or starting the script there is slow"
+                + (f" (this host's ranks wait for every daemon: mpirun starts none before)" if here in hosts else "")
+                + "; the engine's own output is in launcher.log")
 
     def stop_unacknowledged(self) -> bool:
         """After a stop request: whether some rank has neither said that it got the stop signal nor ended

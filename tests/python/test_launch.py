@@ -922,6 +922,19 @@ def test_start_timeout_ends_a_job_whose_ranks_do_not_all_start(tmp_path):
     assert r.returncode == 2 and "--start_timeout -1: give seconds >= 0" in r.stderr, r.stderr
 
 
+def test_start_report_does_not_blame_this_host_s_daemon(tmp_path):
+    # No rank starts, this host (127.0.0.1) among the hosts: mpirun starts no rank before every daemon has
+    # reported, so only the other host's daemon is suspect (both hosts were named as suspects).
+    hf = tmp_path / "hosts"
+    hf.write_text("127.0.0.1 slots=1\nn1 slots=1\n")
+    env = _fake_mpirun(tmp_path, _ENGINE_THAT_STARTS_NOTHING)
+    r = launch(["--hostfile", hf, "--start_timeout", "1", "--log_dir", tmp_path / "logs", RANK_ENV], env=env, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "rank(s) 0 (host 127.0.0.1), 1 (host n1) never reported a start (no rank did)" in r.stderr, r.stderr
+    assert ("likely causes: the engine's daemon on host(s) n1 could not connect back to this host (a firewall" in
+            r.stderr and "(this host's ranks wait for every daemon: mpirun starts none before)" in r.stderr), r.stderr
+
+
 def test_stop_before_any_rank_started_says_so(tmp_path):
     # Stopped while no rank had started (the summary said "(every rank exited)": all() over no rank), and
     # stopped while mpirun then died of a signal (it said "mpirun exit code -11").
