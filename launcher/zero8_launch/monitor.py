@@ -547,15 +547,17 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
         while proc.poll() is None:
             now = time.monotonic()
             if state["requests"] > handled:
-                handled = state["requests"]
-                if handled == 1:
+                # Two requests can arrive between two looks (timeout(1) signals its child, then its process
+                # group): the first is still a stop request, so the job ends as stopped, not as failed.
+                if handled == 0:
                     monitor.say(f"stop requested: every rank gets SIGTERM and {stop_grace:g} s to exit "
                                 f"(again to end the job now)")
                     how = "stopped"
                     _send(proc, STOP_SIGNAL)
                     deadlines.setdefault("stop", now + stop_grace)
                     deadlines["resend"] = now + STOP_RESEND
-                elif "term" not in deadlines:
+                handled = state["requests"]
+                if handled > 1 and "term" not in deadlines:
                     monitor.say("ending the job now")
                     deadlines["term"] = now
             # A stop sent while the engine was still starting ranks reaches only those alive then: send

@@ -956,6 +956,18 @@ def test_stop_before_any_rank_started_says_so(tmp_path):
         assert "every rank exited" not in err
 
 
+def test_two_stop_requests_at_once_still_stop_the_job(tmp_path):
+    # Two signals handled between two looks of the launcher (here SIGINT and SIGTERM sent together; timeout(1)
+    # sends SIGTERM to its child, then to its process group) skipped the stop request: the job was ended
+    # at once and reported as FAILED ("mpirun was killed by signal 15").
+    env = _fake_mpirun(tmp_path, "os.kill(os.getppid(), signal.SIGTERM); os.kill(os.getppid(), signal.SIGINT)\n"
+                                 + _ENGINE_THAT_STARTS_NOTHING)
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", RANK_ENV], env=env, timeout=60)
+    assert r.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), r.stderr
+    assert "stop requested: every rank gets SIGTERM" in r.stderr and "ending the job now" in r.stderr, r.stderr
+    assert "job stopped on request after" in r.stderr and "FAILED" not in r.stderr, r.stderr
+
+
 def test_launcher_says_which_ranks_it_still_waits_for(tmp_path, monkeypatch):
     from zero8_launch import monitor as mon
 
