@@ -17,6 +17,13 @@ namespace {
 // rank may spend minutes alone (rank 0's evaluation or checkpoint conversion) while the others wait. A
 // rank that dies or leaves is detected at once whatever the timeout (its connection closes).
 constexpr double kDefaultTimeoutSeconds = 1800.0;
+// How long a liveness connection may go without any TCP answer from its peer's host before the peer
+// counts as lost (a network partition or a host that went down; see liveness.cpp). A paused or busy
+// process does not count: its kernel answers for it. A minute rides out a switch's or NIC's brief
+// outage yet ends a partitioned job long before ZERO8_COMM_TIMEOUT.
+constexpr int kDefaultLinkTimeoutSeconds = 60;
+// TCP keepalive takes whole seconds, at most 32767 for the idle time (the kernel's MAX_TCP_KEEPIDLE).
+constexpr int kMinLinkTimeoutSeconds = 2, kMaxLinkTimeoutSeconds = 32767;
 }
 
 double env_comm_timeout() {
@@ -29,6 +36,19 @@ double env_comm_timeout() {
     ZERO8_THROW(invalid_argument, "environment variable ZERO8_COMM_TIMEOUT='" << s
                                       << "' is not a positive number of seconds");
   return v;
+}
+
+int env_comm_link_timeout() {
+  const char* s = std::getenv("ZERO8_COMM_LINK_TIMEOUT");
+  if (s == nullptr || *s == '\0') return kDefaultLinkTimeoutSeconds;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(s, &end, 10);
+  if (errno != 0 || end == s || *end != '\0' || v < kMinLinkTimeoutSeconds || v > kMaxLinkTimeoutSeconds)
+    ZERO8_THROW(invalid_argument, "environment variable ZERO8_COMM_LINK_TIMEOUT='"
+                                      << s << "' is not a whole number of seconds from " << kMinLinkTimeoutSeconds
+                                      << " to " << kMaxLinkTimeoutSeconds);
+  return int(v);
 }
 
 std::string env_comm_ifaddr() {

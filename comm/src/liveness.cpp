@@ -3,6 +3,14 @@
 // then BYE (clean exit), GIVEUP (reason text), QUERY (id) and STATE (answer to a query: id, in_op,
 // comm_id, seq, op and call as u16-length strings, u8 count of recent calls each {comm_id, seq, op,
 // call}, then the text).
+//
+// A partitioned link or a dead host closes nothing, so no EOF arrives: every mesh socket has TCP
+// keepalive and TCP_USER_TIMEOUT set (set_common_options) so that the kernel ends a connection whose
+// peer host has not answered for ZERO8_COMM_LINK_TIMEOUT seconds; the watcher's recv() then fails
+// with ETIMEDOUT (or EHOSTUNREACH...) and the peer is reported lost, which fails every waiting
+// collective at once, on both sides of the partition. No heartbeat of our own: the kernel answers
+// keepalive probes for a process that is stopped (SIGSTOP, a debugger) or busy for hours, so only a
+// dead link or host counts, never a slow rank (ZERO8_COMM_TIMEOUT bounds those).
 #include "liveness.h"
 
 #include <arpa/inet.h>
@@ -18,7 +26,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <iomanip>
 #include <random>
 #include <sstream>
@@ -48,8 +58,9 @@ struct AddressRecord {
   uint16_t pad;
   int32_t rank;
   uint64_t token;  // rank 0's value is the job's: a stray connection cannot join the mesh
+  char host[64];   // host name, NUL-terminated (truncated), for messages
 };
-static_assert(sizeof(AddressRecord) == 24, "AddressRecord is exchanged between processes");
+static_assert(sizeof(AddressRecord) == 88, "AddressRecord is exchanged between processes");
 
 struct HelloFrame {
   uint32_t type, len;
@@ -82,12 +93,46 @@ uint32_t resolve_listen_address(const std::string& ifaddr, std::string* text) {
   return a.s_addr;
 }
 
-void set_common_options(int fd) {
+void set_common_options(int fd, int link_timeout_s) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   // A peer that stops reading (SIGSTOP) must not block us forever in send().
   timeval tv{2, 0};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  // A silent peer host is detected within link_timeout_s (see the top of this file). The mesh is idle
+  // but for rare frames, so keepalive does the detecting: probes from idle seconds on, `count` of
+  // them `interval` apart, idle + count * interval = link_timeout_s. TCP_USER_TIMEOUT bounds the same
+  // time for a frame sent but not acknowledged, and makes the kernel end a keepalive-probed connection
+  // after it too. The peer's kernel acknowledges for it, so a stopped process is never timed out
+  // (unless it leaves its receive buffer full for that long: the mesh's few small frames never fill it).
+  const int count = link_timeout_s >= 4 ? 3 : 1;
+  const int interval = std::max(1, link_timeout_s / 6);
+  const int idle = link_timeout_s - count * interval;
+  const unsigned user_timeout_ms = unsigned(link_timeout_s) * 1000u;
+  struct Option {
+    int level, name;
+    const void* value;
+    socklen_t size;
+    const char* text;
+  };
+  const Option options[] = {
+      {SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one), "SO_KEEPALIVE"},
+      {IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle), "TCP_KEEPIDLE"},
+      {IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval), "TCP_KEEPINTVL"},
+      {IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count), "TCP_KEEPCNT"},
+      {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms), "TCP_USER_TIMEOUT"},
+  };
+  for (const Option& o : options)
+    if (setsockopt(fd, o.level, o.name, o.value, o.size) != 0)
+      ZERO8_THROW(comm, "liveness: setsockopt(" << o.text << ") failed: " << errno_text()
+                                                << " (needed to detect a lost link within ZERO8_COMM_LINK_TIMEOUT="
+                                                << link_timeout_s << " s)");
+}
+
+// The errors of a connection the kernel ended because the peer's host stopped answering (keepalive or
+// TCP_USER_TIMEOUT: ETIMEDOUT, or the last ICMP error it got meanwhile), as opposed to a close or reset.
+bool is_link_error(int err) {
+  return err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN || err == ENETDOWN;
 }
 
 // Wait until fd is ready for `events` or the deadline passes; false on timeout.
@@ -186,6 +231,13 @@ Liveness::Liveness(int rank, int size, const std::string& ifaddr, double timeout
 }
 
 void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGather& all_gather) {
+  // A bad value fails this rank after the address exchange (below), so its peers fail at once too.
+  std::exception_ptr env_error;
+  try {
+    link_timeout_s_ = env_comm_link_timeout();
+  } catch (...) {
+    env_error = std::current_exception();
+  }
   std::string ip_text;
   const uint32_t ip = resolve_listen_address(ifaddr, &ip_text);
   const int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -215,6 +267,7 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
       ip_text = "127.0.0.1";
   }
   if (listen_error.empty() && listen(lfd, size_ + 16) != 0) listen_error = "listen() failed: " + errno_text();
+  if (env_error) listen_error = "invalid ZERO8_COMM_LINK_TIMEOUT";  // port 0: the peers fail at once too
   socklen_t len = sizeof(sa);
   getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
   address_ = ip_text + ":" + std::to_string(ntohs(sa.sin_port));
@@ -224,10 +277,12 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   mine.ipv4 = sa.sin_addr.s_addr;
   mine.port = listen_error.empty() ? sa.sin_port : 0;
   mine.rank = rank_;
+  std::snprintf(mine.host, sizeof(mine.host), "%s", host_name().c_str());
   std::random_device rd;
   mine.token = (uint64_t(rd()) << 32) ^ uint64_t(rd()) ^ uint64_t(getpid()) ^ uint64_t(now_s() * 1e9);
   std::vector<AddressRecord> all(static_cast<size_t>(size_));
   all_gather(&mine, all.data(), sizeof(AddressRecord));
+  if (env_error) std::rethrow_exception(env_error);
   if (!listen_error.empty()) ZERO8_THROW(comm, "liveness (rank " << rank_ << "): " << listen_error);
   const uint64_t token = all[0].token;
   for (int r = 0; r < size_; ++r) {
@@ -235,6 +290,8 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
       ZERO8_THROW(comm, "liveness: bad address record from rank " << r);
     if (all[size_t(r)].port == 0)
       ZERO8_THROW(comm, "liveness: rank " << r << " could not open its liveness socket (its own error says why)");
+    all[size_t(r)].host[sizeof(all[size_t(r)].host) - 1] = '\0';
+    peers_[size_t(r)].host = all[size_t(r)].host;
   }
 
   const double deadline = now_s() + timeout_s;
@@ -267,7 +324,7 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
                                                             << errno_text() << " (set ZERO8_COMM_IFADDR?)");
     }
     fcntl(fd, F_SETFL, fl);
-    set_common_options(fd);
+    set_common_options(fd, link_timeout_s_);
     HelloFrame h{kHello, 16, token, rank_, 0};
     if (!write_all(fd, &h, sizeof(h))) ZERO8_THROW(comm, "liveness: hello to rank " << r << " failed: " << errno_text());
   }
@@ -289,8 +346,8 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
       close(fd);  // not one of ours (or a duplicate): ignore it
       continue;
     }
-    set_common_options(fd);
     peers_[size_t(h.rank)].fd = fd;
+    set_common_options(fd, link_timeout_s_);
     --expected;
   }
 }
@@ -349,6 +406,7 @@ void Liveness::run() {
       Peer& p = peers_[size_t(r)];
       const ssize_t k = recv(f.fd, buf.data(), buf.size(), 0);
       if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      const bool link_error = k < 0 && is_link_error(errno);
       bool ok = k > 0;
       if (ok) {
         p.inbuf.insert(p.inbuf.end(), buf.data(), buf.data() + k);
@@ -367,14 +425,23 @@ void Liveness::run() {
         p.inbuf.erase(p.inbuf.begin(), p.inbuf.begin() + std::ptrdiff_t(off));
       }
       if (!ok) {
-        // EOF, a reset, or garbage: the peer is gone. Without a "bye" first, it died.
+        // EOF, a reset, or garbage: the peer is gone. Without a "bye" first, it died. The kernel
+        // ending the connection (link_error) means its host stopped answering: lost, whatever its
+        // process is doing, which is what a partition looks like from either side.
         f.fd = -1;
         std::lock_guard<std::mutex> lk(mu_);
         p.closed = true;
+        p.lost = link_error;
         if (!p.finished && !p.gave_up) {
           Event e;
           e.rank = r;
           e.died = true;
+          if (link_error) {
+            e.lost = true;
+            e.host = p.host;
+            e.reason = "no TCP answer for " + std::to_string(link_timeout_s_) +
+                       " s (network partition, or its host is down)";
+          }
           events_.push_back(e);
           alarm_.store(true, std::memory_order_release);
         }
@@ -460,6 +527,11 @@ bool Liveness::handle_frame(int peer, uint32_t type, const char* payload, uint32
   }
 }
 
+std::string Liveness::lost_text(const Event& e, const std::string& name) {
+  return "lost contact with " + (name.empty() ? "rank " + std::to_string(e.rank) : name) + " (host " + e.host +
+         "): " + e.reason;
+}
+
 std::string Liveness::state_text_locked(double now) const {
   if (in_op_) return "in " + op_label_ + " for " + seconds_text(now - op_since_);
   if (op_failed_) return "failed in " + op_label_ + " " + seconds_text(now - op_since_) + " ago";
@@ -542,6 +614,7 @@ std::vector<Liveness::PeerState> Liveness::query(const std::vector<int>& ranks, 
     if (it != answers_[id].end()) s = it->second;
     s.rank = r;
     s.dead = p.closed && !p.finished;
+    s.lost = s.dead && p.lost;
     s.finished = p.finished;
     out.push_back(s);
   }

@@ -1,7 +1,10 @@
 // Peer liveness for multi-process backends: one TCP connection between every pair of ranks, watched
 // by a background thread. A process that dies (even by SIGKILL) has its sockets closed by the kernel,
 // so its peers see EOF at once; a rank that gives up tells the others why; and on a timeout a rank
-// can ask every peer what it is doing, to name the ranks it is waiting for.
+// can ask every peer what it is doing, to name the ranks it is waiting for. A peer whose host stops
+// answering at the TCP level (a network partition, a host that went down) closes nothing:
+// TCP keepalive and TCP_USER_TIMEOUT end such a connection after ZERO8_COMM_LINK_TIMEOUT seconds,
+// and the peer is then reported lost. A stopped or busy process is not lost: its kernel answers.
 #pragma once
 
 #include <atomic>
@@ -57,8 +60,14 @@ class Liveness {
   struct Event {
     int rank = -1;
     bool died = false;       // connection closed without "bye" (else: the peer gave up)
-    std::string reason;      // the peer's own error message when it gave up
+    bool lost = false;       // died because its host stopped answering (died is true too)
+    std::string host;        // the peer's host name (for lost)
+    std::string reason;      // the peer's own error message when it gave up; for lost: "no TCP
+                             // answer for 60 s (network partition, or its host is down)"
   };
+  // "lost contact with rank R (host H): no TCP answer for N s (network partition, or its host is
+  // down)" for a lost event, with `name` for the peer ("rank 2"; "" = its world rank).
+  static std::string lost_text(const Event& e, const std::string& name = std::string());
   std::vector<Event> events() const;
   bool peer_finished(int rank) const;  // said "bye": destroyed its communicator normally
   // How many peers said "bye" (cheap: an atomic load, so wait loops can skip peer_finished()).
@@ -69,6 +78,7 @@ class Liveness {
     int rank = -1;
     bool answered = false;
     bool dead = false;
+    bool lost = false;  // dead, because its host stopped answering (see Event::lost)
     bool finished = false;
     bool in_op = false;
     uint64_t comm_id = 0, seq = 0;  // its current or last call
@@ -97,6 +107,8 @@ class Liveness {
     bool finished = false;  // said "bye"
     bool gave_up = false;   // sent its reason: its exit that follows is not a death
     bool closed = false;
+    bool lost = false;      // closed because its host stopped answering
+    std::string host;       // its host name, from the address exchange
   };
   void setup(const std::string& ifaddr, double timeout_s, const AllGather& all_gather);
   void run();  // the watcher thread
@@ -105,6 +117,7 @@ class Liveness {
   std::string state_text_locked(double now) const;
 
   int rank_, size_;
+  int link_timeout_s_ = 0;  // ZERO8_COMM_LINK_TIMEOUT
   std::string address_;
   std::vector<Peer> peers_;
   int wake_[2] = {-1, -1};

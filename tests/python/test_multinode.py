@@ -5,7 +5,8 @@ variables on both hosts; the bytes that cross the veth during the gradient phase
 versus fp32 (target ratio <= 0.27); that the two-host run computes exactly what a single-host run of the
 same world size does; and that killing one host's ranks mid-run ends the job promptly with an error
 naming them, after which the job resumes from its last checkpoint and continues exactly as an
-uninterrupted run. Needs root (network namespaces); skips with the reason where they cannot be made.
+uninterrupted run; and that a network partition mid-run (the veth set down) fails every rank on both
+hosts within seconds (ZERO8_COMM_LINK_TIMEOUT), naming the ranks it lost. Needs root (network namespaces); skips with the reason where they cannot be made.
 
 The scenarios run a Workload: tests/python/launch/train_job.py (an MLP through zero8.initialize), and
 the pretraining example once its hook below (pretrain_workload) is filled in.
@@ -403,3 +404,107 @@ def test_kill_one_host_then_resume(cluster, w):
     first = min(resumed)
     assert first > 1, f"the resumed run started from scratch: {resumed}"
     assert resumed == {s: reference[s] for s in range(first, w.steps + 1)}
+
+
+def _script_pids(script: Path) -> dict[str, list[int]]:
+    """The processes of `script` (ranks and their wrappers) in each namespace."""
+    out = {}
+    for ns in NAMESPACES:
+        pids = []
+        for pid in subprocess.check_output(["ip", "netns", "pids", ns], text=True).split():
+            try:
+                if str(script).encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    pids.append(int(pid))
+            except OSError:
+                pass
+        out[ns] = pids
+    return out
+
+
+def test_partition_fails_every_rank_promptly(cluster):
+    """A network partition mid-run: the veth between the hosts goes down, so no connection closes and
+    no process dies; only TCP's own timeouts on the liveness connections (keepalive, TCP_USER_TIMEOUT:
+    ZERO8_COMM_LINK_TIMEOUT) reveal it. Every rank, on both sides, fails within seconds naming the
+    ranks it lost, instead of waiting in its collective for ZERO8_COMM_TIMEOUT (120 s here)."""
+    w = TRAIN_JOB_WORKLOAD
+    d = cluster.dir / "partition"
+    logs = d / "logs"
+    link_timeout = 5
+    args = ["--fail_grace", "2", w.script] + w.args("int8", 200, None, d / "result", slow=True)
+    env = job_env(ZERO8_COMM_TIMEOUT="120", ZERO8_COMM_LINK_TIMEOUT=str(link_timeout))
+    veth = ["ip", "-n", NAMESPACES[1], "link", "set", "z8hv1"]  # netns_cluster.sh's veth in z8h1
+    proc = subprocess.Popen(cluster.command(args, logs), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        # Mid-run: once rank 0 has finished its second step (the second host's ranks then dawdle at the
+        # start of the next one, while the first host's ranks wait for them in its collectives).
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while time.monotonic() < deadline and proc.poll() is None:
+            log = logs / "rank0.log"
+            if log.exists() and re.search(r"^step 2/", log.read_text(errors="replace"), re.M):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the job ended before the partition:\n" + proc.communicate()[1][-4000:]
+        subprocess.run(veth + ["down"], check=True)
+        t_down = time.time()
+        # Each rank's wrapper completes its record (in the shared /tmp) with the exit when the rank ends.
+        status = {}
+        while time.time() < t_down + 40 and len(status) < 4:
+            for r in range(4):
+                f = logs / f"rank{r}.status.json"
+                if r not in status and f.exists():
+                    try:
+                        s = json.loads(f.read_text())
+                    except ValueError:
+                        continue  # being written
+                    if s.get("end_time") is not None:
+                        status[r] = s
+            time.sleep(0.2)
+    finally:
+        subprocess.run(veth + ["up"], capture_output=True)
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert sorted(status) == [0, 1, 2, 3], f"ranks without an exit record 40 s after the partition: " \
+        f"{sorted(set(range(4)) - set(status))} (still waiting in a collective?)"
+    for r, s in status.items():
+        assert s["exit_code"] not in (0, None), s
+        ended_after = s["end_time"] - t_down
+        # link_timeout s of silence, up to 2 s of lingering for the other survivors, process exit:
+        # 20 s leaves room for a loaded 2-core machine.
+        assert ended_after < 20, f"rank {r} ended {ended_after:.1f} s after the partition"
+        # Each rank names a rank of the other side, lost because its host stopped answering: its own
+        # finding, or in the reason of a rank of its side that found it a moment earlier and gave up.
+        # (Worded "died" until comm_mpi.cpp's alarm_cause words lost peers with Liveness::lost_text.)
+        log = (logs / f"rank{r}.log").read_text(errors="replace")
+        m = re.search(r"zero8\.Zero8CommError: .*", log)
+        assert m, f"rank {r} did not fail with a communication error:\n{log[-3000:]}"
+        o = "[23]" if r < 2 else "[01]"
+        lost = (rf"lost contact with rank {o} \(host {NAMESPACES[1 - r // 2]}\): no TCP answer for "
+                rf"{link_timeout} s \(network partition, or its host is down\)")
+        assert re.search(rf"{lost}|rank {o} died", m.group(0)) and "timed out" not in m.group(0), m.group(0)
+    # Nothing of the job outlives it on either host (the link is back up: OpenMPI's daemons can finish).
+    deadline = time.monotonic() + 15
+    while any(_script_pids(w.script).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_script_pids(w.script).values()), _script_pids(w.script)
+
+
+@pytest.mark.parametrize("value", ["1", "60s", "40000"])
+def test_link_timeout_is_checked(value):
+    """A bad ZERO8_COMM_LINK_TIMEOUT fails every rank at once naming the variable (no cluster needed)."""
+    problem = installed_problem()
+    if problem or mpirun() is None:
+        pytest.skip(problem or "mpirun not found")
+    import zero8
+    if not zero8.build_info()["mpi"]:
+        pytest.skip("zero8 was built without MPI")
+    code = ("import zero8, zero8._C as C\n"
+            "try:\n    C.comm_create('mpi')\n"
+            "except zero8.Zero8ValueError as e:\n    print('VALUE_ERROR', e, flush=True)\n")
+    r = subprocess.run([mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", code],
+                       env=job_env(ZERO8_COMM_LINK_TIMEOUT=value), capture_output=True, text=True, timeout=60)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("VALUE_ERROR")]
+    assert len(lines) == 2, r.stdout + r.stderr
+    for l in lines:
+        assert f"ZERO8_COMM_LINK_TIMEOUT='{value}' is not a whole number of seconds from 2 to 32767" in l, l
