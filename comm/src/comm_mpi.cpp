@@ -15,10 +15,15 @@
 //    sits in MPI_Finalize) fails a call still waiting on it 1 s later, not at the timeout: the grace
 //    lets MPI complete a call whose part the peer finished just before it left.
 //  * Mismatched collectives (at the same collective number of a communicator, ranks call different
-//    ops): each rank keeps its last few calls, and on an MPI error (MPI_ERR_TRUNCATE), or a wait
-//    longer than 2 s (then every 5 s), compares them with the members' and names the mismatch.
-//    Mismatched calls whose messages fit each other complete without either, and go unnoticed
-//    (communicator.h says which).
+//    ops): each op has its own duplicate of the communicator (MpiComm::op_comms_, made with
+//    MPI_Comm_idup when the communicator is created), because MPI matches collectives by
+//    communicator and order alone: on one communicator OpenMPI 4.1.4 matched one rank's
+//    MPI_Iallgatherv with another's MPI_Ialltoallv, completing them with wrong data or crashing in
+//    libnbc on the truncation. So mismatched calls wait; each rank keeps its last few calls, and on a
+//    wait longer than 2 s (then every 5 s), or an MPI error (MPI_ERR_TRUNCATE: the same op with
+//    sizes that do not fit), compares them with the members' and names the mismatch. The same op
+//    with sizes that fit completes unnoticed (communicator.h says which). Each zero8 communicator
+//    thus holds 8 MPI communicators; OpenMPI 4.1 allows 65532 per process.
 //  * Errors are returned, not fatal (MPI_ERRORS_RETURN on every communicator, and on MPI_COMM_WORLD
 //    when zero8 initialized MPI: OpenMPI reports failed nonblocking collectives there).
 // MPI_Init and MPI_Comm_split remain blocking: MPI_Init is bounded by the launcher, and split first
@@ -96,16 +101,17 @@ std::string peer_name(const WaitSpec& s, int world_rank) {
   return name;
 }
 
+bool alarm_has_death(MpiWorld& w) {
+  for (const Liveness::Event& e : w.live->events())
+    if (e.died) return true;
+  return false;
+}
+
 // Why the liveness alarm rang: dead peers first (the root cause), else the first peer that gave up.
 std::string alarm_cause(MpiWorld& w, const WaitSpec& s) {
-  auto has_death = [&] {
-    for (const Liveness::Event& e : w.live->events())
-      if (e.died) return true;
-    return false;
-  };
   // A death reaches every survivor within milliseconds; a short grace lets this rank name the dead
   // peer itself even if another survivor's "giving up" message arrived first.
-  for (int i = 0; i < 20 && !has_death(); ++i) {
+  for (int i = 0; i < 20 && !alarm_has_death(w); ++i) {
     timespec ts{0, 2000000L};
     nanosleep(&ts, nullptr);
   }
@@ -307,7 +313,16 @@ void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& do
   for (int iter = 0;; ++iter) {
     // Checked before done(): once a peer has died or given up, every later call fails, even one
     // that could complete locally (an eager send), so no rank carries on alone.
-    if (w.live && w.live->alarm()) mpi_fail(w, spec, alarm_cause(w, spec));
+    if (w.live && w.live->alarm()) {
+      std::string cause = alarm_cause(w, spec);
+      // Peers only gave up (one found a mismatch, say, while this rank waits in the other
+      // collective): a mismatch this rank is part of is named from its side ("this rank called").
+      if (!alarm_has_death(w)) {
+        const std::string mismatch = mismatch_cause(w, spec, kQuerySeconds);
+        if (!mismatch.empty()) cause = mismatch;
+      }
+      mpi_fail(w, spec, cause);
+    }
     if (done()) return;
     const double t = now_s();
     if (t > deadline) mpi_fail(w, spec, timeout_cause(w, spec, t - t0));
@@ -413,10 +428,52 @@ MpiComm::MpiComm(std::shared_ptr<MpiWorld> world, MPI_Comm comm, std::string nam
     : Communicator(comm_rank_of(comm), comm_size_of(comm), std::move(name), std::move(world_ranks), timeout_s),
       world_(std::move(world)),
       comm_(comm),
-      id_(id) {}
+      id_(id) {
+  op_comms_.fill(MPI_COMM_NULL);
+  // Every member creates comm_ in the same call (comm_create, split), then its duplicates here in
+  // the same order.
+  WaitSpec spec;
+  spec.label = "creating MPI communicator '" + this->name() + "' (rank " + std::to_string(rank()) + " of " +
+               std::to_string(size()) + ")";
+  spec.call = spec.label;
+  spec.comm_id = id_;
+  spec.timeout_s = timeout();
+  spec.world_ranks = &this->world_ranks();
+  spec.comm_rank = rank();
+  for (MPI_Comm& c : op_comms_) {
+    MPI_Request req;
+    if (MPI_Comm_idup(comm_, &c, &req) != MPI_SUCCESS) mpi_fail(*world_, spec, "MPI_Comm_idup failed");
+    mpi_wait(*world_, spec, [&] {
+      int flag = 0;
+      MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+      return flag != 0;
+    });
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  }
+}
 
 MpiComm::~MpiComm() {
-  if (!failed() && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (failed()) return;  // requests of the failed call may still reference them
+  for (MPI_Comm& c : op_comms_)
+    if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+MPI_Comm MpiComm::mpi_comm(OpKind kind) const {
+  switch (kind) {
+    case OpKind::all_to_all:
+    case OpKind::all_to_all_v: return op_comms_[0];
+    case OpKind::all_gather:
+    case OpKind::all_gather_v: return op_comms_[1];
+    case OpKind::reduce_scatter: return op_comms_[2];
+    case OpKind::all_reduce: return op_comms_[3];
+    case OpKind::broadcast: return op_comms_[4];
+    case OpKind::barrier: return op_comms_[5];
+    case OpKind::split: return op_comms_[6];
+    case OpKind::send:
+    case OpKind::recv: break;
+  }
+  return comm_;
 }
 
 std::string MpiComm::description() const {
@@ -482,7 +539,8 @@ void MpiComm::do_all_to_all_v(const void* send, const int64_t* send_bytes, const
   const std::vector<int> sc = u.ints(send_bytes, n), sd = u.ints(send_displs, n);
   const std::vector<int> rc = u.ints(recv_bytes, n), rd = u.ints(recv_displs, n);
   std::vector<MPI_Request> reqs(1);
-  check_mpi(MPI_Ialltoallv(send, sc.data(), sd.data(), u.type, recv, rc.data(), rd.data(), u.type, comm_, &reqs[0]),
+  check_mpi(MPI_Ialltoallv(send, sc.data(), sd.data(), u.type, recv, rc.data(), rd.data(), u.type, mpi_comm(kind),
+                          &reqs[0]),
             kind, "MPI_Ialltoallv");
   wait_requests(reqs, kind);
 }
@@ -495,7 +553,7 @@ void MpiComm::do_all_gather_v(const void* send, int64_t send_bytes, void* recv, 
   const bool in_place = send == static_cast<const char*>(recv) + recv_displs[rank()];
   std::vector<MPI_Request> reqs(1);
   check_mpi(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : send, int(send_bytes / u.bytes), u.type, recv, rc.data(),
-                            rd.data(), u.type, comm_, &reqs[0]),
+                            rd.data(), u.type, mpi_comm(kind), &reqs[0]),
             kind, "MPI_Iallgatherv");
   wait_requests(reqs, kind);
 }
@@ -505,7 +563,8 @@ void MpiComm::do_broadcast(void* buf, int64_t bytes, int root) {
   do {
     const int64_t piece = std::min(kPieceBytes, bytes - off);
     std::vector<MPI_Request> reqs(1);
-    check_mpi(MPI_Ibcast(static_cast<char*>(buf) + off, int(piece), MPI_BYTE, root, comm_, &reqs[0]),
+    check_mpi(MPI_Ibcast(static_cast<char*>(buf) + off, int(piece), MPI_BYTE, root, mpi_comm(OpKind::broadcast),
+                         &reqs[0]),
               OpKind::broadcast, "MPI_Ibcast");
     wait_requests(reqs, OpKind::broadcast);
     off += piece;
@@ -514,7 +573,7 @@ void MpiComm::do_broadcast(void* buf, int64_t bytes, int root) {
 
 void MpiComm::do_barrier() {
   std::vector<MPI_Request> reqs(1);
-  check_mpi(MPI_Ibarrier(comm_, &reqs[0]), OpKind::barrier, "MPI_Ibarrier");
+  check_mpi(MPI_Ibarrier(mpi_comm(OpKind::barrier), &reqs[0]), OpKind::barrier, "MPI_Ibarrier");
   wait_requests(reqs, OpKind::barrier);
 }
 
@@ -569,7 +628,7 @@ std::unique_ptr<MpiComm> MpiComm::split_mpi(int color, int key, const std::strin
   for (int p = 0; p < n; ++p) rd[size_t(p)] = 8 * p;
   do_all_gather_v(mine, 8, all.data(), rb.data(), rd.data(), kind);
   MPI_Comm child = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child), kind, "MPI_Comm_split");
+  check_mpi(MPI_Comm_split(mpi_comm(kind), color < 0 ? MPI_UNDEFINED : color, key, &child), kind, "MPI_Comm_split");
   if (color < 0) return nullptr;
   std::vector<int> members;
   for (int p = 0; p < n; ++p)

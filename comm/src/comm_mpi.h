@@ -12,6 +12,7 @@
 #endif
 #include <mpi.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -75,7 +76,9 @@ class MpiComm final : public Communicator {
 
   MpiWorld& world() const { return *world_; }
   const std::shared_ptr<MpiWorld>& world_ptr() const { return world_; }
-  MPI_Comm mpi_comm() const { return comm_; }
+  MPI_Comm mpi_comm() const { return comm_; }  // send/recv (and the parent of the per-op duplicates)
+  // The MPI communicator a collective of this kind runs on: its own duplicate of comm_ per logical op.
+  MPI_Comm mpi_comm(OpKind kind) const;
   uint64_t id() const { return id_; }
   WaitSpec wait_spec(OpKind kind, int p2p_peer = -1) const;
   // Split for another backend (NCCL): the MPI child plus its membership; nullptr when color < 0.
@@ -103,6 +106,13 @@ class MpiComm final : public Communicator {
   std::shared_ptr<MpiWorld> world_;
   MPI_Comm comm_;
   uint64_t id_;
+  // MPI matches collectives by communicator and call order only, not by operation: ranks calling
+  // different ops at the same place on one communicator would exchange each other's messages
+  // (OpenMPI 4.1's libnbc can then crash the process on the truncation). One duplicate per logical
+  // op (all_to_all and all_to_all_v share one, as all_gather and all_gather_v do; all_reduce's and
+  // reduce_scatter's phases run on their op's) makes a mismatch wait, and mpi_wait names it.
+  static constexpr int kOpComms = 7;
+  std::array<MPI_Comm, kOpComms> op_comms_;
 };
 
 }  // namespace zero8::comm::detail

@@ -13,9 +13,12 @@
 //               waits in all_reduce; rank 0 fails about a second later, not at the timeout.
 //   exit_throw: rank 1 throws outside any call, catches it, destroys its communicator and returns 1
 //               while rank 0 waits in bucket_reduce_scatter (timeout 20 s): the same, a second later.
-//   mismatch  : rank 0 calls all_gather where rank 1 calls all_reduce, sizes compatible (no MPI error):
-//               rank 1's wait asks rank 0 and names the mismatch; rank 0's next call gets its reason.
-//   mismatch_size: the same, sizes not compatible: MPI_ERR_TRUNCATE, reported as the mismatch.
+//   mismatch  : rank 0 calls all_gather where rank 1 calls all_reduce, sizes compatible: each op has
+//               its own MPI communicator, so both wait; after 2 s they ask each other and name it.
+//   mismatch_size: the same with sizes that would truncate (once MPI_ERR_TRUNCATE): named the same way.
+//   mismatch_kind: rank 0 calls all_gather (8 bytes) where rank 1 calls all_to_all_v (136 bytes to each
+//               rank), as one rank alone in engine.save_checkpoint: both wait and name the mismatch.
+//   mismatch_kind_fit: the same with sizes that fit each other (64 bytes each way).
 //   mismatch_bucket: both call bucket_reduce_scatter, rank 0 with 1000 elements, rank 1 with 2000:
 //               MPI_ERR_TRUNCATE is returned (not fatal) and raised as zero8::Error naming the call.
 #include <signal.h>
@@ -132,27 +135,35 @@ int main(int argc, char** argv) {
       o.block = 64;
       bucket_reduce_scatter(*world, v.data(), 1000, off, out.data(), o);
     } else if (mode == "mismatch") {
-      // 1024 floats: all_reduce's all-to-all half sends rank 0 2048 bytes, as much as rank 0's
-      // all_gather expects, and takes 2048 bytes from it: MPI completes rank 0's call (with garbage)
-      // and no MPI call ever fails; rank 1 then waits in the all-gather half.
+      // 1024 floats: all_reduce's all-to-all half exchanges 2048 bytes with rank 0, as much as rank
+      // 0's all_gather: on one MPI communicator, MPI completed rank 0's call with garbage.
       std::vector<float> v(1024, 1.0f);
-      if (me == 0) {
-        world->all_gather(v.data(), v.data(), 2048);
-        sleep(4);  // computes: only rank 1's wait can find the mismatch
-        t_op = now_s();
-        world->barrier();
-      } else {
-        t_op = now_s();
-        world->all_reduce(v.data(), 1024, ReduceOp::sum);
-      }
+      t_op = now_s();
+      if (me == 0) world->all_gather(v.data(), v.data(), 2048);
+      if (me == 1) world->all_reduce(v.data(), 1024, ReduceOp::sum);
+      world->barrier();
     } else if (mode == "mismatch_size") {
       // The same bytes on both ranks (1 KiB), but all_reduce's all-to-all half takes 512 from rank 0,
-      // which sends 1024: rank 1's MPI call fails with MPI_ERR_TRUNCATE, while rank 0's call
-      // completes and it moves on to the barrier.
+      // which sends 1024: on one MPI communicator, rank 1's call failed with MPI_ERR_TRUNCATE.
       std::vector<float> v(512, 1.0f);
       t_op = now_s();
       if (me == 0) world->all_gather(v.data(), v.data(), 1024);
       if (me == 1) world->all_reduce(v.data(), 256, ReduceOp::sum);
+      world->barrier();
+    } else if (mode == "mismatch_kind" || mode == "mismatch_kind_fit") {
+      // Different collectives of tiny sizes. Sharing one MPI communicator, MPI matched rank 0's
+      // all-gather with rank 1's all-to-all: OpenMPI 4.1.4 crashed rank 0 on the truncation
+      // ("free(): invalid pointer"), or, with sizes that fit, both calls completed with wrong data.
+      const int64_t gather = mode == "mismatch_kind" ? 8 : 64, chunk = mode == "mismatch_kind" ? 136 : 64;
+      std::vector<char> send(static_cast<size_t>(chunk * n), 1), recv(static_cast<size_t>(chunk * n));
+      t_op = now_s();
+      if (me == 0) {
+        world->all_gather(send.data(), recv.data(), gather);
+      } else {
+        std::vector<int64_t> bytes(static_cast<size_t>(n), chunk), displs(static_cast<size_t>(n));
+        for (int p = 0; p < n; ++p) displs[size_t(p)] = chunk * p;
+        world->all_to_all_v(send.data(), bytes, displs, recv.data(), bytes, displs);
+      }
       world->barrier();
     } else if (mode == "mismatch_bucket") {
       // The same collective with different sizes (rank 0: 1000 elements, rank 1: 2000), as ranks

@@ -20,13 +20,16 @@ namespace zero8::comm {
 // * Collective: every rank of the communicator calls the same collectives in the same order with
 //   matching sizes (as in MPI). Sizes are validated locally; a mismatch across ranks is a usage error
 //   that the transport may report as a comm error or a timeout. The MPI backend names ranks that
-//   called a different collective at the same place ("mismatched collectives") when the mismatch
-//   makes a call fail in MPI (MPI_ERR_TRUNCATE) or wait longer than 2 s: it then compares the
-//   members' last few calls. Not detected: different collectives whose messages happen to fit each
-//   other (bucket_reduce_scatter on one rank where another calls bucket_all_gather on the same
-//   layout) complete with wrong data, and are named only if a later call fails or waits 2 s; the
-//   same collective with different sizes that fit is never named. (MPI collectives carry no tag to
-//   tell them apart; checking every call would cost an extra exchange or a copy of every payload.)
+//   called a different collective at the same place ("mismatched collectives: this rank called
+//   all_gather #12 on 'world', rank 1 called all_to_all_v #12 on 'world'"), whatever the sizes:
+//   each op runs on its own MPI communicator (all_to_all and all_to_all_v share one, as all_gather
+//   and all_gather_v do), so MPI never matches one op's messages with another's and the calls wait;
+//   after 2 s the ranks compare their last few calls. Not detected: the same op with different sizes
+//   (the _v and plain forms count as one op). Sizes that fit each other complete with wrong data and
+//   are never named; others fail in MPI (MPI_ERR_TRUNCATE, raised naming the call; OpenMPI 4.1 can
+//   crash instead on a large truncated message, see docs/LAUNCH.md). A broadcast root may return
+//   before the others call it, so a broadcast swapped with the next collective can complete. (MPI
+//   collectives carry no sizes to compare; checking every call would cost an extra exchange.)
 // * Memory: buffers belong to the caller and must stay valid for the call. memory() says whether
 //   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
 //   overlap, except where an op says "in place".
