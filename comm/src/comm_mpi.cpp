@@ -120,8 +120,12 @@ std::string alarm_cause(MpiWorld& w, const WaitSpec& s) {
   int deaths = 0;
   for (const Liveness::Event& e : ev) {
     if (!e.died) continue;
-    os << (deaths++ ? "; " : "") << peer_name(s, e.rank)
-       << " died (its connection closed without a clean shutdown: the process was killed or crashed)";
+    os << (deaths++ ? "; " : "");
+    if (e.lost)
+      os << Liveness::lost_text(e, peer_name(s, e.rank));
+    else
+      os << peer_name(s, e.rank)
+         << " died (its connection closed without a clean shutdown: the process was killed or crashed)";
   }
   if (deaths > 0) return os.str();
   for (const Liveness::Event& e : ev) return peer_name(s, e.rank) + " gave up: " + e.reason;
@@ -178,7 +182,7 @@ std::string timeout_cause(MpiWorld& w, const WaitSpec& s, double waited) {
   for (const Liveness::PeerState& st : w.live->query(ask, wait_s)) {
     const std::string who = peer_name(s, st.rank);
     if (st.dead) {
-      missing << (n_missing++ ? "; " : "") << who << " (died)";
+      missing << (n_missing++ ? "; " : "") << who << (st.lost ? " (lost: its host stopped answering)" : " (died)");
     } else if (st.finished) {
       missing << (n_missing++ ? "; " : "") << who << " (has already shut down its communicators)";
     } else if (!st.answered) {
