@@ -1087,9 +1087,9 @@ def test_deepcopy_and_pickle_keep_knobs_and_overrides():
         assert clone.state[cq]["state1"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, master", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("cls", [zo.Lion8bit, zo.AdamW8bit, zo.SGD32bit])
-def test_strided_parameter_is_updated_in_place(cls, dtype):
+def test_strided_parameter_is_updated_in_place(cls, dtype, master):
     """A strided parameter (a transposed view of another tensor, a channels_last conv weight) is updated in
     place, as torch.optim does: its storage and strides stay (the view's base sees the update, the conv
     keeps its memory format), with the values of a contiguous twin's steps."""
@@ -1100,6 +1100,7 @@ def test_strided_parameter_is_updated_in_place(cls, dtype):
     twins = [torch.nn.Parameter(p.detach().contiguous()) for p in params]
     strides, ptrs = [p.stride() for p in params], [p.data_ptr() for p in params]
     kw = {"momentum": 0.9} if cls is zo.SGD32bit else {}
+    kw["master_weights"] = master  # False: each step's float32 copy follows the contiguous copy's order
     opt, twin_opt = cls(params, lr=1e-2, min_8bit_size=0, **kw), cls(twins, lr=1e-2, min_8bit_size=0, **kw)
     for _ in range(3):
         for p, t in zip(params, twins):

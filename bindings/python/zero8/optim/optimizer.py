@@ -774,8 +774,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         if master is not None:
             a.master = master.data_ptr()
         elif p.dtype != torch.float32:  # master_weights=False: a float32 copy for this step only
-            work = p.detach().to(torch.float32)
-            a.master = work.data_ptr()
+            step_master = work.to(torch.float32)  # row-major as work; held until the kernel has run
+            a.master = step_master.data_ptr()
         a.grad = grad.data_ptr()
         a.grad_dtype = dtype_code(grad, f"{name}.grad")
         two = self._num_states == 2
