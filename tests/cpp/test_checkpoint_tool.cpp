@@ -353,13 +353,25 @@ TEST_F(CheckpointTool, ExportOutputPathIsCheckedFirst) {
     }
   };
   // Files of the checkpoint being read.
-  refused(tag_dir_ + "/model.safetensors", "a file of the checkpoint being exported");
-  refused(tag_dir_ + "/../global_step2/manifest.json", "a file of the checkpoint being exported");
+  refused(tag_dir_ + "/model.safetensors", "a tag directory of the checkpoint being exported");
+  refused(tag_dir_ + "/../global_step2/manifest.json", "a tag directory of the checkpoint being exported");
   refused(dir_ + "/latest", "a file of the checkpoint being exported");
   fs::create_hard_link(tag_dir_ + "/zero8_shard_rank0.bin", dir_ + "/hard.st");
   refused(dir_ + "/hard.st", "a file of the checkpoint being exported");
   fs::create_symlink(tag_dir_ + "/model.safetensors", dir_ + "/link.st");
-  refused(dir_ + "/link.st", "a file of the checkpoint being exported");
+  refused(dir_ + "/link.st", "a tag directory of the checkpoint being exported");
+  // Another tag's files and directory, and a new name in any tag directory (a file no manifest lists).
+  const std::string other = dir_ + "/" + ckpt::tags_list(dir_).front();
+  ASSERT_NE(fs::canonical(other), fs::canonical(tag_dir_));
+  const std::vector<uint8_t> other_model = read_bytes(other + "/model.safetensors");
+  refused(other + "/model.safetensors", "a tag directory of the checkpoint being exported");
+  refused(other + "/new.safetensors", "a tag directory of the checkpoint being exported");
+  refused(tag_dir_ + "/new.safetensors", "a tag directory of the checkpoint being exported");
+  fs::create_hard_link(other + "/model.safetensors", dir_ + "/hard_other.st");
+  refused(dir_ + "/hard_other.st", "a file of the checkpoint being exported");
+  EXPECT_TRUE(ckpt::verify(other).ok());
+  EXPECT_EQ(read_bytes(other + "/model.safetensors"), other_model);
+  EXPECT_FALSE(fs::exists(other + "/new.safetensors"));
   EXPECT_TRUE(ckpt::verify(tag_dir_).ok());
   EXPECT_EQ(read_bytes(tag_dir_ + "/model.safetensors"), model0);
   EXPECT_EQ(ckpt::latest_read(dir_), "global_step2");

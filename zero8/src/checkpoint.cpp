@@ -1998,9 +1998,10 @@ namespace {
 
 // Where export_fp32 writes out_path, checked before anything is read: out_path, or the file a symbolic
 // link there leads to (written through: the link stays a link). Refused, naming out_path: an empty path,
-// a missing parent directory, an existing directory, device, fifo or socket, and an existing file of the
-// checkpoint being read (a file of the tag, found by inode so that hard links and links count, or the
-// checkpoint's latest): the rename would put the export in its place.
+// a missing parent directory, an existing directory, device, fifo or socket, any path inside a tag
+// directory of the checkpoint directory (any tag's, not only the one read), and an existing file of the
+// checkpoint directory (a file of a tag, found by inode so that hard links and links count, or its
+// latest): the rename would put the export in its place.
 struct ExportTarget {
   std::string path;   // the file to replace or create
   std::string shown;  // out_path in errors (and where it leads, for a link)
@@ -2034,12 +2035,24 @@ ExportTarget export_target(const std::string& tag_dir, const std::string& out_pa
     CKPT_FAIL(t.shown, errno == ENOENT ? "the directory " + parent.string() + " does not exist"
                                        : "cannot write into " + parent.string() + ": " + errno_text(errno));
   if (!S_ISDIR(pst.st_mode)) CKPT_FAIL(t.shown, parent.string() + " is not a directory");
+  // Nothing goes into a tag directory of the checkpoint directory (the tag read, another tag, a copy held
+  // aside by a replace, a save in progress): a new file there is in no manifest, an existing one is data.
+  const std::string root = fs::path(join(tag_dir, "..")).lexically_normal().string();
+  std::vector<std::string> own = {join(root, kLatestName), join(root, kLatestTmpName)};
+  std::error_code ec;
+  for (const fs::directory_entry& d : fs::directory_iterator(root, ec)) {
+    std::error_code dec;
+    const bool staging = d.path().filename().string().rfind(kTmpPrefix, 0) == 0;
+    if (!d.is_directory(dec) || !(staging || fs::exists(d.path() / kManifestName, dec))) continue;
+    struct stat dst;
+    if (::stat(d.path().c_str(), &dst) == 0 && dst.st_dev == pst.st_dev && dst.st_ino == pst.st_ino)
+      CKPT_FAIL(t.shown, "is inside " + d.path().string() +
+                             ", a tag directory of the checkpoint being exported: write the export elsewhere");
+    for (const fs::directory_entry& e : fs::directory_iterator(d.path(), dec)) own.push_back(e.path().string());
+  }
   if (!found) return t;
   if (S_ISDIR(st.st_mode)) CKPT_FAIL(t.shown, "is a directory (the output is one safetensors file: give its path)");
   if (!S_ISREG(st.st_mode)) CKPT_FAIL(t.shown, "is not a regular file (a device, fifo or socket): it is not replaced");
-  std::vector<std::string> own = {join(join(tag_dir, ".."), kLatestName), join(join(tag_dir, ".."), kLatestTmpName)};
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(tag_dir, ec)) own.push_back(e.path().string());
   for (const std::string& f : own) {
     struct stat fst;
     if (::stat(f.c_str(), &fst) == 0 && fst.st_dev == st.st_dev && fst.st_ino == st.st_ino)

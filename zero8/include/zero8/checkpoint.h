@@ -273,7 +273,8 @@ VerifyResult verify(const std::string& tag_dir);
 // synced, renamed: an existing file is replaced atomically and keeps its permission bits; a symbolic
 // link is written through, replacing the file it leads to). Refused before anything is read, with
 // Error(io) naming out_path: a missing parent directory, an existing directory, device, fifo or socket,
-// and an existing file of the checkpoint being read (a file of tag_dir, by inode, or its latest); an
+// any path inside a tag directory of tag_dir's checkpoint directory (any tag's), and an existing file of
+// that directory elsewhere (another name of a tag's file, by inode, or its latest); an
 // empty out_path is Error(invalid_argument). With the manifest's state_dict: every key of the module's state_dict, in its order; the
 // trained parameters F32 from the masters of all shards, the other entries from kModelRestName with
 // 16-bit floats widened to F32 (exact) and any other dtype as saved; a tied alias is written under
