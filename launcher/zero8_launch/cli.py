@@ -132,15 +132,21 @@ def exit_code_of(rc: int) -> int:
 
 
 def _check_net_if_subnet(net_if: str, hosts: list[str]) -> list[str]:
-    """--net_if as a subnet: this host must have an address in it when it runs ranks (else mpirun would
-    use whatever network it finds, or none); when it is not one of the hosts, only a warning (mpirun, which
-    runs here, may still reach the hosts' daemons). Interface names are checked by mpirun."""
-    try:
-        net = ipaddress.IPv4Network(net_if, strict=False)
-    except ValueError as e:
-        raise LaunchError(f"--net_if {net_if}: not an interface name or an IPv4 subnet ({e})")
+    """--net_if with subnets (one, or OpenMPI's comma list of interfaces and subnets): this host must have
+    an address in one of them when it runs ranks (else mpirun would use whatever network it finds, or
+    none); when it is not one of the hosts, only a warning (mpirun, which runs here, may still reach the
+    hosts' daemons). Interface names are checked by mpirun: a list naming one is not checked here."""
+    nets = []
+    for entry in net_if.split(","):
+        if "/" not in entry:
+            return []
+        try:
+            nets.append(ipaddress.IPv4Network(entry.strip(), strict=False))
+        except ValueError as e:
+            raise LaunchError(f"--net_if {net_if}: {entry!r} is not an interface name or an IPv4 subnet ({e})")
+    net = ", ".join(str(n) for n in nets)
     ifaces = local_ipv4()
-    if any(i.ip in net for i in ifaces.values()):
+    if any(i.ip in n for i in ifaces.values() for n in nets):
         return []
     have = ", ".join(f"{name} {i}" for name, i in ifaces.items()) or "none"
     here = this_host_among(hosts, (LOCAL_HOST,))

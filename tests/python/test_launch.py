@@ -397,7 +397,14 @@ def test_net_if_subnet_this_host_has_no_address_in_is_refused(tmp_path, capsys):
     assert f"{lo} 127.0.0.1/8" in err
     assert cli.main(["--net_if", "127.0.0.0/8"] + args) == 0  # a subnet this host has
     assert cli.main(["--net_if", "10.232.9.0/33"] + args) == 2
-    assert "--net_if 10.232.9.0/33: not an interface name or an IPv4 subnet" in capsys.readouterr().err
+    assert "--net_if 10.232.9.0/33: '10.232.9.0/33' is not an interface name or an IPv4 subnet" in \
+        capsys.readouterr().err
+    # OpenMPI's comma list of interfaces and subnets: one this host has passes, as does a list naming an
+    # interface (mpirun checks those); a list of subnets this host has none of is refused.
+    assert cli.main(["--net_if", f"{subnet},127.0.0.0/8"] + args) == 0
+    assert cli.main(["--net_if", f"{lo},{subnet}"] + args) == 0
+    assert cli.main(["--net_if", f"{subnet},10.232.8.0/24"] + args) == 2
+    assert f"has no address in {subnet}, 10.232.8.0/24; its addresses: " in capsys.readouterr().err
     # This host not in the hostfile: it cannot tell, only warns.
     hf.write_text("10.232.9.8 slots=1\n10.232.9.9 slots=1\n")
     assert cli.main(["--net_if", subnet] + args) == 0
