@@ -54,8 +54,8 @@ std::string errno_text() { return std::strerror(errno); }
 struct AddressRecord {
   uint32_t magic;
   uint32_t ipv4;   // network byte order
-  uint16_t port;   // network byte order
-  uint16_t pad;
+  uint16_t port;   // network byte order; 0: this rank cannot join (see bad_env)
+  uint16_t bad_env;  // 1: port 0 because of an invalid ZERO8_COMM_LINK_TIMEOUT here
   int32_t rank;
   uint64_t token;  // rank 0's value is the job's: a stray connection cannot join the mesh
   char host[64];   // host name, NUL-terminated (truncated), for messages
@@ -276,6 +276,7 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   mine.magic = kMagic;
   mine.ipv4 = sa.sin_addr.s_addr;
   mine.port = listen_error.empty() ? sa.sin_port : 0;
+  mine.bad_env = env_error ? 1 : 0;
   mine.rank = rank_;
   std::snprintf(mine.host, sizeof(mine.host), "%s", host_name().c_str());
   std::random_device rd;
@@ -288,6 +289,9 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   for (int r = 0; r < size_; ++r) {
     if (all[size_t(r)].magic != kMagic || all[size_t(r)].rank != r)
       ZERO8_THROW(comm, "liveness: bad address record from rank " << r);
+    if (all[size_t(r)].port == 0 && all[size_t(r)].bad_env)
+      ZERO8_THROW(comm, "liveness: rank " << r << " has an invalid ZERO8_COMM_LINK_TIMEOUT (its own error names "
+                                                  "the value; every rank needs the same valid setting)");
     if (all[size_t(r)].port == 0)
       ZERO8_THROW(comm, "liveness: rank " << r << " could not open its liveness socket (its own error says why)");
     all[size_t(r)].host[sizeof(all[size_t(r)].host) - 1] = '\0';

@@ -507,3 +507,25 @@ def test_link_timeout_is_checked(value):
     assert len(lines) == 2, r.stdout + r.stderr
     for l in lines:
         assert f"ZERO8_COMM_LINK_TIMEOUT='{value}' is not a whole number of seconds from 2 to 32767" in l, l
+
+
+def test_link_timeout_bad_on_one_rank_is_named_by_the_others():
+    """Only rank 1 has a bad ZERO8_COMM_LINK_TIMEOUT: it names the value, and rank 0 names rank 1 and the
+    variable (not a socket it could not open)."""
+    problem = installed_problem()
+    if problem or mpirun() is None:
+        pytest.skip(problem or "mpirun not found")
+    import zero8
+    if not zero8.build_info()["mpi"]:
+        pytest.skip("zero8 was built without MPI")
+    code = ("import os, zero8, zero8._C as C\n"
+            "if os.environ['OMPI_COMM_WORLD_RANK'] == '1':\n    os.environ['ZERO8_COMM_LINK_TIMEOUT'] = 'abc'\n"
+            "try:\n    C.comm_create('mpi')\n"
+            "except zero8.Zero8ValueError as e:\n    print('VALUE_ERROR', e, flush=True)\n"
+            "except zero8.Zero8CommError as e:\n    print('COMM_ERROR', e, flush=True)\n")
+    r = subprocess.run([mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", code],
+                       env=job_env(), capture_output=True, text=True, timeout=60)
+    lines = sorted(l for l in r.stdout.splitlines() if l.startswith(("VALUE_ERROR", "COMM_ERROR")))
+    assert len(lines) == 2, r.stdout + r.stderr
+    assert lines[0].startswith("COMM_ERROR") and "rank 1 has an invalid ZERO8_COMM_LINK_TIMEOUT" in lines[0], lines
+    assert lines[1].startswith("VALUE_ERROR") and "ZERO8_COMM_LINK_TIMEOUT='abc'" in lines[1], lines
