@@ -75,6 +75,7 @@ void init_comm(py::module_& m) {
       .def(
           "broadcast_bytes",
           [](Communicator& c, const py::bytes& data, int root) {
+            comm::check_host_memory(c, "self", "Communicator.broadcast_bytes", "broadcast_ptr on device memory");
             std::string buf = data;
             {
               py::gil_scoped_release release;
@@ -95,6 +96,7 @@ void init_comm(py::module_& m) {
       .def(
           "all_reduce_f64",
           [](Communicator& c, std::vector<double> values, const std::string& op) {
+            comm::check_host_memory(c, "self", "Communicator.all_reduce_f64", "all_reduce_ptr on device memory");
             const ReduceOp o = parse_op(op);
             {
               py::gil_scoped_release release;
@@ -117,6 +119,7 @@ void init_comm(py::module_& m) {
       .def(
           "all_gather_bytes",
           [](Communicator& c, const py::bytes& data) {
+            comm::check_host_memory(c, "self", "Communicator.all_gather_bytes", "all_gather_ptr on device memory");
             const std::string mine = data;
             const int n = c.size();
             std::vector<int64_t> lens(static_cast<size_t>(n)), displs(static_cast<size_t>(n), 0);
@@ -148,6 +151,7 @@ void init_comm(py::module_& m) {
       .def(
           "send_bytes",
           [](Communicator& c, const py::bytes& data, int peer, int tag) {
+            comm::check_host_memory(c, "self", "Communicator.send_bytes");
             const std::string buf = data;
             py::gil_scoped_release release;
             c.send(buf.data(), int64_t(buf.size()), peer, tag);
@@ -156,6 +160,7 @@ void init_comm(py::module_& m) {
       .def(
           "recv_bytes",
           [](Communicator& c, int64_t nbytes, int peer, int tag) {
+            comm::check_host_memory(c, "self", "Communicator.recv_bytes");
             ZERO8_CHECK_ARG(nbytes >= 0, "nbytes", "must be >= 0, got " << nbytes);
             std::string buf(size_t(nbytes), '\0');
             {

@@ -431,7 +431,17 @@ Topology topology_split(Communicator& world, int pp) {
   return t;
 }
 
+void check_host_memory(const Communicator& c, const std::string& arg, const std::string& user,
+                       const std::string& alternative) {
+  ZERO8_CHECK_ARG(c.memory() == MemSpace::host, arg,
+                  user << " passes host buffers to the communicator, but '" << c.name() << "' (" << c.backend()
+                       << ") takes device memory only; use a host communicator (comm_create \"mpi\", \"single\" "
+                          "or \"auto\")"
+                       << (alternative.empty() ? "" : ", or " + alternative));
+}
+
 NodeGroups node_groups(Communicator& world) {
+  check_host_memory(world, "world", "node_groups");
   // Fixed-size names keep this one all_gather; longer node names are compared by their prefix.
   constexpr size_t kName = 256;
   std::string node = detail::env_comm_node();

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -14,11 +15,58 @@
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
 #include "zero8/kernels/dispatch.h"
+#include "zero8/sharded.h"
 
 namespace zero8::comm {
 namespace {
 
 std::unique_ptr<Communicator> make_single() { return comm_create("single"); }
+
+// A communicator that says its buffers are device memory (as NCCL does) and fails any transfer: code
+// that would hand it host buffers must refuse it before the first call (NCCL would crash on them).
+class FakeDeviceComm final : public Communicator {
+ public:
+  FakeDeviceComm() : Communicator(0, 1, "world", {0}, 300.0) {}
+  std::string description() const override { return "fake device communicator"; }
+  const char* backend() const override { return "nccl"; }
+  MemSpace memory() const override { return MemSpace::device; }
+  [[noreturn]] void abort(int) override { std::abort(); }
+
+ protected:
+  [[noreturn]] static void called() { ZERO8_THROW(internal, "a host buffer reached the device communicator"); }
+  void do_all_to_all_v(const void*, const int64_t*, const int64_t*, void*, const int64_t*, const int64_t*,
+                       OpKind) override { called(); }
+  void do_all_gather_v(const void*, int64_t, void*, const int64_t*, const int64_t*, OpKind) override { called(); }
+  void do_broadcast(void*, int64_t, int) override { called(); }
+  void do_barrier() override { called(); }
+  void do_send(const void*, int64_t, int, int) override { called(); }
+  void do_recv(void*, int64_t, int, int) override { called(); }
+  std::unique_ptr<Communicator> do_split(int, int, const std::string&) override { called(); }
+};
+
+void expect_host_memory_refused(const std::function<void()>& f, const std::string& arg, const std::string& user) {
+  try {
+    f();
+    ADD_FAILURE() << user << ": expected an error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << m;
+    EXPECT_NE(m.find("invalid argument '" + arg + "': " + user + " passes host buffers to the communicator, but "
+                     "'world' (nccl) takes device memory only"),
+              std::string::npos) << m;
+  }
+}
+
+TEST(CommHostMemory, DeviceCommunicatorIsRefusedWhereHostBuffersAreUsed) {
+  FakeDeviceComm dev;
+  expect_host_memory_refused([&] { node_groups(dev); }, "world", "node_groups");
+  shard::ShardConfig cfg;
+  const std::vector<shard::ParamSpec> params = {{"w", {64}}};
+  expect_host_memory_refused([&] { shard::ShardedOptimizer opt(params, cfg, dev); }, "dp", "ShardedOptimizer");
+  auto single = make_single();
+  EXPECT_NO_THROW(check_host_memory(*single, "comm", "test"));
+  EXPECT_NO_THROW(shard::ShardedOptimizer(params, cfg, *single));
+}
 
 TEST(CommSingle, Basics) {
   auto c = make_single();

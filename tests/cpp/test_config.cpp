@@ -422,6 +422,20 @@ TEST(ConfigZero8, CommTimeoutDefaultsToDeepSpeedsThirtyMinutes) {
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_timeout_s": 45}})").zero8.comm_timeout_s, 45.0);
 }
 
+// The engine's buffers are host memory; NCCL reads device buffers only (ncclBroadcast of a
+// std::vector would crash on the first collective), so the key is refused by name.
+TEST(ConfigZero8, CommBackendNcclIsRefusedForTheEngine) {
+  for (const char* v : {"nccl", "NCCL"}) {
+    const auto e = parse_error(std::string(R"({"train_batch_size": 8, "zero8": {"comm_backend": ")") + v + "\"}}");
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("test.json: zero8.comm_backend: \"nccl\" cannot run the engine"), std::string::npos) << m;
+    EXPECT_NE(m.find("host memory, and NCCL takes device buffers only"), std::string::npos) << m;
+  }
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_backend": "mpi"}})").zero8.comm_backend,
+            cfg::CommBackend::mpi);
+}
+
 TEST(ConfigOptimizer, PerTypeDefaults) {
   auto opt = [](const char* o) {
     return parse(std::string(R"({"train_batch_size": 8, "zero8": {}, "optimizer": )") + o + "}").optimizer;

@@ -2061,6 +2061,18 @@ def test_keys_read_before_the_parse_allow_comments(tmp_path):
     assert [len(b[0]) for b in loader] == [4, 4]
 
 
+def test_comm_backend_nccl_is_refused_naming_the_key():
+    # The engine's buffers are host memory; NCCL takes device buffers only, so "nccl" is refused before any
+    # communicator is made (NCCL set-up would need a GPU), by initialize and by the config parser alike.
+    for value in ("nccl", "NCCL"):
+        with pytest.raises(zero8.Zero8NotSupportedError,
+                           match=r'zero8\.comm_backend: "nccl" cannot run the engine: .* host memory, and NCCL '
+                                 r'takes device buffers only; use "auto", "mpi" or "single"'):
+            zero8.initialize(model=make_model(), config=config(zero8={"comm_backend": value}))
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r'zero8\.comm_backend: "nccl" cannot run the engine'):
+        zero8.config.load_config(config(zero8={"comm_backend": "nccl"}), 1)
+
+
 def test_model_parameters_and_dtypes_are_checked():
     model = make_model()
     with pytest.raises(TypeError, match="got one tensor"):

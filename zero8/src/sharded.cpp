@@ -143,6 +143,8 @@ static void check_same_on_every_rank(const std::vector<ParamSpec>& params, const
 ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const ShardConfig& cfg,
                                    comm::Communicator& dp)
     : params_(params), cfg_(cfg), dp_(dp), scaler_(cfg.fp16 ? cfg.loss_scaler : LossScalerConfig{false, 1.0}) {
+  // Its buffers (working copy, gradients, state, norms) and the checkpoint code's are host memory.
+  comm::check_host_memory(dp, "dp", "ShardedOptimizer");
   ZERO8_CHECK_ARG(cfg.stage == 1 || cfg.stage == 2, "stage", "zero8 implements ZeRO stage 1 and 2, got " << cfg.stage);
   ZERO8_CHECK_ARG(cfg.bits == 8 || cfg.bits == 32, "bits", "must be 8 or 32, got " << cfg.bits);
   ZERO8_CHECK_ARG(cfg.reduce_bucket_size > 0, "reduce_bucket_size", "must be > 0, got " << cfg.reduce_bucket_size);

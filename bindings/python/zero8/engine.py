@@ -1900,6 +1900,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if config is None:
         raise Zero8ValueError("initialize: no config (pass config=, or args.deepspeed_config)")
     backend = raw_value(config, "zero8", "comm_backend", default="auto")
+    if isinstance(backend, str) and backend.lower() == "nccl":
+        # Refused before world_comm would set NCCL up (load_config refuses it too, with the same words).
+        raise Zero8NotSupportedError(
+            'zero8.comm_backend: "nccl" cannot run the engine: its buffers (parameters, gradients, optimizer '
+            'state, checkpoints) are host memory, and NCCL takes device buffers only; use "auto", "mpi" or '
+            '"single" (the NCCL backend is for device buffers through the C++ Communicator API, '
+            'comm_create("nccl"))')
     world = world_comm(backend if isinstance(backend, str) else "auto")
     global _engine_count
     _engine_count += 1

@@ -32,7 +32,8 @@ namespace zero8::comm {
 //   collectives carry no sizes to compare; checking every call would cost an extra exchange.)
 // * Memory: buffers belong to the caller and must stay valid for the call. memory() says whether
 //   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
-//   overlap, except where an op says "in place".
+//   overlap, except where an op says "in place". NCCL takes device buffers only (not pageable host
+//   memory): code that passes std::vector or stack values checks check_host_memory() first.
 // * Threads: one thread at a time per communicator (and per world: sub-communicators share it).
 // * Determinism: reductions of floating values are identical on every rank. The single and MPI
 //   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
@@ -250,6 +251,14 @@ class Communicator {
 // else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
 std::unique_ptr<Communicator> comm_create(const std::string& backend = "auto");
 bool comm_backend_available(const std::string& backend);  // compiled in (not: usable right now)
+
+// For code that hands the communicator host buffers (std::vector, stack values: the sharded
+// optimizer, checkpoints, node_groups, the Python bytes/list helpers): throws
+// Error(invalid_argument) naming `arg`, the communicator and `user` unless memory() is host
+// (`alternative`, when given, says what else to call). The NCCL backend takes device buffers only
+// (ncclBroadcast etc. cannot read pageable host memory).
+void check_host_memory(const Communicator& c, const std::string& arg, const std::string& user,
+                       const std::string& alternative = "");
 
 // ---- topology helpers (collective over `world`, built on split) ----
 
