@@ -72,6 +72,7 @@ class NcclComm final : public Communicator {
         ncclCommAbort(nccl_);
       }
     }
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -99,6 +100,7 @@ class NcclComm final : public Communicator {
     const char* s = static_cast<const char*>(send);
     char* r = static_cast<char*>(recv);
     const int me = rank();
+    after_legacy_stream(kind);
     if (sb[me] > 0) cuda_check(cudaMemcpyAsync(r + rd[me], s + sd[me], size_t(sb[me]), cudaMemcpyDeviceToDevice, stream_), kind);
     nccl_check(ncclGroupStart(), kind, "ncclGroupStart");
     for (int p = 0; p < size(); ++p) {
@@ -116,6 +118,7 @@ class NcclComm final : public Communicator {
     const int me = rank();
     bool equal = true;
     for (int p = 0; p < size(); ++p) equal = equal && rb[p] == send_bytes && rd[p] == send_bytes * p;
+    after_legacy_stream(kind);
     if (equal) {
       nccl_check(ncclAllGather(send, recv, size_t(send_bytes), ncclUint8, nccl_, stream_), kind, "ncclAllGather");
     } else {
@@ -133,6 +136,7 @@ class NcclComm final : public Communicator {
   }
 
   void do_broadcast(void* buf, int64_t bytes, int root) override {
+    after_legacy_stream(OpKind::broadcast);
     nccl_check(ncclBroadcast(buf, buf, size_t(bytes), ncclUint8, root, nccl_, stream_), OpKind::broadcast,
                "ncclBroadcast");
     wait(OpKind::broadcast);
@@ -143,10 +147,12 @@ class NcclComm final : public Communicator {
 
   // NCCL matches messages per peer pair in call order; tags are not part of its matching.
   void do_send(const void* buf, int64_t bytes, int peer, int) override {
+    after_legacy_stream(OpKind::send, peer);
     nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, stream_), OpKind::send, "ncclSend");
     wait(OpKind::send, peer);
   }
   void do_recv(void* buf, int64_t bytes, int peer, int) override {
+    after_legacy_stream(OpKind::recv, peer);
     nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, stream_), OpKind::recv, "ncclRecv");
     wait(OpKind::recv, peer);
   }
@@ -163,6 +169,7 @@ class NcclComm final : public Communicator {
     const int64_t es = scalar_type_size(type);
     bool equal = true;
     for (int p = 0; p < n; ++p) equal = equal && counts[p] == counts[0];
+    after_legacy_stream(OpKind::reduce_scatter);
     if (equal) {
       nccl_check(ncclReduceScatter(send, recv, size_t(counts[0]), nccl_type(type), nccl_op(op), nccl_, stream_),
                  OpKind::reduce_scatter, "ncclReduceScatter");
@@ -184,6 +191,7 @@ class NcclComm final : public Communicator {
   }
 
   void do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) override {
+    after_legacy_stream(OpKind::all_reduce);
     nccl_check(ncclAllReduce(send, recv, size_t(count), nccl_type(type), nccl_op(op), nccl_, stream_),
                OpKind::all_reduce, "ncclAllReduce");
     wait(OpKind::all_reduce);
@@ -210,8 +218,17 @@ class NcclComm final : public Communicator {
     fail(kind, std::string(call) + " failed: " + ncclGetErrorString(rc) + " (" + ncclGetLastError(nccl_) + ")");
   }
 
-  void cuda_check(cudaError_t rc, OpKind kind) {
-    if (rc != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(rc));
+  void cuda_check(cudaError_t rc, OpKind kind, int p2p_peer = -1) {
+    if (rc != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(rc), p2p_peer);
+  }
+
+  // stream_ is non-blocking, so it does not wait for the legacy default stream, where zero8's own
+  // *_cuda kernels (stream nullptr) and most callers' work run: make what follows on stream_ wait
+  // for everything enqueued there so far. (The legacy stream itself waits for blocking streams;
+  // work on other non-blocking streams is the caller's to synchronize, see communicator.h.)
+  void after_legacy_stream(OpKind kind, int p2p_peer = -1) {
+    cuda_check(cudaEventRecord(ready_, cudaStreamLegacy), kind, p2p_peer);
+    cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), kind, p2p_peer);
   }
 
   // Until the communicator has issued everything (non-blocking mode) and the stream is idle.
@@ -242,6 +259,8 @@ class NcclComm final : public Communicator {
       ZERO8_THROW(unsupported, "nccl communicator: cannot use CUDA device " << device_);
     if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess)
       ZERO8_THROW(comm, "nccl communicator: cudaStreamCreate failed");
+    if (cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming) != cudaSuccess)
+      ZERO8_THROW(comm, "nccl communicator: cudaEventCreate failed");
     ncclUniqueId id;
     std::memset(&id, 0, sizeof(id));
     if (rank() == 0 && ncclGetUniqueId(&id) != ncclSuccess) std::memset(&id, 0, sizeof(id));
@@ -257,6 +276,7 @@ class NcclComm final : public Communicator {
   std::unique_ptr<MpiComm> host_;
   ncclComm_t nccl_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream before each call (after_legacy_stream)
   int device_ = 0;
 };
 

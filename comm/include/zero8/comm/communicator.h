@@ -34,6 +34,11 @@ namespace zero8::comm {
 //   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
 //   overlap, except where an op says "in place". NCCL takes device buffers only (not pageable host
 //   memory): code that passes std::vector or stack values checks check_host_memory() first.
+//   NCCL ordering: the backend runs on its own non-blocking stream, which it makes wait for the
+//   legacy default stream (stream 0, where zero8's *_cuda kernels run by default, and which itself
+//   waits for blocking streams) before each call. So device buffers must be complete with respect
+//   to the legacy default stream; work writing them on a non-blocking stream or the per-thread
+//   default stream must be synchronized (cudaStreamSynchronize) before the call.
 // * Threads: one thread at a time per communicator (and per world: sub-communicators share it).
 // * Determinism: reductions of floating values are identical on every rank. The single and MPI
 //   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
