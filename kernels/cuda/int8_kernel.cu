@@ -117,13 +117,26 @@ struct LtDescs {
 
 }  // namespace
 
+// Launch limits are checked before any CUDA call: gridDim.x <= 2^31 - 1, gridDim.y <= 65535.
+constexpr int64_t kMaxGridX = 2147483647, kMaxGridY = 65535;
+
 void int8_row_quant_cuda(const RowQuantArgs& a, void* stream) {
+  if (a.rows > kMaxGridX)
+    ZERO8_THROW(unsupported, "int8_row_quant_cuda: rows = " << a.rows << " exceeds the launch grid (one CUDA block per "
+                                                             "row, at most " << kMaxGridX << ")");
   row_quant_kernel<<<unsigned(a.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_row_quant_cuda");
 }
 
 void int8_block_quant_cuda(const BlockQuantArgs& a, void* stream) {
   const int64_t nbr = (a.rows + a.block_rows - 1) / a.block_rows, nbc = (a.cols + a.block_cols - 1) / a.block_cols;
+  if (nbr > kMaxGridY || nbc > kMaxGridX)
+    ZERO8_THROW(unsupported, "int8_block_quant_cuda: rows = " << a.rows << " / block_rows = " << a.block_rows << " gives "
+                                                               << nbr << " row blocks and cols = " << a.cols
+                                                               << " / block_cols = " << a.block_cols << " gives " << nbc
+                                                               << " column blocks; the launch grid takes at most "
+                                                               << kMaxGridY << " row blocks and " << kMaxGridX
+                                                               << " column blocks (use a larger block_rows)");
   const dim3 grid{unsigned(nbc), unsigned(nbr), 1u};
   block_quant_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
   cuda_check(cudaGetLastError(), "int8_block_quant_cuda");
@@ -131,6 +144,7 @@ void int8_block_quant_cuda(const BlockQuantArgs& a, void* stream) {
 
 void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {
   cuda_check(cudaMemsetAsync(a.mask, 0, size_t(a.cols), static_cast<cudaStream_t>(stream)), "int8_col_outliers_cuda");
+  if (a.rows * a.cols == 0) return;  // no rows: the all-zero mask, as on the CPU (a 0-block grid is a launch error)
   col_outliers_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_col_outliers_cuda");
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -645,6 +646,33 @@ TEST(Int8Api, BadArgumentsThrowNamingTheArgument) {
   bad([](BlockGemmArgs& h) { h.out_dtype = DType(7); }, "out_dtype");
   expect_arg([&] { int8_block_matmul(g, -1); }, "threads");
 }
+
+#if ZERO8_WITH_CUDA
+// Shapes the launch grid cannot hold are refused before any CUDA call, so this runs without a GPU
+// (the pointers are never read). Before, the grid size was truncated to unsigned and launched.
+TEST(Int8Cuda, ShapesBeyondTheLaunchGridAreRefusedByName) {
+  alignas(16) static float x[4];
+  alignas(16) static int8_t q[4];
+  alignas(16) static float scale[4];
+  auto expect_grid_error = [](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << "expected an error naming " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  // 65536 row blocks: gridDim.y takes at most 65535.
+  expect_grid_error([&] { int8_quantize_blocks_cuda(x, DType::f32, 65536, 1, 1, 1, q, scale); },
+                    "int8_block_quant_cuda: rows = 65536 / block_rows = 1 gives 65536 row blocks");
+  expect_grid_error([&] { int8_quantize_blocks_cuda(x, DType::f32, 65535 * 2 + 1, 4, 2, 4, q, scale); },
+                    "rows = 131071 / block_rows = 2 gives 65536 row blocks");
+  // One CUDA block per row: gridDim.x takes at most 2^31 - 1.
+  expect_grid_error([&] { int8_quantize_rows_cuda(x, DType::f32, int64_t(1) << 31, 1, q, scale); },
+                    "int8_row_quant_cuda: rows = 2147483648 exceeds the launch grid");
+}
+#endif
 
 TEST(Int8Cuda, UnsupportedWithoutCuda) {
 #if ZERO8_WITH_CUDA
