@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <utility>
 
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
@@ -156,18 +157,36 @@ void int8_epilogue_cuda(const EpilogueArgs& a, void* stream) {
 
 // Row-major C (m x n) = A (m x k) B is column-major C^T (n x m) = B^T A^T. A row-major m x k is a
 // column-major k x m matrix (ld k): cuBLASLt's B operand, not transposed. B given as n x k (b_trans) is a
-// column-major k x n matrix (ld k) used transposed, the "TN" form cuBLASLt's int8 kernels support
-// on every architecture; B given as k x n is a column-major n x k matrix (ld n), not transposed.
+// column-major k x n matrix (ld k) used transposed: the "TN" form. cuBLASLt's int8 (IMMA) kernels in
+// column order take only TN, leading dimensions (here k, k and n) that are multiples of 4 and 4-byte
+// aligned pointers (cublasLtMatmul, "IMMA kernels"); anything else fails inside cublasLtMatmul with
+// "status 15" (not supported), so it is refused here by name, before any CUDA call. B given as k x n
+// (b_trans = false) would be NN: refused too. k = 0 is the all-zero product, as on the CPU.
 void int8_gemm_cublaslt(const GemmArgs& g, void* stream) {
+  if (g.k == 0) {
+    cuda_check(cudaMemsetAsync(g.c, 0, size_t(g.m) * size_t(g.n) * sizeof(int32_t), static_cast<cudaStream_t>(stream)),
+               "int8_gemm_cuda (k = 0)");
+    return;
+  }
+  if (!g.b_trans)
+    ZERO8_THROW(unsupported, "int8_gemm_cuda: b_trans = false (B given as k x n) is not supported: cuBLASLt's int8 "
+                             "kernels take only the TN form; pass B as n x k with b_trans = true");
+  if (g.k % 4 != 0)
+    ZERO8_THROW(unsupported, "int8_gemm_cuda: k = " << g.k << " is not a multiple of 4, which cuBLASLt's int8 "
+                                                         "kernels need (the leading dimension of a and b); pad k");
+  if (g.n % 4 != 0)
+    ZERO8_THROW(unsupported, "int8_gemm_cuda: n = " << g.n << " is not a multiple of 4, which cuBLASLt's int8 "
+                                                         "kernels need (the leading dimension of c); pad n");
+  for (const auto& [p, name] : {std::pair<const void*, const char*>{g.a, "a"}, {g.b, "b"}})
+    if (reinterpret_cast<uintptr_t>(p) % 4 != 0)
+      ZERO8_THROW(unsupported, "int8_gemm_cuda: pointer '" << name << "' (" << p << ") is not 4-byte aligned, which "
+                                                               "cuBLASLt's int8 kernels need");
   LtDescs d;
   cublas_check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32I, CUDA_R_32I), "cublasLtMatmulDescCreate");
-  const cublasOperation_t ta = g.b_trans ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   cublas_check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "TRANSA");
   cublas_check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "TRANSB");
-  if (g.b_trans)
-    cublas_check(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_8I, uint64_t(g.k), uint64_t(g.n), g.k), "layout B");
-  else
-    cublas_check(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_8I, uint64_t(g.n), uint64_t(g.k), g.n), "layout B");
+  cublas_check(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_8I, uint64_t(g.k), uint64_t(g.n), g.k), "layout B");
   cublas_check(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_8I, uint64_t(g.k), uint64_t(g.m), g.k), "layout A");
   cublas_check(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32I, uint64_t(g.n), uint64_t(g.m), g.n), "layout C");
   const int32_t alpha = 1, beta = 0;

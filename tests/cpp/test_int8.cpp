@@ -672,6 +672,29 @@ TEST(Int8Cuda, ShapesBeyondTheLaunchGridAreRefusedByName) {
   expect_grid_error([&] { int8_quantize_rows_cuda(x, DType::f32, int64_t(1) << 31, 1, q, scale); },
                     "int8_row_quant_cuda: rows = 2147483648 exceeds the launch grid");
 }
+
+// cuBLASLt's int8 kernels take only TN with leading dimensions that are multiples of 4 and 4-byte
+// aligned pointers; the rest is refused by name before any CUDA call (so this runs without a GPU).
+// Before, cublasLtMatmul failed with "cuBLASLt status 15" (n = 50257, GPT-2's vocabulary) or NN ran.
+TEST(Int8Cuda, GemmShapesCublasLtCannotRunAreRefusedByName) {
+  alignas(16) static int8_t a[64], b[64];
+  alignas(16) static int32_t c[64];
+  auto expect_gemm_error = [](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << "expected an error naming " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_gemm_error([&] { int8_gemm_cuda(a, b, c, 2, 4, 8, false); },
+                    "int8_gemm_cuda: b_trans = false (B given as k x n) is not supported");
+  expect_gemm_error([&] { int8_gemm_cuda(a, b, c, 2, 50257, 8); }, "int8_gemm_cuda: n = 50257 is not a multiple of 4");
+  expect_gemm_error([&] { int8_gemm_cuda(a, b, c, 2, 4, 6); }, "int8_gemm_cuda: k = 6 is not a multiple of 4");
+  expect_gemm_error([&] { int8_gemm_cuda(a + 1, b, c, 2, 4, 8); }, "int8_gemm_cuda: pointer 'a'");
+  expect_gemm_error([&] { int8_gemm_cuda(a, b + 2, c, 2, 4, 8); }, "int8_gemm_cuda: pointer 'b'");
+}
 #endif
 
 TEST(Int8Cuda, UnsupportedWithoutCuda) {
