@@ -5,6 +5,7 @@
 
 #include <cub/block/block_reduce.cuh>
 
+#include "device_ptr.h"
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
 
@@ -81,12 +82,20 @@ void quant_encode_cuda(const EncodeArgs& a, void* stream) {
   if (a.n <= 0) return;
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   if (nblocks > 0x7fffffff) ZERO8_THROW(unsupported, "quant_encode_cuda: " << nblocks << " blocks exceed the grid limit");
+  cuda_detail::check_device_ptr(a.x, "x", "quant_encode_cuda");
+  cuda_detail::check_device_ptr(a.table, "table", "quant_encode_cuda");
+  cuda_detail::check_device_ptr(a.codes, "codes", "quant_encode_cuda");
+  cuda_detail::check_device_ptr(a.absmax, "absmax", "quant_encode_cuda");
   quant_encode_kernel<<<unsigned(nblocks), kEncodeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   check_launch("quant_encode_kernel");
 }
 
 void quant_decode_cuda(const DecodeArgs& a, void* stream) {
   if (a.n <= 0) return;
+  cuda_detail::check_device_ptr(a.codes, "codes", "quant_decode_cuda");
+  cuda_detail::check_device_ptr(a.absmax, "absmax", "quant_decode_cuda");
+  cuda_detail::check_device_ptr(a.table, "table", "quant_decode_cuda");
+  cuda_detail::check_device_ptr(a.y, "y", "quant_decode_cuda");
   const int64_t want = (a.n + kDecodeThreads - 1) / kDecodeThreads;
   const unsigned grid = unsigned(want < (int64_t(1) << 20) ? want : (int64_t(1) << 20));  // grid-stride beyond
   int shift = 0;

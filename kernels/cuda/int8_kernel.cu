@@ -9,11 +9,14 @@
 #include <mutex>
 #include <utility>
 
+#include "device_ptr.h"
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
 
 namespace zero8::int8 {
 namespace {
+
+using cuda_detail::check_device_ptr;
 
 constexpr int kThreads = 256;
 
@@ -125,6 +128,10 @@ void int8_row_quant_cuda(const RowQuantArgs& a, void* stream) {
   if (a.rows > kMaxGridX)
     ZERO8_THROW(unsupported, "int8_row_quant_cuda: rows = " << a.rows << " exceeds the launch grid (one CUDA block per "
                                                              "row, at most " << kMaxGridX << ")");
+  check_device_ptr(a.x, "x", "int8_row_quant_cuda");
+  check_device_ptr(a.col_mask, "col_mask", "int8_row_quant_cuda");
+  check_device_ptr(a.q, "q", "int8_row_quant_cuda");
+  check_device_ptr(a.scale, "scale", "int8_row_quant_cuda");
   row_quant_kernel<<<unsigned(a.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_row_quant_cuda");
 }
@@ -138,12 +145,17 @@ void int8_block_quant_cuda(const BlockQuantArgs& a, void* stream) {
                                                                << " column blocks; the launch grid takes at most "
                                                                << kMaxGridY << " row blocks and " << kMaxGridX
                                                                << " column blocks (use a larger block_rows)");
+  check_device_ptr(a.x, "x", "int8_block_quant_cuda");
+  check_device_ptr(a.q, "q", "int8_block_quant_cuda");
+  check_device_ptr(a.scale, "scale", "int8_block_quant_cuda");
   const dim3 grid{unsigned(nbc), unsigned(nbr), 1u};
   block_quant_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
   cuda_check(cudaGetLastError(), "int8_block_quant_cuda");
 }
 
 void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {
+  check_device_ptr(a.x, "x", "int8_col_outliers_cuda");
+  check_device_ptr(a.mask, "mask", "int8_col_outliers_cuda");
   cuda_check(cudaMemsetAsync(a.mask, 0, size_t(a.cols), static_cast<cudaStream_t>(stream)), "int8_col_outliers_cuda");
   if (a.rows * a.cols == 0) return;  // no rows: the all-zero mask, as on the CPU (a 0-block grid is a launch error)
   col_outliers_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
@@ -151,6 +163,12 @@ void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {
 }
 
 void int8_epilogue_cuda(const EpilogueArgs& a, void* stream) {
+  check_device_ptr(a.acc, "acc", "int8_epilogue_cuda");
+  check_device_ptr(a.row_scale, "row_scale", "int8_epilogue_cuda");
+  check_device_ptr(a.col_scale, "col_scale", "int8_epilogue_cuda");
+  check_device_ptr(a.add, "add", "int8_epilogue_cuda");
+  check_device_ptr(a.bias, "bias", "int8_epilogue_cuda");
+  check_device_ptr(a.out, "out", "int8_epilogue_cuda");
   epilogue_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_epilogue_cuda");
 }
@@ -164,6 +182,7 @@ void int8_epilogue_cuda(const EpilogueArgs& a, void* stream) {
 // (b_trans = false) would be NN: refused too. k = 0 is the all-zero product, as on the CPU.
 void int8_gemm_cublaslt(const GemmArgs& g, void* stream) {
   if (g.k == 0) {
+    check_device_ptr(g.c, "c", "int8_gemm_cuda");
     cuda_check(cudaMemsetAsync(g.c, 0, size_t(g.m) * size_t(g.n) * sizeof(int32_t), static_cast<cudaStream_t>(stream)),
                "int8_gemm_cuda (k = 0)");
     return;
@@ -181,6 +200,9 @@ void int8_gemm_cublaslt(const GemmArgs& g, void* stream) {
     if (reinterpret_cast<uintptr_t>(p) % 4 != 0)
       ZERO8_THROW(unsupported, "int8_gemm_cuda: pointer '" << name << "' (" << p << ") is not 4-byte aligned, which "
                                                                "cuBLASLt's int8 kernels need");
+  check_device_ptr(g.a, "a", "int8_gemm_cuda");
+  check_device_ptr(g.b, "b", "int8_gemm_cuda");
+  check_device_ptr(g.c, "c", "int8_gemm_cuda");
   LtDescs d;
   cublas_check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32I, CUDA_R_32I), "cublasLtMatmulDescCreate");
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;

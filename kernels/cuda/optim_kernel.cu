@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
+#include "device_ptr.h"
 #include "zero8/error.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/optim_math.h"
@@ -191,10 +193,21 @@ __global__ void optim_norms_reduce_kernel(const double* parts, int64_t nseg_eff,
 
 int threads_for_block(int32_t block) { return block < kMaxThreads ? int(block) : kMaxThreads; }
 
+// Every pointer the kernels read or write (null ones are unused: the validated API decides).
+void check_step_ptrs(const StepArgs& a, const char* where) {
+  const std::pair<const void*, const char*> ptrs[] = {
+      {a.param, "param"},   {a.master, "master"},   {a.grad, "grad"},       {a.code1, "code1"},
+      {a.absmax1, "absmax1"}, {a.map1, "map1"},     {a.code2, "code2"},     {a.absmax2, "absmax2"},
+      {a.map2, "map2"},     {a.state1, "state1"},   {a.state2, "state2"},   {a.seg_offsets, "seg_offsets"},
+      {a.seg_trust, "seg_trust"}};
+  for (const auto& [p, name] : ptrs) cuda_detail::check_device_ptr(p, name, where);
+}
+
 }  // namespace
 
 void optim_step_cuda(const StepArgs& a, void* stream) {
   if (a.n <= 0) return;
+  check_step_ptrs(a, "optim_step_cuda");
   const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
@@ -209,6 +222,7 @@ void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream) {
     for (int64_t s = 0; s < nseg; ++s) out_host[s] = NormSums{};
     return;
   }
+  check_step_ptrs(a, "optim_norms_cuda");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
