@@ -163,7 +163,8 @@ class NcclComm final : public Communicator {
     return std::make_unique<NcclComm>(std::move(child), name, device_);
   }
 
-  // NCCL's own reductions (ring order, identical on every rank; NCCL's max/min follow its own NaN rules).
+  // NCCL's own reductions (ring order, identical on every rank). NCCL's float max/min follow its own NaN
+  // rules and can drop a NaN, unlike the other backends (communicator.h says so).
   void do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type, ReduceOp op) override {
     const int n = size(), me = rank();
     const int64_t es = scalar_type_size(type);

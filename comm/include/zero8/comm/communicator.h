@@ -173,7 +173,11 @@ class Communicator {
   void reduce_scatter(const void* send, void* recv, const std::vector<int64_t>& counts, ScalarType type,
                       ReduceOp op = ReduceOp::sum);
   // recv = reduction over ranks of send (count elements). In place when send == recv.
-  // max/min propagate NaN (a NaN anywhere gives NaN), so a NaN norm or flag is never lost.
+  // max/min propagate NaN (a NaN anywhere gives NaN) in the single and MPI backends, so a NaN norm
+  // or flag is never lost. Not promised by the NCCL backend: it uses NCCL's own max/min, which do
+  // not promise NaN propagation (fmaxf/fminf-style float max/min return the non-NaN operand), so a
+  // NaN on one rank can be dropped; reduce an isnan flag, or use sum (NaN + x is NaN), where a NaN
+  // must be seen. (Untested: no GPU here.)
   void all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op);
   template <class T> void all_reduce(T* data, int64_t count, ReduceOp op) {
     all_reduce(data, data, count, scalar_type_of<T>(), op);
