@@ -3,6 +3,8 @@
 // liveness mesh); no TCP rendezvous. Communicators are created non-blocking (config.blocking = 0)
 // and every call waits by polling ncclCommGetAsyncError + cudaStreamQuery against the deadline and
 // the peers' liveness; on failure the NCCL communicator is aborted (ncclCommAbort) before throwing.
+// Set-up (device, stream, rank 0's unique id) is agreed on in one all_gather first, so a failure on
+// any rank fails every rank at once, naming it. Nothing here has run on a GPU yet.
 // Built only with NCCL; without MPI as well, comm_create("nccl") says so.
 #include "backends.h"
 #include "zero8/error.h"
@@ -15,7 +17,9 @@
 #include <chrono>
 #include <cstring>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm_env.h"
 #include "comm_mpi.h"
@@ -255,16 +259,56 @@ class NcclComm final : public Communicator {
     }
   }
 
+  // The local set-up can fail on any rank (and the unique id only on rank 0): every rank reports its
+  // outcome in one all_gather before the id is broadcast, so all fail together naming the rank and
+  // its reason, instead of the others waiting timeout() seconds in the broadcast or getting a
+  // zeroed id.
+  struct SetupStatus {
+    int32_t failed = 0;  // 0: ok, 1: the CUDA device (unsupported), 2: other (comm)
+    char reason[252] = {};
+  };
+  static_assert(sizeof(SetupStatus) == 256, "fixed-size record for the all_gather");
+
+  SetupStatus local_setup(ncclUniqueId* id) {
+    SetupStatus st;
+    auto failed = [&](int32_t kind, const std::string& why) {
+      st.failed = kind;
+      std::strncpy(st.reason, why.c_str(), sizeof(st.reason) - 1);
+      return st;
+    };
+    cudaError_t e = cudaSetDevice(device_);
+    if (e != cudaSuccess)
+      return failed(1, "cannot use CUDA device " + std::to_string(device_) + " (" + cudaGetErrorString(e) + ")");
+    e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return failed(2, std::string("cudaStreamCreate failed (") + cudaGetErrorString(e) + ")");
+    e = cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming);
+    if (e != cudaSuccess) return failed(2, std::string("cudaEventCreate failed (") + cudaGetErrorString(e) + ")");
+    if (rank() == 0) {
+      const ncclResult_t rc = ncclGetUniqueId(id);
+      if (rc != ncclSuccess) return failed(2, std::string("ncclGetUniqueId failed (") + ncclGetErrorString(rc) + ")");
+    }
+    return st;
+  }
+
   void init() {
-    if (cudaSetDevice(device_) != cudaSuccess)
-      ZERO8_THROW(unsupported, "nccl communicator: cannot use CUDA device " << device_);
-    if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess)
-      ZERO8_THROW(comm, "nccl communicator: cudaStreamCreate failed");
-    if (cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming) != cudaSuccess)
-      ZERO8_THROW(comm, "nccl communicator: cudaEventCreate failed");
     ncclUniqueId id;
     std::memset(&id, 0, sizeof(id));
-    if (rank() == 0 && ncclGetUniqueId(&id) != ncclSuccess) std::memset(&id, 0, sizeof(id));
+    const SetupStatus mine = local_setup(&id);
+    std::vector<SetupStatus> all(static_cast<size_t>(size()));
+    host_->all_gather(&mine, all.data(), int64_t(sizeof(SetupStatus)));
+    for (int p = 0; p < size(); ++p) {
+      const SetupStatus& st = all[size_t(p)];
+      if (st.failed == 0) continue;
+      if (ready_ != nullptr) cudaEventDestroy(ready_);
+      if (stream_ != nullptr) cudaStreamDestroy(stream_);
+      ready_ = nullptr;
+      stream_ = nullptr;
+      const std::string who = p == rank() ? "this rank" : "rank " + std::to_string(p);
+      const std::string msg = "nccl communicator '" + name() + "' (rank " + std::to_string(rank()) + " of " +
+                              std::to_string(size()) + "): set-up failed on " + who + ": " + st.reason;
+      if (st.failed == 1) ZERO8_THROW(unsupported, msg);
+      ZERO8_THROW(comm, msg);
+    }
     host_->broadcast(&id, int64_t(sizeof(id)), 0);
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;  // every NCCL call returns at once; we poll with a deadline instead
