@@ -77,7 +77,9 @@ void int8_dequantize_matmul_cuda(const EpilogueArgs& args, void* stream = nullpt
 // Per-block int8 product on device pointers (kernels/cuda/int8_blockwise.cu), same contract and bits as
 // int8_block_matmul.
 void int8_block_matmul_cuda(const BlockGemmArgs& args, void* stream = nullptr);
-// cuBLASLt int8 GEMM, same layout contract as int8_gemm.
+// cuBLASLt int8 GEMM (IMMA, the "TN" form): the result of int8_gemm with b_trans = true only; k and n
+// multiples of 4 and a, b 4-byte aligned (cuBLASLt's requirements; anything else throws zero8::Error
+// naming the argument); k = 0 gives zeros. Compiled here, never run on a GPU.
 void int8_gemm_cuda(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans = true,
                     void* stream = nullptr);
 
