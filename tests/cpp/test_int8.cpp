@@ -648,28 +648,30 @@ TEST(Int8Api, BadArgumentsThrowNamingTheArgument) {
 }
 
 #if ZERO8_WITH_CUDA
+// f throws zero8::Error(unsupported) whose message holds `what`.
+static void expect_unsupported(const std::function<void()>& f, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error naming " << what;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 // Shapes the launch grid cannot hold are refused before any CUDA call, so this runs without a GPU
 // (the pointers are never read). Before, the grid size was truncated to unsigned and launched.
 TEST(Int8Cuda, ShapesBeyondTheLaunchGridAreRefusedByName) {
   alignas(16) static float x[4];
   alignas(16) static int8_t q[4];
   alignas(16) static float scale[4];
-  auto expect_grid_error = [](const std::function<void()>& f, const std::string& what) {
-    try {
-      f();
-      ADD_FAILURE() << "expected an error naming " << what;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  };
   // 65536 row blocks: gridDim.y takes at most 65535.
-  expect_grid_error([&] { int8_quantize_blocks_cuda(x, DType::f32, 65536, 1, 1, 1, q, scale); },
+  expect_unsupported([&] { int8_quantize_blocks_cuda(x, DType::f32, 65536, 1, 1, 1, q, scale); },
                     "int8_block_quant_cuda: rows = 65536 / block_rows = 1 gives 65536 row blocks");
-  expect_grid_error([&] { int8_quantize_blocks_cuda(x, DType::f32, 65535 * 2 + 1, 4, 2, 4, q, scale); },
+  expect_unsupported([&] { int8_quantize_blocks_cuda(x, DType::f32, 65535 * 2 + 1, 4, 2, 4, q, scale); },
                     "rows = 131071 / block_rows = 2 gives 65536 row blocks");
   // One CUDA block per row: gridDim.x takes at most 2^31 - 1.
-  expect_grid_error([&] { int8_quantize_rows_cuda(x, DType::f32, int64_t(1) << 31, 1, q, scale); },
+  expect_unsupported([&] { int8_quantize_rows_cuda(x, DType::f32, int64_t(1) << 31, 1, q, scale); },
                     "int8_row_quant_cuda: rows = 2147483648 exceeds the launch grid");
 }
 
@@ -679,21 +681,12 @@ TEST(Int8Cuda, ShapesBeyondTheLaunchGridAreRefusedByName) {
 TEST(Int8Cuda, GemmShapesCublasLtCannotRunAreRefusedByName) {
   alignas(16) static int8_t a[64], b[64];
   alignas(16) static int32_t c[64];
-  auto expect_gemm_error = [](const std::function<void()>& f, const std::string& what) {
-    try {
-      f();
-      ADD_FAILURE() << "expected an error naming " << what;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  };
-  expect_gemm_error([&] { int8_gemm_cuda(a, b, c, 2, 4, 8, false); },
+  expect_unsupported([&] { int8_gemm_cuda(a, b, c, 2, 4, 8, false); },
                     "int8_gemm_cuda: b_trans = false (B given as k x n) is not supported");
-  expect_gemm_error([&] { int8_gemm_cuda(a, b, c, 2, 50257, 8); }, "int8_gemm_cuda: n = 50257 is not a multiple of 4");
-  expect_gemm_error([&] { int8_gemm_cuda(a, b, c, 2, 4, 6); }, "int8_gemm_cuda: k = 6 is not a multiple of 4");
-  expect_gemm_error([&] { int8_gemm_cuda(a + 1, b, c, 2, 4, 8); }, "int8_gemm_cuda: pointer 'a'");
-  expect_gemm_error([&] { int8_gemm_cuda(a, b + 2, c, 2, 4, 8); }, "int8_gemm_cuda: pointer 'b'");
+  expect_unsupported([&] { int8_gemm_cuda(a, b, c, 2, 50257, 8); }, "int8_gemm_cuda: n = 50257 is not a multiple of 4");
+  expect_unsupported([&] { int8_gemm_cuda(a, b, c, 2, 4, 6); }, "int8_gemm_cuda: k = 6 is not a multiple of 4");
+  expect_unsupported([&] { int8_gemm_cuda(a + 1, b, c, 2, 4, 8); }, "int8_gemm_cuda: pointer 'a'");
+  expect_unsupported([&] { int8_gemm_cuda(a, b + 2, c, 2, 4, 8); }, "int8_gemm_cuda: pointer 'b'");
 }
 #endif
 

@@ -489,39 +489,38 @@ def test_partition_fails_every_rank_promptly(cluster):
     assert not any(_script_pids(w.script).values()), _script_pids(w.script)
 
 
-@pytest.mark.parametrize("value", ["1", "60s", "40000"])
-def test_link_timeout_is_checked(value, tmp_path):
-    """A bad ZERO8_COMM_LINK_TIMEOUT fails every rank at once naming the variable (no cluster needed). Each
-    rank writes its error to its own file (the two ranks' prints can interleave in mpirun's output)."""
+def _two_ranks_write(code: str, tmp_path: Path, env: dict) -> tuple:
+    """Runs `code` (given tmp_path as sys.argv[1]) on 2 local ranks under mpirun (skips without mpirun or an
+    MPI build); each rank writes its result to tmp_path/rank<R>, as the ranks' prints can interleave in
+    mpirun's output. Returns the two files' texts ('' if missing) and mpirun's output."""
     problem = installed_problem()
     if problem or mpirun() is None:
         pytest.skip(problem or "mpirun not found")
     import zero8
     if not zero8.build_info()["mpi"]:
         pytest.skip("zero8 was built without MPI")
+    r = subprocess.run([mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", code,
+                        str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    lines = [(tmp_path / f"rank{i}").read_text() if (tmp_path / f"rank{i}").exists() else "" for i in (0, 1)]
+    return lines, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("value", ["1", "60s", "40000"])
+def test_link_timeout_is_checked(value, tmp_path):
+    """A bad ZERO8_COMM_LINK_TIMEOUT fails every rank at once naming the variable (no cluster needed)."""
     code = ("import os, sys, zero8, zero8._C as C\n"
             "out = os.path.join(sys.argv[1], 'rank' + os.environ['OMPI_COMM_WORLD_RANK'])\n"
             "try:\n    C.comm_create('mpi')\n"
             "except zero8.Zero8ValueError as e:\n    open(out, 'w').write(f'VALUE_ERROR {e}')\n")
-    r = subprocess.run([mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", code,
-                        str(tmp_path)], env=job_env(ZERO8_COMM_LINK_TIMEOUT=value), capture_output=True, text=True,
-                       timeout=60)
-    lines = [(tmp_path / f"rank{i}").read_text() if (tmp_path / f"rank{i}").exists() else "" for i in (0, 1)]
-    assert all(l.startswith("VALUE_ERROR") for l in lines), (lines, r.stdout + r.stderr)
+    lines, out = _two_ranks_write(code, tmp_path, job_env(ZERO8_COMM_LINK_TIMEOUT=value))
+    assert all(l.startswith("VALUE_ERROR") for l in lines), (lines, out)
     for l in lines:
         assert f"ZERO8_COMM_LINK_TIMEOUT='{value}' is not a whole number of seconds from 2 to 32767" in l, l
 
 
 def test_link_timeout_bad_on_one_rank_is_named_by_the_others(tmp_path):
     """Only rank 1 has a bad ZERO8_COMM_LINK_TIMEOUT: it names the value, and rank 0 names rank 1 and the
-    variable (not a socket it could not open). Each rank writes its error to its own file (the two ranks'
-    prints can interleave in mpirun's output)."""
-    problem = installed_problem()
-    if problem or mpirun() is None:
-        pytest.skip(problem or "mpirun not found")
-    import zero8
-    if not zero8.build_info()["mpi"]:
-        pytest.skip("zero8 was built without MPI")
+    variable (not a socket it could not open)."""
     code = ("import os, sys, zero8, zero8._C as C\n"
             "rank = os.environ['OMPI_COMM_WORLD_RANK']\n"
             "if rank == '1':\n    os.environ['ZERO8_COMM_LINK_TIMEOUT'] = 'abc'\n"
@@ -529,9 +528,7 @@ def test_link_timeout_bad_on_one_rank_is_named_by_the_others(tmp_path):
             "try:\n    C.comm_create('mpi')\n"
             "except zero8.Zero8ValueError as e:\n    open(out, 'w').write(f'VALUE_ERROR {e}')\n"
             "except zero8.Zero8CommError as e:\n    open(out, 'w').write(f'COMM_ERROR {e}')\n")
-    r = subprocess.run([mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, "-c", code,
-                        str(tmp_path)], env=job_env(), capture_output=True, text=True, timeout=60)
-    lines = [(tmp_path / f"rank{i}").read_text() if (tmp_path / f"rank{i}").exists() else "" for i in (0, 1)]
-    assert all(lines), r.stdout + r.stderr
+    lines, out = _two_ranks_write(code, tmp_path, job_env())
+    assert all(lines), out
     assert lines[0].startswith("COMM_ERROR") and "rank 1 has an invalid ZERO8_COMM_LINK_TIMEOUT" in lines[0], lines
     assert lines[1].startswith("VALUE_ERROR") and "ZERO8_COMM_LINK_TIMEOUT='abc'" in lines[1], lines
