@@ -300,6 +300,23 @@ TEST(Checkpoint, SavingAnExistingTagReplacesIt) {
   }
 }
 
+TEST(Checkpoint, SaveOfAnOptimizerNeverInitializedIsRefused) {
+  // Its masters are zeros: the save wrote them beside the model's weights (verify OK), and a load of it then
+  // set every weight to the update from zero.
+  TempDir dir;
+  ShardedOptimizer opt(ckpt_params(), ckpt_config(), world());
+  try {
+    ckpt::save(opt, dir.path);
+    ADD_FAILURE() << "save of an optimizer never initialized accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the optimizer was never initialized"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(ckpt::tags_list(dir.path).empty());
+  opt.init(0);
+  EXPECT_FALSE(ckpt::save(opt, dir.path).path.empty());
+}
+
 TEST(Checkpoint, BadSaveArgumentsChangeNothing) {
   TempDir dir;
   auto opt = ckpt_make(ckpt_config(), world());

@@ -728,6 +728,39 @@ TEST(Sharded, StepBeforeInitIsRefused) {
   EXPECT_EQ(opt.step().step, 1);
 }
 
+TEST(Sharded, StepInsideAnAccumulationIsRefused) {
+  // A step before the boundary's backward_end(true) stepped on part of the gradient: stage 1 on none of it
+  // (after backward_end(false): a zero-gradient step, counted, shifting the bias correction), stage 2 on the
+  // buckets reduced so far; the rest went into the next step.
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    ShardConfig c = base_config();
+    c.stage = stage;
+    ShardedOptimizer opt(test_params(), c, world());
+    opt.init(0);
+    auto refused = [&](const std::string& what) {
+      try {
+        opt.step();
+        ADD_FAILURE() << "step accepted (" << what << ")";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("step called in the middle of an accumulation"), std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(opt.steps(), 0);
+    };
+    fill_local_grads(opt, 0, 0);
+    opt.backward_end(false);
+    refused("1 micro-batch(es) ended with backward_end(false)");
+    fill_local_grads(opt, 0, 1);
+    opt.grad_ready(int(opt.layout().params.size()) - 1);
+    refused("gradients were reported by grad_ready() without backward_end()");
+    for (int p = int(opt.layout().params.size()) - 2; p >= 0; --p) opt.grad_ready(p);
+    opt.backward_end(true);
+    EXPECT_EQ(opt.step().step, 1);
+  }
+}
+
 // Runs the constructor and returns its error message ("" if it accepted the arguments).
 std::string construction_error(const std::vector<ParamSpec>& params, const ShardConfig& c) {
   try {
@@ -777,6 +810,11 @@ TEST(Sharded, BadConfigurationNamesTheProblem) {
   c = base_config();
   c.hyper.lr = std::nanf("");
   EXPECT_THROW(ShardedOptimizer(test_params(), c, world()), Error);
+  // Negative threads used to pass the constructor and fail at the first step, inside its collectives.
+  c = base_config();
+  c.threads = -3;
+  EXPECT_NE(construction_error(test_params(), c).find("invalid argument 'threads': must be >= 0"), std::string::npos)
+      << construction_error(test_params(), c);
 }
 
 }  // namespace

@@ -1532,6 +1532,11 @@ void commit(const Manifest& m, ShardedOptimizer& opt, Staged& s) {
 SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions& opts) {
   comm::Communicator& c = opt.comm();
   const int r = c.rank();
+  // Its masters would be zeros beside the model's real weights, and a load of them would zero the model.
+  if (!opt.initialized())
+    throw Error(ErrorCode::invalid_argument, "checkpoint save (rank " + std::to_string(r) +
+                                                 "): the optimizer was never initialized (init() or a load): "
+                                                 "its fp32 masters are not the model's weights");
   const Env env = env_read();
   const std::string tag = opts.tag.empty() ? "global_step" + std::to_string(opt.steps()) : opts.tag;
   std::string why;

@@ -148,6 +148,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   ZERO8_CHECK_ARG(cfg.stage == 1 || cfg.stage == 2, "stage", "zero8 implements ZeRO stage 1 and 2, got " << cfg.stage);
   ZERO8_CHECK_ARG(cfg.bits == 8 || cfg.bits == 32, "bits", "must be 8 or 32, got " << cfg.bits);
   ZERO8_CHECK_ARG(cfg.reduce_bucket_size > 0, "reduce_bucket_size", "must be > 0, got " << cfg.reduce_bucket_size);
+  ZERO8_CHECK_ARG(cfg.threads >= 0, "threads", "must be >= 0 (0: OpenMP's default), got " << cfg.threads);
   ZERO8_CHECK_ARG(cfg.gradient_clipping >= 0 && std::isfinite(cfg.gradient_clipping), "gradient_clipping",
                   "must be a finite number >= 0, got " << cfg.gradient_clipping);
   ZERO8_CHECK_ARG(!cfg.fp16 || cfg.working_dtype == DType::f16, "fp16",
@@ -276,6 +277,7 @@ void ShardedOptimizer::discard_gradients() {
     std::fill(residual_[g].begin(), residual_[g].end(), 0.0f);
   }
   micro_ = 0;
+  reported_ = false;
   wire_calls_ = 0;
 }
 
@@ -329,6 +331,7 @@ void ShardedOptimizer::reduce_bucket(int g, const Bucket& b) {
 
 void ShardedOptimizer::grad_ready(int param) {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  reported_ = true;
   if (cfg_.stage != 2) return;
   const int g = int(layout_.slots[param].group);
   for (int bi : param_buckets_[g][param]) --pending_[g][bi];
@@ -376,6 +379,7 @@ void ShardedOptimizer::clear_grad_inputs() {
 
 void ShardedOptimizer::backward_end(bool boundary) {
   ++micro_;
+  reported_ = false;
   if (cfg_.stage == 2 || boundary) {
     reduce_in_order(false);
     clear_grad_inputs();
@@ -584,6 +588,14 @@ StepInfo ShardedOptimizer::step() {
   if (!initialized_)
     throw Error(ErrorCode::invalid_argument, "ShardedOptimizer::step called before init() (rank " +
                                                  std::to_string(rank()) + "): the masters were never set");
+  // A step inside an accumulation would step on part of the gradient (stage 2: the buckets reduced so far;
+  // stage 1: none) and leave the rest to the next step.
+  if (micro_ != 0 || reported_)
+    throw Error(ErrorCode::invalid_argument,
+                "ShardedOptimizer::step called in the middle of an accumulation (rank " + std::to_string(rank()) +
+                    "): " + (reported_ ? "gradients were reported by grad_ready() without backward_end()"
+                                       : std::to_string(micro_) + " micro-batch(es) ended with backward_end(false)") +
+                    "; end the accumulation's last micro-batch with backward_end(true) first");
   validate_hypers();  // before any collective: a scheduler's bad value fails here, the same on every rank
   StepInfo info;
   info.loss_scale = scaler_.scale();

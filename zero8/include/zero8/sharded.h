@@ -124,7 +124,9 @@ class ShardedOptimizer {
   // accumulation) and otherwise keeps accumulating in grad_input.
   void backward_end(bool boundary);
   // The optimizer step (collective), after backward_end(true). Gradients are averaged over the ranks
-  // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does).
+  // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does). Throws
+  // (before any collective) in the middle of an accumulation: after backward_end(false), or after
+  // grad_ready without backward_end (that micro-batch's gradient is not reduced yet).
   StepInfo step();
 
   // Learning rate and other hyperparameters of the next steps of one hyper group (schedulers change lr
@@ -191,6 +193,7 @@ class ShardedOptimizer {
   std::vector<std::pair<int, int>> order_;         // every (group, bucket), in the order all ranks reduce them
   size_t next_ = 0;                                // order_[next_] is the next bucket to reduce
   int micro_ = 0;                                  // micro-batches since the last boundary
+  bool reported_ = false;                          // grad_ready since the last backward_end
   uint64_t wire_calls_ = 0;                        // wire collectives since the last step (stochastic seeds)
   comm::WireOptions wire_options(comm::WireFormat format);
 };
