@@ -28,6 +28,9 @@ inline void check_device_ptr(const void* p, const char* arg, const char* where) 
   const cudaError_t e = cudaPointerGetAttributes(&at, p);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear it, so the next launch check does not report it again
+    // No GPU or driver: the same code and words as the other CUDA entry points (quant.cpp's cuda_check).
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver)
+      ZERO8_THROW(unsupported, where << ": no usable CUDA device (" << cudaGetErrorString(e) << ")");
     ZERO8_THROW(invalid_argument, "invalid argument '" << arg << "': " << where << " cannot query pointer " << p
                                                         << " (cudaPointerGetAttributes: " << cudaGetErrorString(e)
                                                         << ")");

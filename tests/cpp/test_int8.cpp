@@ -16,6 +16,10 @@
 #include "zero8/int8.h"
 #include "zero8/kernels/int8.h"
 
+#if ZERO8_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 using namespace zero8;
 using namespace zero8::int8;
 
@@ -673,6 +677,25 @@ TEST(Int8Cuda, ShapesBeyondTheLaunchGridAreRefusedByName) {
   // One CUDA block per row: gridDim.x takes at most 2^31 - 1.
   expect_unsupported([&] { int8_quantize_rows_cuda(x, DType::f32, int64_t(1) << 31, 1, q, scale); },
                     "int8_row_quant_cuda: rows = 2147483648 exceeds the launch grid");
+}
+
+// A host pointer is named ('x'), on a machine with a GPU; without one, the launcher says there is no usable
+// device with the code every CUDA entry point uses (unsupported). It said "'x': cannot query pointer
+// (driver insufficient)", invalid_argument, while the codec said unsupported.
+TEST(Int8Cuda, HostPointerOrNoDeviceIsReportedAsTheOtherEntryPointsDo) {
+  alignas(16) static float x[8];
+  alignas(16) static int8_t q[8];
+  alignas(16) static float scale[2];
+  int count = 0;
+  const bool device = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  (void)cudaGetLastError();
+  try {
+    int8_quantize_rows_cuda(x, DType::f32, 2, 4, q, scale);
+    ADD_FAILURE() << "host pointers accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), device ? ErrorCode::invalid_argument : ErrorCode::unsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find(device ? "'x'" : "no usable CUDA device"), std::string::npos) << e.what();
+  }
 }
 
 // cuBLASLt's int8 kernels take only TN with leading dimensions that are multiples of 4 and 4-byte
