@@ -301,6 +301,25 @@ TEST(ConfigErrors, NestedTypesAndValues) {
   EXPECT_STREQ(e.what(), "test.json: optimizer.type: expected a string, got 3");
 }
 
+// DeepSpeed's "sum" reduces gradients to world_size times the mean zero8 computes: refused, not ignored.
+TEST(ConfigErrors, GradientAllreduceOpSumIsRefused) {
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "gradient_allreduce_op": "mean"})").warnings.size(), 0u);
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "gradient_allreduce_op": "MEAN"})").warnings.size(), 0u);
+  auto e = parse_error(R"({"train_batch_size": 8, "gradient_allreduce_op": "sum"})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  EXPECT_NE(std::string(e.what()).find("test.json: gradient_allreduce_op: \"sum\" is not supported: zero8 averages "
+                                       "gradients over the data-parallel ranks"),
+            std::string::npos) << e.what();
+  EXPECT_NE(std::string(e.what()).find("scale the learning rate by the data-parallel world size"), std::string::npos)
+      << e.what();
+  e = parse_error(R"({"train_batch_size": 8, "gradient_allreduce_op": "max"})");
+  EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+  EXPECT_STREQ(e.what(), "test.json: gradient_allreduce_op: expected one of \"mean\", \"sum\" (DeepSpeed's choices), "
+                         "got \"max\"");
+  e = parse_error(R"({"train_batch_size": 8, "gradient_allreduce_op": 1})");
+  EXPECT_STREQ(e.what(), "test.json: gradient_allreduce_op: expected a string, got 1");
+}
+
 TEST(ConfigErrors, HuggingFaceAutoValuesAreListedInOneError) {
   // A Hugging Face Trainer config before the Trainer fills it in: one error names every "auto" the
   // user has to replace, not one per run. The pydantic sections' "auto" (fp16, bf16, zero_optimization)

@@ -844,6 +844,17 @@ void parse_misc(Section& top, Config& c) {
     top.warn("communication_data_type",
              "zero8 has no fp16 wire format: unquantized gradients are reduced in fp32 (use \"bf16\" or int8 "
              "gradients for less traffic)");
+  // DeepSpeed matches the value case-insensitively; "sum" makes the reduced gradient world_size times the
+  // mean zero8 computes, which changes the step of SGD-like optimizers and what gradient_clipping clips.
+  if (const auto op = top.get_str_opt("gradient_allreduce_op")) {
+    if (lower(*op) == "sum")
+      top.fail("gradient_allreduce_op",
+               "\"sum\" is not supported: zero8 averages gradients over the data-parallel ranks (\"mean\"); to get "
+               "DeepSpeed's \"sum\" behaviour, scale the learning rate by the data-parallel world size",
+               ErrorCode::unsupported);
+    if (lower(*op) != "mean")
+      top.fail("gradient_allreduce_op", "expected one of \"mean\", \"sum\" (DeepSpeed's choices), got \"" + *op + "\"");
+  }
   // Features that change what training computes and that zero8 does not implement.
   top.reject_if("amp", is_enabled_section, "Apex AMP is not supported: use \"fp16\" or \"bf16\"");
   top.reject_if("elasticity", is_enabled_section,
@@ -862,7 +873,7 @@ void parse_misc(Section& top, Config& c) {
                         "datastates", "log_level", "graph_harvesting", "seq_parallel_comm_data_type",
                         "sequence_parallel_size", "use_data_before_expert_parallelism", "data_types", "compile",
                         "hybrid_engine", "tensor_parallel", "expert_parallel", "activation_checkpointing",
-                        "pipeline", "gradient_allreduce_op", "managed_gradient_accumulation"})
+                        "pipeline", "managed_gradient_accumulation"})
     top.ignore(k);
 }
 
