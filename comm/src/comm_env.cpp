@@ -32,9 +32,10 @@ double env_comm_timeout() {
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(s, &end);
-  if (errno != 0 || end == s || *end != '\0' || !(v > 0.0) || !std::isfinite(v))
+  // (0, 1e9], as Communicator::set_timeout takes (1e9 s is 31 years: "never" in practice).
+  if (errno != 0 || end == s || *end != '\0' || !(v > 0.0) || !(v <= 1e9))
     ZERO8_THROW(invalid_argument, "environment variable ZERO8_COMM_TIMEOUT='" << s
-                                      << "' is not a positive number of seconds");
+                                      << "' is not a number of seconds in (0, 1e9]");
   return v;
 }
 

@@ -137,6 +137,19 @@ TEST(CommSingle, TimeoutFromEnvironment) {
   EXPECT_THROW(make_single(), Error);
   setenv("ZERO8_COMM_TIMEOUT", "-3", 1);
   EXPECT_THROW(make_single(), Error);
+  // The range set_timeout takes: an accepted value can be set back (1e300 was taken, then refused by it).
+  setenv("ZERO8_COMM_TIMEOUT", "1e9", 1);
+  auto c = make_single();
+  c->set_timeout(c->timeout());
+  EXPECT_EQ(c->timeout(), 1e9);
+  setenv("ZERO8_COMM_TIMEOUT", "1e300", 1);
+  try {
+    make_single();
+    ADD_FAILURE() << "ZERO8_COMM_TIMEOUT=1e300 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ZERO8_COMM_TIMEOUT='1e300' is not a number of seconds in (0, 1e9]"),
+              std::string::npos) << e.what();
+  }
   unsetenv("ZERO8_COMM_TIMEOUT");
   EXPECT_EQ(make_single()->timeout(), 1800.0);  // DeepSpeed's 30 minutes
 }
