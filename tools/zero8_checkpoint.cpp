@@ -282,9 +282,14 @@ int to_fp32(const Args& a) {
   } else {
     std::printf("wrote %s: %lld fp32 tensors from the masters of %s (step %lld)\n", a.out.c_str(), (long long)r.tensors,
                 tag_dir.c_str(), (long long)m.step);
+    // The engine saves the module's whole state in mp_rank_00_model_states.pt (an extra file); a C++
+    // ckpt::save without SaveOptions::state_dict has nothing beyond the trained parameters.
+    bool engine_file = false;
+    for (const ckpt::FileInfo& f : m.files) engine_file |= f.name == "mp_rank_00_model_states.pt";
     std::printf("note: this checkpoint lists no state_dict (saved before zero8 recorded one, or without the engine): "
-                "the output holds the trained parameters only; frozen parameters and buffers, if any, are in its "
-                "mp_rank_00_model_states.pt\n");
+                "the output holds the trained parameters only%s\n",
+                engine_file ? "; frozen parameters and buffers, if any, are in its mp_rank_00_model_states.pt"
+                            : "; it holds nothing else (no frozen parameters or buffers were saved)");
   }
   return 0;
 }

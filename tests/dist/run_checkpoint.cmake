@@ -139,8 +139,10 @@ elseif(MODE STREQUAL "tool")
   tool(0 verify "${dir}" --tag global_step2)
   tool(0 verify "${dir}/global_step4")
   tool(0 to-fp32 "${dir}" "${WORK}/weights.safetensors")
-  # A save without the module's state_dict (no engine): the trained parameters, and a note saying so.
+  # A save without the module's state_dict (no engine): the trained parameters, and a note saying so (and
+  # not pointing at an mp_rank_00_model_states.pt that only the engine writes).
   expect_match("${TOOL_OUT}" "note: this checkpoint lists no state_dict")
+  expect_match("${TOOL_OUT}" "it holds nothing else \\(no frozen parameters or buffers were saved\\)")
   phase(0 ok fp32-compare "${WORK}/weights.safetensors" "${WORK}/dump")
   # Faults: one flipped byte, a missing shard, no directory, no checkpoint, bad usage.
   file(COPY "${dir}/" DESTINATION "${WORK}/bad")

@@ -1692,6 +1692,7 @@ def test_to_fp32_tool_gives_the_whole_state_dict(tmp_path):
     manifest.write_text(json.dumps(m))
     r = tool("to-fp32", tag_dir, out)
     assert r.returncode == 0 and "note: this checkpoint lists no state_dict" in r.stdout, r.stdout
+    assert "frozen parameters and buffers, if any, are in its mp_rank_00_model_states.pt" in r.stdout, r.stdout
     assert list(_safetensors_read(out)) == ["embed.weight", "norm.weight", "norm.bias"]
 
 
