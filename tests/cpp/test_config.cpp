@@ -320,6 +320,24 @@ TEST(ConfigErrors, GradientAllreduceOpSumIsRefused) {
   EXPECT_STREQ(e.what(), "test.json: gradient_allreduce_op: expected a string, got 1");
 }
 
+// zero8 is data-parallel only: a sequence- or tensor-parallel degree above 1 is refused (the batch rule would
+// count those ranks as data-parallel); 1 is what zero8 does and stays silent.
+TEST(ConfigErrors, SequenceAndTensorParallelDegreesAboveOneAreRefused) {
+  const auto one = parse(R"({"train_batch_size": 8, "sequence_parallel_size": 1,
+                             "tensor_parallel": {"autotp_size": 1, "tp": {"tp_size": 1}}})", 4);
+  EXPECT_EQ(one.warnings.size(), 0u) << all_warnings(one);
+  for (const auto& [text, key] : std::vector<std::pair<std::string, std::string>>{
+           {R"("sequence_parallel_size": 2)", "sequence_parallel_size"},
+           {R"("tensor_parallel": {"autotp_size": 2})", "tensor_parallel.autotp_size"},
+           {R"("tensor_parallel": {"tp_size": 4})", "tensor_parallel.tp_size"},
+           {R"("tensor_parallel": {"tp": {"tp_size": 2}})", "tensor_parallel.tp.tp_size"}}) {
+    const auto e = parse_error(R"({"train_batch_size": 8, )" + text + "}", 4);
+    EXPECT_EQ(e.code(), ErrorCode::unsupported) << text;
+    EXPECT_NE(std::string(e.what()).find("test.json: " + key + ": a "), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("zero8 is data-parallel only"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ConfigErrors, HuggingFaceAutoValuesAreListedInOneError) {
   // A Hugging Face Trainer config before the Trainer fills it in: one error names every "auto" the
   // user has to replace, not one per run. The pydantic sections' "auto" (fp16, bf16, zero_optimization)

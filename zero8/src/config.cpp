@@ -855,6 +855,23 @@ void parse_misc(Section& top, Config& c) {
     if (lower(*op) != "mean")
       top.fail("gradient_allreduce_op", "expected one of \"mean\", \"sum\" (DeepSpeed's choices), got \"" + *op + "\"");
   }
+  // zero8 is data-parallel only: every rank is a data-parallel rank and the batch rule uses the whole world size.
+  // A sequence- or tensor-parallel degree above 1 would split the model or the sequence over ranks instead.
+  const auto above_one = [](const json& v) { return v.is_number() && v.get<double>() > 1; };
+  const std::string dp_only = "zero8 is data-parallel only (every rank trains the whole model on its own samples, "
+                              "and the batch sizes count every rank as data-parallel); use 1 or remove it";
+  top.reject_if("sequence_parallel_size", above_one, "a degree above 1 is not supported: " + dp_only);
+  if (const json* tp = top.raw("tensor_parallel"); tp && tp->is_object()) {
+    const auto reject_tp = [&](const json& obj, const std::string& path, const char* key) {
+      auto it = obj.find(key);
+      if (it != obj.end() && above_one(*it))
+        fail_at(top.ctx(), path + "." + key, "a tensor-parallel degree above 1 is not supported: " + dp_only,
+                ErrorCode::unsupported);
+    };
+    reject_tp(*tp, "tensor_parallel", "autotp_size");
+    reject_tp(*tp, "tensor_parallel", "tp_size");
+    if (auto it = tp->find("tp"); it != tp->end() && it->is_object()) reject_tp(*it, "tensor_parallel.tp", "tp_size");
+  }
   // Features that change what training computes and that zero8 does not implement.
   top.reject_if("amp", is_enabled_section, "Apex AMP is not supported: use \"fp16\" or \"bf16\"");
   top.reject_if("elasticity", is_enabled_section,
@@ -871,8 +888,8 @@ void parse_misc(Section& top, Config& c) {
                         "memory_breakdown", "dump_state", "dataloader_drop_last", "vocabulary_size", "timers",
                         "zero_force_ds_cpu_optimizer", "disable_allgather", "autotuning", "aio", "nebula",
                         "datastates", "log_level", "graph_harvesting", "seq_parallel_comm_data_type",
-                        "sequence_parallel_size", "use_data_before_expert_parallelism", "data_types", "compile",
-                        "hybrid_engine", "tensor_parallel", "expert_parallel", "activation_checkpointing",
+                        "use_data_before_expert_parallelism", "data_types", "compile", "hybrid_engine",
+                        "expert_parallel", "activation_checkpointing",
                         "pipeline", "managed_gradient_accumulation"})
     top.ignore(k);
 }
