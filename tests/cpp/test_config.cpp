@@ -437,6 +437,21 @@ TEST(ConfigWarnings, IgnoredFeaturesAndDeepSpeedQuirks) {
   EXPECT_TRUE(has_warning(z, "zero_optimization: the boolean form is deprecated"));
 }
 
+// Enabled monitors and profilers write nothing in zero8: one warning names them all; disabled ones are silent.
+TEST(ConfigWarnings, EnabledMonitorsWarnOnce) {
+  const auto c = parse(R"({"train_batch_size": 8,
+    "tensorboard": {"enabled": true, "output_path": "logs/"}, "wandb": {"enabled": true},
+    "csv_monitor": {"enabled": false, "output_path": "csv/"}, "flops_profiler": {"enabled": true},
+    "comms_logger": {"enabled": true}})");
+  ASSERT_EQ(c.warnings.size(), 1u) << all_warnings(c);
+  EXPECT_EQ(c.warnings[0], "test.json: tensorboard, wandb, flops_profiler, comms_logger: enabled, but zero8 does not "
+                           "implement DeepSpeed's monitors and profilers: it writes nothing for them (nothing lands in "
+                           "their output_path)");
+  const auto off = parse(R"({"train_batch_size": 8, "tensorboard": {"enabled": false}, "wandb": {},
+                             "csv_monitor": {"enabled": false}})");
+  EXPECT_EQ(off.warnings.size(), 0u) << all_warnings(off);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Optimizer mapping: DeepSpeed's type semantics and defaults.
 

@@ -883,9 +883,17 @@ void parse_misc(Section& top, Config& c) {
   for (const char* k : {"sparse_attention", "weight_quantization", "compression_training", "quantize_training"})
     top.warn_if(k, is_non_null, "not implemented by zero8: ignored");
   top.warn_if("sparse_gradients", is_true, "sparse gradients are not implemented: gradients are reduced densely");
-  // Monitoring, profiling, I/O tuning and other DeepSpeed subsystems: accepted, no effect here.
-  for (const char* k : {"flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
-                        "memory_breakdown", "dump_state", "dataloader_drop_last", "vocabulary_size", "timers",
+  // Monitors and profilers: an enabled one would write files (or send runs) zero8 never produces, so one
+  // warning names all the enabled ones; disabled ones are silent.
+  std::string monitors;
+  for (const char* k : {"tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger"})
+    if (const json* v = top.raw(k); v && is_enabled_section(*v)) monitors += (monitors.empty() ? "" : ", ") + std::string(k);
+  if (!monitors.empty())
+    warn_at(top.ctx(), monitors,
+            "enabled, but zero8 does not implement DeepSpeed's monitors and profilers: it writes nothing for them "
+            "(nothing lands in their output_path)");
+  // I/O tuning and other DeepSpeed subsystems: accepted, no effect here.
+  for (const char* k : {"memory_breakdown", "dump_state", "dataloader_drop_last", "vocabulary_size", "timers",
                         "zero_force_ds_cpu_optimizer", "disable_allgather", "autotuning", "aio", "nebula",
                         "datastates", "log_level", "graph_harvesting", "seq_parallel_comm_data_type",
                         "use_data_before_expert_parallelism", "data_types", "compile", "hybrid_engine",
