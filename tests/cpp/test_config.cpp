@@ -295,6 +295,13 @@ TEST(ConfigErrors, NestedTypesAndValues) {
   EXPECT_EQ(e.code(), ErrorCode::unsupported);
   e = parse_error(R"({"train_batch_size": 8, "elasticity": {"enabled": true}})");
   EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  // torch_autocast changes the precision like amp does: refused, not warned about and trained in fp32.
+  e = parse_error(R"({"train_batch_size": 8, "torch_autocast": {"enabled": true, "dtype": "bfloat16"}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  EXPECT_NE(std::string(e.what()).find("test.json: torch_autocast: DeepSpeed's torch.autocast mode is not supported"),
+            std::string::npos) << e.what();
+  EXPECT_NE(std::string(e.what()).find("use the \"bf16\" or \"fp16\" section"), std::string::npos) << e.what();
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "torch_autocast": {"enabled": false}})").warnings.size(), 0u);
   e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"amsgrad": true}}})");
   EXPECT_EQ(e.code(), ErrorCode::unsupported);
   e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": 3}})");

@@ -874,10 +874,14 @@ void parse_misc(Section& top, Config& c) {
   }
   // Features that change what training computes and that zero8 does not implement.
   top.reject_if("amp", is_enabled_section, "Apex AMP is not supported: use \"fp16\" or \"bf16\"");
+  top.reject_if("torch_autocast", is_enabled_section,
+                "DeepSpeed's torch.autocast mode is not supported (zero8 would train in fp32): use the \"bf16\" or "
+                "\"fp16\" section (fp16's \"auto_cast\" casts the forward's inputs to fp16), or wrap your model's "
+                "forward in torch.autocast yourself");
   top.reject_if("elasticity", is_enabled_section,
                 "elastic training is not supported: it rewrites the batch sizes zero8 was configured with");
   // Model-side or data-side features: the caller's business; zero8 only notes that it does not apply them.
-  for (const char* k : {"torch_autocast", "progressive_layer_drop", "curriculum_learning", "data_efficiency",
+  for (const char* k : {"progressive_layer_drop", "curriculum_learning", "data_efficiency",
                         "eigenvalue"})
     top.warn_if(k, is_enabled_section, "not implemented by zero8: ignored");
   for (const char* k : {"sparse_attention", "weight_quantization", "compression_training", "quantize_training"})
