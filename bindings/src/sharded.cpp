@@ -269,6 +269,18 @@ void init_sharded(py::module_& m) {
           "set_group_hyper", [](ShardedOptimizer& o, int g, const optim::Hyper& h) { o.hyper(g) = h; },
           py::arg("hyper_group"), py::arg("hyper"))
       .def_property_readonly("loss_scale", &ShardedOptimizer::loss_scale)
+      .def_property_readonly(
+          "loss_scaler_state",
+          [](ShardedOptimizer& o) {
+            const LossScalerState& s = o.scaler().state();
+            py::dict d;
+            d["scale"] = s.scale;
+            d["cur_iter"] = s.cur_iter;
+            d["last_overflow_iter"] = s.last_overflow_iter;
+            d["cur_hysteresis"] = s.cur_hysteresis;
+            return d;
+          },
+          "The loss scaler's state: dict(scale, cur_iter, last_overflow_iter, cur_hysteresis).")
       .def_property("steps", &ShardedOptimizer::steps, &ShardedOptimizer::set_steps)
       .def_property_readonly("rank", &ShardedOptimizer::rank)
       .def_property_readonly("world", &ShardedOptimizer::world)

@@ -307,6 +307,27 @@ def test_fp16_skipped_step_keeps_the_last_grad_norm(capsys):
     assert not engine.was_step_skipped() and engine.get_global_grad_norm() not in (norm, 0.0)
 
 
+def test_fp16_overflow_log_says_what_happens_to_the_scale(capsys):
+    # The log used to read "Attempted loss scale: 256.0, reducing to 256.0" when hysteresis absorbed the
+    # overflow or the scale was static; it now says what DeepSpeed's loss_scaler.py says.
+    def overflow(engine):
+        x, y = global_batch(DATA, 0, B)
+        engine.backward(loss_fn(engine(x.half()), y) * math.inf)
+        engine.step()
+        return [l for l in capsys.readouterr().out.splitlines() if "OVERFLOW" in l][-1]
+
+    engine, _, _, _ = engine_for(config(zero8=EXACT, fp16={"enabled": True, "initial_scale_power": 8,
+                                                           "hysteresis": 2}))
+    assert overflow(engine).endswith("Attempted loss scale: 256.0, but hysteresis is 2. Reducing hysteresis to 1")
+    assert engine.loss_scale == 256.0
+    assert overflow(engine).endswith("Attempted loss scale: 256.0, reducing to 128.0")
+    assert engine.loss_scale == 128.0
+    static, _, _, _ = engine_for(config(zero8=EXACT, fp16={"enabled": True, "loss_scale": 256}))
+    assert overflow(static).endswith("gradient overflow at the static loss scale 256 (fp16.loss_scale): "
+                                     "skipping the step")
+    assert static.loss_scale == 256.0 and static.skipped_steps == 1
+
+
 def test_fp16_auto_cast():
     engine, model, _, _ = engine_for(config(zero8=EXACT, fp16={"enabled": True, "auto_cast": True}))
     x, _ = global_batch(DATA, 0, B)

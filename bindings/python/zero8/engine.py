@@ -1088,7 +1088,7 @@ class Zero8Engine(torch.nn.Module):
         self._backward_done = False
         self._step_applied = False
         if boundary:
-            scale_before = float(self._opt.loss_scale)
+            scaler_before = self._opt.loss_scaler_state
             self._in_step = True
             t0 = time.perf_counter()
             try:
@@ -1100,10 +1100,7 @@ class Zero8Engine(torch.nn.Module):
             if info["skipped"]:
                 self.skipped_steps += 1
                 if self.global_rank == 0 and self._fp16:
-                    self._log(
-                        f"OVERFLOW! Rank {self.global_rank} Skipping step. Attempted loss scale: {scale_before}, "
-                        f"reducing to {float(self._opt.loss_scale)}"
-                    )
+                    self._log(self._overflow_message(scaler_before))
                 elif self.global_rank == 0:
                     self._log(f"Skipping step {self.global_steps + 1}: a gradient on some rank is inf or NaN "
                               f"(bf16/fp32: no loss scale to lower; the weights and states are unchanged)")
@@ -1120,6 +1117,21 @@ class Zero8Engine(torch.nn.Module):
             if self.global_rank == 0 and self.global_steps % self._steps_per_print == 0:
                 self._report_progress()
         self.micro_steps += 1
+
+    def _overflow_message(self, before: dict) -> str:
+        """What an fp16 overflow did to the loss scale, worded as DeepSpeed's loss_scaler.py logs it: a static
+        scale stays, hysteresis left absorbs the overflow, else the scale drops."""
+        cfg = self._opt.config
+        if not cfg.dynamic_loss_scale:
+            return (f"OVERFLOW! Rank {self.global_rank}: gradient overflow at the static loss scale "
+                    f"{before['scale']:g} (fp16.loss_scale): skipping the step")
+        head = f"OVERFLOW! Rank {self.global_rank} Skipping step. Attempted loss scale: {before['scale']}"
+        after = self._opt.loss_scaler_state
+        if after["cur_hysteresis"] < before["cur_hysteresis"]:
+            return f"{head}, but hysteresis is {before['cur_hysteresis']}. Reducing hysteresis to {after['cur_hysteresis']}"
+        if after["scale"] == before["scale"]:
+            return f"{head}: already at the minimum loss scale {cfg.min_loss_scale:g}, keeping it"
+        return f"{head}, reducing to {after['scale']}"
 
     def _report_progress(self) -> None:
         norm = self._grad_norm
