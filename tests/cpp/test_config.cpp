@@ -572,9 +572,10 @@ TEST(ConfigSchedule, WarmupLRLogAndLinear) {
   EXPECT_LR(cfg::lr_at(c.scheduler, 1), 1.5);
 }
 
-TEST(ConfigSchedule, ZeroWarmupStepsAreAcceptedAsDeepSpeedDoes) {
-  // The Hugging Face Trainer writes warmup_num_steps 0 when a run has no warmup; DeepSpeed takes it
-  // (max(2, 0) = 2): t = 0 is the minimum, t >= 1 the maximum (or the decay/cosine from there).
+TEST(ConfigSchedule, ZeroWarmupStepsAreAcceptedAsTwo) {
+  // The Hugging Face Trainer writes warmup_num_steps 0 when a run has no warmup. DeepSpeed's formulas use
+  // max(2, n), so zero8 takes 0 as 2 (current DeepSpeed raises ValueError for 0 first: docs/CONFIG.md):
+  // t = 0 is the minimum, t >= 1 the maximum (or the decay/cosine from there).
   auto c = parse(R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params":
                  {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 0}}})");
   EXPECT_EQ(c.scheduler.warmup_num_steps, 0);

@@ -738,7 +738,8 @@ void parse_scheduler(Section& top, Config& c) {
                                   "optimizer.params.lr " + fmt_num(*sc.base_lr) +
                                       " (WarmupLR would take the optimizer's); give it to choose");
       }
-      // 0 is what the Hugging Face Trainer writes for "no warmup"; the formulas use max(2, n), as DeepSpeed.
+      // 0 is what the Hugging Face Trainer writes for "no warmup"; the formulas use max(2, n), DeepSpeed's
+      // formula (current DeepSpeed raises for 0 before it: docs/CONFIG.md).
       sc.warmup_num_steps = p.get_int("warmup_num_steps", 1000, 0);
       read_warmup_type(p, sc);
       if (decay && sc.total_num_steps < sc.warmup_num_steps)
