@@ -293,6 +293,28 @@ TEST(ConfigErrors, NestedTypesAndValues) {
   EXPECT_NE(std::string(e.what()).find("optimizer.params.min_coeff: expected <= max_coeff 10"), std::string::npos);
   e = parse_error(R"({"train_batch_size": 8, "zero_optimization": {"cpu_offload": true}})");
   EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  // Several settings zero8 does not support are named in one error, in the order zero8 reads them (a
+  // ported config used to fail on each in turn: fp16_master_weights_and_grads, cpu_offload, ...).
+  e = parse_error(R"({"train_batch_size": 8, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true},
+                      "zero_optimization": {"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}},
+                      "checkpoint": {"use_node_local_storage": true}})");
+  EXPECT_EQ(e.code(), ErrorCode::unsupported);
+  {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("test.json: 4 settings zero8 does not support:\n  (1) fp16.fp16_master_weights_and_grads: ", 0),
+              0u) << m;
+    size_t at = 0;
+    for (const char* path : {"(2) zero_optimization.offload_optimizer.device: ", "(3) zero_optimization.cpu_offload: ",
+                             "(4) checkpoint.use_node_local_storage: "}) {
+      const size_t p = m.find(path);
+      EXPECT_NE(p, std::string::npos) << path << " in " << m;
+      EXPECT_GT(p, at) << path << " in " << m;
+      at = p;
+    }
+  }
+  // A value zero8 cannot read still fails at once, before the list.
+  e = parse_error(R"({"train_batch_size": 8, "zero_optimization": {"cpu_offload": true}, "gradient_clipping": -1})");
+  EXPECT_STREQ(e.what(), "test.json: gradient_clipping: expected a number >= 0, got -1");
   e = parse_error(R"({"train_batch_size": 8, "elasticity": {"enabled": true}})");
   EXPECT_EQ(e.code(), ErrorCode::unsupported);
   // torch_autocast changes the precision like amp does: refused, not warned about and trained in fp32.

@@ -87,6 +87,10 @@ struct Ctx {
   std::string source;
   std::vector<std::string>* warnings = nullptr;
   const json* root = nullptr;  // the whole config, to list every "auto" in one error
+  // Settings zero8 does not support ("path: why"), reported together at the end of the parse: a ported
+  // DeepSpeed config often has several (offload, a ZeRO++ key, a monitor...), and one error naming them
+  // all saves a parse per setting. A value zero8 cannot read at all still fails at once.
+  std::vector<std::string> unsupported;
 };
 
 std::string join_path(const std::string& path, const std::string& key) {
@@ -122,6 +126,19 @@ std::vector<std::string> rejected_auto_paths(const json& root) {
 [[noreturn]] void fail_at(const Ctx& ctx, const std::string& path, const std::string& msg,
                           ErrorCode code = ErrorCode::invalid_argument) {
   throw Error(code, ctx.source + ": " + (path.empty() ? std::string() : path + ": ") + msg);
+}
+
+// A setting zero8 does not support: recorded, reported with the others by throw_unsupported.
+void unsupported_at(Ctx& ctx, const std::string& path, const std::string& msg) {
+  ctx.unsupported.push_back((path.empty() ? std::string() : path + ": ") + msg);
+}
+
+void throw_unsupported(const Ctx& ctx) {
+  if (ctx.unsupported.empty()) return;
+  if (ctx.unsupported.size() == 1) throw Error(ErrorCode::unsupported, ctx.source + ": " + ctx.unsupported[0]);
+  std::string all = ctx.source + ": " + std::to_string(ctx.unsupported.size()) + " settings zero8 does not support:";
+  for (size_t i = 0; i < ctx.unsupported.size(); ++i) all += "\n  (" + std::to_string(i + 1) + ") " + ctx.unsupported[i];
+  throw Error(ErrorCode::unsupported, all);
 }
 
 void warn_at(const Ctx& ctx, const std::string& path, const std::string& msg) {
@@ -263,7 +280,7 @@ class Section {
   template <class Active>
   void reject_if(const std::string& key, Active active, const std::string& why) {
     const json* v = raw(key);
-    if (v && active(*v)) fail_at(ctx_, key_path(key), why, ErrorCode::unsupported);
+    if (v && active(*v)) unsupported_at(ctx_, key_path(key), why);
   }
   template <class Active>
   void warn_if(const std::string& key, Active active, const std::string& why) {
@@ -275,6 +292,8 @@ class Section {
                          ErrorCode code = ErrorCode::invalid_argument) const {
     fail_at(ctx_, key_path(key), msg, code);
   }
+  // A value zero8 does not support: reported with the others at the end of the parse (Ctx::unsupported).
+  void unsupported(const std::string& key, const std::string& msg) { unsupported_at(ctx_, key_path(key), msg); }
   void warn(const std::string& key, const std::string& msg) const { warn_at(ctx_, key_path(key), msg); }
 
   // Warn once for every key that was not read. DeepSpeed ignores unknown top-level keys; `hint` says
@@ -506,13 +525,12 @@ void parse_offload(Section& z, const std::string& key, const std::string& what) 
   if (!o.present()) return;
   const int dev = o.get_choice("device", 0, {"none", "cpu", "nvme"});
   if (dev != 0)
-    o.fail("device",
-           what + " offload is not supported by zero8 (" +
-               (what == "optimizer" ? std::string("its 8-bit states already cut optimizer memory about 4x")
-                                    : std::string("it shards optimizer states and gradients, ZeRO stages 1 and 2, and "
-                                                  "keeps the parameters on every rank")) +
-               "): use \"none\" or remove " + z.key_path(key),
-           ErrorCode::unsupported);
+    o.unsupported("device",
+                  what + " offload is not supported by zero8 (" +
+                      (what == "optimizer" ? std::string("its 8-bit states already cut optimizer memory about 4x")
+                                           : std::string("it shards optimizer states and gradients, ZeRO stages 1 "
+                                                         "and 2, and keeps the parameters on every rank")) +
+                      "): use \"none\" or remove " + z.key_path(key));
   for (const char* k : {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory", "pipeline_read",
                         "pipeline_write", "fast_init", "ratio", "super_offload", "convert_grad_on_cpu",
                         "cpuadam_cores_perc"})
@@ -534,8 +552,7 @@ void parse_zero(Section& top, Config& c) {
   Section s = top.child("zero_optimization", Auto::use_default);
   z.stage = int(s.get_int("stage", 0, 0, 3));
   if (z.stage == 3)
-    s.fail("stage", "ZeRO stage 3 (parameter partitioning) is not supported by zero8: use stage 1 or 2",
-           ErrorCode::unsupported);
+    s.unsupported("stage", "ZeRO stage 3 (parameter partitioning) is not supported by zero8: use stage 1 or 2");
   // Element counts; DeepSpeed allows 0, which no bucketing can use.
   z.reduce_bucket_size = s.get_int("reduce_bucket_size", z.reduce_bucket_size, 1);
   z.allgather_bucket_size = s.get_int("allgather_bucket_size", z.allgather_bucket_size, 1);
@@ -849,11 +866,10 @@ void parse_misc(Section& top, Config& c) {
   // mean zero8 computes, which changes the step of SGD-like optimizers and what gradient_clipping clips.
   if (const auto op = top.get_str_opt("gradient_allreduce_op")) {
     if (lower(*op) == "sum")
-      top.fail("gradient_allreduce_op",
-               "\"sum\" is not supported: zero8 averages gradients over the data-parallel ranks (\"mean\"); to get "
-               "DeepSpeed's \"sum\" behaviour, scale the learning rate by the data-parallel world size",
-               ErrorCode::unsupported);
-    if (lower(*op) != "mean")
+      top.unsupported("gradient_allreduce_op",
+                      "\"sum\" is not supported: zero8 averages gradients over the data-parallel ranks (\"mean\"); "
+                      "to get DeepSpeed's \"sum\" behaviour, scale the learning rate by the data-parallel world size");
+    else if (lower(*op) != "mean")
       top.fail("gradient_allreduce_op", "expected one of \"mean\", \"sum\" (DeepSpeed's choices), got \"" + *op + "\"");
   }
   // zero8 is data-parallel only: every rank is a data-parallel rank and the batch rule uses the whole world size.
@@ -866,8 +882,7 @@ void parse_misc(Section& top, Config& c) {
     const auto reject_tp = [&](const json& obj, const std::string& path, const char* key) {
       auto it = obj.find(key);
       if (it != obj.end() && above_one(*it))
-        fail_at(top.ctx(), path + "." + key, "a tensor-parallel degree above 1 is not supported: " + dp_only,
-                ErrorCode::unsupported);
+        unsupported_at(top.ctx(), path + "." + key, "a tensor-parallel degree above 1 is not supported: " + dp_only);
     };
     reject_tp(*tp, "tensor_parallel", "autotp_size");
     reject_tp(*tp, "tensor_parallel", "tp_size");
@@ -914,11 +929,10 @@ void parse_checkpoint(Section& top, Config& c) {
   k.load_universal = s.get_bool("load_universal", false);
   k.use_node_local_storage = s.get_bool("use_node_local_storage", false);
   if (k.use_node_local_storage)
-    s.fail("use_node_local_storage",
-           "true is not supported by zero8: every rank must see the same file system at the checkpoint directory "
-           "(rank 0 creates the tag directory the others write into, and a load at another world size reads other "
-           "ranks' shards); use false or remove it",
-           ErrorCode::unsupported);
+    s.unsupported("use_node_local_storage",
+                  "true is not supported by zero8: every rank must see the same file system at the checkpoint "
+                  "directory (rank 0 creates the tag directory the others write into, and a load at another world "
+                  "size reads other ranks' shards); use false or remove it");
   s.ignore("parallel_write");
   s.ignore("writer");
   s.finish();
@@ -967,11 +981,10 @@ void parse_zero8(Section& top, Config& c) {
   }
   z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl"}, true));
   if (z.comm_backend == CommBackend::nccl)
-    s.fail("comm_backend",
-           "\"nccl\" cannot run the engine: its buffers (parameters, gradients, optimizer state, checkpoints) are "
-           "host memory, and NCCL takes device buffers only; use \"auto\", \"mpi\" or \"single\" (the NCCL "
-           "backend is for device buffers through the C++ Communicator API, comm_create(\"nccl\"))",
-           ErrorCode::unsupported);
+    s.unsupported("comm_backend",
+                  "\"nccl\" cannot run the engine: its buffers (parameters, gradients, optimizer state, checkpoints) "
+                  "are host memory, and NCCL takes device buffers only; use \"auto\", \"mpi\" or \"single\" (the "
+                  "NCCL backend is for device buffers through the C++ Communicator API, comm_create(\"nccl\"))");
   z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, gt(0.0));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
@@ -991,7 +1004,7 @@ const char* scheduler_type_name(SchedulerType t) {
 
 std::string plain_json(const std::string& json_text, const std::string& source_name) {
   std::vector<std::string> unused;
-  Ctx ctx{source_name, &unused};
+  Ctx ctx{source_name, &unused, nullptr, {}};
   return parse_json_text(ctx, json_text).dump();
 }
 
@@ -1000,7 +1013,7 @@ Config parse_string(const std::string& json_text, int world_size, const std::str
   Config c;
   c.source = source_name;
   c.world_size = world_size;
-  Ctx ctx{source_name, &c.warnings};
+  Ctx ctx{source_name, &c.warnings, nullptr, {}};
   const json root = parse_json_text(ctx, json_text);
   if (!root.is_object()) fail_at(ctx, "", "the config must be a JSON object, got " + show(root));
   ctx.root = &root;
@@ -1014,6 +1027,7 @@ Config parse_string(const std::string& json_text, int world_size, const std::str
   parse_checkpoint(top, c);
   parse_zero8(top, c);
   top.finish("(DeepSpeed ignores unknown top-level keys too)");
+  throw_unsupported(ctx);
   return c;
 }
 
