@@ -59,9 +59,7 @@ void check_layout(const Communicator& comm, int64_t n, const std::vector<int64_t
                       "offset of rank " << p << " (" << offsets[size_t(p)] << ") is not a multiple of the wire block "
                                         << opt.block);
   }
-  ZERO8_CHECK_ARG(comm.memory() == MemSpace::host, "comm",
-                  "bucket collectives run on host buffers; communicator '" << comm.name() << "' (" << comm.backend()
-                                                                           << ") uses device memory");
+  check_host_memory(comm, "comm", "the bucket collectives");
 }
 
 // Encode src[0, len) (a range starting at global element `base`) into one wire segment.
