@@ -267,7 +267,6 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
       ip_text = "127.0.0.1";
   }
   if (listen_error.empty() && listen(lfd, size_ + 16) != 0) listen_error = "listen() failed: " + errno_text();
-  if (env_error) listen_error = "invalid ZERO8_COMM_LINK_TIMEOUT";  // port 0: the peers fail at once too
   socklen_t len = sizeof(sa);
   getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
   address_ = ip_text + ":" + std::to_string(ntohs(sa.sin_port));
@@ -275,7 +274,8 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   AddressRecord mine{};
   mine.magic = kMagic;
   mine.ipv4 = sa.sin_addr.s_addr;
-  mine.port = listen_error.empty() ? sa.sin_port : 0;
+  // Port 0: this rank cannot join, and its peers fail at once too (bad_env says why).
+  mine.port = listen_error.empty() && !env_error ? sa.sin_port : 0;
   mine.bad_env = env_error ? 1 : 0;
   mine.rank = rank_;
   std::snprintf(mine.host, sizeof(mine.host), "%s", host_name().c_str());
