@@ -82,20 +82,16 @@ void quant_encode_cuda(const EncodeArgs& a, void* stream) {
   if (a.n <= 0) return;
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   if (nblocks > 0x7fffffff) ZERO8_THROW(unsupported, "quant_encode_cuda: " << nblocks << " blocks exceed the grid limit");
-  cuda_detail::check_device_ptr(a.x, "x", "quant_encode_cuda");
-  cuda_detail::check_device_ptr(a.table, "table", "quant_encode_cuda");
-  cuda_detail::check_device_ptr(a.codes, "codes", "quant_encode_cuda");
-  cuda_detail::check_device_ptr(a.absmax, "absmax", "quant_encode_cuda");
+  cuda_detail::check_device_ptrs("quant_encode_cuda",
+                                 {{a.x, "x"}, {a.table, "table"}, {a.codes, "codes"}, {a.absmax, "absmax"}});
   quant_encode_kernel<<<unsigned(nblocks), kEncodeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   check_launch("quant_encode_kernel");
 }
 
 void quant_decode_cuda(const DecodeArgs& a, void* stream) {
   if (a.n <= 0) return;
-  cuda_detail::check_device_ptr(a.codes, "codes", "quant_decode_cuda");
-  cuda_detail::check_device_ptr(a.absmax, "absmax", "quant_decode_cuda");
-  cuda_detail::check_device_ptr(a.table, "table", "quant_decode_cuda");
-  cuda_detail::check_device_ptr(a.y, "y", "quant_decode_cuda");
+  cuda_detail::check_device_ptrs("quant_decode_cuda",
+                                 {{a.codes, "codes"}, {a.absmax, "absmax"}, {a.table, "table"}, {a.y, "y"}});
   const int64_t want = (a.n + kDecodeThreads - 1) / kDecodeThreads;
   const unsigned grid = unsigned(want < (int64_t(1) << 20) ? want : (int64_t(1) << 20));  // grid-stride beyond
   int shift = 0;

@@ -6,6 +6,9 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
+#include <utility>
+
 #include "zero8/error.h"
 
 namespace zero8::cuda_detail {
@@ -38,6 +41,11 @@ inline void check_device_ptr(const void* p, const char* arg, const char* where) 
   if (at.type != cudaMemoryTypeDevice && at.type != cudaMemoryTypeManaged)
     ZERO8_THROW(invalid_argument, "invalid argument '" << arg << "': " << where << " needs device or managed memory, got "
                                                         << memory_type_name(at.type) << " at " << p);
+}
+
+// check_device_ptr for each (pointer, argument name) of `where`, in order.
+inline void check_device_ptrs(const char* where, std::initializer_list<std::pair<const void*, const char*>> ptrs) {
+  for (const auto& [p, arg] : ptrs) check_device_ptr(p, arg, where);
 }
 
 }  // namespace zero8::cuda_detail

@@ -5,8 +5,6 @@
 // dp4a or tensor cores). Compiled in CI; no GPU has run it yet (docs/INT8.md).
 #include <cuda_runtime.h>
 
-#include <utility>
-
 #include "device_ptr.h"
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
@@ -75,9 +73,8 @@ void int8_block_gemm_cuda(const BlockGemmArgs& a, void* stream) {
   const int64_t tiles_m = (a.m + kTile - 1) / kTile, tiles_n = (a.n + kTile - 1) / kTile;
   if (tiles_m > 65535 || tiles_n > 2147483647)
     ZERO8_THROW(unsupported, "int8_block_gemm_cuda: " << a.m << " x " << a.n << " outputs exceed the launch grid");
-  for (const auto& [p, name] : {std::pair<const void*, const char*>{a.a, "a"}, {a.a_scale, "a_scale"}, {a.b, "b"},
-                                 {a.b_scale, "b_scale"}, {a.bias, "bias"}, {a.out, "out"}})
-    cuda_detail::check_device_ptr(p, name, "int8_block_gemm_cuda");
+  cuda_detail::check_device_ptrs("int8_block_gemm_cuda", {{a.a, "a"}, {a.a_scale, "a_scale"}, {a.b, "b"},
+                                                           {a.b_scale, "b_scale"}, {a.bias, "bias"}, {a.out, "out"}});
   const dim3 grid{unsigned(tiles_n), unsigned(tiles_m), 1u}, block{unsigned(kTile), unsigned(kThreadRows), 1u};
   block_gemm_kernel<<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(a, nmb, nnb, nkb);
   const cudaError_t e = cudaGetLastError();

@@ -17,6 +17,7 @@ namespace zero8::int8 {
 namespace {
 
 using cuda_detail::check_device_ptr;
+using cuda_detail::check_device_ptrs;
 
 constexpr int kThreads = 256;
 
@@ -128,10 +129,7 @@ void int8_row_quant_cuda(const RowQuantArgs& a, void* stream) {
   if (a.rows > kMaxGridX)
     ZERO8_THROW(unsupported, "int8_row_quant_cuda: rows = " << a.rows << " exceeds the launch grid (one CUDA block per "
                                                              "row, at most " << kMaxGridX << ")");
-  check_device_ptr(a.x, "x", "int8_row_quant_cuda");
-  check_device_ptr(a.col_mask, "col_mask", "int8_row_quant_cuda");
-  check_device_ptr(a.q, "q", "int8_row_quant_cuda");
-  check_device_ptr(a.scale, "scale", "int8_row_quant_cuda");
+  check_device_ptrs("int8_row_quant_cuda", {{a.x, "x"}, {a.col_mask, "col_mask"}, {a.q, "q"}, {a.scale, "scale"}});
   row_quant_kernel<<<unsigned(a.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_row_quant_cuda");
 }
@@ -145,17 +143,14 @@ void int8_block_quant_cuda(const BlockQuantArgs& a, void* stream) {
                                                                << " column blocks; the launch grid takes at most "
                                                                << kMaxGridY << " row blocks and " << kMaxGridX
                                                                << " column blocks (use a larger block_rows)");
-  check_device_ptr(a.x, "x", "int8_block_quant_cuda");
-  check_device_ptr(a.q, "q", "int8_block_quant_cuda");
-  check_device_ptr(a.scale, "scale", "int8_block_quant_cuda");
+  check_device_ptrs("int8_block_quant_cuda", {{a.x, "x"}, {a.q, "q"}, {a.scale, "scale"}});
   const dim3 grid{unsigned(nbc), unsigned(nbr), 1u};
   block_quant_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
   cuda_check(cudaGetLastError(), "int8_block_quant_cuda");
 }
 
 void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {
-  check_device_ptr(a.x, "x", "int8_col_outliers_cuda");
-  check_device_ptr(a.mask, "mask", "int8_col_outliers_cuda");
+  check_device_ptrs("int8_col_outliers_cuda", {{a.x, "x"}, {a.mask, "mask"}});
   cuda_check(cudaMemsetAsync(a.mask, 0, size_t(a.cols), static_cast<cudaStream_t>(stream)), "int8_col_outliers_cuda");
   if (a.rows * a.cols == 0) return;  // no rows: the all-zero mask, as on the CPU (a 0-block grid is a launch error)
   col_outliers_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
@@ -163,12 +158,8 @@ void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {
 }
 
 void int8_epilogue_cuda(const EpilogueArgs& a, void* stream) {
-  check_device_ptr(a.acc, "acc", "int8_epilogue_cuda");
-  check_device_ptr(a.row_scale, "row_scale", "int8_epilogue_cuda");
-  check_device_ptr(a.col_scale, "col_scale", "int8_epilogue_cuda");
-  check_device_ptr(a.add, "add", "int8_epilogue_cuda");
-  check_device_ptr(a.bias, "bias", "int8_epilogue_cuda");
-  check_device_ptr(a.out, "out", "int8_epilogue_cuda");
+  check_device_ptrs("int8_epilogue_cuda", {{a.acc, "acc"}, {a.row_scale, "row_scale"}, {a.col_scale, "col_scale"},
+                                           {a.add, "add"}, {a.bias, "bias"}, {a.out, "out"}});
   epilogue_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_epilogue_cuda");
 }
@@ -200,9 +191,7 @@ void int8_gemm_cublaslt(const GemmArgs& g, void* stream) {
     if (reinterpret_cast<uintptr_t>(p) % 4 != 0)
       ZERO8_THROW(unsupported, "int8_gemm_cuda: pointer '" << name << "' (" << p << ") is not 4-byte aligned, which "
                                                                "cuBLASLt's int8 kernels need");
-  check_device_ptr(g.a, "a", "int8_gemm_cuda");
-  check_device_ptr(g.b, "b", "int8_gemm_cuda");
-  check_device_ptr(g.c, "c", "int8_gemm_cuda");
+  check_device_ptrs("int8_gemm_cuda", {{g.a, "a"}, {g.b, "b"}, {g.c, "c"}});
   LtDescs d;
   cublas_check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32I, CUDA_R_32I), "cublasLtMatmulDescCreate");
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <utility>
 
 #include "device_ptr.h"
 #include "zero8/error.h"
@@ -195,12 +194,11 @@ int threads_for_block(int32_t block) { return block < kMaxThreads ? int(block) :
 
 // Every pointer the kernels read or write (null ones are unused: the validated API decides).
 void check_step_ptrs(const StepArgs& a, const char* where) {
-  const std::pair<const void*, const char*> ptrs[] = {
-      {a.param, "param"},   {a.master, "master"},   {a.grad, "grad"},       {a.code1, "code1"},
-      {a.absmax1, "absmax1"}, {a.map1, "map1"},     {a.code2, "code2"},     {a.absmax2, "absmax2"},
-      {a.map2, "map2"},     {a.state1, "state1"},   {a.state2, "state2"},   {a.seg_offsets, "seg_offsets"},
-      {a.seg_trust, "seg_trust"}};
-  for (const auto& [p, name] : ptrs) cuda_detail::check_device_ptr(p, name, where);
+  cuda_detail::check_device_ptrs(where, {{a.param, "param"}, {a.master, "master"}, {a.grad, "grad"},
+                                         {a.code1, "code1"}, {a.absmax1, "absmax1"}, {a.map1, "map1"},
+                                         {a.code2, "code2"}, {a.absmax2, "absmax2"}, {a.map2, "map2"},
+                                         {a.state1, "state1"}, {a.state2, "state2"},
+                                         {a.seg_offsets, "seg_offsets"}, {a.seg_trust, "seg_trust"}});
 }
 
 }  // namespace
