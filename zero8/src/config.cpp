@@ -879,14 +879,11 @@ void parse_misc(Section& top, Config& c) {
                               "and the batch sizes count every rank as data-parallel); use 1 or remove it";
   top.reject_if("sequence_parallel_size", above_one, "a degree above 1 is not supported: " + dp_only);
   if (const json* tp = top.raw("tensor_parallel"); tp && tp->is_object()) {
-    const auto reject_tp = [&](const json& obj, const std::string& path, const char* key) {
-      auto it = obj.find(key);
-      if (it != obj.end() && above_one(*it))
-        unsupported_at(top.ctx(), path + "." + key, "a tensor-parallel degree above 1 is not supported: " + dp_only);
-    };
-    reject_tp(*tp, "tensor_parallel", "autotp_size");
-    reject_tp(*tp, "tensor_parallel", "tp_size");
-    if (auto it = tp->find("tp"); it != tp->end() && it->is_object()) reject_tp(*it, "tensor_parallel.tp", "tp_size");
+    const std::string why = "a tensor-parallel degree above 1 is not supported: " + dp_only;
+    Section tps(top.ctx(), tp, "tensor_parallel", Auto::use_default);
+    tps.reject_if("autotp_size", above_one, why);
+    tps.reject_if("tp_size", above_one, why);
+    Section(top.ctx(), tps.raw("tp"), "tensor_parallel.tp", Auto::use_default).reject_if("tp_size", above_one, why);
   }
   // Features that change what training computes and that zero8 does not implement.
   top.reject_if("amp", is_enabled_section, "Apex AMP is not supported: use \"fp16\" or \"bf16\"");
