@@ -7,8 +7,8 @@
 // A partitioned link or a dead host closes nothing, so no EOF arrives: every mesh socket has TCP
 // keepalive and TCP_USER_TIMEOUT set (set_common_options) so that the kernel ends a connection whose
 // peer host has not answered for ZERO8_COMM_LINK_TIMEOUT seconds; the watcher's recv() then fails
-// with ETIMEDOUT (or EHOSTUNREACH...) and the peer is reported lost, which fails every waiting
-// collective at once, on both sides of the partition. No heartbeat of our own: the kernel answers
+// with ETIMEDOUT (or EHOSTUNREACH...; or a frame sent meanwhile took that error, see run()) and the
+// peer is reported lost, which fails every waiting collective at once, on both sides of the partition. No heartbeat of our own: the kernel answers
 // keepalive probes for a process that is stopped (SIGSTOP, a debugger) or busy for hours, so only a
 // dead link or host counts, never a slow rank (ZERO8_COMM_TIMEOUT bounds those).
 #include "liveness.h"
@@ -385,10 +385,14 @@ void Liveness::send_frame(int peer, uint32_t type, const std::string& payload) {
   put(frame, uint32_t(payload.size()));
   frame += payload;
   std::lock_guard<std::mutex> lk(p.send_mu);
-  (void)write_all(p.fd, frame.data(), frame.size());  // a dead peer: its EOF reaches the watcher
+  // A dead peer: its EOF reaches the watcher. The failed send may have taken the error the kernel
+  // ended the connection with (ETIMEDOUT...), which the watcher's recv() then never sees: kept for it
+  // (sticky: a later send on the ended connection fails with EPIPE).
+  if (!write_all(p.fd, frame.data(), frame.size()) && is_link_error(errno)) p.send_link_error = true;
 }
 
 void Liveness::run() {
+  pthread_setname_np(pthread_self(), "zero8-liveness");  // for top -H, gdb, and the partition tests
   std::vector<pollfd> fds(size_t(size_) + 1);
   fds[0] = {wake_[0], POLLIN, 0};
   for (int r = 0; r < size_; ++r) fds[size_t(r) + 1] = {r == rank_ ? -1 : peers_[size_t(r)].fd, POLLIN, 0};
@@ -410,7 +414,15 @@ void Liveness::run() {
       Peer& p = peers_[size_t(r)];
       const ssize_t k = recv(f.fd, buf.data(), buf.size(), 0);
       if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      const bool link_error = k < 0 && is_link_error(errno);
+      bool link_error = k < 0 && is_link_error(errno);
+      if (k == 0) {
+        // A connection the kernel ended reports its error once, to the first call on the socket: a
+        // frame sent from another thread a moment earlier (a status query, every few seconds in a
+        // waiting collective) takes it, and this recv() sees a plain EOF. send_frame records it under
+        // send_mu, which it holds until then.
+        std::lock_guard<std::mutex> sl(p.send_mu);
+        link_error = p.send_link_error;
+      }
       bool ok = k > 0;
       if (ok) {
         p.inbuf.insert(p.inbuf.end(), buf.data(), buf.data() + k);
