@@ -422,73 +422,106 @@ def _script_pids(script: Path) -> dict[str, list[int]]:
     return out
 
 
-def test_partition_fails_every_rank_promptly(cluster):
-    """A network partition mid-run: the veth between the hosts goes down, so no connection closes and
-    no process dies; only TCP's own timeouts on the liveness connections (keepalive, TCP_USER_TIMEOUT:
-    ZERO8_COMM_LINK_TIMEOUT) reveal it. Every rank, on both sides, fails within seconds naming the
-    ranks it lost, instead of waiting in its collective for ZERO8_COMM_TIMEOUT (120 s here)."""
+PARTITION_VETH = ["ip", "-n", NAMESPACES[1], "link", "set", "z8hv1"]  # netns_cluster.sh's veth in z8h1
+
+
+def _start_partition_job(cluster: Cluster, name: str, link_timeout: int, fail_grace: int) -> tuple:
+    """Starts a long, slow training run across the hosts (ZERO8_COMM_TIMEOUT 120 s) and returns (its
+    process, its log directory) mid-run: once rank 0 has finished its second step, when the second
+    host's ranks dawdle at the start of the next one while the first host's ranks wait for them in its
+    collectives. The caller partitions the hosts and ends the run with _end_partition_job."""
     w = TRAIN_JOB_WORKLOAD
-    d = cluster.dir / "partition"
+    d = cluster.dir / name
     logs = d / "logs"
-    link_timeout = 5
-    args = ["--fail_grace", "2", w.script] + w.args("int8", 200, None, d / "result", slow=True)
+    args = ["--fail_grace", str(fail_grace), w.script] + w.args("int8", 200, None, d / "result", slow=True)
     env = job_env(ZERO8_COMM_TIMEOUT="120", ZERO8_COMM_LINK_TIMEOUT=str(link_timeout))
-    veth = ["ip", "-n", NAMESPACES[1], "link", "set", "z8hv1"]  # netns_cluster.sh's veth in z8h1
     proc = subprocess.Popen(cluster.command(args, logs), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    try:
-        # Mid-run: once rank 0 has finished its second step (the second host's ranks then dawdle at the
-        # start of the next one, while the first host's ranks wait for them in its collectives).
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while time.monotonic() < deadline and proc.poll() is None:
-            log = logs / "rank0.log"
-            if log.exists() and re.search(r"^step 2/", log.read_text(errors="replace"), re.M):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the job ended before the partition:\n" + proc.communicate()[1][-4000:]
-        subprocess.run(veth + ["down"], check=True)
-        t_down = time.time()
-        # Each rank's wrapper completes its record (in the shared /tmp) with the exit when the rank ends.
-        status = {}
-        while time.time() < t_down + 40 and len(status) < 4:
-            for r in range(4):
-                f = logs / f"rank{r}.status.json"
-                if r not in status and f.exists():
-                    try:
-                        s = json.loads(f.read_text())
-                    except ValueError:
-                        continue  # being written
-                    if s.get("end_time") is not None:
-                        status[r] = s
-            time.sleep(0.2)
-    finally:
-        subprocess.run(veth + ["up"], capture_output=True)
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
-    assert sorted(status) == [0, 1, 2, 3], f"ranks without an exit record 40 s after the partition: " \
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline and proc.poll() is None:
+        log = logs / "rank0.log"
+        if log.exists() and re.search(r"^step 2/", log.read_text(errors="replace"), re.M):
+            break
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        raise AssertionError("the job ended before the partition:\n" + proc.communicate()[1][-4000:])
+    return proc, logs
+
+
+def _exit_records(logs: Path, until: float) -> dict:
+    """The ranks' status records once all 4 hold their exit, or those that do at `until` (time.time()).
+    Each rank's wrapper completes its record (in the shared /tmp) with the exit when the rank ends."""
+    status = {}
+    while time.time() < until and len(status) < 4:
+        for r in range(4):
+            f = logs / f"rank{r}.status.json"
+            if r not in status and f.exists():
+                try:
+                    s = json.loads(f.read_text())
+                except ValueError:
+                    continue  # being written
+                if s.get("end_time") is not None:
+                    status[r] = s
+        time.sleep(0.2)
+    return status
+
+
+def _end_partition_job(proc: subprocess.Popen, wait: float = 0.0) -> None:
+    """Heals the partition and ends the job: given `wait` s to end by itself, then killed."""
+    subprocess.run(PARTITION_VETH + ["up"], capture_output=True)
+    if proc.poll() is None and wait:
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+def _check_partition_outcome(logs: Path, status: dict, link_timeout: int, waited: float) -> None:
+    """Every rank has an exit record, failed, and names a rank of the other side as lost because its
+    host stopped answering (its own finding, or in the reason of a rank of its side that found it a
+    moment earlier and gave up): not a timeout, not a death. Nothing of the job outlives it on either
+    host (the link is back up: OpenMPI's daemons can finish)."""
+    assert sorted(status) == [0, 1, 2, 3], f"ranks without an exit record {waited:g} s after the partition: " \
         f"{sorted(set(range(4)) - set(status))} (still waiting in a collective?)"
     for r, s in status.items():
         assert s["exit_code"] not in (0, None), s
-        ended_after = s["end_time"] - t_down
-        # link_timeout s of silence, up to 2 s of lingering for the other survivors, process exit:
-        # 20 s leaves room for a loaded 2-core machine.
-        assert ended_after < 20, f"rank {r} ended {ended_after:.1f} s after the partition"
-        # Each rank names a rank of the other side, lost because its host stopped answering: its own
-        # finding, or in the reason of a rank of its side that found it a moment earlier and gave up.
         log = (logs / f"rank{r}.log").read_text(errors="replace")
         m = re.search(r"zero8\.Zero8CommError: .*", log)
         assert m, f"rank {r} did not fail with a communication error:\n{log[-3000:]}"
         o = "[23]" if r < 2 else "[01]"
         lost = (rf"lost contact with rank {o} \(host {NAMESPACES[1 - r // 2]}\): no TCP answer for "
                 rf"{link_timeout} s \(network partition, or its host is down\)")
-        assert re.search(lost, m.group(0)) and "timed out" not in m.group(0), m.group(0)
-    # Nothing of the job outlives it on either host (the link is back up: OpenMPI's daemons can finish).
+        assert re.search(lost, m.group(0)), f"rank {r}: {m.group(0)}"
+        assert "timed out" not in m.group(0) and "died" not in m.group(0), f"rank {r}: {m.group(0)}"
+    script = TRAIN_JOB_WORKLOAD.script
     deadline = time.monotonic() + 15
-    while any(_script_pids(w.script).values()) and time.monotonic() < deadline:
+    while any(_script_pids(script).values()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_script_pids(w.script).values()), _script_pids(w.script)
+    assert not any(_script_pids(script).values()), _script_pids(script)
 
+
+def test_partition_fails_every_rank_promptly(cluster):
+    """A network partition mid-run: the veth between the hosts goes down, so no connection closes and
+    no process dies; only TCP's own timeouts on the liveness connections (keepalive, TCP_USER_TIMEOUT:
+    ZERO8_COMM_LINK_TIMEOUT) reveal it. Every rank, on both sides, fails within seconds naming the
+    ranks it lost, instead of waiting in its collective for ZERO8_COMM_TIMEOUT (120 s here)."""
+    link_timeout = 5
+    proc, logs = _start_partition_job(cluster, "partition", link_timeout, fail_grace=2)
+    try:
+        subprocess.run(PARTITION_VETH + ["down"], check=True)
+        t_down = time.time()
+        status = _exit_records(logs, t_down + 40)
+    finally:
+        _end_partition_job(proc)
+    for r, s in status.items():
+        # link_timeout s of silence, up to 2 s of lingering for the other survivors, process exit:
+        # 20 s leaves room for a loaded 2-core machine.
+        ended_after = s["end_time"] - t_down
+        assert ended_after < 20, f"rank {r} ended {ended_after:.1f} s after the partition"
+    _check_partition_outcome(logs, status, link_timeout, 40)
 
 
 class _ThreadStopper:
@@ -540,25 +573,12 @@ def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
     timeout and query period are both 5 s here, and at the default 60 s too). Made certain here: the
     first host's watchers are held still across the partition while their main threads go on querying;
     let go, they must still name the lost host."""
-    w = TRAIN_JOB_WORKLOAD
-    d = cluster.dir / "partition-query"
-    logs = d / "logs"
     link_timeout = 5
-    args = ["--fail_grace", "60", w.script] + w.args("int8", 200, None, d / "result", slow=True)
-    env = job_env(ZERO8_COMM_TIMEOUT="120", ZERO8_COMM_LINK_TIMEOUT=str(link_timeout))
-    veth = ["ip", "-n", NAMESPACES[1], "link", "set", "z8hv1"]
+    # fail_grace 60: the first host's ranks outlive the second's (whose exits mpirun cannot hear of
+    # until the link is back) while their watchers are held.
+    proc, logs = _start_partition_job(cluster, "partition-query", link_timeout, fail_grace=60)
     stopper = _ThreadStopper()
-    proc = subprocess.Popen(cluster.command(args, logs), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    status = {}
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while time.monotonic() < deadline and proc.poll() is None:
-            log = logs / "rank0.log"
-            if log.exists() and re.search(r"^step 2/", log.read_text(errors="replace"), re.M):
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the job ended before the partition:\n" + proc.communicate()[1][-4000:]
         # Ranks 0 and 1 (the first host) wait in step 3's first collective for the second host's ranks.
         pids = {r: json.loads((logs / f"rank{r}.status.json").read_text())["pid"] for r in (0, 1)}
         try:
@@ -566,47 +586,18 @@ def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
                 stopper.stop(_thread_named(pids[r], "zero8-liveness"))
         except OSError as e:
             pytest.skip(f"cannot stop a thread with ptrace here: {e}")
-        subprocess.run(veth + ["down"], check=True)
+        subprocess.run(PARTITION_VETH + ["down"], check=True)
         t_down = time.time()
         # The kernel ends the connections to the second host by link_timeout + 2 s (keepalive, or
         # TCP_USER_TIMEOUT from a query sent after the partition); the next query, at most 5.5 s
         # later, takes the error; 16 s leaves room for a loaded machine.
         time.sleep(16)
         stopper.resume()
-        while time.time() < t_down + 60 and len(status) < 4:
-            for r in range(4):
-                f = logs / f"rank{r}.status.json"
-                if r not in status and f.exists():
-                    try:
-                        s = json.loads(f.read_text())
-                    except ValueError:
-                        continue
-                    if s.get("end_time") is not None:
-                        status[r] = s
-            time.sleep(0.2)
+        status = _exit_records(logs, t_down + 60)
     finally:
         stopper.resume()
-        subprocess.run(veth + ["up"], capture_output=True)
-        if proc.poll() is None:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.communicate()
-    assert sorted(status) == [0, 1, 2, 3], f"ranks without an exit record 60 s after the partition: " \
-        f"{sorted(set(range(4)) - set(status))}"
-    for r in range(4):
-        log = (logs / f"rank{r}.log").read_text(errors="replace")
-        m = re.search(r"zero8\.Zero8CommError: .*", log)
-        assert m, f"rank {r} did not fail with a communication error:\n{log[-3000:]}"
-        o = "[23]" if r < 2 else "[01]"
-        lost = (rf"lost contact with rank {o} \(host {NAMESPACES[1 - r // 2]}\): no TCP answer for "
-                rf"{link_timeout} s \(network partition, or its host is down\)")
-        assert re.search(lost, m.group(0)) and "died" not in m.group(0), f"rank {r}: {m.group(0)}"
-    deadline = time.monotonic() + 15
-    while any(_script_pids(w.script).values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_script_pids(w.script).values()), _script_pids(w.script)
+        _end_partition_job(proc, wait=30)
+    _check_partition_outcome(logs, status, link_timeout, 60)
 
 def _two_ranks_write(code: str, tmp_path: Path, env: dict) -> tuple:
     """Runs `code` (given tmp_path as sys.argv[1]) on 2 local ranks under mpirun (skips without mpirun or an
