@@ -513,9 +513,23 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
     engine, SIGTERM for the scripts) and gives them stop_grace seconds; a second, or the grace running
     out, terminates the engine (then SIGKILL after kill_grace). A rank failure that the engine does not
     turn into the job's end within fail_grace seconds terminates it too."""
-    # stdin: none (mpirun would otherwise read the terminal from outside its session for rank 0).
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    state = {"requests": 0, "signal": 0}
+
+    def on_signal(signum, _frame):
+        state["requests"] += 1
+        state["signal"] = state["signal"] or signum
+
+    # Installed before the engine starts: a stop request (Ctrl-C, a scheduler's SIGTERM) that arrives
+    # while it is being started is handled like any other, instead of killing the launcher unreported.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        # stdin: none (mpirun would otherwise read the terminal from outside its session for rank 0).
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    except BaseException:
+        for s, h in old.items():
+            signal.signal(s, h)
+        raise
 
     def pump(f, stream):
         while True:
@@ -532,16 +546,9 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
     for t in pumps:
         t.start()
 
-    state = {"requests": 0, "signal": 0}
     start = time.monotonic()
     deadlines: dict[str, float] = {}
     how = "done"
-
-    def on_signal(signum, _frame):
-        state["requests"] += 1
-        state["signal"] = state["signal"] or signum
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     handled = 0
     try:
         while proc.poll() is None:

@@ -975,6 +975,22 @@ def test_two_stop_requests_at_once_still_stop_the_job(tmp_path):
     assert "job stopped on request after" in r.stderr and "FAILED" not in r.stderr, r.stderr
 
 
+
+def test_a_stop_request_while_the_engine_starts_is_handled(tmp_path):
+    # The launcher installed its SIGINT/SIGTERM handlers only after starting the engine and its output
+    # pumps: a stop request in that gap (a scheduler's SIGTERM as the job starts) killed the launcher
+    # with no report (exit 143; 4 runs in 5 with this engine, a shell script that signals at once).
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    engine = bindir / "mpirun"
+    engine.write_text("#!/bin/sh\nkill -TERM $PPID\ntrap 'exit 0' USR1\nwhile :; do sleep 0.05; done\n")
+    engine.chmod(0o755)
+    env = job_env(PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", RANK_ENV], env=env, timeout=60)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert "stop requested: every rank gets SIGTERM" in r.stderr, r.stderr
+    assert "job stopped on request after" in r.stderr and "FAILED" not in r.stderr, r.stderr
+
 def test_launcher_says_which_ranks_it_still_waits_for(tmp_path, monkeypatch):
     from zero8_launch import monitor as mon
 
