@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -564,6 +565,26 @@ def _thread_named(pid: int, name: str) -> int:
     raise AssertionError(f"process {pid} has no thread named {name!r}")
 
 
+
+def _tcp_connections_to(pid: int, address: str) -> set[int]:
+    """The socket inodes of pid's established TCP connections to `address` (IPv4), read from its
+    network namespace's table (/proc/PID/net/tcp: addresses as the hex of the network-order word)."""
+    want = "%08X" % int.from_bytes(socket.inet_aton(address), "little")
+    own = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            own.add(int(link[len("socket:["):-1]))
+    out = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[2].split(":")[0] == want and f[3] == "01" and int(f[9]) in own:  # 01: ESTABLISHED
+            out.add(int(f[9]))
+    return out
+
 def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
     """The kernel reports the error it ended a connection with (ETIMEDOUT after ZERO8_COMM_LINK_TIMEOUT)
     once, to the first call on the socket. A rank waiting in a collective sends its peers a status query
@@ -586,12 +607,18 @@ def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
                 stopper.stop(_thread_named(pids[r], "zero8-liveness"))
         except OSError as e:
             pytest.skip(f"cannot stop a thread with ptrace here: {e}")
+        before = {r: _tcp_connections_to(pids[r], HOSTS[1]) for r in (0, 1)}
         subprocess.run(PARTITION_VETH + ["down"], check=True)
         t_down = time.time()
-        # The kernel ends the connections to the second host by link_timeout + 2 s (keepalive, or
-        # TCP_USER_TIMEOUT from a query sent after the partition); the next query, at most 5.5 s
-        # later, takes the error; 16 s leaves room for a loaded machine.
-        time.sleep(16)
+        # The kernel ends each held rank's liveness connections to ranks 2 and 3 after link_timeout s
+        # without an answer (keepalive, or TCP_USER_TIMEOUT from a query sent after the partition); its
+        # MPI connections to them have no such timeout and stay.
+        while any(len(before[r] - _tcp_connections_to(pids[r], HOSTS[1])) < 2 for r in (0, 1)):
+            assert time.time() < t_down + 40, \
+                f"the kernel did not end the held ranks' liveness connections to {NAMESPACES[1]} within 40 s"
+            time.sleep(0.2)
+        # The next status query (every 5 s, each waiting up to 0.5 s for answers) takes the error.
+        time.sleep(7)
         stopper.resume()
         status = _exit_records(logs, t_down + 60)
     finally:
