@@ -777,13 +777,8 @@ def test_stop_request_reaches_every_rank(tmp_path):
     proc = subprocess.Popen(launch_cmd(["--num_procs", "2", "--log_dir", tmp_path / "logs", RANK_ENV,
                                         "--sleep", "60", "--term_file", term]),
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # both ranks running (their status files name a pid)
-        st = [tmp_path / "logs" / f"rank{i}.status.json" for i in (0, 1)]
-        if all(p.exists() and json.loads(p.read_text()).get("pid") for p in st):
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)  # past the scripts' signal handler installation
+    for i in (0, 1):  # both ranks' SIGTERM handlers are in place
+        _wait_for_file(Path(f"{term}.{i}.ready"), timeout=60)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -882,9 +877,9 @@ def _wait_for_file(path: Path, timeout: float = 30.0) -> None:
 def test_engine_killed_by_a_signal_exits_128_plus_n(tmp_path):
     # mpirun reports a lost daemon and hangs; the launcher ends it after --fail_grace and mpirun dies of
     # SIGSEGV (OpenMPI 4.1's mpirun did, in PMIx_Finalize). The exit code was sys.exit(-11), i.e. 245.
-    env = _fake_mpirun(tmp_path, "print('-' * 74 + '\\nAn ORTE daemon has unexpectedly failed after launch and before\\n"
+    env = _fake_mpirun(tmp_path, "signal.signal(signal.SIGTERM, segv)\n"
+                                 "print('-' * 74 + '\\nAn ORTE daemon has unexpectedly failed after launch and before\\n"
                                  "communicating back to mpirun.\\n' + '-' * 74, file=sys.stderr, flush=True)\n"
-                                 "signal.signal(signal.SIGTERM, segv)\n"
                                  "while True:\n    time.sleep(1)\n")
     r = launch(["--num_procs", "2", "--fail_grace", "0.5", "--log_dir", tmp_path / "logs", RANK_ENV],
                env=env, timeout=60)

@@ -1,6 +1,7 @@
 """A rank script for the launcher tests (tests/python/test_launch.py): standard library only, so it starts
 in milliseconds. Prints the launcher's variables as one JSON line, writes to stdout and stderr, and on
-request fails, sleeps, or waits for SIGTERM and reports it.
+request fails, sleeps, or waits for SIGTERM and reports it (--term_file: PATH.RANK.ready once the
+handler is in place, PATH.RANK with the signal's name when it comes).
 
     rank_env.py [--fail_rank R] [--fail_after S] [--kill_self] [--sleep S] [--term_file PATH]
 """
@@ -37,6 +38,7 @@ def main() -> int:
             print(f"rank {rank} got {signal.Signals(signum).name}: saving and exiting")
             sys.exit(0)
         signal.signal(signal.SIGTERM, on_term)
+        open(f"{a.term_file}.{rank}.ready", "w").close()  # the test signals once every rank has written it
     if rank == a.fail_rank:
         time.sleep(a.fail_after)
         # The tests time the job's end from this line, not from the launch (a loaded machine starts slowly).
