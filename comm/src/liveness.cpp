@@ -93,6 +93,17 @@ uint32_t resolve_listen_address(const std::string& ifaddr, std::string* text) {
   return a.s_addr;
 }
 
+// Keepalive of a mesh connection (see set_common_options): probes from `idle` s of silence on, `count`
+// of them `interval` apart, idle + count * interval = the link timeout.
+struct Keepalive {
+  int count, interval, idle;
+};
+Keepalive keepalive_for(int link_timeout_s) {
+  const int count = link_timeout_s >= 4 ? 3 : 1;
+  const int interval = std::max(1, link_timeout_s / 6);
+  return {count, interval, link_timeout_s - count * interval};
+}
+
 void set_common_options(int fd, int link_timeout_s) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -105,9 +116,8 @@ void set_common_options(int fd, int link_timeout_s) {
   // time for a frame sent but not acknowledged, and makes the kernel end a keepalive-probed connection
   // after it too. The peer's kernel acknowledges for it, so a stopped process is never timed out
   // (unless it leaves its receive buffer full for that long: the mesh's few small frames never fill it).
-  const int count = link_timeout_s >= 4 ? 3 : 1;
-  const int interval = std::max(1, link_timeout_s / 6);
-  const int idle = link_timeout_s - count * interval;
+  const Keepalive k = keepalive_for(link_timeout_s);
+  const int count = k.count, interval = k.interval, idle = k.idle;
   const unsigned user_timeout_ms = unsigned(link_timeout_s) * 1000u;
   struct Option {
     int level, name;
@@ -133,6 +143,19 @@ void set_common_options(int fd, int link_timeout_s) {
 // TCP_USER_TIMEOUT: ETIMEDOUT, or the last ICMP error it got meanwhile), as opposed to a close or reset.
 bool is_link_error(int err) {
   return err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN || err == ENETDOWN;
+}
+
+// Whether the peer's kernel has been silent for longer than it ever is on a working link: an idle mesh
+// connection is probed after `idle` s and answered within a round trip, so nothing for idle + interval/2
+// means unanswered probes. A reset (or FIN) arriving after such a silence ends a partition that healed
+// after the peer's kernel had given up on the connection, not before ours did: it answers our next
+// segment with a reset. That is a lost link, not a process that died on a working one.
+bool silent_for_too_long(int fd, int link_timeout_s) {
+  tcp_info info{};
+  socklen_t size = sizeof(info);
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &size) != 0) return false;
+  const Keepalive k = keepalive_for(link_timeout_s);
+  return info.tcpi_last_ack_recv >= unsigned(k.idle) * 1000u + unsigned(k.interval) * 500u;
 }
 
 // Wait until fd is ready for `events` or the deadline passes; false on timeout.
@@ -423,6 +446,7 @@ void Liveness::run() {
         std::lock_guard<std::mutex> sl(p.send_mu);
         link_error = p.send_link_error;
       }
+      if (k <= 0 && !link_error) link_error = silent_for_too_long(f.fd, link_timeout_s_);
       bool ok = k > 0;
       if (ok) {
         p.inbuf.insert(p.inbuf.end(), buf.data(), buf.data() + k);

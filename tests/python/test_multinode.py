@@ -642,6 +642,43 @@ def _two_ranks_write(code: str, tmp_path: Path, env: dict) -> tuple:
     return lines, r.stdout + r.stderr
 
 
+
+def test_partition_healed_between_the_two_kernels_timeouts_is_named(tmp_path):
+    """An outage that ends after one side's kernel gave up on a liveness connection but before the other
+    side's did: the side still holding it gets a reset from the peer's kernel on its next retransmission.
+    That used to read as 'rank 1 died (... killed or crashed)' while rank 1 was alive and the other side
+    said 'lost contact'. A reset after a silence longer than a working link ever has is a lost link.
+    tests/python/launch/healed_partition.py makes the order in a private network namespace (loopback
+    down, then up as soon as rank 1's end is gone and rank 0's is not); the order depends on kernel
+    timers, so up to 3 attempts, and a skip saying so if none made it."""
+    problem = installed_problem()
+    if problem or mpirun() is None:
+        pytest.skip(problem or "mpirun not found")
+    import zero8
+    if not zero8.build_info()["mpi"]:
+        pytest.skip("zero8 was built without MPI")
+    missing = [c for c in ("unshare", "ip", "ss") if shutil.which(c) is None]
+    if os.geteuid() != 0 or missing:
+        pytest.skip(f"needs root and {', '.join(missing)}" if missing else "needs root (unshare -n)")
+    logs = []
+    for attempt in range(3):
+        d = tmp_path / f"attempt{attempt}"
+        d.mkdir()
+        r = subprocess.run(["unshare", "-n", sys.executable, str(ROOT / "tests/python/launch/healed_partition.py"),
+                            str(d)], env=job_env(MPIRUN=mpirun()), capture_output=True, text=True, timeout=180)
+        if r.returncode != 0 and "unshare" in r.stderr:
+            pytest.skip(f"cannot make a network namespace here: {r.stderr.strip()[-300:]}")
+        assert (d / "report.json").exists(), r.stdout + r.stderr
+        report = json.loads((d / "report.json").read_text())
+        rank0 = (d / "rank0").read_text() if (d / "rank0").exists() else ""
+        # Whatever the order, rank 0 names the lost link, never a death.
+        assert rank0.startswith("COMM_ERROR") and "lost contact with rank 1 (host " in rank0, (rank0, report)
+        assert "died" not in rank0, (rank0, report)
+        if report["healed_between"]:
+            return
+        logs.append(report["log"])
+    pytest.skip(f"the outage never ended between the two kernels' timeouts in 3 attempts: {logs}")
+
 @pytest.mark.parametrize("value", ["1", "60s", "40000"])
 def test_link_timeout_is_checked(value, tmp_path):
     """A bad ZERO8_COMM_LINK_TIMEOUT fails every rank at once naming the variable (no cluster needed)."""
