@@ -7,10 +7,11 @@
 // A partitioned link or a dead host closes nothing, so no EOF arrives: every mesh socket has TCP
 // keepalive and TCP_USER_TIMEOUT set (set_common_options) so that the kernel ends a connection whose
 // peer host has not answered for ZERO8_COMM_LINK_TIMEOUT seconds; the watcher's recv() then fails
-// with ETIMEDOUT (or EHOSTUNREACH...; or a frame sent meanwhile took that error, see run()) and the
-// peer is reported lost, which fails every waiting collective at once, on both sides of the partition. No heartbeat of our own: the kernel answers
-// keepalive probes for a process that is stopped (SIGSTOP, a debugger) or busy for hours, so only a
-// dead link or host counts, never a slow rank (ZERO8_COMM_TIMEOUT bounds those).
+// with ETIMEDOUT (or EHOSTUNREACH...; or sees an EOF after a silence no working link has, see run())
+// and the peer is reported lost, which fails every waiting collective at once, on both sides of the
+// partition. No heartbeat of our own: the kernel answers keepalive probes for a process that is
+// stopped (SIGSTOP, a debugger) or busy for hours, so only a dead link or host counts, never a slow
+// rank (ZERO8_COMM_TIMEOUT bounds those).
 #include "liveness.h"
 
 #include <arpa/inet.h>
@@ -117,7 +118,6 @@ void set_common_options(int fd, int link_timeout_s) {
   // after it too. The peer's kernel acknowledges for it, so a stopped process is never timed out
   // (unless it leaves its receive buffer full for that long: the mesh's few small frames never fill it).
   const Keepalive k = keepalive_for(link_timeout_s);
-  const int count = k.count, interval = k.interval, idle = k.idle;
   const unsigned user_timeout_ms = unsigned(link_timeout_s) * 1000u;
   struct Option {
     int level, name;
@@ -127,9 +127,9 @@ void set_common_options(int fd, int link_timeout_s) {
   };
   const Option options[] = {
       {SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one), "SO_KEEPALIVE"},
-      {IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle), "TCP_KEEPIDLE"},
-      {IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval), "TCP_KEEPINTVL"},
-      {IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count), "TCP_KEEPCNT"},
+      {IPPROTO_TCP, TCP_KEEPIDLE, &k.idle, sizeof(k.idle), "TCP_KEEPIDLE"},
+      {IPPROTO_TCP, TCP_KEEPINTVL, &k.interval, sizeof(k.interval), "TCP_KEEPINTVL"},
+      {IPPROTO_TCP, TCP_KEEPCNT, &k.count, sizeof(k.count), "TCP_KEEPCNT"},
       {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms), "TCP_USER_TIMEOUT"},
   };
   for (const Option& o : options)
@@ -147,9 +147,13 @@ bool is_link_error(int err) {
 
 // Whether the peer's kernel has been silent for longer than it ever is on a working link: an idle mesh
 // connection is probed after `idle` s and answered within a round trip, so nothing for idle + interval/2
-// means unanswered probes. A reset (or FIN) arriving after such a silence ends a partition that healed
-// after the peer's kernel had given up on the connection, not before ours did: it answers our next
-// segment with a reset. That is a lost link, not a process that died on a working one.
+// means unanswered probes. A connection that ends (EOF or a reset) after such a silence ended with the
+// link, not with a process that died on a working one. Two ways this happens without recv() getting
+// the kernel's ETIMEDOUT: the kernel reports it once, to the first call on the socket, and a frame
+// sent from another thread a moment earlier (a status query, every few seconds in a waiting
+// collective) takes it; or the partition healed after the peer's kernel had given up on the
+// connection but before ours did, and it answered our next segment with a reset. Either way the
+// silence has lasted at least until a kernel's timeout: the link timeout, more than this bound.
 bool silent_for_too_long(int fd, int link_timeout_s) {
   tcp_info info{};
   socklen_t size = sizeof(info);
@@ -408,10 +412,8 @@ void Liveness::send_frame(int peer, uint32_t type, const std::string& payload) {
   put(frame, uint32_t(payload.size()));
   frame += payload;
   std::lock_guard<std::mutex> lk(p.send_mu);
-  // A dead peer: its EOF reaches the watcher. The failed send may have taken the error the kernel
-  // ended the connection with (ETIMEDOUT...), which the watcher's recv() then never sees: kept for it
-  // (sticky: a later send on the ended connection fails with EPIPE).
-  if (!write_all(p.fd, frame.data(), frame.size()) && is_link_error(errno)) p.send_link_error = true;
+  // A dead peer: its EOF reaches the watcher (which tells a lost link from a death: see run()).
+  (void)write_all(p.fd, frame.data(), frame.size());
 }
 
 void Liveness::run() {
@@ -437,16 +439,8 @@ void Liveness::run() {
       Peer& p = peers_[size_t(r)];
       const ssize_t k = recv(f.fd, buf.data(), buf.size(), 0);
       if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      bool link_error = k < 0 && is_link_error(errno);
-      if (k == 0) {
-        // A connection the kernel ended reports its error once, to the first call on the socket: a
-        // frame sent from another thread a moment earlier (a status query, every few seconds in a
-        // waiting collective) takes it, and this recv() sees a plain EOF. send_frame records it under
-        // send_mu, which it holds until then.
-        std::lock_guard<std::mutex> sl(p.send_mu);
-        link_error = p.send_link_error;
-      }
-      if (k <= 0 && !link_error) link_error = silent_for_too_long(f.fd, link_timeout_s_);
+      const bool link_error =
+          k <= 0 && ((k < 0 && is_link_error(errno)) || silent_for_too_long(f.fd, link_timeout_s_));
       bool ok = k > 0;
       if (ok) {
         p.inbuf.insert(p.inbuf.end(), buf.data(), buf.data() + k);

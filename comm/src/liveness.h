@@ -103,7 +103,6 @@ class Liveness {
   struct Peer {
     int fd = -1;
     std::mutex send_mu;
-    bool send_link_error = false;  // a send failed with a link error (under send_mu): see run()
     std::vector<char> inbuf;
     bool finished = false;  // said "bye"
     bool gave_up = false;   // sent its reason: its exit that follows is not a death
