@@ -522,13 +522,17 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
     # Installed before the engine starts: a stop request (Ctrl-C, a scheduler's SIGTERM) that arrives
     # while it is being started is handled like any other, instead of killing the launcher unreported.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore_handlers():
+        for s, h in old.items():
+            signal.signal(s, h)
+
     try:
         # stdin: none (mpirun would otherwise read the terminal from outside its session for rank 0).
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, start_new_session=True, preexec_fn=_die_with_parent)
     except BaseException:
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore_handlers()
         raise
 
     def pump(f, stream):
@@ -618,8 +622,7 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
             time.sleep(0.05)
         rc = proc.wait()
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore_handlers()
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
