@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,8 @@ from typing import Callable
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "launch"))
-from launch_util import RANK_ENV, ROOT, TRAIN_JOB, env_lines, installed_problem, job_env, launch_cmd, mpirun  # noqa: E402
+from launch_util import (RANK_ENV, ROOT, TRAIN_JOB, env_lines, established_tcp, installed_problem,  # noqa: E402
+                         job_env, launch_cmd, mpirun)
 
 NETNS = ROOT / "scripts" / "netns_cluster.sh"
 NET = "10.208.0.0/24"
@@ -566,24 +566,11 @@ def _thread_named(pid: int, name: str) -> int:
 
 
 
-def _tcp_connections_to(pid: int, address: str) -> set[int]:
-    """The socket inodes of pid's established TCP connections to `address` (IPv4), read from its
-    network namespace's table (/proc/PID/net/tcp: addresses as the hex of the network-order word)."""
-    want = "%08X" % int.from_bytes(socket.inet_aton(address), "little")
-    own = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            own.add(int(link[len("socket:["):-1]))
-    out = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        f = line.split()
-        if f[2].split(":")[0] == want and f[3] == "01" and int(f[9]) in own:  # 01: ESTABLISHED
-            out.add(int(f[9]))
-    return out
+def _connections_to(pid: int, address: str) -> set[tuple]:
+    """pid's established TCP connections (local, peer) to `address`, in the first host's namespace."""
+    return {(c["local"], c["peer"]) for c in established_tcp(NAMESPACES[0])
+            if pid in c["pids"] and c["peer"].startswith(address + ":")}
+
 
 def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
     """The kernel reports the error it ended a connection with (ETIMEDOUT after ZERO8_COMM_LINK_TIMEOUT)
@@ -607,13 +594,13 @@ def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
                 stopper.stop(_thread_named(pids[r], "zero8-liveness"))
         except OSError as e:
             pytest.skip(f"cannot stop a thread with ptrace here: {e}")
-        before = {r: _tcp_connections_to(pids[r], HOSTS[1]) for r in (0, 1)}
+        before = {r: _connections_to(pids[r], HOSTS[1]) for r in (0, 1)}
         subprocess.run(PARTITION_VETH + ["down"], check=True)
         t_down = time.time()
         # The kernel ends each held rank's liveness connections to ranks 2 and 3 after link_timeout s
         # without an answer (keepalive, or TCP_USER_TIMEOUT from a query sent after the partition); its
         # MPI connections to them have no such timeout and stay.
-        while any(len(before[r] - _tcp_connections_to(pids[r], HOSTS[1])) < 2 for r in (0, 1)):
+        while any(len(before[r] - _connections_to(pids[r], HOSTS[1])) < 2 for r in (0, 1)):
             assert time.time() < t_down + 40, \
                 f"the kernel did not end the held ranks' liveness connections to {NAMESPACES[1]} within 40 s"
             time.sleep(0.2)
@@ -625,6 +612,7 @@ def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
         stopper.resume()
         _end_partition_job(proc, wait=30)
     _check_partition_outcome(logs, status, link_timeout, 60)
+
 
 def _two_ranks_write(code: str, tmp_path: Path, env: dict) -> tuple:
     """Runs `code` (given tmp_path as sys.argv[1]) on 2 local ranks under mpirun (skips without mpirun or an

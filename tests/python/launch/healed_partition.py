@@ -15,10 +15,11 @@ was seen}); each rank writes OUT_DIR/rank<R> with the outcome of its barrier.
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
+
+from launch_util import established_tcp
 
 RANK_SLEEP = 12.0  # rank 1's sleep: past the outage and rank 0's failure
 
@@ -44,19 +45,6 @@ def rank_main(out: str) -> None:
     os._exit(0)  # no MPI_Finalize with a failed peer
 
 
-def sockets() -> list[dict]:
-    """Established TCP sockets: local, peer, pid, bytes_sent (ss -tinp)."""
-    text = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
-    out = []
-    for block in re.split(r"\n(?=\S)", text.strip()) if text.strip() else []:
-        f = block.split()
-        pid = re.search(r"pid=(\d+)", block)
-        sent = re.search(r"bytes_sent:(\d+)", block)
-        out.append({"local": f[2], "peer": f[3], "pid": int(pid.group(1)) if pid else -1,
-                    "sent": int(sent.group(1)) if sent else 0})
-    return out
-
-
 def controller(out: str) -> None:
     log = []
     say = lambda what: log.append(f"{time.monotonic() - t0:7.3f} {what}")  # noqa: E731
@@ -79,10 +67,10 @@ def controller(out: str) -> None:
         # The mesh connection between the two ranks: rank 0's end and rank 1's.
         ends = None
         while ends is None:
-            socks = sockets()
+            socks = established_tcp()
             for a in socks:
                 for b in socks:
-                    if a["pid"] == pids[0] and b["pid"] == pids[1] and a["local"] == b["peer"] and a["peer"] == b["local"]:
+                    if pids[0] in a["pids"] and pids[1] in b["pids"] and a["local"] == b["peer"] and a["peer"] == b["local"]:
                         ends = (a, b)
             if ends is None:
                 assert time.monotonic() < deadline, f"no connection between the ranks: {socks}"
@@ -90,7 +78,7 @@ def controller(out: str) -> None:
         say(f"mesh connection {ends[0]['local']} <-> {ends[1]['local']}")
 
         def find(end):
-            return next((s for s in sockets() if s["local"] == end["local"] and s["peer"] == end["peer"]), None)
+            return next((s for s in established_tcp() if s["local"] == end["local"] and s["peer"] == end["peer"]), None)
 
         sent0 = ends[0]["sent"]
         while True:  # rank 0's first status query, 2 s into its wait

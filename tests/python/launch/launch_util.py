@@ -22,6 +22,20 @@ TRAIN_JOB = LAUNCH_DIR / "train_job.py"
 REINSTALL = f"bash {ROOT}/scripts/python_setup.sh --test"
 
 
+
+def established_tcp(netns: str | None = None) -> list[dict]:
+    """The established TCP connections of a network namespace (this process's if None), from `ss -tinp`:
+    each {'local': 'addr:port', 'peer': 'addr:port', 'pids': the processes holding it, 'sent': bytes_sent}."""
+    cmd = (["ip", "netns", "exec", netns] if netns else []) + ["ss", "-tinpH", "state", "established"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+    out = []
+    for block in re.split(r"\n(?=\S)", text) if text else []:  # a connection's line, then its info line
+        f = block.split()
+        sent = re.search(r"bytes_sent:(\d+)", block)
+        out.append({"local": f[2], "peer": f[3], "pids": {int(x) for x in re.findall(r"pid=(\d+)", block)},
+                    "sent": int(sent.group(1)) if sent else 0})
+    return out
+
 def installed_problem() -> str | None:
     """Why the installed zero8_launch cannot be tested (missing, or older than the sources), or None."""
     try:
