@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .netinfo import this_host_among
-from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker
+from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker, status_path
 
 # Seconds between repeats of the stop signal while some rank has not acknowledged it.
 STOP_RESEND = 0.5
@@ -356,7 +356,7 @@ class JobMonitor:
             s = self.ranks.get(r)
             if s is not None and s.exit_code is not None:
                 continue
-            path = os.path.join(self.log_dir, f"rank{r}.status.json")
+            path = status_path(self.log_dir, r)
             try:
                 with open(path, encoding="utf-8") as f:
                     rec = json.load(f)

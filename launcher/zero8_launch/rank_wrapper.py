@@ -197,6 +197,11 @@ def format_marker(**fields) -> str:
     return MARKER + " " + " ".join(f"{k}={urllib.parse.quote(str(v), safe='/:.,-_@')}" for k, v in fields.items())
 
 
+def status_path(log_dir: str, rank: int) -> str:
+    """Where the wrapper of `rank` records how the rank ended (read by the launcher's monitor)."""
+    return os.path.join(log_dir, f"rank{rank}.status.json")
+
+
 def parse_marker(line: str) -> dict | None:
     """A marker line -> its fields (strings), or None for any other line."""
     if not line.startswith(MARKER + " "):
@@ -441,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = opts["log_dir"] or "."
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"rank{rank}.log")
-    status_path = os.path.join(log_dir, f"rank{rank}.status.json")
+    status_file = status_path(log_dir, rank)
     if opts["no_python"]:
         cmd = program
     elif opts["module"]:
@@ -455,10 +460,10 @@ def main(argv: list[str] | None = None) -> int:
                   environment={k: updates[k] for k in sorted(updates)}, cores=facts.get("cores"))
 
     def write_status() -> None:
-        tmp = status_path + ".tmp"
+        tmp = status_file + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(status, f, indent=1)
-        os.replace(tmp, status_path)
+        os.replace(tmp, status_file)
 
     running: dict = {}  # "child": the script's process once started
 
