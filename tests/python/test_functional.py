@@ -401,11 +401,28 @@ def test_nested_error_matches_bitsandbytes(data, blocksize):
     # near-ties differs (zero8 rounds to the exact nearest value), which moves the mean error by < 0.1%
     # here. Signed scales, whose mean is near 0 (the old behaviour), gave 2-10% more error on these inputs.
     assert mean_error(F, True) <= 1.01 * mean_error(bnb, True)
-    # The non-nested path keeps its signed scales (the definition tests above check its codes), and
-    # with them at most bitsandbytes' error.
-    _, state = F.quantize_blockwise(x, blocksize=blocksize)
+    # The non-nested path keeps its signed scales (the definition tests above check its codes): the same
+    # scales as bitsandbytes' up to the sign, so the codes alone make the difference. They are judged with
+    # one value table (bitsandbytes' own differs from it in the last bit of some entries, by version).
+    codes, state = F.quantize_blockwise(x, blocksize=blocksize)
+    theirs, their_state = bnb.quantize_blockwise(x, blocksize=blocksize)
     assert (state.absmax < 0).any()
-    assert mean_error(F, False) <= mean_error(bnb, False)
+    assert torch.equal(their_state.absmax, state.absmax.abs())
+    values = F.create_dynamic_map().double()
+    scale = state.absmax.double().repeat_interleave(blocksize)
+    x64 = x.double()
+    ours_err = (values[codes.long()] * scale - x64).abs()
+    their_err = (values[theirs.long()] * scale.abs() - x64).abs()
+    # zero8 takes the exact nearest value to x / scale, so no element is further from x than with
+    # bitsandbytes' code, up to the float32 rounding of that quotient (F32_EPS * |x| for each code). Except
+    # where a negative scale cannot reach: the map has +1 but not -1, so a positive element above the
+    # midpoint of the top two values in a block of negative scale gets at most 0.99297 * |scale| (such a
+    # block's negative extreme, in turn, comes back exact where bitsandbytes' does not).
+    unreachable = (scale < 0) & (x64 / scale.abs() > (values[254] + values[255]) / 2)
+    worse = (ours_err > their_err + 2 * F32_EPS * x64.abs()) & ~unreachable
+    assert not worse.any(), f"{int(worse.sum())} element(s) coded further from x than by bitsandbytes"
+    # Not implied by the above (those few unreachable elements): the mean error, judged the same way.
+    assert ours_err.mean() <= their_err.mean()
 
 
 @pytest.mark.parametrize("blocksize", [256, 4096])
