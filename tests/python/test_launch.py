@@ -736,8 +736,9 @@ def test_bind_cores_to_rank_gives_each_rank_its_own_cores(tmp_path):
 
 @needs_mpirun
 def test_failing_rank_ends_the_job_and_shows_its_error(tmp_path):
-    # Rank 1 raises after 1 s; the others would sleep 60 s. The job must end about when rank 1 fails.
-    r = launch(["--num_procs", "3", "--log_dir", tmp_path, RANK_ENV, "--fail_rank", "1", "--fail_after", "1",
+    # Rank 1 raises once every rank is running; the others would sleep 60 s. The job must end about when
+    # rank 1 fails.
+    r = launch(["--num_procs", "3", "--log_dir", tmp_path, RANK_ENV, "--fail_rank", "1", "--ready", tmp_path / "up",
                 "--sleep", "60"], timeout=120)
     elapsed = _seconds_since_test_event(r)
     assert r.returncode == 1, r.stderr
@@ -775,7 +776,7 @@ def test_stop_request_reaches_every_rank(tmp_path):
     # "saves" and exits 0; the launcher then reports a stop on request (128 + SIGTERM).
     term = tmp_path / "term"
     proc = subprocess.Popen(launch_cmd(["--num_procs", "2", "--log_dir", tmp_path / "logs", RANK_ENV,
-                                        "--sleep", "60", "--term_file", term]),
+                                        "--sleep", "60", "--ready", term, "--term_file", term]),
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for i in (0, 1):  # both ranks' SIGTERM handlers are in place
         _wait_for_file(Path(f"{term}.{i}.ready"), timeout=60)
@@ -1043,20 +1044,33 @@ def _wait_for_pids(directory: Path, pattern: str, count: int, timeout: float = 6
     return pids
 
 
+# The start of a rank script that starts a helper (`sleep 300`) and then publishes its pid in
+# <dir>/helper_pid.<RANK> (whole, by a rename); {sigterm} is run first.
+_HELPER_SCRIPT_HEAD = (
+    "import os, signal, subprocess, sys, time\n"
+    "D, rank = {dir!r}, os.environ['RANK']\n"
+    "{sigterm}"
+    "helper = subprocess.Popen(['sleep', '300'])\n"
+    "open(os.path.join(D, '.tmp' + rank), 'w').write(str(helper.pid))\n"
+    "os.replace(os.path.join(D, '.tmp' + rank), os.path.join(D, 'helper_pid.' + rank))\n"
+    "def wait_for_helper_of_rank_0():  # before failing: rank 0 must have started its helper\n"
+    "    deadline = time.monotonic() + 60\n"
+    "    while not os.path.exists(os.path.join(D, 'helper_pid.0')):\n"
+    "        if time.monotonic() > deadline:\n"
+    "            sys.exit('rank 1: rank 0 did not start its helper within 60 s')\n"
+    "        time.sleep(0.02)\n")
+
+
 @needs_mpirun
 def test_processes_a_rank_started_end_with_it(tmp_path):
     # Each rank's script starts a helper (a data server, a tokenizer worker...) that would run for minutes,
     # then rank 1 fails: no helper may outlive its rank (as under torchrun, which ends each worker's group).
     script = tmp_path / "helper.py"
-    script.write_text(
-        "import os, subprocess, sys, time\n"
-        "rank = os.environ['RANK']\n"
-        "helper = subprocess.Popen(['sleep', '300'])\n"
-        f"open(os.path.join({str(tmp_path)!r}, 'helper_pid.' + rank), 'w').write(str(helper.pid))\n"
-        "if rank == '1':\n"
-        "    time.sleep(1)\n"
-        "    sys.exit('rank 1 fails on purpose (test)')\n"
-        "time.sleep(60)\n")
+    script.write_text(_HELPER_SCRIPT_HEAD.format(dir=str(tmp_path), sigterm="") +
+                      "if rank == '1':\n"
+                      "    wait_for_helper_of_rank_0()\n"
+                      "    sys.exit('rank 1 fails on purpose (test)')\n"
+                      "time.sleep(60)\n")
     helpers: list[int] = []
     try:
         r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", script], timeout=90)
@@ -1125,28 +1139,32 @@ def test_processes_of_a_rank_that_ignores_sigterm_end_with_the_job(tmp_path, how
     # the wrappers about a second after its SIGTERM, and the scripts die with them (PR_SET_PDEATHSIG). Their
     # helpers used to live on, re-parented to init: no helper may outlive the job.
     script = tmp_path / "deaf.py"
-    script.write_text(
-        "import os, signal, subprocess, sys, time\n"
-        "rank = os.environ['RANK']\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "helper = subprocess.Popen(['sleep', '300'])\n"
-        f"open(os.path.join({str(tmp_path)!r}, 'helper_pid.' + rank), 'w').write(str(helper.pid))\n"
-        f"if rank == '1' and {how == 'another_rank_fails'}:\n"
-        "    time.sleep(1)\n"
-        "    sys.exit('rank 1 fails on purpose (test)')\n"
-        "time.sleep(300)\n")
+    script.write_text(_HELPER_SCRIPT_HEAD.format(dir=str(tmp_path),
+                                                 sigterm="signal.signal(signal.SIGTERM, signal.SIG_IGN)\n") +
+                      f"if rank == '1' and {how == 'another_rank_fails'}:\n"
+                      "    wait_for_helper_of_rank_0()\n"
+                      "    sys.exit('rank 1 fails on purpose (test)')\n"
+                      "time.sleep(300)\n")
     grace = ["--stop_grace", "2"] if how == "stop_grace_runs_out" else ["--stop_grace", "30", "--fail_grace", "5"]
     proc = subprocess.Popen(launch_cmd(["--num_procs", "2", *grace, "--log_dir", tmp_path / "logs", script]),
                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     helpers: list[int] = []
     try:
+        # A script publishes its helper's pid after its SIG_IGN: both ignore SIGTERM from here on.
         helpers = _wait_for_pids(tmp_path, "helper_pid.*", 2)
         assert len(helpers) == 2, "the ranks did not start their helpers"
         if how != "another_rank_fails":
-            time.sleep(0.5)  # past the scripts' SIG_IGN
             proc.send_signal(signal.SIGINT)
             if how == "second_ctrl_c":
-                time.sleep(1.0)
+                # The second once the first has reached both scripts (each wrapper's signal marker, in
+                # the engine output the launcher keeps), which ignore it.
+                log = tmp_path / "logs" / "launcher.log"
+                deadline = time.monotonic() + 30
+                while not all(re.search(rf"^\[zero8-launch\] rank={i} event=signal ", log.read_text(), re.M)
+                              for i in (0, 1)):
+                    assert time.monotonic() < deadline, "the stop request did not reach both ranks within 30 s:\n" \
+                        + log.read_text()[-3000:]
+                    time.sleep(0.05)
                 proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == (1 if how == "another_rank_fails" else 128 + signal.SIGINT), err

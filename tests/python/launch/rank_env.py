@@ -1,9 +1,10 @@
 """A rank script for the launcher tests (tests/python/test_launch.py): standard library only, so it starts
 in milliseconds. Prints the launcher's variables as one JSON line, writes to stdout and stderr, and on
-request fails, sleeps, or waits for SIGTERM and reports it (--term_file: PATH.RANK.ready once the
-handler is in place, PATH.RANK with the signal's name when it comes).
+request fails, sleeps, or waits for SIGTERM and reports it. --ready PATH: each rank writes PATH.RANK.ready
+once running (with its SIGTERM handler, if any, in place), and --fail_rank fails only once every rank's
+is there; --term_file PATH: PATH.RANK with the signal's name when SIGTERM comes.
 
-    rank_env.py [--fail_rank R] [--fail_after S] [--kill_self] [--sleep S] [--term_file PATH]
+    rank_env.py [--fail_rank R] [--kill_self] [--sleep S] [--ready PATH] [--term_file PATH]
 """
 
 import argparse
@@ -21,9 +22,9 @@ KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_S
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fail_rank", type=int, default=-1)
-    p.add_argument("--fail_after", type=float, default=0.0)
     p.add_argument("--kill_self", action="store_true", help="--fail_rank dies by SIGKILL instead of raising")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--ready", default="")
     p.add_argument("--term_file", default="")
     a = p.parse_args()
     rank = int(os.environ.get("RANK", "-1"))
@@ -38,9 +39,16 @@ def main() -> int:
             print(f"rank {rank} got {signal.Signals(signum).name}: saving and exiting")
             sys.exit(0)
         signal.signal(signal.SIGTERM, on_term)
-        open(f"{a.term_file}.{rank}.ready", "w").close()  # the test signals once every rank has written it
+    if a.ready:
+        open(f"{a.ready}.{rank}.ready", "w").close()
     if rank == a.fail_rank:
-        time.sleep(a.fail_after)
+        if a.ready:  # every rank running first: the others are then ended by the job's abort, not unstarted
+            world = int(os.environ["WORLD_SIZE"])
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(f"{a.ready}.{r}.ready") for r in range(world)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {rank}: not every rank wrote {a.ready}.<R>.ready within 60 s")
+                time.sleep(0.02)
         # The tests time the job's end from this line, not from the launch (a loaded machine starts slowly).
         print(f"test event: rank {rank} {'kills itself' if a.kill_self else 'raises'} at t={time.time():.3f}",
               flush=True)
