@@ -572,6 +572,34 @@ def _connections_to(pid: int, address: str) -> set[tuple]:
             if pid in c["pids"] and c["peer"].startswith(address + ":")}
 
 
+def _bytes_to_each_other(pids: dict) -> dict:
+    """What each of the first host's two ranks has sent on its TCP connections to the other: the liveness
+    connection alone (the ranks of one host exchange MPI data through shared memory)."""
+    socks = established_tcp(NAMESPACES[0])
+    out = {}
+    for r, other in ((0, 1), (1, 0)):
+        ends = {c["local"] for c in socks if pids[other] in c["pids"]}
+        out[r] = sum(c["sent"] for c in socks if pids[r] in c["pids"] and c["peer"] in ends)
+    return out
+
+
+def _wait_for_queries(pids: dict, count: int, until: float) -> None:
+    """Waits until each rank of `pids` (ranks 0 and 1, watchers held) has sent `count` more frames to the
+    other, each seen apart. With its watcher held, a rank's main thread alone sends on its liveness
+    connections: a status query every 5 s to each peer, the other rank of its host first. So the second
+    frame seen proves the query of the first sent in full, to ranks 2 and 3 as well, after this call began."""
+    sent = _bytes_to_each_other(pids)
+    seen = {r: 0 for r in pids}
+    while min(seen.values()) < count:
+        assert time.time() < until, f"ranks 0 and 1 sent no status query to each other in time (frames seen: {seen})"
+        time.sleep(0.05)
+        now = _bytes_to_each_other(pids)
+        for r in pids:
+            if now[r] > sent[r]:
+                seen[r] += 1
+                sent[r] = now[r]
+
+
 def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
     """The kernel reports the error it ended a connection with (ETIMEDOUT after ZERO8_COMM_LINK_TIMEOUT)
     once, to the first call on the socket. A rank waiting in a collective sends its peers a status query
@@ -604,8 +632,8 @@ def test_partition_is_named_when_a_status_query_takes_the_links_error(cluster):
             assert time.time() < t_down + 40, \
                 f"the kernel did not end the held ranks' liveness connections to {NAMESPACES[1]} within 40 s"
             time.sleep(0.2)
-        # The next status query (every 5 s, each waiting up to 0.5 s for answers) takes the error.
-        time.sleep(7)
+        # A status query sent from here on takes the error: wait until one has been sent in full.
+        _wait_for_queries(pids, 2, t_down + 40)
         stopper.resume()
         status = _exit_records(logs, t_down + 60)
     finally:
