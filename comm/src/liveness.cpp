@@ -44,6 +44,8 @@ namespace {
 constexpr uint32_t kMagic = 0x7a38636du;  // "zc8m"
 constexpr uint32_t kHello = 1, kBye = 2, kGiveUp = 3, kQuery = 4, kState = 5;
 constexpr uint32_t kMaxFrame = 1u << 20;
+// The longest a frame's send may block (a peer that stopped reading: see FrameSender).
+constexpr double kSendSeconds = 2.0;
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -108,7 +110,8 @@ Keepalive keepalive_for(int link_timeout_s) {
 void set_common_options(int fd, int link_timeout_s) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // A peer that stops reading (SIGSTOP) must not block us forever in send().
+  // A peer that stops reading (SIGSTOP) must not block us forever in send() (the hello; later
+  // frames go through FrameSender, which bounds each frame's send itself).
   timeval tv{2, 0};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   // A silent peer host is detected within link_timeout_s (see the top of this file). The mesh is idle
@@ -204,6 +207,25 @@ bool write_all(int fd, const void* buf, size_t n) {
   return true;
 }
 
+// Writes [p, p + n) until done or the deadline: the count written (short on timeout), -1 if the
+// connection failed. MSG_DONTWAIT and poll() bound the whole write, not each send() call.
+ssize_t write_until(int fd, const char* p, size_t n, double deadline) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t k = ::send(fd, p + done, n - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) {
+      done += size_t(k);
+    } else if (k < 0 && errno == EINTR) {
+      continue;
+    } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!poll_one(fd, POLLOUT, deadline)) break;
+    } else {
+      return -1;
+    }
+  }
+  return ssize_t(done);
+}
+
 template <class T> void put(std::string& s, const T& v) { s.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
 template <class T> T get(const char* p) {
   T v;
@@ -238,6 +260,23 @@ void atfork_child() {
 }
 
 }  // namespace
+
+bool FrameSender::send(int fd, const std::string& frame, double timeout_s) {
+  const double deadline = now_s() + timeout_s;
+  if (!unsent_.empty()) {
+    const ssize_t k = write_until(fd, unsent_.data(), unsent_.size(), deadline);
+    if (k < 0) {
+      unsent_.clear();  // the connection is gone: the watcher sees it end
+      return false;
+    }
+    unsent_.erase(0, size_t(k));
+    if (!unsent_.empty()) return false;  // still stuck: drop this frame whole
+  }
+  const ssize_t k = write_until(fd, frame.data(), frame.size(), deadline);
+  if (k < 0) return false;
+  unsent_.assign(frame, size_t(k), std::string::npos);
+  return true;
+}
 
 Liveness::Liveness(int rank, int size, const std::string& ifaddr, double timeout_s, const AllGather& all_gather)
     : rank_(rank), size_(size), peers_(size_t(size)) {
@@ -413,7 +452,8 @@ void Liveness::send_frame(int peer, uint32_t type, const std::string& payload) {
   frame += payload;
   std::lock_guard<std::mutex> lk(p.send_mu);
   // A dead peer: its EOF reaches the watcher (which tells a lost link from a death: see run()).
-  (void)write_all(p.fd, frame.data(), frame.size());
+  // A stopped one: the frame (or the tail of an earlier one) waits in p.sender (see FrameSender).
+  (void)p.sender.send(p.fd, frame, kSendSeconds);
 }
 
 void Liveness::run() {

@@ -20,6 +20,25 @@
 
 namespace zero8::comm::detail {
 
+// Writes the mesh's frames to one peer's socket, never blocking a call longer than its timeout and
+// never leaving a part of a frame in the stream followed by another frame. A peer that stops
+// reading (SIGSTOP, a debugger) fills its receive buffer; send() may then take only part of a frame
+// before the timeout. The unsent tail is kept here and goes out first on the next call, so the peer
+// reads whole frames in order; a frame that arrives while a tail is still pending is dropped whole
+// (the mesh's frames are notices and queries, each useful alone). Not thread-safe: the caller holds
+// the peer's send mutex.
+class FrameSender {
+ public:
+  // Sends `frame` (one whole frame) to fd within timeout_s. Returns false if the frame was dropped
+  // (an earlier tail still pending) or the connection failed; a frame sent in part returns true,
+  // its tail pending.
+  bool send(int fd, const std::string& frame, double timeout_s);
+  size_t pending() const { return unsent_.size(); }
+
+ private:
+  std::string unsent_;  // the tail of the last frame the socket did not take in time
+};
+
 class Liveness {
  public:
   // all_gather(mine, all, bytes): the backend's own all-gather of a fixed-size record (used once,
@@ -103,6 +122,7 @@ class Liveness {
   struct Peer {
     int fd = -1;
     std::mutex send_mu;
+    FrameSender sender;  // guarded by send_mu
     std::vector<char> inbuf;
     bool finished = false;  // said "bye"
     bool gave_up = false;   // sent its reason: its exit that follows is not a death
