@@ -87,6 +87,9 @@ class MpiComm final : public Communicator {
   void set_failed(const std::string& reason) override;
   bool failed() const override { return !world_->failure.empty(); }
   std::string failure() const override { return world_->failure; }
+  void check_process(OpKind kind) const override {
+    if (world_->live) world_->live->check_not_forked(op_label(kind));
+  }
 
  protected:
   void do_all_to_all_v(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,

@@ -128,12 +128,14 @@ void check_reduce_op(ReduceOp op) {
 
 }  // namespace
 
-// Around every public call: fail fast after an earlier failure, number the call, time it.
+// Around every public call: refuse a forked child, fail fast after an earlier failure, number the
+// call, time it.
 class Communicator::Call {
  public:
   Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(now_seconds()) {
     ++c_.seq_;
     if (kind != OpKind::send && kind != OpKind::recv) ++c_.collective_seq_;
+    c_.check_process(kind);
     if (c_.failed())
       ZERO8_THROW(comm, c_.op_label(kind) << ": communicator unusable after an earlier failure: " << c_.failure());
   }

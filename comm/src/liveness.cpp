@@ -279,7 +279,7 @@ bool FrameSender::send(int fd, const std::string& frame, double timeout_s) {
 }
 
 Liveness::Liveness(int rank, int size, const std::string& ifaddr, double timeout_s, const AllGather& all_gather)
-    : rank_(rank), size_(size), peers_(size_t(size)) {
+    : rank_(rank), size_(size), peers_(size_t(size)), owner_pid_(int(getpid())) {
   if (pipe2(wake_, O_CLOEXEC) != 0) ZERO8_THROW(comm, "liveness: pipe() failed: " << errno_text());
   try {
     setup(ifaddr, timeout_s, all_gather);
@@ -698,12 +698,25 @@ std::vector<Liveness::PeerState> Liveness::query(const std::vector<int>& ranks, 
 
 void Liveness::forget_after_fork() {
   // Only async-signal-safe work: the watcher thread does not exist here, its mutexes may be held.
+  // The numbers are forgotten (-1): a file the child opens next reuses them, and nothing of the
+  // parent's may write there. Every communicator call checks check_not_forked() first.
   forked_ = true;
-  for (Peer& p : peers_)
+  for (Peer& p : peers_) {
     if (p.fd >= 0) close(p.fd);
+    p.fd = -1;
+  }
   close(wake_[0]);
   close(wake_[1]);
+  wake_[0] = wake_[1] = -1;
   (void)thread_.release();  // its std::thread must not be destroyed (or joined) in this process
+}
+
+void Liveness::check_not_forked(const std::string& label) const {
+  if (!forked_) return;
+  ZERO8_THROW(comm, label << ": this communicator belongs to process " << owner_pid_
+                          << " and cannot be used after fork() (this is its child, process " << getpid()
+                          << "): its connections and MPI state stay with the parent; communicate from the parent "
+                             "process only");
 }
 
 void Liveness::linger(double max_s, double grace_s) {

@@ -116,7 +116,11 @@ class Liveness {
 
   // In a fork()ed child (a data-loader worker): close the inherited sockets, so that this
   // process's death is not hidden from its peers by a child holding copies, and do nothing else.
+  // Their numbers are forgotten too: files the child opens later reuse them.
   void forget_after_fork();
+  // In a fork()ed child: throws Error(comm) saying that the communicator (`label`: the call)
+  // belongs to the parent process; its mesh and MPI state cannot be used here. Else nothing.
+  void check_not_forked(const std::string& label) const;
 
  private:
   struct Peer {
@@ -142,7 +146,8 @@ class Liveness {
   std::vector<Peer> peers_;
   int wake_[2] = {-1, -1};
   std::unique_ptr<std::thread> thread_;  // released (never joined) in a forked child
-  bool forked_ = false;
+  bool forked_ = false;  // set in a fork()ed child (the only thread there)
+  int owner_pid_ = 0;    // the process that created the mesh
   std::atomic<bool> alarm_{false};
   std::atomic<bool> stopping_{false};
   std::atomic<int> peers_finished_{0};

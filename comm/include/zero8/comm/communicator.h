@@ -40,6 +40,9 @@ namespace zero8::comm {
 //   to the legacy default stream; work writing them on a non-blocking stream or the per-thread
 //   default stream must be synchronized (cudaStreamSynchronize) before the call.
 // * Threads: one thread at a time per communicator (and per world: sub-communicators share it).
+// * fork(): a child process cannot use its parent's MPI communicators: every call there throws
+//   Error(comm) ("this communicator belongs to process 1234 and cannot be used after fork()"),
+//   and the child writes nothing to the parent's connections (see "MPI backend" below).
 // * Determinism: reductions of floating values are identical on every rank. The single and MPI
 //   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
 //   reproducible and equal a serial reference; NCCL sums in its own (fixed) ring order.
@@ -228,6 +231,9 @@ class Communicator {
   virtual void set_failed(const std::string& reason);
   virtual bool failed() const { return !failure_.empty(); }
   virtual std::string failure() const { return failure_; }
+  // Throws if this process may not use the communicator at all (MPI: a fork()ed child); checked
+  // first in every call.
+  virtual void check_process(OpKind kind) const { (void)kind; }
 
   // Number of calls so far, this one included (for "all_reduce #12" in messages; every rank
   // counts the same collective calls), and the label errors start with:
