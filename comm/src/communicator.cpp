@@ -128,21 +128,37 @@ void check_reduce_op(ReduceOp op) {
 
 }  // namespace
 
-// Around every public call: refuse a forked child, fail fast after an earlier failure, number the
-// call, time it.
+// Around every public call: refuse a call overlapping another thread's and a forked child, fail
+// fast after an earlier failure, number the call, time it.
 class Communicator::Call {
  public:
   Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(now_seconds()) {
+    // One compare-exchange per call. A refused call changes nothing (not even the call numbers,
+    // which the running call's messages and the peers' mismatch checks use).
+    const char* running = nullptr;
+    if (!c_.running_.compare_exchange_strong(running, op_kind_name(kind), std::memory_order_acquire))
+      ZERO8_THROW(invalid_argument,
+                  op_kind_name(kind) << " called while " << running << " is still running on communicator '"
+                                     << c_.name_ << "' (rank " << c_.rank_ << " of " << c_.size_
+                                     << ") from another thread; zero8 calls on one communicator must not overlap "
+                                        "(every rank must issue its collectives in one order, from one thread "
+                                        "at a time)");
     ++c_.seq_;
     if (kind != OpKind::send && kind != OpKind::recv) ++c_.collective_seq_;
-    c_.check_process(kind);
-    if (c_.failed())
-      ZERO8_THROW(comm, c_.op_label(kind) << ": communicator unusable after an earlier failure: " << c_.failure());
+    try {
+      c_.check_process(kind);
+      if (c_.failed())
+        ZERO8_THROW(comm, c_.op_label(kind) << ": communicator unusable after an earlier failure: " << c_.failure());
+    } catch (...) {
+      c_.running_.store(nullptr, std::memory_order_release);  // ~Call does not run for a throwing constructor
+      throw;
+    }
   }
   ~Call() {
     OpStats& s = c_.stats_.ops[size_t(kind_)];
     s.calls += 1;
     s.seconds += now_seconds() - t0_;
+    c_.running_.store(nullptr, std::memory_order_release);
   }
 
  private:

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "zero8/comm/communicator.h"
@@ -343,6 +346,90 @@ TEST(CommSingle, BucketArgumentChecks) {
   opt.block = 2048;
   opt.format = WireFormat(7);
   EXPECT_THROW(bucket_all_gather(*c, x.data(), 100, {0, 100}, out.data(), opt), Error);
+}
+
+// A one-rank communicator whose broadcast waits at a gate until the test opens it, so a test can
+// hold one thread inside a call as long as it likes; other ops are the one-rank local copies.
+class GateComm final : public Communicator {
+ public:
+  GateComm() : Communicator(0, 1, "world", {0}, 300.0) {}
+  std::string description() const override { return "gate communicator"; }
+  const char* backend() const override { return "single"; }
+  MemSpace memory() const override { return MemSpace::host; }
+  [[noreturn]] void abort(int) override { std::abort(); }
+  void wait_entered() {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return entered_; });
+  }
+  void open() {
+    std::lock_guard<std::mutex> lk(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ protected:
+  void do_all_to_all_v(const void* send, const int64_t* sb, const int64_t* sd, void* recv, const int64_t*,
+                       const int64_t* rd, OpKind) override {
+    std::memmove(static_cast<char*>(recv) + rd[0], static_cast<const char*>(send) + sd[0], size_t(sb[0]));
+  }
+  void do_all_gather_v(const void* send, int64_t bytes, void* recv, const int64_t*, const int64_t* rd,
+                       OpKind) override {
+    std::memmove(static_cast<char*>(recv) + rd[0], send, size_t(bytes));
+  }
+  void do_broadcast(void*, int64_t, int) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lk, [&] { return open_; });
+  }
+  void do_barrier() override {}
+  void do_send(const void*, int64_t, int, int) override {}
+  void do_recv(void*, int64_t, int, int) override {}
+  std::unique_ptr<Communicator> do_split(int, int, const std::string&) override { return nullptr; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, open_ = false;
+};
+
+// Two threads' calls on one communicator must not overlap (MPI needs every rank's collectives in
+// one order): the second is refused, naming both ops, and the first completes untouched.
+TEST(CommThreads, OverlappingCallFromAnotherThreadIsRefused) {
+  GateComm c;
+  int32_t value = 7;
+  std::string first_error;
+  std::thread first([&] {
+    try {
+      c.broadcast(&value, sizeof(value), 0);
+    } catch (const std::exception& e) {
+      first_error = e.what();
+    }
+  });
+  c.wait_entered();
+  int32_t x = 5, y = 0;
+  try {
+    c.all_reduce(&x, &y, 1, ScalarType::i32, ReduceOp::sum);
+    ADD_FAILURE() << "all_reduce during another thread's broadcast: expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("all_reduce called while broadcast is still running on communicator "
+                                         "'world' (rank 0 of 1) from another thread; zero8 calls on one "
+                                         "communicator must not overlap"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(c.barrier(), Error);
+  c.open();
+  first.join();
+  EXPECT_EQ(first_error, "");
+  EXPECT_EQ(value, 7);
+  // The refused calls did nothing: not counted, not numbered, and the communicator works on.
+  EXPECT_EQ(c.stats().op(OpKind::all_reduce).calls, 0u);
+  EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 0u);
+  EXPECT_EQ(c.all_reduce_value<int32_t>(5, ReduceOp::sum), 5);
+  c.barrier();
+  EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 1u);
 }
 
 }  // namespace

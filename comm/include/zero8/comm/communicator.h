@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,6 +41,12 @@ namespace zero8::comm {
 //   to the legacy default stream; work writing them on a non-blocking stream or the per-thread
 //   default stream must be synchronized (cudaStreamSynchronize) before the call.
 // * Threads: one thread at a time per communicator (and per world: sub-communicators share it).
+//   A call made while another thread's call on the same communicator is still running throws
+//   Error(invalid_argument) naming both ("all_reduce called while broadcast is still running on
+//   communicator 'world' ... from another thread") and does nothing; the running call completes.
+//   (MPI requires every rank to issue a communicator's collectives in one order: threads racing to
+//   issue them cannot.) Calls on different communicators of one world from two threads at once are
+//   not detected and are not allowed either.
 // * fork(): a child process cannot use its parent's MPI communicators: every call there throws
 //   Error(comm) ("this communicator belongs to process 1234 and cannot be used after fork()"),
 //   and the child writes nothing to the parent's connections (see "MPI backend" below).
@@ -258,6 +265,10 @@ class Communicator {
   uint64_t seq_ = 0;
   uint64_t collective_seq_ = 0;
   std::string failure_;
+  // The running call's op name (nullptr: none), claimed with a compare-exchange by each call, so a
+  // second thread's overlapping call is refused instead of racing on the sequence numbers and the
+  // backend's state.
+  std::atomic<const char*> running_{nullptr};
 };
 
 // Backend factory. "single": one process. "mpi": MPI_COMM_WORLD (initializes MPI if needed and
