@@ -413,6 +413,7 @@ std::shared_ptr<MpiWorld> MpiWorld::acquire() {
 }
 
 MpiWorld::~MpiWorld() {
+  if (forked()) return;  // a fork()ed child exiting normally: MPI and the mesh are the parent's
   const bool healthy = failure.empty();
   // Failed: give the other survivors time to raise and print their own errors before this
   // process exits (its non-zero exit makes mpirun kill every rank still running).
@@ -458,6 +459,7 @@ MpiComm::MpiComm(std::shared_ptr<MpiWorld> world, MPI_Comm comm, std::string nam
 
 MpiComm::~MpiComm() {
   if (failed()) return;  // requests of the failed call may still reference them
+  if (forked()) return;  // the communicators belong to the parent process
   for (MPI_Comm& c : op_comms_)
     if (c != MPI_COMM_NULL) MPI_Comm_free(&c);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -489,6 +491,7 @@ std::string MpiComm::description() const {
 }
 
 void MpiComm::abort(int exit_code) {
+  if (forked()) std::_Exit(exit_code);  // MPI_Abort here would end the parent's whole job
   MPI_Abort(comm_, exit_code);
   std::_Exit(exit_code);
 }

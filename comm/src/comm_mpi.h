@@ -36,6 +36,9 @@ class MpiWorld {
   bool owns_mpi = false;          // we called MPI_Init, so we call MPI_Finalize
   std::unique_ptr<Liveness> live;
   std::string failure;            // first failure (any communicator of this process)
+  // This process is a fork()ed child of the one that set MPI up: it must leave MPI alone (not even
+  // free or finalize: that would act on the parent's MPI state and runtime connections).
+  bool forked() const { return live && live->forked(); }
 
  private:
   MpiWorld() = default;
@@ -88,8 +91,11 @@ class MpiComm final : public Communicator {
   bool failed() const override { return !world_->failure.empty(); }
   std::string failure() const override { return world_->failure; }
   void check_process(OpKind kind) const override {
-    if (world_->live) world_->live->check_not_forked(op_label(kind));
+    if (forked()) check_not_forked(op_label(kind));
   }
+  bool forked() const { return world_->forked(); }
+  // Throws the fork error for the call `label` (of this or a communicator built on it) in a forked child.
+  void check_not_forked(const std::string& label) const { world_->live->check_not_forked(label); }
 
  protected:
   void do_all_to_all_v(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,

@@ -90,6 +90,7 @@ class NcclComm final : public Communicator {
   const char* backend() const override { return "nccl"; }
   MemSpace memory() const override { return MemSpace::device; }
   [[noreturn]] void abort(int exit_code) override {
+    if (host_->forked()) std::_Exit(exit_code);  // the NCCL and MPI state are the parent's
     if (nccl_ != nullptr) ncclCommAbort(nccl_);
     host_->abort(exit_code);
   }
@@ -97,6 +98,9 @@ class NcclComm final : public Communicator {
   void set_failed(const std::string& reason) override { host_->set_failed(reason); }
   bool failed() const override { return host_->failed(); }
   std::string failure() const override { return host_->failure(); }
+  void check_process(OpKind kind) const override {
+    if (host_->forked()) host_->check_not_forked(op_label(kind));
+  }
 
  protected:
   void do_all_to_all_v(const void* send, const int64_t* sb, const int64_t* sd, void* recv, const int64_t* rb,

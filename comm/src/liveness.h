@@ -121,6 +121,7 @@ class Liveness {
   // In a fork()ed child: throws Error(comm) saying that the communicator (`label`: the call)
   // belongs to the parent process; its mesh and MPI state cannot be used here. Else nothing.
   void check_not_forked(const std::string& label) const;
+  bool forked() const { return forked_; }  // this process is a fork()ed child of the mesh's owner
 
  private:
   struct Peer {

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -470,6 +471,51 @@ TEST(DistComm, ForkedChildCannotUseTheCommunicator) {
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "1: no error, 2: another error, 3: the child wrote into its own files";
   // The parent's communicator is untouched.
+  EXPECT_EQ(c.all_reduce_value<int32_t>(1, ReduceOp::sum), c.size());
+}
+
+// The forked child's status after `run` in it, waited for up to 30 s (then killed: a failure).
+int fork_and_wait(const std::function<void()>& run) {
+  const pid_t child = fork();
+  if (child == 0) {
+    run();
+    _exit(100);
+  }
+  if (child < 0) return -1;
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  pid_t got = 0;
+  while ((got = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (got == 0) {
+    kill(child, SIGKILL);
+    waitpid(child, &status, 0);
+    return -2;
+  }
+  return status;
+}
+
+// A forked child that ends without using the communicator still runs its destructors (a normal
+// exit), or aborts on an error: neither may act on the parent's MPI state. MPI_Finalize in the child
+// would join the parent's runtime (it blocks there), and MPI_Abort would end the parent's whole job.
+TEST(DistComm, ForkedChildLeavesTheParentsMpiAlone) {
+  Communicator& c = world();
+  c.barrier();
+  // The child destroys its copy of the world communicator (freeing the communicators, the mesh
+  // and, as the last user, MPI), as static destructors at exit would.
+  int status = fork_and_wait([&] {
+    delete &c;
+    _exit(0);
+  });
+  ASSERT_NE(status, -2) << "the forked child's communicator destructor did not return within 30 s";
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  // abort() in the child ends the child only, with its exit code.
+  status = fork_and_wait([&] { c.abort(3); });
+  ASSERT_NE(status, -2) << "the forked child's abort() did not return within 30 s";
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 3);
+  // The parent's job goes on.
   EXPECT_EQ(c.all_reduce_value<int32_t>(1, ReduceOp::sum), c.size());
 }
 

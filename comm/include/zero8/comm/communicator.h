@@ -49,7 +49,8 @@ namespace zero8::comm {
 //   not detected and are not allowed either.
 // * fork(): a child process cannot use its parent's MPI communicators: every call there throws
 //   Error(comm) ("this communicator belongs to process 1234 and cannot be used after fork()"),
-//   and the child writes nothing to the parent's connections (see "MPI backend" below).
+//   and the child writes nothing to the parent's connections (see "MPI backend" below). Destroying
+//   them there (a normal exit) leaves MPI alone, and abort() ends the child only (_Exit).
 // * Determinism: reductions of floating values are identical on every rank. The single and MPI
 //   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
 //   reproducible and equal a serial reference; NCCL sums in its own (fixed) ring order.
