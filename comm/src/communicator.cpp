@@ -136,13 +136,17 @@ class Communicator::Call {
     // One compare-exchange per call. A refused call changes nothing (not even the call numbers,
     // which the running call's messages and the peers' mismatch checks use).
     const char* running = nullptr;
-    if (!c_.running_.compare_exchange_strong(running, op_kind_name(kind), std::memory_order_acquire))
+    if (!c_.running_.compare_exchange_strong(running, op_kind_name(kind), std::memory_order_acquire)) {
+      // A fork()ed child inherits a call another thread of the parent was running at fork(), which
+      // nothing in the child will ever end: the fork is what to report there.
+      c_.check_process(kind);
       ZERO8_THROW(invalid_argument,
                   op_kind_name(kind) << " called while " << running << " is still running on communicator '"
                                      << c_.name_ << "' (rank " << c_.rank_ << " of " << c_.size_
                                      << ") from another thread; zero8 calls on one communicator must not overlap "
                                         "(every rank must issue its collectives in one order, from one thread "
                                         "at a time)");
+    }
     ++c_.seq_;
     if (kind != OpKind::send && kind != OpKind::recv) ++c_.collective_seq_;
     try {

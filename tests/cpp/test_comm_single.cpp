@@ -3,6 +3,7 @@
 // errors; bucket collectives at size 1 (the owner's own range is exact, all-gather round-trips).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
@@ -361,6 +362,7 @@ class GateComm final : public Communicator {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return entered_; });
   }
+  std::atomic<bool> forked{false};
   void open() {
     std::lock_guard<std::mutex> lk(mu_);
     open_ = true;
@@ -381,6 +383,10 @@ class GateComm final : public Communicator {
     entered_ = true;
     cv_.notify_all();
     cv_.wait(lk, [&] { return open_; });
+  }
+  // As MpiComm in a fork()ed child, when `forked` is set.
+  void check_process(OpKind kind) const override {
+    if (forked) ZERO8_THROW(comm, op_label(kind) << ": this communicator cannot be used after fork()");
   }
   void do_barrier() override {}
   void do_send(const void*, int64_t, int, int) override {}
@@ -428,6 +434,33 @@ TEST(CommThreads, OverlappingCallFromAnotherThreadIsRefused) {
   EXPECT_EQ(c.stats().op(OpKind::all_reduce).calls, 0u);
   EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 0u);
   EXPECT_EQ(c.all_reduce_value<int32_t>(5, ReduceOp::sum), 5);
+  c.barrier();
+  EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 1u);
+}
+
+// A fork()ed child inherits the communicator as it was at fork(), with the call another thread of the
+// parent was running then: the child's calls must report the fork, not an overlap with that call.
+TEST(CommThreads, ForkedChildIsToldOfTheForkNotOfAnInheritedCall) {
+  GateComm c;
+  int32_t value = 7;
+  std::thread first([&] {
+    try {
+      c.broadcast(&value, sizeof(value), 0);
+    } catch (const std::exception&) {
+    }
+  });
+  c.wait_entered();
+  c.forked = true;
+  try {
+    c.barrier();
+    ADD_FAILURE() << "barrier in the \"forked\" communicator: expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::comm) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot be used after fork()"), std::string::npos) << e.what();
+  }
+  c.forked = false;
+  c.open();
+  first.join();
   c.barrier();
   EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 1u);
 }
