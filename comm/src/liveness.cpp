@@ -110,10 +110,8 @@ Keepalive keepalive_for(int link_timeout_s) {
 void set_common_options(int fd, int link_timeout_s) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // A peer that stops reading (SIGSTOP) must not block us forever in send() (the hello; later
-  // frames go through FrameSender, which bounds each frame's send itself).
-  timeval tv{2, 0};
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  // No send timeout here: every send (write_until) is bounded by its own deadline, so that a peer
+  // that stops reading (SIGSTOP) never blocks us for long.
   // A silent peer host is detected within link_timeout_s (see the top of this file). The mesh is idle
   // but for rare frames, so keepalive does the detecting: probes from idle seconds on, `count` of
   // them `interval` apart, idle + count * interval = link_timeout_s. TCP_USER_TIMEOUT bounds the same
@@ -185,20 +183,6 @@ bool read_exact(int fd, void* buf, size_t n, double deadline) {
     if (k == 0) return false;
     if (k < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
-      return false;
-    }
-    p += k;
-    n -= size_t(k);
-  }
-  return true;
-}
-
-bool write_all(int fd, const void* buf, size_t n) {
-  const char* p = static_cast<const char*>(buf);
-  while (n > 0) {
-    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0) {
-      if (errno == EINTR) continue;
       return false;
     }
     p += k;
@@ -396,7 +380,10 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
     fcntl(fd, F_SETFL, fl);
     set_common_options(fd, link_timeout_s_);
     HelloFrame h{kHello, 16, token, rank_, 0};
-    if (!write_all(fd, &h, sizeof(h))) ZERO8_THROW(comm, "liveness: hello to rank " << r << " failed: " << errno_text());
+    const ssize_t sent = write_until(fd, reinterpret_cast<const char*>(&h), sizeof(h), now_s() + kSendSeconds);
+    if (sent != ssize_t(sizeof(h)))
+      ZERO8_THROW(comm, "liveness: hello to rank " << r << " failed: "
+                                                   << (sent < 0 ? errno_text() : "not sent within " + seconds_text(kSendSeconds)));
   }
   // Accept every higher rank.
   int expected = size_ - 1 - rank_;
