@@ -430,50 +430,6 @@ TEST(DistComm, InvalidArgumentsThrowBeforeCommunicating) {
   EXPECT_EQ(c.all_reduce_value<int32_t>(1, ReduceOp::sum), c.size());
 }
 
-// A fork()ed child (a data-loader worker) inherits the communicator but not its connections: the
-// mesh's sockets are closed there, and files the child opens reuse their numbers. A call in the child
-// must throw, saying whose communicator it is, and write nothing to those files.
-TEST(DistComm, ForkedChildCannotUseTheCommunicator) {
-  Communicator& c = world();
-  c.barrier();
-  const pid_t parent = getpid();
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    // Exit codes: 0 ok, 1 no error, 2 wrong error, 3 a file was written.
-    std::vector<int> files;
-    for (int i = 0; i < 64; ++i) files.push_back(memfd_create("zero8_fork_test", 0));
-    c.set_timeout(3);  // without the check, the call would wait for peers that never come
-    int code = 1;
-    try {
-      c.barrier();
-    } catch (const Error& e) {
-      const std::string want = "this communicator belongs to process " + std::to_string(parent) +
-                               " and cannot be used after fork() (this is its child, process " +
-                               std::to_string(getpid()) + ")";
-      code = std::string(e.what()).find(want) != std::string::npos && e.code() == ErrorCode::comm ? 0 : 2;
-      if (code != 0) std::fprintf(stderr, "forked child: unexpected error: %s\n", e.what());
-    }
-    for (int fd : files)
-      if (fd >= 0 && lseek(fd, 0, SEEK_END) != 0) code = 3;
-    _exit(code);
-  }
-  int status = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  pid_t got = 0;
-  while ((got = waitpid(child, &status, WNOHANG)) == 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  if (got == 0) {
-    kill(child, SIGKILL);
-    waitpid(child, &status, 0);
-    FAIL() << "the forked child's call did not return within 30 s";
-  }
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: no error, 2: another error, 3: the child wrote into its own files";
-  // The parent's communicator is untouched.
-  EXPECT_EQ(c.all_reduce_value<int32_t>(1, ReduceOp::sum), c.size());
-}
-
 // The forked child's status after `run` in it, waited for up to 30 s (then killed: a failure).
 int fork_and_wait(const std::function<void()>& run) {
   const pid_t child = fork();
@@ -493,6 +449,40 @@ int fork_and_wait(const std::function<void()>& run) {
     return -2;
   }
   return status;
+}
+
+// A fork()ed child (a data-loader worker) inherits the communicator but not its connections: the
+// mesh's sockets are closed there, and files the child opens reuse their numbers. A call in the child
+// must throw, saying whose communicator it is, and write nothing to those files.
+TEST(DistComm, ForkedChildCannotUseTheCommunicator) {
+  Communicator& c = world();
+  c.barrier();
+  const pid_t parent = getpid();
+  const int status = fork_and_wait([&] {
+    // Exit codes: 0 ok, 1 no error, 2 wrong error, 3 a file was written.
+    std::vector<int> files;
+    for (int i = 0; i < 64; ++i) files.push_back(memfd_create("zero8_fork_test", 0));
+    c.set_timeout(3);  // without the check, the call would wait for peers that never come
+    int code = 1;
+    try {
+      c.barrier();
+    } catch (const Error& e) {
+      const std::string want = "this communicator belongs to process " + std::to_string(parent) +
+                               " and cannot be used after fork() (this is its child, process " +
+                               std::to_string(getpid()) + ")";
+      code = std::string(e.what()).find(want) != std::string::npos && e.code() == ErrorCode::comm ? 0 : 2;
+      if (code != 0) std::fprintf(stderr, "forked child: unexpected error: %s\n", e.what());
+    }
+    for (int fd : files)
+      if (fd >= 0 && lseek(fd, 0, SEEK_END) != 0) code = 3;
+    _exit(code);
+  });
+  ASSERT_NE(status, -1) << "fork() failed";
+  ASSERT_NE(status, -2) << "the forked child's call did not return within 30 s";
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: no error, 2: another error, 3: the child wrote into its own files";
+  // The parent's communicator is untouched.
+  EXPECT_EQ(c.all_reduce_value<int32_t>(1, ReduceOp::sum), c.size());
 }
 
 // A forked child that ends without using the communicator still runs its destructors (a normal
