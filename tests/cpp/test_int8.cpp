@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "zero8/error.h"
@@ -395,14 +397,22 @@ TEST(Int8Variants, ThreadCountDoesNotChangeResults) {
   }
 }
 
+// Without VNNI, oneDNN's int8 kernels saturate pairwise int16 sums; zero8 then splits the weights into
+// two 7-bit products. Random operands catch a saturating product, and operands of only -128 and 127 (the
+// largest pair sums, each sign) at the extremes of the split too. tests/CMakeLists.txt runs this suite a
+// second time with DNNL_MAX_CPU_ISA=AVX2, so the split path runs on VNNI machines as well.
 TEST(Int8Gemm, LibraryMatchesExactIntegerReference) {
+  const char* cap = std::getenv("DNNL_MAX_CPU_ISA");
+  if (cap && std::string(cap) == "AVX2" && int8_gemm_backend().rfind("onednn", 0) == 0)
+    ASSERT_NE(int8_gemm_backend().find("(avx2, no VNNI"), std::string::npos) << int8_gemm_backend();
   std::mt19937 gen(1);
   std::uniform_int_distribution<int> d(-128, 127);
+  for (bool extremes : {false, true})
   for (bool bt : {true, false})
     for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 13, 33}, {64, 48, 300}, {33, 65, 1024}}) {
       std::vector<int8_t> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
-      for (auto& v : a) v = int8_t(d(gen));
-      for (auto& v : b) v = int8_t(d(gen));
+      for (auto& v : a) v = extremes ? int8_t(gen() % 2 ? -128 : 127) : int8_t(d(gen));
+      for (auto& v : b) v = extremes ? int8_t(gen() % 2 ? -128 : 127) : int8_t(d(gen));
       std::vector<int32_t> c0(static_cast<size_t>(m * n)), c1(static_cast<size_t>(m * n), 123);
       GemmArgs g;
       g.a = a.data();
@@ -414,8 +424,17 @@ TEST(Int8Gemm, LibraryMatchesExactIntegerReference) {
       g.b_trans = bt;
       int8_gemm_ref(g);
       int8_gemm(a.data(), b.data(), c1.data(), m, n, k, bt);
-      EXPECT_EQ(c0, c1) << int8_gemm_backend() << " " << m << "x" << n << "x" << k << " b_trans " << bt;
+      EXPECT_EQ(c0, c1) << int8_gemm_backend() << " " << m << "x" << n << "x" << k << " b_trans " << bt
+                        << (extremes ? " extremes" : " random");
     }
+  // The largest k: sums of 131071 equal products reach int32's limits (-128 * -128 * k = 2^31 - 2^14).
+  const int64_t k = 131071;
+  for (int8_t bv : {int8_t(-128), int8_t(127)}) {
+    const std::vector<int8_t> a(static_cast<size_t>(2 * k), int8_t(-128)), b(static_cast<size_t>(3 * k), bv);
+    std::vector<int32_t> c(6, 0);
+    int8_gemm(a.data(), b.data(), c.data(), 2, 3, k, true);
+    EXPECT_EQ(c, std::vector<int32_t>(6, int32_t(-128 * int64_t(bv) * k))) << int8_gemm_backend();
+  }
 }
 
 // ---- per-block (Jetfire) product ----

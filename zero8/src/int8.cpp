@@ -8,6 +8,7 @@
 #include <mutex>
 #include <sstream>
 #include <tuple>
+#include <vector>
 
 #include "arg_checks.h"
 #include "zero8/error.h"
@@ -180,7 +181,7 @@ std::shared_ptr<const DnnlMatmul> dnnl_matmul_for(int64_t m, int64_t n, int64_t 
   return p;
 }
 
-void dnnl_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans) {
+void dnnl_matmul_run(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans) {
   try {
     const auto mm = dnnl_matmul_for(m, n, k, b_trans);
     dnnl::engine& eng = dnnl_cpu_engine();
@@ -191,6 +192,59 @@ void dnnl_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t 
   } catch (const dnnl::error& e) {
     ZERO8_THROW(internal, "oneDNN int8 matmul (" << m << " x " << k << " x " << n << ") failed: " << e.what());
   }
+}
+
+// Whether oneDNN's int8 matmul is exact for any s8 operands on the ISA it runs. Without VNNI its kernels
+// multiply with vpmaddubsw, whose pairwise int16 sums saturate (oneDNN's guide, "Nuances of int8
+// Computations"): on this project's AVX2 EPYC CI machine every entry of a random 33 x 1024 x 65 product was wrong.
+// Only the VNNI ISAs of oneDNN 2.x (vpdpbusd: exact int32 sums) are trusted; any other, including ISAs
+// a later oneDNN adds, takes the split product below, which is exact everywhere. DNNL_MAX_CPU_ISA caps
+// the effective ISA, so it also selects the split (the tests use it to cover that path on VNNI machines).
+bool dnnl_s8_matmul_exact() {
+  static const bool exact = [] {
+    const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+    return isa == dnnl::cpu_isa::avx2_vnni || isa == dnnl::cpu_isa::avx512_core_vnni ||
+           isa == dnnl::cpu_isa::avx512_core_bf16 || isa == dnnl::cpu_isa::avx512_core_amx;
+  }();
+  return exact;
+}
+
+const char* dnnl_isa_name() {
+  switch (dnnl::get_effective_cpu_isa()) {
+    case dnnl::cpu_isa::sse41: return "sse41";
+    case dnnl::cpu_isa::avx: return "avx";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
+    default: return "other";
+  }
+}
+
+// The weights b (n x k, or k x n when !b_trans) as b = 64 hi + lo with hi = b >> 6 in [-2, 1] and
+// lo = b & 63 in [0, 63]. With weights of 7 bits a saturating kernel's pair sums stay within int16
+// (|255 * 64 * 2| < 32767 with the source shifted to u8), so both products are exact, and so is
+// 64 c_hi + c_lo: it is computed modulo 2^32, and the true product fits in int32 (k <= 131071).
+void dnnl_gemm_split(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans) {
+  const size_t nb = size_t(n * k), nc = size_t(m * n);
+  std::vector<int8_t> hi(nb), lo(nb);
+  for (size_t i = 0; i < nb; ++i) {
+    hi[i] = int8_t(b[i] >> 6);
+    lo[i] = int8_t(b[i] & 63);
+  }
+  std::vector<int32_t> c_lo(nc);
+  dnnl_matmul_run(a, hi.data(), c, m, n, k, b_trans);
+  dnnl_matmul_run(a, lo.data(), c_lo.data(), m, n, k, b_trans);
+  for (size_t i = 0; i < nc; ++i) c[i] = int32_t(uint32_t(c[i]) * 64u + uint32_t(c_lo[i]));
+}
+
+void dnnl_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans) {
+  if (dnnl_s8_matmul_exact())
+    dnnl_matmul_run(a, b, c, m, n, k, b_trans);
+  else
+    dnnl_gemm_split(a, b, c, m, n, k, b_trans);
 }
 #endif
 
@@ -291,7 +345,9 @@ std::string int8_gemm_backend() {
 #if ZERO8_WITH_DNNL
   const dnnl_version_t* v = dnnl_version();
   std::ostringstream os;
-  os << "onednn " << v->major << "." << v->minor << "." << v->patch;
+  os << "onednn " << v->major << "." << v->minor << "." << v->patch << " (" << dnnl_isa_name();
+  if (!dnnl_s8_matmul_exact()) os << ", no VNNI: weights split into two 7-bit products";
+  os << ")";
   return os.str();
 #else
   return "reference";

@@ -48,7 +48,8 @@ void int8_dequantize_matmul(const EpilogueArgs& args, int threads = 0);
 // row-major and contiguous; k <= 131071 so no int32 sum can overflow. Runs oneDNN's int8 matmul when
 // zero8 was built with it, else the scalar reference (correct, slow).
 void int8_gemm(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, int64_t n, int64_t k, bool b_trans = true);
-// "onednn <version>" or "reference": what int8_gemm runs.
+// What int8_gemm runs: "onednn <version> (<oneDNN ISA>[, no VNNI: ...])" or "reference". Exact on every
+// CPU: without VNNI, where oneDNN's int8 kernels saturate, the weights are split into two 7-bit products.
 std::string int8_gemm_backend();
 
 // The per-block int8 product of Jetfire (BlockGemmArgs in zero8/kernels/int8.h: A m x k, B k x n, each
