@@ -211,7 +211,7 @@ void decode_block(const uint8_t* codes, int32_t len, float scale, const QuantTab
   int32_t i = 0;
   for (; i + 8 <= len; i += 8) {
     // Eight scalar loads rather than vgatherdps: on the AVX2 AMD EPYC (Zen 3) VM of 2026-11-25 the
-    // gather of 8 floats from this 1 KiB table cost 0.50 ns per element and the scalar loads 0.28; the
+    // gather of 8 floats from this 1 KiB table cost 0.50 ns per element and the scalar loads 0.29; the
     // codec's dequantize went from 9.9 to 15.9 GB/s on one core (docs/BENCHMARKS.md, "AVX2"). In the
     // encoder, whose indices are computed in vector registers, the scalar form was no faster.
     const uint8_t* c = codes + i;

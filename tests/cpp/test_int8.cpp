@@ -403,30 +403,31 @@ TEST(Int8Variants, ThreadCountDoesNotChangeResults) {
 // second time with DNNL_MAX_CPU_ISA=AVX2, so the split path runs on VNNI machines as well.
 TEST(Int8Gemm, LibraryMatchesExactIntegerReference) {
   const char* cap = std::getenv("DNNL_MAX_CPU_ISA");
-  if (cap && std::string(cap) == "AVX2" && int8_gemm_backend().rfind("onednn", 0) == 0)
+  if (cap && std::string(cap) == "AVX2" && int8_gemm_backend().rfind("onednn", 0) == 0) {
     ASSERT_NE(int8_gemm_backend().find("(avx2, no VNNI"), std::string::npos) << int8_gemm_backend();
+  }
   std::mt19937 gen(1);
   std::uniform_int_distribution<int> d(-128, 127);
   for (bool extremes : {false, true})
-  for (bool bt : {true, false})
-    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 13, 33}, {64, 48, 300}, {33, 65, 1024}}) {
-      std::vector<int8_t> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
-      for (auto& v : a) v = extremes ? int8_t(gen() % 2 ? -128 : 127) : int8_t(d(gen));
-      for (auto& v : b) v = extremes ? int8_t(gen() % 2 ? -128 : 127) : int8_t(d(gen));
-      std::vector<int32_t> c0(static_cast<size_t>(m * n)), c1(static_cast<size_t>(m * n), 123);
-      GemmArgs g;
-      g.a = a.data();
-      g.b = b.data();
-      g.c = c0.data();
-      g.m = m;
-      g.n = n;
-      g.k = k;
-      g.b_trans = bt;
-      int8_gemm_ref(g);
-      int8_gemm(a.data(), b.data(), c1.data(), m, n, k, bt);
-      EXPECT_EQ(c0, c1) << int8_gemm_backend() << " " << m << "x" << n << "x" << k << " b_trans " << bt
-                        << (extremes ? " extremes" : " random");
-    }
+    for (bool bt : {true, false})
+      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 13, 33}, {64, 48, 300}, {33, 65, 1024}}) {
+        std::vector<int8_t> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
+        for (auto& v : a) v = extremes ? int8_t(gen() % 2 ? -128 : 127) : int8_t(d(gen));
+        for (auto& v : b) v = extremes ? int8_t(gen() % 2 ? -128 : 127) : int8_t(d(gen));
+        std::vector<int32_t> c0(static_cast<size_t>(m * n)), c1(static_cast<size_t>(m * n), 123);
+        GemmArgs g;
+        g.a = a.data();
+        g.b = b.data();
+        g.c = c0.data();
+        g.m = m;
+        g.n = n;
+        g.k = k;
+        g.b_trans = bt;
+        int8_gemm_ref(g);
+        int8_gemm(a.data(), b.data(), c1.data(), m, n, k, bt);
+        EXPECT_EQ(c0, c1) << int8_gemm_backend() << " " << m << "x" << n << "x" << k << " b_trans " << bt
+                          << (extremes ? " extremes" : " random");
+      }
   // The largest k: sums of 131071 equal products reach int32's limits (-128 * -128 * k = 2^31 - 2^14).
   const int64_t k = 131071;
   for (int8_t bv : {int8_t(-128), int8_t(127)}) {
