@@ -181,8 +181,8 @@ inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTab
 // Nearest codes of the first len - len % 8 elements [off, ...) of x through the packed accelerator,
 // staged through the stack kStage elements at a time: (1) the quotients n and their 16-bit bucket
 // indices, (2) the table entries by scalar loads, four indices per 64-bit read, (3) the codes. On the
-// AVX2 AMD EPYC (Zen 3) VM of 2026-11-25 one vpgatherdd of 8 entries cost about 10 cycles, more than
-// the rest of the encode; the scalar pass costs about 1 cycle per element (docs/BENCHMARKS.md, "AVX2").
+// AVX2 AMD EPYC (Zen 3) VM of 2026-11-25 the three loops took 0.18, 0.27 and 0.14 ns per element in
+// L1, the encoder with one vpgatherdd per 8 codes 0.71 (docs/BENCHMARKS.md, "AVX2-only machine").
 // Returns the number of elements encoded.
 template <DType D, bool kKeepSign>
 int32_t encode_packed_staged(const void* x, int64_t off, int32_t len, __m256 s, const QuantTable& t, uint8_t* codes,
@@ -195,7 +195,8 @@ int32_t encode_packed_staged(const void* x, int64_t off, int32_t len, __m256 s, 
   for (int32_t c0 = 0; c0 < whole; c0 += kStage) {
     const int32_t m = std::min(kStage, whole - c0);
     for (int32_t i = 0; i < m; i += 8) {
-      // Pass 2 is compute-bound, pass 1 memory-bound: fetch a block ahead while computing this one.
+      // The block's scale pass was memory-bound, its encode is compute-bound: fetch the next block
+      // meanwhile (as encode_codes does).
       const int32_t j = c0 + i;
       if (prefetch && j % 16 == 0) _mm_prefetch(prefetch + int64_t(j) * dtype_size(D), _MM_HINT_T0);
       const __m256 n = _mm256_div_ps(load8<D>(x, off + j), s);
@@ -267,8 +268,9 @@ void decode_block(const uint8_t* codes, int32_t len, float scale, const QuantTab
   for (; i + 8 <= len; i += 8) {
     // Eight scalar loads rather than vgatherdps: on the AVX2 AMD EPYC (Zen 3) VM of 2026-11-25 the
     // gather of 8 floats from this 1 KiB table cost 0.50 ns per element and the scalar loads 0.29; the
-    // codec's dequantize went from 9.9 to 15.9 GB/s on one core (docs/BENCHMARKS.md, "AVX2"). In the
-    // encoder, whose indices are computed in vector registers, the scalar form was no faster.
+    // codec's dequantize went from 9.9 to 15.9 GB/s on one core (docs/BENCHMARKS.md, "AVX2-only
+    // machine"). The encoder's indices are computed in vector registers, so it stages its scalar reads
+    // through the stack (encode_packed_staged).
     const uint8_t* c = codes + i;
     const float* tv = t.values;
     __m256 v = _mm256_setr_ps(tv[c[0]], tv[c[1]], tv[c[2]], tv[c[3]], tv[c[4]], tv[c[5]], tv[c[6]], tv[c[7]]);
