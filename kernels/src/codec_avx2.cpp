@@ -271,9 +271,14 @@ void decode_block(const uint8_t* codes, int32_t len, float scale, const QuantTab
     // codec's dequantize went from 9.9 to 15.9 GB/s on one core (docs/BENCHMARKS.md, "AVX2-only
     // machine"). The encoder's indices are computed in vector registers, so it stages its scalar reads
     // through the stack (encode_packed_staged).
+    // The first four codes come from one 32-bit read and shifts, the others by byte loads: that
+    // balances the load ports against the integer ones.
     const uint8_t* c = codes + i;
     const float* tv = t.values;
-    __m256 v = _mm256_setr_ps(tv[c[0]], tv[c[1]], tv[c[2]], tv[c[3]], tv[c[4]], tv[c[5]], tv[c[6]], tv[c[7]]);
+    uint32_t w;
+    std::memcpy(&w, c, 4);
+    __m256 v = _mm256_setr_ps(tv[w & 255], tv[(w >> 8) & 255], tv[(w >> 16) & 255], tv[w >> 24], tv[c[4]], tv[c[5]],
+                              tv[c[6]], tv[c[7]]);
     v = _mm256_mul_ps(v, s);
     if constexpr (kAccumulate) v = _mm256_add_ps(_mm256_loadu_ps(static_cast<float*>(y) + off + i), v);
     store8<D>(y, off + i, v);
