@@ -24,6 +24,7 @@
 #include "zero8/quant.h"
 #include "zero8/sharded.h"
 #include "zero8/version.h"
+#include "linear8_step.h"
 
 namespace {
 
@@ -43,7 +44,8 @@ const char* const kUsage =
     "  optimizer [--name adamw] [--bits 8|32] [--numel N] [--threads T] [--block B] [--repeat R]\n"
     "      one fused optimizer step over N float32 parameters (default 1e8), beside its 8/32-bit twin\n"
     "      and the copy bandwidth: ns per parameter, state bytes per parameter, and the bandwidth\n"
-    "      floor (bytes moved per parameter / copy GB/s; also / in-place GB/s).\n"
+    "      floor (bytes moved per parameter / copy GB/s; also / in-place GB/s). For adamw also a\n"
+    "      yardstick: the same step with linear int8 codes (no map lookups), timed in the same rounds.\n"
     "  comm [--numel N] [--steps S] [--wire-block B] [--threads T]   (under mpirun -np K)\n"
     "      the sharded AdamW 8-bit optimizer's traffic per rank and step: gradient reduce-scatter as\n"
     "      fp32 vs int8 blocks (bytes_ratio), parameter all-gather as bf16 vs int8 deltas, the slowest\n"
@@ -428,6 +430,68 @@ struct StepBench {
   }
 };
 
+// The linear int8 yardstick (linear8_step.h): AdamW with 8-bit block-wise states that need no map
+// lookups, over the same parameter and gradient buffers as the real steps. Its time is what an 8-bit
+// step moving zero8's bytes can reach here, so it tells whether a target stated against the 32-bit
+// step is within reach of any 8-bit step on this machine.
+struct Linear8Bench {
+  Buffer<int8_t> code1;
+  Buffer<uint8_t> code2;
+  std::vector<float> scale1, scale2;
+  zero8::bench::Linear8Args a;
+  int64_t step_no = 0;
+  int threads;
+
+  Linear8Bench(int32_t block, int64_t n, float* p, const float* g, int t)
+      : code1(n), code2(n), scale1((n + block - 1) / block, 0.0f), scale2((n + block - 1) / block, 0.0f),
+        threads(t) {
+    a.param = p;
+    a.grad = g;
+    a.code1 = code1.p;
+    a.code2 = code2.p;
+    a.scale1 = scale1.data();
+    a.scale2 = scale2.data();
+    a.n = n;
+    a.block = block;
+  }
+  std::function<void()> step() {
+    return [this] {
+      zero8::bench::linear8_set_hyper(a, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.01f, ++step_no);
+      zero8::bench::linear8_step(a, zero8::isa_active(), threads);
+    };
+  }
+};
+
+// The yardstick's active variant must give the reference's bits (else its time would be a kernel's that
+// computes something else): three steps over 3.5 blocks of optimizer-like data, compared exactly.
+void linear8_check(int32_t block) {
+  const int64_t n = 3 * int64_t(block) + block / 2, nb = 4;
+  std::vector<float> p(n), g(n), p2, s1(nb, 0.0f), s2(nb, 0.0f), s1b, s2b;
+  std::vector<int8_t> c1(n, 0), c1b;
+  std::vector<uint8_t> c2(n, 0), c2b;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = 0.02f * (zero8::rng_uniform(3, uint64_t(i)) - 0.5f);
+    g[i] = 1e-3f * (zero8::rng_uniform(4, uint64_t(i)) - 0.5f) * float(1 + i / block);
+  }
+  p2 = p, s1b = s1, s2b = s2, c1b = c1, c2b = c2;
+  zero8::bench::Linear8Args a, r;
+  a.param = p.data(), a.grad = g.data(), a.code1 = c1.data(), a.code2 = c2.data(), a.scale1 = s1.data();
+  a.scale2 = s2.data(), a.n = n, a.block = block;
+  r = a;
+  r.param = p2.data(), r.code1 = c1b.data(), r.code2 = c2b.data(), r.scale1 = s1b.data(), r.scale2 = s2b.data();
+  for (int t = 1; t <= 3; ++t) {
+    zero8::bench::linear8_set_hyper(a, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
+    zero8::bench::linear8_set_hyper(r, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
+    zero8::bench::linear8_step(a, zero8::isa_active(), 2);
+    zero8::bench::linear8_step_ref(r, 0, n);
+  }
+  const bool same = std::memcmp(p.data(), p2.data(), n * 4) == 0 && c1 == c1b && c2 == c2b && s1 == s1b && s2 == s2b;
+  const bool moved = s1[0] > 0.0f && s2[0] > 0.0f && std::any_of(c1.begin(), c1.end(), [](int8_t c) { return c != 0; });
+  if (!same || !moved)
+    ZERO8_THROW(internal, "the linear int8 yardstick's " << zero8::isa_name(zero8::isa_active())
+                                                           << " variant differs from its reference");
+}
+
 int cmd_optimizer(Options& o) {
   const zero8::optim::Algo algo = algo_option(o);
   const std::string bits_arg = o.str("bits", "8");
@@ -449,7 +513,14 @@ int cmd_optimizer(Options& o) {
   }
   // Both share the parameter and gradient buffers: each step moves the same bytes of them.
   StepBench b8(algo, 8, block, n, param.p, grad.p, threads), b32(algo, 32, block, n, param.p, grad.p, threads);
-  const std::vector<double> t = time_interleaved(repeat, {cb.copy(), cb.inplace(), b8.step(), b32.step()});
+  std::vector<std::function<void()>> kernels = {cb.copy(), cb.inplace(), b8.step(), b32.step()};
+  std::unique_ptr<Linear8Bench> lin;
+  if (algo == zero8::optim::Algo::adamw) {
+    linear8_check(block);
+    lin = std::make_unique<Linear8Bench>(block, n, param.p, grad.p, threads);
+    kernels.push_back(lin->step());
+  }
+  const std::vector<double> t = time_interleaved(repeat, kernels);
   cb.verify();
   const double copy_gbps = cb.gbps(CopyBench::kCopyBytes, t[0]), inplace_gbps = cb.gbps(CopyBench::kInplaceBytes, t[1]);
   struct Row {
@@ -477,27 +548,40 @@ int cmd_optimizer(Options& o) {
   }
   const double speedup = r32.seconds / r8.seconds;
   std::printf("8-bit step: %.3fx the speed of the 32-bit step (%s)\n", speedup, speedup >= 1.0 ? "faster" : "slower");
-  std::printf("%s\n", Json()
-                          .str("bench", "optimizer")
-                          .str("name", name)
-                          .integer("bits", bits)
-                          .integer("numel", n)
-                          .integer("block", block)
-                          .integer("threads", threads)
-                          .str("isa", zero8::isa_name(zero8::isa_active()))
-                          .num("ns_per_param", ns(main_r))
-                          .num("bytes_per_param_state", main_r.b->state_bytes_per_param())
-                          .num("ns_per_param_8bit", ns(r8))
-                          .num("ns_per_param_32bit", ns(r32))
-                          .num("speedup_8_vs_32", r32.seconds / r8.seconds)
-                          .num("copy_gbps", copy_gbps)
-                          .num("moved_bytes_per_param", main_r.b->moved_bytes_per_param())
-                          .num("floor_ns_per_param", floor_ns(main_r))
-                          .num("ratio_to_floor", ns(main_r) / floor_ns(main_r))
-                          .num("inplace_gbps", inplace_gbps)
-                          .num("ratio_to_inplace_floor", ns(main_r) / floor_inplace_ns(main_r))
-                          .done()
-                          .c_str());
+  if (lin) {
+    // The same bytes moved as the 8-bit step (one code per state and element, a scale per block).
+    const double lin_ns = t[4] / double(n) * 1e9;
+    std::printf("yardstick: the 8-bit step with linear int8 codes (no map lookups, not a zero8 optimizer):\n"
+                "%-8s %10.3f %10.4f %14.4f %14.4f %10.4f %9.3f %14.4f %9.3f\n"
+                "yardstick: %.3fx the speed of the 32-bit step; the 8-bit step runs at %.3fx its speed\n",
+                "linear8", t[4] * 1e3, lin_ns, r8.b->state_bytes_per_param(), r8.b->moved_bytes_per_param(),
+                floor_ns(r8), lin_ns / floor_ns(r8), floor_inplace_ns(r8), lin_ns / floor_inplace_ns(r8),
+                r32.seconds / t[4], t[4] / r8.seconds);
+  }
+  Json json;
+  json.str("bench", "optimizer")
+      .str("name", name)
+      .integer("bits", bits)
+      .integer("numel", n)
+      .integer("block", block)
+      .integer("threads", threads)
+      .str("isa", zero8::isa_name(zero8::isa_active()))
+      .num("ns_per_param", ns(main_r))
+      .num("bytes_per_param_state", main_r.b->state_bytes_per_param())
+      .num("ns_per_param_8bit", ns(r8))
+      .num("ns_per_param_32bit", ns(r32))
+      .num("speedup_8_vs_32", r32.seconds / r8.seconds)
+      .num("copy_gbps", copy_gbps)
+      .num("moved_bytes_per_param", main_r.b->moved_bytes_per_param())
+      .num("floor_ns_per_param", floor_ns(main_r))
+      .num("ratio_to_floor", ns(main_r) / floor_ns(main_r))
+      .num("inplace_gbps", inplace_gbps)
+      .num("ratio_to_inplace_floor", ns(main_r) / floor_inplace_ns(main_r));
+  if (lin)
+    json.num("ns_per_param_linear8", t[4] / double(n) * 1e9)
+        .num("speedup_linear8_vs_32", r32.seconds / t[4])
+        .num("ratio_8bit_to_linear8", r8.seconds / t[4]);
+  std::printf("%s\n", json.done().c_str());
   return 0;
 }
 
