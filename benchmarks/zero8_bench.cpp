@@ -18,13 +18,13 @@
 #include <string>
 #include <vector>
 
+#include "linear8_step.h"
 #include "zero8/error.h"
 #include "zero8/kernels/dispatch.h"
 #include "zero8/optim.h"
 #include "zero8/quant.h"
 #include "zero8/sharded.h"
 #include "zero8/version.h"
-#include "linear8_step.h"
 
 namespace {
 
