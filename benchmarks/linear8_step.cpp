@@ -16,6 +16,9 @@ void linear8_set_hyper(Linear8Args& a, float lr, float beta1, float beta2, float
   a.decay = float(1.0 - double(lr) * double(weight_decay));
   a.step = float(double(lr) / bc1 * std::sqrt(bc2));
   a.eps_hat = float(double(eps) * std::sqrt(bc2));
+  // The bound of exact Adam moments, |m| <= ratio_max sqrt(v) (optim_math.h), for beta1^2 < beta2.
+  a.ratio_max = float((1.0 - double(beta1)) /
+                      std::sqrt((1.0 - double(beta2)) * (1.0 - double(beta1) * double(beta1) / double(beta2))));
 }
 
 void linear8_step_ref(const Linear8Args& a, int64_t lo, int64_t hi) {
@@ -30,7 +33,8 @@ void linear8_step_ref(const Linear8Args& a, int64_t lo, int64_t hi) {
       const float g = a.grad[e];
       const float m = a.b1 * (float(a.code1[e]) * d1) + c1 * g;
       const float v = a.b2 * (float(a.code2[e]) * d2) + c2 * (g * g);
-      a.param[e] = a.param[e] * a.decay - a.step * (m / (std::sqrt(v) + a.eps_hat));
+      const float u = std::max(-a.ratio_max, std::min(a.ratio_max, m / (std::sqrt(v) + a.eps_hat)));
+      a.param[e] = a.param[e] * a.decay - a.step * u;
       x1[i] = m;
       x2[i] = v;
       max1 = std::max(max1, std::fabs(m));

@@ -1,8 +1,8 @@
 // A yardstick for `zero8-bench optimizer`: an 8-bit block-wise AdamW step with *linear* int8 codes
 // (decode = convert and scale, encode = scale, round, saturate). It moves exactly the bytes of zero8's
 // 8-bit step (fp32 parameter and gradient, one code per state and element, one float32 scale per state
-// and block) with the least arithmetic an 8-bit block-wise step can do, so its time is what any 8-bit
-// step with that traffic can hope for on this machine. It is not a zero8 optimizer: its codes are not
+// and block) and zero8's AdamW update, with about the least arithmetic an 8-bit block-wise step can do, so
+// its time is what any 8-bit step with that traffic can hope for on this machine. It is not a zero8 optimizer: its codes are not
 // the dynamic map's and nothing outside this benchmark uses it.
 #pragma once
 
@@ -24,9 +24,9 @@ struct Linear8Args {
   float* scale2 = nullptr;
   int64_t n = 0;
   int32_t block = 256;  // power of two, 64..4096
-  // The update's constants, as optim_consts computes them for AdamW: p = p * decay - step * m / (sqrt(v)
-  // + eps_hat), m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2.
-  float b1 = 0.9f, b2 = 0.999f, decay = 1.0f, step = 1e-3f, eps_hat = 1e-8f;
+  // The update's constants, as optim_consts computes them for 8-bit AdamW: p = p * decay - step *
+  // clamp(m / (sqrt(v) + eps_hat), +-ratio_max), m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2.
+  float b1 = 0.9f, b2 = 0.999f, decay = 1.0f, step = 1e-3f, eps_hat = 1e-8f, ratio_max = 7.27f;
 };
 
 // Sets the update constants from lr, betas, eps, weight decay and the 1-based step number.

@@ -24,6 +24,7 @@ struct V512 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F abs(F a) { return _mm512_abs_ps(a); }
   static float hmax(F a) { return _mm512_reduce_max_ps(a); }

@@ -11,14 +11,15 @@
 namespace zero8::bench {
 namespace {
 
-// V: F (a vector of V::W floats), set1, loadu, storeu, store, load, add, sub, mul, div, sqrt, max, abs,
+// V: F (a vector of V::W floats), set1, loadu, storeu, store, load, add, sub, mul, div, sqrt, min, max, abs,
 // hmax; decode1 / decode2 (V::W codes of state 1 / 2 as floats); encode1 / encode2 (2 W floats, already
 // scaled, to 2 W saturated codes).
 template <class V>
 void linear8_blocks(const Linear8Args& a, int64_t lo, int64_t hi) {
   using F = typename V::F;
   const F b1 = V::set1(a.b1), b2 = V::set1(a.b2), c1 = V::set1(1.0f - a.b1), c2 = V::set1(1.0f - a.b2),
-          decay = V::set1(a.decay), step = V::set1(a.step), eps = V::set1(a.eps_hat);
+          decay = V::set1(a.decay), step = V::set1(a.step), eps = V::set1(a.eps_hat),
+          bound = V::set1(a.ratio_max), nbound = V::set1(-a.ratio_max);
   alignas(64) float x1[4096], x2[4096];
   for (int64_t b0 = lo; b0 < hi; b0 += a.block) {
     const int64_t b = b0 / a.block;
@@ -29,7 +30,7 @@ void linear8_blocks(const Linear8Args& a, int64_t lo, int64_t hi) {
       const F g = V::loadu(a.grad + e);
       const F m = V::add(V::mul(b1, V::mul(V::decode1(a.code1 + e), d1)), V::mul(c1, g));
       const F v = V::add(V::mul(b2, V::mul(V::decode2(a.code2 + e), d2)), V::mul(c2, V::mul(g, g)));
-      const F u = V::div(m, V::add(V::sqrt(v), eps));
+      const F u = V::max(nbound, V::min(bound, V::div(m, V::add(V::sqrt(v), eps))));
       V::storeu(a.param + e, V::sub(V::mul(V::loadu(a.param + e), decay), V::mul(step, u)));
       V::store(x1 + i, m);
       V::store(x2 + i, v);
