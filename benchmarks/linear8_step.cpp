@@ -9,8 +9,9 @@
 
 namespace zero8::bench {
 
-void linear8_set_hyper(Linear8Args& a, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t) {
-  const double bc1 = 1.0 - std::pow(double(beta1), double(t)), bc2 = 1.0 - std::pow(double(beta2), double(t));
+void linear8_set_hyper(Linear8Args& a, const optim::Hyper& h) {
+  const float lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, weight_decay = h.weight_decay;
+  const double bc1 = 1.0 - std::pow(double(beta1), double(h.step)), bc2 = 1.0 - std::pow(double(beta2), double(h.step));
   a.b1 = beta1;
   a.b2 = beta2;
   a.decay = float(1.0 - double(lr) * double(weight_decay));

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "zero8/kernels/dispatch.h"
+#include "zero8/optim.h"
 
 namespace zero8::bench {
 
@@ -29,8 +30,9 @@ struct Linear8Args {
   float b1 = 0.9f, b2 = 0.999f, decay = 1.0f, step = 1e-3f, eps_hat = 1e-8f, ratio_max = 7.27f;
 };
 
-// Sets the update constants from lr, betas, eps, weight decay and the 1-based step number.
-void linear8_set_hyper(Linear8Args& a, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t);
+// Sets the update constants from h's lr, betas, eps, weight decay and 1-based step, as zero8's AdamW
+// step reads them.
+void linear8_set_hyper(Linear8Args& a, const optim::Hyper& h);
 
 // Elements [lo, hi) (lo on a block boundary, hi on one or at n). The reference is plain C++; the SIMD
 // variants give the same bits (each vector op is the reference's float op) and leave a partial last

@@ -430,33 +430,42 @@ struct StepBench {
   }
 };
 
-// The linear int8 yardstick (linear8_step.h): AdamW with 8-bit block-wise states that need no map
-// lookups, over the same parameter and gradient buffers as the real steps. Its time is what an 8-bit
-// step moving zero8's bytes can reach here, so it tells whether a target stated against the 32-bit
-// step is within reach of any 8-bit step on this machine.
+// Arguments of the linear int8 yardstick (linear8_step.h) over the given arrays.
+zero8::bench::Linear8Args linear8_args(float* p, const float* g, int8_t* code1, uint8_t* code2, float* scale1,
+                                       float* scale2, int64_t n, int32_t block) {
+  zero8::bench::Linear8Args a;
+  a.param = p;
+  a.grad = g;
+  a.code1 = code1;
+  a.code2 = code2;
+  a.scale1 = scale1;
+  a.scale2 = scale2;
+  a.n = n;
+  a.block = block;
+  return a;
+}
+
+// The linear int8 yardstick: AdamW with 8-bit block-wise states that need no map lookups, over the same
+// parameter and gradient buffers and with the same hyperparameters as the real steps. Its time is what
+// an 8-bit step moving zero8's bytes can reach here, so it tells whether a target stated against the
+// 32-bit step is within reach of any 8-bit step on this machine.
 struct Linear8Bench {
   Buffer<int8_t> code1;
   Buffer<uint8_t> code2;
   std::vector<float> scale1, scale2;
   zero8::bench::Linear8Args a;
-  int64_t step_no = 0;
+  zero8::optim::Hyper h;
   int threads;
 
-  Linear8Bench(int32_t block, int64_t n, float* p, const float* g, int t)
+  Linear8Bench(const zero8::optim::Hyper& h_, int32_t block, int64_t n, float* p, const float* g, int t)
       : code1(n), code2(n), scale1((n + block - 1) / block, 0.0f), scale2((n + block - 1) / block, 0.0f),
-        threads(t) {
-    a.param = p;
-    a.grad = g;
-    a.code1 = code1.p;
-    a.code2 = code2.p;
-    a.scale1 = scale1.data();
-    a.scale2 = scale2.data();
-    a.n = n;
-    a.block = block;
+        a(linear8_args(p, g, code1.p, code2.p, scale1.data(), scale2.data(), n, block)), h(h_), threads(t) {
+    h.step = 0;
   }
   std::function<void()> step() {
     return [this] {
-      zero8::bench::linear8_set_hyper(a, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.01f, ++step_no);
+      ++h.step;
+      zero8::bench::linear8_set_hyper(a, h);
       zero8::bench::linear8_step(a, zero8::isa_active(), threads);
     };
   }
@@ -465,23 +474,25 @@ struct Linear8Bench {
 // The yardstick's active variant must give the reference's bits (else its time would be a kernel's that
 // computes something else): three steps over 3.5 blocks of optimizer-like data, compared exactly.
 void linear8_check(int32_t block) {
-  const int64_t n = 3 * int64_t(block) + block / 2, nb = 4;
-  std::vector<float> p(n), g(n), p2, s1(nb, 0.0f), s2(nb, 0.0f), s1b, s2b;
-  std::vector<int8_t> c1(n, 0), c1b;
-  std::vector<uint8_t> c2(n, 0), c2b;
+  const int64_t n = 3 * int64_t(block) + block / 2, nb = (n + block - 1) / block;
+  std::vector<float> p(n), g(n), s1(nb, 0.0f), s2(nb, 0.0f);
+  std::vector<int8_t> c1(n, 0);
+  std::vector<uint8_t> c2(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     p[i] = 0.02f * (zero8::rng_uniform(3, uint64_t(i)) - 0.5f);
     g[i] = 1e-3f * (zero8::rng_uniform(4, uint64_t(i)) - 0.5f) * float(1 + i / block);
   }
-  p2 = p, s1b = s1, s2b = s2, c1b = c1, c2b = c2;
-  zero8::bench::Linear8Args a, r;
-  a.param = p.data(), a.grad = g.data(), a.code1 = c1.data(), a.code2 = c2.data(), a.scale1 = s1.data();
-  a.scale2 = s2.data(), a.n = n, a.block = block;
-  r = a;
-  r.param = p2.data(), r.code1 = c1b.data(), r.code2 = c2b.data(), r.scale1 = s1b.data(), r.scale2 = s2b.data();
-  for (int t = 1; t <= 3; ++t) {
-    zero8::bench::linear8_set_hyper(a, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
-    zero8::bench::linear8_set_hyper(r, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, t);
+  std::vector<float> p2 = p, s1b = s1, s2b = s2;
+  std::vector<int8_t> c1b = c1;
+  std::vector<uint8_t> c2b = c2;
+  zero8::bench::Linear8Args a = linear8_args(p.data(), g.data(), c1.data(), c2.data(), s1.data(), s2.data(), n, block);
+  zero8::bench::Linear8Args r = linear8_args(p2.data(), g.data(), c1b.data(), c2b.data(), s1b.data(), s2b.data(), n, block);
+  zero8::optim::Hyper h;
+  h.lr = 1e-2f;
+  h.weight_decay = 0.01f;
+  for (h.step = 1; h.step <= 3; ++h.step) {
+    zero8::bench::linear8_set_hyper(a, h);
+    zero8::bench::linear8_set_hyper(r, h);
     zero8::bench::linear8_step(a, zero8::isa_active(), 2);
     zero8::bench::linear8_step_ref(r, 0, n);
   }
@@ -517,7 +528,7 @@ int cmd_optimizer(Options& o) {
   std::unique_ptr<Linear8Bench> lin;
   if (algo == zero8::optim::Algo::adamw) {
     linear8_check(block);
-    lin = std::make_unique<Linear8Bench>(block, n, param.p, grad.p, threads);
+    lin = std::make_unique<Linear8Bench>(b8.h, block, n, param.p, grad.p, threads);
     kernels.push_back(lin->step());
   }
   const std::vector<double> t = time_interleaved(repeat, kernels);
