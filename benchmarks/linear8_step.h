@@ -1,9 +1,9 @@
 // A yardstick for `zero8-bench optimizer`: an 8-bit block-wise AdamW step with *linear* int8 codes
 // (decode = convert and scale, encode = scale, round, saturate). It moves exactly the bytes of zero8's
 // 8-bit step (fp32 parameter and gradient, one code per state and element, one float32 scale per state
-// and block) and zero8's AdamW update, with about the least arithmetic an 8-bit block-wise step can do, so
-// its time is what any 8-bit step with that traffic can hope for on this machine. It is not a zero8 optimizer: its codes are not
-// the dynamic map's and nothing outside this benchmark uses it.
+// and block) and zero8's AdamW update, with about the least arithmetic an 8-bit block-wise step can do,
+// so its time is what any 8-bit step with that traffic can hope for on the machine it runs on. It is not
+// a zero8 optimizer: its codes are not the dynamic map's and nothing outside this benchmark uses it.
 #pragma once
 
 #include <cstdint>

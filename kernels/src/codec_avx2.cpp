@@ -180,9 +180,9 @@ inline float block_scale(const void* x, int64_t off, int32_t len, const QuantTab
 
 // Nearest codes of the first len - len % 8 elements [off, ...) of x through the packed accelerator,
 // staged through the stack kStage elements at a time: (1) the quotients n and their 16-bit bucket
-// indices, (2) the table entries by scalar loads, four indices per 64-bit read, (3) the codes. On the
-// AVX2 AMD EPYC (Zen 3) VM of 2026-11-25 the three loops took 0.18, 0.27 and 0.14 ns per element in
-// L1, the encoder with one vpgatherdd per 8 codes 0.71 (docs/BENCHMARKS.md, "AVX2-only machine").
+// indices, (2) the table entries by scalar loads, four indices per 64-bit read, (3) the codes. On CPUs
+// whose AVX2 gathers are slow, the three loops together take less time than one vpgatherdd per 8 codes
+// (docs/BENCHMARKS.md, "What the kernels do for speed").
 // Returns the number of elements encoded.
 template <DType D, bool kKeepSign>
 int32_t encode_packed_staged(const void* x, int64_t off, int32_t len, __m256 s, const QuantTable& t, uint8_t* codes,
@@ -266,11 +266,10 @@ void decode_block(const uint8_t* codes, int32_t len, float scale, const QuantTab
   const __m256 s = _mm256_set1_ps(scale);
   int32_t i = 0;
   for (; i + 8 <= len; i += 8) {
-    // Eight scalar loads rather than vgatherdps: on the AVX2 AMD EPYC (Zen 3) VM of 2026-11-25 the
-    // gather of 8 floats from this 1 KiB table cost 0.50 ns per element and the scalar loads 0.29; the
-    // codec's dequantize went from 9.9 to 15.9 GB/s on one core (docs/BENCHMARKS.md, "AVX2-only
-    // machine"). The encoder's indices are computed in vector registers, so it stages its scalar reads
-    // through the stack (encode_packed_staged).
+    // Eight scalar loads rather than vgatherdps: an 8-lane gather from this 1 KiB table is slower than
+    // scalar loads inserted into a vector on CPUs without fast gathers (docs/BENCHMARKS.md, findings).
+    // The encoder's indices are computed in vector registers, so it stages its scalar reads through the
+    // stack (encode_packed_staged).
     // The first four codes come from one 32-bit read and shifts, the others by byte loads: that
     // balances the load ports against the integer ones.
     const uint8_t* c = codes + i;

@@ -3,10 +3,11 @@
 // each K-slice in int32 registers and scales it into float32 accumulators at once. Bit-identical to
 // int8_block_gemm_ref.
 //
-// vpdpbusd multiplies unsigned by signed bytes (this Zen 5 has no vpdpbssd, AVX-VNNI-INT8), so A is packed
-// as u8 = a + 128 and each slice's int32 accumulator starts at -128 * (the slice's column sum of B), which
-// cancels the offset exactly: sum (a + 128) b - 128 sum b = sum a b. vpdpbusd wraps (no saturation), so
-// the sum is exact modulo 2^32 and the true value, |dot| <= 128 * 128 * block <= 2^30, is what remains.
+// vpdpbusd multiplies unsigned by signed bytes (AVX512_VNNI CPUs need not have vpdpbssd, AVX-VNNI-INT8),
+// so A is packed as u8 = a + 128 and each slice's int32 accumulator starts at -128 * (the slice's column
+// sum of B), which cancels the offset exactly: sum (a + 128) b - 128 sum b = sum a b. vpdpbusd wraps (no
+// saturation), so the sum is exact modulo 2^32 and the true value, |dot| <= 128 * 128 * block <= 2^30,
+// is what remains.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -42,8 +43,9 @@ constexpr int kNz = kNr / 16;
 // Cache blocking: an output tile of kMcPanels A panels x kNcPanels B panels (256 x 96, its float32 sums
 // 96 KB) is one unit of OpenMP work; the reduction runs in chunks of about kKcBytes of k, so a B
 // micro-panel chunk (512 x 48 = 24 KB) stays in the 48 KB L1 while the tile's 64 A panels pass by, and
-// the tile's A chunk (256 x 512 = 128 KB) in the 1 MB L2. Chosen by timing 16..64 x 2..4 panels and
-// 256..1024 bytes at 512 x 4096 x 4096 on this Zen 5 (the best single-thread time, 26 ms).
+// the tile's A chunk (256 x 512 = 128 KB) in the 1 MB L2. The sizes are the fastest single-thread choice
+// among 16..64 x 2..4 panels and 256..1024 bytes at 512 x 4096 x 4096 on a CPU with those caches (Zen 5);
+// other cache sizes may want other values.
 constexpr int64_t kMcPanels = 64;
 constexpr int64_t kNcPanels = 2;
 constexpr int64_t kMc = kMcPanels * kMr;
@@ -325,9 +327,9 @@ void store_row(void* out, DType dtype, int64_t idx, __m512 v, __mmask16 mask) {
 }
 
 // The packing workspace of the calling thread, grown as needed and kept for its next call (freed when the
-// thread exits). Fresh pages are what makes a per-call allocation slow here: on this VM a first touch
-// costs about 2.7 us per 4 KB page (26 ms for 64 MB, more than the 512 x 4096 x 4096 product itself);
-// with transparent huge pages (madvise) a regrowth of 64 MB costs about 4 ms.
+// thread exits). Fresh pages are what makes a per-call allocation slow: the first touch of a 4 KB page
+// faults, and for a large product's panels those faults can cost more than the product itself
+// (docs/INT8.md). Transparent huge pages (madvise) make a regrowth several times cheaper.
 class Workspace {
  public:
   ~Workspace() { std::free(p_); }

@@ -29,7 +29,8 @@ namespace {
 using quant::QuantTable;
 
 // How far ahead (in elements) the fused loop prefetches: two 256-element blocks, 2 KiB of each fp32
-// stream. Measured on Zen 5 (2 threads, 1e8 parameters): 15% faster than none; 1 to 8 blocks alike.
+// stream. Prefetching makes the step faster on arrays beyond the caches, and the distance hardly
+// matters (1 to 8 blocks time alike); the figures are in docs/BENCHMARKS.md.
 constexpr int64_t kPrefetchAhead = 512;
 
 // The encoding of one state block once its scale is known, 64 G codes at a time, for a map with an

@@ -196,7 +196,7 @@ void dnnl_matmul_run(const int8_t* a, const int8_t* b, int32_t* c, int64_t m, in
 
 // Whether oneDNN's int8 matmul is exact for any s8 operands on the ISA it runs. Without VNNI its kernels
 // multiply with vpmaddubsw, whose pairwise int16 sums saturate (oneDNN's guide, "Nuances of int8
-// Computations"): on this project's AVX2 EPYC CI machine every entry of a random 33 x 1024 x 65 product was wrong.
+// Computations"): on an AVX2-only AMD EPYC (Zen 3) every entry of a random 33 x 1024 x 65 product was wrong.
 // Only the VNNI ISAs of oneDNN 2.x (vpdpbusd: exact int32 sums) are trusted; any other, including ISAs
 // a later oneDNN adds, takes the split product below, which is exact everywhere. DNNL_MAX_CPU_ISA caps
 // the effective ISA, so it also selects the split (the tests use it to cover that path on VNNI machines).

@@ -12,14 +12,14 @@ Two GEMM modes (docs/INT8.md explains the choice and has the measurements):
   scale)``, accumulated in float32. A library GEMM can only scale rows and columns of its output, so this
   runs zero8's fused kernel (``zero8._C.int8_block_matmul``: AVX-512 VNNI, the scaling done per slice in
   registers); on a CPU without AVX512_VNNI, one library int8 GEMM per slice (same bits, much slower).
-  Measured with 2 threads at 4096 x 4096 and 4096 x 16384: forward 2.6-5.0x and forward + backward
-  3.0-4.8x faster than float32 ``nn.Linear``.
+  With VNNI it is several times faster than float32 ``nn.Linear``, forward and backward; the figures per
+  CPU are in docs/BENCHMARKS.md and docs/INT8.md.
 - ``gemm="fast"``: one library int8 GEMM per product with vector-wise scales (one per row of the left
   operand, one per column of the right operand, SwitchBack/LLM.int8-style), each operand quantized from
   its float values (the saved activation is dequantized from its per-block int8 form first, the output
   gradient stochastically rounded). Error bound per element: half a vector-wise step (plus half a
   per-block step for the saved activation). Its forward is faster than the exact one at 512 tokens
-  (1.4-1.6x, level from 2048); its forward + backward is slower at 4 of the 6 shapes measured.
+  (1.4-1.6x, level from 2048); its forward + backward is slower at 4 of the 6 shapes of docs/INT8.md.
 """
 
 from __future__ import annotations
