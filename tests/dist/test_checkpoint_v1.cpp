@@ -56,23 +56,6 @@ std::string floats_diff(const json& want, const void* got, int64_t n) {
   return "";
 }
 
-// The safetensors file at `path`, read by this test (u64 LE header length, JSON header, data).
-struct Tensors {
-  nlohmann::ordered_json header;
-  std::vector<uint8_t> bytes;
-  const uint8_t* data(const std::string& name) const {
-    return bytes.data() + 8 + header_len + header.at(name).at("data_offsets")[0].get<size_t>();
-  }
-  uint64_t header_len = 0;
-};
-Tensors safetensors_read(const std::string& path) {
-  Tensors t;
-  t.bytes = file_read_bytes(path);
-  std::memcpy(&t.header_len, t.bytes.data(), 8);
-  t.header = nlohmann::ordered_json::parse(t.bytes.begin() + 8, t.bytes.begin() + 8 + long(t.header_len));
-  return t;
-}
-
 // Rank 0: what a reader of the tag's files sees (shard headers, verify, the export, the extra file).
 void check_files(const V1Case& c, const json& want, ShardedOptimizer& opt) {
   const std::string tag_dir = v1_dir(c) + "/" + want.at("tag").get<std::string>();
@@ -99,19 +82,24 @@ void check_files(const V1Case& c, const json& want, ShardedOptimizer& opt) {
 
   const std::string out = (fs::temp_directory_path() / ("zero8_v1_" + std::to_string(::getpid()) + ".safetensors")).string();
   const ckpt::ExportResult er = ckpt::export_fp32(tag_dir, out);
-  const Tensors t = safetensors_read(out);
+  const StFile t = safetensors_read(out);
   fs::remove(out);
   EXPECT_EQ(er.complete, c.module);
+  EXPECT_EQ(t.metadata.at("format"), "pt");
+  EXPECT_EQ(t.metadata.at("zero8_tag"), want.at("tag"));
+  EXPECT_EQ(t.metadata.at("zero8_step"), std::to_string(m.step));
   const shard::Layout& lay = opt.layout();
   auto master_of = [&](const std::string& param, const std::string& key) {
     for (size_t i = 0; i < lay.params.size(); ++i) {
       if (lay.params[i].name != param) continue;
       const shard::ParamSlot& s = lay.slots[i];
       const json& recorded = want.at("groups").at(shard::group_name(s.group)).at("master");
-      EXPECT_EQ(t.header.at(key).at("dtype"), "F32") << key;
-      EXPECT_EQ(t.header.at(key).at("shape").get<std::vector<int64_t>>(), lay.params[i].shape) << key;
+      const StTensor& x = t.tensors.at(key);
+      EXPECT_EQ(x.dtype, "F32") << key;
+      EXPECT_EQ(x.shape, lay.params[i].shape) << key;
+      ASSERT_EQ(int64_t(x.data.size()), s.numel * 4) << key;
       const json part(recorded.begin() + s.offset, recorded.begin() + s.offset + s.numel);
-      EXPECT_EQ(floats_diff(part, t.data(key), s.numel), "") << key;
+      EXPECT_EQ(floats_diff(part, x.data.data(), s.numel), "") << key;
       return;
     }
     ADD_FAILURE() << "no parameter " << param;
@@ -125,22 +113,23 @@ void check_files(const V1Case& c, const json& want, ShardedOptimizer& opt) {
   // pos_ids as saved (I64), bn.mean widened from F16.
   const V1Module mod;
   const ckpt::SaveOptions so = v1_save_options(c, mod);
-  std::vector<std::string> keys;
-  for (auto it = t.header.begin(); it != t.header.end(); ++it)
-    if (it.key() != "__metadata__") keys.push_back(it.key());
-  ASSERT_EQ(keys.size(), so.state_dict.size());
-  for (size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(keys[i], so.state_dict[i].first);
+  ASSERT_EQ(t.order.size(), so.state_dict.size());
+  for (size_t i = 0; i < t.order.size(); ++i) EXPECT_EQ(t.order[i], so.state_dict[i].first);
   EXPECT_EQ(er.tensors, 10);
   EXPECT_EQ(er.trained, 8);
   EXPECT_EQ(er.rest, 2);
   for (const auto& [key, source] : so.state_dict)
     if (key != "pos_ids" && key != "bn.mean") master_of(source, key);
-  EXPECT_EQ(t.header.at("pos_ids").at("dtype"), "I64");
-  EXPECT_EQ(std::memcmp(t.data("pos_ids"), mod.pos_ids.data(), mod.pos_ids.size() * 8), 0);
-  EXPECT_EQ(t.header.at("bn.mean").at("dtype"), "F32");
+  const StTensor& pos = t.tensors.at("pos_ids");
+  EXPECT_EQ(pos.dtype, "I64");
+  ASSERT_EQ(pos.data.size(), mod.pos_ids.size() * 8);
+  EXPECT_EQ(std::memcmp(pos.data.data(), mod.pos_ids.data(), pos.data.size()), 0);
+  const StTensor& mean = t.tensors.at("bn.mean");
+  EXPECT_EQ(mean.dtype, "F32");
+  ASSERT_EQ(mean.data.size(), 12u);
   for (int i = 0; i < 3; ++i) {
     float x;
-    std::memcpy(&x, t.data("bn.mean") + i * 4, 4);
+    std::memcpy(&x, mean.data.data() + i * 4, 4);
     EXPECT_EQ(x, mod.bn_mean_value(i)) << "bn.mean[" << i << "]";
   }
   EXPECT_NO_THROW(ckpt::manifest_read_extras_checked(tag_dir));
