@@ -16,6 +16,8 @@
 #include <new>
 #include <vector>
 
+#include "zero8/checkpoint.h"
+
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 

@@ -9,7 +9,6 @@
 #include <memory>
 #include <string>
 
-#include "zero8/checkpoint.h"
 #include "zero8/error.h"
 
 namespace zero8::ckpt::detail {

@@ -1,4 +1,5 @@
-// The files of one tag read against its manifest (tag_files.h); manifest_read_extras_checked.
+// The files of one tag read against its manifest (tag_files.h), and manifest_read_extras_checked: the
+// extra files' sizes and checksums for a caller that reads only those (the engine's module-only load).
 #include "checkpoint/tag_files.h"
 
 #include <algorithm>

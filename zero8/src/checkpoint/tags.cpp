@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/io.h"
+#include "zero8/checkpoint_format.h"
 
 namespace zero8::ckpt::detail {
 
