@@ -1,7 +1,6 @@
-// How the ranks of a save or load stay together: each rank runs its part of a phase inside attempt(),
-// then agree() makes every rank throw the first failing rank's error (so no rank goes on to a
-// collective the others will not join); strings broadcast and gathered; and the communicator's timeout
-// raised while ranks wait for each other's file I/O.
+// How the ranks of a save or load stay together: attempt() and agree() turn any rank's failure of a
+// phase into the same error on every rank (none goes on to a collective the others skip); strings
+// broadcast and gathered; the communicator's timeout raised while ranks wait on each other's file I/O.
 #pragma once
 
 #include <string>
