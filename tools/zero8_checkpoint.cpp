@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "zero8/checkpoint.h"
+#include "zero8/checkpoint_format.h"
 #include "zero8/error.h"
 
 namespace {
@@ -164,9 +165,9 @@ int inspect_list(const Args& a, const std::string& latest) {
   for (const fs::directory_entry& e : fs::directory_iterator(a.dir)) {
     const std::string n = e.path().filename().string();
     std::error_code ec;
-    if (n.rfind(".tmp-", 0) == 0 || n == "latest.tmp") {
+    if (n.rfind(ckpt::kTmpPrefix, 0) == 0 || n == ckpt::kLatestTmpName) {
       leftovers.push_back(n + " (removed by the next save)");
-    } else if (n.rfind(".replaced-", 0) == 0) {
+    } else if (n.rfind(ckpt::kReplacedPrefix, 0) == 0) {
       std::string tag;
       try {
         tag = ckpt::manifest_read(e.path().string()).tag;

@@ -1,6 +1,6 @@
 // The checkpoint readers behind zero8-checkpoint, on a one-process checkpoint: the fp32 export and
-// the model file read back with a safetensors reader of this test's own (header length, JSON header,
-// raw little-endian data) equal the masters and the working copy byte for byte; verify finds each
+// the model file read back with the checkpoint tests' own safetensors reader (header length, JSON header,
+// raw little-endian data; tests/dist/ckpt_util.h) equal the masters and the working copy byte for byte; verify finds each
 // kind of fault and names the file; the bytes per part add up from the layout; tags and latest.
 // (Multi-rank checkpoints and the tool's command line: tests/dist/run_checkpoint.cmake.)
 #include <gtest/gtest.h>
@@ -16,7 +16,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "../dist/ckpt_util.h"
 #include "zero8/checkpoint.h"
+#include "zero8/checkpoint_format.h"
 #include "zero8/comm/communicator.h"
 #include "zero8/error.h"
 #include "zero8/sharded.h"
@@ -37,36 +39,11 @@ void write_bytes(const std::string& p, const std::vector<uint8_t>& b) {
   f.write(reinterpret_cast<const char*>(b.data()), std::streamsize(b.size()));
 }
 
-// A safetensors file as the format defines it: u64 LE header size, JSON header, data.
-struct Tensor {
-  std::string dtype;
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> data;
-};
-std::map<std::string, Tensor> safetensors_load(const std::string& path, nlohmann::json* meta = nullptr) {
-  const std::vector<uint8_t> f = read_bytes(path);
-  EXPECT_GE(f.size(), 8u);
-  uint64_t n = 0;
-  std::memcpy(&n, f.data(), 8);
-  EXPECT_EQ(n % 8, 0u) << "header not padded to 8 bytes";
-  const nlohmann::json h = nlohmann::json::parse(f.begin() + 8, f.begin() + 8 + long(n));
-  std::map<std::string, Tensor> out;
-  int64_t covered = 0;
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (meta) *meta = it.value();
-      continue;
-    }
-    Tensor t;
-    t.dtype = it.value().at("dtype");
-    t.shape = it.value().at("shape").get<std::vector<int64_t>>();
-    const int64_t b = it.value().at("data_offsets")[0], e = it.value().at("data_offsets")[1];
-    t.data.assign(f.begin() + 8 + long(n) + b, f.begin() + 8 + long(n) + e);
-    covered += e - b;
-    out[it.key()] = std::move(t);
-  }
-  EXPECT_EQ(int64_t(f.size()), int64_t(8 + n) + covered) << "data holes or trailing bytes";
-  return out;
+// The model and export files read with the checkpoint tests' own safetensors reader (ckpt_util.h).
+std::map<std::string, test::StTensor> safetensors_load(const std::string& path, nlohmann::json* meta = nullptr) {
+  test::StFile f = test::safetensors_read(path);
+  if (meta) *meta = f.metadata;
+  return std::move(f.tensors);
 }
 
 std::vector<shard::ParamSpec> params() { return {{"a", {70, 50}}, {"b", {33}}, {"c", {1200}}, {"s", {}}}; }
@@ -229,7 +206,7 @@ TEST_F(CheckpointTool, VerifyFindsEachFaultAndNamesTheFile) {
   auto manifest_edit = [&](const std::function<void(nlohmann::ordered_json&)>& f) {
     nlohmann::ordered_json j = nlohmann::ordered_json::parse(manifest0.begin(), manifest0.end());
     f(j);
-    j.erase("manifest_xxh3");  // a deliberate edit: what is checked here is the edited field
+    j.erase(ckpt::kManifestHashKey);  // a deliberate edit: what is checked here is the edited field
     const std::string t = j.dump(1);
     write_bytes(manifest, std::vector<uint8_t>(t.begin(), t.end()));
   };
@@ -439,16 +416,9 @@ TEST_F(CheckpointTool, Fp32ExportOfAStateDictHoldsEveryKey) {
   const auto t = safetensors_load(out);
   ASSERT_EQ(t.size(), so.state_dict.size());
   {  // the header lists the keys in state_dict order
-    const std::vector<uint8_t> f = read_bytes(out);
-    uint64_t n = 0;
-    std::memcpy(&n, f.data(), 8);
-    const nlohmann::ordered_json h = nlohmann::ordered_json::parse(f.begin() + 8, f.begin() + 8 + long(n));
-    std::vector<std::string> keys;
-    for (auto it = h.begin(); it != h.end(); ++it)
-      if (it.key() != "__metadata__") keys.push_back(it.key());
     std::vector<std::string> want;
     for (const auto& e : so.state_dict) want.push_back(e.first);
-    EXPECT_EQ(keys, want);
+    EXPECT_EQ(test::safetensors_read(out).order, want);
   }
   for (size_t p = 0; p < params().size(); ++p) {
     const shard::ParamSlot& s = opt_->layout().slots[p];
@@ -500,7 +470,7 @@ TEST_F(CheckpointTool, Fp32ExportOfAStateDictHoldsEveryKey) {
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(manifest0.begin(), manifest0.end());
   for (auto& e : j["state_dict"])
     if (e["name"] == "pos_ids") e["dtype"] = "I32", e["shape"] = {8};
-  j.erase("manifest_xxh3");
+  j.erase(ckpt::kManifestHashKey);
   const std::string text = j.dump(1);
   write_bytes(manifest, std::vector<uint8_t>(text.begin(), text.end()));
   const std::vector<std::string> p = ckpt::verify(tag_dir).problems;

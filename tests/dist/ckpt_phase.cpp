@@ -307,30 +307,21 @@ int phase_resize(comm::Communicator& c, std::vector<std::string> args) {
 int phase_fp32_compare(std::vector<std::string> args) {
   const bool hyper = opt_flag(args, "--hyper");
   PHASE_CHECK(args.size() == 2, "fp32-compare <file.safetensors> <dump> [--hyper]");
-  const std::vector<uint8_t> f = file_read_bytes(args[0]);
+  const StFile f = safetensors_read(args[0]);
   const Global saved = ckpt_undump(args[1]);
-  PHASE_CHECK(f.size() >= 8, "shorter than 8 bytes");
-  uint64_t hl = 0;
-  std::memcpy(&hl, f.data(), 8);
-  PHASE_CHECK(8 + hl <= f.size() && hl % 8 == 0, "bad header length " << hl);
-  const nlohmann::json h = nlohmann::json::parse(std::string(f.begin() + 8, f.begin() + 8 + long(hl)));
-  PHASE_CHECK(h.at("__metadata__").at("format") == "pt", "metadata format is not pt");
+  PHASE_CHECK(f.metadata.at("format") == "pt", "metadata format is not pt");
   shard::LayoutConfig lc = ckpt_config().layout;
   const shard::Layout lay = shard::Layout::build(hyper ? ckpt_hyper_params() : ckpt_params(), lc);
-  PHASE_CHECK(h.size() == lay.params.size() + 1, h.size() - 1 << " tensors for " << lay.params.size() << " parameters");
-  int64_t data = 0;
+  PHASE_CHECK(f.tensors.size() == lay.params.size(), f.tensors.size() << " tensors for " << lay.params.size() << " parameters");
   for (size_t p = 0; p < lay.params.size(); ++p) {
-    const auto& t = h.at(lay.params[p].name);
-    PHASE_CHECK(t.at("dtype") == "F32", lay.params[p].name << " is " << t.at("dtype"));
-    PHASE_CHECK(t.at("shape").get<std::vector<int64_t>>() == lay.params[p].shape, lay.params[p].name << " shape");
-    const int64_t b = t.at("data_offsets")[0].get<int64_t>(), e = t.at("data_offsets")[1].get<int64_t>();
+    const StTensor& t = f.tensors.at(lay.params[p].name);
+    PHASE_CHECK(t.dtype == "F32", lay.params[p].name << " is " << t.dtype);
+    PHASE_CHECK(t.shape == lay.params[p].shape, lay.params[p].name << " shape");
     const shard::ParamSlot& s = lay.slots[p];
-    PHASE_CHECK(e - b == s.numel * 4, lay.params[p].name << " offsets");
-    PHASE_CHECK(std::memcmp(f.data() + 8 + hl + b, saved.master[int(s.group)].data() + s.offset * 4, size_t(s.numel) * 4) == 0,
+    PHASE_CHECK(int64_t(t.data.size()) == s.numel * 4, lay.params[p].name << " offsets");
+    PHASE_CHECK(std::memcmp(t.data.data(), saved.master[int(s.group)].data() + s.offset * 4, size_t(s.numel) * 4) == 0,
                 lay.params[p].name << " differs from the saved masters");
-    data += e - b;
   }
-  PHASE_CHECK(int64_t(f.size()) == int64_t(8 + hl) + data, "the file holds more than the tensors");
   std::printf("CKPT_PHASE fp32 export equals the masters: %zu tensors\n", lay.params.size());
   return 0;
 }

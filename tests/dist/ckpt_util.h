@@ -1,9 +1,11 @@
-// Helpers of the checkpoint tests (test_checkpoint.cpp under mpirun, ckpt_phase.cpp driven by
-// run_checkpoint.cmake): a small model whose partitions cut through tensors, deterministic training,
-// byte snapshots of one rank's optimizer, and the whole model's state gathered over the ranks by the
-// communicator alone (independent of the checkpoint code under test).
+// Helpers of the checkpoint tests (test_checkpoint.cpp and test_checkpoint_v1.cpp under mpirun,
+// ckpt_phase.cpp driven by run_checkpoint.cmake, tests/cpp/test_checkpoint_tool.cpp): a small model whose
+// partitions cut through tensors, deterministic training, byte snapshots of one rank's optimizer, the
+// whole model's state gathered over the ranks by the communicator alone, and a safetensors reader of the
+// tests' own (all independent of the checkpoint code under test).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -11,8 +13,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -244,6 +249,57 @@ inline std::vector<uint8_t> file_read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error("cannot read " + path);
   return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// A safetensors file as the format defines it: u64 LE header length (the header padded to a multiple
+// of 8 bytes), the JSON header, then the tensors' bytes, which fill the rest of the file without gaps or
+// overlaps. Throws std::runtime_error naming the file and the fault.
+struct StTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> data;
+};
+struct StFile {
+  nlohmann::json metadata;         // __metadata__ (null when absent)
+  std::vector<std::string> order;  // the tensors' names as the header lists them
+  std::map<std::string, StTensor> tensors;
+};
+
+inline StFile safetensors_read(const std::string& path) {
+  auto fail = [&](const std::string& what) { throw std::runtime_error(path + ": " + what); };
+  const std::vector<uint8_t> f = file_read_bytes(path);
+  if (f.size() < 8) fail("shorter than 8 bytes");
+  uint64_t n = 0;
+  std::memcpy(&n, f.data(), 8);
+  if (n > f.size() - 8) fail("header length " + std::to_string(n) + " exceeds the file");
+  if (n % 8 != 0) fail("header not padded to 8 bytes");
+  const nlohmann::ordered_json h = nlohmann::ordered_json::parse(f.begin() + 8, f.begin() + 8 + long(n));
+  StFile out;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  const uint64_t data = f.size() - 8 - n;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      out.metadata = nlohmann::json::parse(it.value().dump());
+      continue;
+    }
+    StTensor t;
+    t.dtype = it.value().at("dtype").get<std::string>();
+    t.shape = it.value().at("shape").get<std::vector<int64_t>>();
+    const uint64_t b = it.value().at("data_offsets")[0], e = it.value().at("data_offsets")[1];
+    if (b > e || e > data) fail("tensor '" + it.key() + "': data_offsets outside the data");
+    t.data.assign(f.begin() + long(8 + n + b), f.begin() + long(8 + n + e));
+    spans.emplace_back(b, e);
+    out.order.push_back(it.key());
+    out.tensors[it.key()] = std::move(t);
+  }
+  std::sort(spans.begin(), spans.end());
+  uint64_t pos = 0;
+  for (const auto& [b, e] : spans) {
+    if (b != pos) fail("data holes or overlaps at byte " + std::to_string(pos));
+    pos = e;
+  }
+  if (pos != data) fail("data holes or trailing bytes: " + std::to_string(data) + " data bytes, the tensors " + std::to_string(pos));
+  return out;
 }
 
 inline void ckpt_dump(const Global& G, const std::string& dir) {

@@ -366,16 +366,16 @@ void manifest_edit(const std::string& tag_dir, const std::function<void(nlohmann
   const std::vector<uint8_t> b = file_read_bytes(p);
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(std::string(b.begin(), b.end()));
   f(j);
-  if (!keep_checksum) j.erase("manifest_xxh3");
+  if (!keep_checksum) j.erase(ckpt::kManifestHashKey);
   const std::string t = j.dump(1);
   file_write_bytes(p, std::vector<uint8_t>(t.begin(), t.end()));
 }
 
 // manifest_xxh3 as zero8 computes it: XXH3-64 of the compact dump of every other field, in the
-// order they are written (checkpoint.cpp's json is nlohmann::ordered_json). Lets a test write a
+// order they are written (zero8's manifest JSON is nlohmann::ordered_json). Lets a test write a
 // manifest as an older zero8 did, checksum included.
 std::string manifest_xxh3_of(nlohmann::ordered_json j) {
-  j.erase("manifest_xxh3");
+  j.erase(ckpt::kManifestHashKey);
   const std::string text = j.dump();
   char buf[17];
   std::snprintf(buf, sizeof(buf), "%016llx", (unsigned long long)XXH3_64bits(text.data(), text.size()));
@@ -651,7 +651,7 @@ TEST(Checkpoint, ManifestWithoutParamGroupsLoads) {
       ASSERT_TRUE(p.contains("hyper_group")) << p.dump();
       p.erase("hyper_group");
     }
-    j["manifest_xxh3"] = manifest_xxh3_of(j);
+    j[ckpt::kManifestHashKey] = manifest_xxh3_of(j);
   };
   if (world().rank() == 0) manifest_edit(sr.path, erase_groups, true);
   world().barrier();

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "zero8/checkpoint_format.h"
 #include "zero8/kernels/hd.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/loss_scaler.h"
@@ -17,18 +18,10 @@
 
 namespace zero8::ckpt {
 
-// The format this build writes and the only one it reads.
-constexpr int kFormatVersion = 1;
-// File names inside <dir>/<tag>/, and the pointer file <dir>/latest.
-constexpr const char* kManifestName = "manifest.json";
-constexpr const char* kModelName = "model.safetensors";
-constexpr const char* kLatestName = "latest";
-// The module's state_dict entries the optimizer does not train (frozen parameters, persistent buffers),
-// at their saved dtype: written when SaveOptions::module_tensors is given, listed as an extra file.
-constexpr const char* kModelRestName = "model_rest.safetensors";
-std::string shard_file_name(int rank);  // "zero8_shard_rank<rank>.bin"
+// The format version, the file names of a checkpoint (kManifestName, kModelName, kModelRestName,
+// kLatestName, shard_file_name(rank)) and the shard file's layout: checkpoint_format.h.
 
-// Environment (read in checkpoint.cpp, at each save; the one place these are parsed):
+// Environment (read in src/checkpoint/io.cpp, at each save; the one place these are parsed):
 //   ZERO8_CKPT_CRASH_AT=<point>:<rank>  test hook: the process of rank <rank> (of the optimizer's
 //       communicator) SIGKILLs itself when save() reaches <point>, one of kCrashPoints. An unknown
 //       point makes save() throw, so a misspelt test cannot silently pass.
