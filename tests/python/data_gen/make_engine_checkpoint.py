@@ -1,6 +1,6 @@
 """Writes tests/data/checkpoints/engine_<version>/: an engine checkpoint that later versions must keep
-loading (tests/python/test_engine_checkpoint_compat.py), and expected.pt, the values it holds, recorded by
-the engine that saved it.
+loading (tests/python/test_engine_checkpoint_compat.py), and expected.pt, the values it holds and those of
+one more step with recorded gradients, recorded by the engine that saved it.
 
     python3 tests/python/data_gen/make_engine_checkpoint.py [OUT_DIR]
 
@@ -74,6 +74,16 @@ def train_step(engine, step: int) -> None:
     engine.step()
 
 
+def exact_step(engine, grads: dict) -> None:
+    """One step whose gradients are exactly ``grads`` (by parameter name): d/dp sum(p * G) = G whatever
+    the order of the sums, so the step is the same on every CPU, which a step through the model is not
+    (torch's reductions, e.g. LayerNorm's backward, depend on the thread count and the vector width)."""
+    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    loss = sum((p * grads[n]).sum() for n, p in trained)
+    engine.backward(loss)
+    engine.step()
+
+
 def optimizer_record(engine) -> dict:
     """This rank's fp32 masters and (dequantized) states of both state groups, and the step counters."""
     opt = engine._opt
@@ -110,8 +120,12 @@ def main(out_dir: Path) -> None:
         "lr": engine.get_lr(), "scheduler": scheduler.state_dict(),
         "client_state": CLIENT_STATE, "module": module_record(engine), "optimizer": optimizer_record(engine),
     }
-    # One more step from the saved state: a load that restored everything takes the same one.
-    train_step(engine, STEPS)
+    # One more step from the saved state, with recorded gradients: a load that restored everything takes
+    # the same one.
+    g = torch.Generator().manual_seed(999)
+    expected["next_step_grads"] = {n: torch.randn(p.shape, generator=g)
+                                   for n, p in engine.module.named_parameters() if p.requires_grad}
+    exact_step(engine, expected["next_step_grads"])
     expected["module_after_next_step"] = module_record(engine)
     expected["lr_after_next_step"] = engine.get_lr()
     torch.save(expected, out_dir / "expected.pt")
