@@ -244,6 +244,14 @@ void init_config_types(py::module_& m) {
       .def_property_readonly("state_bits", &config::optimizer_state_bits, "zero8 enabled: zero8.optim_bits; else 32")
       .def_property_readonly("working_dtype", &config::working_dtype, "f16, bf16 or f32")
       .def("to_json", &config::to_json, py::arg("indent") = 2, "The normalized config as JSON text.")
+      .def(py::pickle(  // so that copy, deepcopy and pickle work, as on the Python objects that hold it
+          [](const Config& c) { return py::make_tuple(config::to_json(c), c.world_size, c.source, c.warnings); },
+          [](const py::tuple& t) {
+            Config c = parse_normalized(t[0].cast<std::string>(), t[1].cast<int>());
+            c.source = t[2].cast<std::string>();
+            c.warnings = t[3].cast<std::vector<std::string>>();
+            return c;
+          }))
       .def(py::self == py::self)
       .def("__repr__", [](const Config& c) {
         return "zero8._C.Config(source=" + py::repr(py::str(c.source)).cast<std::string>() +

@@ -6,9 +6,11 @@ fused kernel called directly, and a checkpoint round trip.
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.metadata
 import json
+import pickle
 import sys
 import threading
 import time
@@ -300,6 +302,9 @@ def test_typed_config_is_read_only_and_outlives_nothing_it_needs():
         cfg.zero.stage = 1
     with pytest.raises(AttributeError):
         cfg.zero8 = None
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and (again.source, again.warnings) == (cfg.source, cfg.warnings) and again is not cfg
+    assert copy.deepcopy(cfg) == cfg
     zero = cfg.zero  # a section keeps its Config alive
     del cfg
     gc.collect()
@@ -312,6 +317,7 @@ def test_typed_config_is_read_only_and_outlives_nothing_it_needs():
     loaded = load_config({"train_batch_size": 4, "not_a_key": 1}, 1, warn=False)
     assert loaded.typed.to_json() == loaded.json and list(loaded.typed.warnings) == loaded.warnings
     assert any("not_a_key" in w for w in loaded.warnings)
+    assert pickle.loads(pickle.dumps(loaded)) == loaded  # a plain dataclass, as before it held the typed config
 
 
 def test_scheduler_from_config():
