@@ -74,7 +74,7 @@ Scheduler make_scheduler(const std::string& config_json, std::optional<double> b
 
 // The typed config's classes: every field read-only, under its C++ name (DeepSpeed's key where the
 // JSON has one); nested sections come back by reference and keep their Config alive. Enums are bound
-// with the spellings of the JSON values (lower case).
+// with the spellings of the JSON values in lower case (the scheduler types in snake case).
 void init_config_types(py::module_& m) {
   using namespace config;
   py::enum_<OptimizerType>(m, "OptimizerType", "\"optimizer\": {\"type\"} (Config.algo resolves Adam's adam_w_mode)")
