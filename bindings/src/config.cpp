@@ -1,10 +1,13 @@
 // DeepSpeed JSON config (zero8/config.h) for the engine: parse and validate in C++ (errors carry the
-// key path), hand Python the normalized JSON, and evaluate DeepSpeed's LR/momentum schedules from it.
-// Calls taking a normalized config re-parse it; world_size 0 derives the data-parallel size from its
-// batch triple (train_batch_size / (micro batch * accumulation steps)).
+// key path), hand Python the typed result (zero8._C.Config, read-only, as the engine reads it) and the
+// normalized JSON, and evaluate DeepSpeed's LR/momentum schedules from it. Calls taking a normalized
+// config re-parse it; world_size 0 derives the data-parallel size from its batch triple
+// (train_batch_size / (micro batch * accumulation steps)).
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <pybind11/operators.h>
 
 #include "bind.h"
 #include "zero8/config.h"
@@ -39,6 +42,19 @@ py::tuple parsed(const Config& c) {
   return py::make_tuple(config::to_json(c), c.warnings);
 }
 
+// What config_info reports (the optimizer and precision a config resolves to).
+py::dict info_of(const Config& c) {
+  py::dict d;
+  d["world_size"] = c.world_size;
+  d["optimizer_present"] = c.optimizer.present;
+  d["optimizer_name"] = config::optimizer_display_name(c);
+  d["algo"] = config::optimizer_algo(c.optimizer);
+  d["state_bits"] = config::optimizer_state_bits(c);
+  d["working_dtype"] = config::working_dtype(c);
+  d["zero8_enabled"] = c.zero8.enabled;
+  return d;
+}
+
 // A scheduler built from a (normalized) config: DeepSpeed's schedule as a pure function of the step.
 struct Scheduler {
   SchedulerConfig s;
@@ -46,15 +62,207 @@ struct Scheduler {
   double momentum_at(int64_t i) const { return config::momentum_at(s, i); }
 };
 
-Scheduler make_scheduler(const std::string& config_json, std::optional<double> base_lr, int world_size) {
-  Scheduler sch{parse_normalized(config_json, world_size).scheduler};
+Scheduler make_scheduler_of(const SchedulerConfig& s, std::optional<double> base_lr) {
+  Scheduler sch{s};
   if (base_lr) config::scheduler_set_base_lr(sch.s, *base_lr);
   return sch;
+}
+
+Scheduler make_scheduler(const std::string& config_json, std::optional<double> base_lr, int world_size) {
+  return make_scheduler_of(parse_normalized(config_json, world_size).scheduler, base_lr);
+}
+
+// The typed config's classes: every field read-only, under its C++ name (DeepSpeed's key where the
+// JSON has one); nested sections come back by reference and keep their Config alive. Enums are bound
+// with the spellings of the JSON values in lower case (the scheduler types in snake case).
+void init_config_types(py::module_& m) {
+  using namespace config;
+  py::enum_<OptimizerType>(m, "OptimizerType", "\"optimizer\": {\"type\"} (Config.algo resolves Adam's adam_w_mode)")
+      .value("adam", OptimizerType::adam)
+      .value("adamw", OptimizerType::adamw)
+      .value("lamb", OptimizerType::lamb)
+      .value("lion", OptimizerType::lion)
+      .value("sgd", OptimizerType::sgd)
+      .value("rmsprop", OptimizerType::rmsprop)
+      .value("adagrad", OptimizerType::adagrad)
+      .value("lars", OptimizerType::lars);
+  py::enum_<SchedulerType>(m, "SchedulerType", "\"scheduler\": {\"type\"}; none: no scheduler section")
+      .value("none", SchedulerType::none)
+      .value("warmup_lr", SchedulerType::warmup_lr)
+      .value("warmup_decay_lr", SchedulerType::warmup_decay_lr)
+      .value("warmup_cosine_lr", SchedulerType::warmup_cosine_lr)
+      .value("one_cycle", SchedulerType::one_cycle)
+      .value("lr_range_test", SchedulerType::lr_range_test);
+  py::enum_<WarmupType>(m, "WarmupType", "scheduler.params.warmup_type")
+      .value("log", WarmupType::log)
+      .value("linear", WarmupType::linear);
+  py::enum_<CommDataType>(m, "CommDataType", "communication_data_type; unset: not given")
+      .value("unset", CommDataType::unset)
+      .value("fp32", CommDataType::fp32)
+      .value("fp16", CommDataType::fp16)
+      .value("bf16", CommDataType::bf16);
+  py::enum_<TagValidation>(m, "TagValidation", "checkpoint.tag_validation (DeepSpeed's Warn, Ignore, Fail)")
+      .value("warn", TagValidation::warn)
+      .value("ignore", TagValidation::ignore)
+      .value("fail", TagValidation::fail);
+  py::enum_<CommBackend>(m, "CommBackend", "zero8.comm_backend")
+      .value("auto", CommBackend::automatic)
+      .value("mpi", CommBackend::mpi)
+      .value("single", CommBackend::single)
+      .value("nccl", CommBackend::nccl);
+
+  py::class_<BatchConfig>(m, "ConfigBatch", "The batch triple, resolved for the data-parallel size.")
+      .def_readonly("train_batch_size", &BatchConfig::train_batch_size)
+      .def_readonly("train_micro_batch_size_per_gpu", &BatchConfig::train_micro_batch_size_per_gpu)
+      .def_readonly("gradient_accumulation_steps", &BatchConfig::gradient_accumulation_steps);
+  py::class_<OptimizerConfig>(m, "ConfigOptimizer", "\"optimizer\" with the defaults of its type; present: "
+                                                    "the config has the section.")
+      .def_readonly("present", &OptimizerConfig::present)
+      .def_readonly("type", &OptimizerConfig::type)
+      .def_readonly("lr", &OptimizerConfig::lr)
+      .def_readonly("beta1", &OptimizerConfig::beta1)
+      .def_readonly("beta2", &OptimizerConfig::beta2)
+      .def_readonly("eps", &OptimizerConfig::eps)
+      .def_readonly("weight_decay", &OptimizerConfig::weight_decay)
+      .def_readonly("bias_correction", &OptimizerConfig::bias_correction)
+      .def_readonly("adam_w_mode", &OptimizerConfig::adam_w_mode)
+      .def_readonly("momentum", &OptimizerConfig::momentum)
+      .def_readonly("dampening", &OptimizerConfig::dampening)
+      .def_readonly("nesterov", &OptimizerConfig::nesterov)
+      .def_readonly("alpha", &OptimizerConfig::alpha)
+      .def_readonly("lr_decay", &OptimizerConfig::lr_decay)
+      .def_readonly("initial_accumulator_value", &OptimizerConfig::initial_accumulator_value)
+      .def_readonly("max_coeff", &OptimizerConfig::max_coeff)
+      .def_readonly("min_coeff", &OptimizerConfig::min_coeff)
+      .def_readonly("trust_coefficient", &OptimizerConfig::trust_coefficient);
+  py::class_<SchedulerConfig>(m, "ConfigScheduler", "\"scheduler\" with DeepSpeed's defaults; type none: no "
+                                                    "section. Scheduler(config.scheduler) evaluates it.")
+      .def_readonly("type", &SchedulerConfig::type)
+      .def_readonly("base_lr", &SchedulerConfig::base_lr)
+      .def_readonly("warmup_min_lr", &SchedulerConfig::warmup_min_lr)
+      .def_readonly("warmup_max_lr", &SchedulerConfig::warmup_max_lr)
+      .def_readonly("warmup_num_steps", &SchedulerConfig::warmup_num_steps)
+      .def_readonly("warmup_type", &SchedulerConfig::warmup_type)
+      .def_readonly("total_num_steps", &SchedulerConfig::total_num_steps)
+      .def_readonly("warmup_min_ratio", &SchedulerConfig::warmup_min_ratio)
+      .def_readonly("cos_min_ratio", &SchedulerConfig::cos_min_ratio)
+      .def_readonly("cycle_min_lr", &SchedulerConfig::cycle_min_lr)
+      .def_readonly("cycle_max_lr", &SchedulerConfig::cycle_max_lr)
+      .def_readonly("decay_lr_rate", &SchedulerConfig::decay_lr_rate)
+      .def_readonly("cycle_first_step_size", &SchedulerConfig::cycle_first_step_size)
+      .def_readonly("cycle_second_step_size", &SchedulerConfig::cycle_second_step_size)
+      .def_readonly("cycle_first_stair_count", &SchedulerConfig::cycle_first_stair_count)
+      .def_readonly("cycle_second_stair_count", &SchedulerConfig::cycle_second_stair_count)
+      .def_readonly("decay_step_size", &SchedulerConfig::decay_step_size)
+      .def_readonly("cycle_momentum", &SchedulerConfig::cycle_momentum)
+      .def_readonly("cycle_min_mom", &SchedulerConfig::cycle_min_mom)
+      .def_readonly("cycle_max_mom", &SchedulerConfig::cycle_max_mom)
+      .def_readonly("decay_mom_rate", &SchedulerConfig::decay_mom_rate)
+      .def_readonly("momentum_cycled", &SchedulerConfig::momentum_cycled)
+      .def_readonly("lr_range_test_min_lr", &SchedulerConfig::lr_range_test_min_lr)
+      .def_readonly("lr_range_test_step_size", &SchedulerConfig::lr_range_test_step_size)
+      .def_readonly("lr_range_test_step_rate", &SchedulerConfig::lr_range_test_step_rate)
+      .def_readonly("lr_range_test_staircase", &SchedulerConfig::lr_range_test_staircase);
+  py::class_<Fp16Config>(m, "ConfigFp16", "\"fp16\"; loss_scale 0: dynamic scaling.")
+      .def_readonly("enabled", &Fp16Config::enabled)
+      .def_readonly("loss_scale", &Fp16Config::loss_scale)
+      .def_readonly("initial_scale_power", &Fp16Config::initial_scale_power)
+      .def_readonly("loss_scale_window", &Fp16Config::loss_scale_window)
+      .def_readonly("hysteresis", &Fp16Config::hysteresis)
+      .def_readonly("consecutive_hysteresis", &Fp16Config::consecutive_hysteresis)
+      .def_readonly("min_loss_scale", &Fp16Config::min_loss_scale)
+      .def_readonly("auto_cast", &Fp16Config::auto_cast);
+  py::class_<Bf16Config>(m, "ConfigBf16", "\"bf16\" (or \"bfloat16\").")
+      .def_readonly("enabled", &Bf16Config::enabled)
+      .def_readonly("immediate_grad_update", &Bf16Config::immediate_grad_update)
+      .def_readonly("check_grad_overflow", &Bf16Config::check_grad_overflow);
+  py::class_<ZeroConfig>(m, "ConfigZero", "\"zero_optimization\" (bucket sizes in elements).")
+      .def_readonly("stage", &ZeroConfig::stage)
+      .def_readonly("reduce_bucket_size", &ZeroConfig::reduce_bucket_size)
+      .def_readonly("allgather_bucket_size", &ZeroConfig::allgather_bucket_size)
+      .def_readonly("overlap_comm", &ZeroConfig::overlap_comm)
+      .def_readonly("contiguous_gradients", &ZeroConfig::contiguous_gradients)
+      .def_readonly("reduce_scatter", &ZeroConfig::reduce_scatter)
+      .def_readonly("allgather_partitions", &ZeroConfig::allgather_partitions)
+      .def_readonly("round_robin_gradients", &ZeroConfig::round_robin_gradients)
+      .def_readonly("load_from_fp32_weights", &ZeroConfig::load_from_fp32_weights)
+      .def_readonly("ignore_unused_parameters", &ZeroConfig::ignore_unused_parameters);
+  py::class_<CheckpointConfig>(m, "ConfigCheckpoint", "\"checkpoint\" (DeepSpeed's keys zero8 uses).")
+      .def_readonly("tag_validation", &CheckpointConfig::tag_validation)
+      .def_readonly("load_universal", &CheckpointConfig::load_universal)
+      .def_readonly("use_node_local_storage", &CheckpointConfig::use_node_local_storage);
+  py::class_<Zero8Config>(m, "ConfigZero8", "\"zero8\"; enabled: the section is present and not disabled.")
+      .def_readonly("enabled", &Zero8Config::enabled)
+      .def_readonly("state_block_size", &Zero8Config::state_block_size)
+      .def_readonly("wire_block_size", &Zero8Config::wire_block_size)
+      .def_readonly("int8_gradients", &Zero8Config::int8_gradients)
+      .def_readonly("int8_params", &Zero8Config::int8_params)
+      .def_readonly("error_feedback", &Zero8Config::error_feedback)
+      .def_readonly("release_gradients", &Zero8Config::release_gradients)
+      .def_readonly("min_8bit_size", &Zero8Config::min_8bit_size)
+      .def_readonly("optim_bits", &Zero8Config::optim_bits)
+      .def_readonly("stochastic_rounding", &Zero8Config::stochastic_rounding)
+      .def_readonly("seed", &Zero8Config::seed)
+      .def_readonly("comm_backend", &Zero8Config::comm_backend)
+      .def_readonly("comm_timeout_s", &Zero8Config::comm_timeout_s)
+      .def_readonly("checkpoint_keep_last", &Zero8Config::checkpoint_keep_last, "\"checkpoint\": {\"keep_last\"}");
+
+  py::class_<Config>(m, "Config",
+                     "A parsed and validated DeepSpeed config for a data-parallel size, every value resolved "
+                     "(read-only). Config(json_text, world_size, source) and Config.from_file(path, world_size) "
+                     "raise as config_parse does; to_json() is the normalized JSON.")
+      .def(py::init([](const std::string& json_text, int world_size, const std::string& source) {
+             return config::parse_string(json_text, world_size, source);
+           }),
+           py::arg("json_text"), py::arg("world_size") = 1, py::arg("source") = "<string>")
+      .def_static("from_file", &config::parse_file, py::arg("path"), py::arg("world_size") = 1,
+                  "Parse a file (comments allowed); Zero8IOError when it cannot be read.")
+      .def_static("from_normalized", &parse_normalized, py::arg("config_json"), py::arg("world_size") = 0,
+                  "A normalized config (to_json()) back; world_size 0: from its batch triple.")
+      .def_readonly("world_size", &Config::world_size, "The data-parallel size the batch triple was resolved with.")
+      .def_readonly("batch", &Config::batch)
+      .def_readonly("optimizer", &Config::optimizer)
+      .def_readonly("scheduler", &Config::scheduler)
+      .def_readonly("fp16", &Config::fp16)
+      .def_readonly("bf16", &Config::bf16)
+      .def_readonly("gradient_clipping", &Config::gradient_clipping, "Max global gradient norm; 0: off.")
+      .def_readonly("steps_per_print", &Config::steps_per_print)
+      .def_readonly("wall_clock_breakdown", &Config::wall_clock_breakdown)
+      .def_readonly("prescale_gradients", &Config::prescale_gradients)
+      .def_readonly("gradient_predivide_factor", &Config::gradient_predivide_factor)
+      .def_readonly("zero_allow_untested_optimizer", &Config::zero_allow_untested_optimizer)
+      .def_readonly("communication_data_type", &Config::communication_data_type)
+      .def_readonly("zero", &Config::zero, "\"zero_optimization\"")
+      .def_readonly("checkpoint", &Config::checkpoint)
+      .def_readonly("zero8", &Config::zero8)
+      .def_readonly("source", &Config::source, "Where the config came from (a path, '<config dict>', ...).")
+      .def_readonly("warnings", &Config::warnings, "The parse's messages: '<source>: <key path>: <message>'.")
+      .def_property_readonly("optimizer_name", &config::optimizer_display_name, "e.g. 'AdamW8bit', 'Lamb' (32-bit)")
+      .def_property_readonly(
+          "algo", [](const Config& c) { return config::optimizer_algo(c.optimizer); },
+          "The optimizer section's algorithm (Adam with adam_w_mode: adamw, as DeepSpeed).")
+      .def_property_readonly("state_bits", &config::optimizer_state_bits, "zero8 enabled: zero8.optim_bits; else 32")
+      .def_property_readonly("working_dtype", &config::working_dtype, "f16, bf16 or f32")
+      .def("to_json", &config::to_json, py::arg("indent") = 2, "The normalized config as JSON text.")
+      .def(py::pickle(  // so that copy, deepcopy and pickle work, as on the Python objects that hold it
+          [](const Config& c) { return py::make_tuple(config::to_json(c), c.world_size, c.source, c.warnings); },
+          [](const py::tuple& t) {
+            Config c = parse_normalized(t[0].cast<std::string>(), t[1].cast<int>());
+            c.source = t[2].cast<std::string>();
+            c.warnings = t[3].cast<std::vector<std::string>>();
+            return c;
+          }))
+      .def(py::self == py::self)
+      .def("__repr__", [](const Config& c) {
+        return "zero8._C.Config(source=" + py::repr(py::str(c.source)).cast<std::string>() +
+               ", world_size=" + std::to_string(c.world_size) + ")";
+      });
 }
 
 }  // namespace
 
 void init_config(py::module_& m) {
+  init_config_types(m);
   m.def(
       "config_parse",
       [](const std::string& json_text, int world_size, const std::string& source) {
@@ -73,22 +281,12 @@ void init_config(py::module_& m) {
       "config_parse of a file (comments allowed); Zero8IOError when it cannot be read.");
   m.def(
       "config_info",
-      [](const std::string& config_json, int world_size) {
-        const Config c = parse_normalized(config_json, world_size);
-        py::dict d;
-        d["world_size"] = c.world_size;
-        d["optimizer_present"] = c.optimizer.present;
-        d["optimizer_name"] = config::optimizer_display_name(c);
-        d["algo"] = config::optimizer_algo(c.optimizer);
-        d["state_bits"] = config::optimizer_state_bits(c);
-        d["working_dtype"] = config::working_dtype(c);
-        d["zero8_enabled"] = c.zero8.enabled;
-        return d;
-      },
+      [](const std::string& config_json, int world_size) { return info_of(parse_normalized(config_json, world_size)); },
       py::arg("config_json"), py::arg("world_size") = 0,
       "What a normalized config resolves to: dict(world_size, optimizer_present, optimizer_name (e.g. "
       "'AdamW8bit'), algo (Adam with adam_w_mode -> adamw, as DeepSpeed), state_bits, working_dtype, "
       "zero8_enabled).");
+  m.def("config_info", &info_of, py::arg("config"), "config_info of a typed Config.");
 
   py::class_<Scheduler>(m, "Scheduler",
                         "DeepSpeed's LR schedule (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) "
@@ -97,6 +295,8 @@ void init_config(py::module_& m) {
                         "Without a scheduler: the optimizer's lr.")
       .def(py::init(&make_scheduler), py::arg("config_json"), py::arg("base_lr") = py::none(),
            py::arg("world_size") = 0)
+      .def(py::init(&make_scheduler_of), py::arg("scheduler"), py::arg("base_lr") = py::none(),
+           "From a typed config's section (Config.scheduler).")
       .def("lr_at", &Scheduler::lr_at, py::arg("last_batch_iteration"))
       .def("momentum_at", &Scheduler::momentum_at, py::arg("last_batch_iteration"),
            "OneCycle's beta1 (needs momentum_cycled; beta2 is then 0.99).")

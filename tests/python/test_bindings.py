@@ -6,9 +6,11 @@ fused kernel called directly, and a checkpoint round trip.
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.metadata
 import json
+import pickle
 import sys
 import threading
 import time
@@ -39,6 +41,9 @@ API = [
     "Communicator", "comm_create", "comm_backend_available", "topology_split", "node_groups",
     # config
     "config_parse", "config_parse_file", "config_info", "lr_at", "momentum_at", "Scheduler",
+    "Config", "ConfigBatch", "ConfigOptimizer", "ConfigScheduler", "ConfigFp16", "ConfigBf16", "ConfigZero",
+    "ConfigCheckpoint", "ConfigZero8", "OptimizerType", "SchedulerType", "WarmupType", "CommDataType",
+    "TagValidation", "CommBackend",
     # sharded optimizer, checkpoints
     "ParamSpec", "ShardConfig", "shard_config_from_json", "ShardedOptimizer", "checkpoint_save",
     "checkpoint_load", "latest_read", "checkpoint_tags", "checkpoint_verify", "checkpoint_export_fp32",
@@ -214,6 +219,105 @@ def test_config_parse_normalizes_and_warns():
     plain, _ = _C.config_parse(json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 0}}), 1, "p")
     sp = _C.shard_config_from_json(plain, 1)
     assert (sp.bits, sp.int8_grads, sp.int8_params, sp.stage) == (32, False, False, 1)
+
+
+# How the typed config (_C.Config) names what the normalized JSON holds: the batch triple is Config.batch,
+# "zero_optimization" is Config.zero, zero8.checkpoint.keep_last is ConfigZero8.checkpoint_keep_last, the
+# optimizer's betas are beta1 and beta2, and enum values are the JSON's in lower case (DeepSpeed's
+# scheduler names in snake case).
+TYPED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+TYPED_SECTIONS = {"zero_optimization": "zero"}
+TYPED_SCHEDULERS = {"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr", "WarmupCosineLR": "warmup_cosine_lr",
+                    "OneCycle": "one_cycle", "LRRangeTest": "lr_range_test"}
+
+
+def assert_typed_value(typed, value, path: str) -> None:
+    if isinstance(value, str):  # an enum
+        assert typed.name == TYPED_SCHEDULERS.get(value, value.lower()), path
+    else:
+        assert type(typed) is type(value) and typed == value, path
+
+
+def assert_typed_matches_json(cfg: "_C.Config", normalized: dict) -> int:
+    """Every value of the normalized JSON against the typed config's attribute for it; returns how many."""
+    n = 0
+    for key, value in normalized.items():
+        if key in TYPED_BATCH_KEYS:
+            assert_typed_value(getattr(cfg.batch, key), value, key)
+        elif key in ("optimizer", "scheduler"):
+            section = getattr(cfg, key)
+            assert_typed_value(section.type, value["type"], f"{key}.type")
+            for k, v in value["params"].items():
+                if k == "betas":
+                    assert_typed_value((section.beta1, section.beta2), tuple(v), f"{key}.params.betas")
+                else:
+                    assert_typed_value(getattr(section, k), v, f"{key}.params.{k}")
+                n += 1
+        elif isinstance(value, dict):
+            section = getattr(cfg, TYPED_SECTIONS.get(key, key))
+            for k, v in value.items():
+                if (key, k) == ("zero8", "checkpoint"):
+                    assert_typed_value(section.checkpoint_keep_last, v["keep_last"], "zero8.checkpoint.keep_last")
+                else:
+                    assert_typed_value(getattr(section, k), v, f"{key}.{k}")
+                n += 1
+        else:
+            assert_typed_value(getattr(cfg, key), value, key)
+        n += 1
+    return n
+
+
+def test_typed_config_holds_every_value_of_the_normalized_config(data_dir):
+    examples = data_dir.parents[1] / "examples" / "configs"
+    paths = sorted((data_dir / "configs").glob("*.json")) + sorted(examples.glob("*.json"))
+    assert len(paths) >= 5
+    for path in paths:
+        cfg = _C.Config.from_file(str(path), 1)
+        normalized = json.loads(cfg.to_json())
+        assert normalized == json.loads(_C.config_parse_file(str(path), 1)[0]), path
+        assert assert_typed_matches_json(cfg, normalized) > 60, path
+        assert cfg.source == str(path) and _C.Config.from_normalized(cfg.to_json()) == cfg
+        assert _C.config_info(cfg) == _C.config_info(cfg.to_json(), 1)
+    # Every scheduler type, and the values only some configs set.
+    for sched, params in (("WarmupLR", {"warmup_max_lr": 0.05, "warmup_type": "linear"}),
+                          ("WarmupDecayLR", {"total_num_steps": 100}),
+                          ("WarmupCosineLR", {"total_num_steps": 100, "warmup_min_ratio": 0.1}),
+                          ("OneCycle", {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2}),
+                          ("LRRangeTest", {"lr_range_test_staircase": True})):
+        cfg = _C.Config(json.dumps({
+            "train_batch_size": 8, "communication_data_type": "bf16", "bf16": {"enabled": True},
+            "optimizer": {"type": "Lamb", "params": {"lr": 0.02, "max_coeff": 5.0}},
+            "scheduler": {"type": sched, "params": params},
+            "checkpoint": {"tag_validation": "Fail"}, "zero8": {"comm_backend": "mpi", "seed": 7},
+        }), 2, "all.json")
+        assert assert_typed_matches_json(cfg, json.loads(cfg.to_json())) > 60, sched
+        assert cfg.communication_data_type == _C.CommDataType.bf16 and cfg.working_dtype == _C.DType.bf16
+        assert (cfg.batch.train_micro_batch_size_per_gpu, cfg.world_size, cfg.algo) == (4, 2, _C.Algo.lamb)
+
+
+def test_typed_config_is_read_only_and_outlives_nothing_it_needs():
+    cfg = _C.Config(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2}, "zero8": {}}), 1, "r.json")
+    assert (cfg.zero.stage, cfg.zero8.enabled, cfg.optimizer.present) == (2, True, False)
+    with pytest.raises(AttributeError):
+        cfg.zero.stage = 1
+    with pytest.raises(AttributeError):
+        cfg.zero8 = None
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and (again.source, again.warnings) == (cfg.source, cfg.warnings) and again is not cfg
+    assert copy.deepcopy(cfg) == cfg
+    zero = cfg.zero  # a section keeps its Config alive
+    del cfg
+    gc.collect()
+    assert zero.stage == 2
+    with pytest.raises(zero8.Zero8ValueError, match="zero_optimization.stage"):
+        _C.Config(json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 7}}), 1, "bad.json")
+    # load_config hands it over, parsed once with the normalized JSON and the warnings.
+    from zero8.config import load_config
+
+    loaded = load_config({"train_batch_size": 4, "not_a_key": 1}, 1, warn=False)
+    assert loaded.typed.to_json() == loaded.json and list(loaded.typed.warnings) == loaded.warnings
+    assert any("not_a_key" in w for w in loaded.warnings)
+    assert pickle.loads(pickle.dumps(loaded)) == loaded  # a plain dataclass, as before it held the typed config
 
 
 def test_scheduler_from_config():

@@ -2164,6 +2164,34 @@ def test_deepspeed_script_entry_points(tmp_path):
     assert {"initialize", "add_config_arguments", "init_distributed"} <= set(dir(zero8))
 
 
+def test_the_engine_package_keeps_the_names_of_the_engine_module():
+    # zero8.engine was one module; its public names stay where scripts import them from.
+    import zero8.engine as eng
+
+    names = set(eng.__all__) | {"add_config_arguments", "init_distributed", "ROUTE_TRAIN", "ROUTE_EVAL",
+                                "ROUTE_PREDICT", "ROUTE_ENCODE"}
+    assert set(eng.__all__) == {"initialize", "Zero8Engine", "Zero8Optimizer", "MODEL_STATES_FILE", "world_comm"}
+    assert all(hasattr(eng, n) for n in names)
+    assert (zero8.initialize, zero8.init_distributed, zero8.add_config_arguments) == (
+        eng.initialize, eng.init_distributed, eng.add_config_arguments)
+    assert (eng.MODEL_STATES_FILE, eng.ROUTE_TRAIN, eng.ROUTE_EVAL) == ("mp_rank_00_model_states.pt", "train", "eval")
+
+
+def test_the_engine_reads_the_typed_config():
+    # Every accessor from the C++ parse's typed view (zero8_config.typed), the dict kept as engine.config.
+    cfg = config(batch=8, gas=2, stage=1, zero8=EXACT, steps_per_print=7, gradient_clipping=0.5,
+                 zero_optimization={"stage": 1, "ignore_unused_parameters": False})
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=cfg)
+    typed = engine.zero8_config.typed
+    assert isinstance(typed, zero8._C.Config) and engine.config == json.loads(typed.to_json())
+    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.zero_optimization_stage(), engine.steps_per_print(), engine.gradient_clipping()) == (
+            8, 4, 2, 1, 7, 0.5)
+    assert not (engine.fp16_enabled() or engine.bfloat16_enabled()) and engine.get_data_types()[0] == torch.float32
+    with pytest.raises(RuntimeError, match="ignore_unused_parameters false"):  # zero.ignore_unused_parameters
+        engine.backward(engine.module[0].bias.sum())  # the other parameters get no gradient
+
+
 def test_unknown_keys_warn():
     cfg = config(zero8=EXACT, my_custom_key=1)
     cfg["zero_optimization"]["bogus_knob"] = True

@@ -1,7 +1,8 @@
 """DeepSpeed JSON configs on the Python side: a path, a dict or JSON text goes to the C++ parser
-(``_C.config_parse``), which validates it (errors name the JSON key path) and returns the normalized
-config, every value resolved. Python only loads the text and reports the parser's warnings (unknown keys
-and the like) once, from rank 0. The keys are documented in docs/CONFIG.md.
+(``_C.Config``), which validates it (errors name the JSON key path) and returns the typed config, every
+value resolved (``cfg.typed.zero.stage``, ``cfg.typed.zero8.optim_bits``), and its normalized JSON. Python
+only loads the text and reports the parser's warnings (unknown keys and the like) once, from rank 0. The
+keys are documented in docs/CONFIG.md.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ class Zero8ConfigWarning(UserWarning):
 class Zero8Config:
     """A parsed, validated and normalized DeepSpeed config for a data-parallel size.
 
-    ``json``: the normalized JSON text (what checkpoints store and ``_C`` calls take); ``dict``: the
-    same as a dict; ``warnings``: the parser's messages ("<source>: <key path>: ..."); ``info``:
+    ``typed``: the C++ parse itself (``_C.Config``, read-only): its sections as attributes with every
+    value resolved and typed (``typed.batch.gradient_accumulation_steps``, ``typed.fp16.enabled``,
+    ``typed.checkpoint.tag_validation``, ...), what code should read; ``json``: the normalized JSON text
+    (what checkpoints store and ``_C`` calls take); ``dict``: the same as a dict (DeepSpeed's
+    ``engine.config``); ``warnings``: the parser's messages ("<source>: <key path>: ..."); ``info``:
     ``_C.config_info`` (optimizer name, algorithm, state bits, working dtype, zero8 on/off).
     """
 
@@ -38,6 +42,7 @@ class Zero8Config:
     source: str
     world_size: int
     info: dict = field(default_factory=dict)
+    typed: Any = None  # _C.Config
 
     # The values the engine reads most, by DeepSpeed's accessor names.
     def train_batch_size(self) -> int:
@@ -112,18 +117,14 @@ def load_config(config: Any, world_size: int = 1, *, rank: int = 0, warn: bool =
     if not isinstance(world_size, int) or world_size < 1:
         raise Zero8ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     text, path, source = config_source_text(config)
-    if path is not None:
-        normalized, msgs = _C.config_parse_file(path, world_size)
-    else:
-        normalized, msgs = _C.config_parse(text, world_size, source)
-    msgs = list(msgs)
+    typed = _C.Config.from_file(path, world_size) if path is not None else _C.Config(text, world_size, source)
+    normalized = typed.to_json()
+    msgs = list(typed.warnings)
     if warn and rank == 0:
         for m in msgs:
             warnings.warn(m, Zero8ConfigWarning, stacklevel=2)
-    info = dict(_C.config_info(normalized, world_size))
-    return Zero8Config(
-        json=normalized, dict=json.loads(normalized), warnings=msgs, source=source, world_size=world_size, info=info
-    )
+    return Zero8Config(json=normalized, dict=json.loads(normalized), warnings=msgs, source=source,
+                       world_size=world_size, info=dict(_C.config_info(typed)), typed=typed)
 
 
 def raw_value(config: Any, *keys: str, default: Any = None) -> Any:

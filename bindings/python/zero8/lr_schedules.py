@@ -96,9 +96,16 @@ class Zero8LRScheduler:
         return f"{type(self).__name__}(type={self.type!r}, last_batch_iteration={self.last_batch_iteration})"
 
 
-def scheduler_from_config(optimizer, config_json: str, world_size: int, base_lr: float | None = None):
-    """The scheduler of a normalized config's "scheduler" section, or None when it has none. ``base_lr``:
-    the client optimizer's lr when the config has no optimizer section (as DeepSpeed reads it)."""
+def scheduler_from_config(optimizer, config_json: "str | _C.Config", world_size: int = 0,
+                          base_lr: float | None = None):
+    """The scheduler of a config's "scheduler" section, or None when it has none. ``config_json``: a typed
+    config (``_C.Config``, as ``zero8.config.Zero8Config.typed``), or a normalized config's JSON text for
+    the data-parallel size ``world_size``. ``base_lr``: the client optimizer's lr when the config has no
+    optimizer section (as DeepSpeed reads it)."""
+    if isinstance(config_json, _C.Config):
+        if config_json.scheduler.type == _C.SchedulerType.none:
+            return None
+        return Zero8LRScheduler(optimizer, _C.Scheduler(config_json.scheduler, base_lr=base_lr))
     sched = json.loads(config_json).get("scheduler")
     if not isinstance(sched, dict) or not sched.get("type"):
         return None

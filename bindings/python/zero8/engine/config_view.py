@@ -1,0 +1,53 @@
+"""How the engine reads its config: the C++ parse's typed view (``zero8.config.Zero8Config.typed``, a
+``_C.Config``: ``cfg.zero.stage``, ``cfg.zero8.optim_bits``, ``cfg.fp16.auto_cast``...) wherever it can,
+and the config as written only for the values needed before the parse, or that the parser accepts
+without modelling them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .._C import Zero8NotSupportedError
+from .._tensors import torch_dtype
+from ..config import raw_value
+
+# The environment variable that sets every communicator's timeout (comm/), over the config's.
+COMM_TIMEOUT_ENV = "ZERO8_COMM_TIMEOUT"
+
+
+def working_dtype(cfg) -> torch.dtype:
+    """The dtype of the engine's working copy of the weights: float16, bfloat16 or float32."""
+    return torch_dtype(cfg.working_dtype)
+
+
+def comm_timeout_s(cfg) -> float | None:
+    """zero8.comm_timeout_s for the engine's communicator, None when ZERO8_COMM_TIMEOUT is set (it wins)."""
+    if os.environ.get(COMM_TIMEOUT_ENV) is not None:
+        return None
+    return float(cfg.zero8.comm_timeout_s)
+
+
+def requested_backend(config: Any) -> str:
+    """zero8.comm_backend as written: read before the parse, which needs the data-parallel size that the
+    backend decides. "nccl" is refused here, before world_comm would set NCCL up (the parser refuses it
+    too, with the same words); a value that is not a string is left to the parser's error."""
+    backend = raw_value(config, "zero8", "comm_backend", default="auto")
+    if not isinstance(backend, str):
+        return "auto"
+    if backend.lower() == "nccl":
+        raise Zero8NotSupportedError(
+            'zero8.comm_backend: "nccl" cannot run the engine: its buffers (parameters, gradients, optimizer '
+            'state, checkpoints) are host memory, and NCCL takes device buffers only; use "auto", "mpi" or '
+            '"single" (the NCCL backend is for device buffers through the C++ Communicator API, '
+            'comm_create("nccl"))')
+    return backend
+
+
+def dataloader_drop_last(config: Any) -> bool:
+    """DeepSpeed's dataloader_drop_last as written: the C++ parser accepts the key without modelling it
+    (it is no business of the optimizer), so the typed view has no field for it."""
+    return bool(raw_value(config, "dataloader_drop_last", default=False))

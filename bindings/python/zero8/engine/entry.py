@@ -1,0 +1,101 @@
+"""DeepSpeed's entry points: ``initialize`` (config, world communicator, engine), ``init_distributed`` and
+``add_config_arguments``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .. import _C
+from .._C import Zero8NotSupportedError, Zero8ValueError
+from ..config import load_config
+from .config_view import dataloader_drop_last, requested_backend
+from .training import Zero8Engine
+from .world import world_comm
+
+# Each engine's data-parallel communicator is its own split of the world (its own byte counters), named
+# by this count.
+_engine_numbers = itertools.count(1)
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's command-line arguments on an argparse parser, for scripts that pass ``args`` to
+    ``initialize``: ``--deepspeed`` (accepted; the engine runs whenever ``initialize`` is called) and
+    ``--deepspeed_config PATH``. Returns the parser."""
+    group = parser.add_argument_group("zero8 (DeepSpeed arguments)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="accepted for DeepSpeed scripts; zero8's engine runs when the script calls initialize")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the DeepSpeed JSON config (with its \"zero8\" section) that initialize(args=...) reads")
+    return parser
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distributed_port=None, verbose: bool = True,
+                     timeout=None, init_method=None, dist_init_required=None, config=None, rank: int = -1,
+                     world_size: int = -1) -> "_C.Communicator":
+    """For scripts that call ``deepspeed.init_distributed()`` before ``initialize``: creates (or returns)
+    this process's world communicator (MPI under mpirun or zero8-launch, else one process). zero8 does
+    not start a torch.distributed process group, so the arguments are accepted and ignored; use
+    ``engine.global_rank`` / ``engine.world_size`` (or this communicator's ``rank`` and ``size``) instead
+    of ``torch.distributed.get_rank()``."""
+    return world_comm("auto")
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):
+    """deepspeed.initialize for zero8: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    - ``config``: a DeepSpeed config (dict, path or JSON text; ``args.deepspeed_config`` and
+      ``config_params`` as in DeepSpeed, and as there config= with args.deepspeed_config is an error).
+      It is validated in C++ (``zero8.Zero8ValueError`` naming the key path); unknown keys warn once
+      (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
+      communication (docs/CONFIG.md).
+    - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
+      Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and hyperparameters are read; its
+      param groups may differ in lr, weight_decay, eps and betas/momentum/alpha), or a callable that
+      builds one: called with model_parameters as a list (param-group dicts as given, their own values
+      kept), or with all the module's parameters when model_parameters is None, as DeepSpeed calls it.
+    - ``model_parameters``: tensors, or param-group dicts that may set their own lr, weight_decay, eps
+      and betas/momentum/alpha (docs/ENGINE.md, "Param groups").
+    - ``lr_scheduler``: None (the config's "scheduler"), a scheduler over the client optimizer or over
+      the returned optimizer, or a callable taking the returned optimizer (a function, or a scheduler
+      class such as ``torch.optim.lr_scheduler.ConstantLR`` or ``zero8.lr_schedules.WarmupLR``).
+    - ``training_data``: a torch Dataset; the returned DataLoader (``engine.deepspeed_io(training_data)``)
+      yields micro-batches of this rank's share (DistributedSampler over the data-parallel ranks), made
+      by ``collate_fn``, else None.
+
+    Processes: under mpirun every rank runs this (MPI backend, chosen automatically; no
+    torch.distributed process group is needed: ``distributed_port`` and ``dist_init_required`` are
+    accepted and ignored). Not supported: ``mpu``/``mesh_param`` (model or pipeline parallelism).
+    ZeRO stage 0 runs as stage 1 (same arithmetic, states partitioned).
+    """
+    if model is None:
+        raise Zero8ValueError("initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise Zero8NotSupportedError("initialize: mpu / mesh_param (model or pipeline parallelism) are not supported")
+    if config is None and config_params is not None:
+        config = config_params
+    args_key = next((k for k in ("deepspeed_config", "zero8_config") if getattr(args, k, None) is not None), None)
+    if config is not None and args_key is not None:
+        raise Zero8ValueError(
+            f"initialize: both config= and args.{args_key} ({getattr(args, args_key)!r}) were given; pass one "
+            f"(DeepSpeed refuses both too)")
+    if config is None and args_key is not None:
+        config = getattr(args, args_key)
+    if config is None:
+        raise Zero8ValueError("initialize: no config (pass config=, or args.deepspeed_config)")
+    world = world_comm(requested_backend(config))
+    dp = world.split(0, world.rank, f"zero8-engine-{next(_engine_numbers)}")  # own counters per engine
+    cfg = load_config(config, dp.size, rank=world.rank)
+    engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
+                         client_lr_scheduler=lr_scheduler)
+    engine.collate_fn = collate_fn
+    engine._dataloader_drop_last = dataloader_drop_last(config)
+    loader = None
+    if training_data is not None:
+        loader = engine.deepspeed_io(training_data)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,712 @@
+"""The training engine: Zero8Engine wraps a torch model around zero8's ZeRO stage 1/2 sharded optimizer
+(``_C.ShardedOptimizer``). The trainable parameters become zero-copy views into the optimizer's working
+buffer, and (fp32) their ``.grad`` views into its gradient buffer, so autograd accumulates straight into
+C++ memory; post-accumulate-grad hooks report each gradient as ready, so stage 2 reduces full buckets
+while backward is still running. Here: building the engine, DeepSpeed's accessors, forward / backward /
+step, the data loader and the statistics; checkpoints are in checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from .. import _C
+from .._C import Zero8NotSupportedError, Zero8ValueError
+from ..config import Zero8Config
+from ..lr_schedules import scheduler_from_config
+from .checkpoint import EngineCheckpoints
+from .client_optim import (
+    _GROUP_KEYS,
+    _check_group_overrides,
+    _client_optimizer_spec,
+    _group_from_hyper,
+    _hyper_for_group,
+    _hyper_from_group,
+)
+from .config_view import comm_timeout_s, working_dtype
+from .optimizer import Zero8Optimizer
+from .params import built_client_optimizer, collect_params, fp32_state, override_hyper_groups
+from .world import engines, local_rank
+
+# DeepSpeed's deepspeed_io routes (deepspeed.runtime.constants.ROUTE_*).
+ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
+_ROUTES = (ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE)
+
+
+class Zero8Engine(EngineCheckpoints, torch.nn.Module):
+    """DeepSpeedEngine's training surface over zero8's sharded optimizer (see the module docstring).
+
+    Not done here: pipeline/model parallelism (mpu), ZeRO stage 3, offload.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
+                 world: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._init_state(model, config, dp, world)
+        client_optimizer, model_parameters = built_client_optimizer(model, model_parameters, client_optimizer)
+        self._select_params(model, model_parameters, client_optimizer)
+        sc = self._sharded_config(client_optimizer)
+        if self._dtype != torch.float32:
+            model.to(self._dtype)  # as DeepSpeed's engine casts the module (half() / bfloat16())
+        self._build_sharded_optimizer(sc, client_optimizer)
+        self.optimizer = self._returned_optimizer(client_optimizer)
+        self.client_optimizer = client_optimizer
+        self.lr_scheduler = None
+        self.lr_scheduler = self._lr_scheduler(client_lr_scheduler)
+        self._apply_hyper()
+        if self.global_rank == 0:
+            self._log(self._summary())
+
+    # ---- setup, in the order __init__ runs it ----
+    def _init_state(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
+                    world: "_C.Communicator") -> None:
+        """The module, the config (``config``: DeepSpeed's dict; ``_cfg``: the typed view the engine reads),
+        the communicators and DeepSpeed's counters."""
+        self.module = model
+        self.zero8_config = config
+        self.config = config.dict
+        self._cfg = config.typed if config.typed is not None else _C.Config.from_normalized(config.json,
+                                                                                            config.world_size)
+        self._dp = dp
+        self._world = world
+        self.global_rank = world.rank
+        self.world_size = world.size
+        self.local_rank = local_rank()
+        self.dp_world_size = dp.size
+        self.mp_world_size = 1
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._last_info: dict | None = None
+        self._grad_norm: float | None = None  # of the last applied step (a skipped one computes none)
+        self._step_applied = False
+        self._backward_done = False
+        self._in_step = False  # engine.step() is calling optimizer.step()
+        self._bytes = {"gradients": 0, "step": 0}
+        self._hooks: list = []
+        self.collate_fn = None  # initialize's collate_fn, deepspeed_io's default
+        self._dataloader_drop_last = False  # the config's dataloader_drop_last (initialize sets it)
+        self._dtype = working_dtype(self._cfg)
+        self._auto_cast = self._cfg.fp16.enabled and self._cfg.fp16.auto_cast
+        # wall_clock_breakdown: seconds spent in forward / backward (of which gradient reduction) / step
+        # since the last progress report, and the micro-batches and steps they cover.
+        self._timers = self._new_timers()
+        timeout = comm_timeout_s(self._cfg)
+        if timeout is not None:
+            dp.timeout = timeout
+
+    def _select_params(self, model: torch.nn.Module, model_parameters, client_optimizer) -> None:
+        """The parameters to optimize (the client's list or param groups, model_parameters, or all trainable
+        ones, in order), their names and param groups; they must be CPU float tensors."""
+        groups = collect_params(model, model_parameters, client_optimizer, stacklevel=4)
+        params = groups.params
+        if not params:
+            raise Zero8ValueError("model_parameters: no trainable parameters (requires_grad=True) to optimize")
+        for p in params:
+            if p.device.type != "cpu":
+                raise Zero8NotSupportedError(f"parameter on {p.device}: zero8's engine trains CPU models")
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._params = params
+        self._param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        self._hyper_group = groups.hyper_group
+        self._hyper_group_dicts = groups.group_dicts
+        self._param_group_dicts = groups.given_dicts
+        upcast = []
+        for name, p in zip(self._param_names, params):
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise Zero8NotSupportedError(
+                    f"parameter {name} is {p.dtype}: zero8's engine trains float32, bfloat16 or float16 parameters "
+                    f"(cast the model first, e.g. model.float())")
+            if p.dtype != self._dtype:
+                upcast.append(name)
+        if upcast and self._dtype == torch.float32 and self.global_rank == 0:
+            warnings.warn(
+                f"{len(upcast)} parameter(s) in 16 bits (first: {upcast[0]}) are trained in float32: the config "
+                f"enables neither \"fp16\" nor \"bf16\", so the engine holds its working copy in float32",
+                stacklevel=4)
+
+    def _sharded_config(self, client_optimizer) -> "_C.ShardConfig":
+        """The sharded optimizer's config: the DeepSpeed config's, with the algorithm and hyperparameters of
+        its optimizer section or of the client optimizer's type and param groups, one Hyper per param group."""
+        cfg = self._cfg
+        sc = _C.shard_config_from_json(self.zero8_config.json, self._dp.size)
+        if client_optimizer is not None and cfg.optimizer.present:
+            raise Zero8ValueError(
+                "optimizer: both a client optimizer and an \"optimizer\" config section were given; pass one"
+            )
+        if client_optimizer is not None:
+            spec = _client_optimizer_spec(client_optimizer, cfg.zero8.enabled, cfg.zero8.optim_bits)
+            sc.algo = getattr(_C.Algo, spec["algo"])
+            h = spec.get("hyper_obj")
+            if h is None:
+                h = _C.Hyper()
+                for k, v in spec["hyper"].items():
+                    setattr(h, k, v)
+            sc.hyper = h
+            group_hypers = spec.get("group_hypers")
+            if group_hypers is None:  # torch / bitsandbytes: group 0's Hyper with each group's own values
+                group_hypers = [_hyper_for_group(h, g, spec["algo"]) for g in client_optimizer.param_groups]
+            sc.group_hypers = group_hypers
+            sc.bits = spec["bits"]
+            sc.initial_accumulator = float(spec["hyper"].get("initial_accumulator", 0.0))
+            if "min_8bit_size" in spec:
+                sc.min_8bit_size = spec["min_8bit_size"]
+            if "state_block" in spec:
+                sc.state_block = spec["state_block"]
+            self._optimizer_name = spec["name"]
+        elif cfg.optimizer.present:
+            self._optimizer_name = cfg.optimizer_name
+        else:
+            raise Zero8ValueError(
+                "optimizer: no optimizer; give an \"optimizer\" section in the config or pass optimizer= "
+                "(zero8's engine is for training)"
+            )
+        self._algo = str(sc.algo.name)  # "adamw", "sgd", ...
+        _check_group_overrides(self._param_group_dicts, _group_from_hyper(self._algo, sc.hyper))
+        if client_optimizer is None:
+            # The config's optimizer: each param group of model_parameters steps with the config's values
+            # and its own _GROUP_KEYS (a group of bare tensors with the config's alone).
+            defaults = _group_from_hyper(self._algo, sc.hyper)
+            sc.group_hypers = [
+                _hyper_for_group(sc.hyper, {**defaults, **{k: v for k, v in d.items() if k in _GROUP_KEYS}}, self._algo)
+                for d in self._hyper_group_dicts]
+        return sc
+
+    def _build_sharded_optimizer(self, sc: "_C.ShardConfig", client_optimizer) -> None:
+        """The sharded optimizer over the parameters (each in its hyper group, 8-bit or 32-bit states); the
+        parameters become views of its buffers, rank 0's weights everywhere, gradient hooks registered."""
+        params = self._params
+        hyper_of, self._override_groups = override_hyper_groups(params, self._hyper_group, sc, client_optimizer,
+                                                                self._algo)
+        specs = [_C.ParamSpec(self._param_names[i], list(p.shape),
+                              fp32_state(p, self._param_names[i], sc, client_optimizer), hyper_of[i])
+                 for i, p in enumerate(params)]
+        self._opt = _C.ShardedOptimizer(specs, sc, self._dp)
+        self._shard_config = sc
+        # Parameters become views into the working buffer (and fp32 grads views into the grad buffer).
+        self._bind_params()
+        self._opt.init(0)  # rank 0's weights everywhere; masters from them
+        self._broadcast_rest()
+        self._register_hooks()
+        self._destroyed = False
+        engines.add(self)
+
+    def _returned_optimizer(self, client_optimizer) -> Zero8Optimizer:
+        """The optimizer initialize hands back: one param group per hyper group of model_parameters' dicts
+        (their other keys kept, e.g. a "name"), else all the parameters in one; the client's own groups
+        with a client optimizer."""
+        params = self._params
+        defaults = _group_from_hyper(self._algo, self._opt.hyper)
+        groups: list = list(params)
+        if client_optimizer is None and self._param_group_dicts:
+            groups = []
+            for h, d in enumerate(self._hyper_group_dicts):
+                extra = {k: v for k, v in d.items() if k != "params" and k not in defaults}
+                groups.append({**extra, **_group_from_hyper(self._algo, self._opt.group_hyper(h)),
+                               "params": [p for p, hg in zip(params, self._hyper_group) if hg == h]})
+        return Zero8Optimizer(self, groups, defaults, client=client_optimizer)
+
+    def _lr_scheduler(self, client_lr_scheduler):
+        """initialize's lr_scheduler: a class (which has a step attribute too) or a function is a factory
+        called with the optimizer, as DeepSpeed calls any callable; a scheduler instance is kept; None: the
+        config's scheduler section (over the client optimizer's lr when the config has no optimizer)."""
+        if client_lr_scheduler is not None:
+            if isinstance(client_lr_scheduler, type) or (
+                    callable(client_lr_scheduler) and not hasattr(client_lr_scheduler, "step")):
+                client_lr_scheduler = client_lr_scheduler(self.optimizer)
+            return client_lr_scheduler
+        base_lr = None if self._cfg.optimizer.present else float(self.optimizer.param_groups[0]["lr"])
+        return scheduler_from_config(self.optimizer, self._cfg, base_lr=base_lr)
+
+    def _summary(self) -> str:
+        sc = self._shard_config
+        return (f"zero8 engine: {self._optimizer_name} ({self._algo}, {sc.bits}-bit states), ZeRO stage {sc.stage}, "
+                f"{self.dp_world_size} rank(s) on "
+                f"{self._dp.backend}, {self._dtype}, {sum(p.numel() for p in self._params)} parameters, "
+                f"gradients on the wire: {'int8' if sc.int8_grads else 'bf16' if sc.bf16_grads else 'fp32'}"
+                f"{' (stochastic rounding)' if sc.stochastic_wire and sc.int8_grads else ''}")
+
+    def _bind_params(self) -> None:
+        opt = self._opt
+        wbuf, gbuf = {}, {}
+        for g in range(_C.NUM_GROUPS):
+            if opt.group_padded(g) > 0:
+                wbuf[g] = torch.frombuffer(opt.working_buffer(g), dtype=self._dtype)
+                gbuf[g] = torch.frombuffer(opt.grad_buffer(g), dtype=torch.float32)
+        self._grad_views = []
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                g, off, n = opt.param_slot(i)
+                wv = wbuf[g][off:off + n].view(p.shape)
+                wv.copy_(p.data)
+                p.data = wv
+                gv = gbuf[g][off:off + n].view(p.shape)
+                self._grad_views.append(gv)
+                p.grad = gv if self._dtype == torch.float32 else None
+        self._working_buffers, self._grad_buffers = wbuf, gbuf
+
+    def _broadcast_rest(self) -> None:
+        """Frozen parameters and buffers: rank 0's values everywhere (DeepSpeed broadcasts the module)."""
+        if self._dp.size == 1:
+            return
+        managed = {id(p) for p in self._params}
+        tensors = [p for p in self.module.parameters() if id(p) not in managed] + list(self.module.buffers())
+        for t in tensors:
+            if t.numel() == 0 or t.device.type != "cpu":
+                continue
+            src = t.data if t.data.is_contiguous() else t.data.contiguous()
+            self._dp.broadcast_ptr(src.data_ptr(), src.numel() * src.element_size(), 0)
+            if src is not t.data:
+                t.data.copy_(src)
+
+    def _register_hooks(self) -> None:
+        # A parameter's gradient may arrive in several parts in one backward: a weight shared by segments
+        # of reentrant activation checkpointing, where each segment runs a backward of its own (one backward
+        # sums every use of a weight before its hook runs). Stage 2 reduces a bucket once all its
+        # parameters are reported, so a parameter is reported at its last arrival, counted in earlier
+        # backwards. The first backward counts them without reporting any (everything is reduced at its
+        # end) when some parameter is not in the loss's graph (inside such a segment, or unused); otherwise
+        # each arrives once and is reported at once. An arrival beyond the largest count seen is still in
+        # time while its bucket waits, and raises if the bucket was reduced: that part would be lost.
+        # (DeepSpeed's stage 2 asserts on any second arrival.)
+        self._arrivals = [0] * len(self._params)  # this micro-batch
+        self._expected = [0] * len(self._params)  # the most arrivals a backward has seen
+        self._counting = False  # this backward only counts (the first one, when the graph hides parameters)
+        self._backwards = 0
+        self._in_backward = False
+        fp32 = self._dtype == torch.float32
+        for i, p in enumerate(self._params):
+            gv = self._grad_views[i]
+
+            def hook(param, i=i, gv=gv):
+                grad = param.grad
+                if grad is not None and grad.data_ptr() != gv.data_ptr():
+                    # A 16-bit gradient (or one torch made after the user cleared .grad): accumulate it
+                    # into the fp32 buffer the optimizer reads.
+                    gv.add_(grad)
+                    param.grad = gv if fp32 else None
+                if not self._in_backward:
+                    return  # a backward outside engine.backward (the torch loop): its gradient just stays
+                self._arrivals[i] += 1
+                if not self._counting:
+                    self._gradient_arrived(i)
+
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _params_outside_graph(self, loss: torch.Tensor) -> bool:
+        """Whether some trainable parameter is not a leaf of loss's autograd graph (walked once)."""
+        wanted = {id(p) for p in self._params}
+        seen, stack = set(), [loss.grad_fn]
+        while stack and wanted:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+            if var is not None:
+                wanted.discard(id(var))
+            stack.extend(nxt for nxt, _ in fn.next_functions)
+        return bool(wanted)
+
+    def _gradient_arrived(self, i: int) -> None:
+        n, expected = self._arrivals[i], max(1, self._expected[i])
+        if n == expected:
+            self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
+        elif n > expected:
+            self._expected[i] = n
+            if self._opt.param_reduced(i):
+                raise RuntimeError(
+                    f"rank {self.global_rank}: parameter '{self._param_names[i]}' got a part of its gradient "
+                    f"({n} parts in this backward, at most {expected} before) after ZeRO stage 2 had reduced it: "
+                    f"that part would be lost. A weight shared by more uses in one backward than in earlier "
+                    f"ones (reentrant activation checkpointing, data-dependent reuse) varies its count; the "
+                    f"next backwards wait for {n} parts. Use stage 1, or torch.utils.checkpoint with "
+                    f"use_reentrant=False, to avoid it altogether")
+
+    def destroy(self) -> None:
+        """Release the engine (DeepSpeed's engine.destroy()): hooks removed, the parameters keep their
+        current values in their own memory (no longer views of the C++ buffers), and the sharded optimizer
+        and communicator are dropped. The engine cannot train afterwards; runs at exit for live engines."""
+        if self.__dict__.get("_destroyed", True):
+            return
+        self._destroyed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        with torch.no_grad():
+            for p in self._params:
+                p.data = p.data.clone()
+                p.grad = None
+        self._grad_views = []
+        self._working_buffers, self._grad_buffers = {}, {}
+        self._opt = None
+        self._dp = None
+        self._world = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """DeepSpeed's engine.zero_grad(): clears the gradients of the module's parameters the engine does
+        not optimize (trainable ones left out of model_parameters). The others are the engine's: their
+        gradients are its accumulation buffers (in fp32, param.grad is a view of one), which backward and
+        step reduce and clear. Clearing them here would drop the micro-batches accumulated so far (stage 1),
+        where DeepSpeed's zero_grad cannot reach its accumulated gradients, so they are left alone."""
+        managed = set() if self.__dict__.get("_destroyed", True) else {id(p) for p in self._params}
+        for p in self.module.parameters():
+            if id(p) in managed or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().requires_grad_(False)
+                p.grad.zero_()
+
+    def _check_live(self) -> None:
+        if self._opt is None:
+            raise RuntimeError("this zero8 engine was destroyed (engine.destroy() or interpreter exit)")
+
+    # ---- DeepSpeed's accessors ----
+    def train_batch_size(self) -> int:
+        return int(self._cfg.batch.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self._cfg.batch.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self._cfg.batch.gradient_accumulation_steps)
+
+    def steps_per_print(self) -> int:
+        return int(self._cfg.steps_per_print)
+
+    def zero_optimization_stage(self) -> int:
+        return int(self._cfg.zero.stage)
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def gradient_clipping(self) -> float:
+        return float(self._cfg.gradient_clipping)
+
+    def fp16_enabled(self) -> bool:
+        return bool(self._cfg.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self._cfg.bf16.enabled)
+
+    def get_data_types(self):
+        return self._dtype, torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._opt.loss_scale)
+
+    cur_scale = loss_scale
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        out = []
+        for g in self.optimizer.param_groups:
+            out.append(tuple(g["betas"]) if "betas" in g else g.get("momentum"))
+        return out
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last applied step, None before the first.
+        As in DeepSpeed, a step skipped on an fp16 overflow leaves the previous step's value."""
+        return self._grad_norm
+
+    def was_step_skipped(self) -> bool:
+        return self._last_info is not None and bool(self._last_info["skipped"]) and not self._step_applied
+
+    # ---- forward / backward / step ----
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        if self._auto_cast:
+            args = tuple(_cast_floating(a, self._dtype) for a in args)
+            kwargs = {k: _cast_floating(v, self._dtype) for k, v in kwargs.items()}
+        out = self.module(*args, **kwargs)
+        self._timers["forward"] += time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise
+
+    def no_sync(self, *args, **kwargs):
+        """DeepSpeed's context for backwards that skip the gradient all-reduce; not supported: zero8 runs one
+        engine.backward per micro-batch, each followed by engine.step (a second backward before step is an
+        error), and gradient_accumulation_steps already gives what no_sync is for."""
+        raise Zero8NotSupportedError(
+            "engine.no_sync(): not supported; zero8 runs one engine.backward(loss) and one engine.step() per "
+            "micro-batch (two backwards without a step are an error). Set gradient_accumulation_steps in the config "
+            "instead: at ZeRO stage 1 the gradients are reduced once per step, at the accumulation boundary, which "
+            "is what no_sync gives; at stage 2 each backward reduces its buckets as they fill (DeepSpeed refuses "
+            "no_sync at stage 2 too)")
+
+    def train_batch(self, *args, **kwargs):
+        """DeepSpeed's PipelineEngine.train_batch; not supported (no pipeline parallelism)."""
+        raise Zero8NotSupportedError(
+            "engine.train_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Train "
+            "each micro-batch with loss = engine(batch); engine.backward(loss); engine.step() (the optimizer steps "
+            "at every gradient_accumulation_steps-th micro-batch)")
+
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's PipelineEngine.eval_batch; not supported (no pipeline parallelism)."""
+        raise Zero8NotSupportedError(
+            "engine.eval_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Evaluate "
+            "with engine.eval() and, under torch.no_grad(), engine(batch)")
+
+    def _bytes_sent(self) -> int:
+        return sum(int(s["bytes"]) for s in self._dp.stats().values())
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale);
+        gradients are reduced as they become ready (stage 2) and at the end of this call. Returns the
+        loss divided by gradient_accumulation_steps, as DeepSpeed does."""
+        self._check_live()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward(loss): loss must be a tensor, got {type(loss).__name__}")
+        if self._backward_done:
+            raise RuntimeError(
+                "engine.backward() called twice without engine.step() in between (one backward per micro-batch)"
+            )
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            loss = loss / gas
+        scaled = loss.float() * float(self._opt.loss_scale) if self.fp16_enabled() else loss
+        if self._backwards == 0:
+            self._counting = self._params_outside_graph(scaled)
+        self._backwards += 1
+        b0 = self._bytes_sent()
+        t0 = time.perf_counter()
+        self._in_backward = True
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward = False
+        unused = [] if self._cfg.zero.ignore_unused_parameters else [
+            self._param_names[i] for i, n in enumerate(self._arrivals) if not n]
+        t1 = time.perf_counter()
+        self._backward_end()  # collective: every rank gets here before any raises below
+        t2 = time.perf_counter()
+        self._timers["backward"] += t2 - t0
+        self._timers["reduce"] += t2 - t1
+        self._timers["micro"] += 1
+        self._bytes["gradients"] += self._bytes_sent() - b0
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise RuntimeError(
+                f"rank {self.global_rank}: {len(unused)} trainable parameter(s) got no gradient in this backward: "
+                f"{shown}; with zero_optimization.ignore_unused_parameters false this is an error (set it true to "
+                f"treat their gradients as zero, or freeze them with requires_grad_(False))"
+            )
+        return loss
+
+    def _backward_end(self) -> None:
+        self._opt.backward_end(self.is_gradient_accumulation_boundary())
+        self._expected = [max(e, n) for e, n in zip(self._expected, self._arrivals)]
+        self._arrivals = [0] * len(self._params)
+        self._counting = False
+        self._backward_done = True
+
+    def _apply_hyper(self) -> None:
+        """Each param group's current values into its hyper group of the sharded optimizer, and into the
+        hyper groups of its parameters with overrides, the overrides in their place."""
+        groups = self.optimizer.param_groups
+        if len(groups) + len(self._override_groups) != self._opt.num_hyper_groups:
+            raise Zero8NotSupportedError(
+                f"optimizer.param_groups: {len(groups)} groups, but the engine was built with "
+                f"{self._opt.num_hyper_groups - len(self._override_groups)}; param groups cannot be added after "
+                f"zero8.initialize")
+        for i, g in enumerate(groups):
+            _hyper_from_group(g, self._algo, self._opt.group_hyper(i))
+        for h, (gi, over) in enumerate(self._override_groups, len(groups)):
+            _hyper_from_group({**groups[gi], **over}, self._algo, self._opt.group_hyper(h))
+
+    def _optimizer_step(self) -> dict:
+        """The sharded step with the param groups' current hyperparameters (collective)."""
+        self._apply_hyper()
+        b0 = self._bytes_sent()
+        info = dict(self._opt.step())
+        self._bytes["step"] += self._bytes_sent() - b0
+        self._last_info = info
+        return info
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End of a micro-batch: at the gradient-accumulation boundary the sharded optimizer steps
+        (skipped on an fp16 overflow anywhere), then the LR scheduler; counters advance as DeepSpeed's."""
+        self._check_live()
+        boundary = self.is_gradient_accumulation_boundary()
+        if not self._backward_done:
+            self._backward_end()  # no backward this micro-batch: still the same collectives on every rank
+        self._backward_done = False
+        self._step_applied = False
+        if boundary:
+            scaler_before = self._opt.loss_scaler_state
+            self._in_step = True
+            t0 = time.perf_counter()
+            try:
+                info = self.optimizer.step() or self._last_info
+            finally:
+                self._in_step = False
+            self._timers["step"] += time.perf_counter() - t0
+            self._timers["steps"] += 1
+            if info["skipped"]:
+                self.skipped_steps += 1
+                if self.global_rank == 0 and self.fp16_enabled():
+                    self._log(self._overflow_message(scaler_before))
+                elif self.global_rank == 0:
+                    self._log(f"Skipping step {self.global_steps + 1}: a gradient on some rank is inf or NaN "
+                              f"(bf16/fp32: no loss scale to lower; the weights and states are unchanged)")
+            else:
+                self._step_applied = True
+                self._grad_norm = float(info["grad_norm"])
+                if self.lr_scheduler is not None:
+                    opt = getattr(self.lr_scheduler, "optimizer", None)
+                    if opt is not None:
+                        opt._opt_called = True  # torch schedulers warn when their optimizer never stepped
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
+                self._report_progress()
+        self.micro_steps += 1
+
+    def _overflow_message(self, before: dict) -> str:
+        """What an fp16 overflow did to the loss scale, worded as DeepSpeed's loss_scaler.py logs it: a static
+        scale stays, hysteresis left absorbs the overflow, else the scale drops."""
+        cfg = self._opt.config
+        if not cfg.dynamic_loss_scale:
+            return (f"OVERFLOW! Rank {self.global_rank}: gradient overflow at the static loss scale "
+                    f"{before['scale']:g} (fp16.loss_scale): skipping the step")
+        head = f"OVERFLOW! Rank {self.global_rank} Skipping step. Attempted loss scale: {before['scale']}"
+        after = self._opt.loss_scaler_state
+        if after["cur_hysteresis"] < before["cur_hysteresis"]:
+            return f"{head}, but hysteresis is {before['cur_hysteresis']}. Reducing hysteresis to {after['cur_hysteresis']}"
+        if after["scale"] == before["scale"]:
+            return f"{head}: already at the minimum loss scale {cfg.min_loss_scale:g}, keeping it"
+        return f"{head}, reducing to {after['scale']}"
+
+    def _report_progress(self) -> None:
+        norm = self._grad_norm
+        self._log(
+            f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
+            f"loss_scale={float(self._opt.loss_scale)}, grad_norm={0.0 if norm is None else norm:.6g}"
+        )
+        t = self._timers
+        if self._cfg.wall_clock_breakdown and t["micro"] and t["steps"]:
+            per_micro = lambda k: 1e3 * t[k] / t["micro"]  # noqa: E731
+            self._log(
+                f"time (ms) per micro-batch | forward: {per_micro('forward'):.2f} | backward: "
+                f"{per_micro('backward'):.2f} (gradient reduction {per_micro('reduce'):.2f}) | per step | "
+                f"optimizer step: {1e3 * t['step'] / t['steps']:.2f} (rank 0, mean over the last {t['steps']} steps)"
+            )
+        self._timers = self._new_timers()
+
+    @staticmethod
+    def _new_timers() -> dict:
+        return {"forward": 0.0, "backward": 0.0, "reduce": 0.0, "step": 0.0, "micro": 0, "steps": 0}
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        print(f"[zero8] {msg}", flush=True)
+
+    def dataloader_drop_last(self) -> bool:
+        return self._dataloader_drop_last
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = ROUTE_TRAIN, pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None, *,
+                     drop_last: bool | None = None, shuffle: bool | None = None, seed: int = 0):
+        """A DataLoader of this rank's micro-batches, with DeepSpeed's deepspeed_io arguments in its order.
+        Without data_sampler, a DistributedSampler over the data-parallel ranks: shuffled (seed ``seed``) on
+        the "train" route (and "encode", which DeepSpeed handles as train), in order on "eval" and "predict"
+        (as DeepSpeed's, so each rank evaluates its share). batch_size None: train_micro_batch_size_per_gpu;
+        collate_fn None: the one given to initialize; num_local_io_workers None: 0 (the batches are loaded
+        in this process); pin_memory as the DataLoader's (it only applies with an accelerator: zero8 trains
+        on the CPU). zero8's keyword-only extras: drop_last (None: the config's dataloader_drop_last) and
+        shuffle (None: the route's)."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        if route not in _ROUTES:
+            raise Zero8ValueError(
+                f"deepspeed_io: route {route!r} is not one of DeepSpeed's routes {', '.join(map(repr, _ROUTES))}")
+        if data_sampler is None:
+            if shuffle is None:
+                shuffle = route not in (ROUTE_EVAL, ROUTE_PREDICT)
+            data_sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size, rank=self._dp.rank,
+                                              shuffle=shuffle, seed=seed)
+        # The DataLoader ignores pin_memory without an accelerator, with a warning at every iteration.
+        accelerator = getattr(torch, "accelerator", None)
+        pin_memory = bool(pin_memory) and (accelerator.is_available() if accelerator else torch.cuda.is_available())
+        return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=data_sampler,
+                          collate_fn=self.collate_fn if collate_fn is None else collate_fn, pin_memory=pin_memory,
+                          num_workers=num_local_io_workers or 0,
+                          drop_last=self._dataloader_drop_last if drop_last is None else bool(drop_last))
+
+    # ---- statistics ----
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent on the data-parallel communicator since the engine was made:
+        ``ops`` {kind: {calls, bytes, seconds, bytes_to_peer}} for the kinds used, ``bytes`` (total),
+        ``bytes_to_peer`` (per peer, all kinds), and by phase: ``gradient_bytes`` (reduction during
+        backward), ``step_bytes`` (overflow/norm agreement and the parameter all-gather), ``other_bytes``
+        (initial broadcast, checkpoints)."""
+        ops = {k: dict(v) for k, v in self._dp.stats().items() if int(v["calls"]) > 0}
+        total = sum(int(v["bytes"]) for v in ops.values())
+        peers = [0] * self._dp.size
+        for v in ops.values():
+            for p, b in enumerate(v["bytes_to_peer"]):
+                peers[p] += int(b)
+        return {
+            "rank": self._dp.rank, "world": self._dp.size, "backend": self._dp.backend, "ops": ops,
+            "bytes": total, "bytes_to_peer": peers, "gradient_bytes": self._bytes["gradients"],
+            "step_bytes": self._bytes["step"], "other_bytes": total - self._bytes["gradients"] - self._bytes["step"],
+            "int8_gradients": bool(self._shard_config.int8_grads), "int8_params": bool(self._shard_config.int8_params),
+        }
+
+    def memory_stats(self) -> dict:
+        """Bytes held by this rank: working copy, gradient buffers, fp32 master and optimizer state of its
+        partition, scratch buffers; ``total`` and ``state_bytes_per_param`` (state of the whole model
+        divided over its parameters, this rank's share)."""
+        m = {k: int(v) for k, v in self._opt.memory().items()}
+        m["total"] = sum(m.values())
+        n = sum(p.numel() for p in self._params)
+        m["params"] = n
+        m["state_bytes_per_param"] = m["state"] / n if n else 0.0
+        return m
+
+
+def _cast_floating(x, dtype):
+    """fp16 auto_cast of a forward input: floating tensors, also inside lists, tuples and mappings (a
+    batch passed as one container, which DeepSpeed casts too); other values as they are."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, Mapping):
+        cast = {k: _cast_floating(v, dtype) for k, v in x.items()}
+        try:
+            return cast if type(x) is dict else type(x)(cast)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return cast
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_cast_floating(v, dtype) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floating(v, dtype) for v in x)
+    return x
