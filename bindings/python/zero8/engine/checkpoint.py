@@ -40,7 +40,7 @@ _LOADED_KEYS = ("module", "sparse_tensor_module_names", "skipped_steps", "global
 _EXTRA_STATE_SUFFIX = "_extra_state"
 _ENGINE_STATE_FORMAT = "zero8-engine"
 _ENGINE_STATE_VERSION = 1
-# The words of the C++ layout check (zero8/src/checkpoint.cpp, ckpt::load) for a parameter in another hyper
+# The words of the C++ layout check (zero8/src/checkpoint/load.cpp, ckpt::load) for a parameter in another hyper
 # group than in the checkpoint, where the engine says which of the two are override groups
 # (Zero8Engine._hyper_groups_named).
 _HYPER_GROUP_MISMATCH = re.compile(
