@@ -16,8 +16,6 @@ namespace {
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes) == 0; }
 
-bool algo_valid(Algo a) { return uint8_t(a) <= uint8_t(Algo::lars); }
-
 void layout_check(Algo algo, int64_t n, int bits, int32_t block) {
   ZERO8_CHECK_ARG(algo_valid(algo), "algo", "unknown algorithm " << int(algo));
   ZERO8_CHECK_ARG(n >= 0, "n", "negative length " << n);
