@@ -24,6 +24,14 @@ void layout_check(Algo algo, int64_t n, int bits, int32_t block) {
                   "must be a power of two in 64..4096, got " << block);
 }
 
+// Whether the algorithm's states start at a value of its own (a table entry with the init role).
+bool algo_has_initial_value(Algo a) {
+  const AlgoSpec& row = algo_spec(a);
+  for (int i = 0; i < row.num_hyper; ++i)
+    if (row.hyper[i].role == HyperRole::init) return true;
+  return false;
+}
+
 const char* state_name(int which, const char* kind) {
   static const char* names[2][4] = {{"code1", "absmax1", "map1", "state1"}, {"code2", "absmax2", "map2", "state2"}};
   const int k = kind[0] == 'c' ? 0 : kind[0] == 'a' ? 1 : kind[0] == 'm' ? 2 : 3;
@@ -53,11 +61,13 @@ State::State(const StateLayout& layout, float initial_accumulator, quant::MapKin
                                 << algo_num_states(layout.algo));
   ZERO8_CHECK_ARG(std::isfinite(initial_accumulator) && initial_accumulator >= 0.0f, "initial_accumulator",
                   "must be finite and >= 0, got " << initial_accumulator);
-  ZERO8_CHECK_ARG(initial_accumulator == 0.0f || layout.algo == Algo::adagrad, "initial_accumulator",
-                  "only Adagrad starts from a nonzero accumulator");
+  const bool has_init = algo_has_initial_value(layout.algo);
+  ZERO8_CHECK_ARG(initial_accumulator == 0.0f || has_init, "initial_accumulator",
+                  algo_name(layout.algo) << " states start at 0 (only an algorithm whose table row has an init "
+                                            "entry, Adagrad's initial_accumulator_value, starts elsewhere)");
   const quant::MapKind kinds[2] = {map1, map2};
   for (int k = 0; k < layout_.num_states; ++k) {
-    const float init = layout_.algo == Algo::adagrad ? initial_accumulator : 0.0f;
+    const float init = has_init ? initial_accumulator : 0.0f;
     if (layout_.bits == 32) {
       fp32_[k].assign(size_t(layout_.n), init);
       continue;

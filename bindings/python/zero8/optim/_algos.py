@@ -109,6 +109,7 @@ def args(name: str, lib: str = "key", roles: Tuple[str, ...] = ()) -> Tuple[Arg,
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=None)
 def value_args(name: str) -> Tuple[Arg, ...]:
     """The row's hyperparameters (value and init entries), by zero8's keys."""
     return args(name, "key", _VALUE_ROLES)
@@ -151,12 +152,14 @@ def _convert(e: "_C.HyperSpec", value):
 # ---------------------------------------------------------------------------------------------------
 # zero8.optim: what a class of a row holds and reads
 
+@functools.lru_cache(maxsize=None)
 def group_keys(name: str) -> Tuple[str, ...]:
     """zero8.optim's group hyperparameters of a row: its value and init entries that are constructor
     arguments (e.g. Adam's bias_correction is DeepSpeed's only)."""
     return tuple(a.name for a in value_args(name) if a.first.py_arg != "none")
 
 
+@functools.lru_cache(maxsize=None)
 def defaults_keys(name: str) -> Tuple[Arg, ...]:
     """What a zero8.optim constructor puts in ``defaults``: the group hyperparameters and the decouple flag
     (AdamW's too, which is not an argument: its groups record the rule they apply)."""
@@ -164,15 +167,18 @@ def defaults_keys(name: str) -> Tuple[Arg, ...]:
                  or a.first.role == "decouple")
 
 
+@functools.lru_cache(maxsize=None)
 def constructor_args(name: str) -> Tuple[Arg, ...]:
     """The row's zero8.optim constructor arguments, in its order."""
     return tuple(a for a in args(name) if a.first.py_arg != "none")
 
 
+@functools.lru_cache(maxsize=None)
 def decouple_arg(name: str) -> Optional[Arg]:
     return next((a for a in args(name) if a.first.role == "decouple"), None)
 
 
+@functools.lru_cache(maxsize=None)
 def init_arg(name: str) -> Optional[Arg]:
     return next((a for a in args(name) if a.first.role == "init"), None)
 
@@ -182,7 +188,7 @@ def hyper_of_config(name: str, cfg: Dict[str, Any], num) -> "_C.Hyper":
     the class's hyperparameters from cfg (its default when cfg lacks it, e.g. a group saved before the key
     existed), the others at the row's defaults. `num(value, name)` converts and names a bad value."""
     h = _C.Hyper()
-    keys = set(group_keys(name))
+    keys = group_keys(name)
     for a in value_args(name):
         given = cfg.get(a.name, _ABSENT) if a.name in keys else _ABSENT
         if given is _ABSENT:

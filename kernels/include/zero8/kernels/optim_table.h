@@ -69,7 +69,7 @@ struct HyperSpec {
   const char* key;
   const char* deepspeed;  // key in the config's "optimizer": {"params"}
   const char* torch;      // torch.optim's argument and group key
-  const char* bnb;        // bitsandbytes' group key ("betas[0]" for SGD's momentum)
+  const char* bnb;        // bitsandbytes' group key ("betas[0]" for SGD's momentum; its argument is `key`)
   HyperRole role;
   HyperField field;
   HyperType type;
@@ -264,8 +264,7 @@ inline constexpr AlgoSpec kAlgos[] = {
     // bitsandbytes' Adam decays as its AdamW does (its update is torch.optim.AdamW's), so it runs as adamw.
     {Algo::adamw, "adamw", "AdamW", "AdamW", "AdamW", {"AdamW", "Adam"}, Algo::adamw, Algo::adamw,
      2, {table::kS, table::kU}, {"exp_avg", "exp_avg_sq"}, false, true, table::kAdamW, int(std::size(table::kAdamW))},
-    // "Momentum": bitsandbytes' name of its SGD kernel.
-    {Algo::sgd, "sgd", "SGD", "SGD", "SGD", {"SGD", "Momentum"}, Algo::sgd, Algo::sgd,
+    {Algo::sgd, "sgd", "SGD", "SGD", "SGD", {"SGD", nullptr}, Algo::sgd, Algo::sgd,
      1, {table::kS, table::kS}, {"momentum_buffer", nullptr}, false, true, table::kSGD, int(std::size(table::kSGD))},
     // torch.optim has no Lion; its state name is lion-pytorch's.
     {Algo::lion, "lion", "Lion", "Lion", nullptr, {"Lion", nullptr}, Algo::lion, Algo::lion,
