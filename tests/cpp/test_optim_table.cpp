@@ -115,6 +115,14 @@ TEST(OptimTable, RowsAreConsistent) {
         EXPECT_EQ(std::atoi(bracket + 1), before) << k;
       }
     }
+    // The rules between fields (Nesterov needs momentum and no dampening) find their partners.
+    if (const HyperSpec* n = entry_of(row, HyperField::nesterov)) {
+      for (HyperField partner : {HyperField::beta1, HyperField::dampening}) {
+        const HyperSpec* q = entry_of(row, partner);
+        ASSERT_NE(q, nullptr) << optim::hyper_field_name(partner);
+        EXPECT_EQ(q->deepspeed != nullptr, n->deepspeed != nullptr);
+      }
+    }
     EXPECT_LE(decouple, 1);
     if (decouple == 0) {
       EXPECT_EQ(row.decoupled, row.algo);

@@ -34,7 +34,7 @@ API = [
     "dequantize_blockwise", "dequantize_blockwise_values", "quant_num_blocks", "quant_bytes",
     # optimizer kernels
     "Hyper", "StepArgs", "step_range", "norms_range", "trust_ratio", "step_tensor", "state_bytes",
-    "algo_num_states", "hyper_validate",
+    "algo_num_states", "hyper_validate", "algo_table", "algo_spec", "AlgoSpec", "HyperSpec",
     # communicator
     "Communicator", "comm_create", "comm_backend_available", "topology_split", "node_groups",
     # config

@@ -722,9 +722,13 @@ void parse_optimizer(Section& top, Config& c) {
     return static_cast<const char*>(nullptr);
   };
   // torch.optim.SGD raises the same.
-  if (const char* nesterov = has(optim::HyperField::nesterov); nesterov && h.nesterov && (h.beta1 <= 0.0f || h.dampening != 0.0f))
-    p.fail(nesterov, "Nesterov momentum requires momentum > 0 and dampening 0 (got momentum " +
-                         fmt_num(o.get("momentum")) + ", dampening " + fmt_num(o.get("dampening")) + ")");
+  if (const char* nesterov = has(optim::HyperField::nesterov); nesterov && h.nesterov && (h.beta1 <= 0.0f || h.dampening != 0.0f)) {
+    const char* momentum = has(optim::HyperField::beta1);
+    const char* dampening = has(optim::HyperField::dampening);
+    p.fail(nesterov, std::string("Nesterov momentum requires ") + momentum + " > 0 and " + dampening + " 0 (got " +
+                         momentum + " " + fmt_num(o.get(momentum)) + ", " + dampening + " " +
+                         fmt_num(o.get(dampening)) + ")");
+  }
   const char* max_key = has(optim::HyperField::max_trust_ratio);
   const char* min_key = has(optim::HyperField::min_trust_ratio);
   if (max_key && min_key && o.get(min_key) > o.get(max_key))

@@ -32,6 +32,14 @@ bool algo_has_initial_value(Algo a) {
   return false;
 }
 
+// Whether the algorithm reads Hyper field f (its table row names it).
+bool algo_has_field(Algo a, HyperField f) {
+  const AlgoSpec& row = algo_spec(a);
+  for (int i = 0; i < row.num_hyper; ++i)
+    if (row.hyper[i].field == f) return true;
+  return false;
+}
+
 const char* state_name(int which, const char* kind) {
   static const char* names[2][4] = {{"code1", "absmax1", "map1", "state1"}, {"code2", "absmax2", "map2", "state2"}};
   const int k = kind[0] == 'c' ? 0 : kind[0] == 'a' ? 1 : kind[0] == 'm' ? 2 : 3;
@@ -153,7 +161,7 @@ void hyper_validate(Algo algo, const Hyper& h) {
   ZERO8_CHECK_ARG(finite(h.weight_decay) && h.weight_decay >= 0.0f, "weight_decay",
                   "must be finite and >= 0, got " << h.weight_decay);
   ZERO8_CHECK_ARG(h.dampening >= 0.0f && h.dampening <= 1.0f, "dampening", "must be in [0, 1], got " << h.dampening);
-  if (h.nesterov && (algo == Algo::sgd || algo == Algo::lars))
+  if (h.nesterov && algo_has_field(algo, HyperField::nesterov))
     ZERO8_CHECK_ARG(h.beta1 > 0.0f && h.dampening == 0.0f, "nesterov",
                     "needs momentum (beta1) > 0 and dampening == 0 (beta1 " << h.beta1 << ", dampening " << h.dampening
                                                                            << ")");
