@@ -395,9 +395,12 @@ int cmd_codec(Options& o) {
 
 zero8::optim::Algo algo_option(Options& o) {
   const std::string name = o.str("name", "adamw");
-  for (int a = 0; a <= int(zero8::optim::Algo::lars); ++a)
-    if (name == zero8::optim::algo_name(zero8::optim::Algo(a))) return zero8::optim::Algo(a);
-  throw UsageError{"--name must be one of adam, adamw, sgd, lion, rmsprop, adagrad, lamb, lars; got '" + name + "'"};
+  std::string names;
+  for (const zero8::optim::AlgoSpec& row : zero8::optim::kAlgos) {
+    if (name == row.name) return row.algo;
+    names += std::string(names.empty() ? "" : ", ") + row.name;
+  }
+  throw UsageError{"--name must be one of " + names + "; got '" + name + "'"};
 }
 
 // One optimizer's step over n float32 parameters, with its own state; step() is the timed kernel.

@@ -19,6 +19,7 @@ namespace zero8::bindings {
 void init_errors(py::module_& m);
 void init_codec(py::module_& m);
 void init_optim(py::module_& m);
+void init_algos(py::module_& m);
 void init_comm(py::module_& m);
 void init_config(py::module_& m);
 void init_sharded(py::module_& m);

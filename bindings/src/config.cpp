@@ -77,15 +77,6 @@ Scheduler make_scheduler(const std::string& config_json, std::optional<double> b
 // with the spellings of the JSON values in lower case (the scheduler types in snake case).
 void init_config_types(py::module_& m) {
   using namespace config;
-  py::enum_<OptimizerType>(m, "OptimizerType", "\"optimizer\": {\"type\"} (Config.algo resolves Adam's adam_w_mode)")
-      .value("adam", OptimizerType::adam)
-      .value("adamw", OptimizerType::adamw)
-      .value("lamb", OptimizerType::lamb)
-      .value("lion", OptimizerType::lion)
-      .value("sgd", OptimizerType::sgd)
-      .value("rmsprop", OptimizerType::rmsprop)
-      .value("adagrad", OptimizerType::adagrad)
-      .value("lars", OptimizerType::lars);
   py::enum_<SchedulerType>(m, "SchedulerType", "\"scheduler\": {\"type\"}; none: no scheduler section")
       .value("none", SchedulerType::none)
       .value("warmup_lr", SchedulerType::warmup_lr)
@@ -118,23 +109,36 @@ void init_config_types(py::module_& m) {
   py::class_<OptimizerConfig>(m, "ConfigOptimizer", "\"optimizer\" with the defaults of its type; present: "
                                                     "the config has the section.")
       .def_readonly("present", &OptimizerConfig::present)
-      .def_readonly("type", &OptimizerConfig::type)
-      .def_readonly("lr", &OptimizerConfig::lr)
-      .def_readonly("beta1", &OptimizerConfig::beta1)
-      .def_readonly("beta2", &OptimizerConfig::beta2)
-      .def_readonly("eps", &OptimizerConfig::eps)
-      .def_readonly("weight_decay", &OptimizerConfig::weight_decay)
-      .def_readonly("bias_correction", &OptimizerConfig::bias_correction)
-      .def_readonly("adam_w_mode", &OptimizerConfig::adam_w_mode)
-      .def_readonly("momentum", &OptimizerConfig::momentum)
-      .def_readonly("dampening", &OptimizerConfig::dampening)
-      .def_readonly("nesterov", &OptimizerConfig::nesterov)
-      .def_readonly("alpha", &OptimizerConfig::alpha)
-      .def_readonly("lr_decay", &OptimizerConfig::lr_decay)
-      .def_readonly("initial_accumulator_value", &OptimizerConfig::initial_accumulator_value)
-      .def_readonly("max_coeff", &OptimizerConfig::max_coeff)
-      .def_readonly("min_coeff", &OptimizerConfig::min_coeff)
-      .def_readonly("trust_coefficient", &OptimizerConfig::trust_coefficient);
+      .def_readonly("type", &OptimizerConfig::type, "the algorithm the type names (Adam stays adam; Config.algo "
+                                                    "resolves adam_w_mode)")
+      .def(
+          "get",
+          [](const OptimizerConfig& o, const std::string& key) -> py::object {
+            const double v = o.get(key);  // throws for a key the row does not have
+            const optim::AlgoSpec& r = optim::algo_spec(o.type);
+            for (int i = 0; i < r.num_hyper; ++i) {
+              const optim::HyperSpec& e = r.hyper[i];
+              const bool named = key == e.key || (e.deepspeed != nullptr && key == e.deepspeed);
+              if (named && e.type == optim::HyperType::flag) return py::bool_(v != 0.0);
+            }
+            return py::float_(v);
+          },
+          py::arg("key"),
+           "the value of one entry of the type's table row, by zero8's key (\"betas[1]\") or DeepSpeed's "
+           "(\"max_coeff\")")
+      .def_property_readonly(
+          "params",
+          [](const OptimizerConfig& o) {
+            const optim::AlgoSpec& r = optim::algo_spec(o.type);
+            py::dict d;
+            for (int i = 0; i < r.num_hyper; ++i) {
+              const optim::HyperSpec& e = r.hyper[i];
+              d[py::str(e.key)] = e.type == optim::HyperType::flag ? py::object(py::bool_(o.values[size_t(i)] != 0.0))
+                                                                   : py::object(py::float_(o.values[size_t(i)]));
+            }
+            return d;
+          },
+          "every entry of the type's table row by zero8's key, resolved (defaults filled in)");
   py::class_<SchedulerConfig>(m, "ConfigScheduler", "\"scheduler\" with DeepSpeed's defaults; type none: no "
                                                     "section. Scheduler(config.scheduler) evaluates it.")
       .def_readonly("type", &SchedulerConfig::type)

@@ -95,6 +95,7 @@ PYBIND11_MODULE(_C, m) {
   zb::init_errors(m);
   zb::init_codec(m);
   zb::init_optim(m);
+  zb::init_algos(m);
   zb::init_comm(m);
   zb::init_config(m);
   zb::init_sharded(m);

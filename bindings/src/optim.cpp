@@ -83,6 +83,11 @@ std::vector<NormSums> norms(const optim::StepArgs& a, int threads) {
   return out;
 }
 
+Algo valid_algo(Algo a) {
+  ZERO8_CHECK_ARG(optim::algo_valid(a), "algo", "unknown algorithm " << int(a));
+  return a;
+}
+
 py::list norms_list(const std::vector<NormSums>& s) {
   py::list l;
   for (const NormSums& x : s) l.append(py::make_tuple(x.w_sq, x.u_sq));
@@ -92,15 +97,8 @@ py::list norms_list(const std::vector<NormSums>& s) {
 }  // namespace
 
 void init_optim(py::module_& m) {
-  py::enum_<Algo>(m, "Algo", "Optimizer algorithms of the fused kernels.")
-      .value("adam", Algo::adam)
-      .value("adamw", Algo::adamw)
-      .value("sgd", Algo::sgd)
-      .value("lion", Algo::lion)
-      .value("rmsprop", Algo::rmsprop)
-      .value("adagrad", Algo::adagrad)
-      .value("lamb", Algo::lamb)
-      .value("lars", Algo::lars);
+  py::enum_<Algo> algo(m, "Algo", "Optimizer algorithms of the fused kernels (the rows of algo_table()).");
+  for (const optim::AlgoSpec& r : optim::kAlgos) algo.value(r.name, r.algo);
 
   py::class_<Hyper>(m, "Hyper",
                     "Hyperparameters of one step (torch.optim names; unused ones are ignored by an algorithm). "
@@ -203,9 +201,11 @@ void init_optim(py::module_& m) {
       [](Algo algo, int64_t n, int bits, int32_t block) { return optim::StateLayout(algo, n, bits, block).bytes(); },
       py::arg("algo"), py::arg("n"), py::arg("bits") = 8, py::arg("block") = 256,
       "Bytes of all optimizer states of n parameters (codes and block scales, or fp32).");
-  m.def("algo_num_states", &optim::algo_num_states, py::arg("algo"), "2 for adam/adamw/lamb, 1 for the others.");
+  m.def("algo_num_states", [](Algo a) { return optim::algo_spec(valid_algo(a)).num_states; }, py::arg("algo"),
+        "2 for adam/adamw/lamb, 1 for the others.");
   m.def("algo_name", [](Algo a) { return std::string(optim::algo_name(a)); }, py::arg("algo"));
-  m.def("algo_has_trust_ratio", &optim::algo_has_trust_ratio, py::arg("algo"), "lamb, lars: two phases.");
+  m.def("algo_has_trust_ratio", [](Algo a) { return optim::algo_spec(valid_algo(a)).trust_ratio; }, py::arg("algo"),
+        "lamb, lars: two phases.");
   m.def("optim_uses_state", &optim::optim_uses_state, py::arg("algo"), py::arg("hyper"), py::arg("which"),
         "Whether a step reads and writes state `which` (sgd/lars without momentum leave state 1 alone).");
   m.def("hyper_validate", &optim::hyper_validate, py::arg("algo"), py::arg("hyper"),

@@ -34,7 +34,7 @@ ShardConfig shard_config_from_json(const std::string& config_json, int world) {
   s.algo = config::optimizer_algo(c.optimizer);
   s.hyper = config::optimizer_hyper(c.optimizer);
   s.bits = config::optimizer_state_bits(c);
-  s.initial_accumulator = float(c.optimizer.initial_accumulator_value);
+  s.initial_accumulator = s.hyper.initial_accumulator;
   s.stage = c.zero.stage == 0 ? 1 : c.zero.stage;
   s.working_dtype = config::working_dtype(c);
   s.int8_grads = c.zero8.enabled && c.zero8.int8_gradients;

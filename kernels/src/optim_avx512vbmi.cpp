@@ -184,7 +184,7 @@ void fused_step(const StepArgs& a) {
 // of 64 per iteration where the block allows: each table then serves 128 elements per load.
 template <Algo A>
 void step_algo(const StepArgs& a) {
-  constexpr int kStates = (A == Algo::adam || A == Algo::adamw) ? 2 : 1;
+  constexpr int kStates = algo_num_states(A);
   auto fits = [](const QuantTable& t) { return t.cells_ok && t.values[t.zero_code] == 0.0f; };
   const bool fused = a.bits == 8 && a.block % 64 == 0 && a.block <= kMaxBlock && optim_uses_state(A, a.h, 1) &&
                      fits(*a.map1) && (kStates == 1 || (optim_uses_state(A, a.h, 2) && fits(*a.map2)));

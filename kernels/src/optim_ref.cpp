@@ -1,6 +1,6 @@
 // Scalar reference of the fused optimizers: block by block, dequantize the states, apply the element
 // rule of optim_math.h, requantize, write the parameter. The plain definition every SIMD variant and
-// the CUDA kernels are checked against; also the algorithm tables, the step constants and the trust ratio.
+// the CUDA kernels are checked against; also the step constants and the trust ratio.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -12,24 +12,6 @@
 #include "zero8/kernels/optim_math.h"
 
 namespace zero8::optim {
-
-const char* algo_name(Algo a) {
-  switch (a) {
-    case Algo::adam: return "adam";
-    case Algo::adamw: return "adamw";
-    case Algo::sgd: return "sgd";
-    case Algo::lion: return "lion";
-    case Algo::rmsprop: return "rmsprop";
-    case Algo::adagrad: return "adagrad";
-    case Algo::lamb: return "lamb";
-    case Algo::lars: return "lars";
-  }
-  return "?";
-}
-
-int algo_num_states(Algo a) { return (a == Algo::adam || a == Algo::adamw || a == Algo::lamb) ? 2 : 1; }
-
-bool algo_has_trust_ratio(Algo a) { return a == Algo::lamb || a == Algo::lars; }
 
 bool optim_uses_state(Algo a, const Hyper& h, int which) {
   if (which < 1 || which > algo_num_states(a)) return false;

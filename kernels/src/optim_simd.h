@@ -205,7 +205,7 @@ template <class V, Algo A>
 void simd_step_block(const StepArgs& a, const OptimConsts& c, const VConsts<V>& k, bool use1, bool use2, int64_t lo,
                      int64_t hi, float* buf1, float* buf2, int64_t* seg) {
   const bool q8 = a.bits == 8;
-  constexpr bool trust_algo = A == Algo::lamb || A == Algo::lars;
+  constexpr bool trust_algo = algo_has_trust_ratio(A);
   const int32_t len = int32_t(hi - lo);
   const int64_t b = lo / a.block;
   if (use1 && q8) ZERO8_OPTIM_BLOCK_DECODE(a.code1 + lo, len, a.absmax1[b], *a.map1, buf1);

@@ -36,13 +36,13 @@ API = [
     "dequantize_blockwise", "dequantize_blockwise_values", "quant_num_blocks", "quant_bytes",
     # optimizer kernels
     "Hyper", "StepArgs", "step_range", "norms_range", "trust_ratio", "step_tensor", "state_bytes",
-    "algo_num_states", "hyper_validate",
+    "algo_num_states", "hyper_validate", "algo_table", "algo_spec", "AlgoSpec", "HyperSpec",
     # communicator
     "Communicator", "comm_create", "comm_backend_available", "topology_split", "node_groups",
     # config
     "config_parse", "config_parse_file", "config_info", "lr_at", "momentum_at", "Scheduler",
     "Config", "ConfigBatch", "ConfigOptimizer", "ConfigScheduler", "ConfigFp16", "ConfigBf16", "ConfigZero",
-    "ConfigCheckpoint", "ConfigZero8", "OptimizerType", "SchedulerType", "WarmupType", "CommDataType",
+    "ConfigCheckpoint", "ConfigZero8", "SchedulerType", "WarmupType", "CommDataType",
     "TagValidation", "CommBackend",
     # sharded optimizer, checkpoints
     "ParamSpec", "ShardConfig", "shard_config_from_json", "ShardedOptimizer", "checkpoint_save",
@@ -248,8 +248,9 @@ def assert_typed_matches_json(cfg: "_C.Config", normalized: dict) -> int:
             section = getattr(cfg, key)
             assert_typed_value(section.type, value["type"], f"{key}.type")
             for k, v in value["params"].items():
-                if k == "betas":
-                    assert_typed_value((section.beta1, section.beta2), tuple(v), f"{key}.params.betas")
+                if key == "optimizer":  # the values of the type's table row, by DeepSpeed's key
+                    typed = (section.get("betas[0]"), section.get("betas[1]")) if k == "betas" else section.get(k)
+                    assert_typed_value(typed, tuple(v) if k == "betas" else v, f"{key}.params.{k}")
                 else:
                     assert_typed_value(getattr(section, k), v, f"{key}.params.{k}")
                 n += 1

@@ -594,21 +594,38 @@ void parse_zero(Section& top, Config& c) {
   s.finish("(DeepSpeed rejects unknown zero_optimization keys)");
 }
 
-const std::vector<std::string> kOptimizerNames = {"Adam", "AdamW", "Lamb", "Lion", "SGD", "RMSprop", "Adagrad", "LARS"};
-
 std::string supported_list(const std::vector<std::string>& names) {
   std::string s;
   for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
   return s;
 }
 
-void read_betas(Section& p, OptimizerConfig& o) {
-  const json* v = p.find("betas");
-  if (!v) return;
-  const std::string path = p.key_path("betas");
-  if (!v->is_array() || v->size() != 2) fail_expected(p.ctx(), path, "an array of two numbers [beta1, beta2]", *v);
-  o.beta1 = value_num(p.ctx(), path + "[0]", (*v)[0], in_co(0.0, 1.0));
-  o.beta2 = value_num(p.ctx(), path + "[1]", (*v)[1], in_co(0.0, 1.0));
+// The DeepSpeed types of the algorithm table, in its order.
+std::vector<std::string> optimizer_type_names() {
+  std::vector<std::string> names;
+  for (const optim::AlgoSpec& r : optim::kAlgos)
+    if (r.deepspeed) names.emplace_back(r.deepspeed);
+  return names;
+}
+
+// "betas[1]" -> "betas" (and element 1); a scalar key is its own base.
+std::string key_base(const char* key) {
+  const char* bracket = std::strchr(key, '[');
+  return bracket ? std::string(key, size_t(bracket - key)) : std::string(key);
+}
+
+bool is_sequence_key(const char* key) { return std::strchr(key, '[') != nullptr; }
+
+// The admissible values of a table entry in a config: its range, with 0 excluded where 0 means "off" in
+// zero8 but is a value in DeepSpeed (HyperRange::zero_off).
+Range config_range(const optim::HyperRange& r) {
+  Range out{r.lo, r.hi, r.lo_open || r.zero_off, r.hi_open};
+  return out;
+}
+
+std::string count_word(size_t n) {
+  static const char* const words[] = {"zero", "one", "two", "three", "four"};
+  return n < 5 ? words[n] : std::to_string(n);
 }
 
 // torch.optim flags that select an implementation, not the math: accepted and ignored.
@@ -617,28 +634,75 @@ void ignore_torch_flags(Section& p) {
   p.reject_if("maximize", is_true, "maximize is not supported");
 }
 
+// Entry i of the row from optimizer.params; a sequence (betas) is read whole at its first element.
+void read_optimizer_entry(Section& p, const optim::AlgoSpec& row, int i, OptimizerConfig& o) {
+  using optim::HyperRole;
+  const optim::HyperSpec& e = row.hyper[i];
+  if (is_sequence_key(e.deepspeed)) {
+    // The entries whose keys are elements of this sequence, in the row's order: an array of as many numbers.
+    const std::string base = key_base(e.deepspeed);
+    std::vector<int> elems;
+    std::string names;
+    for (int j = 0; j < row.num_hyper; ++j)
+      if (row.hyper[j].deepspeed && is_sequence_key(row.hyper[j].deepspeed) && key_base(row.hyper[j].deepspeed) == base) {
+        names += (elems.empty() ? "" : ", ") + std::string(optim::hyper_field_name(row.hyper[j].field));
+        elems.push_back(j);
+      }
+    if (elems.front() != i) return;
+    const json* v = p.find(base);
+    if (!v) return;
+    const std::string path = p.key_path(base);
+    if (!v->is_array() || v->size() != elems.size())
+      fail_expected(p.ctx(), path, "an array of " + count_word(elems.size()) + " numbers [" + names + "]", *v);
+    for (size_t k = 0; k < elems.size(); ++k)
+      o.values[size_t(elems[k])] = value_num(p.ctx(), path + "[" + std::to_string(k) + "]", (*v)[k],
+                                              config_range(row.hyper[elems[k]].range));
+    return;
+  }
+  const std::string key = e.deepspeed;
+  const bool flag = e.type == optim::HyperType::flag;
+  const double def = e.ds_default;
+  const double x = flag ? (p.get_bool(key, def != 0.0) ? 1.0 : 0.0) : p.get_num(key, def, config_range(e.range));
+  switch (e.role) {
+    case HyperRole::value:
+    case HyperRole::init: o.values[size_t(i)] = x; break;
+    // The decoupled form itself ("AdamW") stays decoupled whatever the flag says, as in DeepSpeed's engine.
+    case HyperRole::decouple: o.values[size_t(i)] = row.decoupled == row.algo ? 1.0 : x; break;
+    case HyperRole::fixed:
+      if (x != def)
+        p.unsupported(key, std::string(row.deepspeed) + " with " + key + " is not supported: " + e.why);
+      o.values[size_t(i)] = def;
+      break;
+    case HyperRole::ignored:
+      if (x != def) p.warn(key, std::string("ignored: ") + e.why);
+      o.values[size_t(i)] = def;
+      break;
+    case HyperRole::bnb_const: break;
+  }
+}
+
 void parse_optimizer(Section& top, Config& c) {
-  OptimizerConfig& o = c.optimizer;
   Section s = top.child("optimizer", Auto::reject);
   if (!s.present()) return;
+  const std::string supported = supported_list(optimizer_type_names());
   const auto type = s.get_str_opt("type");
-  if (!type) s.fail("type", "missing: name the optimizer (" + supported_list(kOptimizerNames) + ")");
+  if (!type) s.fail("type", "missing: name the optimizer (" + supported + ")");
   const std::string t = lower(*type);
   static const std::vector<std::string> deepspeed_only = {"onebitadam", "zerooneadam", "onebitlamb", "muadam",
                                                           "muadamw",    "musgd",       "muon"};
   if (std::find(deepspeed_only.begin(), deepspeed_only.end(), t) != deepspeed_only.end())
-    s.fail("type", "\"" + *type + "\" is a DeepSpeed optimizer zero8 does not implement; supported: " +
-                       supported_list(kOptimizerNames),
+    s.fail("type", "\"" + *type + "\" is a DeepSpeed optimizer zero8 does not implement; supported: " + supported,
            ErrorCode::unsupported);
-  int idx = -1;
-  for (size_t i = 0; i < kOptimizerNames.size(); ++i)
-    if (t == lower(kOptimizerNames[i])) idx = int(i);
-  if (idx < 0)
+  const optim::AlgoSpec* row = nullptr;
+  for (const optim::AlgoSpec& r : optim::kAlgos)
+    if (r.deepspeed && t == lower(r.deepspeed)) row = &r;
+  if (!row)
     s.fail("type", "\"" + *type + "\" is not an optimizer zero8 implements (DeepSpeed would look it up in "
-                   "torch.optim); supported: " + supported_list(kOptimizerNames),
+                   "torch.optim); supported: " + supported,
            ErrorCode::unsupported);
+  OptimizerConfig& o = c.optimizer;
+  o = OptimizerConfig(row->algo);
   o.present = true;
-  o.type = OptimizerType(idx);
   s.ignore("legacy_fusion");
 
   Section p = s.child("params", Auto::reject);
@@ -646,58 +710,32 @@ void parse_optimizer(Section& top, Config& c) {
   if (p.raw("max_grad_norm"))
     p.fail("max_grad_norm",
            "not supported as an optimizer parameter (DeepSpeed rejects it too): use the top-level gradient_clipping");
-  const OptimizerType ty = o.type;
-  const bool adam_like = ty == OptimizerType::adam || ty == OptimizerType::adamw;
-  // Defaults of the optimizer DeepSpeed builds: FusedAdam/FusedLamb/FusedLion, torch.optim otherwise.
-  double lr_def = 1e-3, eps_def = 1e-8;
-  if (ty == OptimizerType::rmsprop || ty == OptimizerType::adagrad) lr_def = 1e-2;
-  if (ty == OptimizerType::adagrad) eps_def = 1e-10;
-  o.lr = p.get_num("lr", lr_def, ge(0.0));
-  if (adam_like || ty == OptimizerType::lamb || ty == OptimizerType::lion) read_betas(p, o);
-  if (ty != OptimizerType::lion && ty != OptimizerType::sgd && ty != OptimizerType::lars)
-    o.eps = p.get_num("eps", eps_def, ge(0.0));
-  o.weight_decay = p.get_num("weight_decay", 0.0, ge(0.0));
-  if (adam_like || ty == OptimizerType::lamb) o.bias_correction = p.get_bool("bias_correction", true);
-  if (adam_like) {
-    // engine.py: the name AdamW forces decoupled decay; Adam follows adam_w_mode, default true.
-    const bool w = p.get_bool("adam_w_mode", true);
-    o.adam_w_mode = ty == OptimizerType::adamw || w;
-    p.warn_if("torch_adam", is_true, "ignored: zero8 runs its own fused kernels, not torch.optim.Adam(W)");
-    p.reject_if("amsgrad", is_true, "AMSGrad is not supported (DeepSpeed's FusedAdam rejects it too)");
-    ignore_torch_flags(p);
+  // Each type reads the entries of its row that have a DeepSpeed key, with the defaults of the optimizer
+  // DeepSpeed builds for it.
+  for (int i = 0; i < row->num_hyper; ++i)
+    if (row->hyper[i].deepspeed) read_optimizer_entry(p, *row, i, o);
+  // Rules between entries, for every row that has the fields.
+  const optim::Hyper h = optimizer_hyper(o);
+  auto has = [&](optim::HyperField f) {
+    for (int i = 0; i < row->num_hyper; ++i)
+      if (row->hyper[i].field == f && row->hyper[i].deepspeed) return row->hyper[i].deepspeed;
+    return static_cast<const char*>(nullptr);
+  };
+  // torch.optim.SGD raises the same.
+  if (const char* nesterov = has(optim::HyperField::nesterov); nesterov && h.nesterov && (h.beta1 <= 0.0f || h.dampening != 0.0f)) {
+    const char* momentum = has(optim::HyperField::beta1);
+    const char* dampening = has(optim::HyperField::dampening);
+    p.fail(nesterov, std::string("Nesterov momentum requires ") + momentum + " > 0 and " + dampening + " 0 (got " +
+                         momentum + " " + fmt_num(o.get(momentum)) + ", " + dampening + " " +
+                         fmt_num(o.get(dampening)) + ")");
   }
-  if (ty == OptimizerType::lamb) {
-    o.max_coeff = p.get_num("max_coeff", 10.0, gt(0.0));
-    o.min_coeff = p.get_num("min_coeff", 0.01, ge(0.0));
-    if (o.min_coeff > o.max_coeff)
-      p.fail("min_coeff", "expected <= max_coeff " + fmt_num(o.max_coeff) + ", got " + fmt_num(o.min_coeff));
-    p.reject_if("eps_inside_sqrt", is_true, "eps inside the square root is not supported");
-    p.reject_if("amsgrad", is_true, "AMSGrad is not supported (DeepSpeed's FusedLamb rejects it too)");
-  }
-  if (ty == OptimizerType::sgd || ty == OptimizerType::lars) {
-    o.momentum = p.get_num("momentum", 0.0, ge(0.0));
-    o.dampening = p.get_num("dampening", 0.0, any_number());
-    o.nesterov = p.get_bool("nesterov", false);
-    // torch.optim.SGD raises the same.
-    if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0))
-      p.fail("nesterov", "Nesterov momentum requires momentum > 0 and dampening 0 (got momentum " +
-                             fmt_num(o.momentum) + ", dampening " + fmt_num(o.dampening) + ")");
-    ignore_torch_flags(p);
-  }
-  if (ty == OptimizerType::lars) o.trust_coefficient = p.get_num("trust_coefficient", 0.001, gt(0.0));
-  if (ty == OptimizerType::rmsprop) {
-    o.alpha = p.get_num("alpha", 0.99, ge(0.0));
-    p.reject_if("momentum", [](const json& v) { return v.is_number() && v.get<double>() != 0.0; },
-                "RMSprop with momentum is not supported (8-bit RMSprop keeps one state)");
-    p.reject_if("centered", is_true, "centered RMSprop is not supported");
-    ignore_torch_flags(p);
-  }
-  if (ty == OptimizerType::adagrad) {
-    o.lr_decay = p.get_num("lr_decay", 0.0, ge(0.0));
-    o.initial_accumulator_value = p.get_num("initial_accumulator_value", 0.0, ge(0.0));
-    ignore_torch_flags(p);
-  }
-  p.finish(std::string("(DeepSpeed would pass it to the ") + kOptimizerNames[size_t(idx)] +
+  const char* max_key = has(optim::HyperField::max_trust_ratio);
+  const char* min_key = has(optim::HyperField::min_trust_ratio);
+  if (max_key && min_key && o.get(min_key) > o.get(max_key))
+    p.fail(min_key, std::string("expected <= ") + max_key + " " + fmt_num(o.get(max_key)) + ", got " +
+                        fmt_num(o.get(min_key)));
+  if (row->torch_flags) ignore_torch_flags(p);
+  p.finish(std::string("(DeepSpeed would pass it to the ") + row->deepspeed +
            " constructor, which rejects unknown arguments)");
   s.finish("(DeepSpeed reads the optimizer's settings from optimizer.params only)");
 }
@@ -719,7 +757,7 @@ void read_warmup_type(Section& p, SchedulerConfig& sc) {
 
 void parse_scheduler(Section& top, Config& c) {
   SchedulerConfig& sc = c.scheduler;
-  if (c.optimizer.present) sc.base_lr = c.optimizer.lr;
+  if (c.optimizer.present) sc.base_lr = c.optimizer.get("lr");
   Section s = top.child("scheduler", Auto::reject);
   if (!s.present()) return;
   const auto type = s.get_str_opt("type");
@@ -805,12 +843,10 @@ void parse_scheduler(Section& top, Config& c) {
       sc.cycle_min_mom = p.get_num("cycle_min_mom", 0.8, in_co(0.0, 1.0));
       sc.cycle_max_mom = p.get_num("cycle_max_mom", 0.9, in_co(0.0, 1.0));
       sc.decay_mom_rate = p.get_num("decay_mom_rate", 0.0, any_number());
-      const OptimizerType ot = c.optimizer.type;
-      const bool has_betas = ot == OptimizerType::adam || ot == OptimizerType::adamw ||
-                             ot == OptimizerType::lamb || ot == OptimizerType::lion;
+      const bool has_betas = optimizer_has_betas(c.optimizer.type);
       sc.momentum_cycled = sc.cycle_momentum && (!c.optimizer.present || has_betas);
       if (sc.cycle_momentum && c.optimizer.present && !has_betas)
-        p.warn("cycle_momentum", std::string("momentum is not cycled: ") + optimizer_type_name(ot) +
+        p.warn("cycle_momentum", std::string("momentum is not cycled: ") + optim::algo_spec(c.optimizer.type).deepspeed +
                                      " has no betas (DeepSpeed disables it the same way)");
       // After the cycle DeepSpeed's formula moves momentum by decay_mom_rate without a bound, so any
       // nonzero rate takes beta1 out of [0, 1) at some step (DeepSpeed then sets it silently; zero8's
@@ -831,9 +867,9 @@ void parse_scheduler(Section& top, Config& c) {
                                    fmt_num(momentum_at(sc, int64_t(t))) + "); the step there raises. DeepSpeed "
                                    "sets such a beta1 silently; 0 keeps momentum at cycle_max_mom");
       }
-      if (sc.momentum_cycled && c.optimizer.present && c.optimizer.beta2 != kOneCycleBeta2)
+      if (sc.momentum_cycled && c.optimizer.present && c.optimizer.get("betas[1]") != kOneCycleBeta2)
         p.warn("cycle_momentum", "cycling sets betas to (momentum, 0.99) as DeepSpeed does: optimizer beta2 " +
-                                     fmt_num(c.optimizer.beta2) + " is replaced by 0.99");
+                                     fmt_num(c.optimizer.get("betas[1]")) + " is replaced by 0.99");
       break;
     }
     case SchedulerType::lr_range_test:
@@ -993,8 +1029,6 @@ void parse_zero8(Section& top, Config& c) {
 
 // ---------------------------------------------------------------------------------------------------
 
-const char* optimizer_type_name(OptimizerType t) { return kOptimizerNames[size_t(t)].c_str(); }
-
 const char* scheduler_type_name(SchedulerType t) {
   return t == SchedulerType::none ? "" : kSchedulerNames[size_t(t) - 1].c_str();
 }
@@ -1053,32 +1087,27 @@ std::string to_json(const Config& c, int indent) {
     j["communication_data_type"] = comm_names[int(c.communication_data_type)];
 
   if (c.optimizer.present) {
+    // The row's entries with a DeepSpeed key that carry a value (not the fixed / ignored ones), in its order.
     const OptimizerConfig& o = c.optimizer;
-    const OptimizerType ty = o.type;
-    const bool adam_like = ty == OptimizerType::adam || ty == OptimizerType::adamw;
-    json p;
-    p["lr"] = o.lr;
-    if (adam_like || ty == OptimizerType::lamb || ty == OptimizerType::lion) p["betas"] = {o.beta1, o.beta2};
-    if (ty != OptimizerType::lion && ty != OptimizerType::sgd && ty != OptimizerType::lars) p["eps"] = o.eps;
-    p["weight_decay"] = o.weight_decay;
-    if (adam_like || ty == OptimizerType::lamb) p["bias_correction"] = o.bias_correction;
-    if (adam_like) p["adam_w_mode"] = o.adam_w_mode;
-    if (ty == OptimizerType::lamb) {
-      p["max_coeff"] = o.max_coeff;
-      p["min_coeff"] = o.min_coeff;
+    const optim::AlgoSpec& row = optim::algo_spec(o.type);
+    json p = json::object();
+    for (int i = 0; i < row.num_hyper; ++i) {
+      const optim::HyperSpec& e = row.hyper[i];
+      using optim::HyperRole;
+      if (!e.deepspeed || !(e.role == HyperRole::value || e.role == HyperRole::init || e.role == HyperRole::decouple))
+        continue;
+      const double x = o.values[size_t(i)];
+      if (is_sequence_key(e.deepspeed)) {
+        const std::string base = key_base(e.deepspeed);
+        if (!p.contains(base)) p[base] = json::array();
+        p[base].push_back(x);
+      } else if (e.type == optim::HyperType::flag) {
+        p[e.deepspeed] = x != 0.0;
+      } else {
+        p[e.deepspeed] = x;
+      }
     }
-    if (ty == OptimizerType::sgd || ty == OptimizerType::lars) {
-      p["momentum"] = o.momentum;
-      p["dampening"] = o.dampening;
-      p["nesterov"] = o.nesterov;
-    }
-    if (ty == OptimizerType::lars) p["trust_coefficient"] = o.trust_coefficient;
-    if (ty == OptimizerType::rmsprop) p["alpha"] = o.alpha;
-    if (ty == OptimizerType::adagrad) {
-      p["lr_decay"] = o.lr_decay;
-      p["initial_accumulator_value"] = o.initial_accumulator_value;
-    }
-    j["optimizer"] = {{"type", optimizer_type_name(ty)}, {"params", p}};
+    j["optimizer"] = {{"type", row.deepspeed}, {"params", p}};
   }
 
   const SchedulerConfig& s = c.scheduler;
@@ -1302,52 +1331,41 @@ void scheduler_set_base_lr(SchedulerConfig& s, double lr) {
 // ---------------------------------------------------------------------------------------------------
 // Mappings.
 
-optim::Algo optimizer_algo(const OptimizerConfig& o) {
-  switch (o.type) {
-    case OptimizerType::adam: return o.adam_w_mode ? optim::Algo::adamw : optim::Algo::adam;
-    case OptimizerType::adamw: return optim::Algo::adamw;
-    case OptimizerType::lamb: return optim::Algo::lamb;
-    case OptimizerType::lion: return optim::Algo::lion;
-    case OptimizerType::sgd: return optim::Algo::sgd;
-    case OptimizerType::rmsprop: return optim::Algo::rmsprop;
-    case OptimizerType::adagrad: return optim::Algo::adagrad;
-    case OptimizerType::lars: return optim::Algo::lars;
+OptimizerConfig::OptimizerConfig(optim::Algo t) : type(t) {
+  const optim::AlgoSpec& row = optim::algo_spec(t);
+  for (int i = 0; i < row.num_hyper; ++i) values[size_t(i)] = row.hyper[i].ds_default;
+}
+
+double OptimizerConfig::get(const std::string& key) const {
+  const optim::AlgoSpec& row = optim::algo_spec(type);
+  for (int i = 0; i < row.num_hyper; ++i) {
+    const optim::HyperSpec& e = row.hyper[i];
+    if (key == e.key || (e.deepspeed && key == e.deepspeed)) return values[size_t(i)];
   }
-  ZERO8_ASSERT(false);
-  return optim::Algo::adamw;
+  ZERO8_THROW(invalid_argument, "optimizer " << row.name << " has no parameter '" << key << "'");
+}
+
+bool optimizer_has_betas(optim::Algo type) {
+  const optim::AlgoSpec& row = optim::algo_spec(type);
+  for (int i = 0; i < row.num_hyper; ++i)
+    if (row.hyper[i].deepspeed && key_base(row.hyper[i].deepspeed) == "betas") return true;
+  return false;
+}
+
+optim::Algo optimizer_algo(const OptimizerConfig& o) {
+  const optim::AlgoSpec& row = optim::algo_spec(o.type);
+  for (int i = 0; i < row.num_hyper; ++i)
+    if (row.hyper[i].role == optim::HyperRole::decouple && o.values[size_t(i)] != 0.0) return row.decoupled;
+  return row.algo;
 }
 
 optim::Hyper optimizer_hyper(const OptimizerConfig& o) {
+  const optim::AlgoSpec& row = optim::algo_spec(o.type);
   optim::Hyper h;
-  h.lr = float(o.lr);
-  h.eps = float(o.eps);
-  h.weight_decay = float(o.weight_decay);
-  h.bias_correction = o.bias_correction;
-  switch (o.type) {
-    case OptimizerType::adam:
-    case OptimizerType::adamw:
-    case OptimizerType::lion:
-      h.beta1 = float(o.beta1);
-      h.beta2 = float(o.beta2);
-      break;
-    case OptimizerType::lamb:
-      h.beta1 = float(o.beta1);
-      h.beta2 = float(o.beta2);
-      h.max_trust_ratio = float(o.max_coeff);
-      h.min_trust_ratio = float(o.min_coeff);
-      break;
-    case OptimizerType::sgd:
-    case OptimizerType::lars:
-      h.beta1 = float(o.momentum);
-      h.dampening = float(o.dampening);
-      h.nesterov = o.nesterov;
-      h.trust_coefficient = float(o.trust_coefficient);
-      break;
-    case OptimizerType::rmsprop: h.beta2 = float(o.alpha); break;
-    case OptimizerType::adagrad:
-      h.lr_decay = float(o.lr_decay);
-      h.initial_accumulator = float(o.initial_accumulator_value);
-      break;
+  for (int i = 0; i < row.num_hyper; ++i) {
+    const optim::HyperSpec& e = row.hyper[i];
+    if (e.role == optim::HyperRole::value || e.role == optim::HyperRole::init)
+      optim::hyper_set(h, e.field, o.values[size_t(i)]);
   }
   return h;
 }
@@ -1357,8 +1375,8 @@ int optimizer_state_bits(const Config& c) { return c.zero8.enabled ? c.zero8.opt
 std::string optimizer_display_name(const Config& c) {
   if (!c.optimizer.present) return "";
   // bitsandbytes' class names (Adam8bit, LAMB8bit, ...), from the algorithm actually run.
-  static const char* const names[] = {"Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "LAMB", "LARS"};
-  return std::string(names[int(optimizer_algo(c.optimizer))]) + std::to_string(optimizer_state_bits(c)) + "bit";
+  return std::string(optim::algo_spec(optimizer_algo(c.optimizer)).class_name) +
+         std::to_string(optimizer_state_bits(c)) + "bit";
 }
 
 LossScalerConfig loss_scaler_config(const Config& c) {

@@ -16,14 +16,28 @@ namespace {
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % uintptr_t(bytes) == 0; }
 
-bool algo_valid(Algo a) { return uint8_t(a) <= uint8_t(Algo::lars); }
-
 void layout_check(Algo algo, int64_t n, int bits, int32_t block) {
   ZERO8_CHECK_ARG(algo_valid(algo), "algo", "unknown algorithm " << int(algo));
   ZERO8_CHECK_ARG(n >= 0, "n", "negative length " << n);
   ZERO8_CHECK_ARG(bits == 8 || bits == 32, "bits", "must be 8 or 32, got " << bits);
   ZERO8_CHECK_ARG(block >= 64 && block <= 4096 && (block & (block - 1)) == 0, "block",
                   "must be a power of two in 64..4096, got " << block);
+}
+
+// Whether the algorithm's states start at a value of its own (a table entry with the init role).
+bool algo_has_initial_value(Algo a) {
+  const AlgoSpec& row = algo_spec(a);
+  for (int i = 0; i < row.num_hyper; ++i)
+    if (row.hyper[i].role == HyperRole::init) return true;
+  return false;
+}
+
+// Whether the algorithm reads Hyper field f (its table row names it).
+bool algo_has_field(Algo a, HyperField f) {
+  const AlgoSpec& row = algo_spec(a);
+  for (int i = 0; i < row.num_hyper; ++i)
+    if (row.hyper[i].field == f) return true;
+  return false;
 }
 
 const char* state_name(int which, const char* kind) {
@@ -55,11 +69,13 @@ State::State(const StateLayout& layout, float initial_accumulator, quant::MapKin
                                 << algo_num_states(layout.algo));
   ZERO8_CHECK_ARG(std::isfinite(initial_accumulator) && initial_accumulator >= 0.0f, "initial_accumulator",
                   "must be finite and >= 0, got " << initial_accumulator);
-  ZERO8_CHECK_ARG(initial_accumulator == 0.0f || layout.algo == Algo::adagrad, "initial_accumulator",
-                  "only Adagrad starts from a nonzero accumulator");
+  const bool has_init = algo_has_initial_value(layout.algo);
+  ZERO8_CHECK_ARG(initial_accumulator == 0.0f || has_init, "initial_accumulator",
+                  algo_name(layout.algo) << " states start at 0 (only an algorithm whose table row has an init "
+                                            "entry, Adagrad's initial_accumulator_value, starts elsewhere)");
   const quant::MapKind kinds[2] = {map1, map2};
   for (int k = 0; k < layout_.num_states; ++k) {
-    const float init = layout_.algo == Algo::adagrad ? initial_accumulator : 0.0f;
+    const float init = has_init ? initial_accumulator : 0.0f;
     if (layout_.bits == 32) {
       fp32_[k].assign(size_t(layout_.n), init);
       continue;
@@ -145,7 +161,7 @@ void hyper_validate(Algo algo, const Hyper& h) {
   ZERO8_CHECK_ARG(finite(h.weight_decay) && h.weight_decay >= 0.0f, "weight_decay",
                   "must be finite and >= 0, got " << h.weight_decay);
   ZERO8_CHECK_ARG(h.dampening >= 0.0f && h.dampening <= 1.0f, "dampening", "must be in [0, 1], got " << h.dampening);
-  if (h.nesterov && (algo == Algo::sgd || algo == Algo::lars))
+  if (h.nesterov && algo_has_field(algo, HyperField::nesterov))
     ZERO8_CHECK_ARG(h.beta1 > 0.0f && h.dampening == 0.0f, "nesterov",
                     "needs momentum (beta1) > 0 and dampening == 0 (beta1 " << h.beta1 << ", dampening " << h.dampening
                                                                            << ")");

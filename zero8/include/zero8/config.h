@@ -3,6 +3,7 @@
 // Every key, type and default is documented in docs/CONFIG.md. JSON stays inside config.cpp.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -26,35 +27,23 @@ struct BatchConfig {
   auto tie() const { return std::tie(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps); }
 };
 
-enum class OptimizerType : uint8_t { adam, adamw, lamb, lion, sgd, rmsprop, adagrad, lars };
-const char* optimizer_type_name(OptimizerType t);  // DeepSpeed's spelling: "Adam", "AdamW", "Lamb", ...
-
-// "optimizer": {"type": ..., "params": {...}}. Defaults are those of the optimizer DeepSpeed builds for
-// the type (FusedAdam, FusedLamb, FusedLion, torch.optim.SGD/RMSprop/Adagrad); each type reads only
-// its own parameters.
+// "optimizer": {"type": ..., "params": {...}}: the row of the algorithm table (zero8/kernels/optim_table.h)
+// that the type names, and a value for each of its entries, read from params under the entry's DeepSpeed
+// key with the default of the optimizer DeepSpeed builds for the type (FusedAdam, FusedLamb, FusedLion,
+// torch.optim.SGD/RMSprop/Adagrad); each type reads only its own parameters.
 struct OptimizerConfig {
   bool present = false;  // false: no "optimizer" section (the caller brings its own optimizer)
-  OptimizerType type = OptimizerType::adamw;
-  double lr = 1e-3;
-  double beta1 = 0.9, beta2 = 0.999;  // "betas" (adam, adamw, lamb, lion)
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool bias_correction = true;        // adam, adamw, lamb
-  bool adam_w_mode = true;            // adam: decoupled weight decay (DeepSpeed's default); adamw: always
-  double momentum = 0.0;              // sgd, lars
-  double dampening = 0.0;             // sgd, lars
-  bool nesterov = false;              // sgd, lars
-  double alpha = 0.99;                // rmsprop
-  double lr_decay = 0.0;              // adagrad
-  double initial_accumulator_value = 0.0;  // adagrad
-  double max_coeff = 10.0;            // lamb: trust ratio upper clip (DeepSpeed FusedLamb)
-  double min_coeff = 0.01;            // lamb: trust ratio lower clip (FusedLamb; see optimizer_hyper)
-  double trust_coefficient = 0.001;   // lars: eta
-  auto tie() const {
-    return std::tie(present, type, lr, beta1, beta2, eps, weight_decay, bias_correction, adam_w_mode, momentum,
-                    dampening, nesterov, alpha, lr_decay, initial_accumulator_value, max_coeff, min_coeff,
-                    trust_coefficient);
-  }
+  // The row "type" names: "Adam" is adam even when adam_w_mode makes it run as adamw (optimizer_algo).
+  optim::Algo type = optim::Algo::adamw;
+  // values[i]: entry i of the row (flags as 0 or 1); fixed and ignored entries keep their default.
+  std::array<double, optim::kMaxHyper> values{};
+
+  OptimizerConfig() : OptimizerConfig(optim::Algo::adamw) {}
+  explicit OptimizerConfig(optim::Algo type);  // the row's DeepSpeed defaults, present = false
+  // The value of the entry named `key` (zero8's key such as "betas[1]", or DeepSpeed's such as "max_coeff");
+  // throws invalid_argument when the row has no such entry.
+  double get(const std::string& key) const;
+  auto tie() const { return std::tie(present, type, values); }
 };
 
 enum class SchedulerType : uint8_t { none, warmup_lr, warmup_decay_lr, warmup_cosine_lr, one_cycle, lr_range_test };
@@ -90,7 +79,7 @@ struct SchedulerConfig {
   double cycle_min_mom = 0.8, cycle_max_mom = 0.9;
   double decay_mom_rate = 0.0;
   // Resolved: OneCycle cycles beta1 only when cycle_momentum is set and the optimizer has betas
-  // (adam, adamw, lamb, lion); DeepSpeed then also pins beta2 to kOneCycleBeta2.
+  // (optimizer_has_betas); DeepSpeed then also pins beta2 to kOneCycleBeta2.
   bool momentum_cycled = false;
   // LRRangeTest
   double lr_range_test_min_lr = 1e-3;
@@ -259,10 +248,13 @@ double momentum_at(const SchedulerConfig& s, int64_t last_batch_iteration);
 void scheduler_set_base_lr(SchedulerConfig& s, double lr);
 
 // Mappings onto the layers below.
-optim::Algo optimizer_algo(const OptimizerConfig& o);  // adam with adam_w_mode -> adamw, as DeepSpeed
-// Hyperparameters at step 1 with the configured lr. LAMB: max_coeff -> max_trust_ratio, min_coeff ->
-// min_trust_ratio.
+// The algorithm that runs: the row's, or its decoupled form when its decouple entry is set (adam with
+// adam_w_mode -> adamw, as DeepSpeed).
+optim::Algo optimizer_algo(const OptimizerConfig& o);
+// Hyperparameters at step 1 with the configured lr: each value entry into its Hyper field (LAMB's max_coeff
+// -> max_trust_ratio, RMSprop's alpha -> beta2, ...); the fields the row does not name keep Hyper's defaults.
 optim::Hyper optimizer_hyper(const OptimizerConfig& o);
+bool optimizer_has_betas(optim::Algo type);  // the row reads "betas" (OneCycle cycles beta1 then)
 int optimizer_state_bits(const Config& c);        // zero8 enabled: zero8.optim_bits; else 32
 std::string optimizer_display_name(const Config& c);  // e.g. "AdamW8bit", "Lamb" (32-bit)
 LossScalerConfig loss_scaler_config(const Config& c);  // fp16 rules; static scale 1 for bf16/fp32

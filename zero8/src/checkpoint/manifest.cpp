@@ -47,9 +47,9 @@ bool dtype_parse(const std::string& s, DType* t) {
 }
 
 bool algo_parse(const std::string& s, optim::Algo* a) {
-  for (int i = 0; i <= int(optim::Algo::lars); ++i)
-    if (s == optim::algo_name(optim::Algo(i))) {
-      *a = optim::Algo(i);
+  for (const optim::AlgoSpec& r : optim::kAlgos)
+    if (s == r.name) {
+      *a = r.algo;
       return true;
     }
   return false;

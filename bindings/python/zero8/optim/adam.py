@@ -11,7 +11,7 @@ from .optimizer import Optimizer8bit, _check_bool, _num, _unsupported, fixed_bit
 __all__ = ["Adam", "Adam8bit", "Adam32bit"]
 
 
-class Adam(Optimizer8bit):
+class Adam(Optimizer8bit, algo="adam"):
     """Adam over zero8's fused kernel: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
     ``p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)`` (torch.optim.Adam), computed in Kingma & Ba's
     equivalent epsilon-hat form (one division per element: the result differs from torch's by float32
@@ -30,30 +30,6 @@ class Adam(Optimizer8bit):
     as bitsandbytes) and per-parameter overrides. ``amsgrad``, ``percentile_clipping`` != 100 and
     ``is_paged`` are bitsandbytes arguments zero8 rejects (Zero8UnsupportedArgumentError).
     """
-
-    _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-    _ALGORITHM = "adam"  # AdamW too: the decay rule is checked from decoupled_weight_decay
-    _TORCH_STATE_KEYS = ("exp_avg", "exp_avg_sq")
-    _BNB_ONLY_KEYS = ("alpha", "t_alpha", "t_beta3")  # bitsandbytes' AdEMAMix knobs in every 2-state group
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-                 optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
-                 is_paged=False, block_size=256, decoupled_weight_decay=True, master_weights=True):
-        if amsgrad:
-            _unsupported("amsgrad", amsgrad, "zero8 keeps no running maximum of the second moment")
-        _check_bool(decoupled_weight_decay, "decoupled_weight_decay")
-        # In defaults, hence in every group and state dict, as torch.optim.Adam keeps it.
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      decoupled_weight_decay=decoupled_weight_decay),
-                         optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
-                         percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged,
-                         block_size=block_size, master_weights=master_weights)
-
-    # The kernel's algorithm follows the instance's choice (AdamW fixes it with a class attribute). Read from
-    # defaults, which torch's __getstate__ keeps: copies and unpickled optimizers keep the rule.
-    @property
-    def algo(self) -> "_C.Algo":
-        return _C.Algo.adamw if self.defaults.get("decoupled_weight_decay", True) else _C.Algo.adam
 
     @property
     def _decoupled(self) -> bool:
@@ -87,12 +63,6 @@ class Adam(Optimizer8bit):
                          f"the saved optimizer applied {'decoupled' if decoupled else 'L2'} weight decay and "
                          f"{type(self).__name__} applies {self._rule()} weight decay; load this state into "
                          f"{other} instead")
-
-    def _hyper(self, c):
-        b1, b2 = c["betas"][:2]
-        return _C.Hyper(lr=_num(c["lr"], "lr"), beta1=_num(b1, "betas[0]"), beta2=_num(b2, "betas[1]"),
-                        eps=_num(c["eps"], "eps"), weight_decay=_num(c["weight_decay"], "weight_decay"),
-                        bias_correction=True)
 
 
 Adam8bit = fixed_bits(Adam, 8, "Adam8bit", "Adam with 8-bit block-wise states (bitsandbytes' Adam8bit: "

@@ -52,6 +52,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import functools
+import inspect
 import math
 import numbers
 import sys
@@ -67,12 +68,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
 from .._tensors import FLOAT_DTYPES, check_cpu, check_not_dtensor, dtype_code
+from . import _algos
 
 __all__ = [
     "GlobalOptimManager",
     "Optimizer8bit",
     "Zero8UnsupportedArgumentError",
     "param_config",
+    "table_classes",
     "wants_fp32_state",
 ]
 
@@ -149,13 +152,10 @@ def _unsupported(name: str, value, why: str):
 # ---------------------------------------------------------------------------------------------------
 # Per-parameter configuration overrides
 
-# Keys an override may set: the 8-bit knobs and the hyperparameters of any of the optimizers (each
-# optimizer reads the ones it has; see its _GROUP_KEYS).
-_OVERRIDE_KEYS = frozenset({
-    "optim_bits", "min_8bit_size", "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
-    "alpha", "lr_decay", "bias_correction", "trust_coefficient", "max_trust_ratio", "min_trust_ratio",
-    "master_weights",
-})
+# Keys an override may set: the 8-bit knobs and the hyperparameters of any algorithm of the table (each
+# optimizer reads the ones it has; see its _GROUP_KEYS). Adagrad's initial accumulator is not one: it is
+# read when a state is made, which per-parameter settings of a sharded engine cannot change.
+_OVERRIDE_KEYS = frozenset({"optim_bits", "min_8bit_size", "master_weights", *_algos.all_value_keys()})
 
 
 def _check_override(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -310,34 +310,39 @@ def _num(value, name: str) -> float:
     return float(value)
 
 
-def _check_nonneg(value, name: str) -> float:
-    v = _num(value, name)
-    if not (math.isfinite(v) and v >= 0.0):
-        raise Zero8ValueError(f"Invalid {name}: {value} (must be finite and >= 0)")
-    return v
+def _range_text(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
+    if hi == math.inf:
+        return f"must be finite and {'>' if lo_open else '>='} {lo:g}"
+    return f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-def _check_unit(value, name: str, closed: bool = False) -> float:
+def _check_range(value, name: str, bounds: Tuple[float, float, bool, bool]) -> float:
+    """A number within (lo, hi, lo_open, hi_open), a table entry's range; the message names the argument."""
     v = _num(value, name)
-    ok = 0.0 <= v <= 1.0 if closed else 0.0 <= v < 1.0
+    lo, hi, lo_open, hi_open = bounds
+    ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
-        raise Zero8ValueError(f"Invalid {name}: {value} (must be in [0, 1{']' if closed else ')'})")
+        raise Zero8ValueError(f"Invalid {name}: {value} ({_range_text(lo, hi, lo_open, hi_open)})")
     return v
 
 
-def _check_betas(value, name: str = "betas", count: int = 2) -> Tuple[float, ...]:
-    if isinstance(value, str):  # bitsandbytes accepts '(0.9, 0.999)' from command lines
+def _check_sequence(value, name: str, bounds: Tuple[Tuple[float, float, bool, bool], ...]) -> Tuple[float, ...]:
+    """A sequence argument (betas), one range per element; also bitsandbytes' '(0.9, 0.999)' from command
+    lines."""
+    count = len(bounds)
+    if isinstance(value, str):
         value = [float(b) for b in value.replace("(", "").replace(")", "").split(",") if b.strip()]
     try:
-        betas = tuple(value)
+        items = tuple(value)
     except TypeError:
-        raise Zero8ValueError(f"Invalid {name}: {value!r} (must be a pair of floats)") from None
-    if len(betas) != count:
+        what = "a pair of floats" if count == 2 else f"a sequence of {count} floats"
+        raise Zero8ValueError(f"Invalid {name}: {value!r} (must be {what})") from None
+    if len(items) != count:
         raise Zero8ValueError(f"Invalid {name}: {value!r} (must hold {count} values)")
     key, _, where = name.partition(" (")  # "betas (param_groups[1])" -> "betas[0] (param_groups[1])"
-    for i, b in enumerate(betas):
-        _check_unit(b, f"{key}[{i}]" + (f" ({where}" if where else ""))
-    return betas
+    for i, (b, r) in enumerate(zip(items, bounds)):
+        _check_range(b, f"{key}[{i}]" + (f" ({where}" if where else ""), r)
+    return items
 
 
 def _check_bool(value, name: str) -> bool:
@@ -364,22 +369,21 @@ def _check_block_size(value, name: str = "block_size") -> int:
     return value
 
 
-# Checks of the parameter-group keys, by key (each optimizer lists the keys it has in _GROUP_KEYS).
+def _table_check(arg: "_algos.Arg") -> Callable[[Any, str], Any]:
+    """The check of one hyperparameter key: its type, range and length, from the algorithm table."""
+    if arg.is_sequence:
+        bounds = tuple(e.range for e in arg.entries)
+        return lambda v, n: _check_sequence(v, n, bounds)
+    if arg.first.is_flag:
+        return _check_bool
+    bounds = arg.first.range
+    return lambda v, n: _check_range(v, n, bounds)
+
+
+# Checks of the parameter-group keys, by key (each optimizer lists the keys it has in _GROUP_KEYS): every
+# hyperparameter of the table, and the 8-bit knobs.
 _GROUP_CHECKS: Dict[str, Callable[[Any, str], Any]] = {
-    "lr": _check_nonneg,
-    "betas": _check_betas,
-    "eps": _check_nonneg,
-    "weight_decay": _check_nonneg,
-    "momentum": _check_unit,
-    "dampening": lambda v, n: _check_unit(v, n, closed=True),
-    "nesterov": _check_bool,
-    "alpha": _check_unit,
-    "lr_decay": _check_nonneg,
-    "initial_accumulator_value": _check_nonneg,
-    "bias_correction": _check_bool,
-    "trust_coefficient": _check_nonneg,
-    "max_trust_ratio": _check_nonneg,
-    "min_trust_ratio": _check_nonneg,
+    **{key: _table_check(arg) for key, arg in _algos.value_specs().items()},
     "optim_bits": _check_bits,
     "master_weights": _check_bool,
     "min_8bit_size": _check_min_8bit_size,
@@ -439,14 +443,13 @@ _TORCH_FLAGS_UNSUPPORTED = ("amsgrad", "maximize", "centered")
 _TORCH_GROUP_KEYS_DROPPED = frozenset({"amsgrad", "maximize", "centered", "foreach", "fused", "capturable",
                                        "differentiable", "decoupled_weight_decay"})
 
-# Group keys that tell the algorithms apart, and torch.optim's state names (Adam, SGD, RMSprop, Adagrad;
-# lion-pytorch's exp_avg): a saved group or state holding one that this optimizer neither has nor reads
-# was saved by another algorithm, and its values would be misread (e.g. SGD's bitsandbytes alias
-# betas = (momentum, dampening) as Adam's betas).
-_ALGO_GROUP_KEYS = ("momentum", "dampening", "nesterov", "alpha", "lr_decay", "initial_accumulator_value",
-                    "trust_coefficient", "bias_correction", "max_trust_ratio", "min_trust_ratio",
-                    "t_alpha", "t_beta3")  # the last two: in bitsandbytes' 2-state groups only
-_TORCH_STATE_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer", "square_avg", "sum")
+# Group keys that tell the algorithms apart (every hyperparameter of the table but those all of bitsandbytes'
+# groups hold, and its 2-state groups' t_alpha, t_beta3), and torch.optim's state names (lion-pytorch's for
+# Lion): a saved group or state holding one that this optimizer neither has nor reads was saved by another
+# algorithm, and its values would be misread (e.g. SGD's bitsandbytes alias betas = (momentum, dampening)
+# as Adam's betas).
+_ALGO_GROUP_KEYS = _algos.algo_group_keys()
+_TORCH_STATE_NAMES = _algos.torch_state_names()
 
 # The group key naming the algorithm that saved a zero8 state dict. The keys above cannot tell every pair
 # apart: Lion's group (lr, betas, weight_decay and bitsandbytes' eps alias) is also what SGD, RMSprop and
@@ -458,8 +461,6 @@ _ALGORITHM_KEY = "zero8_algorithm"
 def fixed_bits(base: type, bits: int, name: str, doc: str) -> type:
     """A subclass of `base` that always keeps `bits`-bit states (bitsandbytes' Adam8bit / Adam32bit
     twins). Same constructor without ``optim_bits`` (accepted only when equal to `bits`)."""
-    import inspect
-
     def __init__(self, params, *args, optim_bits=None, **kwargs):
         if optim_bits is not None and optim_bits != bits:
             raise Zero8ValueError(f"Invalid optim_bits: {optim_bits!r} ({name} keeps {bits}-bit states; "
@@ -473,14 +474,81 @@ def fixed_bits(base: type, bits: int, name: str, doc: str) -> type:
                                 "__qualname__": name})
 
 
+# The 8-bit knobs of every constructor, around the row's keyword arguments (bitsandbytes' order): its own
+# keyword arguments come after min_8bit_size, zero8's additions after block_size.
+_KNOBS_FIRST = (("optim_bits", 32), ("args", None), ("min_8bit_size", 4096))
+_KNOBS_MIDDLE = (("percentile_clipping", 100), ("block_wise", True), ("is_paged", False), ("block_size", BNB_BLOCK_SIZE))
+_KNOBS_LAST = (("master_weights", True),)
+
+
+def _constructor(algo: str) -> Callable[..., None]:
+    """The ``__init__`` of the zero8.optim class of table row `algo`: params, the row's arguments in
+    bitsandbytes' order with zero8.optim's defaults, and the 8-bit knobs. Arguments the row accepts only at
+    their default are refused, ignored ones warn when set; the hyperparameters (and the decouple flag) become
+    the optimizer's defaults."""
+    P = inspect.Parameter
+    cargs = _algos.constructor_args(algo)
+
+    def keyword(pairs):
+        return [P(name, P.KEYWORD_ONLY, default=default) for name, default in pairs]
+
+    def row_args(slot):
+        kind = P.POSITIONAL_OR_KEYWORD if slot == "positional" else P.KEYWORD_ONLY
+        return [P(a.name, kind, default=a.default()) for a in cargs if a.first.py_arg == slot]
+
+    sig = inspect.Signature(
+        [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)] + row_args("positional")
+        + keyword(_KNOBS_FIRST) + row_args("keyword") + keyword(_KNOBS_MIDDLE) + row_args("keyword_last")
+        + keyword(_KNOBS_LAST))
+    knobs = [name for name, _ in _KNOBS_FIRST + _KNOBS_MIDDLE + _KNOBS_LAST]
+    in_defaults = _algos.defaults_keys(algo)
+
+    def __init__(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        for a in cargs:
+            value = given[a.name]
+            if a.first.role == "fixed" and value != a.default():
+                _unsupported(a.name, value, a.first.why)
+            elif a.first.role == "ignored" and value != a.default():
+                warnings.warn(f"{type(self).__name__}: {a.name}={value} is ignored: {a.first.why}", stacklevel=2)
+            elif a.first.role == "decouple":
+                _check_bool(value, a.name)
+        # In defaults, hence in every group and state dict, as torch.optim keeps them.
+        defaults = {a.name: given[a.name] if a.name in given else a.default() for a in in_defaults}
+        Optimizer8bit.__init__(self, given["params"], defaults, **{k: given[k] for k in knobs})
+
+    __init__.__signature__ = sig
+    return __init__
+
+
+def table_classes(algo: str, module: str) -> Tuple[type, type, type]:
+    """``X``, ``X8bit`` and ``X32bit`` for a table row that no module of zero8.optim writes out: the thin
+    classes bitsandbytes has, named by the row's class name, with generated docstrings."""
+    row = _algos.spec(algo)
+    name = row.class_name
+    listed = ", ".join(f"{a.name}={a.default()!r}" for a in _algos.constructor_args(algo)
+                       if a.first.role in ("value", "init"))
+    doc = (f"{name} over zero8's fused kernel (the {row.name} row of the algorithm table), with 8-bit or 32-bit "
+           f"states; hyperparameters {listed}. See ``Optimizer8bit`` for the 8-bit knobs and overrides.")
+    base = type(name, (Optimizer8bit,), {"__doc__": doc, "__module__": module, "__qualname__": name}, algo=algo)
+    return (base,
+            fixed_bits(base, 8, f"{name}8bit", f"{name} with 8-bit block-wise states (bitsandbytes' {name}8bit)."),
+            fixed_bits(base, 32, f"{name}32bit", f"{name} with float32 states (bitsandbytes' {name}32bit)."))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The optimizer base
 
 class Optimizer8bit(torch.optim.Optimizer):
-    """Base of zero8's optimizers: subclasses set ``algo`` (a ``_C.Algo``), ``_GROUP_KEYS`` (the group
-    hyperparameters, checked by ``_GROUP_CHECKS``), ``_hyper(config)`` (-> ``_C.Hyper``) and, for loading
-    foreign state dicts, ``_TORCH_STATE_KEYS`` (torch.optim's names of state 1 and 2) and
-    ``_bnb_group_aliases`` / ``_from_bnb_group`` (bitsandbytes' names of the same hyperparameters).
+    """Base of zero8's optimizers. A subclass names its row of the algorithm table,
+    ``class SGD(Optimizer8bit, algo="sgd")``, which gives it everything else: ``algo`` (a ``_C.Algo``), its
+    constructor (arguments and defaults), ``_GROUP_KEYS`` (the group hyperparameters, checked by
+    ``_GROUP_CHECKS``), ``_hyper(config)`` (-> ``_C.Hyper``), the states and their maps, and for state dicts
+    ``_TORCH_STATE_KEYS`` (torch.optim's names of state 1 and 2) and bitsandbytes' names of the same
+    hyperparameters (``_bnb_group_aliases`` / ``_from_bnb_group``). A subclass may define its own
+    ``__init__`` or ``algo``, which are then kept.
 
     Optimizer-wide 8-bit knobs: ``optim_bits`` (8 or 32), ``min_8bit_size`` (parameters with fewer
     elements keep 32-bit states), ``block_size`` (state block, 256 as bitsandbytes; other powers of two in
@@ -495,16 +563,40 @@ class Optimizer8bit(torch.optim.Optimizer):
     """
 
     algo = None
+    _ROW: Optional[str] = None  # the table row (its name) the class runs
     _GROUP_KEYS: Tuple[str, ...] = ()
     _TORCH_STATE_KEYS: Tuple[str, ...] = ()
     _BNB_ONLY_KEYS: Tuple[str, ...] = ()  # group keys bitsandbytes saves that this optimizer drops on load
     _ALGORITHM = ""  # the name state_dict() records (_ALGORITHM_KEY); Adam and AdamW share "adam"
     _LOADS_FROM: Tuple[str, ...] = ()  # other algorithms whose saved groups and states mean the same here
 
+    def __init_subclass__(cls, algo: Optional[str] = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if algo is None:  # e.g. the 8bit/32bit twins: their base's row
+            return
+        row = _algos.spec(algo)
+        cls._ROW = row.name
+        if "algo" not in cls.__dict__:
+            switch = _algos.decouple_arg(row.name)
+            # A decouple flag the constructor takes picks the algorithm per instance (Adam's
+            # decoupled_weight_decay), read from defaults, which copies and unpickled optimizers keep.
+            cls.algo = property(Optimizer8bit._switched_algo) if switch and switch.first.py_arg != "none" else row.algo
+        cls._GROUP_KEYS = _algos.group_keys(row.name)
+        cls._TORCH_STATE_KEYS = tuple(name for name in row.torch_states if name)
+        cls._BNB_ONLY_KEYS = _algos.dropped_on_load(row.name, row.num_states)
+        cls._ALGORITHM = _algos.state_dict_name(row.name)
+        cls._LOADS_FROM = _algos.loads_from(row.name)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _constructor(row.name)
+
+    def _switched_algo(self) -> "_C.Algo":
+        row = _algos.spec(self._ROW)
+        switch = _algos.decouple_arg(row.name)
+        return row.decoupled if self.defaults.get(switch.name, switch.default()) else row.algo
+
     def __init__(self, params, defaults: Dict[str, Any], *, optim_bits: int = 32, args=None,
                  min_8bit_size: int = 4096, percentile_clipping: int = 100, block_wise: bool = True,
-                 is_paged: bool = False, block_size: int = BNB_BLOCK_SIZE, max_unorm=None,
-                 master_weights: bool = True):
+                 is_paged: bool = False, block_size: int = BNB_BLOCK_SIZE, master_weights: bool = True):
         if args is not None:  # bitsandbytes' MockArgs / argparse namespace
             optim_bits = getattr(args, "optim_bits", optim_bits)
             min_8bit_size = getattr(args, "min_8bit_size", min_8bit_size)
@@ -523,16 +615,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             _unsupported("block_wise", block_wise, "zero8's 8-bit states are always block-wise")
         if is_paged:
             _unsupported("is_paged", is_paged, "paged (unified-memory) states are CUDA-only; zero8 runs on CPU")
-        if max_unorm is not None and type(self)._MAX_UNORM_DEFAULT != max_unorm:
-            warnings.warn(
-                f"{type(self).__name__}: max_unorm={max_unorm} is ignored: zero8 computes the per-tensor trust "
-                f"ratio of the paper (clipped at max_trust_ratio) instead of bitsandbytes' update-norm clipping",
-                stacklevel=3)
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
         self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master, bits), see _step_param
         super().__init__(params, defaults)
-
-    _MAX_UNORM_DEFAULT = None
 
     # torch's __getstate__ keeps only defaults, state and param_groups: add the 8-bit knobs and the
     # per-parameter overrides (as (tensor, config) pairs, so deepcopy/pickle map them to the copied
@@ -572,8 +657,9 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_group(self, group: Dict[str, Any], index: int) -> None:
         where = "" if index == 0 else f" (param_groups[{index}])"
-        if isinstance(group.get("betas"), str):  # '(0.9, 0.999)' from a command line: the numbers
-            group["betas"] = _check_betas(group["betas"], "betas" + where)
+        for key in self._GROUP_KEYS:  # betas='(0.9, 0.999)' from a command line: the numbers
+            if isinstance(group.get(key), str) and _algos.value_specs()[key].is_sequence:
+                group[key] = _GROUP_CHECKS[key](group[key], key + where)
         self._check_hyper(group, where)
         for i, p in enumerate(group["params"]):
             check_not_dtensor(p, f"params[{i}]{where}{_named(group, i)}", _DTENSOR_WHY)
@@ -641,11 +727,21 @@ class Optimizer8bit(torch.optim.Optimizer):
         return 32
 
     def _hyper(self, cfg: Dict[str, Any]) -> "_C.Hyper":
-        raise NotImplementedError
+        """The C++ Hyper of a parameter's config (group values, then overrides): the row's hyperparameters."""
+        if self._ROW is None:
+            raise NotImplementedError(f"{type(self).__name__} names no row of the algorithm table")
+        return _algos.hyper_of_config(self._ROW, cfg, _num)
 
     def _initial_value(self, cfg: Dict[str, Any]) -> float:
-        """The value states start at (Adagrad: initial_accumulator_value)."""
-        return 0.0
+        """The value states start at: the row's init entry (Adagrad's initial_accumulator_value), else 0."""
+        arg = _algos.init_arg(self._ROW) if self._ROW else None
+        return 0.0 if arg is None else _num(cfg.get(arg.name, arg.default()), arg.name)
+
+    def _state_map(self, i: int):
+        """The MapKind of 8-bit state i (1 or 2)."""
+        if self._ROW is None:
+            return _SIGNED if i == 1 else _UNSIGNED
+        return _algos.spec(self._ROW).state_maps[i - 1]
 
     @property
     def num_states(self) -> int:
@@ -666,7 +762,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         for i in range(1, self.num_states + 1):
             if bits == 8:
                 block = cfg["block_size"]
-                kind = _SIGNED if i == 1 else _UNSIGNED
+                kind = self._state_map(i)
                 if values is None:  # zero codes and scales decode to 0, as bitsandbytes initialises them
                     codes = torch.zeros(p.shape, dtype=torch.uint8)
                     absmax = torch.zeros(-(-p.numel() // block), dtype=torch.float32)
@@ -784,11 +880,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             a.block = self._state_block(state, n)
             a.code1 = s1.data_ptr()
             a.absmax1 = state["absmax1"].data_ptr()
-            a.map1 = _SIGNED
+            a.map1 = self._state_map(1)
             if two:
                 a.code2 = state["state2"].data_ptr()
                 a.absmax2 = state["absmax2"].data_ptr()
-                a.map2 = _UNSIGNED
+                a.map2 = self._state_map(2)
         else:
             a.bits = 32
             a.state1 = s1.data_ptr()
@@ -813,12 +909,24 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _bnb_group_aliases(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """Keys bitsandbytes' optimizer of the same algorithm reads from a group (added to saved groups
-        so that bitsandbytes can load zero8's state dicts)."""
-        return {}
+        so that bitsandbytes can load zero8's state dicts): SGD's betas = (momentum, dampening), eps = 0."""
+        return _algos.bnb_aliases(self._ROW, group) if self._ROW else {}
 
     def _from_bnb_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """This optimizer's group keys from bitsandbytes' aliases, for keys the saved group lacks."""
-        return {}
+        """This optimizer's group keys from bitsandbytes' aliases, for keys the saved group lacks; an argument
+        accepted only at its default (RMSprop's momentum, bitsandbytes' betas[1]) is refused otherwise."""
+        if self._ROW is None:
+            return {}
+        found = _algos.from_bnb_names(self._ROW, saved)
+        out: Dict[str, Any] = {}
+        for a in _algos.args(self._ROW):
+            if a.first.role == "fixed":
+                value = saved.get(a.name, found.get(a.name))
+                if value is not None and value != a.default():
+                    _unsupported(f"{a.name} (saved param group)", value, a.first.why)
+            elif a.name in found:
+                out[a.name] = found[a.name]
+        return out
 
     def _check_saved_group(self, saved: Dict[str, Any], index: int) -> None:
         """Refuse a saved group whose torch.optim flags ask for an update this optimizer does not make, or
@@ -952,7 +1060,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         out: Dict[str, Any] = {"step": step}
         block = cfg["block_size"]
         for i in range(1, self.num_states + 1):
-            kind = _SIGNED if i == 1 else _UNSIGNED
+            kind = self._state_map(i)
             found = self._saved_state(saved, i, n, where)
             if found is None:  # not saved (torch's SGD without momentum): start fresh
                 if fresh is None:
@@ -1018,7 +1126,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise Zero8ValueError(f"{where}: {key} holds 8-bit codes but absmax{i} is missing")
         absmax = absmax.detach().to("cpu", torch.float32).reshape(-1).contiguous().clone()
         qmap = saved.get(f"qmap{i}")
-        qmap = _map(_SIGNED if i == 1 else _UNSIGNED) if qmap is None else qmap.detach().to("cpu", torch.float32)
+        qmap = _map(self._state_map(i)) if qmap is None else qmap.detach().to("cpu", torch.float32)
         qmap = qmap.reshape(-1)
         if qmap.numel() != 256:
             raise Zero8ValueError(f"{where}: qmap{i} has {qmap.numel()} values; a code map has 256")

@@ -7,16 +7,13 @@
 
 #include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/hd.h"
+#include "zero8/kernels/optim_table.h"
 #include "zero8/kernels/quant_map.h"
 
 namespace zero8::optim {
 
-enum class Algo : uint8_t { adam = 0, adamw, sgd, lion, rmsprop, adagrad, lamb, lars };
-const char* algo_name(Algo a);
-int algo_num_states(Algo a);          // 2 for adam/adamw/lamb, 1 for the others
-bool algo_has_trust_ratio(Algo a);    // lamb, lars: two phases (norms, then step)
-
-// Hyperparameters of one step. Names follow torch.optim; unused ones are ignored by an algorithm.
+// Hyperparameters of one step (Algo, its names and each algorithm's entries: optim_table.h). Names follow
+// torch.optim; unused ones are ignored by an algorithm.
 struct Hyper {
   float lr = 1e-3f;
   float beta1 = 0.9f;         // adam/adamw/lamb/lion beta1; sgd/lars momentum
@@ -34,6 +31,46 @@ struct Hyper {
   int64_t step = 1;           // the 1-based number of this step (after increment), for bias correction
   float grad_scale = 1.0f;    // the gradient is multiplied by this first (1/loss_scale * clip coef)
 };
+
+// The Hyper member a table entry names (HyperField::none: nothing; flags read and write 0 or 1).
+inline double hyper_get(const Hyper& h, HyperField f) {
+  switch (f) {
+    case HyperField::none: return 0.0;
+    case HyperField::lr: return h.lr;
+    case HyperField::beta1: return h.beta1;
+    case HyperField::beta2: return h.beta2;
+    case HyperField::eps: return h.eps;
+    case HyperField::weight_decay: return h.weight_decay;
+    case HyperField::dampening: return h.dampening;
+    case HyperField::nesterov: return h.nesterov ? 1.0 : 0.0;
+    case HyperField::bias_correction: return h.bias_correction ? 1.0 : 0.0;
+    case HyperField::lr_decay: return h.lr_decay;
+    case HyperField::initial_accumulator: return h.initial_accumulator;
+    case HyperField::trust_coefficient: return h.trust_coefficient;
+    case HyperField::max_trust_ratio: return h.max_trust_ratio;
+    case HyperField::min_trust_ratio: return h.min_trust_ratio;
+  }
+  return 0.0;
+}
+
+inline void hyper_set(Hyper& h, HyperField f, double v) {
+  switch (f) {
+    case HyperField::none: return;
+    case HyperField::lr: h.lr = float(v); return;
+    case HyperField::beta1: h.beta1 = float(v); return;
+    case HyperField::beta2: h.beta2 = float(v); return;
+    case HyperField::eps: h.eps = float(v); return;
+    case HyperField::weight_decay: h.weight_decay = float(v); return;
+    case HyperField::dampening: h.dampening = float(v); return;
+    case HyperField::nesterov: h.nesterov = v != 0.0; return;
+    case HyperField::bias_correction: h.bias_correction = v != 0.0; return;
+    case HyperField::lr_decay: h.lr_decay = float(v); return;
+    case HyperField::initial_accumulator: h.initial_accumulator = float(v); return;
+    case HyperField::trust_coefficient: h.trust_coefficient = float(v); return;
+    case HyperField::max_trust_ratio: h.max_trust_ratio = float(v); return;
+    case HyperField::min_trust_ratio: h.min_trust_ratio = float(v); return;
+  }
+}
 
 // Whether a step reads and writes state `which` (1 or 2): sgd and lars with momentum (beta1) 0 leave
 // their state untouched, and its pointers may then be null.
