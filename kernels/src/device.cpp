@@ -167,6 +167,8 @@ void Buffer::reserve(int64_t bytes, const std::string& what) {
   if (bytes <= bytes_) return;
   require_cuda(what);
   if (p_ != nullptr) {
+    // Kernels queued on any stream may still use the old memory: wait for them before it goes.
+    check(cudaDeviceSynchronize(), what, "cudaDeviceSynchronize");
     check(cudaFree(p_), what, "cudaFree");
     p_ = nullptr;
     bytes_ = 0;

@@ -68,7 +68,8 @@ class Buffer {
   template <class T> T* as() const { return static_cast<T*>(p_); }
   int64_t bytes() const { return bytes_; }
   bool empty() const { return bytes_ == 0; }
-  // At least `bytes` (contents not kept when it grows).
+  // At least `bytes`. Growing drops the contents, and first waits for the whole device (work queued
+  // on any stream may still use the old memory); scratch buffers grow rarely, to their largest use.
   void reserve(int64_t bytes, const std::string& what);
 
  private:
