@@ -143,20 +143,25 @@ struct Twins {
   }
 };
 
-void expect_same_info(const shard::StepInfo& h, const shard::StepInfo& d) {
+// exact_norm: the device communicator sums the two norm partials in rank order as the host's does (MPI,
+// or NCCL's ring at 2 ranks, where a + b = b + a); else within double rounding.
+void expect_same_info(const shard::StepInfo& h, const shard::StepInfo& d, bool exact_norm = true) {
   EXPECT_EQ(h.skipped, d.skipped);
-  EXPECT_EQ(std::memcmp(&h.grad_norm, &d.grad_norm, sizeof(double)), 0) << h.grad_norm << " vs " << d.grad_norm;
+  if (exact_norm)
+    EXPECT_EQ(std::memcmp(&h.grad_norm, &d.grad_norm, sizeof(double)), 0) << h.grad_norm << " vs " << d.grad_norm;
+  else
+    EXPECT_NEAR(h.grad_norm, d.grad_norm, 1e-12 * h.grad_norm);
   EXPECT_EQ(h.clip_coef, d.clip_coef);
   EXPECT_EQ(h.step, d.step);
 }
 
-void run_twins(const ShardConfig& c, comm::Communicator& dev_comm, int steps, int gas) {
+void run_twins(const ShardConfig& c, comm::Communicator& dev_comm, int steps, int gas, bool exact_norm = true) {
   Twins t(c, dev_comm);
   std::string diff;
   ASSERT_EQ(t.compare(&diff), 0) << "after init:" << diff;
   for (int s = 0; s < steps; ++s) {
     for (int m = 0; m < gas; ++m) t.micro_batch(s, m, m == gas - 1);
-    expect_same_info(t.host->step(), t.dev->step());
+    expect_same_info(t.host->step(), t.dev->step(), exact_norm);
     ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
   }
 }
@@ -286,7 +291,8 @@ TEST(ShardedCuda, OverNcclEqualsTheHost) {
     c.int8_params = stage == 2;
     c.error_feedback = stage == 2;
     SCOPED_TRACE(config_name(c));
-    run_twins(c, *nccl, 2, 2);
+    // Clipping off: the step does not use the norm, which NCCL sums in its ring's order.
+    run_twins(c, *nccl, 2, 2, world().size() <= 2);
     if (HasFatalFailure()) return;
   }
 }
