@@ -10,7 +10,11 @@
 #include "zero8/kernels/quant_map.h"
 
 #if ZERO8_WITH_CUDA
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+
+#include <atomic>
 #endif
 
 namespace zero8 {
@@ -68,8 +72,55 @@ const std::string& cuda_unavailable() {
   return why;
 }
 
+namespace {
+
+// Whether this process has a CUDA context (torch's, zero8's own, any library's): only then can it hold
+// device memory. Asking the runtime about a pointer before that would make one, which costs hundreds of
+// MB of device memory per process (a CPU job's every MPI rank on a GPU machine) and leaves CUDA state a
+// fork()ed child cannot use; the driver's primary-context state and current context say it without.
+bool context_exists() {
+  static std::atomic<bool> seen{false};
+  if (seen.load(std::memory_order_relaxed)) return true;
+  struct Driver {
+    PFN_cuDevicePrimaryCtxGetState_v7000 primary_state = nullptr;
+    PFN_cuDeviceGet_v2000 device_get = nullptr;
+    PFN_cuCtxGetCurrent_v4000 current = nullptr;
+  };
+  static const Driver d = [] {
+    Driver r;
+    auto get = [](const char* name, void** fn, unsigned version) {
+      cudaDriverEntryPointQueryResult q{};
+      if (cudaGetDriverEntryPointByVersion(name, fn, version, cudaEnableDefault, &q) != cudaSuccess ||
+          q != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        *fn = nullptr;
+      }
+    };
+    get("cuDevicePrimaryCtxGetState", reinterpret_cast<void**>(&r.primary_state), 7000);
+    get("cuDeviceGet", reinterpret_cast<void**>(&r.device_get), 2000);
+    get("cuCtxGetCurrent", reinterpret_cast<void**>(&r.current), 4000);
+    return r;
+  }();
+  // Without the driver's answers, ask about the pointer (which may make a context).
+  if (d.primary_state == nullptr || d.device_get == nullptr || d.current == nullptr) return true;
+  CUcontext cur = nullptr;
+  bool found = d.current(&cur) == CUDA_SUCCESS && cur != nullptr;
+  int count = 0;
+  if (!found && cudaGetDeviceCount(&count) != cudaSuccess) (void)cudaGetLastError();
+  for (int i = 0; i < count && !found; ++i) {
+    CUdevice dev = 0;
+    unsigned flags = 0;
+    int active = 0;
+    found = d.device_get(&dev, i) == CUDA_SUCCESS && d.primary_state(dev, &flags, &active) == CUDA_SUCCESS && active;
+  }
+  if (found) seen.store(true, std::memory_order_relaxed);
+  return found;
+}
+
+}  // namespace
+
 MemoryKind memory_kind(const void* p) {
-  if (p == nullptr || !cuda_unavailable().empty()) return MemoryKind::host;
+  if (p == nullptr || !cuda_unavailable().empty() || !context_exists()) return MemoryKind::host;
   cudaPointerAttributes at{};
   if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
     (void)cudaGetLastError();

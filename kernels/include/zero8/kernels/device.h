@@ -21,7 +21,8 @@ const std::string& cuda_unavailable();
 void require_cuda(const std::string& where);
 
 // What a pointer points at, per cudaPointerGetAttributes. Null, and every pointer when CUDA cannot run
-// here, is host (pageable) memory: such a process cannot hold device memory.
+// here or the process has no CUDA context yet, is host (pageable) memory: such a process holds no device
+// memory, and asking would make a context (device memory of its own) in CPU-only processes.
 enum class MemoryKind : uint8_t { host = 0, pinned = 1, device = 2, managed = 3 };
 const char* memory_kind_name(MemoryKind k);  // "pageable host memory", "page-locked host memory", ...
 MemoryKind memory_kind(const void* p);
