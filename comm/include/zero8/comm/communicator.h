@@ -41,7 +41,8 @@ namespace zero8::comm {
 //   reused): the device inputs are copied out, MPI runs on the copies, the results are copied back.
 //   Each pointer is looked at (cudaPointerGetAttributes: device and managed memory are staged, host
 //   memory, pageable or page-locked, is used as it is), so host buffers keep their direct path and cost
-//   (none at all in a build without CUDA or a process without a device). Correct but slow: it is how
+//   (no query at all in a build without CUDA, a process without a device, or one without a CUDA
+//   context, where asking would make one; see device::memory_kind). Correct but slow: it is how
 //   two processes sharing one GPU run the device code path (NCCL refuses two ranks on one device).
 //   NCCL takes device (or managed) buffers only: a host pointer is Error(invalid_argument) naming the
 //   argument. Code that passes std::vector or stack values to a communicator that may be NCCL checks
