@@ -68,10 +68,11 @@ float grad_value(int r, int step, int micro, int param, int64_t i) {
 
 // A host optimizer and a device optimizer stepping the same gradients.
 struct Twins {
-  ShardConfig cfg;
-  std::unique_ptr<ShardedOptimizer> host, dev;
+  // Declared first, so they outlive the device optimizer (which names the stream).
   device::Stream stream{"the caller's stream"};
   device::Buffer upload;  // one micro-batch's gradient of a group, written into the device's input
+  ShardConfig cfg;
+  std::unique_ptr<ShardedOptimizer> host, dev;
 
   Twins(const ShardConfig& c, comm::Communicator& dev_comm) : cfg(c) {
     host = std::make_unique<ShardedOptimizer>(twin_params(), c, world());
