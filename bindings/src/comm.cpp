@@ -71,6 +71,11 @@ void init_comm(py::module_& m) {
       .def("description", &Communicator::description)
       .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout,
                     "Seconds a call may take before every rank raises Zero8CommError.")
+      .def_property(
+          "stream", [](const Communicator& c) { return reinterpret_cast<Ptr>(c.stream()); },
+          [](Communicator& c, Ptr s) { c.set_stream(as_ptr<void>(s)); },
+          "The CUDA stream (an int: torch.cuda.current_stream().cuda_stream; 0: none) that device-buffer calls "
+          "are ordered on and wait for (comm/communicator.h, \"Streams\").")
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
       .def(
           "broadcast_bytes",

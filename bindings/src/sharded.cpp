@@ -1,7 +1,8 @@
 // The ZeRO sharded optimizer (zero8/sharded.h) for the engine: ParamSpec, a flat ShardConfig built by
 // hand or from a normalized DeepSpeed config, and the optimizer, whose working-copy, gradient and
-// master buffers are handed out as zero-copy memoryviews (torch.frombuffer wraps them) that keep the
-// optimizer alive. Collective calls release the GIL.
+// master buffers are handed out as zero-copy views that keep the optimizer alive: memoryviews of host
+// memory (torch.frombuffer wraps them), or objects with __cuda_array_interface__ for device memory
+// (torch.as_tensor(view, device="cuda")). Collective calls release the GIL.
 #include <string>
 #include <vector>
 
@@ -17,6 +18,32 @@ using shard::Group;
 using shard::ParamSpec;
 using shard::ShardConfig;
 using shard::ShardedOptimizer;
+
+// A device buffer of the optimizer for torch.as_tensor: __cuda_array_interface__ (version 3) of `bytes`
+// uint8 at `ptr`, keeping the optimizer alive.
+struct DeviceView {
+  py::object owner;
+  std::uintptr_t ptr = 0;
+  int64_t bytes = 0;
+};
+
+ShardedOptimizer::Part part_arg(const std::string& name) {
+  using Part = ShardedOptimizer::Part;
+  for (Part p : {Part::working, Part::master, Part::codes1, Part::absmax1, Part::codes2, Part::absmax2, Part::state1,
+                 Part::state2, Part::residual})
+    if (name == ShardedOptimizer::part_name(p)) return p;
+  ZERO8_CHECK_ARG(false, "part",
+                  "unknown part '" << name << "' (working, master, codes1, absmax1, codes2, absmax2, state1, state2, "
+                                      "residual)");
+  return Part::working;
+}
+
+// Host memoryviews of a device optimizer's buffers would point at device memory.
+void check_host_buffers(const ShardedOptimizer& o, const char* method) {
+  ZERO8_CHECK_ARG(o.config().memory == MemSpace::host, "group",
+                  method << ": this optimizer's buffers are device memory (memory = \"device\"); use "
+                            "device_buffer(name, group) for a zero-copy view, or copy_to_host(group, part)");
+}
 
 Group group_arg(int g) {
   ZERO8_CHECK_ARG(g >= 0 && g < shard::kNumGroups, "group",
@@ -145,18 +172,46 @@ void init_sharded(py::module_& m) {
           "raise_error_at_min_scale", [](const ShardConfig& c) { return c.loss_scaler.raise_error_at_min_scale; },
           [](ShardConfig& c, bool v) { c.loss_scaler.raise_error_at_min_scale = v; })
       .def_readwrite("threads", &ShardConfig::threads, "OpenMP threads of the kernels (0: default)")
+      .def_property(
+          "memory", [](const ShardConfig& c) { return std::string(mem_space_name(c.memory)); },
+          [](ShardConfig& c, const std::string& v) {
+            ZERO8_CHECK_ARG(v == "host" || v == "device", "memory", "must be \"host\" or \"device\", got \"" << v << "\"");
+            c.memory = v == "device" ? MemSpace::device : MemSpace::host;
+          },
+          "where the buffers live: \"host\" or \"device\" (the CUDA device current at construction)")
+      .def_property(
+          "stream", [](const ShardConfig& c) { return reinterpret_cast<Ptr>(c.stream); },
+          [](ShardConfig& c, Ptr v) { c.stream = as_ptr<void>(v); },
+          "device memory: the caller's CUDA stream as an int (torch.cuda.current_stream().cuda_stream); 0: the "
+          "legacy default stream")
       .def("__copy__", [](const ShardConfig& c) { return c; })
       .def("__deepcopy__", [](const ShardConfig& c, py::dict) { return c; }, py::arg("memo"))
       .def("__repr__", [](py::handle self) {
         return repr_fields(self, "ShardConfig",
                            {"algo", "bits", "stage", "working_dtype", "state_block", "wire_block", "min_8bit_size",
                             "int8_grads", "bf16_grads", "int8_params", "error_feedback", "stochastic_wire", "wire_seed",
-                            "release_grads", "reduce_bucket_size", "gradient_clipping", "fp16", "hyper"});
+                            "release_grads", "reduce_bucket_size", "gradient_clipping", "fp16", "memory", "stream",
+                            "hyper"});
       });
 
   m.def("shard_config_from_json", &shard_config_from_json, py::arg("config_json"), py::arg("world"),
         "ShardConfig of a normalized DeepSpeed config for a data-parallel size `world` (zero8 section off: "
         "fp32 wire and 32-bit states; ZeRO stage 0 runs as stage 1).");
+
+  py::class_<DeviceView>(m, "DeviceBufferView",
+                         "A zero-copy view of a device optimizer's buffer: torch.as_tensor(view, device=\"cuda\") "
+                         "wraps it as uint8 (keeps the optimizer alive).")
+      .def_property_readonly("nbytes", [](const DeviceView& v) { return v.bytes; })
+      .def_property_readonly("ptr", [](const DeviceView& v) { return v.ptr; })
+      .def_property_readonly("__cuda_array_interface__", [](const DeviceView& v) {
+        py::dict d;
+        d["shape"] = py::make_tuple(v.bytes);
+        d["typestr"] = "|u1";
+        d["data"] = py::make_tuple(v.ptr, false);
+        d["strides"] = py::none();
+        d["version"] = 3;
+        return d;
+      });
 
   py::class_<ShardedOptimizer>(
       m, "ShardedOptimizer",
@@ -170,6 +225,7 @@ void init_sharded(py::module_& m) {
           [](py::object self, int g) {
             ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
             const Group gr = group_arg(g);
+            check_host_buffers(o, "working_buffer");
             const int64_t bytes = o.layout().group(gr).padded() * dtype_size(o.config().working_dtype);
             return buffer_view(self, o.working(gr), bytes);
           },
@@ -180,6 +236,7 @@ void init_sharded(py::module_& m) {
           [](py::object self, int g) {
             ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
             const Group gr = group_arg(g);
+            check_host_buffers(o, "grad_buffer");
             return buffer_view(self, o.grad_input(gr), o.layout().group(gr).padded() * int64_t(sizeof(float)));
           },
           py::arg("group"), "The fp32 gradient input of a group (padded) as a writable memoryview of bytes.")
@@ -188,11 +245,71 @@ void init_sharded(py::module_& m) {
           [](py::object self, int g) {
             ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
             const Group gr = group_arg(g);
+            check_host_buffers(o, "master_values");
             const int64_t valid = o.layout().group(gr).part_valid(o.rank());
             return buffer_view(self, o.master(gr), valid * int64_t(sizeof(float)));
           },
           py::arg("group"),
           "This rank's fp32 master of a group (part_range(group) elements) as a memoryview of float32 bytes.")
+      .def(
+          "device_buffer",
+          [](py::object self, const std::string& name, int g) {
+            ShardedOptimizer& o = self.cast<ShardedOptimizer&>();
+            const Group gr = group_arg(g);
+            ZERO8_CHECK_ARG(o.config().memory == MemSpace::device, "name",
+                            "device_buffer is for a device optimizer (memory = \"device\"); this one's buffers are "
+                            "host memory: use working_buffer, grad_buffer or master_values");
+            const shard::GroupLayout& gl = o.layout().group(gr);
+            DeviceView v{self, 0, 0};
+            if (name == "working") {
+              v.ptr = reinterpret_cast<Ptr>(o.working(gr));
+              v.bytes = gl.padded() * dtype_size(o.config().working_dtype);
+            } else if (name == "grad") {
+              v.ptr = reinterpret_cast<Ptr>(o.grad_input(gr));
+              v.bytes = gl.padded() * int64_t(sizeof(float));
+            } else if (name == "master") {
+              v.ptr = reinterpret_cast<Ptr>(o.master(gr));
+              v.bytes = gl.part_valid(o.rank()) * int64_t(sizeof(float));
+            } else {
+              ZERO8_CHECK_ARG(false, "name", "unknown device buffer '" << name << "' (working, grad or master)");
+            }
+            return v;
+          },
+          py::arg("name"), py::arg("group"),
+          "A device optimizer's working copy (\"working\": padded, working_dtype), gradient input (\"grad\": padded "
+          "float32) or this rank's master (\"master\": part_range elements of float32) as a DeviceBufferView.")
+      .def(
+          "part_bytes",
+          [](const ShardedOptimizer& o, int g, const std::string& part) { return o.part_bytes(group_arg(g), part_arg(part)); },
+          py::arg("group"), py::arg("part"),
+          "Bytes of a part of this rank's buffers (working, master, codes1, absmax1, codes2, absmax2, state1, state2, "
+          "residual); 0 when not held.")
+      .def(
+          "copy_to_host",
+          [](ShardedOptimizer& o, int g, const std::string& part) {
+            const Group gr = group_arg(g);
+            const ShardedOptimizer::Part p = part_arg(part);
+            std::string out(size_t(o.part_bytes(gr, p)), '\0');
+            {
+              py::gil_scoped_release release;
+              o.copy_to_host(gr, p, out.data());
+            }
+            return py::bytes(out);
+          },
+          py::arg("group"), py::arg("part"), "A part of this rank's buffers as bytes (host or device optimizer).")
+      .def(
+          "copy_from_host",
+          [](ShardedOptimizer& o, int g, const std::string& part, const py::bytes& data) {
+            const Group gr = group_arg(g);
+            const ShardedOptimizer::Part p = part_arg(part);
+            const std::string buf = data;
+            ZERO8_CHECK_ARG(int64_t(buf.size()) == o.part_bytes(gr, p), "data",
+                            buf.size() << " bytes for " << part << ", which has " << o.part_bytes(gr, p));
+            py::gil_scoped_release release;
+            o.copy_from_host(gr, p, buf.data());
+          },
+          py::arg("group"), py::arg("part"), py::arg("data"),
+          "Overwrite a part of this rank's buffers from bytes (part_bytes of them).")
       .def(
           "state_values",
           [](ShardedOptimizer& o, int g, int which) {

@@ -1,10 +1,13 @@
-// NCCL backend: collectives on device buffers, one CUDA stream per communicator. Bootstrapped over
+// NCCL backend: collectives on device buffers, enqueued on the caller's stream (set_stream) or, without
+// one, on a stream of the communicator ordered after the legacy default stream. Bootstrapped over
 // MPI (rank 0's ncclUniqueId is broadcast by an MPI communicator, which also carries splits and the
 // liveness mesh); no TCP rendezvous. Communicators are created non-blocking (config.blocking = 0)
 // and every call waits by polling ncclCommGetAsyncError + cudaStreamQuery against the deadline and
 // the peers' liveness; on failure the NCCL communicator is aborted (ncclCommAbort) before throwing.
-// Set-up (device, stream, rank 0's unique id) is agreed on in one all_gather first, so a failure on
-// any rank fails every rank at once, naming it. Nothing here has run on a GPU yet.
+// Every call waits on an event recorded after its work, so work that other threads queue on the same
+// stream later does not delay it. Set-up (device, stream, rank 0's unique id) is agreed on in one
+// all_gather first, so a failure on any rank fails every rank at once, naming it. Nothing here has run
+// on a GPU yet.
 // Built only with NCCL; without MPI as well, comm_create("nccl") says so.
 #include "backends.h"
 #include "zero8/error.h"
@@ -76,6 +79,7 @@ class NcclComm final : public Communicator {
         ncclCommAbort(nccl_);
       }
     }
+    if (done_ != nullptr) cudaEventDestroy(done_);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -108,16 +112,16 @@ class NcclComm final : public Communicator {
     const char* s = static_cast<const char*>(send);
     char* r = static_cast<char*>(recv);
     const int me = rank();
-    after_legacy_stream(kind);
-    if (sb[me] > 0) cuda_check(cudaMemcpyAsync(r + rd[me], s + sd[me], size_t(sb[me]), cudaMemcpyDeviceToDevice, stream_), kind);
+    const cudaStream_t st = work_stream(kind);
+    if (sb[me] > 0) cuda_check(cudaMemcpyAsync(r + rd[me], s + sd[me], size_t(sb[me]), cudaMemcpyDeviceToDevice, st), kind);
     nccl_check(ncclGroupStart(), kind, "ncclGroupStart");
     for (int p = 0; p < size(); ++p) {
       if (p == me) continue;
-      if (sb[p] > 0) nccl_check(ncclSend(s + sd[p], size_t(sb[p]), ncclUint8, p, nccl_, stream_), kind, "ncclSend");
-      if (rb[p] > 0) nccl_check(ncclRecv(r + rd[p], size_t(rb[p]), ncclUint8, p, nccl_, stream_), kind, "ncclRecv");
+      if (sb[p] > 0) nccl_check(ncclSend(s + sd[p], size_t(sb[p]), ncclUint8, p, nccl_, st), kind, "ncclSend");
+      if (rb[p] > 0) nccl_check(ncclRecv(r + rd[p], size_t(rb[p]), ncclUint8, p, nccl_, st), kind, "ncclRecv");
     }
     nccl_check(ncclGroupEnd(), kind, "ncclGroupEnd");
-    wait(kind);
+    wait(kind, st);
   }
 
   void do_all_gather_v(const void* send, int64_t send_bytes, void* recv, const int64_t* rb, const int64_t* rd,
@@ -126,28 +130,28 @@ class NcclComm final : public Communicator {
     const int me = rank();
     bool equal = true;
     for (int p = 0; p < size(); ++p) equal = equal && rb[p] == send_bytes && rd[p] == send_bytes * p;
-    after_legacy_stream(kind);
+    const cudaStream_t st = work_stream(kind);
     if (equal) {
-      nccl_check(ncclAllGather(send, recv, size_t(send_bytes), ncclUint8, nccl_, stream_), kind, "ncclAllGather");
+      nccl_check(ncclAllGather(send, recv, size_t(send_bytes), ncclUint8, nccl_, st), kind, "ncclAllGather");
     } else {
       if (send != r + rd[me] && send_bytes > 0)
-        cuda_check(cudaMemcpyAsync(r + rd[me], send, size_t(send_bytes), cudaMemcpyDeviceToDevice, stream_), kind);
+        cuda_check(cudaMemcpyAsync(r + rd[me], send, size_t(send_bytes), cudaMemcpyDeviceToDevice, st), kind);
       nccl_check(ncclGroupStart(), kind, "ncclGroupStart");
       for (int p = 0; p < size(); ++p) {
         if (p == me) continue;
-        if (send_bytes > 0) nccl_check(ncclSend(send, size_t(send_bytes), ncclUint8, p, nccl_, stream_), kind, "ncclSend");
-        if (rb[p] > 0) nccl_check(ncclRecv(r + rd[p], size_t(rb[p]), ncclUint8, p, nccl_, stream_), kind, "ncclRecv");
+        if (send_bytes > 0) nccl_check(ncclSend(send, size_t(send_bytes), ncclUint8, p, nccl_, st), kind, "ncclSend");
+        if (rb[p] > 0) nccl_check(ncclRecv(r + rd[p], size_t(rb[p]), ncclUint8, p, nccl_, st), kind, "ncclRecv");
       }
       nccl_check(ncclGroupEnd(), kind, "ncclGroupEnd");
     }
-    wait(kind);
+    wait(kind, st);
   }
 
   void do_broadcast(void* buf, int64_t bytes, int root) override {
-    after_legacy_stream(OpKind::broadcast);
-    nccl_check(ncclBroadcast(buf, buf, size_t(bytes), ncclUint8, root, nccl_, stream_), OpKind::broadcast,
+    const cudaStream_t st = work_stream(OpKind::broadcast);
+    nccl_check(ncclBroadcast(buf, buf, size_t(bytes), ncclUint8, root, nccl_, st), OpKind::broadcast,
                "ncclBroadcast");
-    wait(OpKind::broadcast);
+    wait(OpKind::broadcast, st);
   }
 
   // Every call returns with its stream work complete, so a host barrier orders device work too.
@@ -155,14 +159,14 @@ class NcclComm final : public Communicator {
 
   // NCCL matches messages per peer pair in call order; tags are not part of its matching.
   void do_send(const void* buf, int64_t bytes, int peer, int) override {
-    after_legacy_stream(OpKind::send, peer);
-    nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, stream_), OpKind::send, "ncclSend");
-    wait(OpKind::send, peer);
+    const cudaStream_t st = work_stream(OpKind::send, peer);
+    nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::send, "ncclSend");
+    wait(OpKind::send, st, peer);
   }
   void do_recv(void* buf, int64_t bytes, int peer, int) override {
-    after_legacy_stream(OpKind::recv, peer);
-    nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, stream_), OpKind::recv, "ncclRecv");
-    wait(OpKind::recv, peer);
+    const cudaStream_t st = work_stream(OpKind::recv, peer);
+    nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::recv, "ncclRecv");
+    wait(OpKind::recv, st, peer);
   }
 
   std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override {
@@ -178,9 +182,9 @@ class NcclComm final : public Communicator {
     const int64_t es = scalar_type_size(type);
     bool equal = true;
     for (int p = 0; p < n; ++p) equal = equal && counts[p] == counts[0];
-    after_legacy_stream(OpKind::reduce_scatter);
+    const cudaStream_t st = work_stream(OpKind::reduce_scatter);
     if (equal) {
-      nccl_check(ncclReduceScatter(send, recv, size_t(counts[0]), nccl_type(type), nccl_op(op), nccl_, stream_),
+      nccl_check(ncclReduceScatter(send, recv, size_t(counts[0]), nccl_type(type), nccl_op(op), nccl_, st),
                  OpKind::reduce_scatter, "ncclReduceScatter");
     } else {
       // Unequal ranges: one reduce per owner, grouped into a single launch.
@@ -190,20 +194,20 @@ class NcclComm final : public Communicator {
         const char* src = static_cast<const char*>(send) + off * es;
         void* dst = p == me ? recv : const_cast<char*>(src);  // only the root's receive buffer is written
         if (counts[p] > 0)
-          nccl_check(ncclReduce(src, dst, size_t(counts[p]), nccl_type(type), nccl_op(op), p, nccl_, stream_),
+          nccl_check(ncclReduce(src, dst, size_t(counts[p]), nccl_type(type), nccl_op(op), p, nccl_, st),
                      OpKind::reduce_scatter, "ncclReduce");
         off += counts[p];
       }
       nccl_check(ncclGroupEnd(), OpKind::reduce_scatter, "ncclGroupEnd");
     }
-    wait(OpKind::reduce_scatter);
+    wait(OpKind::reduce_scatter, st);
   }
 
   void do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) override {
-    after_legacy_stream(OpKind::all_reduce);
-    nccl_check(ncclAllReduce(send, recv, size_t(count), nccl_type(type), nccl_op(op), nccl_, stream_),
+    const cudaStream_t st = work_stream(OpKind::all_reduce);
+    nccl_check(ncclAllReduce(send, recv, size_t(count), nccl_type(type), nccl_op(op), nccl_, st),
                OpKind::all_reduce, "ncclAllReduce");
-    wait(OpKind::all_reduce);
+    wait(OpKind::all_reduce, st);
   }
 
  private:
@@ -231,26 +235,37 @@ class NcclComm final : public Communicator {
     if (rc != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(rc), p2p_peer);
   }
 
-  // stream_ is non-blocking, so it does not wait for the legacy default stream, where zero8's own
-  // *_cuda kernels (stream nullptr) and most callers' work run: make what follows on stream_ wait
-  // for everything enqueued there so far. (The legacy stream itself waits for blocking streams;
-  // work on other non-blocking streams is the caller's to synchronize, see communicator.h.)
-  void after_legacy_stream(OpKind kind, int p2p_peer = -1) {
+  // The stream a call's work goes on (communicator.h, "Streams"): the caller's (set_stream), which
+  // orders it after the work already there; else stream_, which is non-blocking and so does not wait
+  // for the legacy default stream, where zero8's own *_cuda kernels (stream nullptr) and most callers'
+  // work run: it is made to wait for everything enqueued there so far. (The legacy stream itself waits
+  // for blocking streams; work on other non-blocking streams is the caller's to synchronize.)
+  cudaStream_t work_stream(OpKind kind, int p2p_peer = -1) {
+    if (stream() != nullptr) return static_cast<cudaStream_t>(stream());
     cuda_check(cudaEventRecord(ready_, cudaStreamLegacy), kind, p2p_peer);
     cuda_check(cudaStreamWaitEvent(stream_, ready_, 0), kind, p2p_peer);
+    return stream_;
   }
 
-  // Until the communicator has issued everything (non-blocking mode) and the stream is idle.
-  void wait(OpKind kind, int p2p_peer = -1) {
+  // Until the communicator has issued everything (non-blocking mode) and the call's work on `st` is
+  // done (an event recorded after it: later work on a shared caller's stream does not count).
+  void wait(OpKind kind, cudaStream_t st, int p2p_peer = -1) {
     const WaitSpec s = spec(kind, p2p_peer);
+    bool recorded = false;
     try {
       mpi_wait(host_->world(), s, [&] {
-        ncclResult_t st = ncclSuccess;
-        ncclCommGetAsyncError(nccl_, &st);
-        if (st != ncclSuccess && st != ncclInProgress)
-          fail(kind, std::string("NCCL asynchronous error: ") + ncclGetErrorString(st), p2p_peer);
-        if (st == ncclInProgress) return false;
-        const cudaError_t q = cudaStreamQuery(stream_);
+        ncclResult_t rc = ncclSuccess;
+        ncclCommGetAsyncError(nccl_, &rc);
+        if (rc != ncclSuccess && rc != ncclInProgress)
+          fail(kind, std::string("NCCL asynchronous error: ") + ncclGetErrorString(rc), p2p_peer);
+        if (rc == ncclInProgress) return false;
+        // In non-blocking mode the work may reach the stream only once the communicator is no longer
+        // in progress: record after that.
+        if (!recorded) {
+          cuda_check(cudaEventRecord(done_, st), kind, p2p_peer);
+          recorded = true;
+        }
+        const cudaError_t q = cudaEventQuery(done_);
         if (q == cudaErrorNotReady) return false;
         if (q != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(q), p2p_peer);
         return true;
@@ -287,6 +302,8 @@ class NcclComm final : public Communicator {
     if (e != cudaSuccess) return failed(2, std::string("cudaStreamCreate failed (") + cudaGetErrorString(e) + ")");
     e = cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming);
     if (e != cudaSuccess) return failed(2, std::string("cudaEventCreate failed (") + cudaGetErrorString(e) + ")");
+    e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+    if (e != cudaSuccess) return failed(2, std::string("cudaEventCreate failed (") + cudaGetErrorString(e) + ")");
     if (rank() == 0) {
       const ncclResult_t rc = ncclGetUniqueId(id);
       if (rc != ncclSuccess) return failed(2, std::string("ncclGetUniqueId failed (") + ncclGetErrorString(rc) + ")");
@@ -303,9 +320,10 @@ class NcclComm final : public Communicator {
     for (int p = 0; p < size(); ++p) {
       const SetupStatus& st = all[size_t(p)];
       if (st.failed == 0) continue;
+      if (done_ != nullptr) cudaEventDestroy(done_);
       if (ready_ != nullptr) cudaEventDestroy(ready_);
       if (stream_ != nullptr) cudaStreamDestroy(stream_);
-      ready_ = nullptr;
+      done_ = ready_ = nullptr;
       stream_ = nullptr;
       const std::string who = p == rank() ? "this rank" : "rank " + std::to_string(p);
       const std::string msg = "nccl communicator '" + name() + "' (rank " + std::to_string(rank()) + " of " +
@@ -319,13 +337,14 @@ class NcclComm final : public Communicator {
     const ncclResult_t rc = ncclCommInitRankConfig(&nccl_, size(), id, rank(), &cfg);
     if (rc != ncclSuccess && rc != ncclInProgress)
       fail(OpKind::split, std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(rc));
-    wait(OpKind::split);
+    wait(OpKind::split, stream_);
   }
 
   std::unique_ptr<MpiComm> host_;
   ncclComm_t nccl_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream before each call (after_legacy_stream)
+  cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream before each call without a stream
+  cudaEvent_t done_ = nullptr;   // recorded after each call's work (wait)
   int device_ = 0;
 };
 

@@ -12,6 +12,7 @@
 #include "backends.h"
 #include "comm_env.h"
 #include "zero8/error.h"
+#include "zero8/kernels/device.h"
 
 namespace zero8::comm {
 
@@ -171,6 +172,95 @@ class Communicator::Call {
   double t0_;
 };
 
+namespace detail {
+// The page-locked scratch of a host backend's staged device buffers: inputs and outputs apart, since a
+// call reads the one while the transport writes the other. Grown on demand, kept for later calls.
+struct StagingArea {
+  device::PinnedBuffer in, out;
+};
+}  // namespace detail
+
+// Device buffers of one call on a host backend (communicator.h, "Memory"): input() copies the chunks of
+// a device buffer that the call reads into page-locked memory and returns that, output() returns the
+// page-locked place the call writes and remembers where the chunks go back; run() waits for the inputs,
+// runs the backend, copies the outputs back and waits for them. Host buffers pass through untouched,
+// and a call with none on the device touches no CUDA API beyond the pointer queries.
+class Communicator::Staging {
+ public:
+  Staging(Communicator& c, OpKind kind) : c_(c), kind_(kind), active_(!c.native_device_buffers()) {}
+
+  // Chunks [displs[i], +bytes[i]) of p for i < n (displs null: one chunk of bytes[0] at 0).
+  const void* input(const void* p, int n, const int64_t* bytes, const int64_t* displs) {
+    if (!staged(p)) return p;
+    char* h = static_cast<char*>(reserve(c_.area().in, extent(n, bytes, displs)));
+    for (int i = 0; i < n; ++i) {
+      const int64_t off = displs ? displs[i] : 0;
+      device::copy(h + off, static_cast<const char*>(p) + off, bytes[i], c_.stream_, where());
+    }
+    pending_in_ = true;
+    return h;
+  }
+  // copy_in: the call also reads the chunks (broadcast's root, an in-place all_reduce).
+  void* output(void* p, int n, const int64_t* bytes, const int64_t* displs, bool copy_in = false) {
+    if (!staged(p)) return p;
+    char* h = static_cast<char*>(reserve(c_.area().out, extent(n, bytes, displs)));
+    for (int i = 0; i < n; ++i) {
+      const int64_t off = displs ? displs[i] : 0;
+      if (copy_in) device::copy(h + off, static_cast<const char*>(p) + off, bytes[i], c_.stream_, where());
+      back_.push_back({static_cast<char*>(p) + off, h + off, bytes[i]});
+    }
+    pending_in_ = pending_in_ || copy_in;
+    return h;
+  }
+  template <class F> void run(F&& backend) {
+    if (pending_in_) device::synchronize(c_.stream_, where());
+    backend();
+    for (const Back& b : back_) device::copy(b.dst, b.src, b.bytes, c_.stream_, where());
+    if (!back_.empty()) device::synchronize(c_.stream_, where());
+  }
+
+ private:
+  struct Back {
+    char* dst;
+    const char* src;
+    int64_t bytes;
+  };
+  bool staged(const void* p) const { return active_ && p != nullptr && device::on_device(p); }
+  static int64_t extent(int n, const int64_t* bytes, const int64_t* displs) {
+    int64_t e = 0;
+    for (int i = 0; i < n; ++i) e = std::max(e, (displs ? displs[i] : 0) + bytes[i]);
+    return e;
+  }
+  void* reserve(device::PinnedBuffer& b, int64_t bytes) {
+    // Every staged buffer of a call has its own area (at most one input and one output per call).
+    return b.reserve(std::max<int64_t>(bytes, 1), where());
+  }
+  std::string where() const { return c_.op_label(kind_) + " (staging device buffers through host memory)"; }
+
+  Communicator& c_;
+  OpKind kind_;
+  bool active_;
+  bool pending_in_ = false;
+  std::vector<Back> back_;
+};
+
+detail::StagingArea& Communicator::area() {
+  if (!staging_) staging_ = std::make_unique<detail::StagingArea>();
+  return *staging_;
+}
+
+void Communicator::check_device_buffer(const void* p, const char* arg, OpKind kind) const {
+  if (memory() != MemSpace::device) return;
+  device::check_device_ptr(p, arg,
+                           std::string(op_kind_name(kind)) + " on '" + name_ + "' (" + backend() + ", rank " +
+                               std::to_string(rank_) + " of " + std::to_string(size_) + ")");
+}
+
+void Communicator::set_stream(void* stream) {
+  device::check_stream(stream, "stream", "Communicator::set_stream on '" + name_ + "'");
+  stream_ = stream;
+}
+
 Communicator::Communicator(int rank, int size, std::string name, std::vector<int> world_ranks, double timeout_s)
     : rank_(rank), size_(size), name_(std::move(name)), world_ranks_(std::move(world_ranks)), timeout_s_(timeout_s) {
   ZERO8_ASSERT(size_ >= 1 && rank_ >= 0 && rank_ < size_ && int(world_ranks_.size()) == size_);
@@ -214,13 +304,18 @@ void Communicator::set_failed(const std::string& reason) {
 void Communicator::all_to_all(const void* send, void* recv, int64_t bytes) {
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   ZERO8_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "send/recv", "null buffer");
+  check_device_buffer(send, "send", OpKind::all_to_all);
+  check_device_buffer(recv, "recv", OpKind::all_to_all);
   Call call(*this, OpKind::all_to_all);
   std::vector<int64_t> counts(size_t(size_), bytes), displs(static_cast<size_t>(size_));
   for (int p = 0; p < size_; ++p) {
     displs[size_t(p)] = bytes * p;
     count_bytes(OpKind::all_to_all, p, bytes);
   }
-  do_all_to_all_v(send, counts.data(), displs.data(), recv, counts.data(), displs.data(), OpKind::all_to_all);
+  Staging st(*this, OpKind::all_to_all);
+  const void* s = st.input(send, size_, counts.data(), displs.data());
+  void* r = st.output(recv, size_, counts.data(), displs.data());
+  st.run([&] { do_all_to_all_v(s, counts.data(), displs.data(), r, counts.data(), displs.data(), OpKind::all_to_all); });
 }
 
 void Communicator::all_to_all_v(const void* send, const std::vector<int64_t>& send_bytes,
@@ -241,22 +336,34 @@ void Communicator::all_to_all_v(const void* send, const std::vector<int64_t>& se
   ZERO8_CHECK_ARG(send_bytes[size_t(rank_)] == recv_bytes[size_t(rank_)], "recv_bytes",
                   "the chunk to self must have the same size on both sides (send " << send_bytes[size_t(rank_)]
                                                                                    << ", recv " << recv_bytes[size_t(rank_)] << ")");
+  check_device_buffer(send, "send", OpKind::all_to_all_v);
+  check_device_buffer(recv, "recv", OpKind::all_to_all_v);
   Call call(*this, OpKind::all_to_all_v);
   for (int p = 0; p < size_; ++p) count_bytes(OpKind::all_to_all_v, p, send_bytes[size_t(p)]);
-  do_all_to_all_v(send, send_bytes.data(), send_displs.data(), recv, recv_bytes.data(), recv_displs.data(),
-                  OpKind::all_to_all_v);
+  Staging st(*this, OpKind::all_to_all_v);
+  const void* s = st.input(send, size_, send_bytes.data(), send_displs.data());
+  void* r = st.output(recv, size_, recv_bytes.data(), recv_displs.data());
+  st.run([&] {
+    do_all_to_all_v(s, send_bytes.data(), send_displs.data(), r, recv_bytes.data(), recv_displs.data(),
+                    OpKind::all_to_all_v);
+  });
 }
 
 void Communicator::all_gather(const void* send, void* recv, int64_t bytes) {
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   ZERO8_CHECK_ARG(bytes == 0 || (send != nullptr && recv != nullptr), "send/recv", "null buffer");
+  check_device_buffer(send, "send", OpKind::all_gather);
+  check_device_buffer(recv, "recv", OpKind::all_gather);
   Call call(*this, OpKind::all_gather);
   std::vector<int64_t> counts(size_t(size_), bytes), displs(static_cast<size_t>(size_));
   for (int p = 0; p < size_; ++p) {
     displs[size_t(p)] = bytes * p;
     count_bytes(OpKind::all_gather, p, bytes);
   }
-  do_all_gather_v(send, bytes, recv, counts.data(), displs.data(), OpKind::all_gather);
+  Staging st(*this, OpKind::all_gather);
+  const void* s = st.input(send, 1, &bytes, nullptr);
+  void* r = st.output(recv, size_, counts.data(), displs.data());
+  st.run([&] { do_all_gather_v(s, bytes, r, counts.data(), displs.data(), OpKind::all_gather); });
 }
 
 void Communicator::all_gather_v(const void* send, int64_t send_bytes, void* recv,
@@ -273,19 +380,28 @@ void Communicator::all_gather_v(const void* send, int64_t send_bytes, void* recv
                   send_bytes << " != recv_bytes[rank()] = " << recv_bytes[size_t(rank_)]);
   ZERO8_CHECK_ARG(send_bytes == 0 || send != nullptr, "send", "null buffer");
   ZERO8_CHECK_ARG(total == 0 || recv != nullptr, "recv", "null buffer");
+  check_device_buffer(send, "send", OpKind::all_gather_v);
+  check_device_buffer(recv, "recv", OpKind::all_gather_v);
   Call call(*this, OpKind::all_gather_v);
   for (int p = 0; p < size_; ++p) count_bytes(OpKind::all_gather_v, p, send_bytes);
-  do_all_gather_v(send, send_bytes, recv, recv_bytes.data(), recv_displs.data(), OpKind::all_gather_v);
+  // Staged in place, the send chunk is copied out apart and the backend gathers out of place.
+  Staging st(*this, OpKind::all_gather_v);
+  const void* s = st.input(send, 1, &send_bytes, nullptr);
+  void* r = st.output(recv, size_, recv_bytes.data(), recv_displs.data());
+  st.run([&] { do_all_gather_v(s, send_bytes, r, recv_bytes.data(), recv_displs.data(), OpKind::all_gather_v); });
 }
 
 void Communicator::broadcast(void* buf, int64_t bytes, int root) {
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   ZERO8_CHECK_ARG(root >= 0 && root < size_, "root", root << " is not a rank of a communicator of size " << size_);
   ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  check_device_buffer(buf, "buf", OpKind::broadcast);
   Call call(*this, OpKind::broadcast);
   if (rank_ == root)
     for (int p = 0; p < size_; ++p) count_bytes(OpKind::broadcast, p, bytes);
-  do_broadcast(buf, bytes, root);
+  Staging st(*this, OpKind::broadcast);
+  void* b = st.output(buf, 1, &bytes, nullptr, rank_ == root);
+  st.run([&] { do_broadcast(b, bytes, root); });
 }
 
 // ---- reductions ----
@@ -311,9 +427,15 @@ void Communicator::reduce_scatter(const void* send, void* recv, const std::vecto
     ZERO8_CHECK_ARG(r + mine * es <= s || r >= s + total * es, "recv", "must not overlap send (no in-place reduce_scatter)");
   }
   (void)my_begin;
+  check_device_buffer(send, "send", OpKind::reduce_scatter);
+  check_device_buffer(recv, "recv", OpKind::reduce_scatter);
   Call call(*this, OpKind::reduce_scatter);
   for (int p = 0; p < size_; ++p) count_bytes(OpKind::reduce_scatter, p, counts[size_t(p)] * es);
-  do_reduce_scatter(send, recv, counts.data(), type, op);
+  const int64_t send_total = total * es, recv_total = mine * es;
+  Staging st(*this, OpKind::reduce_scatter);
+  const void* s = st.input(send, 1, &send_total, nullptr);
+  void* r = st.output(recv, 1, &recv_total, nullptr);
+  st.run([&] { do_reduce_scatter(s, r, counts.data(), type, op); });
 }
 
 void Communicator::all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) {
@@ -327,6 +449,8 @@ void Communicator::all_reduce(const void* send, void* recv, int64_t count, Scala
     const char* r = static_cast<const char*>(recv);
     ZERO8_CHECK_ARG(r + count * es <= s || r >= s + count * es, "recv", "must equal send (in place) or not overlap it");
   }
+  check_device_buffer(send, "send", OpKind::all_reduce);
+  check_device_buffer(recv, "recv", OpKind::all_reduce);
   Call call(*this, OpKind::all_reduce);
   const int64_t es = scalar_type_size(type);
   const int64_t mine = part_begin(count, size_, rank_ + 1) - part_begin(count, size_, rank_);
@@ -334,7 +458,16 @@ void Communicator::all_reduce(const void* send, void* recv, int64_t count, Scala
     const int64_t part = part_begin(count, size_, p + 1) - part_begin(count, size_, p);
     count_bytes(OpKind::all_reduce, p, (part + mine) * es);
   }
-  do_all_reduce(send, recv, count, type, op);
+  const int64_t bytes = count * es;
+  Staging st(*this, OpKind::all_reduce);
+  if (send == recv) {
+    void* b = st.output(recv, 1, &bytes, nullptr, true);
+    st.run([&] { do_all_reduce(b, b, count, type, op); });
+  } else {
+    const void* s = st.input(send, 1, &bytes, nullptr);
+    void* r = st.output(recv, 1, &bytes, nullptr);
+    st.run([&] { do_all_reduce(s, r, count, type, op); });
+  }
 }
 
 // Default reduce-scatter: every rank sends peer p its range p (all-to-all), then folds the size()
@@ -414,9 +547,12 @@ void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
                   peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
   ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
   ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  check_device_buffer(buf, "buf", OpKind::send);
   Call call(*this, OpKind::send);
   count_bytes(OpKind::send, peer, bytes);
-  do_send(buf, bytes, peer, tag);
+  Staging st(*this, OpKind::send);
+  const void* b = st.input(buf, 1, &bytes, nullptr);
+  st.run([&] { do_send(b, bytes, peer, tag); });
 }
 
 void Communicator::recv(void* buf, int64_t bytes, int peer, int tag) {
@@ -425,15 +561,21 @@ void Communicator::recv(void* buf, int64_t bytes, int peer, int tag) {
                   peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
   ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
   ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  check_device_buffer(buf, "buf", OpKind::recv);
   Call call(*this, OpKind::recv);
-  do_recv(buf, bytes, peer, tag);
+  Staging st(*this, OpKind::recv);
+  void* b = st.output(buf, 1, &bytes, nullptr);
+  st.run([&] { do_recv(b, bytes, peer, tag); });
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
   ZERO8_CHECK_ARG(color >= kNoColor, "color", "must be >= 0, or kNoColor (-1) to opt out, got " << color);
   Call call(*this, OpKind::split);
   std::unique_ptr<Communicator> child = do_split(color, key, name.empty() ? name_ + "/split" : name);
-  if (child) child->timeout_s_ = timeout_s_;
+  if (child) {
+    child->timeout_s_ = timeout_s_;
+    child->stream_ = stream_;
+  }
   return child;
 }
 
@@ -460,6 +602,31 @@ void check_host_memory(const Communicator& c, const std::string& arg, const std:
                        << ") takes device memory only; use a host communicator (comm_create \"mpi\", \"single\" "
                           "or \"auto\")"
                        << (alternative.empty() ? "" : ", or " + alternative));
+}
+
+void all_gather_host(Communicator& c, const void* send, void* recv, int64_t bytes) {
+  if (c.memory() == MemSpace::host) return c.all_gather(send, recv, bytes);
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  const std::string where = "all_gather_host on '" + c.name() + "'";
+  const int64_t total = bytes * c.size();
+  device::Buffer tmp(std::max<int64_t>(bytes + total, 1), where);
+  char* d = tmp.as<char>();
+  device::copy(d, send, bytes, c.stream(), where);
+  c.all_gather(d, d + bytes, bytes);
+  device::copy(recv, d + bytes, total, c.stream(), where);
+  device::synchronize(c.stream(), where);
+}
+
+void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op) {
+  if (c.memory() == MemSpace::host) return c.all_reduce(data, data, count, type, op);
+  ZERO8_CHECK_ARG(count >= 0, "count", "must be >= 0, got " << count);
+  const std::string where = "all_reduce_host on '" + c.name() + "'";
+  const int64_t bytes = count * scalar_type_size(type);
+  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
+  device::copy(tmp.data(), data, bytes, c.stream(), where);
+  c.all_reduce(tmp.data(), tmp.data(), count, type, op);
+  device::copy(data, tmp.data(), bytes, c.stream(), where);
+  device::synchronize(c.stream(), where);
 }
 
 NodeGroups node_groups(Communicator& world) {

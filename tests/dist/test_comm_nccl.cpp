@@ -1,5 +1,7 @@
-// NCCL backend under mpirun: collectives on device buffers checked against the obvious answer.
-// Needs a CUDA device per rank; without one the tests skip (and the factory's error is checked).
+// NCCL backend under mpirun: collectives on device buffers checked against the obvious answer, on the
+// backend's own stream and on a caller's stream, host pointers refused by name, and the bucket
+// collectives equal to their host runs. Needs a CUDA device per rank; without one the tests skip (and
+// the factory's error is checked).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -24,6 +26,24 @@ std::string no_device_reason() {
   if (rc != cudaSuccess) return cudaGetErrorString(rc);
   return n == 0 ? "0 CUDA devices" : "";
 }
+
+// NCCL refuses two ranks on one device: empty when every rank can have its own (one node here).
+std::string no_device_per_rank_reason() {
+  const std::string why = no_device_reason();
+  if (!why.empty()) return why;
+  int n = 0;
+  cudaGetDeviceCount(&n);
+  if (n < world().size())
+    return "NCCL needs one GPU per rank: " + std::to_string(world().size()) + " ranks, " + std::to_string(n) +
+           " device(s)";
+  return "";
+}
+
+}  // namespace
+
+void expect_nccl_buckets_equal_host(Communicator& nccl);  // test_comm_cuda.cpp
+
+namespace {
 
 template <class T> struct DeviceVec {
   T* p = nullptr;
@@ -53,8 +73,8 @@ TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
 }
 
 TEST(DistNccl, CollectivesOnDeviceBuffers) {
-  const std::string why = no_device_reason();
-  if (!why.empty()) GTEST_SKIP() << "no CUDA device (" << why << "): the NCCL backend cannot run here";
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
   std::unique_ptr<Communicator> c = comm::comm_create("nccl");
   const int n = c->size(), me = c->rank();
   ASSERT_EQ(c->memory(), comm::MemSpace::device);
@@ -106,6 +126,60 @@ TEST(DistNccl, CollectivesOnDeviceBuffers) {
   c->broadcast(db.p, 7 * 4, 0);
   for (int32_t y : db.host()) ASSERT_EQ(y, 42);
   c->barrier();
+}
+
+// On a caller's (non-default) stream: the work is ordered after what the stream already holds (here a
+// copy the test queues there without waiting) and complete when the call returns.
+TEST(DistNccl, OnTheCallersStream) {
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  c->set_stream(s);
+  const int n = c->size(), me = c->rank();
+  std::vector<uint8_t> src(size_t(n) * 4096);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = uint8_t(me * 31 + int(i / 4096) * 7 + int(i % 251));
+  DeviceVec<uint8_t> staged(std::vector<uint8_t>(src.size(), 0)), out(std::vector<uint8_t>(src.size(), 0));
+  ASSERT_EQ(cudaMemcpyAsync(staged.p, src.data(), src.size(), cudaMemcpyHostToDevice, s), cudaSuccess);
+  c->all_to_all(staged.p, out.p, 4096);
+  const std::vector<uint8_t> got = out.host();
+  for (int q = 0; q < n; ++q)
+    for (int i = 0; i < 4096; ++i)
+      ASSERT_EQ(got[size_t(q) * 4096 + size_t(i)], uint8_t(q * 31 + me * 7 + (me * 4096 + i) % 251)) << q << " " << i;
+  // all_gather and reduce_scatter on the same stream
+  std::vector<float> mine(300, float(me + 1)), all(300 * size_t(n), 0.0f);
+  DeviceVec<float> dm(mine), da(all);
+  c->all_gather(dm.p, da.p, 300 * 4);
+  const std::vector<float> ga = da.host();
+  for (int q = 0; q < n; ++q) ASSERT_EQ(ga[size_t(q) * 300 + 7], float(q + 1));
+  std::vector<float> rs(300, 0.0f);
+  DeviceVec<float> drs(rs);
+  c->reduce_scatter(da.p, drs.p, std::vector<int64_t>(size_t(n), 300), comm::ScalarType::f32);
+  for (float y : drs.host()) ASSERT_EQ(y, float(n * (me + 1)));
+  // Host memory where device memory is required: named, before anything is sent.
+  try {
+    c->all_gather(mine.data(), da.p, 300 * 4);
+    ADD_FAILURE() << "a host buffer reached NCCL";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("invalid argument 'send': all_gather on 'world' (nccl"), std::string::npos)
+        << e.what();
+  }
+  c->set_stream(nullptr);
+  cudaStreamDestroy(s);
+}
+
+TEST(DistNccl, BucketCollectivesEqualTheHost) {
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  c->set_stream(s);
+  expect_nccl_buckets_equal_host(*c);
+  c->set_stream(nullptr);
+  cudaStreamDestroy(s);
 }
 
 }  // namespace

@@ -61,8 +61,9 @@ int64_t StateLayout::bytes() const {
 
 double StateLayout::bytes_per_param() const { return n > 0 ? double(bytes()) / double(n) : 0.0; }
 
-State::State(const StateLayout& layout, float initial_accumulator, quant::MapKind map1, quant::MapKind map2)
-    : layout_(layout) {
+State::State(const StateLayout& layout, float initial_accumulator, quant::MapKind map1, quant::MapKind map2,
+             MemSpace memory)
+    : layout_(layout), memory_(memory) {
   layout_check(layout.algo, layout.n, layout.bits, layout.block);
   ZERO8_CHECK_ARG(layout.num_states == algo_num_states(layout.algo), "layout",
                   "num_states " << layout.num_states << " but " << algo_name(layout.algo) << " has "
@@ -98,6 +99,55 @@ State::State(const StateLayout& layout, float initial_accumulator, quant::MapKin
       quant::quant_encode_ref(e);
     }
   }
+  if (memory_ == MemSpace::device) to_device(kinds);
+}
+
+// Moves the initial values to the current device. The copies run on the legacy default stream and are
+// waited for: a one-time cost at construction, before any of the caller's streams uses the state.
+void State::to_device(const quant::MapKind* kinds) {
+  const std::string what = std::string("optim::State (") + algo_name(layout_.algo) + ", " +
+                           std::to_string(layout_.bits) + "-bit, " + std::to_string(layout_.n) + " elements) on the device";
+  device::require_cuda(what);
+  for (int k = 0; k < layout_.num_states; ++k) {
+    const void* src[3] = {codes_[k].data(), absmax_[k].data(), fp32_[k].data()};
+    const int64_t bytes[3] = {int64_t(codes_[k].size()), int64_t(absmax_[k].size() * 4), int64_t(fp32_[k].size() * 4)};
+    for (int part = 0; part < 3; ++part) {
+      if (bytes[part] == 0) continue;
+      device_[k][part] = device::Buffer(bytes[part], what);
+      device::copy(device_[k][part].data(), src[part], bytes[part], nullptr, what);
+    }
+    if (layout_.bits == 8) device_maps_[k] = quant::table_get_device(kinds[k]);
+  }
+  device::synchronize(nullptr, what);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<uint8_t>().swap(codes_[k]);
+    std::vector<float>().swap(absmax_[k]);
+    std::vector<float>().swap(fp32_[k]);
+  }
+}
+
+State::State(const State& o)
+    : layout_(o.layout_), memory_(o.memory_), maps_{o.maps_[0], o.maps_[1]}, device_maps_{o.device_maps_[0], o.device_maps_[1]} {
+  for (int k = 0; k < 2; ++k) {
+    codes_[k] = o.codes_[k];
+    absmax_[k] = o.absmax_[k];
+    fp32_[k] = o.fp32_[k];
+  }
+  if (memory_ != MemSpace::device) return;
+  const std::string what = "copying a device optim::State";
+  for (int k = 0; k < 2; ++k)
+    for (int part = 0; part < 3; ++part) {
+      const device::Buffer& b = o.device_[k][part];
+      if (b.empty()) continue;
+      device_[k][part] = device::Buffer(b.bytes(), what);
+      device::copy(device_[k][part].data(), b.data(), b.bytes(), nullptr, what);
+    }
+  device::synchronize(nullptr, what);
+}
+
+State& State::operator=(const State& o) {
+  if (this != &o) *this = State(o);
+  return *this;
 }
 
 int State::index(int which) const {
@@ -106,18 +156,50 @@ int State::index(int which) const {
   return which - 1;
 }
 
-uint8_t* State::codes(int which) { return layout_.bits == 8 ? codes_[index(which)].data() : nullptr; }
-float* State::absmax(int which) { return layout_.bits == 8 ? absmax_[index(which)].data() : nullptr; }
-float* State::fp32(int which) { return layout_.bits == 32 ? fp32_[index(which)].data() : nullptr; }
+uint8_t* State::codes(int which) {
+  const int k = index(which);
+  if (layout_.bits != 8) return nullptr;
+  return memory_ == MemSpace::device ? device_[k][0].as<uint8_t>() : codes_[k].data();
+}
+float* State::absmax(int which) {
+  const int k = index(which);
+  if (layout_.bits != 8) return nullptr;
+  return memory_ == MemSpace::device ? device_[k][1].as<float>() : absmax_[k].data();
+}
+float* State::fp32(int which) {
+  const int k = index(which);
+  if (layout_.bits != 32) return nullptr;
+  return memory_ == MemSpace::device ? device_[k][2].as<float>() : fp32_[k].data();
+}
 const quant::QuantTable* State::map(int which) const { return maps_[index(which)]; }
 
 std::vector<float> State::values(int which) const {
   const int k = index(which);
+  std::vector<uint8_t> codes_host;
+  std::vector<float> absmax_host, fp32_host;
+  const uint8_t* codes = codes_[k].data();
+  const float* absmax = absmax_[k].data();
+  if (memory_ == MemSpace::device) {
+    const std::string what = "optim::State::values";
+    if (layout_.bits == 32) {
+      fp32_host.resize(size_t(layout_.n));
+      device::copy(fp32_host.data(), device_[k][2].data(), layout_.n * 4, nullptr, what);
+    } else {
+      codes_host.resize(size_t(layout_.n));
+      absmax_host.resize(size_t(layout_.num_blocks()));
+      device::copy(codes_host.data(), device_[k][0].data(), layout_.n, nullptr, what);
+      device::copy(absmax_host.data(), device_[k][1].data(), layout_.num_blocks() * 4, nullptr, what);
+      codes = codes_host.data();
+      absmax = absmax_host.data();
+    }
+    device::synchronize(nullptr, what);
+    if (layout_.bits == 32) return fp32_host;
+  }
   if (layout_.bits == 32) return fp32_[k];
   std::vector<float> out(size_t(layout_.n));
   quant::DecodeArgs d;
-  d.codes = codes_[k].data();
-  d.absmax = absmax_[k].data();
+  d.codes = codes;
+  d.absmax = absmax;
   d.n = layout_.n;
   d.block = layout_.block;
   d.table = maps_[k];
@@ -136,18 +218,19 @@ void State::bind(StepArgs& a) {
   a.absmax1 = a.absmax2 = nullptr;
   a.map1 = a.map2 = nullptr;
   a.state1 = a.state2 = nullptr;
+  const bool dev = memory_ == MemSpace::device;
   if (layout_.bits == 8) {
-    a.code1 = codes_[0].data();
-    a.absmax1 = absmax_[0].data();
-    a.map1 = maps_[0];
+    a.code1 = codes(1);
+    a.absmax1 = absmax(1);
+    a.map1 = dev ? device_maps_[0] : maps_[0];
     if (layout_.num_states == 2) {
-      a.code2 = codes_[1].data();
-      a.absmax2 = absmax_[1].data();
-      a.map2 = maps_[1];
+      a.code2 = codes(2);
+      a.absmax2 = absmax(2);
+      a.map2 = dev ? device_maps_[1] : maps_[1];
     }
   } else {
-    a.state1 = fp32_[0].data();
-    if (layout_.num_states == 2) a.state2 = fp32_[1].data();
+    a.state1 = fp32(1);
+    if (layout_.num_states == 2) a.state2 = fp32(2);
   }
 }
 
@@ -248,6 +331,41 @@ void step_range(const StepArgs& a, int threads) {
   args_validate(a, true);
   check_threads(threads);
   optim_step(a, isa_active(), threads);
+}
+
+namespace {
+// The host view of device step arguments, for args_validate: the segment arrays from their host copies.
+StepArgs host_checked(const StepArgs& a, const int64_t* seg_offsets_host, const float* seg_trust_host) {
+  StepArgs h = a;
+  h.seg_offsets = a.seg_offsets ? seg_offsets_host : nullptr;
+  h.seg_trust = a.seg_trust ? seg_trust_host : nullptr;
+  ZERO8_CHECK_ARG(a.seg_offsets == nullptr || seg_offsets_host != nullptr, "seg_offsets_host",
+                  "null, but the device arguments have segment offsets");
+  ZERO8_CHECK_ARG(a.seg_trust == nullptr || seg_trust_host != nullptr, "seg_trust_host",
+                  "null, but the device arguments have trust ratios");
+  return h;
+}
+}  // namespace
+
+void norms_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, NormSums* out, void* stream) {
+  args_validate(host_checked(a, seg_offsets_host, nullptr), false);
+  ZERO8_CHECK_ARG(out != nullptr, "out", "null pointer");
+#if ZERO8_WITH_CUDA
+  optim_norms_cuda(a, out, stream);
+#else
+  (void)stream;
+  device::require_cuda("optim::norms_range_cuda");
+#endif
+}
+
+void step_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, const float* seg_trust_host, void* stream) {
+  args_validate(host_checked(a, seg_offsets_host, seg_trust_host), true);
+#if ZERO8_WITH_CUDA
+  optim_step_cuda(a, stream);
+#else
+  (void)stream;
+  device::require_cuda("optim::step_range_cuda");
+#endif
 }
 
 void step_tensor(StepArgs a, int threads) {

@@ -4,18 +4,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 
 #include "arg_checks.h"
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
 #include "zero8/kernels/dispatch.h"
-
-#if ZERO8_WITH_CUDA
-#include <cuda_runtime.h>
-
-#include <map>
-#endif
 
 namespace zero8::quant {
 namespace {
@@ -80,14 +73,7 @@ DecodeArgs decode_args(const uint8_t* codes, const float* absmax, int64_t n, int
   return a;
 }
 
-#if ZERO8_WITH_CUDA
-void cuda_check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver)
-    ZERO8_THROW(unsupported, what << ": no usable CUDA device (" << cudaGetErrorString(e) << ")");
-  ZERO8_THROW(internal, what << ": " << cudaGetErrorString(e));
-}
-#else
+#if !ZERO8_WITH_CUDA
 [[noreturn]] void cuda_unsupported() { ZERO8_THROW(unsupported, "zero8 was not built with CUDA"); }
 #endif
 
@@ -151,30 +137,6 @@ std::vector<float> dequantize_blockwise(const Blockwise& q, int threads) {
 }
 
 // ---- CUDA ----
-
-const QuantTable* table_get_device(MapKind map) {
-#if ZERO8_WITH_CUDA
-  const QuantTable& host = table_get(map);
-  int device = 0;
-  cuda_check(cudaGetDevice(&device), "table_get_device");
-  static std::mutex mu;
-  static std::map<std::pair<int, int>, QuantTable*> tables;  // (device, map) -> device copy, never freed
-  std::lock_guard<std::mutex> lock(mu);
-  QuantTable*& dev = tables[{device, int(map)}];
-  if (!dev) {
-    QuantTable* p = nullptr;
-    cuda_check(cudaMalloc(&p, sizeof(QuantTable)), "table_get_device: cudaMalloc");
-    const cudaError_t e = cudaMemcpy(p, &host, sizeof(QuantTable), cudaMemcpyHostToDevice);
-    if (e != cudaSuccess) cudaFree(p);
-    cuda_check(e, "table_get_device: cudaMemcpy");
-    dev = p;
-  }
-  return dev;
-#else
-  (void)map;
-  cuda_unsupported();
-#endif
-}
 
 void quantize_blockwise_cuda(const void* x, DType dtype, int64_t n, int32_t block, const QuantTable* device_table,
                              uint8_t* codes, float* absmax, const QuantizeOptions& opt, void* stream) {

@@ -1,5 +1,7 @@
 // ZeRO stage 1/2 sharded optimizer (see sharded.h): bucketed gradient reduce-scatter, overflow and
-// norm agreement across ranks, the fused step on this rank's partitions, and the parameter all-gather.
+// norm agreement across ranks, the fused step on this rank's partitions, and the parameter all-gather,
+// on host or device buffers: each step below is a vec.h operation, a codec or optimizer kernel, or a
+// collective, which runs on whichever side the buffers live.
 #include "zero8/sharded.h"
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include "zero8/comm/quantized.h"
 #include "zero8/error.h"
 #include "zero8/kernels/hd.h"
+#include "zero8/kernels/vec.h"
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -97,7 +100,7 @@ static void check_same_on_every_rank(const std::vector<ParamSpec>& params, const
   for (const ConfigField& f : fields) mine.push_back(f.value);
   const size_t k = mine.size();
   std::vector<int64_t> all(k * size_t(world));
-  dp.all_gather(mine.data(), all.data(), int64_t(k * sizeof(int64_t)));
+  comm::all_gather_host(dp, mine.data(), all.data(), int64_t(k * sizeof(int64_t)));
   auto column = [&](size_t j) {
     std::vector<int64_t> c(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) c[size_t(r)] = all[size_t(r) * k + j];
@@ -110,7 +113,7 @@ static void check_same_on_every_rank(const std::vector<ParamSpec>& params, const
     const int64_t common = *std::min_element(counts.begin(), counts.end());
     std::vector<uint64_t> h(static_cast<size_t>(common)), hs(static_cast<size_t>(common * world));
     for (int64_t i = 0; i < common; ++i) h[size_t(i)] = param_hash(params[size_t(i)]);
-    if (common > 0) dp.all_gather(h.data(), hs.data(), common * int64_t(sizeof(uint64_t)));
+    if (common > 0) comm::all_gather_host(dp, h.data(), hs.data(), common * int64_t(sizeof(uint64_t)));
     int64_t first = common;  // none of the common ones: a rank has more parameters
     for (int64_t i = 0; i < common && first == common; ++i)
       for (int r = 1; r < world; ++r)
@@ -120,7 +123,7 @@ static void check_same_on_every_rank(const std::vector<ParamSpec>& params, const
     std::string t = param_text(params, size_t(first)).substr(0, kText - 1);
     t.resize(kText, '\0');
     std::vector<char> texts(kText * size_t(world));
-    dp.all_gather(t.data(), texts.data(), int64_t(kText));
+    comm::all_gather_host(dp, t.data(), texts.data(), int64_t(kText));
     std::vector<std::string> per_rank;
     for (int r = 0; r < world; ++r) per_rank.emplace_back(texts.data() + size_t(r) * kText);
     std::string msg = who + "the ranks passed different parameters (every rank must pass the same names, shapes " +
@@ -140,11 +143,101 @@ static void check_same_on_every_rank(const std::vector<ParamSpec>& params, const
   }
 }
 
+// Offsets of the ranks' ranges in bucket [begin, end) of a group (the bucket collectives' layout).
+static std::vector<int64_t> owner_offsets(const GroupLayout& gl, int64_t begin, int64_t end) {
+  std::vector<int64_t> off(size_t(gl.world) + 1);
+  for (int p = 0; p <= gl.world; ++p) off[p] = std::clamp(gl.part_begin(p), begin, end) - begin;
+  return off;
+}
+
+// ---- memory and streams ----
+
+ShardedOptimizer::Store::Store(MemSpace mem, int64_t bytes, void* stream) : mem_(mem) {
+  if (mem == MemSpace::host) {
+    host_.assign(size_t(bytes), 0);
+    return;
+  }
+  dev_ = device::Buffer(bytes, "ShardedOptimizer buffer of " + std::to_string(bytes) + " bytes");
+  device::zero(dev_.data(), bytes, stream, "ShardedOptimizer");
+}
+
+void ShardedOptimizer::Store::grow(int64_t bytes) {
+  if (mem_ == MemSpace::host) {
+    if (int64_t(host_.size()) < bytes) host_.resize(size_t(bytes));
+    return;
+  }
+  dev_.reserve(bytes, "ShardedOptimizer scratch of " + std::to_string(bytes) + " bytes");
+}
+
+// Sets the communicator's stream for one call of a device optimizer and restores it after (the
+// communicator may be the engine's, used with other streams elsewhere). Host optimizers leave it alone.
+class ShardedOptimizer::StreamScope {
+ public:
+  StreamScope(ShardedOptimizer& o, const vec::Where& w) : c_(o.dp_), prev_(o.dp_.stream()), set_(o.on_device()) {
+    if (set_) c_.set_stream(w.stream);
+  }
+  ~StreamScope() {
+    if (!set_) return;
+    try {
+      c_.set_stream(prev_);
+    } catch (...) {
+      // The stream was valid when it was set: nothing to restore it from.
+    }
+  }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  comm::Communicator& c_;
+  void* prev_;
+  bool set_;
+};
+
+vec::Where ShardedOptimizer::where_step() const { return vec::Where{cfg_.memory, cfg_.stream}; }
+
+vec::Where ShardedOptimizer::where_reduce() const {
+  return vec::Where{cfg_.memory, side_ ? side_->get() : nullptr};
+}
+
+float* ShardedOptimizer::grad_data(int g) { return on_device() ? grads_device_[g].as<float>() : grads_[g].data(); }
+
+float* ShardedOptimizer::residual_data(int g) {
+  if (on_device()) return residual_device_[g].bytes() > 0 ? residual_device_[g].as<float>() : nullptr;
+  return residual_[g].empty() ? nullptr : residual_[g].data();
+}
+
+void ShardedOptimizer::side_after_caller() {
+  if (!on_device()) return;
+  caller_mark_->record(cfg_.stream);
+  caller_mark_->wait_on(side_->get());
+}
+
+void ShardedOptimizer::caller_after_side() {
+  if (!on_device()) return;
+  side_mark_->record(side_->get());
+  side_mark_->wait_on(cfg_.stream);
+}
+
+void ShardedOptimizer::sync_caller(const char* what) {
+  if (on_device()) device::synchronize(cfg_.stream, std::string("ShardedOptimizer::") + what);
+}
+
+// A device optimizer's calls run with its device current (the caller's may differ), restored after.
+#define ZERO8_SHARD_DEVICE_SCOPE(what) const device::DeviceGuard device_guard_(device_, "ShardedOptimizer::" what)
+
 ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const ShardConfig& cfg,
                                    comm::Communicator& dp)
     : params_(params), cfg_(cfg), dp_(dp), scaler_(cfg.fp16 ? cfg.loss_scaler : LossScalerConfig{false, 1.0}) {
-  // Its buffers (working copy, gradients, state, norms) and the checkpoint code's are host memory.
-  comm::check_host_memory(dp, "dp", "ShardedOptimizer");
+  ZERO8_CHECK_ARG(cfg.memory == MemSpace::host || cfg.memory == MemSpace::device, "memory",
+                  "unknown MemSpace " << int(cfg.memory));
+  const bool dev = cfg.memory == MemSpace::device;
+  if (!dev) {
+    // Host buffers (working copy, gradients, state, norms) go to the communicator as they are, and so do
+    // the checkpoint code's.
+    comm::check_host_memory(dp, "dp", "ShardedOptimizer");
+    ZERO8_CHECK_ARG(cfg.stream == nullptr, "stream",
+                    "a CUDA stream was given for host memory; set memory = device to keep the buffers on the GPU");
+  }
   ZERO8_CHECK_ARG(cfg.stage == 1 || cfg.stage == 2, "stage", "zero8 implements ZeRO stage 1 and 2, got " << cfg.stage);
   ZERO8_CHECK_ARG(cfg.bits == 8 || cfg.bits == 32, "bits", "must be 8 or 32, got " << cfg.bits);
   ZERO8_CHECK_ARG(cfg.reduce_bucket_size > 0, "reduce_bucket_size", "must be > 0, got " << cfg.reduce_bucket_size);
@@ -153,6 +246,17 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
                   "must be a finite number >= 0, got " << cfg.gradient_clipping);
   ZERO8_CHECK_ARG(!cfg.fp16 || cfg.working_dtype == DType::f16, "fp16",
                   "loss scaling is for float16 parameters; the working dtype is " << dtype_name(cfg.working_dtype));
+  ZERO8_CHECK_ARG(!dev || !cfg.release_grads, "release_grads",
+                  "hands gradient pages back to the operating system, which only host memory has; turn it off "
+                  "(zero8.release_gradients) for memory = device");
+  if (dev) {
+    device::require_cuda("ShardedOptimizer (ShardConfig::memory = device)");
+    device::check_stream(cfg.stream, "stream", "ShardedOptimizer");
+    device_ = device::current_device("ShardedOptimizer");
+    side_ = std::make_unique<device::Stream>("ShardedOptimizer: the reduction stream");
+    caller_mark_ = std::make_unique<device::Event>("ShardedOptimizer: caller stream event");
+    side_mark_ = std::make_unique<device::Event>("ShardedOptimizer: reduction stream event");
+  }
   check_same_on_every_rank(params, cfg, dp);
   LayoutConfig lc = cfg.layout;
   lc.world = dp.size();
@@ -169,17 +273,26 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   }
   const int r = dp.rank();
   const int esize = dtype_size(cfg.working_dtype);
+  const MemSpace mem = cfg.memory;
+  int64_t norm_work = 0;
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
-    working_[g].assign(size_t(gl.padded() * esize), 0);
-    part_grad_[g].assign(size_t(gl.chunk), 0.0f);
-    master_[g].assign(size_t(gl.chunk), 0.0f);
+    working_[g] = Store(mem, gl.padded() * esize, cfg.stream);
+    part_grad_[g] = Store(mem, gl.chunk * 4, cfg.stream);
+    master_[g] = Store(mem, gl.chunk * 4, cfg.stream);
     // The 8-bit group holds cfg.bits states; the fp32 group (small or marked tensors) 32-bit ones.
     const int bits = g == int(Group::q8) ? cfg.bits : 32;
     const int64_t valid = gl.part_valid(r);
     states_[g] = std::make_unique<optim::State>(optim::StateLayout(cfg.algo, valid, bits, cfg.layout.state_block),
-                                                cfg.initial_accumulator);
-    if (cfg.error_feedback && cfg.int8_grads) residual_[g].assign(size_t(gl.padded()), 0.0f);
+                                                cfg.initial_accumulator, quant::MapKind::dynamic_signed,
+                                                quant::MapKind::dynamic_unsigned, mem);
+    if (cfg.error_feedback && cfg.int8_grads) {
+      if (dev)
+        residual_device_[g] = Store(mem, gl.padded() * 4, cfg.stream);
+      else
+        residual_[g].assign(size_t(gl.padded()), 0.0f);
+    }
+    norm_work = std::max(norm_work, vec::sum_squares_work(valid));
     // Buckets: cut the padded range into aligned pieces of about reduce_bucket_size elements.
     const int64_t bs = std::max<int64_t>(gl.align, (cfg.reduce_bucket_size + gl.align - 1) / gl.align * gl.align);
     for (int64_t b = 0; b < gl.padded(); b += bs) buckets_[g].push_back(Bucket{b, std::min(gl.padded(), b + bs), 0});
@@ -187,7 +300,10 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     // so a rank holds only the gradients not yet reduced. Stage 1 keeps every gradient until the
     // boundary, and one bucket is reduced at the end of backward: there, refaulting the pages each step
     // would cost time and save nothing at the peak.
-    grads_[g] = GradBuffer(gl.padded(), cfg.release_grads && cfg.stage == 2 && buckets_[g].size() > 1);
+    if (dev)
+      grads_device_[g] = Store(mem, gl.padded() * 4, cfg.stream);
+    else
+      grads_[g] = GradBuffer(gl.padded(), cfg.release_grads && cfg.stage == 2 && buckets_[g].size() > 1);
     param_buckets_[g].assign(params.size(), {});
     for (int idx : gl.params) {
       const ParamSlot& s = layout_.slots[idx];
@@ -201,6 +317,24 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
       }
     }
   }
+  // Scratch at its largest use from the start: a device buffer that grew later would wait for the device.
+  int64_t owned = 1, chunk = 0, padded = 0;
+  for (int g = 0; g < kNumGroups; ++g) {
+    const GroupLayout& gl = layout_.groups[g];
+    for (const Bucket& b : buckets_[g]) {
+      const std::vector<int64_t> off = owner_offsets(gl, b.begin, b.end);
+      owned = std::max(owned, off[size_t(r) + 1] - off[size_t(r)]);
+    }
+    chunk = std::max(chunk, gl.chunk);
+    padded = std::max(padded, gl.padded());
+  }
+  norm_sums_ = Store(mem, 2 * int64_t(sizeof(double)), cfg.stream);
+  norm_work_ = Store(mem, norm_work * int64_t(sizeof(double)), cfg.stream);
+  scratch_ = Store(mem, owned * 4, cfg.stream);
+  delta_ = Store(mem, cfg.int8_params ? chunk * 4 : 0, cfg.stream);
+  full_delta_ = Store(mem, cfg.int8_params ? padded * 4 : 0, cfg.stream);
+  seg_offsets_ = Store(mem, 0, cfg.stream);
+  seg_trust_ = Store(mem, 0, cfg.stream);
   // The reduction order, the same on every rank: buckets by their first (lowest-index) parameter, last
   // first, as backward completes them when the model's parameters are listed in forward order; buckets
   // of padding only at the end.
@@ -254,27 +388,40 @@ void ShardedOptimizer::reset_progress(int g) {
 void* ShardedOptimizer::param_working(int param) {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
   const ParamSlot& s = layout_.slots[param];
-  return working_[int(s.group)].data() + s.offset * dtype_size(cfg_.working_dtype);
+  return working_[int(s.group)].as<uint8_t>() + s.offset * dtype_size(cfg_.working_dtype);
 }
 
 float* ShardedOptimizer::param_grad(int param) {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
   const ParamSlot& s = layout_.slots[param];
-  return grads_[int(s.group)].data() + s.offset;
+  return grad_data(int(s.group)) + s.offset;
+}
+
+std::vector<float>& ShardedOptimizer::residual(Group g) {
+  ZERO8_CHECK_ARG(!on_device(), "residual",
+                  "the error-feedback residual of a device optimizer is device memory; read it with "
+                  "copy_to_host(group, Part::residual, ...)");
+  return residual_[int(g)];
 }
 
 void ShardedOptimizer::init(int root) {
-  for (int g = 0; g < kNumGroups; ++g)
-    if (!working_[g].empty()) dp_.broadcast(working_[g].data(), int64_t(working_[g].size()), root);
+  ZERO8_SHARD_DEVICE_SCOPE("init");
+  {
+    StreamScope scope(*this, where_step());
+    for (int g = 0; g < kNumGroups; ++g)
+      if (working_[g].bytes() > 0) dp_.broadcast(working_[g].data(), working_[g].bytes(), root);
+  }
   refresh_masters();
   discard_gradients();
 }
 
 void ShardedOptimizer::discard_gradients() {
+  ZERO8_SHARD_DEVICE_SCOPE("discard_gradients");
   clear_grad_inputs();
   for (int g = 0; g < kNumGroups; ++g) {
-    std::fill(part_grad_[g].begin(), part_grad_[g].end(), 0.0f);
-    std::fill(residual_[g].begin(), residual_[g].end(), 0.0f);
+    vec::zero(part_grad_[g].data(), part_grad_[g].bytes(), where_step());
+    float* res = residual_data(g);
+    if (res != nullptr) vec::zero(res, layout_.groups[g].padded() * 4, where_step());
   }
   micro_ = 0;
   reported_ = false;
@@ -282,21 +429,17 @@ void ShardedOptimizer::discard_gradients() {
 }
 
 void ShardedOptimizer::refresh_masters() {
+  ZERO8_SHARD_DEVICE_SCOPE("refresh_masters");
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
-    for (int64_t i = 0; i < valid; ++i) master_[g][i] = dtype_load(working_[g].data(), cfg_.working_dtype, b + i);
+    vec::convert(master_[g].data(), DType::f32, working_[g].as<uint8_t>() + b * dtype_size(cfg_.working_dtype),
+                 cfg_.working_dtype, valid, where_step());
   }
   initialized_ = true;
 }
 
 // ---- gradient reduction ----
-
-static std::vector<int64_t> owner_offsets(const GroupLayout& gl, int64_t begin, int64_t end) {
-  std::vector<int64_t> off(size_t(gl.world) + 1);
-  for (int p = 0; p <= gl.world; ++p) off[p] = std::clamp(gl.part_begin(p), begin, end) - begin;
-  return off;
-}
 
 // The options of one wire collective. Stochastic rounding draws from (wire_seed, step, the collective's
 // index within the step) here, and the collective adds the rank and the element, so no two collectives of
@@ -312,25 +455,33 @@ comm::WireOptions ShardedOptimizer::wire_options(comm::WireFormat format) {
   return opt;
 }
 
+// On a device, on the side stream: the gradient was written on the caller's stream, which the side
+// stream waits for first.
 void ShardedOptimizer::reduce_bucket(int g, const Bucket& b) {
   const GroupLayout& gl = layout_.groups[g];
   const std::vector<int64_t> off = owner_offsets(gl, b.begin, b.end);
   const int r = rank();
   const int64_t mine = off[r + 1] - off[r];
-  scratch_.resize(size_t(std::max<int64_t>(mine, 1)));
+  const vec::Where w = where_reduce();
+  side_after_caller();
+  scratch_.grow(std::max<int64_t>(mine, 1) * 4);
   const comm::WireOptions opt = wire_options(cfg_.int8_grads ? comm::WireFormat::int8
                                              : cfg_.bf16_grads ? comm::WireFormat::bf16
                                                                : comm::WireFormat::f32);
-  float* residual = residual_[g].empty() ? nullptr : residual_[g].data() + b.begin;
-  comm::bucket_reduce_scatter(dp_, grads_[g].data() + b.begin, b.end - b.begin, off, scratch_.data(), opt, residual,
-                              &wire_ws_);
+  float* residual = residual_data(g);
+  {
+    StreamScope scope(*this, w);
+    comm::bucket_reduce_scatter(dp_, grad_data(g) + b.begin, b.end - b.begin, off, scratch_.as<float>(), opt,
+                                residual ? residual + b.begin : nullptr, &wire_ws_);
+  }
   // Accumulate into this rank's partition gradient (several micro-batches in stage 2).
-  float* dst = part_grad_[g].data() + (b.begin + off[r] - gl.part_begin(r));
-  for (int64_t i = 0; i < mine; ++i) dst[i] += scratch_[i];
+  float* dst = part_grad_[g].as<float>() + (b.begin + off[r] - gl.part_begin(r));
+  vec::add(dst, DType::f32, scratch_.data(), DType::f32, mine, w);
 }
 
 void ShardedOptimizer::grad_ready(int param) {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  ZERO8_SHARD_DEVICE_SCOPE("grad_ready");
   reported_ = true;
   if (cfg_.stage != 2) return;
   const int g = int(layout_.slots[param].group);
@@ -362,22 +513,29 @@ bool ShardedOptimizer::param_reduced(int param) const {
 // Hand back the memory of the run of reduced buckets around bucket bi (a huge page may straddle two
 // buckets: it goes back once both are reduced).
 void ShardedOptimizer::release_reduced(int g, int bi) {
-  if (!grads_[g].releases()) return;
+  if (on_device() || !grads_[g].releases()) return;
   int lo = bi, hi = bi;
   while (lo > 0 && done_[g][size_t(lo - 1)]) --lo;
   while (size_t(hi + 1) < done_[g].size() && done_[g][size_t(hi + 1)]) ++hi;
   grads_[g].release(buckets_[g][size_t(lo)].begin, buckets_[g][size_t(hi)].end);
 }
 
+// On a device the gradient input is cleared on the side stream after the reductions that read it, and
+// the caller's stream waits for that before the next backward writes it (or the step reads the sums).
 void ShardedOptimizer::clear_grad_inputs() {
   for (int g = 0; g < kNumGroups; ++g) {
-    grads_[g].zero();
+    if (on_device())
+      vec::zero(grads_device_[g].data(), grads_device_[g].bytes(), where_reduce());
+    else
+      grads_[g].zero();
     reset_progress(g);
   }
   next_ = 0;
+  caller_after_side();
 }
 
 void ShardedOptimizer::backward_end(bool boundary) {
+  ZERO8_SHARD_DEVICE_SCOPE("backward_end");
   ++micro_;
   reported_ = false;
   if (cfg_.stage == 2 || boundary) {
@@ -389,28 +547,32 @@ void ShardedOptimizer::backward_end(bool boundary) {
 
 // ---- the step ----
 
-bool ShardedOptimizer::overflow_anywhere() {
-  int32_t bad = 0;
-  for (int g = 0; g < kNumGroups && !bad; ++g) {
-    const int64_t valid = layout_.groups[g].part_valid(rank());
-    const float* x = part_grad_[g].data();
-    for (int64_t i = 0; i < valid; ++i)
-      if (!std::isfinite(x[i])) {
-        bad = 1;
-        break;
-      }
+// The sum over ranks of every gradient element squared (the global norm's square, before averaging and
+// unscaling), in the fixed order of vec::sum_squares per group, both groups' sums reduced over the ranks
+// in one all_reduce, then added: the same bits on the host and on a device. It is finite exactly when
+// every rank's gradients are: *overflow says whether it is not. On a device this is the step's one host
+// read (16 bytes).
+double ShardedOptimizer::grad_sq_sum_global(bool* overflow) {
+  const vec::Where w = where_step();
+  double* sums = norm_sums_.as<double>();
+  for (int g = 0; g < kNumGroups; ++g)
+    vec::sum_squares(part_grad_[g].as<float>(), layout_.groups[g].part_valid(rank()), sums + g,
+                     norm_work_.as<double>(), w);
+  {
+    StreamScope scope(*this, w);
+    dp_.all_reduce(sums, sums, kNumGroups, comm::ScalarType::f64, comm::ReduceOp::sum);
   }
-  return dp_.all_reduce_value<int32_t>(bad, comm::ReduceOp::max) != 0;
-}
-
-double ShardedOptimizer::grad_sq_sum_local() const {
-  double s = 0.0;
-  for (int g = 0; g < kNumGroups; ++g) {
-    const int64_t valid = layout_.groups[g].part_valid(rank());
-    const float* x = part_grad_[g].data();
-    for (int64_t i = 0; i < valid; ++i) s += double(x[i]) * double(x[i]);
+  double host[kNumGroups];
+  static_assert(kNumGroups == 2, "one sum per group");
+  if (on_device()) {
+    device::copy(host, sums, int64_t(sizeof(host)), cfg_.stream, "ShardedOptimizer::step (the gradient norm)");
+    sync_caller("step (the gradient norm)");
+  } else {
+    std::memcpy(host, sums, sizeof(host));
   }
-  return s;
+  const double total = host[0] + host[1];
+  *overflow = !std::isfinite(total);
+  return total;
 }
 
 void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scale) {
@@ -429,9 +591,9 @@ void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scal
     a.master = nullptr;
   } else {
     // 16-bit working copy: the kernel writes the rounded parameter next to the fp32 master.
-    a.param = working_[g].data() + layout_.groups[g].part_begin(rank()) * dtype_size(cfg_.working_dtype);
+    a.param = working_[g].as<uint8_t>() + layout_.groups[g].part_begin(rank()) * dtype_size(cfg_.working_dtype);
     a.param_dtype = cfg_.working_dtype;
-    a.master = master_[g].data();
+    a.master = master_[g].as<float>();
   }
 }
 
@@ -483,6 +645,27 @@ static std::vector<int64_t> segment_offsets(const Layout& lay, int g, int64_t pa
   return offs;
 }
 
+// A device optimizer's LAMB/LARS kernels read a run's segment offsets (and trust ratios) from device
+// memory: copies of the host vectors, which stay the validated originals. The copies are ordered on the
+// caller's stream after the kernels of the previous run, which read the same buffers.
+void ShardedOptimizer::step_args_upload(int g, optim::StepArgs& a, const std::vector<int64_t>& offs,
+                                        const std::vector<float>& trust) {
+  (void)g;
+  if (!on_device()) return;
+  const std::string where = "ShardedOptimizer::step (segments of LAMB/LARS)";
+  seg_offsets_.grow(int64_t(offs.size() * sizeof(int64_t)));
+  device::copy(seg_offsets_.data(), offs.data(), int64_t(offs.size() * sizeof(int64_t)), cfg_.stream, where);
+  a.seg_offsets = seg_offsets_.as<int64_t>();
+  if (!trust.empty()) {
+    seg_trust_.grow(int64_t(trust.size() * sizeof(float)));
+    device::copy(seg_trust_.data(), trust.data(), int64_t(trust.size() * sizeof(float)), cfg_.stream, where);
+    a.seg_trust = seg_trust_.as<float>();
+  }
+  // Pageable sources: the copies above have read them when they return, but wait for them all the same,
+  // so the host vectors may go as soon as the caller's scope ends.
+  sync_caller("step (segments of LAMB/LARS)");
+}
+
 std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
   // Per-tensor norms: each rank sums its segments, one all_reduce adds them up per parameter.
   std::vector<double> sums(params_.size() * 2, 0.0);
@@ -499,14 +682,19 @@ std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
       a.seg_offsets = offs.data();
       std::vector<optim::NormSums> out(seg_params.size());
       if (out.empty()) return;
-      optim::norms_range(a, out.data(), cfg_.threads);
+      if (on_device()) {
+        step_args_upload(g, a, offs, {});
+        optim::norms_range_cuda(a, offs.data(), out.data(), cfg_.stream);
+      } else {
+        optim::norms_range(a, out.data(), cfg_.threads);
+      }
       for (size_t i = 0; i < seg_params.size(); ++i) {
         sums[2 * size_t(seg_params[i])] += out[i].w_sq;
         sums[2 * size_t(seg_params[i]) + 1] += out[i].u_sq;
       }
     });
   }
-  dp_.all_reduce(sums.data(), int64_t(sums.size()), comm::ReduceOp::sum);
+  comm::all_reduce_host(dp_, sums.data(), int64_t(sums.size()), comm::ScalarType::f64, comm::ReduceOp::sum);
   std::vector<float> trust(params_.size());
   for (size_t p = 0; p < params_.size(); ++p)
     trust[p] = optim::optim_trust_ratio(cfg_.algo, hypers_[size_t(params_[p].hyper_group)],
@@ -531,7 +719,13 @@ void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<flo
       a.seg_offsets = offs.data();
       a.seg_trust = trust.data();
     }
-    optim::step_range(a, cfg_.threads);
+    if (on_device()) {
+      if (optim::algo_has_trust_ratio(cfg_.algo)) step_args_upload(g, a, offs, trust);
+      optim::step_range_cuda(a, offs.empty() ? nullptr : offs.data(), trust.empty() ? nullptr : trust.data(),
+                             cfg_.stream);
+    } else {
+      optim::step_range(a, cfg_.threads);
+    }
   });
 }
 
@@ -540,41 +734,42 @@ void ShardedOptimizer::param_sync(int g) {
   if (gl.padded() == 0) return;
   const int esize = dtype_size(cfg_.working_dtype);
   const int r = rank();
+  const vec::Where w = where_step();
+  StreamScope scope(*this, w);
+  uint8_t* working = working_[g].as<uint8_t>();
   if (!cfg_.int8_params) {
     if (cfg_.working_dtype == DType::f32)
-      std::memcpy(working_[g].data() + gl.part_begin(r) * esize, master_[g].data(), size_t(gl.part_valid(r)) * 4);
-    const size_t w = size_t(world());
-    std::vector<int64_t> bytes(w, gl.chunk * esize), displs(w, 0);
+      vec::copy(working + gl.part_begin(r) * esize, master_[g].data(), gl.part_valid(r) * 4, w);
+    const size_t ranks = size_t(world());
+    std::vector<int64_t> bytes(ranks, gl.chunk * esize), displs(ranks, 0);
     for (int p = 0; p < world(); ++p) displs[p] = gl.part_begin(p) * esize;
-    dp_.all_gather_v(working_[g].data() + displs[r], bytes[r], working_[g].data(), bytes, displs);
+    dp_.all_gather_v(working + displs[r], bytes[r], working, bytes, displs);
     return;
   }
   // int8 parameter sync: the owner sends int8 blocks of (master - working); every rank, the owner
   // included, adds the same decoded delta to its working copy, so replicas stay identical and the
   // next delta carries what this one's rounding lost.
   const int64_t valid = gl.part_valid(r), b = gl.part_begin(r);
-  std::vector<float> delta(size_t(gl.chunk), 0.0f);
-  const float* m = master_[g].data();
-  const void* wk = working_[g].data();
   const DType wt = cfg_.working_dtype;
-#pragma omp parallel for schedule(static) if (valid > 65536)
-  for (int64_t i = 0; i < valid; ++i) delta[i] = m[i] - dtype_load(wk, wt, b + i);
+  delta_.grow(gl.chunk * 4);
+  float* delta = delta_.as<float>();
+  vec::zero(delta + valid, (gl.chunk - valid) * 4, w);
+  vec::diff(delta, master_[g].as<float>(), working + b * esize, wt, valid, w);
   std::vector<int64_t> off(size_t(world()) + 1);
   for (int p = 0; p <= world(); ++p) off[p] = gl.chunk * p;
-  full_delta_.resize(size_t(gl.padded()));
+  full_delta_.grow(gl.padded() * 4);
   const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
-  comm::bucket_all_gather(dp_, delta.data(), gl.padded(), off, full_delta_.data(), opt, &wire_ws_);
-  void* w = working_[g].data();
-  const float* d = full_delta_.data();
-#pragma omp parallel for schedule(static) if (gl.numel > 65536)
-  for (int64_t i = 0; i < gl.numel; ++i) dtype_store(w, wt, i, dtype_load(w, wt, i) + d[i]);
+  comm::bucket_all_gather(dp_, delta, gl.padded(), off, full_delta_.as<float>(), opt, &wire_ws_);
+  vec::add(working, wt, full_delta_.data(), DType::f32, gl.numel, w);
 }
 
 void ShardedOptimizer::sync_working_from_master() {
+  ZERO8_SHARD_DEVICE_SCOPE("sync_working_from_master");
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
-    for (int64_t i = 0; i < valid; ++i) dtype_store(working_[g].data(), cfg_.working_dtype, b + i, master_[g][i]);
+    vec::convert(working_[g].as<uint8_t>() + b * dtype_size(cfg_.working_dtype), cfg_.working_dtype,
+                 master_[g].data(), DType::f32, valid, where_step());
     const bool q = cfg_.int8_params;
     cfg_.int8_params = false;  // an exact gather: the masters are the truth after a load
     param_sync(g);
@@ -597,16 +792,18 @@ StepInfo ShardedOptimizer::step() {
                                        : std::to_string(micro_) + " micro-batch(es) ended with backward_end(false)") +
                     "; end the accumulation's last micro-batch with backward_end(true) first");
   validate_hypers();  // before any collective: a scheduler's bad value fails here, the same on every rank
+  ZERO8_SHARD_DEVICE_SCOPE("step");
+  caller_after_side();  // the reduced partitions (backward_end made it wait already; a cheap guarantee)
   StepInfo info;
   info.loss_scale = scaler_.scale();
-  const bool overflow = overflow_anywhere();
+  bool overflow = false;
+  const double sq = grad_sq_sum_global(&overflow);
   if (overflow) {
     scaler_.update(true);
     info.skipped = true;
   } else {
     // part_grad holds sum over ranks of (loss_scale * grad): average and unscale.
     const double unscale = 1.0 / (double(world()) * scaler_.scale());
-    const double sq = dp_.all_reduce_value<double>(grad_sq_sum_local(), comm::ReduceOp::sum);
     info.grad_norm = std::sqrt(sq) * unscale;
     if (cfg_.gradient_clipping > 0.0) {
       // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
@@ -621,7 +818,7 @@ StepInfo ShardedOptimizer::step() {
     ++steps_;
     scaler_.update(false);
   }
-  for (int g = 0; g < kNumGroups; ++g) std::fill(part_grad_[g].begin(), part_grad_[g].end(), 0.0f);
+  for (int g = 0; g < kNumGroups; ++g) vec::zero(part_grad_[g].data(), part_grad_[g].bytes(), where_step());
   wire_calls_ = 0;
   info.step = steps_;
   return info;
@@ -630,14 +827,105 @@ StepInfo ShardedOptimizer::step() {
 MemoryStats ShardedOptimizer::memory() const {
   MemoryStats m;
   for (int g = 0; g < kNumGroups; ++g) {
-    m.working += int64_t(working_[g].size());
-    m.grads += grads_[g].resident_bytes();
-    m.master += int64_t(master_[g].size() * sizeof(float));
+    m.working += working_[g].bytes();
+    m.grads += on_device() ? grads_device_[g].bytes() : grads_[g].resident_bytes();
+    m.master += master_[g].bytes();
     m.state += states_[g]->bytes();
-    m.buffers += int64_t((part_grad_[g].size() + residual_[g].size()) * sizeof(float));
+    m.buffers += part_grad_[g].bytes() + int64_t(residual_[g].size() * sizeof(float)) + residual_device_[g].bytes();
   }
-  m.buffers += int64_t((scratch_.capacity() + full_delta_.capacity()) * sizeof(float));
+  m.buffers += scratch_.bytes() + delta_.bytes() + full_delta_.bytes();
   return m;
+}
+
+// ---- host copies ----
+
+const char* ShardedOptimizer::part_name(Part p) {
+  switch (p) {
+    case Part::working: return "working";
+    case Part::master: return "master";
+    case Part::codes1: return "codes1";
+    case Part::absmax1: return "absmax1";
+    case Part::codes2: return "codes2";
+    case Part::absmax2: return "absmax2";
+    case Part::state1: return "state1";
+    case Part::state2: return "state2";
+    case Part::residual: return "residual";
+  }
+  return "?";
+}
+
+int64_t ShardedOptimizer::part_bytes(Group g, Part p) const {
+  ZERO8_CHECK_ARG(int(g) >= 0 && int(g) < kNumGroups, "group", "must be 0 (8-bit states) or 1 (fp32 states), got " << int(g));
+  const GroupLayout& gl = layout_.groups[int(g)];
+  const optim::StateLayout& sl = states_[int(g)]->layout();
+  const int64_t valid = gl.part_valid(rank());
+  auto state_part = [&](int which, bool codes, bool absmax) -> int64_t {
+    if (which > sl.num_states) return 0;
+    if (sl.bits == 8) return codes ? valid : absmax ? 4 * sl.num_blocks() : 0;
+    return codes || absmax ? 0 : 4 * valid;
+  };
+  switch (p) {
+    case Part::working: return gl.padded() * dtype_size(cfg_.working_dtype);
+    case Part::master: return 4 * valid;
+    case Part::codes1: return state_part(1, true, false);
+    case Part::absmax1: return state_part(1, false, true);
+    case Part::codes2: return state_part(2, true, false);
+    case Part::absmax2: return state_part(2, false, true);
+    case Part::state1: return state_part(1, false, false);
+    case Part::state2: return state_part(2, false, false);
+    case Part::residual:
+      return on_device() ? residual_device_[int(g)].bytes() : int64_t(residual_[int(g)].size() * sizeof(float));
+  }
+  ZERO8_CHECK_ARG(false, "part", "unknown Part " << int(p));
+  return 0;
+}
+
+// Where part p of group g lives (the optimizer's memory), or null when it is not held.
+static void* part_data(ShardedOptimizer& o, Group g, ShardedOptimizer::Part p) {
+  using Part = ShardedOptimizer::Part;
+  optim::State* st = o.state(g);
+  switch (p) {
+    case Part::working: return o.working(g);
+    case Part::master: return o.master(g);
+    case Part::codes1: return st->codes(1);
+    case Part::absmax1: return st->absmax(1);
+    case Part::codes2: return st->layout().num_states >= 2 ? st->codes(2) : nullptr;
+    case Part::absmax2: return st->layout().num_states >= 2 ? st->absmax(2) : nullptr;
+    case Part::state1: return st->fp32(1);
+    case Part::state2: return st->layout().num_states >= 2 ? st->fp32(2) : nullptr;
+    case Part::residual: return nullptr;  // residual_data (private): see copy_to_host
+  }
+  return nullptr;
+}
+
+void ShardedOptimizer::copy_to_host(Group g, Part p, void* dst) {
+  const int64_t bytes = part_bytes(g, p);
+  if (bytes == 0) return;
+  ZERO8_CHECK_ARG(dst != nullptr, "dst", "null pointer for " << bytes << " bytes of " << part_name(p));
+  ZERO8_SHARD_DEVICE_SCOPE("copy_to_host");
+  const void* src = p == Part::residual ? residual_data(int(g)) : part_data(*this, g, p);
+  if (!on_device()) {
+    std::memcpy(dst, src, size_t(bytes));
+    return;
+  }
+  caller_after_side();  // the residual is written on the reduction stream
+  device::copy(dst, src, bytes, cfg_.stream, std::string("ShardedOptimizer::copy_to_host (") + part_name(p) + ")");
+  sync_caller("copy_to_host");
+}
+
+void ShardedOptimizer::copy_from_host(Group g, Part p, const void* src) {
+  const int64_t bytes = part_bytes(g, p);
+  if (bytes == 0) return;
+  ZERO8_CHECK_ARG(src != nullptr, "src", "null pointer for " << bytes << " bytes of " << part_name(p));
+  ZERO8_SHARD_DEVICE_SCOPE("copy_from_host");
+  void* dst = p == Part::residual ? residual_data(int(g)) : part_data(*this, g, p);
+  if (!on_device()) {
+    std::memcpy(dst, src, size_t(bytes));
+    return;
+  }
+  caller_after_side();
+  device::copy(dst, src, bytes, cfg_.stream, std::string("ShardedOptimizer::copy_from_host (") + part_name(p) + ")");
+  sync_caller("copy_from_host");
 }
 
 }  // namespace zero8::shard

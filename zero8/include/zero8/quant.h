@@ -66,7 +66,6 @@ void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_
 void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_t n, int32_t block,
                                const QuantTable* device_table, void* y, DType dtype, bool accumulate = false,
                                void* stream = nullptr);
-// The device copy of a standard map's table on the current device (uploaded once per device).
-const QuantTable* table_get_device(MapKind map);
+// The device copy of a standard map's table: table_get_device (zero8/kernels/quant_map.h).
 
 }  // namespace zero8::quant

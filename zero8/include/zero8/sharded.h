@@ -2,6 +2,7 @@
 // copy of the parameters, the fp32 master and the (8-bit) optimizer state of its own partition only.
 // Gradients are reduce-scattered (as int8 blocks by default), the owner steps its partition, and the
 // updated partitions are all-gathered (in the working dtype, or as int8 blocks of the update delta).
+// The buffers live in host memory or on a CUDA device; one code path serves both (see "Devices" below).
 #pragma once
 
 #include <cstdint>
@@ -11,8 +12,10 @@
 #include "zero8/comm/communicator.h"
 #include "zero8/comm/quantized.h"
 #include "zero8/grad_buffer.h"
+#include "zero8/kernels/device.h"
 #include "zero8/kernels/hd.h"
 #include "zero8/kernels/optim.h"
+#include "zero8/kernels/vec.h"
 #include "zero8/layout.h"
 #include "zero8/loss_scaler.h"
 #include "zero8/optim.h"
@@ -42,7 +45,35 @@ struct ShardConfig {
   bool fp16 = false;                   // dynamic loss scaling (loss_scaler) applies
   LossScalerConfig loss_scaler;
   int threads = 0;                     // OpenMP threads of the kernels (0: default)
+  // Where the buffers live: host memory, or the CUDA device current at construction (see "Devices").
+  MemSpace memory = MemSpace::host;
+  // Device memory: the caller's CUDA stream (a cudaStream_t; Python passes
+  // torch.cuda.current_stream().cuda_stream), on which it reads and writes the working copy and the
+  // gradient input. nullptr: the legacy default stream (torch's default stream). Must be null for host.
+  void* stream = nullptr;
 };
+
+// Devices (ShardConfig::memory = device). The working copy, the gradient input, the fp32 masters, the
+// optimizer states (codes and scales, or fp32), the reduction buckets, the error-feedback residuals and
+// every scratch buffer are device memory (cudaMalloc, never managed) of the device current at
+// construction, which each call makes current while it runs. The same steps as on the host run as CUDA
+// kernels (the codec, optim_step_cuda, the vec.h operations), so a device optimizer and a host one fed
+// the same gradients hold the same bits (codes, scales, masters, working copy) after every step; LAMB and
+// LARS excepted, whose per-tensor norms the device sums in another order (optim_norms_cuda).
+// Streams: the step, init(), the parameter all-gather and the checkpoint copies run on cfg.stream. The
+// gradient reductions (stage 2: per bucket during backward; stage 1: at the boundary) run on a side
+// stream of the optimizer, which first waits for cfg.stream (backward wrote the gradient there); the
+// reduced buckets are cleared there too, and cfg.stream waits for the side stream at backward_end, so
+// the next micro-batch's backward and the step see them done. The communicator's stream is set to the
+// stream of each call for its duration and restored after it.
+// Host syncs: one per step, reading the global gradient norm (whose finiteness is the overflow test:
+// one all_reduce of two doubles, one 16-byte read); LAMB and LARS add some per hyper-group run (their
+// per-tensor norms, and their segment tables going to the device). The collectives themselves wait
+// for their work (communicator.h). The communicator may be NCCL (device
+// memory) or a host backend (single, MPI: device buffers staged through page-locked memory, so two
+// processes can share one GPU); each needs CUDA. release_grads is host only (it hands pages back to the
+// operating system). Accessors return device pointers (working, grad_input, master, state's codes...);
+// residual() is host only; copy_to_host / copy_from_host serve either memory.
 
 // What one step did.
 struct StepInfo {
@@ -89,7 +120,7 @@ class ShardedOptimizer {
   // this rank's local gradient here. param_grad(i) points at parameter i in it. It reads as zeros
   // after each reduction; in stage 2 with several buckets the memory of each reduced bucket goes back
   // to the operating system at once (GradBuffer), so a rank holds only the gradients not yet reduced.
-  float* grad_input(Group g) { return grads_[int(g)].data(); }
+  float* grad_input(Group g) { return grad_data(int(g)); }
   float* param_grad(int param);
 
   // Collective: make rank `root`'s working copy everyone's, and set the masters from it. Call once
@@ -139,11 +170,12 @@ class ShardedOptimizer {
 
   // ---- state access (checkpoints) ----
   // Partition of group g on this rank: [part_begin, part_begin + part_valid) in flat coordinates.
-  float* master(Group g) { return master_[int(g)].data(); }
+  float* master(Group g) { return master_[int(g)].as<float>(); }
   optim::State* state(Group g) { return states_[int(g)].get(); }
   LossScaler& scaler() { return scaler_; }
-  // Error-feedback residual of group g (full padded length; empty when error feedback is off).
-  std::vector<float>& residual(Group g) { return residual_[int(g)]; }
+  // Error-feedback residual of group g (full padded length; empty when error feedback is off). Host
+  // memory only: Error(invalid_argument) for a device optimizer (copy_to_host(g, Part::residual, ...)).
+  std::vector<float>& residual(Group g);
   void set_steps(int64_t s) { steps_ = s; }
   // Recompute the working copy from the masters (all-gather in the working dtype): after loading a
   // checkpoint, so every replica holds the rounded masters.
@@ -152,6 +184,22 @@ class ShardedOptimizer {
   void mark_initialized() { initialized_ = true; }
   bool initialized() const { return initialized_; }
 
+  // ---- host copies of this rank's buffers (checkpoints; either memory) ----
+  // The parts a checkpoint holds, named as its shard sections (part_name): the working copy (whole
+  // group, padded, working dtype), the fp32 master of this rank's partition (part_valid elements), the
+  // states (8-bit: codes, part_valid bytes, and absmax, one float per state block; 32-bit: part_valid
+  // floats), and the error-feedback residual (whole group, padded floats).
+  enum class Part : uint8_t { working, master, codes1, absmax1, codes2, absmax2, state1, state2, residual };
+  static const char* part_name(Part p);  // "working", "master", "codes1", "absmax1", ..., "residual"
+  // Bytes of part p of group g on this rank; 0 when not held (codes of 32-bit states, state 2 of a
+  // one-state algorithm, the residual without error feedback, an empty partition).
+  int64_t part_bytes(Group g, Part p) const;
+  // Copies part p of group g (part_bytes bytes) to host memory, or from it into the optimizer; both
+  // return when the copy is complete (device: ordered on cfg.stream after the optimizer's work there).
+  // Master padding beyond part_valid and everything else keeps its value.
+  void copy_to_host(Group g, Part p, void* dst);
+  void copy_from_host(Group g, Part p, const void* src);
+
  private:
   struct Bucket;
   void reset_progress(int g);
@@ -159,15 +207,41 @@ class ShardedOptimizer {
   void reduce_in_order(bool only_ready);
   void release_reduced(int g, int bi);
   void clear_grad_inputs();
-  bool overflow_anywhere();
-  double grad_sq_sum_local() const;
   void validate_hypers() const;
   void step_group(int g, float grad_scale, const std::vector<float>& trust_by_param);
+  double grad_sq_sum_global(bool* overflow);
   template <class F>
   void for_each_run(int g, F&& f) const;
   std::vector<float> trust_ratios(float grad_scale);
   void param_sync(int g);
   void fill_step_args(int g, optim::StepArgs& a, float grad_scale);
+
+  // Zeroed bytes in the optimizer's memory: a host vector, or device memory. grow() keeps nothing.
+  class Store {
+   public:
+    Store() = default;
+    Store(MemSpace mem, int64_t bytes, void* stream);
+    void* data() { return mem_ == MemSpace::device ? dev_.data() : static_cast<void*>(host_.data()); }
+    template <class T> T* as() { return static_cast<T*>(data()); }
+    int64_t bytes() const { return mem_ == MemSpace::device ? dev_.bytes() : int64_t(host_.size()); }
+    void grow(int64_t bytes);
+
+   private:
+    MemSpace mem_ = MemSpace::host;
+    std::vector<uint8_t> host_;
+    device::Buffer dev_;
+  };
+  class StreamScope;  // the communicator's stream for one call
+
+  bool on_device() const { return cfg_.memory == MemSpace::device; }
+  vec::Where where_step() const;    // the caller's stream (cfg.stream)
+  vec::Where where_reduce() const;  // the reduction side stream
+  float* grad_data(int g);
+  float* residual_data(int g);      // null without error feedback
+  void side_after_caller();         // the side stream waits for the caller's work so far
+  void caller_after_side();         // and the other way round
+  void sync_caller(const char* what);
+  void step_args_upload(int g, optim::StepArgs& a, const std::vector<int64_t>& offs, const std::vector<float>& trust);
 
   std::vector<ParamSpec> params_;
   ShardConfig cfg_;
@@ -177,15 +251,24 @@ class ShardedOptimizer {
   std::vector<optim::Hyper> hypers_;               // per hyper group
   int64_t steps_ = 0;
   bool initialized_ = false;                       // the masters were set (init, a load): step() may run
-  std::vector<uint8_t> working_[kNumGroups];      // bytes
-  GradBuffer grads_[kNumGroups];                   // full, padded; pages handed back once reduced
-  std::vector<float> part_grad_[kNumGroups];       // this rank's reduced gradient (chunk elements)
-  std::vector<float> master_[kNumGroups];          // chunk elements
+  int device_ = -1;                                // the CUDA device of a device optimizer
+  Store working_[kNumGroups];                      // bytes
+  GradBuffer grads_[kNumGroups];                   // host: full, padded; pages handed back once reduced
+  Store grads_device_[kNumGroups];                 // device: the same, cleared after each reduction
+  Store part_grad_[kNumGroups];                    // this rank's reduced gradient (chunk floats)
+  Store master_[kNumGroups];                       // chunk floats
   std::unique_ptr<optim::State> states_[kNumGroups];
-  std::vector<float> residual_[kNumGroups];        // error feedback (full, padded) when enabled
-  std::vector<float> scratch_;                     // reduction output
-  std::vector<float> full_delta_;                  // int8 parameter sync: the gathered deltas
+  std::vector<float> residual_[kNumGroups];        // host: error feedback (full, padded) when enabled
+  Store residual_device_[kNumGroups];              // device: the same
+  Store scratch_;                                  // reduction output
+  Store delta_;                                    // int8 parameter sync: this rank's delta (chunk floats)
+  Store full_delta_;                               // int8 parameter sync: the gathered deltas
+  Store norm_sums_;                                // per group: the squared-gradient sums (2 doubles)
+  Store norm_work_;                                // vec::sum_squares' work
+  Store seg_offsets_, seg_trust_;                  // device LAMB/LARS: a run's segments and trust ratios
   comm::WireWorkspace wire_ws_;
+  std::unique_ptr<device::Stream> side_;           // device: the reduction stream
+  std::unique_ptr<device::Event> caller_mark_, side_mark_;
   std::vector<std::vector<int>> pending_;          // per group, per bucket: parameters not yet ready
   std::vector<bool> done_[kNumGroups];             // per group, per bucket: reduced this micro-batch
   std::vector<Bucket> buckets_[kNumGroups];

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "zero8/kernels/device.h"
+
 namespace zero8::comm {
 
 // ---------------------------------------------------------------------------------------------
@@ -31,15 +33,31 @@ namespace zero8::comm {
 //   crash instead on a large truncated message, see docs/LAUNCH.md). A broadcast root may return
 //   before the others call it, so a broadcast swapped with the next collective can complete. (MPI
 //   collectives carry no sizes to compare; checking every call would cost an extra exchange.)
-// * Memory: buffers belong to the caller and must stay valid for the call. memory() says whether
-//   they are host (single, MPI) or device (NCCL) pointers. Send and receive buffers must not
-//   overlap, except where an op says "in place". NCCL takes device buffers only (not pageable host
-//   memory): code that passes std::vector or stack values checks check_host_memory() first.
-//   NCCL ordering: the backend runs on its own non-blocking stream, which it makes wait for the
-//   legacy default stream (stream 0, where zero8's *_cuda kernels run by default, and which itself
-//   waits for blocking streams) before each call. So device buffers must be complete with respect
-//   to the legacy default stream; work writing them on a non-blocking stream or the per-thread
-//   default stream must be synchronized (cudaStreamSynchronize) before the call.
+// * Memory: buffers belong to the caller and must stay valid for the call. memory() says which memory
+//   the backend moves itself: host (single, MPI) or device (NCCL). Send and receive buffers must not
+//   overlap, except where an op says "in place".
+//   Device buffers on a host backend: the single backend copies them itself (cudaMemcpyAsync); the MPI
+//   backend stages them through page-locked host memory (cudaMallocHost, one scratch per communicator,
+//   reused): the device inputs are copied out, MPI runs on the copies, the results are copied back.
+//   Each pointer is looked at (cudaPointerGetAttributes: device and managed memory are staged, host
+//   memory, pageable or page-locked, is used as it is), so host buffers keep their direct path and cost
+//   (no query at all in a build without CUDA, a process without a device, or one without a CUDA
+//   context, where asking would make one; see device::memory_kind). Correct but slow: it is how
+//   two processes sharing one GPU run the device code path (NCCL refuses two ranks on one device).
+//   NCCL takes device (or managed) buffers only: a host pointer is Error(invalid_argument) naming the
+//   argument. Code that passes std::vector or stack values to a communicator that may be NCCL checks
+//   check_host_memory() first, or uses all_gather_host / all_reduce_host below.
+// * Streams (device buffers): set_stream(s) makes every later call enqueue its device work (NCCL's
+//   kernels, the staging and single-backend copies) on the CUDA stream s, after the work already there,
+//   and wait for it before returning (the blocking contract above); s is the caller's stream
+//   (torch.cuda.current_stream().cuda_stream), so buffers that earlier work on s writes need no
+//   synchronization, and the call's results are complete for the host and for every stream. Without a
+//   stream (nullptr, the default) the copies run on the legacy default stream (stream 0: torch's default
+//   stream, zero8's *_cuda functions with stream nullptr), and the NCCL backend runs on a stream of its
+//   own that it makes wait for the legacy default stream before each call (which itself waits for
+//   blocking streams), so it never runs its kernels on the legacy stream. Either way, buffers written on
+//   another non-blocking stream must be synchronized by the caller first. Children inherit the stream at
+//   split; set_stream is not a collective (ranks may use different streams).
 // * Threads: one thread at a time per communicator (and per world: sub-communicators share it).
 //   A call made while another thread's call on the same communicator is still running throws
 //   Error(invalid_argument) naming both ("all_reduce called while broadcast is still running on
@@ -111,7 +129,7 @@ template <> constexpr ScalarType scalar_type_of<int64_t>() { return ScalarType::
 template <> constexpr ScalarType scalar_type_of<float>() { return ScalarType::f32; }
 template <> constexpr ScalarType scalar_type_of<double>() { return ScalarType::f64; }
 
-enum class MemSpace : uint8_t { host = 0, device = 1 };
+using zero8::MemSpace;  // host or device (zero8/kernels/device.h)
 
 enum class OpKind : uint8_t {
   all_to_all = 0, all_to_all_v, all_gather, all_gather_v, reduce_scatter, all_reduce, broadcast,
@@ -137,6 +155,9 @@ struct CommStats {
 
 // Node grouping of a communicator (see node_groups()).
 struct NodeGroups;
+namespace detail {
+struct StagingArea;
+}
 // The pp x dp grouping of a communicator (see topology_split()).
 struct Topology;
 
@@ -161,6 +182,13 @@ class Communicator {
 
   CommStats stats() const { return stats_; }
   void stats_reset();
+
+  // The CUDA stream (a cudaStream_t of the current device, as an untyped handle; nullptr: none) that the
+  // device-buffer work of later calls is ordered on; see "Streams" above. A non-null stream needs CUDA:
+  // Error(unsupported) in a build without it or a process without a device, Error(invalid_argument) for
+  // a handle the runtime does not know.
+  void set_stream(void* stream);
+  void* stream() const { return stream_; }
 
   // ---- data movement (byte buffers) ----
   // send holds size() chunks of `bytes` each, chunk p goes to rank p; recv chunk p comes from rank p.
@@ -234,6 +262,10 @@ class Communicator {
   virtual void do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type,
                                  ReduceOp op);
   virtual void do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op);
+  // Whether the do_* primitives take device buffers themselves (NCCL: device memory is all it moves;
+  // single: local copies). Otherwise the public calls stage device buffers through page-locked host
+  // memory around them (see "Memory" above), and the default reductions fold on the host.
+  virtual bool native_device_buffers() const { return memory() == MemSpace::device; }
   // The first failure: later calls fail fast with the same reason. Backends whose communicators
   // share a process group (MPI, NCCL) override these to share one state across parent and children.
   virtual void set_failed(const std::string& reason);
@@ -254,7 +286,11 @@ class Communicator {
   uint64_t collective_seq() const { return collective_seq_; }
 
  private:
-  class Call;  // RAII timer + stats + failure check around one public call
+  class Call;     // RAII timer + stats + failure check around one public call
+  class Staging;  // device buffers of one call on a host backend (see "Memory" above)
+  // A device-memory backend's buffers must be device memory: Error naming the argument otherwise.
+  void check_device_buffer(const void* p, const char* arg, OpKind kind) const;
+  detail::StagingArea& area();
   void count_bytes(OpKind kind, int peer, int64_t bytes);
 
   int rank_ = 0;
@@ -270,6 +306,8 @@ class Communicator {
   // second thread's overlapping call is refused instead of racing on the sequence numbers and the
   // backend's state.
   std::atomic<const char*> running_{nullptr};
+  void* stream_ = nullptr;
+  std::unique_ptr<detail::StagingArea> staging_;  // page-locked scratch, made at the first staged call
 };
 
 // Backend factory. "single": one process. "mpi": MPI_COMM_WORLD (initializes MPI if needed and
@@ -286,6 +324,16 @@ bool comm_backend_available(const std::string& backend);  // compiled in (not: u
 // (ncclBroadcast etc. cannot read pageable host memory).
 void check_host_memory(const Communicator& c, const std::string& arg, const std::string& user,
                        const std::string& alternative = "");
+
+// Host buffers (small control data: flags, norms, sizes, configs) on any communicator: collective like
+// all_gather / all_reduce, and on a device-memory backend (NCCL) the data goes through a device scratch
+// buffer ordered on the communicator's stream; on a host backend these are the plain calls.
+void all_gather_host(Communicator& c, const void* send, void* recv, int64_t bytes);
+void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op);
+template <class T> T all_reduce_host_value(Communicator& c, T v, ReduceOp op) {
+  all_reduce_host(c, &v, 1, scalar_type_of<T>(), op);
+  return v;
+}
 
 // ---- topology helpers (collective over `world`, built on split) ----
 

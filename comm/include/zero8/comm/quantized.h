@@ -1,12 +1,14 @@
 // Bucket collectives in a chosen wire format, for ZeRO gradient reduction and parameter sync:
 // reduce-scatter and all-gather of an fp32 bucket whose ranks own contiguous ranges, sent as int8
-// blocks (codes + one fp32 scale per block: 25.05% of fp32 at block 2048), bf16, or exact fp32.
+// blocks (codes + one fp32 scale per block: 25.05% of fp32 at block 2048), bf16, or exact fp32, on
+// host or device buffers (the same steps and element math: the results are the same bits).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "zero8/comm/communicator.h"
+#include "zero8/kernels/device.h"
 #include "zero8/kernels/quant_map.h"
 
 namespace zero8::comm {
@@ -20,17 +22,30 @@ struct WireOptions {
   quant::MapKind map = quant::MapKind::dynamic_signed;
   bool stochastic = false;  // int8: stochastic rounding (unbiased); the stream is (seed, rank, element)
   uint64_t seed = 0;
-  int threads = 0;          // codec threads; 0 = the OpenMP default
+  int threads = 0;          // codec threads (host buffers); 0 = the OpenMP default
 };
 
 // Bytes of n elements on the wire: f32 4n, bf16 2n, int8 n + 4 * ceil(n / block).
 int64_t wire_bytes(WireFormat f, int64_t n, int32_t block);
 
-// Scratch reused across calls (one per bucket stream avoids re-allocating every step).
+// Scratch reused across calls (one per bucket stream avoids re-allocating every step). Device buckets
+// use the device buffers, on one stream (the communicator's) per workspace.
 struct WireWorkspace {
   std::vector<uint8_t> send, recv;
   std::vector<float> tmp;
+  device::Buffer device_send, device_recv, device_tmp;
 };
+
+// Memory: the buffers of a call (bucket, out, residual; part, bucket) are all host memory or all device
+// (or managed) memory; a host buffer among device ones is Error(invalid_argument) naming it. Host
+// buffers need a host communicator (an NCCL communicator throws). Device buffers take any backend
+// (NCCL; MPI stages the int8 blocks through page-locked memory, see communicator.h): the codec, the
+// conversions and the sums run as CUDA kernels on comm.stream() (nullptr: the legacy default stream),
+// the communicator's calls are ordered there too, and the call returns with its last kernels queued
+// on that stream (asynchronous, as the *_cuda functions: later work on the stream sees the results;
+// the host must synchronize the stream before reading them). Host and device runs of the same inputs
+// give the same bits: the same codec (quant_map.h's element math on both sides), the same sums in the
+// same order, each rounded once.
 
 // Bucket layout shared by both calls: a bucket of n elements, rank p owns [offsets[p], offsets[p+1]).
 // offsets has comm.size() + 1 entries, offsets[0] = 0, offsets[size] = n, non-decreasing; for int8
@@ -46,7 +61,7 @@ struct WireWorkspace {
 // caller across calls) is added before encoding and replaced by what the encoding lost:
 // e = (x + e) - decode(encode(x + e)). The entries of this rank's own range stay untouched.
 // Blocks that hold NaN/Inf leave their residual unchanged (the step will be skipped as overflowed),
-// and the NaN still reaches the owner's sum. Host buffers only (an NCCL communicator throws).
+// and the NaN still reaches the owner's sum.
 void bucket_reduce_scatter(Communicator& comm, const float* bucket, int64_t n, const std::vector<int64_t>& offsets,
                            float* out, const WireOptions& opt, float* residual = nullptr,
                            WireWorkspace* ws = nullptr);

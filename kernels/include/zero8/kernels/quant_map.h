@@ -95,6 +95,9 @@ std::vector<float> map_dynamic_values(bool is_signed, int max_exponent_bits = 7,
 QuantTable table_build(const std::vector<float>& values);
 // Cached table of a standard map (built once, thread-safe).
 const QuantTable& table_get(MapKind kind);
+// Its copy on the current CUDA device, for the *_cuda kernels (uploaded once per device, never freed;
+// thread-safe). Throws Error(unsupported) without CUDA or a usable device (kernels/src/device.cpp).
+const QuantTable* table_get_device(MapKind kind);
 
 // ---- element math (host and device) ----
 

@@ -1,0 +1,303 @@
+// The sharded optimizer on a CUDA device against the same optimizer on the host, under mpirun -np K:
+// fed the same gradients (written on the caller's stream, as backward does), every part of every rank's
+// state is the same bits after every step (working copy, masters, codes and scales or fp32 states,
+// error-feedback residuals) for AdamW with 8/32-bit states, fp32/bf16 working copies, stage 1 and 2, with
+// and without int8 parameter sync and error feedback; LAMB within a tolerance (its per-tensor norms are
+// summed in another order on the device). The device communicator is the MPI world (device buffers
+// staged through host memory: ranks may share one GPU) and, where every rank has a GPU of its own, NCCL.
+// Skips, naming why, without CUDA or a device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dist_env.h"
+#include "zero8/error.h"
+#include "zero8/kernels/device.h"
+#include "zero8/kernels/vec.h"
+#include "zero8/sharded.h"
+
+#if ZERO8_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace zero8::test {
+namespace {
+
+using shard::Group;
+using shard::ParamSpec;
+using shard::ShardConfig;
+using shard::ShardedOptimizer;
+using Part = ShardedOptimizer::Part;
+
+// Why the device tests cannot run on this rank, or "". Every rank computes the same answer for the
+// same machine; a mixed answer would fail the collective calls of the test, not hang them.
+std::string skip_reason() { return device::cuda_unavailable(); }
+
+#define SKIP_WITHOUT_CUDA()                                               \
+  do {                                                                    \
+    const std::string why_ = skip_reason();                               \
+    if (!why_.empty()) GTEST_SKIP() << why_;                              \
+  } while (0)
+
+std::vector<ParamSpec> twin_params() {
+  return {{"embed", {37, 129}}, {"ln.w", {100}}, {"w1", {5003}}, {"w2", {3, 3001}}, {"bias", {17}},
+          {"stable", {41, 101}, true}, {"w3", {4097}}};
+}
+
+ShardConfig twin_config() {
+  ShardConfig c;
+  c.layout.state_block = 64;
+  c.layout.wire_block = 128;
+  c.layout.min_8bit_size = 1000;
+  c.algo = optim::Algo::adamw;
+  c.hyper.lr = 1e-2f;
+  c.hyper.weight_decay = 0.01f;
+  c.reduce_bucket_size = 2048;
+  return c;
+}
+
+float init_value(int param, int64_t i) { return (rng_uniform(77, uint64_t(param) * 1000003ull + uint64_t(i)) - 0.5f) * 0.2f; }
+
+float grad_value(int r, int step, int micro, int param, int64_t i) {
+  const float u = rng_uniform(uint64_t(1 + step * 16 + micro), uint64_t(r) * 0x9e3779b9ull + uint64_t(param) * 1000003ull + uint64_t(i));
+  return (u - 0.5f) * std::ldexp(1.0f, -(param % 4));
+}
+
+// A host optimizer and a device optimizer stepping the same gradients.
+struct Twins {
+  // Declared first, so they outlive the device optimizer (which names the stream).
+  device::Stream stream{"the caller's stream"};
+  device::Buffer upload;  // one micro-batch's gradient of a group, written into the device's input
+  ShardConfig cfg;
+  std::unique_ptr<ShardedOptimizer> host, dev;
+
+  Twins(const ShardConfig& c, comm::Communicator& dev_comm) : cfg(c) {
+    host = std::make_unique<ShardedOptimizer>(twin_params(), c, world());
+    ShardConfig d = c;
+    d.memory = MemSpace::device;
+    d.stream = stream.get();
+    dev = std::make_unique<ShardedOptimizer>(twin_params(), d, dev_comm);
+    // The same initial weights: written into the host copy, then the whole group copied over.
+    for (size_t p = 0; p < twin_params().size(); ++p) {
+      void* w = host->param_working(int(p));
+      for (int64_t i = 0; i < host->layout().slots[p].numel; ++i) dtype_store(w, c.working_dtype, i, init_value(int(p), i));
+    }
+    for (int g = 0; g < shard::kNumGroups; ++g) dev->copy_from_host(Group(g), Part::working, host->working(Group(g)));
+    host->init(0);
+    dev->init(0);
+  }
+
+  // One micro-batch: each rank's gradient added to the input (on the caller's stream for the device), the
+  // parameters reported in reverse order, backward_end.
+  void micro_batch(int step, int micro, bool last, bool poison = false) {
+    const int r = world().rank();
+    for (int g = 0; g < shard::kNumGroups; ++g) {
+      const shard::GroupLayout& gl = host->layout().group(Group(g));
+      std::vector<float> grad(size_t(gl.padded()), 0.0f);
+      for (int p : gl.params) {
+        const shard::ParamSlot& s = host->layout().slots[size_t(p)];
+        for (int64_t i = 0; i < s.numel; ++i) grad[size_t(s.offset + i)] = grad_value(r, step, micro, p, i);
+      }
+      if (poison && g == 0 && r == world().size() - 1 && !grad.empty()) grad[grad.size() / 3] = INFINITY;
+      float* h = host->grad_input(Group(g));
+      for (size_t i = 0; i < grad.size(); ++i) h[i] += grad[i];
+      if (grad.empty()) continue;
+      upload.reserve(int64_t(grad.size() * 4), "gradient upload");
+      device::copy(upload.data(), grad.data(), int64_t(grad.size() * 4), stream.get(), "gradient upload");
+      vec::add(dev->grad_input(Group(g)), DType::f32, upload.data(), DType::f32, int64_t(grad.size()),
+               {MemSpace::device, stream.get()});
+    }
+    for (int p = int(twin_params().size()) - 1; p >= 0; --p) {
+      host->grad_ready(p);
+      dev->grad_ready(p);
+    }
+    host->backward_end(last);
+    dev->backward_end(last);
+  }
+
+  // Every part of every group, as bytes on the host.
+  static std::vector<std::vector<uint8_t>> parts(ShardedOptimizer& o) {
+    std::vector<std::vector<uint8_t>> out;
+    for (int g = 0; g < shard::kNumGroups; ++g)
+      for (Part p : {Part::working, Part::master, Part::codes1, Part::absmax1, Part::codes2, Part::absmax2,
+                     Part::state1, Part::state2, Part::residual}) {
+        std::vector<uint8_t> b(size_t(o.part_bytes(Group(g), p)));
+        o.copy_to_host(Group(g), p, b.data());
+        out.push_back(std::move(b));
+      }
+    return out;
+  }
+
+  // The number of parts (group, part) that differ in any bit; names them in `diff`.
+  int compare(std::string* diff) {
+    const auto a = parts(*host), b = parts(*dev);
+    int bad = 0;
+    for (size_t k = 0; k < a.size(); ++k)
+      if (a[k].size() != b[k].size() || std::memcmp(a[k].data(), b[k].data(), a[k].size()) != 0) {
+        ++bad;
+        *diff += " group " + std::to_string(k / 9) + " " + ShardedOptimizer::part_name(Part(k % 9));
+      }
+    return bad;
+  }
+};
+
+// exact_norm: the device communicator sums the two norm partials in rank order as the host's does (MPI,
+// or NCCL's ring at 2 ranks, where a + b = b + a); else within double rounding.
+void expect_same_info(const shard::StepInfo& h, const shard::StepInfo& d, bool exact_norm = true) {
+  EXPECT_EQ(h.skipped, d.skipped);
+  if (exact_norm)
+    EXPECT_EQ(std::memcmp(&h.grad_norm, &d.grad_norm, sizeof(double)), 0) << h.grad_norm << " vs " << d.grad_norm;
+  else
+    EXPECT_NEAR(h.grad_norm, d.grad_norm, 1e-12 * h.grad_norm);
+  EXPECT_EQ(h.clip_coef, d.clip_coef);
+  EXPECT_EQ(h.step, d.step);
+}
+
+void run_twins(const ShardConfig& c, comm::Communicator& dev_comm, int steps, int gas, bool exact_norm = true) {
+  Twins t(c, dev_comm);
+  std::string diff;
+  ASSERT_EQ(t.compare(&diff), 0) << "after init:" << diff;
+  for (int s = 0; s < steps; ++s) {
+    for (int m = 0; m < gas; ++m) t.micro_batch(s, m, m == gas - 1);
+    expect_same_info(t.host->step(), t.dev->step(), exact_norm);
+    ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
+  }
+}
+
+std::string config_name(const ShardConfig& c) {
+  return "bits " + std::to_string(c.bits) + ", " + dtype_name(c.working_dtype) + ", stage " + std::to_string(c.stage) +
+         (c.int8_params ? ", int8 params" : "") + (c.error_feedback ? ", error feedback" : "") +
+         (c.int8_grads ? "" : c.bf16_grads ? ", bf16 grads" : ", fp32 grads") +
+         (c.gradient_clipping > 0 ? ", clipping" : "") + (c.stochastic_wire ? ", stochastic" : "");
+}
+
+TEST(ShardedCuda, AdamWDeviceStepsEqualHostStepsBitwise) {
+  SKIP_WITHOUT_CUDA();
+  for (int bits : {8, 32})
+    for (DType wt : {DType::f32, DType::bf16})
+      for (int stage : {1, 2})
+        for (bool int8_params : {false, true})
+          for (bool feedback : {false, true}) {
+            ShardConfig c = twin_config();
+            c.bits = bits;
+            c.working_dtype = wt;
+            c.stage = stage;
+            c.int8_params = int8_params;
+            c.error_feedback = feedback;
+            c.gradient_clipping = bits == 8 && stage == 2 ? 0.5 : 0.0;
+            SCOPED_TRACE(config_name(c));
+            run_twins(c, world(), 3, 2);
+            if (HasFatalFailure()) return;
+          }
+}
+
+TEST(ShardedCuda, WireFormatsAndStochasticRoundingMatchTheHost) {
+  SKIP_WITHOUT_CUDA();
+  for (int variant = 0; variant < 3; ++variant) {
+    ShardConfig c = twin_config();
+    c.int8_grads = variant == 2;
+    c.bf16_grads = variant == 1;
+    c.stochastic_wire = variant == 2;
+    c.int8_params = variant == 2;
+    c.error_feedback = variant == 2;
+    c.wire_seed = 1234;
+    SCOPED_TRACE(config_name(c));
+    run_twins(c, world(), 2, 1);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(ShardedCuda, OverflowSkipsOnTheDeviceAsOnTheHost) {
+  SKIP_WITHOUT_CUDA();
+  ShardConfig c = twin_config();
+  c.working_dtype = DType::f16;
+  c.fp16 = true;
+  c.loss_scaler.initial_scale_power = 4;
+  Twins t(c, world());
+  std::string diff;
+  for (int s = 0; s < 3; ++s) {
+    t.micro_batch(s, 0, true, /*poison=*/s == 1);
+    const shard::StepInfo h = t.host->step(), d = t.dev->step();
+    EXPECT_EQ(h.skipped, s == 1);
+    expect_same_info(h, d);
+    EXPECT_EQ(h.loss_scale, d.loss_scale);
+    ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
+  }
+  EXPECT_EQ(t.host->loss_scale(), t.dev->loss_scale());
+}
+
+TEST(ShardedCuda, LambOnTheDeviceFollowsTheHost) {
+  SKIP_WITHOUT_CUDA();
+  ShardConfig c = twin_config();
+  c.algo = optim::Algo::lamb;
+  c.hyper.lr = 1e-3f;
+  Twins t(c, world());
+  for (int s = 0; s < 3; ++s) {
+    t.micro_batch(s, 0, true);
+    const shard::StepInfo h = t.host->step(), d = t.dev->step();
+    EXPECT_EQ(std::memcmp(&h.grad_norm, &d.grad_norm, sizeof(double)), 0);
+  }
+  // The trust ratios may differ in their last bits (the norms' order): the masters stay within a few
+  // ulps of a step of lr.
+  for (int g = 0; g < shard::kNumGroups; ++g) {
+    const int64_t n = t.host->part_bytes(Group(g), Part::master) / 4;
+    std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+    t.host->copy_to_host(Group(g), Part::master, a.data());
+    t.dev->copy_to_host(Group(g), Part::master, b.data());
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(a[size_t(i)], b[size_t(i)], 1e-6f) << "group " << g << " element " << i;
+  }
+}
+
+// The device accessors: pointers into device memory, host copies that round-trip, and the host-only
+// residual() refused by name.
+TEST(ShardedCuda, DeviceBuffersAndTheirHostCopies) {
+  SKIP_WITHOUT_CUDA();
+  ShardConfig c = twin_config();
+  c.error_feedback = true;
+  Twins t(c, world());
+  EXPECT_EQ(device::memory_kind(t.dev->working(Group::q8)), device::MemoryKind::device);
+  EXPECT_EQ(device::memory_kind(t.dev->grad_input(Group::q8)), device::MemoryKind::device);
+  EXPECT_EQ(device::memory_kind(t.dev->master(Group::q8)), device::MemoryKind::device);
+  EXPECT_EQ(device::memory_kind(t.dev->state(Group::q8)->codes(1)), device::MemoryKind::device);
+  try {
+    t.dev->residual(Group::q8);
+    ADD_FAILURE() << "residual() of a device optimizer";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("invalid argument 'residual'"), std::string::npos) << e.what();
+  }
+  std::vector<float> m(size_t(t.dev->part_bytes(Group::q8, Part::master) / 4));
+  for (size_t i = 0; i < m.size(); ++i) m[i] = float(i) * 0.5f;
+  t.dev->copy_from_host(Group::q8, Part::master, m.data());
+  std::vector<float> back(m.size());
+  t.dev->copy_to_host(Group::q8, Part::master, back.data());
+  EXPECT_EQ(std::memcmp(m.data(), back.data(), m.size() * 4), 0);
+  EXPECT_EQ(t.dev->memory().state, t.host->memory().state);
+}
+
+#if ZERO8_WITH_NCCL
+// NCCL needs a GPU per rank: where there are as many as ranks, the device twins run over NCCL too.
+TEST(ShardedCuda, OverNcclEqualsTheHost) {
+  SKIP_WITHOUT_CUDA();
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  if (devices < world().size())
+    GTEST_SKIP() << "NCCL needs one GPU per rank: " << world().size() << " ranks, " << devices << " device(s)";
+  std::unique_ptr<comm::Communicator> nccl = comm::comm_create("nccl");
+  for (int stage : {1, 2}) {
+    ShardConfig c = twin_config();
+    c.stage = stage;
+    c.int8_params = stage == 2;
+    c.error_feedback = stage == 2;
+    SCOPED_TRACE(config_name(c));
+    // Clipping off: the step does not use the norm, which NCCL sums in its ring's order.
+    run_twins(c, *nccl, 2, 2, world().size() <= 2);
+    if (HasFatalFailure()) return;
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace zero8::test
