@@ -55,6 +55,11 @@ TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
 TEST(DistNccl, CollectivesOnDeviceBuffers) {
   const std::string why = no_device_reason();
   if (!why.empty()) GTEST_SKIP() << "no CUDA device (" << why << "): the NCCL backend cannot run here";
+  // One GPU per rank: NCCL refuses two ranks of one communicator on the same device.
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  if (world().size() > devices)
+    GTEST_SKIP() << "NCCL needs a GPU per rank: " << world().size() << " ranks, " << devices << " device(s)";
   std::unique_ptr<Communicator> c = comm::comm_create("nccl");
   const int n = c->size(), me = c->rank();
   ASSERT_EQ(c->memory(), comm::MemSpace::device);
