@@ -179,7 +179,7 @@ struct DeviceState {
 // leave the same parameter bits and state bytes.
 void check_step(optim::Algo algo, const optim::Hyper& hyper, int bits, int32_t block, cudaStream_t s) {
   const int64_t n = 3 * int64_t(block) + block / 2;
-  std::vector<float> p(size_t(n)), g(size_t(n));
+  std::vector<float> p(static_cast<size_t>(n)), g(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     p[size_t(i)] = 0.02f * (rng_uniform(3, uint64_t(i)) - 0.5f);
     g[size_t(i)] = 1e-3f * (rng_uniform(4, uint64_t(i)) - 0.5f) * float(1 + i / block);
@@ -264,8 +264,8 @@ CudaCodecTimes cuda_bench_codec(const void* x_host, int64_t n_host, int64_t n, i
   BENCH_CUDA(cudaGetLastError());
   BENCH_CUDA(cudaStreamSynchronize(s.s));
   const int64_t hb = quant::quant_num_blocks(n_host, block);
-  std::vector<uint8_t> want_codes(size_t(n_host)), want_y(size_t(n_host) * esize);
-  std::vector<float> want_absmax(size_t(hb));
+  std::vector<uint8_t> want_codes(static_cast<size_t>(n_host)), want_y(static_cast<size_t>(n_host) * esize);
+  std::vector<float> want_absmax(static_cast<size_t>(hb));
   quant::quantize_blockwise(x_host, dtype, n_host, block, quant::MapKind::dynamic_signed, want_codes.data(),
                             want_absmax.data(), opt);
   quant::dequantize_blockwise(want_codes.data(), want_absmax.data(), n_host, block, quant::MapKind::dynamic_signed,

@@ -153,63 +153,6 @@ prepare() {
 }
 
 # ---------------------------------------------------------------------------------------------------
-# Arguments
-
-MODE=full PREPARE_DIR="" DEPS_DIR="" OUT_DIR="$ROOT/out/gpu_check" WORK="" NO_GPU_OK=0 CUDA_ARCH="" BUDGET=560
-JOBS="$(nproc 2>/dev/null || echo 4)"
-while (($# > 0)); do
-  case "$1" in
-    -h | --help) usage; exit 0 ;;
-    --prepare) [[ $# -ge 2 ]] || die_usage "--prepare needs a directory"; PREPARE_DIR=$2; shift ;;
-    --deps) [[ $# -ge 2 ]] || die_usage "--deps needs a directory"; DEPS_DIR=$2; shift ;;
-    --out) [[ $# -ge 2 ]] || die_usage "--out needs a directory"; OUT_DIR=$2; shift ;;
-    --work) [[ $# -ge 2 ]] || die_usage "--work needs a directory"; WORK=$2; shift ;;
-    --cuda-arch) [[ $# -ge 2 ]] || die_usage "--cuda-arch needs a value"; CUDA_ARCH=$2; shift ;;
-    --budget)
-      [[ $# -ge 2 && $2 =~ ^[0-9]+$ && $2 -ge 60 ]] || die_usage "--budget needs a number of seconds >= 60, got '${2:-}'"
-      BUDGET=$2; shift ;;
-    --jobs)
-      [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || die_usage "--jobs needs a positive integer, got '${2:-}'"
-      JOBS=$2; shift ;;
-    --quick) MODE=quick ;;
-    --no-gpu-ok) NO_GPU_OK=1 ;;
-    *) die_usage "unknown argument '$1'" ;;
-  esac
-  shift
-done
-
-if [[ -n "$PREPARE_DIR" ]]; then
-  prepare "$PREPARE_DIR"
-  exit $?
-fi
-if [[ -n "$DEPS_DIR" ]]; then
-  [[ -d "$DEPS_DIR" ]] || die_usage "--deps $DEPS_DIR: no such directory (make it with --prepare)"
-  compgen -G "$DEPS_DIR/*.deb" >/dev/null || die_usage "--deps $DEPS_DIR holds no .deb files (make it with --prepare)"
-  DEPS_DIR=$(cd "$DEPS_DIR" && pwd)
-fi
-[[ -z "$CUDA_ARCH" || "$CUDA_ARCH" =~ ^[0-9]+[a-z]?(\;[0-9]+[a-z]?)*$ ]] ||
-  die_usage "--cuda-arch must look like 90 or 80;90, got '$CUDA_ARCH'"
-
-mkdir -p "$OUT_DIR" || die_usage "cannot create --out $OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-if [[ -z "$WORK" ]]; then
-  WORK=$(mktemp -d "${TMPDIR:-/tmp}/zero8-gpu-check.XXXXXX") || die_usage "cannot create a work directory"
-else
-  mkdir -p "$WORK" || die_usage "cannot create --work $WORK"
-  WORK=$(cd "$WORK" && pwd)
-fi
-# What a previous run in the same work directory recorded is not this run's.
-rm -rf "$WORK/results" "$WORK/logs" "$WORK/example"
-mkdir -p "$WORK/results" "$WORK/logs"
-STAGES="$WORK/results/stages.jsonl"
-ENVF="$WORK/results/env.txt"
-: >"$STAGES"
-: >"$ENVF"
-PY=${PYTHON:-python3}
-T0=$(date +%s)
-DEADLINE=$((T0 + BUDGET))
-
-# ---------------------------------------------------------------------------------------------------
 # Stages: each runs in its own bash under `timeout`, with its own log; the record goes to stages.jsonl.
 
 env_set() { printf '%s=%s\n' "$1" "$(tr '\n' ' ' <<<"$2" | sed 's/ *$//')" >>"$ENVF"; }
@@ -286,61 +229,6 @@ gpu_query() {
   [[ -n "$q" ]] || { echo "nvidia-smi lists no GPU"; return 1; }
   echo "$q"
 }
-
-HAVE_GPU=0
-if gpu_line=$(gpu_query); then
-  HAVE_GPU=1
-  gpu_first=$(head -1 <<<"$gpu_line")
-  IFS=',' read -r GPU_NAME GPU_DRIVER GPU_CC GPU_MEM <<<"$gpu_first"
-  env_set gpu "${GPU_NAME# }"
-  env_set gpu_count "$(wc -l <<<"$gpu_line")"
-  env_set driver "${GPU_DRIVER# }"
-  env_set compute_capability "${GPU_CC# }"
-  env_set gpu_memory "${GPU_MEM# }"
-  [[ -n "$CUDA_ARCH" ]] || CUDA_ARCH=$(tr -d ' .' <<<"$GPU_CC")
-else
-  env_set gpu "none ($gpu_line)"
-fi
-[[ -n "$CUDA_ARCH" ]] || CUDA_ARCH=90  # no GPU: the lent machine's H200, so the same code is compiled
-env_set no_gpu "$((1 - HAVE_GPU))"
-env_set no_gpu_ok "$NO_GPU_OK"
-env_set mode "$MODE"
-env_set cuda_arch "$CUDA_ARCH"
-env_set host "$(hostname 2>/dev/null || echo unknown), $(nproc) cores, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo 2>/dev/null)"
-env_set date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-env_set commit "$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "${ZERO8_COMMIT:-unknown (no .git here; set ZERO8_COMMIT)}")"
-env_set deps "${DEPS_DIR:-system packages}$([[ -f "$DEPS_DIR/manifest.txt" ]] && sed -n 's/^prepared_commit=/, prepared at /p' "$DEPS_DIR/manifest.txt")"
-NVCC=$(command -v nvcc || { [[ -x /usr/local/cuda/bin/nvcc ]] && echo /usr/local/cuda/bin/nvcc; } || true)
-env_set nvcc "${NVCC:+$("$NVCC" --version 2>/dev/null | grep -i release | sed 's/.*release //')}${NVCC:-not found}"
-env_set cmake "$(cmake --version 2>/dev/null | head -1 || echo 'not found')"
-env_set cxx "$(c++ --version 2>/dev/null | head -1 || echo 'not found')"
-env_set python "$("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>&1 | tail -1)"
-env_set torch "$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "device available:", torch.cuda.is_available())' 2>&1 | tail -1)"
-
-if ((HAVE_GPU == 0)); then
-  if ((NO_GPU_OK == 0)); then
-    echo "gpu_check: no GPU on this machine ($gpu_line); this check needs one." >&2
-    echo "gpu_check: --no-gpu-ok runs the same pipeline anyway (build, tests that skip, no figures)." >&2
-    record gpu failed 2 0 "no GPU: $gpu_line (run with --no-gpu-ok to build and test without one)"
-    write_report
-    exit 2
-  fi
-  echo "gpu_check: no GPU ($gpu_line): running the pipeline without one (--no-gpu-ok); CUDA tests will skip"
-fi
-
-# Everything the stage functions read.
-export ROOT WORK PY JOBS CUDA_ARCH DEPS_DIR NVCC MODE HAVE_GPU BASE_SONAMES OWN_LIB_RE
-export BUILD="$WORK/build" PYBUILD="$WORK/pybuild" SITE="$WORK/site" DEPS_ROOT="$WORK/deps"
-export -f elf_needed elf_soname is_elf deb_extract
-# mpirun as root (the lent machine runs commands as root) and several ranks per core, as in scripts/test.sh.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
-if [[ -n "$NVCC" ]]; then PATH="$(dirname "$NVCC"):$PATH"; export PATH; fi
-
-# The environment the stages after `deps` source: the unpacked prefix on every search path.
-DEPS_ENV="$WORK/results/deps_env.sh"
-export DEPS_ENV
-: >"$DEPS_ENV"
 
 # ---------------------------------------------------------------------------------------------------
 # Stage functions (each runs in its own bash; `note` leaves a line for the report)
@@ -557,59 +445,177 @@ st_example() {
 export -f st_deps st_configure st_build st_python_build st_ctest st_pytest st_bench_python st_example
 
 # ---------------------------------------------------------------------------------------------------
-# The pipeline
+# Main: the whole body is parsed before it runs, so editing this file during a run cannot derail the run.
 
-echo "gpu_check: $MODE check of $ROOT; work $WORK; report $OUT_DIR; deadline ${BUDGET} s"
-if ((HAVE_GPU)); then
-  record gpu ok 0 0 "$gpu_first"
-else
-  record gpu skipped 0 0 "no GPU ($gpu_line): --no-gpu-ok, the CUDA tests skip and nothing is measured"
-fi
-write_report
+main() {
+  # Arguments
 
-if [[ -n "$DEPS_DIR" ]]; then
-  run_stage deps 90 st_deps
-else
-  skip_stage deps "no --deps: the system's packages are used"
-fi
-write_report
-if run_stage configure 180 st_configure; then :; fi
-write_report
+  MODE=full PREPARE_DIR="" DEPS_DIR="" OUT_DIR="$ROOT/out/gpu_check" WORK="" NO_GPU_OK=0 CUDA_ARCH="" BUDGET=560
+  JOBS="$(nproc 2>/dev/null || echo 4)"
+  while (($# > 0)); do
+    case "$1" in
+      -h | --help) usage; exit 0 ;;
+      --prepare) [[ $# -ge 2 ]] || die_usage "--prepare needs a directory"; PREPARE_DIR=$2; shift ;;
+      --deps) [[ $# -ge 2 ]] || die_usage "--deps needs a directory"; DEPS_DIR=$2; shift ;;
+      --out) [[ $# -ge 2 ]] || die_usage "--out needs a directory"; OUT_DIR=$2; shift ;;
+      --work) [[ $# -ge 2 ]] || die_usage "--work needs a directory"; WORK=$2; shift ;;
+      --cuda-arch) [[ $# -ge 2 ]] || die_usage "--cuda-arch needs a value"; CUDA_ARCH=$2; shift ;;
+      --budget)
+        [[ $# -ge 2 && $2 =~ ^[0-9]+$ && $2 -ge 60 ]] || die_usage "--budget needs a number of seconds >= 60, got '${2:-}'"
+        BUDGET=$2; shift ;;
+      --jobs)
+        [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || die_usage "--jobs needs a positive integer, got '${2:-}'"
+        JOBS=$2; shift ;;
+      --quick) MODE=quick ;;
+      --no-gpu-ok) NO_GPU_OK=1 ;;
+      *) die_usage "unknown argument '$1'" ;;
+    esac
+    shift
+  done
 
-# The C++ build and the Python extension's build run side by side (each with -j JOBS).
-run_stage python_build 420 st_python_build &
-py_pid=$!
-run_stage build 420 st_build
-wait "$py_pid"
-write_report
-
-run_stage ctest_cuda 300 st_ctest
-write_report
-run_stage pytest_cuda 300 st_pytest
-write_report
-
-if [[ $MODE == full ]]; then
-  if ((HAVE_GPU)); then
-    run_stage bench_bandwidth 60 "st_bench_cpp bench_bandwidth bandwidth"
-    run_stage bench_codec 60 "st_bench_cpp bench_codec codec"
-    run_stage bench_optimizer_1e8 90 "st_bench_cpp bench_optimizer_1e8 optimizer --numel 1e8"
-    run_stage bench_optimizer_1e9 150 "st_bench_cpp bench_optimizer_1e9 optimizer --numel 1e9"
-    write_report
-    run_stage bench_python 200 st_bench_python
-    write_report
-  else
-    for s in bench_bandwidth bench_codec bench_optimizer_1e8 bench_optimizer_1e9 bench_python; do
-      skip_stage "$s" "no GPU: nothing to measure"
-    done
+  if [[ -n "$PREPARE_DIR" ]]; then
+    prepare "$PREPARE_DIR"
+    exit $?
   fi
-  if ((HAVE_GPU)); then
-    run_stage example 200 st_example
-  else
-    skip_stage example "no GPU: the --device cuda run needs one"
+  if [[ -n "$DEPS_DIR" ]]; then
+    [[ -d "$DEPS_DIR" ]] || die_usage "--deps $DEPS_DIR: no such directory (make it with --prepare)"
+    compgen -G "$DEPS_DIR/*.deb" >/dev/null || die_usage "--deps $DEPS_DIR holds no .deb files (make it with --prepare)"
+    DEPS_DIR=$(cd "$DEPS_DIR" && pwd)
   fi
-fi
-env_set total_seconds "$(($(date +%s) - T0))"
-write_report
-echo "gpu_check: done in $(($(date +%s) - T0)) s: $OUT_DIR/report.md"
-grep -q '"status": "\(failed\|timeout\)"' "$STAGES" && exit 1
-exit 0
+  [[ -z "$CUDA_ARCH" || "$CUDA_ARCH" =~ ^[0-9]+[a-z]?(\;[0-9]+[a-z]?)*$ ]] ||
+    die_usage "--cuda-arch must look like 90 or 80;90, got '$CUDA_ARCH'"
+
+  mkdir -p "$OUT_DIR" || die_usage "cannot create --out $OUT_DIR"
+  OUT_DIR=$(cd "$OUT_DIR" && pwd)
+  if [[ -z "$WORK" ]]; then
+    WORK=$(mktemp -d "${TMPDIR:-/tmp}/zero8-gpu-check.XXXXXX") || die_usage "cannot create a work directory"
+  else
+    mkdir -p "$WORK" || die_usage "cannot create --work $WORK"
+    WORK=$(cd "$WORK" && pwd)
+  fi
+  # What a previous run in the same work directory recorded is not this run's.
+  rm -rf "$WORK/results" "$WORK/logs" "$WORK/example"
+  mkdir -p "$WORK/results" "$WORK/logs"
+  STAGES="$WORK/results/stages.jsonl"
+  ENVF="$WORK/results/env.txt"
+  : >"$STAGES"
+  : >"$ENVF"
+  PY=${PYTHON:-python3}
+  T0=$(date +%s)
+  DEADLINE=$((T0 + BUDGET))
+
+  HAVE_GPU=0
+  if gpu_line=$(gpu_query); then
+    HAVE_GPU=1
+    gpu_first=$(head -1 <<<"$gpu_line")
+    IFS=',' read -r GPU_NAME GPU_DRIVER GPU_CC GPU_MEM <<<"$gpu_first"
+    env_set gpu "${GPU_NAME# }"
+    env_set gpu_count "$(wc -l <<<"$gpu_line")"
+    env_set driver "${GPU_DRIVER# }"
+    env_set compute_capability "${GPU_CC# }"
+    env_set gpu_memory "${GPU_MEM# }"
+    [[ -n "$CUDA_ARCH" ]] || CUDA_ARCH=$(tr -d ' .' <<<"$GPU_CC")
+  else
+    env_set gpu "none ($gpu_line)"
+  fi
+  [[ -n "$CUDA_ARCH" ]] || CUDA_ARCH=90  # no GPU: the lent machine's H200, so the same code is compiled
+  env_set no_gpu "$((1 - HAVE_GPU))"
+  env_set no_gpu_ok "$NO_GPU_OK"
+  env_set mode "$MODE"
+  env_set cuda_arch "$CUDA_ARCH"
+  env_set host "$(hostname 2>/dev/null || echo unknown), $(nproc) cores, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo 2>/dev/null)"
+  env_set date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  env_set commit "$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "${ZERO8_COMMIT:-unknown (no .git here; set ZERO8_COMMIT)}")"
+  env_set deps "${DEPS_DIR:-system packages}$([[ -f "$DEPS_DIR/manifest.txt" ]] && sed -n 's/^prepared_commit=/, prepared at /p' "$DEPS_DIR/manifest.txt")"
+  NVCC=$(command -v nvcc || { [[ -x /usr/local/cuda/bin/nvcc ]] && echo /usr/local/cuda/bin/nvcc; } || true)
+  env_set nvcc "${NVCC:+$("$NVCC" --version 2>/dev/null | grep -i release | sed 's/.*release //')}${NVCC:-not found}"
+  env_set cmake "$(cmake --version 2>/dev/null | head -1 || echo 'not found')"
+  env_set cxx "$(c++ --version 2>/dev/null | head -1 || echo 'not found')"
+  env_set python "$("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>&1 | tail -1)"
+  env_set torch "$("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "device available:", torch.cuda.is_available())' 2>&1 | tail -1)"
+
+  if ((HAVE_GPU == 0)); then
+    if ((NO_GPU_OK == 0)); then
+      echo "gpu_check: no GPU on this machine ($gpu_line); this check needs one." >&2
+      echo "gpu_check: --no-gpu-ok runs the same pipeline anyway (build, tests that skip, no figures)." >&2
+      record gpu failed 2 0 "no GPU: $gpu_line (run with --no-gpu-ok to build and test without one)"
+      write_report
+      exit 2
+    fi
+    echo "gpu_check: no GPU ($gpu_line): running the pipeline without one (--no-gpu-ok); CUDA tests will skip"
+  fi
+
+  # Everything the stage functions read.
+  export ROOT WORK PY JOBS CUDA_ARCH DEPS_DIR NVCC MODE HAVE_GPU BASE_SONAMES OWN_LIB_RE
+  export BUILD="$WORK/build" PYBUILD="$WORK/pybuild" SITE="$WORK/site" DEPS_ROOT="$WORK/deps"
+  export -f elf_needed elf_soname is_elf deb_extract
+  # mpirun as root (the lent machine runs commands as root) and several ranks per core, as in scripts/test.sh.
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
+  if [[ -n "$NVCC" ]]; then PATH="$(dirname "$NVCC"):$PATH"; export PATH; fi
+
+  # The environment the stages after `deps` source: the unpacked prefix on every search path.
+  DEPS_ENV="$WORK/results/deps_env.sh"
+  export DEPS_ENV
+  : >"$DEPS_ENV"
+
+
+  # The pipeline
+
+  echo "gpu_check: $MODE check of $ROOT; work $WORK; report $OUT_DIR; deadline ${BUDGET} s"
+  if ((HAVE_GPU)); then
+    record gpu ok 0 0 "$gpu_first"
+  else
+    record gpu skipped 0 0 "no GPU ($gpu_line): --no-gpu-ok, the CUDA tests skip and nothing is measured"
+  fi
+  write_report
+
+  if [[ -n "$DEPS_DIR" ]]; then
+    run_stage deps 90 st_deps
+  else
+    skip_stage deps "no --deps: the system's packages are used"
+  fi
+  write_report
+  if run_stage configure 180 st_configure; then :; fi
+  write_report
+
+  # The C++ build and the Python extension's build run side by side (each with -j JOBS).
+  run_stage python_build 420 st_python_build &
+  py_pid=$!
+  run_stage build 420 st_build
+  wait "$py_pid"
+  write_report
+
+  run_stage ctest_cuda 300 st_ctest
+  write_report
+  run_stage pytest_cuda 300 st_pytest
+  write_report
+
+  if [[ $MODE == full ]]; then
+    if ((HAVE_GPU)); then
+      run_stage bench_bandwidth 60 "st_bench_cpp bench_bandwidth bandwidth"
+      run_stage bench_codec 60 "st_bench_cpp bench_codec codec"
+      run_stage bench_optimizer_1e8 90 "st_bench_cpp bench_optimizer_1e8 optimizer --numel 1e8"
+      run_stage bench_optimizer_1e9 150 "st_bench_cpp bench_optimizer_1e9 optimizer --numel 1e9"
+      write_report
+      run_stage bench_python 200 st_bench_python
+      write_report
+    else
+      for s in bench_bandwidth bench_codec bench_optimizer_1e8 bench_optimizer_1e9 bench_python; do
+        skip_stage "$s" "no GPU: nothing to measure"
+      done
+    fi
+    if ((HAVE_GPU)); then
+      run_stage example 200 st_example
+    else
+      skip_stage example "no GPU: the --device cuda run needs one"
+    fi
+  fi
+  env_set total_seconds "$(($(date +%s) - T0))"
+  write_report
+  echo "gpu_check: done in $(($(date +%s) - T0)) s: $OUT_DIR/report.md"
+  grep -q '"status": "\(failed\|timeout\)"' "$STAGES" && exit 1
+  exit 0
+}
+
+main "$@"
