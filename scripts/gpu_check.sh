@@ -247,6 +247,13 @@ st_deps() {
     n=$((n + 1))
   done
   echo "unpacked $n packages into $p"
+  # Some packages still install into /lib (libnl); on a merged /usr that is /usr/lib, and so it is here.
+  local top
+  for top in lib bin sbin; do
+    if [[ -d "$p/$top" && ! -L "$p/$top" ]]; then
+      mkdir -p "$p/usr/$top" && cp -a "$p/$top/." "$p/usr/$top/" && rm -rf "${p:?}/$top" || return 1
+    fi
+  done
   # Debian's alternatives (not in the packages): the MPI command names the build and the tests use.
   local b
   for b in mpicc mpicxx mpiCC mpic++; do ln -sf opal_wrapper "$p/usr/bin/$b"; done
@@ -301,12 +308,15 @@ EOF
   mpicc -showme | grep -q -- "-I$p/" || { note "mpicc -showme does not point into $p (relocation failed)"; return 1; }
 }
 
-# find_nccl: "INCLUDE_DIR LIBRARY" of an NCCL (the system's, the CUDA toolkit's, or the pip wheel torch uses).
+# find_nccl: "INCLUDE_DIR LIBRARY" of an NCCL: first the nvidia-nccl wheel torch loads, then the system's or
+# the CUDA toolkit's. The same library as torch's matters: whichever of torch and zero8 is imported first
+# loads libnccl.so.2 for both, and torch fails on an older one (undefined symbol ncclCommResume, seen here).
 find_nccl() {
-  local roots=(/usr /usr/local/cuda) r inc lib
-  local wheel
-  wheel=$("$PY" -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__ or list(nvidia.nccl.__path__)[0]))' 2>/dev/null) &&
+  local roots=() r inc lib wheel
+  # (nvidia.nccl may be a namespace package: no __file__, its folder in __path__)
+  wheel=$("$PY" -c 'import nvidia.nccl as m, os; print(os.path.dirname(m.__file__) if m.__file__ else list(m.__path__)[0])' 2>/dev/null) &&
     roots+=("$wheel")
+  roots+=(/usr /usr/local/cuda)
   for r in "${roots[@]}"; do
     inc=$(find "$r/include" -maxdepth 1 -name nccl.h 2>/dev/null | head -1)
     lib=$(find "$r/lib" "$r/lib64" "$r/lib/x86_64-linux-gnu" -maxdepth 1 -name 'libnccl.so*' 2>/dev/null | sort | head -1)
@@ -545,12 +555,25 @@ main() {
     echo "gpu_check: no GPU ($gpu_line): running the pipeline without one (--no-gpu-ok); CUDA tests will skip"
   fi
 
+  # NCCL's folder on the loader's path: the Python extension, installed without a run path, links it too.
+  local nccl
+  if nccl=$(find_nccl); then
+    env_set nccl "${nccl#* }"
+    LD_LIBRARY_PATH="$(dirname "${nccl#* }")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LD_LIBRARY_PATH
+  else
+    env_set nccl "not found (system, CUDA toolkit, nvidia-nccl wheel): no NCCL backend"
+  fi
+
   # Everything the stage functions read.
   export ROOT WORK PY JOBS CUDA_ARCH DEPS_DIR NVCC MODE HAVE_GPU BASE_SONAMES OWN_LIB_RE
   export BUILD="$WORK/build" PYBUILD="$WORK/pybuild" SITE="$WORK/site" DEPS_ROOT="$WORK/deps"
   export -f elf_needed elf_soname is_elf deb_extract
   # mpirun as root (the lent machine runs commands as root) and several ranks per core, as in scripts/test.sh.
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  # Ranks on this machine only, started by mpirun itself: its default launcher first demands ssh or rsh,
+  # which the lent machine does not have ("plm_rsh_agent ... could not be found", seen here without them).
+  export OMPI_MCA_plm="${OMPI_MCA_plm:-isolated}"
   export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
   if [[ -n "$NVCC" ]]; then PATH="$(dirname "$NVCC"):$PATH"; export PATH; fi
 

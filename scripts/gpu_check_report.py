@@ -94,10 +94,14 @@ _GTEST = re.compile(r"^\[ +(OK|SKIPPED|FAILED) +\] ([A-Za-z_][\w/.]*\.[\w/]+)(?:
 _GTEST_RUN = re.compile(r"^\[ RUN +\] (\S+)\s*$")
 
 
+# Terminal colours, raw or as CTest's JUnit writer spells the escape character.
+_COLOUR = re.compile(r"(?:\x1b|\[NON-XML-CHAR-0x1B\])\[[0-9;]*m")
+
+
 def gtest_cases(output: str) -> dict:
     """GoogleTest cases in a test's output: name -> (status, reason). A run under mpirun prints rank 0's."""
     cases, current, lines = {}, None, []
-    for line in output.splitlines():
+    for line in _COLOUR.sub("", output).splitlines():
         m = _GTEST_RUN.match(line)
         if m:
             current, lines = m.group(1), []
@@ -116,6 +120,15 @@ def gtest_cases(output: str) -> dict:
         if current:
             lines.append(line)
     return cases
+
+
+def skip_reason(output: str) -> str:
+    """Why a test that CTest skipped by its output did not run: the line that says so."""
+    lines = [x.strip() for x in _COLOUR.sub("", output).splitlines() if x.strip()]
+    if any("0 tests from 0 test suites ran" in x for x in lines):
+        return "no GoogleTest case matches its filter"
+    said = [x for x in lines if re.search(r"\b(no|not|without|cannot|skip\w*)\b", x, re.I)]
+    return (said or lines or [""])[-1]
 
 
 def junit(path: Path) -> dict | None:
@@ -143,16 +156,19 @@ def junit(path: Path) -> dict | None:
         elif skipped is not None or tc.get("status") == "notrun":
             res["skipped"] += 1
             reason = (skipped.get("message") if skipped is not None else "") or ""
+            if reason in ("", "SKIP_REGULAR_EXPRESSION_MATCHED"):  # CTest's words: the output says why
+                reason = skip_reason(out) or reason
             res["skipped_tests"].append({"name": full, "reason": reason[:300]})
         else:
             res["passed"] += 1
         for case, (status, reason) in gtest_cases(out).items():
             c = res["cases"]
             c[status] += 1
+            where = case if case == name else f"{case} ({name})"  # a case of a multi-case run names the run
             if status == "failed":
-                c["failed_names"].append(case)
+                c["failed_names"].append(where)
             elif status == "skipped":
-                c["skipped_tests"].append({"name": case, "reason": reason})
+                c["skipped_tests"].append({"name": where, "reason": reason})
     if sum(res["cases"][k] for k in ("passed", "failed", "skipped")) == 0:
         del res["cases"]
     return res
@@ -265,7 +281,9 @@ def test_lines(title: str, r: dict | None) -> list:
     failed = r["failed_names"] + (c["failed_names"] if c else [])
     if failed:
         lines += ["Failed:", ""] + [f"- `{n}`" for n in failed] + [""]
-    skipped = (c["skipped_tests"] if c else []) + [s for s in r["skipped_tests"]]
+    # A ctest entry that is one GoogleTest case is listed once, as the case (its reason is GoogleTest's).
+    cases = {s["name"] for s in c["skipped_tests"]} if c else set()
+    skipped = (c["skipped_tests"] if c else []) + [s for s in r["skipped_tests"] if s["name"] not in cases]
     if skipped:
         lines += ["Skipped:", ""] + [f"- `{s['name']}`: {s['reason'] or '(no reason given)'}" for s in skipped[:60]]
         if len(skipped) > 60:
