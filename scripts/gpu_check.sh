@@ -575,6 +575,8 @@ main() {
   # which the lent machine does not have ("plm_rsh_agent ... could not be found", seen here without them).
   export OMPI_MCA_plm="${OMPI_MCA_plm:-isolated}"
   export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PYTHONUNBUFFERED=1
+  # A CMake 4 (pip's) refuses package files written for old CMake versions unless told which policies to use.
+  export CMAKE_POLICY_VERSION_MINIMUM="${CMAKE_POLICY_VERSION_MINIMUM:-3.5}"
   if [[ -n "$NVCC" ]]; then PATH="$(dirname "$NVCC"):$PATH"; export PATH; fi
 
   # The environment the stages after `deps` source: the unpacked prefix on every search path.

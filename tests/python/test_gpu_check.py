@@ -49,7 +49,7 @@ def test_scripts_parse(script):
 # --- the report from fabricated results -------------------------------------------------------------------
 
 CTEST_XML = """<?xml version="1.0" encoding="UTF-8"?>
-<testsuite name="Linux" tests="4" failures="1" disabled="0" skipped="1" hostname="" time="3" timestamp="">
+<testsuite name="Linux" tests="5" failures="1" disabled="0" skipped="2" hostname="" time="3" timestamp="">
   <testcase name="CodecCuda.EncodeEqualsReference" classname="CodecCuda.EncodeEqualsReference" time="0.2" status="run">
     <system-out>[ RUN      ] CodecCuda.EncodeEqualsReference
 [       OK ] CodecCuda.EncodeEqualsReference (150 ms)
@@ -66,15 +66,23 @@ parameter, step 2
 </system-out>
   </testcase>
   <testcase name="test_dist_comm_cuda_np1" classname="test_dist_comm_cuda_np1" time="1.5" status="run">
-    <system-out>[ RUN      ] DistNccl.WithoutDeviceTheFactorySaysWhy
+    <system-out>[NON-XML-CHAR-0x1B][0;32m[ RUN      ] [NON-XML-CHAR-0x1B][mDistNccl.WithoutDeviceTheFactorySaysWhy
 dist/test_comm_nccl.cpp:45: Skipped
 a CUDA device is present: covered by DistNccl.CollectivesOnDeviceBuffers
-[  SKIPPED ] DistNccl.WithoutDeviceTheFactorySaysWhy (0 ms)
+[NON-XML-CHAR-0x1B][0;32m[  SKIPPED ] [NON-XML-CHAR-0x1B][mDistNccl.WithoutDeviceTheFactorySaysWhy (0 ms)
 [ RUN      ] DistNccl.CollectivesOnDeviceBuffers
 [       OK ] DistNccl.CollectivesOnDeviceBuffers (900 ms)
 [  PASSED  ] 1 test.
 [  SKIPPED ] 1 test, listed below:
 [  SKIPPED ] DistNccl.WithoutDeviceTheFactorySaysWhy
+</system-out>
+  </testcase>
+  <testcase name="test_dist_sharded_cuda_np1" classname="test_dist_sharded_cuda_np1" time="0.9" status="notrun">
+    <skipped message="SKIP_REGULAR_EXPRESSION_MATCHED"/>
+    <system-out>Note: Google Test filter = *Cuda*:*Nccl*
+[==========] Running 0 tests from 0 test suites.
+[==========] 0 tests from 0 test suites ran. (0 ms total)
+[  PASSED  ] 0 tests.
 </system-out>
   </testcase>
   <testcase name="bench_cli_cuda_codec" classname="bench_cli_cuda_codec" time="0.1" status="notrun">
@@ -159,18 +167,22 @@ def test_report_counts_stages_tests_and_logs(tmp_path):
     assert "stopped after its limit of 150 s" in md
     # ctest entries, and the GoogleTest cases inside them (the dist run holds a pass and a skip).
     c = rep["tests"]["ctest_cuda"]
-    assert (c["passed"], c["failed"], c["skipped"]) == (2, 1, 1)
+    assert (c["passed"], c["failed"], c["skipped"]) == (2, 1, 2)
     assert c["failed_names"] == ["OptimCuda.StepEqualsCpuReferenceBitwise"]
-    assert c["skipped_tests"][0]["name"] == "bench_cli_cuda_codec"
-    cases = c["cases"]
+    # CTest's own words for a skip by output are replaced by the output's.
+    assert c["skipped_tests"] == [
+        {"name": "test_dist_sharded_cuda_np1", "reason": "no GoogleTest case matches its filter"},
+        {"name": "bench_cli_cuda_codec",
+         "reason": "zero8-bench: --device cuda: no usable CUDA device (no CUDA-capable device is detected)"}]
+    cases = c["cases"]  # colours stripped; a case of a multi-case run names the run
     assert (cases["passed"], cases["failed"], cases["skipped"]) == (2, 1, 1)
-    assert cases["skipped_tests"] == [{"name": "DistNccl.WithoutDeviceTheFactorySaysWhy",
+    assert cases["skipped_tests"] == [{"name": "DistNccl.WithoutDeviceTheFactorySaysWhy (test_dist_comm_cuda_np1)",
                                        "reason": "a CUDA device is present: covered by DistNccl.CollectivesOnDeviceBuffers"}]
     p = rep["tests"]["pytest_cuda"]
     assert (p["passed"], p["failed"], p["skipped"]) == (1, 1, 1)
     assert p["failed_names"] == ["tests.python.test_optim::test_lion8bit_cuda_matches_cpu (AssertionError: codes differ)"]
     assert p["skipped_tests"] == [{"name": "tests.python.test_int8::test_int8linear_cuda", "reason": "needs 2 GPUs"}]
-    assert "`DistNccl.WithoutDeviceTheFactorySaysWhy`: a CUDA device is present" in md
+    assert "`DistNccl.WithoutDeviceTheFactorySaysWhy (test_dist_comm_cuda_np1)`: a CUDA device is present" in md
     # At most 8 files, the logs grouped.
     files = sorted(f.name for f in out.iterdir())
     assert files == sorted(rep["files"]) and len(files) <= 8
