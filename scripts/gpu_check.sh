@@ -535,7 +535,12 @@ main() {
   env_set cuda_arch "$CUDA_ARCH"
   env_set host "$(hostname 2>/dev/null || echo unknown), $(nproc) cores, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo 2>/dev/null)"
   env_set date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  env_set commit "$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "${ZERO8_COMMIT:-unknown (no .git here; set ZERO8_COMMIT)}")"
+  if commit=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null); then
+    [[ -z "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]] || commit+=" + uncommitted changes"
+  else
+    commit="${ZERO8_COMMIT:-unknown (no .git here; set ZERO8_COMMIT)}"
+  fi
+  env_set commit "$commit"
   env_set deps "${DEPS_DIR:-system packages}$([[ -f "$DEPS_DIR/manifest.txt" ]] && sed -n 's/^prepared_commit=/, prepared at /p' "$DEPS_DIR/manifest.txt")"
   NVCC=$(command -v nvcc || { [[ -x /usr/local/cuda/bin/nvcc ]] && echo /usr/local/cuda/bin/nvcc; } || true)
   env_set nvcc "${NVCC:+$("$NVCC" --version 2>/dev/null | grep -i release | sed 's/.*release //')}${NVCC:-not found}"

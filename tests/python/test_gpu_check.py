@@ -46,6 +46,32 @@ def test_scripts_parse(script):
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+def installed(pkg: str) -> bool:
+    r = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True)
+    return r.stdout == "install ok installed"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not installed("libxxhash-dev"),
+                    reason="needs root, unshare and Debian's libxxhash-dev installed")
+def test_hide_system_deps_hides_the_packages_of_a_deps_dir(tmp_path):
+    """The harness that proves the prepared packages suffice: inside it, the files of every package named
+    by a .deb in the directory are gone (here a stand-in .deb named libxxhash-dev), the rest is there."""
+    pkg = tmp_path / "pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN" / "control").write_text("Package: libxxhash-dev\nVersion: 0.0\nArchitecture: all\n"
+                                            "Maintainer: zero8 tests <none@example.invalid>\nDescription: stand-in\n")
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    r = run(["dpkg-deb", "--build", str(pkg), str(deps / "libxxhash-dev.deb")])
+    assert r.returncode == 0, r.stderr
+    r = run(["bash", str(HIDE), str(deps), "--", "bash", "-c",
+             "test ! -e /usr/include/xxhash.h && test -e /usr/include/stdio.h"])
+    if r.returncode != 0 and "overlay" in r.stderr:
+        pytest.skip(f"no overlay mounts here: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists("/usr/include/xxhash.h")  # outside the harness nothing changed
+
+
 # --- the report from fabricated results -------------------------------------------------------------------
 
 CTEST_XML = """<?xml version="1.0" encoding="UTF-8"?>
