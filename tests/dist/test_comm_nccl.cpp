@@ -55,11 +55,14 @@ TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
 TEST(DistNccl, CollectivesOnDeviceBuffers) {
   const std::string why = no_device_reason();
   if (!why.empty()) GTEST_SKIP() << "no CUDA device (" << why << "): the NCCL backend cannot run here";
-  // One GPU per rank: NCCL refuses two ranks of one communicator on the same device.
+  // One GPU per rank of a node: NCCL refuses two ranks of one communicator on the same device. The ranks
+  // decide together (one that went on alone would wait in NCCL's initialisation).
   int devices = 0;
   cudaGetDeviceCount(&devices);
-  if (world().size() > devices)
-    GTEST_SKIP() << "NCCL needs a GPU per rank: " << world().size() << " ranks, " << devices << " device(s)";
+  const comm::NodeGroups nodes = comm::node_groups(world());
+  if (world().all_reduce_value<int32_t>(nodes.local_size > devices ? 1 : 0, ReduceOp::max) != 0)
+    GTEST_SKIP() << "NCCL needs a GPU per rank: " << nodes.local_size << " ranks on this node, " << devices
+                 << " device(s)";
   std::unique_ptr<Communicator> c = comm::comm_create("nccl");
   const int n = c->size(), me = c->rank();
   ASSERT_EQ(c->memory(), comm::MemSpace::device);
