@@ -244,6 +244,20 @@ def test_report_says_plainly_that_no_gpu_was_present(tmp_path):
     assert "**No GPU was present on this machine**" in md and "This is not a GPU result." in md
 
 
+def test_report_reads_keys_that_zero8_bench_writes():
+    """Every zero8-bench figure the report lists is a key the --device cuda JSON lines have (a renamed key
+    would otherwise show as missing only on the GPU machine)."""
+    sys.path.insert(0, str(REPORT.parent))
+    try:
+        import gpu_check_report
+    finally:
+        sys.path.pop(0)
+    source = (ROOT / "benchmarks" / "zero8_bench.cpp").read_text()
+    cuda_part = source[source.index("int cmd_bandwidth_cuda"):]
+    for stage, key, *_ in gpu_check_report.CPP_FIGURES:
+        assert f'.num("{key}"' in cuda_part, (stage, key)
+
+
 def test_report_needs_a_work_directory(tmp_path):
     r = run([sys.executable, str(REPORT), "--work", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")])
     assert r.returncode == 2 and "not a gpu_check.sh work directory" in r.stderr
