@@ -40,7 +40,7 @@ usage() {
   cat <<'EOF'
 usage: scripts/gpu_check.sh --prepare DIR
        scripts/gpu_check.sh [--quick] [--deps DIR] [--out DIR] [--work DIR] [--no-gpu-ok]
-                            [--cuda-arch A] [--budget SECONDS] [--jobs N]
+                            [--cuda-arch A] [--budget SECONDS] [--jobs N] [--stop-after STAGE]
 
   --prepare DIR   on a Debian 12 machine with apt: download the .deb files the GPU machine lacks into DIR
                   (about 10 MB; the repository's .gpu-deps/ is git-ignored for this) and check them.
@@ -57,6 +57,7 @@ usage: scripts/gpu_check.sh --prepare DIR
                   limit); each stage's time limit is cut to what is left, and a larger budget stretches
                   the stages' own limits in proportion (for slower machines).
   --jobs N        build parallelism (default: nproc).
+  --stop-after S  stop after the stage deps, configure or build (CI checks the packaging half this way).
 
 Environment: PYTHON (default python3, the interpreter with torch), ZERO8_COMMIT (the commit to report where
 the tree has no .git, as on a copied working tree).
@@ -213,6 +214,15 @@ run_stage() {
   [[ $status == ok ]]
 }
 
+# The last report, and the exit status: 1 when a stage failed or timed out.
+finish() {
+  env_set total_seconds "$(($(date +%s) - T0))"
+  write_report
+  echo "gpu_check: done in $(($(date +%s) - T0)) s${STOP_AFTER:+ (stopped after $STOP_AFTER)}: $OUT_DIR/report.md"
+  grep -q '"status": "\(failed\|timeout\)"' "$STAGES" && exit 1
+  exit 0
+}
+
 skip_stage() {  # skip_stage NAME WHY
   echo "== $1: skipped ($2)" | tee "$WORK/logs/$1.log"
   record "$1" skipped 0 0 "$2"
@@ -306,6 +316,8 @@ EOF
   echo "--- mpicc -showme"
   mpicc -showme || { note "the unpacked mpicc wrapper does not run"; return 1; }
   mpicc -showme | grep -q -- "-I$p/" || { note "mpicc -showme does not point into $p (relocation failed)"; return 1; }
+  echo "--- mpirun -np 2 (ranks started, PMIx and the components found)"
+  mpirun -np 2 --oversubscribe printenv OMPI_COMM_WORLD_RANK || { note "the unpacked mpirun cannot start 2 ranks"; return 1; }
 }
 
 # find_nccl: "INCLUDE_DIR LIBRARY" of an NCCL: first the nvidia-nccl wheel torch loads, then the system's or
@@ -461,6 +473,7 @@ main() {
   # Arguments
 
   MODE=full PREPARE_DIR="" DEPS_DIR="" OUT_DIR="$ROOT/out/gpu_check" WORK="" NO_GPU_OK=0 CUDA_ARCH="" BUDGET=560
+  STOP_AFTER=""
   JOBS="$(nproc 2>/dev/null || echo 4)"
   while (($# > 0)); do
     case "$1" in
@@ -477,6 +490,9 @@ main() {
         [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || die_usage "--jobs needs a positive integer, got '${2:-}'"
         JOBS=$2; shift ;;
       --quick) MODE=quick ;;
+      --stop-after)
+        [[ $# -ge 2 && $2 =~ ^(deps|configure|build)$ ]] || die_usage "--stop-after takes deps, configure or build, got '${2:-}'"
+        STOP_AFTER=$2; shift ;;
       --no-gpu-ok) NO_GPU_OK=1 ;;
       *) die_usage "unknown argument '$1'" ;;
     esac
@@ -602,11 +618,13 @@ main() {
 
   if [[ -n "$DEPS_DIR" ]]; then
     run_stage deps 90 st_deps
+    [[ $STOP_AFTER == deps ]] && finish
   else
     skip_stage deps "no --deps: the system's packages are used"
   fi
   write_report
   if run_stage configure 180 st_configure; then :; fi
+  [[ $STOP_AFTER == configure ]] && finish
   write_report
 
   # The C++ build and the Python extension's build run side by side (each with -j JOBS).
@@ -614,6 +632,7 @@ main() {
   py_pid=$!
   run_stage build 420 st_build
   wait "$py_pid"
+  [[ $STOP_AFTER == build ]] && finish
   write_report
 
   run_stage ctest_cuda 300 st_ctest
@@ -641,11 +660,7 @@ main() {
       skip_stage example "no GPU: the --device cuda run needs one"
     fi
   fi
-  env_set total_seconds "$(($(date +%s) - T0))"
-  write_report
-  echo "gpu_check: done in $(($(date +%s) - T0)) s: $OUT_DIR/report.md"
-  grep -q '"status": "\(failed\|timeout\)"' "$STAGES" && exit 1
-  exit 0
+  finish
 }
 
 main "$@"
