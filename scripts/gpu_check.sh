@@ -559,7 +559,11 @@ main() {
   env_set commit "$commit"
   env_set deps "${DEPS_DIR:-system packages}$([[ -f "$DEPS_DIR/manifest.txt" ]] && sed -n 's/^prepared_commit=/, prepared at /p' "$DEPS_DIR/manifest.txt")"
   NVCC=$(command -v nvcc || { [[ -x /usr/local/cuda/bin/nvcc ]] && echo /usr/local/cuda/bin/nvcc; } || true)
-  env_set nvcc "${NVCC:+$("$NVCC" --version 2>/dev/null | grep -i release | sed 's/.*release //')}${NVCC:-not found}"
+  if [[ -n "$NVCC" ]]; then
+    env_set nvcc "$("$NVCC" --version 2>/dev/null | grep -i release | sed 's/.*release //') ($NVCC)"
+  else
+    env_set nvcc "not found"
+  fi
   env_set cmake "$(cmake --version 2>/dev/null | head -1 || echo 'not found')"
   env_set cxx "$(c++ --version 2>/dev/null | head -1 || echo 'not found')"
   env_set python "$("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>&1 | tail -1)"
@@ -604,7 +608,6 @@ main() {
   DEPS_ENV="$WORK/results/deps_env.sh"
   export DEPS_ENV
   : >"$DEPS_ENV"
-
 
   # The pipeline
 
