@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "linear8_step.h"
+#include "zero8_bench_cuda.h"
 #include "zero8/error.h"
 #include "zero8/kernels/dispatch.h"
 #include "zero8/optim.h"
@@ -35,13 +36,15 @@ const char* const kUsage =
     "usage: zero8-bench <command> [options]\n"
     "\n"
     "commands:\n"
-    "  bandwidth [--numel N] [--threads T] [--repeat R]\n"
+    "  bandwidth [--numel N] [--threads T] [--repeat R] [--device cpu|cuda]\n"
     "      STREAM-like copy of N float32 (default 1e8), memcpy, and an in-place add; GB/s counts\n"
     "      bytes read + written.\n"
     "  codec [--block B] [--numel N] [--threads T] [--dtype f32|bf16|f16] [--stochastic 0|1] [--repeat R]\n"
+    "        [--device cpu|cuda]\n"
     "      block-wise 8-bit quantize, dequantize and both (dynamic signed map; B default 256, N 1e8);\n"
     "      GB/s counts bytes in + out; the ratio is to the copy bandwidth measured in the same run.\n"
     "  optimizer [--name adamw] [--bits 8|32] [--numel N] [--threads T] [--block B] [--repeat R]\n"
+    "        [--device cpu|cuda]\n"
     "      one fused optimizer step over N float32 parameters (default 1e8), beside its 8/32-bit twin\n"
     "      and the copy bandwidth: ns per parameter, state bytes per parameter, and the bandwidth\n"
     "      floor (bytes moved per parameter / copy GB/s; also / in-place GB/s). For adamw also a\n"
@@ -52,6 +55,9 @@ const char* const kUsage =
     "      rank's time of each, and the optimizer-state and master bytes per parameter on a rank.\n"
     "  help\n"
     "\n"
+    "--device cuda runs bandwidth (a device-to-device copy), codec and optimizer (8-bit beside 32-bit\n"
+    "states; not lamb or lars) on the current GPU, timed with CUDA events (default R 20, no --threads),\n"
+    "after checking the kernels' results against the CPU's bit for bit.\n"
     "N accepts integers or scientific notation (1e8). T defaults to OpenMP's thread count.\n"
     "Kernels are warmed up once, then timed in R rounds (default 7), each round running every kernel\n"
     "of the command once (so a shared machine's load hits all alike); medians are reported.\n"
@@ -259,9 +265,60 @@ int threads_option(Options& o) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// --device cuda: the same commands on the GPU (zero8_bench_cuda.cpp measures; printed here)
+
+bool device_is_cuda(Options& o) {
+  const std::string d = o.str("device", "cpu");
+  if (d != "cpu" && d != "cuda") throw UsageError{"--device must be cpu or cuda, got '" + d + "'"};
+  if (d == "cuda" && o.has("threads")) throw UsageError{"--threads applies to --device cpu only"};
+  return d == "cuda";
+}
+
+int cuda_repeat(Options& o) { return int(o.count("repeat", 20, 1, 1000)); }
+
+// The header line; throws when there is no usable device (before any large allocation).
+zero8::bench::CudaDeviceInfo cuda_header(const char* what, int repeat) {
+  const zero8::bench::CudaDeviceInfo d = zero8::bench::cuda_device_info();
+  std::printf("zero8-bench %s | zero8 %s | %s (compute %d.%d, %d SMs, %.1f GiB) | median of %d after 1 warm-up "
+              "(CUDA events)\n",
+              what, zero8::version(), d.name.c_str(), d.cc_major, d.cc_minor, d.sms, d.memory_gib, repeat);
+  return d;
+}
+
+// GPU names are plain words and digits; anything else would need JSON escaping.
+std::string json_safe(std::string s) {
+  for (char& c : s)
+    if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) c = ' ';
+  return s;
+}
+
+int cmd_bandwidth_cuda(Options& o) {
+  const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 36);
+  const int repeat = cuda_repeat(o);
+  o.check_all_used();
+  const zero8::bench::CudaDeviceInfo d = cuda_header("bandwidth", repeat);
+  const double t = zero8::bench::cuda_bench_copy(n, repeat);
+  const double gbps = 8.0 * double(n) / t * 1e-9;
+  std::printf("%-34s %12s %10s %10s\n", "kernel (float32)", "bytes/elem", "GB/s", "ms");
+  std::printf("%-34s %12d %10.2f %10.3f\n", "device-to-device copy", 8, gbps, t * 1e3);
+  std::printf("numel %lld (%.1f MB per array)\n", (long long)n, 4.0 * double(n) * 1e-6);
+  std::printf("%s\n", Json()
+                          .str("bench", "bandwidth")
+                          .str("device", "cuda")
+                          .str("gpu", json_safe(d.name))
+                          .integer("numel", n)
+                          .integer("repeat", repeat)
+                          .num("gbps", gbps)
+                          .done()
+                          .c_str());
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Commands
 
 int cmd_bandwidth(Options& o) {
+  if (device_is_cuda(o)) return cmd_bandwidth_cuda(o);
   const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 36);
   const int threads = threads_option(o);
   const int repeat = int(o.count("repeat", 7, 1, 1000));
@@ -312,7 +369,80 @@ void print_ratio_row(const char* name, double bytes_per_elem, double gbps, doubl
   std::printf("%-26s %12.4f %10.2f %10.3f %12.3f\n", name, bytes_per_elem, gbps, seconds * 1e3, gbps / copy_gbps);
 }
 
+// The codec's input: Gaussian-like data with a per-block spread that varies over decades, as optimizer
+// states do; elements [0, n) of dtype written to x.
+void codec_fill(void* x, zero8::DType dtype, int64_t n) {
+  std::vector<float> row(4096);
+  for (int64_t i = 0; i < n; i += 4096) {
+    const int64_t m = std::min<int64_t>(4096, n - i);
+    for (int64_t k = 0; k < m; ++k) {
+      const uint64_t j = uint64_t(i + k);
+      const float u1 = zero8::rng_uniform(7, 2 * j) + 1e-7f, u2 = zero8::rng_uniform(7, 2 * j + 1);
+      const float g = std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
+      row[size_t(k)] = g * std::pow(10.0f, -float((j / 4096) % 6));
+    }
+    for (int64_t k = 0; k < m; ++k) zero8::dtype_store(x, dtype, i + k, row[size_t(k)]);
+  }
+}
+
+const char* dtype_short(zero8::DType t) {
+  return t == zero8::DType::f32 ? "f32" : t == zero8::DType::bf16 ? "bf16" : "f16";
+}
+
+// Bytes in + out of quantize and of dequantize: the tensor, its codes and the block scales.
+struct CodecBytes {
+  double q, d;
+  CodecBytes(int64_t n, int32_t block, zero8::DType dtype) {
+    const double packed = double(n) + 4.0 * double((n + block - 1) / block);
+    q = double(n) * dtype_bytes(dtype) + packed;
+    d = packed + double(n) * dtype_bytes(dtype);
+  }
+};
+
+int cmd_codec_cuda(Options& o) {
+  const int32_t block = block_option(o);
+  const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
+  const zero8::DType dtype = dtype_option(o);
+  const bool stochastic = o.count("stochastic", 0, 0, 1) != 0;
+  const int repeat = cuda_repeat(o);
+  o.check_all_used();
+  const zero8::bench::CudaDeviceInfo d = cuda_header("codec", repeat);
+  // A host pattern of whole blocks (4 Mi elements, or all of a smaller tensor), tiled over the device tensor.
+  const int64_t n_host = std::min<int64_t>(n, int64_t(1) << 22);
+  std::vector<unsigned char> x(size_t(n_host) * size_t(dtype_bytes(dtype)));
+  codec_fill(x.data(), dtype, n_host);
+  const zero8::bench::CudaCodecTimes t = zero8::bench::cuda_bench_codec(x.data(), n_host, n, block, dtype, stochastic, repeat);
+  const double copy_gbps = 8.0 * double(n) / t.copy * 1e-9;
+  const CodecBytes b(n, block, dtype);
+  const double g_q = b.q / t.quantize * 1e-9, g_d = b.d / t.dequantize * 1e-9, g_qd = (b.q + b.d) / t.both * 1e-9;
+  std::printf("numel %lld, block %d, dtype %s, %s rounding; codes checked against the CPU codec\n", (long long)n,
+              block, dtype_short(dtype), stochastic ? "stochastic" : "nearest");
+  std::printf("%-26s %12s %10s %10s %12s\n", "kernel", "bytes/elem", "GB/s", "ms", "x copy GB/s");
+  print_ratio_row("device-to-device copy", 8.0, copy_gbps, t.copy, copy_gbps);
+  print_ratio_row("quantize", b.q / double(n), g_q, t.quantize, copy_gbps);
+  print_ratio_row("dequantize", b.d / double(n), g_d, t.dequantize, copy_gbps);
+  print_ratio_row("quantize + dequantize", (b.q + b.d) / double(n), g_qd, t.both, copy_gbps);
+  std::printf("%s\n", Json()
+                          .str("bench", "codec")
+                          .str("device", "cuda")
+                          .str("gpu", json_safe(d.name))
+                          .integer("numel", n)
+                          .integer("block", block)
+                          .str("dtype", dtype_short(dtype))
+                          .integer("stochastic", stochastic ? 1 : 0)
+                          .integer("repeat", repeat)
+                          .num("gbps", g_qd)
+                          .num("gbps_quantize", g_q)
+                          .num("gbps_dequantize", g_d)
+                          .num("copy_gbps", copy_gbps)
+                          .num("ratio_to_copy", g_qd / copy_gbps)
+                          .done()
+                          .c_str());
+  return 0;
+}
+
 int cmd_codec(Options& o) {
+  if (device_is_cuda(o)) return cmd_codec_cuda(o);
   const int32_t block = block_option(o);
   const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
   const zero8::DType dtype = dtype_option(o);
@@ -328,20 +458,7 @@ int cmd_codec(Options& o) {
   const size_t xbytes = size_t(n) * size_t(dtype_bytes(dtype));
   Buffer<unsigned char> x{int64_t(xbytes)}, y{int64_t(xbytes)}, codes{n};
   Buffer<float> absmax(nblocks);
-  {
-    // Gaussian-like data with a per-block spread that varies over decades, as optimizer states do.
-    std::vector<float> row(4096);
-    for (int64_t i = 0; i < n; i += 4096) {
-      const int64_t m = std::min<int64_t>(4096, n - i);
-      for (int64_t k = 0; k < m; ++k) {
-        const uint64_t j = uint64_t(i + k);
-        const float u1 = zero8::rng_uniform(7, 2 * j) + 1e-7f, u2 = zero8::rng_uniform(7, 2 * j + 1);
-        const float g = std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
-        row[size_t(k)] = g * std::pow(10.0f, -float((j / 4096) % 6));
-      }
-      for (int64_t k = 0; k < m; ++k) zero8::dtype_store(x.p, dtype, i + k, row[size_t(k)]);
-    }
-  }
+  codec_fill(x.p, dtype, n);
   const zero8::quant::QuantTable& table = zero8::quant::table_get(zero8::quant::MapKind::dynamic_signed);
   const zero8::Isa isa = zero8::isa_active();
 
@@ -362,12 +479,11 @@ int cmd_codec(Options& o) {
   cb.verify();
   const double s_q = t[1], s_d = t[2], s_qd = t[3];
   const double copy_gbps = cb.gbps(CopyBench::kCopyBytes, t[0]);
-  // Bytes in + out: the tensor, its codes and the block scales.
-  const double packed = double(n) + 4.0 * double(nblocks);
-  const double b_q = double(xbytes) + packed, b_d = packed + double(xbytes);
+  const CodecBytes bytes(n, block, dtype);
+  const double b_q = bytes.q, b_d = bytes.d;
   const double g_q = b_q / s_q * 1e-9, g_d = b_d / s_d * 1e-9, g_qd = (b_q + b_d) / s_qd * 1e-9;
 
-  const char* dname = dtype == zero8::DType::f32 ? "f32" : dtype == zero8::DType::bf16 ? "bf16" : "f16";
+  const char* dname = dtype_short(dtype);
   std::printf("numel %lld, block %d, dtype %s, %s rounding, ISA %s\n", (long long)n, block, dname,
               stochastic ? "stochastic" : "nearest", zero8::isa_name(isa));
   std::printf("%-26s %12s %10s %10s %12s\n", "kernel", "bytes/elem", "GB/s", "ms", "x copy GB/s");
@@ -403,6 +519,23 @@ zero8::optim::Algo algo_option(Options& o) {
   throw UsageError{"--name must be one of " + names + "; got '" + name + "'"};
 }
 
+// The bench's hyperparameters (the CPU and the GPU command time the same step).
+zero8::optim::Hyper bench_hyper() {
+  zero8::optim::Hyper h;
+  h.lr = 1e-4f;
+  h.weight_decay = 0.01f;
+  return h;
+}
+
+// The least a single step over float32 parameters must move per parameter: read param and grad, write
+// param, read and write every state (8-bit: a code per state plus the block scales). LAMB/LARS read
+// everything once more for the norms.
+double step_moved_bytes_per_param(zero8::optim::Algo algo, double state_bytes_per_param) {
+  double b = 4.0 + 4.0 + 4.0 + 2.0 * state_bytes_per_param;
+  if (zero8::optim::algo_has_trust_ratio(algo)) b += 4.0 + 4.0 + state_bytes_per_param;
+  return b;
+}
+
 // One optimizer's step over n float32 parameters, with its own state; step() is the timed kernel.
 struct StepBench {
   zero8::optim::State state;
@@ -413,10 +546,8 @@ struct StepBench {
   int threads;
 
   StepBench(zero8::optim::Algo algo, int bits, int32_t block, int64_t n_, float* p, const float* g, int t)
-      : state(zero8::optim::StateLayout(algo, n_, bits, block)), n(n_), param(p), grad(g), threads(t) {
-    h.lr = 1e-4f;
-    h.weight_decay = 0.01f;
-  }
+      : state(zero8::optim::StateLayout(algo, n_, bits, block)), h(bench_hyper()), n(n_), param(p), grad(g),
+        threads(t) {}
   std::function<void()> step() {
     return [this] {
       h.step = ++step_no;
@@ -424,13 +555,7 @@ struct StepBench {
     };
   }
   double state_bytes_per_param() const { return state.layout().bytes_per_param(); }
-  // The least a single pass must move: read param and grad, write param, read and write every state
-  // (8-bit: a code per state plus the block scales). LAMB/LARS read everything once more for the norms.
-  double moved_bytes_per_param() const {
-    double b = 4.0 + 4.0 + 4.0 + 2.0 * state_bytes_per_param();
-    if (zero8::optim::algo_has_trust_ratio(state.layout().algo)) b += 4.0 + 4.0 + state_bytes_per_param();
-    return b;
-  }
+  double moved_bytes_per_param() const { return step_moved_bytes_per_param(state.layout().algo, state_bytes_per_param()); }
 };
 
 // Arguments of the linear int8 yardstick (linear8_step.h) over the given arrays.
@@ -506,11 +631,72 @@ void linear8_check(int32_t block) {
                                                            << " variant differs from its reference");
 }
 
+int cmd_optimizer_cuda(Options& o, zero8::optim::Algo algo, int bits) {
+  const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
+  const int32_t block = block_option(o);
+  const int repeat = cuda_repeat(o);
+  o.check_all_used();
+  if (zero8::optim::algo_has_trust_ratio(algo))
+    throw UsageError{std::string("--device cuda does not offer ") + zero8::optim::algo_name(algo) +
+                     " (two phases with a host round trip); use adam, adamw, sgd, lion, rmsprop or adagrad"};
+  const zero8::bench::CudaDeviceInfo d = cuda_header("optimizer", repeat);
+  const zero8::bench::CudaOptimTimes t = zero8::bench::cuda_bench_optimizer(algo, bench_hyper(), n, block, repeat);
+  const double copy_gbps = 8.0 * double(n) / t.copy * 1e-9;
+  const double state8 = zero8::optim::StateLayout(algo, n, 8, block).bytes_per_param();
+  const double state32 = zero8::optim::StateLayout(algo, n, 32, block).bytes_per_param();
+  const double moved8 = step_moved_bytes_per_param(algo, state8), moved32 = step_moved_bytes_per_param(algo, state32);
+  auto ns = [&](double s) { return s / double(n) * 1e9; };
+  const double ns8 = ns(t.step8), ns32 = ns(t.step32);
+  const char* name = zero8::optim::algo_name(algo);
+  std::printf("%s, numel %lld, float32 params and grads, state block %d; steps checked against the CPU reference\n",
+              name, (long long)n, block);
+  std::printf("bandwidth: device-to-device copy %.2f GB/s\n", copy_gbps);
+  std::printf("%-8s %10s %10s %14s %14s %12s %10s %9s\n", "states", "ms/step", "ns/param", "state B/param",
+              "moved B/param", "moved GB/s", "floor ns", "x floor");
+  const struct {
+    const char* name;
+    double s, state, moved;
+  } rows[] = {{"8-bit", t.step8, state8, moved8}, {"32-bit", t.step32, state32, moved32}};
+  for (const auto& r : rows)
+    std::printf("%-8s %10.3f %10.5f %14.4f %14.4f %12.1f %10.5f %9.3f\n", r.name, r.s * 1e3, ns(r.s), r.state,
+                r.moved, r.moved / ns(r.s), r.moved / copy_gbps, ns(r.s) / (r.moved / copy_gbps));
+  const double speedup = t.step32 / t.step8;
+  std::printf("8-bit step: %.3fx the speed of the 32-bit step (%s)\n", speedup, speedup >= 1.0 ? "faster" : "slower");
+  const bool main8 = bits == 8;
+  std::printf("%s\n", Json()
+                          .str("bench", "optimizer")
+                          .str("device", "cuda")
+                          .str("gpu", json_safe(d.name))
+                          .str("name", name)
+                          .integer("bits", bits)
+                          .integer("numel", n)
+                          .integer("block", block)
+                          .integer("repeat", repeat)
+                          .num("ns_per_param", main8 ? ns8 : ns32)
+                          .num("bytes_per_param_state", main8 ? state8 : state32)
+                          .num("ns_per_param_8bit", ns8)
+                          .num("ns_per_param_32bit", ns32)
+                          .num("speedup_8_vs_32", speedup)
+                          .num("copy_gbps", copy_gbps)
+                          .num("moved_bytes_per_param", main8 ? moved8 : moved32)
+                          .num("moved_bytes_per_param_8bit", moved8)
+                          .num("moved_bytes_per_param_32bit", moved32)
+                          .num("gbps_effective_8bit", moved8 / ns8)
+                          .num("gbps_effective_32bit", moved32 / ns32)
+                          .num("floor_ns_per_param", (main8 ? moved8 : moved32) / copy_gbps)
+                          .num("ratio_to_floor", (main8 ? ns8 : ns32) / ((main8 ? moved8 : moved32) / copy_gbps))
+                          .done()
+                          .c_str());
+  return 0;
+}
+
 int cmd_optimizer(Options& o) {
+  const bool cuda = device_is_cuda(o);
   const zero8::optim::Algo algo = algo_option(o);
   const std::string bits_arg = o.str("bits", "8");
   if (bits_arg != "8" && bits_arg != "32") throw UsageError{"--bits must be 8 or 32, got '" + bits_arg + "'"};
   const int bits = std::stoi(bits_arg);
+  if (cuda) return cmd_optimizer_cuda(o, algo, bits);
   const int64_t n = o.count("numel", 100000000, 1, int64_t(1) << 34);
   const int32_t block = block_option(o);
   const int threads = threads_option(o);

@@ -30,12 +30,15 @@ std::string no_device_reason() {
 // NCCL refuses two ranks on one device: empty when every rank can have its own (one node here).
 std::string no_device_per_rank_reason() {
   const std::string why = no_device_reason();
-  if (!why.empty()) return why;
-  int n = 0;
-  cudaGetDeviceCount(&n);
-  if (n < world().size())
-    return "NCCL needs one GPU per rank: " + std::to_string(world().size()) + " ranks, " + std::to_string(n) +
-           " device(s)";
+  if (!why.empty()) return "no CUDA device (" + why + ")";
+  // One GPU per rank of a node: NCCL refuses two ranks of one communicator on the same device. The ranks
+  // decide together (one that went on alone would wait in NCCL's initialisation).
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  const comm::NodeGroups nodes = comm::node_groups(world());
+  if (world().all_reduce_value<int32_t>(nodes.local_size > devices ? 1 : 0, ReduceOp::max) != 0)
+    return "NCCL needs a GPU per rank: " + std::to_string(nodes.local_size) + " ranks on this node, " +
+           std::to_string(devices) + " device(s)";
   return "";
 }
 

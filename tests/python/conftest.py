@@ -50,6 +50,24 @@ def pytest_configure(config):
         )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda skip, with the reason, where there is no CUDA device or zero8 has no CUDA kernels."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
+        return
+    import torch
+    import zero8
+
+    if not torch.cuda.is_available():
+        why = "no CUDA device on this machine"
+    elif not zero8.build_info()["cuda"]:
+        why = "zero8 was built without CUDA kernels (pip install . -C cmake.define.ZERO8_CUDA=ON)"
+    else:
+        return
+    for item in cuda_items:
+        item.add_marker(pytest.mark.skip(reason=why))
+
+
 def pytest_report_header(config):
     import zero8
 

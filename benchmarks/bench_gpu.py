@@ -1,0 +1,315 @@
+"""zero8's Python surface on a CUDA GPU against PyTorch, measured side by side in one process (ratios of
+times taken in the same rounds): zero8.optim.AdamW8bit against torch.optim.AdamW(fused=True) at 1e8 and 1e9
+parameters; zero8.nn.Int8Linear (both GEMM modes) forward and forward+backward, and Linear8bitLt forward,
+against a bfloat16 nn.Linear at transformer shapes. Times come from CUDA events after warm-ups (median of
+the rounds). A zero8 call that raises (not supported on CUDA yet) makes its rows "not available: <error>";
+the others are still measured. Prints a table and, last, one JSON line (also written to --json-out).
+
+    python benchmarks/bench_gpu.py                      # everything, about 2 minutes on an H200
+    python benchmarks/bench_gpu.py --only optim --optim-numel 1e8
+    python benchmarks/bench_gpu.py --only linear --shapes 4096x16384 --tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+# Targets of the GPU issue: the 8-bit optimizer at 1e9 parameters, and Int8Linear's training step at the
+# largest layer of a 1-2B-parameter transformer's MLP.
+TARGET_OPTIM = {"numel": 10**9, "ratio": 1.5}
+TARGET_LINEAR = {"shape": (4096, 16384), "tokens": 8192, "ratio": 1.3}
+HYPER = dict(lr=1e-4, weight_decay=0.01)
+GROUPS = ("optim", "linear")
+
+
+def count(s: str) -> int:
+    """A positive integer, also written as 1e8."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: '{s}'") from None
+    if v != int(v) or v < 1 or v > 2**40:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got '{s}'")
+    return int(v)
+
+
+def shape(s: str) -> tuple:
+    parts = s.lower().split("x")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"a shape is IN x OUT, e.g. 4096x16384; got '{s}'")
+    return count(parts[0]), count(parts[1])
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--only", action="append", choices=GROUPS, help="run only this group (repeatable)")
+    ap.add_argument("--optim-numel", type=count, nargs="+", default=[10**8, 10**9],
+                    help="total parameters of each optimizer comparison (default 1e8 1e9)")
+    ap.add_argument("--tensor-numel", type=count, default=4096 * 4096,
+                    help="parameters per tensor; the total is split into such tensors (default 4096*4096)")
+    ap.add_argument("--shapes", type=shape, nargs="+", default=[(4096, 4096), (4096, 16384)],
+                    help="linear layers IN x OUT (default 4096x4096 4096x16384)")
+    ap.add_argument("--tokens", type=count, nargs="+", default=[4096, 8192, 16384],
+                    help="tokens (rows of the input) per linear call (default 4096 8192 16384)")
+    ap.add_argument("--repeat", type=count, default=10, help="timed rounds (default 10; fewer for slow calls)")
+    ap.add_argument("--warmup", type=count, default=3, help="untimed calls of each variant first (default 3)")
+    ap.add_argument("--max-seconds", type=float, default=300.0,
+                    help="stop starting new comparisons after this long (default 300); the rest are 'not run'")
+    ap.add_argument("--json-out", help="also write the JSON line to this file")
+    return ap.parse_args(argv)
+
+
+class Bench:
+    def __init__(self, args, torch):
+        self.args, self.torch = args, torch
+        self.rows = []
+        self.t0 = time.monotonic()
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() - self.t0 > self.args.max_seconds
+
+    def row(self, group, figure, value=None, unit=None, target=None, error=None, **extra):
+        met = None
+        if target is not None and value is not None and error is None:
+            met = value >= target[1] if target[0] == ">=" else value <= target[1]
+        self.rows.append({"group": group, "figure": figure, "value": value, "unit": unit,
+                          "target": f"{target[0]} {target[1]}" if target else None, "met": met,
+                          "error": error, **extra})
+
+    def time_rounds(self, fns: dict) -> dict:
+        """{name: median seconds}: `warmup` calls each, then rounds calling every fn once between two CUDA
+        events (so all variants see the same clocks and load). A call of over half a second cuts the rounds
+        to 3."""
+        torch = self.torch
+        t = time.monotonic()
+        for fn in fns.values():
+            for _ in range(self.args.warmup):
+                fn()
+        torch.cuda.synchronize()
+        per_call = (time.monotonic() - t) / max(1, self.args.warmup * len(fns))
+        rounds = self.args.repeat if per_call < 0.5 else min(3, self.args.repeat)
+        ev = {n: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rounds)]
+              for n in fns}
+        for r in range(rounds):
+            for name, fn in fns.items():
+                ev[name][r][0].record()
+                fn()
+                ev[name][r][1].record()
+        torch.cuda.synchronize()
+        return {n: statistics.median(a.elapsed_time(b) for a, b in e) * 1e-3 for n, e in ev.items()}
+
+
+def zero8_call(what: str, fn):
+    """(result, None) or (None, 'not available: ...') when zero8 raises."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - any failure of the zero8 side is a row, not a crash
+        return None, f"not available: {what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def bench_optim(b: Bench, numel: int):
+    torch = b.torch
+    import zero8.optim as zo
+
+    sizes = [b.args.tensor_numel] * (numel // b.args.tensor_numel)
+    if numel % b.args.tensor_numel:
+        sizes.append(numel % b.args.tensor_numel)
+    label = f"{numel:.0e} params in {len(sizes)} tensors".replace("e+0", "e")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # The gradients are shared (neither optimizer writes them); each optimizer has its own parameters.
+    grads = [torch.randn(n, device="cuda", generator=gen) * 1e-3 for n in sizes]
+    p_torch = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=gen) * 0.02) for n in sizes]
+    for p, g in zip(p_torch, grads):
+        p.grad = g
+    opt_torch = torch.optim.AdamW(p_torch, fused=True, **HYPER)
+    fns = {"torch": opt_torch.step}
+
+    def make_zero8():
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in p_torch]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt = zo.AdamW8bit(ps, **HYPER)
+        opt.step()  # the first step creates the state: a failure shows here, not inside the timing
+        torch.cuda.synchronize()
+        return ps, opt
+
+    made, err = zero8_call("zero8.optim.AdamW8bit on CUDA parameters", make_zero8)
+    if made is not None:
+        fns["zero8"] = made[1].step
+    try:
+        times = b.time_rounds(fns)
+    except Exception as e:  # noqa: BLE001 - zero8's step failing after its first call
+        if "zero8" not in fns:
+            raise
+        err = f"not available: zero8.optim.AdamW8bit.step: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        del fns["zero8"]
+        times = b.time_rounds(fns)
+    target = (">=", TARGET_OPTIM["ratio"]) if numel == TARGET_OPTIM["numel"] else None
+    b.row("optim", f"torch AdamW(fused=True) step, {label}", times["torch"] * 1e3, "ms",
+          ns_per_param=times["torch"] / numel * 1e9)
+    if "zero8" in times:
+        b.row("optim", f"zero8 AdamW8bit step, {label}", times["zero8"] * 1e3, "ms",
+              ns_per_param=times["zero8"] / numel * 1e9)
+        b.row("optim", f"AdamW8bit speed / torch fused AdamW, {label}", times["torch"] / times["zero8"], "x", target)
+    else:
+        b.row("optim", f"zero8 AdamW8bit step, {label}", error=err)
+        b.row("optim", f"AdamW8bit speed / torch fused AdamW, {label}", unit="x", target=target, error=err)
+    del fns, opt_torch, p_torch, grads, made
+    torch.cuda.empty_cache()
+
+
+def rel_err(torch, y, ref) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
+    torch = b.torch
+    from zero8.nn import Int8Linear, Linear8bitLt
+
+    label = f"{fin}x{fout}, {tokens} tokens"
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lin = torch.nn.Linear(fin, fout, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, fin, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gy = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16, generator=gen)
+    xg = x.clone().requires_grad_(True)
+
+    def fwd(m):
+        def f():
+            with torch.no_grad():
+                return m(x)
+        return f
+
+    def fwd_bwd(m):
+        def f():
+            xg.grad = None
+            for p in m.parameters():
+                p.grad = None
+            m(xg).backward(gy)
+        return f
+
+    with torch.no_grad():
+        ref = lin(x)
+    fns_fwd, fns_train, errs = {"bf16": fwd(lin)}, {"bf16": fwd_bwd(lin)}, {}
+    for mode in ("exact", "fast"):
+        def make(mode=mode):
+            m = Int8Linear(fin, fout, gemm=mode, device="cuda")
+            with torch.no_grad():
+                m.weight.copy_(lin.weight.float())
+                m.bias.copy_(lin.bias.float())
+                e = rel_err(torch, m(x), ref)
+            # int8 operands: about 1e-2 relative error; far more means a wrong product, whose time is no figure.
+            if not e < 0.1:
+                raise RuntimeError(f"output differs from nn.Linear's by {e:.3g} (relative)")
+            return m
+        m, err = zero8_call(f"Int8Linear(gemm='{mode}') on CUDA", make)
+        if m is not None:
+            fns_fwd[f"int8_{mode}"], fns_train[f"int8_{mode}"] = fwd(m), fwd_bwd(m)
+        else:
+            errs[f"int8_{mode}"] = err
+
+    def make_lt():
+        m = Linear8bitLt.from_linear(lin, threshold=0.0)
+        with torch.no_grad():
+            e = rel_err(torch, m(x), ref)
+        if not e < 0.1:
+            raise RuntimeError(f"output differs from nn.Linear's by {e:.3g} (relative)")
+        return m
+    m, err = zero8_call("Linear8bitLt.from_linear on a CUDA nn.Linear", make_lt)
+    if m is not None:
+        fns_fwd["lt"] = fwd(m)
+    else:
+        errs["lt"] = err
+
+    t_fwd, t_train = b.time_rounds(fns_fwd), b.time_rounds(fns_train)
+    is_target = (fin, fout) == TARGET_LINEAR["shape"] and tokens == TARGET_LINEAR["tokens"]
+    target = (">=", TARGET_LINEAR["ratio"]) if is_target else None
+    b.row("linear", f"bf16 nn.Linear forward, {label}", t_fwd["bf16"] * 1e3, "ms")
+    b.row("linear", f"bf16 nn.Linear forward+backward, {label}", t_train["bf16"] * 1e3, "ms")
+    for mode in ("exact", "fast"):
+        k = f"int8_{mode}"
+        if k in t_fwd:
+            b.row("linear", f"Int8Linear({mode}) forward speed / bf16 nn.Linear, {label}", t_fwd["bf16"] / t_fwd[k], "x",
+                  ms=t_fwd[k] * 1e3)
+            b.row("linear", f"Int8Linear({mode}) forward+backward speed / bf16 nn.Linear, {label}",
+                  t_train["bf16"] / t_train[k], "x", target, ms=t_train[k] * 1e3)
+        else:
+            b.row("linear", f"Int8Linear({mode}) forward speed / bf16 nn.Linear, {label}", unit="x", error=errs[k])
+            b.row("linear", f"Int8Linear({mode}) forward+backward speed / bf16 nn.Linear, {label}", unit="x",
+                  target=target, error=errs[k])
+    if "lt" in t_fwd:
+        b.row("linear", f"Linear8bitLt forward speed / bf16 nn.Linear, {label}", t_fwd["bf16"] / t_fwd["lt"], "x",
+              ms=t_fwd["lt"] * 1e3)
+    else:
+        b.row("linear", f"Linear8bitLt forward speed / bf16 nn.Linear, {label}", unit="x", error=errs["lt"])
+    del fns_fwd, fns_train, lin, x, gy, xg, ref
+    torch.cuda.empty_cache()
+
+
+def emit(result: dict, json_out) -> None:
+    line = json.dumps(result)
+    print(line)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(line + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    groups = args.only or list(GROUPS)
+    try:
+        import torch
+    except ImportError as e:
+        emit({"bench": "gpu", "error": f"torch cannot be imported: {e}"}, args.json_out)
+        return 1
+    if not torch.cuda.is_available():
+        msg = "no CUDA device (torch.cuda.is_available() is False): nothing to measure"
+        print(f"bench_gpu: {msg}", file=sys.stderr)
+        emit({"bench": "gpu", "error": msg}, args.json_out)
+        return 1
+    try:
+        import zero8
+    except ImportError as e:
+        emit({"bench": "gpu", "error": f"zero8 cannot be imported: {e}"}, args.json_out)
+        return 1
+    b = Bench(args, torch)
+    plan = []
+    if "optim" in groups:
+        plan += [("optim", f"{n:.0e} params", lambda n=n: bench_optim(b, n)) for n in args.optim_numel]
+    if "linear" in groups:
+        plan += [("linear", f"{i}x{o}, {t} tokens", lambda i=i, o=o, t=t: bench_linear(b, i, o, t))
+                 for i, o in args.shapes for t in args.tokens]
+    print(f"bench_gpu | zero8 {zero8.__version__} | torch {torch.__version__} | {torch.cuda.get_device_name()} | "
+          f"median of {args.repeat} rounds after {args.warmup} warm-ups (CUDA events)", flush=True)
+    failed = False
+    for group, what, run in plan:
+        if b.out_of_time():
+            b.row(group, what, error=f"not run: --max-seconds {args.max_seconds:g} reached")
+            continue
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - the baseline itself failing (out of memory, ...) is recorded
+            failed = True
+            b.row(group, what, error=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            torch.cuda.empty_cache()
+        if b.rows:  # progress: the comparison's last row
+            r = b.rows[-1]
+            print(f"  {r['figure']}: {r['error'] or format(r['value'], '.4g')}", flush=True)
+    w = max(len(r["figure"]) for r in b.rows) if b.rows else 10
+    print(f"\n{'figure':<{w}} {'value':>10} {'unit':<5} {'target':<7} met")
+    for r in b.rows:
+        value = "" if r["value"] is None else f"{r['value']:.4g}"
+        met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
+        print(f"{r['figure']:<{w}} {value:>10} {r['unit'] or '':<5} {r['target'] or '':<7} {met}"
+              + (f"  {r['error']}" if r["error"] else ""))
+    emit({"bench": "gpu", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+          "zero8": zero8.__version__, "seconds": round(time.monotonic() - b.t0, 1), "rows": b.rows}, args.json_out)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
