@@ -97,13 +97,3 @@ def test_mixed_layer_and_input_devices_name_both():
             name = type(layer).__name__
             with pytest.raises(zero8.Zero8ValueError, match=rf"^{name}\.weight is on cuda:0 but input is on cpu"):
                 layer(torch.randn(4, 16))
-
-
-def test_mixed_codec_devices_name_both():
-    with FakeTensorMode():
-        x = torch.randn(1000)
-        with pytest.raises(zero8.Zero8ValueError, match=r"^absmax is on cuda:0 but A is on cpu"):
-            F.quantize_blockwise(x, blocksize=256, absmax=torch.empty(4, device="cuda"))
-        codes, state = torch.zeros(1000, dtype=torch.uint8), torch.ones(4, device="cuda")
-        with pytest.raises(zero8.Zero8ValueError, match=r"^absmax is on cuda:0 but A is on cpu"):
-            F.dequantize_blockwise(codes, absmax=state, blocksize=256)

@@ -405,13 +405,13 @@ def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, abs
     n = A.numel()
     blocks = -(-n // blocksize)
     if absmax is not None:
-        check_same_device(absmax, "absmax", A, "A")
         check_device_contiguous(absmax, "absmax")
+        check_same_device(absmax, "absmax", A, "A")
         check_dtype(absmax, "absmax", torch.float32)
         check_numel(absmax, "absmax", blocks, f"one scale per block of {blocksize}")
     if out is not None:
-        check_same_device(out, "out", A, "A")
         check_device_contiguous(out, "out")
+        check_same_device(out, "out", A, "A")
         check_dtype(out, "out", torch.uint8)
         check_numel(out, "out", n, "one code per element of A")
     codes, scales = _quantize_blockwise_op(A, code, blocksize, nested)
@@ -455,8 +455,8 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
         scales += quant_state.offset
         scales = scales.float()
     n = A.numel()
-    check_same_device(scales, "absmax", A, "A")
     check_device_contiguous(scales, "absmax")
+    check_same_device(scales, "absmax", A, "A")
     check_dtype(scales, "absmax", torch.float32)
     check_numel(scales, "absmax", -(-n // bs), f"one scale per block of {bs}")
     if out is None:
@@ -465,7 +465,7 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
             raise Zero8ValueError(f"quant_state.dtype is {out_dtype}; zero8 kernels take float32, bfloat16 or "
                                   "float16")
         return _dequantize_blockwise_op(A, scales, quant_state.code, bs, out_dtype)
-    check_same_device(out, "out", A, "A")
     check_float_tensor(out, "out")
+    check_same_device(out, "out", A, "A")
     check_numel(out, "out", n, "one element per code of A")
     return out.copy_(_dequantize_blockwise_op(A, scales, quant_state.code, bs, out.dtype).view(out.shape))

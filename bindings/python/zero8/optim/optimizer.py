@@ -26,7 +26,8 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   edit made through the parameter itself, and rebinding ``.data``) and its bits, for in-place edits
   through ``p.data``, which torch does not version: all of them for a parameter of up to 64 KiB, else
   about 1000 evenly spaced elements, so such an edit of only a few elements of a larger parameter can
-  go unseen (edit under ``torch.no_grad()`` instead). ``load_state_dict`` restores the saved masters
+  go unseen (edit under ``torch.no_grad()`` instead; on a GPU the bits are not compared at all, since reading
+them would make every step wait for the GPU). ``load_state_dict`` restores the saved masters
   and holds to the same rule: the next step compares every element of each parameter with the rounding
   of its loaded master (all elements, once) and re-seeds those that differ. So weights loaded into the
   model before or after the optimizer's state (EMA or averaged weights) are where training goes on from,
@@ -41,6 +42,11 @@ states, and so of the parameter. 32-bit states keep it to the element, as torch 
 (its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as zero8's
 engine does in every precision; or check the gradients before stepping
 (``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
+
+Devices: CPU parameters, or CUDA parameters in a build with zero8's CUDA kernels (``zero8.build_info()``).
+The states live on the parameter's device (``load_state_dict`` places them there, as torch.optim does, so
+a state dict saved on a GPU loads on the CPU and back), and a CUDA step runs the same fused kernel, with
+the same bits, on torch's current stream without waiting for the GPU (LAMB and LARS included).
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
