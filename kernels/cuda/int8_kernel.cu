@@ -91,7 +91,8 @@ __global__ void col_quant_kernel(ColQuantArgs a, int64_t ld) {
   const int64_t c = int64_t(blockIdx.x) * kColTile + tx;
   uint32_t bits = 0;
   if (c < a.cols)
-    for (int64_t r = ty; r < a.rows; r += kColRows) bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
+    for (int64_t r = ty; r < a.rows; r += kColRows)
+      bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
   part[ty][tx] = bits;
   __syncthreads();
   if (ty == 0) {

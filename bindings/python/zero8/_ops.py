@@ -5,13 +5,13 @@ matrices also have a FLOP formula, for ``torch.utils.flop_counter.FlopCounterMod
 
 Callers (zero8.nn.linear8bit's primitives) validate arguments and name them in errors; the ops take CPU
 tensors, or CUDA tensors in a build with CUDA, of the right dtypes, all on one device, and make 2-D operands
-contiguous (no copy when they are). On a GPU the ops queue zero8's CUDA kernels on torch's current stream
-(the same codes, scales and epilogue bits as the CPU) and multiply with ``torch._int_mm`` (cuBLASLt, exact
-int32 products), whatever ``gemm`` says. Stochastic rounding
-takes its seed as a one-element int64 tensor the caller draws from torch's generator, so the ops are pure
-functions of their inputs (the compiler may neither merge two draws nor replay one) and eager and compiled
-runs see the same seeds. ``gemm`` arguments ("torch" or "zero8") say which int8 GEMM a composite op calls
-(``linear8bit.set_int8_gemm_backend``); both give the same int32 products.
+contiguous (no copy when they are). On a GPU the ops queue zero8's CUDA kernels on torch's current stream (the
+same codes, scales and epilogue bits as the CPU) and multiply with ``torch._int_mm`` (cuBLASLt, exact int32
+products), whatever ``gemm`` says. Stochastic rounding takes its seed as a one-element int64 tensor the caller
+draws from torch's generator, so the ops are pure functions of their inputs (the compiler may neither merge
+two draws nor replay one) and eager and compiled runs see the same seeds. ``gemm`` arguments ("torch" or
+"zero8") say which int8 GEMM a composite op calls (``linear8bit.set_int8_gemm_backend``); both give the same
+int32 products.
 """
 
 from __future__ import annotations

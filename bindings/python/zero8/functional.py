@@ -2,11 +2,12 @@
 ``create_dynamic_map``, ``quantize_blockwise`` and ``dequantize_blockwise``, on tensors of float32, bfloat16
 or float16, run by zero8's C++ codec (SIMD, OpenMP, GIL released) on the CPU, and, in a build with CUDA, by
 its CUDA kernels on GPU tensors: outputs on the input's device, queued on torch's current stream, with the
-same codes and scales as the CPU for the same input. The codec runs as two torch custom ops, ``zero8::quantize_blockwise`` and ``zero8::dequantize_blockwise``, so ``torch.compile``
-(fullgraph) traces code calling these functions without a graph break; with ``aot_eager`` it gives the
-eager bits, and with inductor too, except the mean of nested scales, which inductor sums in its own order.
-In eager mode the dispatch costs about 7 us per call, which doubles the time of a call on a few thousand
-elements and is noise on large tensors.
+same codes and scales as the CPU for the same input. The codec runs as two torch custom ops,
+``zero8::quantize_blockwise`` and ``zero8::dequantize_blockwise``, so ``torch.compile`` (fullgraph) traces
+code calling these functions without a graph break; with ``aot_eager`` it gives the eager bits, and with
+inductor too, except where the nested scales' mean (a float64 sum, rounded once), summed in inductor's own
+order, rounds the other way. In eager mode the dispatch costs about 7 us per call, which doubles the time of a
+call on a few thousand elements and is noise on large tensors.
 
 Format: a tensor is cut into blocks of ``blocksize`` elements (a power of two in 64..4096; bitsandbytes'
 default 4096); each block stores uint8 codes and one float32 scale. Decoding is ``code[q] * absmax`` as in
@@ -384,9 +385,9 @@ def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, abs
                        out: Optional[torch.Tensor] = None, blocksize: int = 4096,
                        nested: bool = False) -> Tuple[torch.Tensor, QuantState]:
     """Quantize A (contiguous, float32/bfloat16/float16, on the CPU or a GPU) block-wise with the map `code`
-    (default: the dynamic signed map). Returns (codes as uint8 of A's shape, QuantState), on A's device. `absmax` (float32,
-    ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when given (copied
-    into: the op returns new tensors).
+    (default: the dynamic signed map). Returns (codes as uint8 of A's shape, QuantState), on A's device.
+    `absmax` (float32, ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when
+    given (copied into: the op returns new tensors).
     nested=True quantizes the scales again, minus an offset (kept as `offset`): their mean, as bitsandbytes
     does, or 0 when that gives the smaller relative error of the scales (``_nest_scales``).
     Before centring, it makes the scales non-negative (as bitsandbytes' are) when the map is sign-symmetric

@@ -276,8 +276,8 @@ class Linear8bitLt(torch.nn.Module):
     ``weight_scale = SCB / 127``. ``bnb_state_dict(model)`` saves in bitsandbytes' form. ``.half()`` /
     ``.to(dtype)`` cast the bias (and a kept float weight) but leave ``weight_scale`` float32. Tensors of
     float32, bfloat16 or float16 on the CPU, or on a GPU in a build with CUDA (``.to("cuda")`` moves the int8
-    weight and its scales; the integer products equal the CPU's); the output has the input's dtype. Bad inputs and malformed state dicts
-    raise ``zero8.Zero8ValueError`` naming them.
+    weight and its scales; the integer products equal the CPU's); the output has the input's dtype. Bad inputs
+    and malformed state dicts raise ``zero8.Zero8ValueError`` naming them.
 
     Made on the meta device (``device="meta"``, ``with torch.device("meta"):``), the layer holds shapes
     only until ``to_empty(device=...)`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``;
