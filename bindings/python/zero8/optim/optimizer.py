@@ -26,8 +26,8 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   edit made through the parameter itself, and rebinding ``.data``) and its bits, for in-place edits
   through ``p.data``, which torch does not version: all of them for a parameter of up to 64 KiB, else
   about 1000 evenly spaced elements, so such an edit of only a few elements of a larger parameter can
-  go unseen (edit under ``torch.no_grad()`` instead; on a GPU the bits are not compared at all, since reading
-them would make every step wait for the GPU). ``load_state_dict`` restores the saved masters
+  go unseen (edit under ``torch.no_grad()`` instead; on a GPU the bits are not compared at all, since
+  reading them would make every step wait for the GPU). ``load_state_dict`` restores the saved masters
   and holds to the same rule: the next step compares every element of each parameter with the rounding
   of its loaded master (all elements, once) and re-seeds those that differ. So weights loaded into the
   model before or after the optimizer's state (EMA or averaged weights) are where training goes on from,
