@@ -6,7 +6,8 @@
 # version pinned in pyproject.toml (the one place it is pinned) is not installed already.
 # With --test: `.[test]`, also pyproject.toml's test extra (pytest, and bitsandbytes for the
 # interoperability tests of zero8.optim), resolved by pip together with the torch pin.
-# Extra pip arguments: $ZERO8_PIP_ARGS (e.g. -v to see the compiler).
+# Extra pip arguments: $ZERO8_PIP_ARGS (e.g. -v to see the compiler). The CUDA kernels are built in when this
+# machine has nvcc and a GPU; ZERO8_CUDA=ON|OFF in the environment decides instead (pyproject.toml).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-python3}"
