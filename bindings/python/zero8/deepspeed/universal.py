@@ -53,6 +53,7 @@ _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\
 # loader requires a parseable version in optimizer_state.pt.
 _DS_LAYOUT_VERSION = "0.19.8"
 _ADAM_STATES = ("exp_avg", "exp_avg_sq")
+_ADAM_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 class DeepSpeedStates(NamedTuple):
@@ -285,11 +286,17 @@ def _export_zero8(tag_dir: str, out_dir: str) -> None:
             t = flat[p["offset"]:p["offset"] + p["numel"]].clone().view(shape)
             torch.save({_PARAM: t}, os.path.join(d, f"{key}.pt"))
         torch.save(torch.tensor(float(step)), os.path.join(d, "step.pt"))
+    # A tied weight under its other names too (as ds_to_universal writes it): DeepSpeed names it by either.
+    for entry in manifest.get("state_dict") or []:
+        name, target = entry.get("name"), entry.get("tensor")
+        if entry.get("source") == "param" and name != target and target in shapes and name not in shapes:
+            shutil.copytree(os.path.join(zero, target), os.path.join(zero, name))
     client = manifest.get("client_state") or {}
     groups = client.get("optimizer") if isinstance(client, dict) else None
     if not isinstance(groups, list) or not groups:
         groups = [dict(lr=manifest["optimizer"]["hyper"]["lr"])]
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"} for g in groups]
+    # torch's Adam keys only: DeepSpeed copies every saved key into the loading optimizer's groups.
+    groups = [{k: (tuple(g[k]) if k == "betas" else g[k]) for k in _ADAM_GROUP_KEYS if k in g} for g in groups]
     torch.save({"ds_version": _DS_LAYOUT_VERSION, "param_groups": groups},
                os.path.join(zero, "optimizer_state.pt"))
     model_states[_PARAM_SHAPES] = [shapes]
