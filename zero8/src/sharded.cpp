@@ -400,7 +400,9 @@ bool ShardedOptimizer::overflow_anywhere() {
         break;
       }
   }
-  return dp_.all_reduce_value<int32_t>(bad, comm::ReduceOp::max) != 0;
+  bad = dp_.all_reduce_value<int32_t>(bad, comm::ReduceOp::max);
+  if (outer_) bad = outer_->all_reduce_value<int32_t>(bad, comm::ReduceOp::max);
+  return bad != 0;
 }
 
 double ShardedOptimizer::grad_sq_sum_local() const {
@@ -606,7 +608,8 @@ StepInfo ShardedOptimizer::step() {
   } else {
     // part_grad holds sum over ranks of (loss_scale * grad): average and unscale.
     const double unscale = 1.0 / (double(world()) * scaler_.scale());
-    const double sq = dp_.all_reduce_value<double>(grad_sq_sum_local(), comm::ReduceOp::sum);
+    double sq = dp_.all_reduce_value<double>(grad_sq_sum_local(), comm::ReduceOp::sum);
+    if (outer_) sq = outer_->all_reduce_value<double>(sq, comm::ReduceOp::sum);
     info.grad_norm = std::sqrt(sq) * unscale;
     if (cfg_.gradient_clipping > 0.0) {
       // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), applied when < 1.
