@@ -71,12 +71,12 @@ def micro_batches(data, step: int, batch: int, dp_rank: int, dp: int, gas: int):
         yield micro_batch(data, step, batch, dp_rank, dp, gas, k)
 
 
-def train_plain(engine, data, steps: int, batch: int, loss, dp_rank: int, dp: int, dp_comm) -> list[float]:
-    """The plain engine over the same micro-batches; returns each step's loss as train_batch reports it
-    (the mean over micro-batches, then over the data-parallel ranks)."""
+def train_plain(engine, data, steps: int, batch: int, loss, dp_rank: int, dp: int, dp_comm, first: int = 0) -> list[float]:
+    """The plain engine over the same micro-batches (steps first, first + 1, ...); returns each step's loss
+    as train_batch reports it (the mean over micro-batches, then over the data-parallel ranks)."""
     gas = engine.gradient_accumulation_steps()
     out = []
-    for s in range(steps):
+    for s in range(first, first + steps):
         total = 0.0
         for x, y in micro_batches(data, s, batch, dp_rank, dp, gas):
             value = loss(engine(x), y)

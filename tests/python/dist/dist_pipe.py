@@ -126,8 +126,7 @@ def test_gradient_clipping_uses_the_norm_of_every_stage():
     norms, ref_norms = [], []
     for s in range(3):
         train_pipe(engine, DATA, 1, first=s)
-        train_plain_step = train_plain(ref, DATA, 1, B, mse, RANK % 2, 2, comm)
-        assert train_plain_step
+        train_plain(ref, DATA, 1, B, mse, RANK % 2, 2, comm, first=s)
         norms.append(engine.get_global_grad_norm())
         ref_norms.append(ref.get_global_grad_norm())
     # The sum of squares is added up per stage first: another order, so equal to rounding only.
@@ -162,9 +161,10 @@ def test_tied_embedding_and_head_stay_identical_across_stages(stages, stage):
     # 8 layers, uniform: the embedding on stage 0, the last stage a norm and the tied head.
     engine = pipeline(lm_layers(5), lm_loss, stages, cfg, partition_method="uniform")
     losses = train_pipe(engine, TOKENS, 6)
-    tied = engine.module.tied_modules["embed"].weight
     # This pipeline's first and last stage hold the tie: their copies must be the same bytes.
-    holders = engine._pipe.all_gather_bytes(digest([tied]) if engine.stage_id in (0, stages - 1) else b"")
+    holder = engine.stage_id in (0, stages - 1)
+    tied = engine.module.tied_modules["embed"].weight if holder else None
+    holders = engine._pipe.all_gather_bytes(digest([tied]) if holder else b"")
     identical = holders[0] == holders[-1] and holders[0] != b""
     dp = N // stages
     ref, comm = plain(lm_layers(5), lm_loss, dp, cfg)
@@ -173,9 +173,9 @@ def test_tied_embedding_and_head_stay_identical_across_stages(stages, stage):
     # The tie's gradient is the sum of its two uses' in another order than one backward adds them
     # (each use summed over the micro-batches first): fp32 rounding, which Adam's normalized steps
     # carry to about 1e-6 of a weight over these steps.
-    close = torch.allclose(tied, ref_tied, rtol=0, atol=1e-5) and all(
-        abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses))
-    assert all_true(identical and close), (RANK, losses, ref_losses, float((tied - ref_tied).abs().max()))
+    diff = float((tied - ref_tied).detach().abs().max()) if holder else 0.0
+    close = diff <= 1e-5 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses))
+    assert all_true(identical and close), (RANK, losses, ref_losses, diff)
     assert losses[-1] < losses[0]
 
 
@@ -200,20 +200,21 @@ def test_8bit_states_and_int8_gradients_stay_as_close_as_the_plain_engine():
 @pytest.mark.parametrize("stages", [2, 4])
 def test_int8_activations_quarter_the_bytes_and_keep_the_loss(stages):
     """int8 activations and activation gradients: bytes per boundary <= 0.26 x fp32 (codes plus one float
-    per 2048-element block: 0.2505), and the loss reduction within 98% of fp32 activations' (the criterion
-    the 8-bit optimizer states meet in test_engine_dist)."""
+    per 2048-element block: 0.2505, a little more for a 64-wide boundary's 256 elements). The loss stays
+    within 1% of fp32 activations' at every step: each int8 round trip moves an activation by at most half
+    a code step of the dynamic map at its block's scale, and the loss feels the average of those moves
+    (measured: 0.06% at 2 stages, 0.2% at 4)."""
     gas = 4
     runs = {}
     for int8 in (False, True):
-        cfg = config(gas=gas, zero8=dict(EXACT, int8_activations=int8, wire_block_size=64))
-        engine = pipeline(regression_layers(), mse, stages, cfg, partition_method="uniform")
-        runs[int8] = (train_pipe(engine, DATA, 8), engine.boundary_stats())
+        cfg = config(gas=gas, lr=3e-4, zero8=dict(EXACT, int8_activations=int8))
+        engine = pipeline(regression_layers(hidden=1024), mse, stages, cfg, partition_method="uniform")
+        runs[int8] = (train_pipe(engine, DATA, 6), engine.boundary_stats())
     (fp, fp_bytes), (q, q_bytes) = runs[False], runs[True]
     ratios = [b["bytes"] / f["bytes"] for b, f in zip(q_bytes, fp_bytes)]
     fp32_equal = all(f["bytes"] == f["fp32_bytes"] == b["fp32_bytes"] for b, f in zip(q_bytes, fp_bytes))
-    keeps = (q[0] - q[-1]) >= 0.98 * (fp[0] - fp[-1]) > 0
-    # A block of 64 on this small model: n + 4 n / 64 bytes, 0.266 of fp32; at the default 2048, 0.2505.
-    ok = len(ratios) == stages - 1 and all(r <= 0.27 for r in ratios) and fp32_equal and keeps
+    close = all(abs(a - b) <= 0.01 * b for a, b in zip(q, fp)) and q != fp
+    ok = len(ratios) == stages - 1 and all(r <= 0.26 for r in ratios) and fp32_equal and close
     assert all_true(ok), (RANK, ratios, fp, q)
 
 
