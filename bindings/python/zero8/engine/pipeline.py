@@ -20,6 +20,7 @@ from .._C import Zero8ValueError
 from ..pipe import schedule as sched
 from ..pipe.module import PipelineError, PipelineModule
 from ..pipe.p2p import TAG_TIED_GRAD, TAG_TIED_WEIGHT, StageLink
+from ..pipe.topology import PipelineParallelGrid
 from .config_view import comm_timeout_s
 from .pipeline_checkpoint import PipelineCheckpoints
 from .training import Zero8Engine
@@ -50,6 +51,7 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             pipe.timeout = timeout
         self.num_stages = model.num_stages
         self.stage_id = model.stage_id
+        self.grid = PipelineParallelGrid(model.topology(), self.global_rank)
         self.micro_batch_size = self.train_micro_batch_size_per_gpu()
         self.micro_batches = self.gradient_accumulation_steps()
         self.mp_world_size = 1

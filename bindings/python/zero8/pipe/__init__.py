@@ -21,7 +21,7 @@ from .module import (
     partition_balanced,
     partition_uniform,
 )
-from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from .topology import PipeDataParallelTopology, PipeModelDataParallelTopology, PipelineParallelGrid, ProcessTopology
 
 __all__ = [
     "LayerModule",
@@ -32,6 +32,7 @@ __all__ = [
     "ProcessTopology",
     "PipeDataParallelTopology",
     "PipeModelDataParallelTopology",
+    "PipelineParallelGrid",
     "partition_balanced",
     "partition_uniform",
 ]

@@ -99,3 +99,53 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
     def __init__(self, num_pp: int, num_mp: int, num_dp: int):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
+
+
+class PipelineParallelGrid:
+    """Where a rank sits in a pipe x data topology, under DeepSpeed's PipelineParallelGrid method names
+    (``engine.grid``); the communicators themselves are the engine's."""
+
+    def __init__(self, topology: ProcessTopology, global_rank: int):
+        self._topo = topology
+        self.global_rank = global_rank
+        coord = topology.get_coord(global_rank)
+        self.stage_id = coord.pipe
+        self.data_parallel_id = coord.data
+        self.pipe_parallel_size = topology.get_dim("pipe")
+        self.data_parallel_size = topology.get_dim("data")
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_data_parallel_id(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_slice_parallel_rank(self) -> int:
+        return 0  # no tensor slicing
+
+    def get_slice_parallel_world_size(self) -> int:
+        return 1
+
+    def stage_to_global(self, stage_id: int, **kwargs) -> int:
+        """The global rank of ``stage_id`` in this rank's pipeline (or at the given ``data`` coordinate)."""
+        coord = {"pipe": stage_id, "data": kwargs.get("data", self.data_parallel_id)}
+        coord.update({a: 0 for a in self._topo.get_axis_names() if a not in coord})
+        return self._topo.get_rank(**coord)
+
+    def topology(self) -> ProcessTopology:
+        return self._topo
