@@ -5,9 +5,10 @@ activations (zero8.int8_activations). Run under mpirun with one rank per stage a
     mpirun -np 2 python benchmarks/bench_pipe.py            # 2 stages
     mpirun -np 4 python benchmarks/bench_pipe.py            # 4 stages
 
-Every rank first trains the whole model alone (the plain engine, one thread, the same micro-batch): that
+Every rank also trains the whole model alone (the plain engine, one thread, the same micro-batch): that
 time per micro-batch, t1, is the no-pipeline reference; all ranks do it at once, so they load the machine
-as the pipeline does. Then the pipeline trains with M = 1, 2, 4, 8, 16 micro-batches per step. A perfect
+as the pipeline does. The pipeline trains with M = 1, 2, 4, 8, 16 micro-batches per step. The settings take
+turns over several rounds and each reports its fastest step (other load on the machine only adds time). A perfect
 pipeline of S stages runs S micro-batches' work at once once it is full, and idles (S - 1) micro-batch
 times per step filling and draining, so its speed-up over t1 is S * M / (M + S - 1). Prints a table and a
 final JSON line (rank 0).
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--micro", type=int, default=4, help="sequences per micro-batch")
     ap.add_argument("--micro_batches", default="1,2,4,8,16")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per setting (after one warm-up step)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per setting and round (after a warm-up step)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all the settings")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = world_comm("auto")
@@ -66,44 +67,51 @@ def main() -> None:
     layers = gpt_layers(args.d_model, args.n_layer, args.n_head, args.seq_len, False)
     tokens = args.micro * args.seq_len
 
-    # The whole model on every rank alone: seconds per micro-batch (forward, backward, step every 4).
+    # The whole model on every rank alone (forward, backward, a step every 4), and the pipelines; the
+    # settings take turns for --rounds rounds and each keeps its fastest step: another job's load on the
+    # machine only adds time.
     solo = world.split(rank, 0, "solo")
     plain = Zero8Engine(LayerModule(layers, seed_layers=True), load_config(config(args.micro, 4, 1, False), 1,
                                                                           warn=False), solo, world)
-    batches = list(data(args.micro, args.seq_len, 4 * (args.steps + 1)))
-    times = []
-    for s in range(args.steps + 1):
-        world.barrier()
-        t0 = time.perf_counter()
-        for x, y in batches[4 * s:4 * s + 4]:
+    sizes = [int(v) for v in args.micro_batches.split(",")]
+    settings = [(m, False) for m in sizes] + [(max(sizes), True)]
+    engines = {}
+    for m, int8 in settings:
+        model = PipelineModule(layers, num_stages=stages, loss_fn=lm_loss, seed_layers=True)
+        engines[m, int8], _, _, _ = zero8.initialize(model=model, config=config(args.micro, m, 1, int8))
+    best = {key: float("inf") for key in ["solo", *settings]}
+    for _ in range(args.rounds):
+        for x, y in data(args.micro, args.seq_len, 4):  # warm-up, then timed steps of 4 micro-batches
             plain.backward(lm_loss(plain(x), y))
             plain.step()
-        times.append((time.perf_counter() - t0) / 4)
-    t1 = statistics.median(times[1:])
-    plain.destroy()
-
-    rows = []
-    for m in [int(v) for v in args.micro_batches.split(",")]:
-        for int8 in (False, True) if m == max(int(v) for v in args.micro_batches.split(",")) else (False,):
-            model = PipelineModule(layers, num_stages=stages, loss_fn=lm_loss, seed_layers=True)
-            engine, _, _, _ = zero8.initialize(model=model, config=config(args.micro, m, 1, int8))
-            step_s = []
+        for s in range(args.steps):
+            world.barrier()
+            t0 = time.perf_counter()
+            for x, y in data(args.micro, args.seq_len, 4, seed=s):
+                plain.backward(lm_loss(plain(x), y))
+                plain.step()
+            best["solo"] = min(best["solo"], (time.perf_counter() - t0) / 4)
+        for key in settings:
+            engine = engines[key]
             for s in range(args.steps + 1):
                 world.barrier()
                 t0 = time.perf_counter()
-                engine.train_batch(data(args.micro, args.seq_len, m, seed=s))
-                step_s.append(time.perf_counter() - t0)
-            per_step = statistics.median(step_s[1:])
-            bounds = engine.boundary_stats()
-            steps_run = args.steps + 1
-            rows.append({
-                "stages": stages, "micro_batches": m, "int8_activations": int8, "step_s": per_step,
-                "tokens_per_s": m * tokens / per_step, "speedup": m * t1 / per_step,
-                "ideal_speedup": stages * m / (m + stages - 1),
-                "boundary_bytes_per_step": [b["bytes"] / steps_run for b in bounds],
-                "boundary_ratio_to_fp32": [b["bytes"] / b["fp32_bytes"] for b in bounds],
-            })
-            engine.destroy()
+                engine.train_batch(data(args.micro, args.seq_len, key[0], seed=s))
+                if s:
+                    best[key] = min(best[key], time.perf_counter() - t0)
+    t1 = best["solo"]
+    rows = []
+    for (m, int8) in settings:
+        engine = engines[m, int8]
+        bounds = engine.boundary_stats()
+        per_step = best[m, int8]
+        rows.append({
+            "stages": stages, "micro_batches": m, "int8_activations": int8, "step_s": per_step,
+            "tokens_per_s": m * tokens / per_step, "speedup": m * t1 / per_step,
+            "ideal_speedup": stages * m / (m + stages - 1),
+            "boundary_bytes_per_step": [b["bytes"] / (args.rounds * (args.steps + 1)) for b in bounds],
+            "boundary_ratio_to_fp32": [b["bytes"] / b["fp32_bytes"] for b in bounds],
+        })
     if rank != 0:
         return
     print(f"GPT d_model={args.d_model} n_layer={args.n_layer} seq_len={args.seq_len}, micro-batch {args.micro} "

@@ -98,12 +98,13 @@ class EngineCheckpoints:
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         tag = self._checkpoint_tag(tag)
         self._save_tag(save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
-                       int(self._cfg.zero8.checkpoint_keep_last))
+                       int(self._cfg.zero8.checkpoint_keep_last), stacklevel=3)
         return True
 
     def _save_tag(self, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
-                  exclude_frozen_parameters: bool, keep_last: int) -> None:
-        """save_checkpoint under a tag the ranks agreed on (collective over the data-parallel group)."""
+                  exclude_frozen_parameters: bool, keep_last: int, stacklevel: int) -> None:
+        """save_checkpoint under a tag the ranks agreed on (collective over the data-parallel group).
+        ``stacklevel``: the frame of the user's save_checkpoint call, counted from here, for warnings."""
         client_state = dict(client_state or {})
         gas = self.gradient_accumulation_steps()
         done = self.micro_steps % gas + int(self._backward_done)
@@ -111,7 +112,7 @@ class EngineCheckpoints:
             warnings.warn(
                 f"save_checkpoint in the middle of gradient accumulation (micro-batch {done} of {gas} of step "
                 f"{self.global_steps + 1}): the gradients of that step are not saved; a load resumes at its start",
-                stacklevel=2)
+                stacklevel=stacklevel)
         sched_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         state = {
             "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
@@ -130,7 +131,7 @@ class EngineCheckpoints:
         # so a crash or a full disk never leaves `latest` naming a tag without it.
         written = self._on_ranks_agreed(
             lambda: (self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
-                     self._module_rest(exclude_frozen_parameters)),
+                     self._module_rest(exclude_frozen_parameters, stacklevel + 3)),
             f"save_checkpoint: writing {MODEL_STATES_FILE}")
         pt, (state_dict, module_tensors) = (None, ([], [])) if written is None else written
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
@@ -222,7 +223,7 @@ class EngineCheckpoints:
         return {k: _compact(v.detach(), seen) if isinstance(v, torch.Tensor) else v
                 for k, v in self._module_entries(exclude_frozen).items()}
 
-    def _module_rest(self, exclude_frozen: bool) -> tuple[list, list]:
+    def _module_rest(self, exclude_frozen: bool, stacklevel: int) -> tuple[list, list]:
         """The module's state_dict for the C++ checkpoint (zero8::ckpt::SaveOptions), so that ``zero8-checkpoint
         to-fp32`` gives all of it, as DeepSpeed's zero_to_fp32 does: every key in order as (key, source), the
         source being the trained parameter's name (the export takes it from the fp32 masters) or the key of
@@ -248,7 +249,7 @@ class EngineCheckpoints:
             if dtype is None:
                 warnings.warn(f"save_checkpoint: {key} is {v.dtype}, which the checkpoint's model_rest.safetensors "
                               "cannot hold: zero8-checkpoint to-fp32 will give the trained parameters only (the "
-                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=5)
+                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=stacklevel)
                 return [], []
             first[id(v)] = key
             tensors.append((key, dtype, list(v.shape), v.detach().to("cpu").contiguous()))

@@ -63,8 +63,9 @@ class PipelineCheckpoints:
         staging = os.path.join(save_dir, _TMP_PREFIX + nonce)
         try:
             def write_stage() -> None:
+                # stacklevel: _save_tag, write_stage, _on_ranks_agreed, save_checkpoint, its caller
                 self._save_tag(stage_dir(staging, self.stage_id), tag, client_state, False,
-                               exclude_frozen_parameters, 0)
+                               exclude_frozen_parameters, 0, stacklevel=5)
                 if self._dp.rank == 0:
                     self.module.save_layer_files(staging, exclude_frozen_parameters)
 
