@@ -126,6 +126,8 @@ def test_tied_weight_attr_must_name_parameters_and_specs_must_be_modules():
         PipelineModule(regression_layers(), num_stages=2)  # one process here
     with pytest.raises(ValueError, match="2 stages but only 1 layer"):
         PipelineModule(regression_layers()[:1], num_stages=2)
+    with pytest.raises(ValueError, match=r"stage 0 \(layers 0..1\) holds no trainable parameters"):
+        zero8.initialize(model=PipelineModule([nn.Tanh(), nn.Tanh()], num_stages=1), config=config(zero8=EXACT))
 
 
 # ---- the engine in one process ----

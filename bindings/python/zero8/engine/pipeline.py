@@ -38,11 +38,15 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine: model must be a zero8.pipe.PipelineModule, got {type(model).__name__}")
         replicas = _tied_replicas(model)
-        if not any(p.requires_grad and id(p) not in replicas for p in model.parameters()):
+        # Every rank learns which stages cannot build an optimizer, so all of them raise, none waits.
+        own = any(p.requires_grad and id(p) not in replicas for p in model.parameters())
+        flags = world.all_gather_bytes(b"1" if own else b"0")
+        empty = sorted({r * model.num_stages // world.size for r, f in enumerate(flags) if f == b"0"})
+        if empty:
+            shown = ", ".join(f"stage {s} (layers {model.parts[s]}..{model.parts[s + 1] - 1})" for s in empty)
             raise Zero8ValueError(
-                f"stage {model.stage_id} (layers {model.parts[model.stage_id]}..{model.parts[model.stage_id + 1] - 1}) "
-                f"has no trainable parameters of its own; every stage needs some for its optimizer: choose another "
-                f"partition_method, or fewer stages")
+                f"PipelineModule: {shown} holds no trainable parameters of its own; every stage needs some for its "
+                f"optimizer: choose another partition_method, or fewer stages")
         super().__init__(model, config, dp, world, model_parameters=_without(model, model_parameters, replicas),
                          client_optimizer=client_optimizer, client_lr_scheduler=client_lr_scheduler)
         self._pipe = pipe
