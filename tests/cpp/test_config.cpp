@@ -503,6 +503,17 @@ TEST(ConfigZero8, CommTimeoutDefaultsToDeepSpeedsThirtyMinutes) {
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_timeout_s": 45}})").zero8.comm_timeout_s, 45.0);
 }
 
+// Pipeline activations on the wire: fp32 by default, int8 blocks when asked; a boolean like the other
+// int8 keys, and written back by to_json.
+TEST(ConfigZero8, Int8ActivationsIsAnOptInBoolean) {
+  EXPECT_FALSE(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.int8_activations);
+  const auto c = parse(R"({"train_batch_size": 8, "zero8": {"int8_activations": true}})");
+  EXPECT_TRUE(c.zero8.int8_activations);
+  EXPECT_TRUE(cfg::parse_string(cfg::to_json(c), 1).zero8.int8_activations);
+  const std::string m = parse_error(R"({"train_batch_size": 8, "zero8": {"int8_activations": "yes"}})").what();
+  EXPECT_NE(m.find("zero8.int8_activations"), std::string::npos) << m;
+}
+
 // The engine's buffers are host memory; NCCL reads device buffers only (ncclBroadcast of a
 // std::vector would crash on the first collective), so the key is refused by name.
 TEST(ConfigZero8, CommBackendNcclIsRefusedForTheEngine) {
