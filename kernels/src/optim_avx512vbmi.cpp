@@ -1,6 +1,7 @@
 // AVX-512 VBMI variant of the fused optimizers. The 8-bit step of the element-wise algorithms runs
 // fused, 128 elements at a time: the states are decoded in registers by byte permutes (codec_vbmi.h),
-// updated, stored once to a block buffer while their min, max and finiteness accumulate, and encoded
+// updated (non-finite ones stored as 0, optim_state_finite), stored once to a block buffer while their
+// min and max accumulate, and encoded
 // from there once the block's scale is known, interleaved with the update of the next block.
 // LAMB/LARS, 32-bit states, maps without VBMI cells or without an exact 0, and a partial last block
 // take the loop of optim_simd.h with the VBMI block helpers. Bit-identical to optim_ref.cpp
@@ -100,9 +101,11 @@ struct BlockUpdate {
       const __m512 p = simd_update<V512, A>(k, g, V512::loadu(q.pin + e), m, w, one, lr);
       if (q.master) V512::storeu(q.master + e, p);
       if (q.param) V512::store_param(q.param, q.pdt, e, p);
+      m = V512::finite_or_zero(m);  // optim_state_finite
       _mm512_store_ps(x1 + e, m);
       r1.add(m);
       if constexpr (kStates == 2) {
+        w = V512::finite_or_zero(w);
         _mm512_store_ps(x2 + e, w);
         r2.add(w);
       }

@@ -55,6 +55,7 @@ struct Ptrs {
   DType pdt = DType::f32;
   float* s1 = nullptr;         // fp32 states (decoded block buffer or 32-bit state array); null: unused
   float* s2 = nullptr;
+  bool finite_states = false;  // 8-bit states: non-finite new states are stored as 0 (optim_state_finite)
 };
 
 // ---- the element rules (optim_math.h), vectorized ----
@@ -141,6 +142,10 @@ inline void simd_step_vec(const VConsts<V>& k, const Ptrs& q, int64_t j, typenam
   F s1 = q.s1 ? V::loadu(q.s1 + j) : V::zero();
   F s2 = q.s2 ? V::loadu(q.s2 + j) : V::zero();
   p = simd_update<V, A>(k, g, p, s1, s2, trust, lr_trust);
+  if (q.finite_states) {
+    s1 = V::finite_or_zero(s1);
+    s2 = V::finite_or_zero(s2);
+  }
   if (q.s1) V::storeu(q.s1 + j, s1);
   if (q.s2) V::storeu(q.s2 + j, s2);
   if (q.master) V::storeu(q.master + j, p);
@@ -167,6 +172,7 @@ void simd_step_tail(const VConsts<V>& k, const Ptrs& q, int64_t j, int r, typena
   t.pdt = q.pdt;
   t.s1 = q.s1 ? s1 : nullptr;
   t.s2 = q.s2 ? s2 : nullptr;
+  t.finite_states = q.finite_states;
   simd_step_vec<V, A>(k, t, 0, trust, lr_trust);
   if (q.s1) std::memcpy(q.s1 + j, s1, size_t(r) * 4);
   if (q.s2) std::memcpy(q.s2 + j, s2, size_t(r) * 4);
@@ -196,6 +202,7 @@ inline Ptrs simd_piece_ptrs(const StepArgs& a, int64_t i, int64_t lo, bool use1,
   q.pdt = a.param_dtype;
   if (use1) q.s1 = a.bits == 8 ? buf1 + (i - lo) : a.state1 + i;
   if (use2) q.s2 = a.bits == 8 ? buf2 + (i - lo) : a.state2 + i;
+  q.finite_states = a.bits == 8;
   return q;
 }
 

@@ -34,13 +34,16 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   rounding, keep the exact float32 masters.
 
 Non-finite gradients: a NaN or Inf gradient element makes its parameter element NaN or Inf, as in
-torch. With 8-bit states it also makes the scale of its state block non-finite (a NaN scale, see
-``zero8.functional``), so the next step turns the whole block NaN: ``block_size`` (256) elements of the
-states, and so of the parameter. 32-bit states keep it to the element, as torch does; bitsandbytes'
-8-bit states spread an Inf over its block the same way. Skip such steps: ``torch.amp.GradScaler`` does
-(its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as zero8's
-engine does in every precision; or check the gradients before stepping
-(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
+torch, in every optimizer (Lion too: the sign of NaN is NaN here, where torch.sign's 0 would stop the
+element without a word; an Inf moves a Lion parameter by ``lr``), and no other element. 32-bit states
+keep the NaN or Inf, as torch's do. An 8-bit state block cannot hold one (its scale would turn NaN, and
+with it all ``block_size`` elements of the block at the next step), so a non-finite 8-bit state is
+stored as 0 and the rest of its block trains on. LAMB and LARS compute a per-tensor trust ratio: a NaN
+norm makes it 1 for that tensor, an infinite update norm 0 for that step (as timm's). Skip such steps:
+``torch.amp.GradScaler`` does (its ``step`` calls no ``optimizer.step()`` when the unscaled gradients
+hold an Inf or NaN), as zero8's engine does in every precision; or check the gradients before stepping
+(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``). docs/ARCHITECTURE.md, "Non-finite
+gradients in the optimizers", has the details.
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
