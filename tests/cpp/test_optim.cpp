@@ -1319,6 +1319,32 @@ void expect_arg_error(const std::function<void()>& f, const std::string& name) {
   }
 }
 
+// What users read carries no C++ source location (Python shows these messages as they are): release
+// builds append " [file:line]" to internal errors, zero8's bugs, only; debug builds to every error.
+TEST(OptimArgs, UserErrorsCarryNoSourceLocation) {
+  Hyper h;
+  h.lr = std::numeric_limits<float>::infinity();
+  std::string user, internal;
+  try {
+    hyper_validate(Algo::adamw, h);
+  } catch (const Error& e) {
+    user = e.what();
+  }
+  try {
+    ZERO8_THROW(internal, "a broken invariant");
+  } catch (const Error& e) {
+    internal = e.what();
+  }
+  const std::string want = "invalid argument 'lr': learning rate must be finite and >= 0, got inf";
+#ifdef NDEBUG
+  EXPECT_EQ(user, want);
+#else
+  EXPECT_EQ(user.rfind(want + " [", 0), 0u) << user;
+#endif
+  EXPECT_EQ(internal.rfind("a broken invariant [", 0), 0u) << internal;
+  EXPECT_NE(internal.find("test_optim.cpp:"), std::string::npos) << internal;
+}
+
 TEST(OptimArgs, BadArgumentsThrowNamingTheArgument) {
   const int64_t n = 1000;
   State st(StateLayout(Algo::adamw, n, 8, 256));

@@ -1627,6 +1627,26 @@ def test_bad_arguments_raise_value_errors_naming_them(make, match):
         make()
 
 
+def test_values_beyond_float32_fail_at_construction_as_given():
+    # lr=1e39 used to be accepted, then fail at the first step as "got inf", with a C++ source path.
+    for make, match in ((lambda: zo.AdamW8bit(_p(), lr=1e39), r"Invalid lr: 1e\+39 \(beyond float32's range"),
+                        (lambda: zo.Adam8bit(_p(), eps=1e-50), r"Invalid eps: 1e-50 \(beyond float32's range"),
+                        (lambda: zo.Lion8bit(_p(), betas=(0.9, 1e-46)), r"Invalid betas\[1\]: 1e-46 ")):
+        with pytest.raises(zero8.Zero8ValueError, match=match) as e:
+            make()
+        assert ".cpp" not in str(e.value)
+    opt = zo.AdamW8bit(_p(), lr=3.4e38, eps=1.5e-45)  # the largest and smallest float32s are fine
+    assert opt.param_groups[0]["lr"] == 3.4e38
+    # A learning rate set between steps (a scheduler) is checked at the step, naming the group.
+    p = _p()
+    opt = zo.AdamW8bit(p, lr=1e-3)
+    opt.param_groups[0]["lr"] = 1e40
+    p[0].grad = torch.ones(10)
+    with pytest.raises(zero8.Zero8ValueError, match=r"lr.*1e\+40 \(beyond float32's range") as e:
+        opt.step()
+    assert ".cpp" not in str(e.value)
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: zo.Adam8bit(_p(), amsgrad=True), "amsgrad"),
     (lambda: zo.LAMB8bit(_p(), amsgrad=True), "amsgrad"),

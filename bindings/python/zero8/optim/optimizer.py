@@ -302,6 +302,10 @@ def wants_fp32_state(p: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Argument checks (the messages name the argument)
 
+_F32_MAX = 3.4028234663852886e38   # the largest float32
+_F32_TRUE_MIN = 1.401298464324817e-45  # the smallest positive float32 (subnormal)
+
+
 def _num(value, name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -326,6 +330,10 @@ def _check_range(value, name: str, bounds: Tuple[float, float, bool, bool]) -> f
     ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
         raise Zero8ValueError(f"Invalid {name}: {value} ({_range_text(lo, hi, lo_open, hi_open)})")
+    # The kernels compute in float32, where a larger magnitude is inf and a smaller nonzero one 0.
+    if v != 0 and not _F32_TRUE_MIN <= abs(v) <= _F32_MAX:
+        raise Zero8ValueError(f"Invalid {name}: {value} (beyond float32's range, which zero8's kernels compute in: "
+                              f"it would be {'inf' if abs(v) > 1 else '0'} there; largest float32 3.4028235e38)")
     return v
 
 
