@@ -188,8 +188,12 @@ void rename_or_fail(const std::string& from, const std::string& to) {
 }
 
 bool exists(const std::string& p) {
+  // Only "no such file" is false: a path that cannot be looked at (a directory without search permission
+  // on the way, an I/O error) would otherwise read as missing, and a readable tag as an incomplete one.
   std::error_code ec;
-  return fs::exists(p, ec);
+  const bool found = fs::exists(p, ec);
+  if (ec) CKPT_FAIL(p, "cannot access: " + ec.message());
+  return found;
 }
 
 void remove_tree(const std::string& p) {

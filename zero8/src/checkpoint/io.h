@@ -89,7 +89,7 @@ class FileReader {
 std::string file_read_text(const std::string& path, int64_t limit = int64_t(1) << 30);
 void fsync_dir(const std::string& dir);
 void rename_or_fail(const std::string& from, const std::string& to);
-bool exists(const std::string& p);
+bool exists(const std::string& p);  // false when absent; Error(io) when it cannot be looked at
 void remove_tree(const std::string& p);
 
 // ---- environment (declared in checkpoint.h) and the crash hooks ----
