@@ -37,8 +37,6 @@ struct V256 {
     const F s = _mm256_or_ps(_mm256_and_ps(gt, set1(1.0f)), _mm256_and_ps(lt, set1(-1.0f)));
     return _mm256_blendv_ps(s, u, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
   }
-  // optim_state_finite: x where x - x == 0 (x finite), else 0.
-  static F finite_or_zero(F x) { return _mm256_and_ps(x, _mm256_cmp_ps(sub(x, x), zero(), _CMP_EQ_OQ)); }
   // dtype_load / dtype_store (dtype_avx2.h).
   static F load_grad(const void* g, DType t, int64_t j) { return load8(g, t, j); }
   static void store_param(void* p, DType t, int64_t j, F v) { store8(p, t, j, v); }

@@ -55,7 +55,6 @@ struct Ptrs {
   DType pdt = DType::f32;
   float* s1 = nullptr;         // fp32 states (decoded block buffer or 32-bit state array); null: unused
   float* s2 = nullptr;
-  bool finite_states = false;  // 8-bit states: non-finite new states are stored as 0 (optim_state_finite)
 };
 
 // ---- the element rules (optim_math.h), vectorized ----
@@ -142,10 +141,6 @@ inline void simd_step_vec(const VConsts<V>& k, const Ptrs& q, int64_t j, typenam
   F s1 = q.s1 ? V::loadu(q.s1 + j) : V::zero();
   F s2 = q.s2 ? V::loadu(q.s2 + j) : V::zero();
   p = simd_update<V, A>(k, g, p, s1, s2, trust, lr_trust);
-  if (q.finite_states) {
-    s1 = V::finite_or_zero(s1);
-    s2 = V::finite_or_zero(s2);
-  }
   if (q.s1) V::storeu(q.s1 + j, s1);
   if (q.s2) V::storeu(q.s2 + j, s2);
   if (q.master) V::storeu(q.master + j, p);
@@ -172,7 +167,6 @@ void simd_step_tail(const VConsts<V>& k, const Ptrs& q, int64_t j, int r, typena
   t.pdt = q.pdt;
   t.s1 = q.s1 ? s1 : nullptr;
   t.s2 = q.s2 ? s2 : nullptr;
-  t.finite_states = q.finite_states;
   simd_step_vec<V, A>(k, t, 0, trust, lr_trust);
   if (q.s1) std::memcpy(q.s1 + j, s1, size_t(r) * 4);
   if (q.s2) std::memcpy(q.s2 + j, s2, size_t(r) * 4);
@@ -202,8 +196,17 @@ inline Ptrs simd_piece_ptrs(const StepArgs& a, int64_t i, int64_t lo, bool use1,
   q.pdt = a.param_dtype;
   if (use1) q.s1 = a.bits == 8 ? buf1 + (i - lo) : a.state1 + i;
   if (use2) q.s2 = a.bits == 8 ? buf2 + (i - lo) : a.state2 + i;
-  q.finite_states = a.bits == 8;
   return q;
+}
+
+// The block's new 8-bit states x encoded, with optim_state_finite applied. A non-finite state is what makes
+// the encoder's scale NaN, so only such a block (rare: the step of a NaN or Inf gradient) is made finite
+// and encoded again; the common path pays one compare.
+inline float simd_encode_states(float* x, int32_t len, const quant::QuantTable& t, uint8_t* codes) {
+  const float scale = ZERO8_OPTIM_BLOCK_ENCODE(x, len, t, codes);
+  if (scale == scale) return scale;
+  for (int32_t i = 0; i < len; ++i) x[i] = optim_state_finite(x[i]);
+  return ZERO8_OPTIM_BLOCK_ENCODE(x, len, t, codes);
 }
 
 // One state block [lo, hi): decode its 8-bit states into buf1/buf2, step it piece by piece, encode the
@@ -224,8 +227,8 @@ void simd_step_block(const StepArgs& a, const OptimConsts& c, const VConsts<V>& 
     simd_step_piece<V, A>(k, q, end - i, trust, c.lr * trust);
     i = end;
   }
-  if (use1 && q8) a.absmax1[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf1, len, *a.map1, a.code1 + lo);
-  if (use2 && q8) a.absmax2[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf2, len, *a.map2, a.code2 + lo);
+  if (use1 && q8) a.absmax1[b] = simd_encode_states(buf1, len, *a.map1, a.code1 + lo);
+  if (use2 && q8) a.absmax2[b] = simd_encode_states(buf2, len, *a.map2, a.code2 + lo);
 }
 
 template <class V, Algo A>

@@ -35,8 +35,7 @@ struct V512 {
     const F s = _mm512_mask_blend_ps(lt, _mm512_mask_blend_ps(gt, zero(), set1(1.0f)), set1(-1.0f));
     return _mm512_mask_blend_ps(nan, s, u);
   }
-  // optim_state_finite: x where x - x == 0 (x finite), else 0.
-  static F finite_or_zero(F x) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sub(x, x), zero(), _CMP_EQ_OQ), x); }
+
   // dtype_load / dtype_store (dtype_avx512.h).
   static F load_grad(const void* g, DType t, int64_t j) { return load16(g, t, j); }
   static void store_param(void* p, DType t, int64_t j, F v) { store16(p, t, j, v); }

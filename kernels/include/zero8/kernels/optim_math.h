@@ -166,8 +166,9 @@ ZERO8_HD float optim_lamb_one(const OptimConsts& c, float g, float p, float& m, 
 // Lion, frozen). So with 8-bit states a non-finite new state is stored as 0 and the block's scale comes from
 // its finite states: the element that took the NaN/Inf keeps it in its parameter (which the update has
 // already written, as torch's would be), and the other elements of the block train on as in torch.
-// 32-bit states keep the value, as torch's do. Every variant applies this to each new 8-bit state before
-// the block's range is taken.
+// 32-bit states keep the value, as torch's do. Every variant encodes what applying this to each new 8-bit
+// state before taking the block's range gives (the SIMD ones apply it to a block only when its range
+// shows a non-finite state, so the common step pays nothing for it).
 ZERO8_HD float optim_state_finite(float s) { return s - s == 0.0f ? s : 0.0f; }
 
 // One element of any algorithm: returns the new parameter, updates s1/s2 in place (unused states may
