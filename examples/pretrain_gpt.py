@@ -35,7 +35,8 @@ per rank), <out_dir>/train_log.csv and, at the end, <out_dir>/loss.png (matplotl
 SIGUSR1 (what OpenMPI's mpirun forwards): the ranks agree at the next step boundary, save together and
 exit with status 0 (no CSV row for the stop step: the checkpoint carries the losses of the open report
 window). --resume continues from the latest checkpoint (weights, 8-bit states, scheduler, data position,
-report window, elapsed time) with the same losses and CSV rows as an uninterrupted run.
+report window, elapsed time) with the same losses and CSV rows as an uninterrupted run; --resume TAG from
+another checkpoint of --save_dir (e.g. global_step200), the CSV rows after it dropped.
 
 Optional packages (PyPI): tqdm for the progress bar, matplotlib for the plot; without them the example
 prints a plain progress line and skips the plot.
@@ -414,7 +415,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="report/CSV period in steps, >= 1 (config's steps_per_print by default)")
     p.add_argument("--save_dir", default=None, help="checkpoint directory (default <out_dir>/checkpoints)")
     p.add_argument("--save_interval", type=int, default=100, help="steps between checkpoints; 0: only at the end")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                   help="continue from a checkpoint in --save_dir: the one its 'latest' names (no TAG, or "
+                        "'latest'), or TAG (e.g. global_step200)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--no_plot", action="store_true", help="no PNG at the end")
     p.add_argument("--step_sleep", type=float, default=0.0,
@@ -522,8 +525,12 @@ def main(argv=None) -> int:
     dp, dp_rank = (engine.dp_world_size, engine.grid.get_data_parallel_rank()) if pipelined else (world, rank)
 
     start, log_state = 0, {}
-    if args.resume:
-        path, client = engine.load_checkpoint(save_dir)
+    if args.resume is not None:
+        tag = None if args.resume == "latest" else args.resume  # "latest" is never a tag's name
+        try:
+            path, client = engine.load_checkpoint(save_dir, tag=tag)
+        except (zero8.Zero8IOError, zero8.Zero8ValueError) as e:  # no such tag, a bad name, a damaged file
+            raise SystemExit(f"--resume {args.resume}: {e}") from None
         if path is None:
             raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
         data = (client or {}).get("data", {})
@@ -545,7 +552,7 @@ def main(argv=None) -> int:
     state_bytes = int(engine.memory_stats()["state"])
     val_offsets = torch.linspace(0, corpus.val.numel() - args.seq_len - 2, args.eval_seqs).long()
 
-    rows = read_csv_rows(csv_path, start) if (rank == 0 and args.resume) else []
+    rows = read_csv_rows(csv_path, start) if (rank == 0 and args.resume is not None) else []
     if rank == 0:
         with open(csv_path, "w", newline="", encoding="utf-8") as f:  # rows after the checkpoint are dropped
             w = csv.DictWriter(f, fieldnames=CSV_FIELDS)

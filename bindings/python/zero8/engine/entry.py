@@ -53,8 +53,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     - ``config``: a DeepSpeed config (dict, path or JSON text; ``args.deepspeed_config`` and
       ``config_params`` as in DeepSpeed, and as there config= with args.deepspeed_config is an error).
-      It is validated in C++ (``zero8.Zero8ValueError`` naming the key path); unknown keys warn once
-      (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
+      It is validated in C++ (``zero8.Zero8ValueError`` naming the key path; an unknown key inside a
+      section zero8 reads is one, with the key meant); unknown top-level keys warn once (rank 0). A
+      ``"zero8"`` section turns on 8-bit states and int8
       communication (docs/CONFIG.md).
     - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
       Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and hyperparameters are read; its
