@@ -227,3 +227,42 @@ def test_trainer_cls_and_kwargs_take_training_arguments():
                {"params": [model[0].weight, model[1].bias], "weight_decay": 0.0}], **kwargs)
     assert isinstance(opt, zero8.optim.AdamW8bit) and type(opt).__name__ == "AdamW8bit"
     assert opt.overrides_for(model[0].weight) == {"optim_bits": 32}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("make", [lambda ps: zero8.optim.AdamW8bit(ps, lr=1e-2, min_8bit_size=4096),
+                                  lambda ps: zero8.optim.Lion8bit(ps, lr=1e-3, min_8bit_size=4096)],
+                         ids=["AdamW8bit", "Lion8bit"])
+def test_cuda_partition_steps_as_the_cpu_one(make):
+    """DeepSpeed on a GPU hands CUDA partitions: every segment steps with the CUDA kernels, its states on the
+    partition's device, to the same bits as the CPU partition (8-bit, 32-bit and cut segments at 2 ranks), and
+    the state dict loads back onto the GPU."""
+    from cuda_util import REASON, assert_same_bits
+    if REASON is not None:
+        pytest.skip(REASON)
+    grads = [[torch.randn(p.shape) for p in _model_params()] for _ in range(3)]
+    for rank in range(2):
+        out = {}
+        for dev in ("cpu", "cuda"):
+            params = _model_params()
+            opt = make(params)
+            flat, lo, hi = _partition(params, 2, rank)
+            flat = flat.detach().to(dev).requires_grad_(True)
+            opt.param_groups[0]["params"] = [flat]
+            for gs in grads:
+                flat.grad = _flat_grad(params, gs, lo, hi, flat.numel() * 2).to(dev)
+                opt.step()
+            out[dev] = (opt, flat)
+        (copt, cflat), (gopt, gflat) = out["cpu"], out["cuda"]
+        assert_same_bits(gflat.detach(), cflat.detach(), f"rank {rank} partition")
+        for k, v in copt.state[cflat].items():
+            if isinstance(v, torch.Tensor):
+                assert gopt.state[gflat][k].device.type == "cuda", k
+                assert_same_bits(gopt.state[gflat][k], v, f"rank {rank} state {k}")
+        sd = gopt.state_dict()
+        again = make(_model_params())
+        again.param_groups[0]["params"] = [gflat]
+        again.load_state_dict(sd)
+        for k, v in gopt.state[gflat].items():
+            if isinstance(v, torch.Tensor):
+                assert_same_bits(again.state[gflat][k], v, f"rank {rank} loaded state {k}")

@@ -31,6 +31,9 @@ Limits: LAMB's and LARS's trust ratio is a norm over the parameter; for a parame
 boundary it is taken over this rank's fragment (a warning names such parameters). ``master_weights``
 overrides do not apply (DeepSpeed keeps the fp32 masters; a warning names the tensor). DeepSpeed's
 ``elastic_checkpoint`` (it cuts every state tensor of the partition by the padding) is not supported.
+
+Devices: a partition on a GPU steps with the CUDA kernels on torch's current stream, its states on its device
+(the layout and any re-encoding are made on the CPU, once).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8ValueError
-from .._tensors import check_cpu, dtype_code
+from .._tensors import check_device, check_same_device, cuda_stream, dtype_code, on_device
 
 __all__ = ["LAYOUT_KEY", "PartitionedStates", "Segment", "decode_partition_state"]
 
@@ -417,7 +420,7 @@ class PartitionedStates:
                 self._clean_loaded_group(group, gi)
                 part = self._partition(p, group, gi)
                 loaded = {k: v for k, v in state.items() if k in names or k == "step"}
-                new = self._partition_state_from(p, part, loaded, group, where)
+                new = _placed(self._partition_state_from(p, part, loaded, group, where), p.device)
                 state.clear()
                 state.update(new)
 
@@ -433,16 +436,17 @@ class PartitionedStates:
     def _step_partition(self, p: torch.Tensor, group: dict, gi: int) -> None:
         """One step of DeepSpeed partition p of param_groups[gi], segment by segment."""
         where = f"param_groups[{gi}] (DeepSpeed partition of {p.numel()} elements)"
-        check_cpu(p, where)
+        check_device(p, where)
         grad = p.grad
-        check_cpu(grad, f"{where}.grad")
+        check_same_device(grad, f"{where}.grad", p, where)
         if p.dtype != torch.float32 or not p.is_contiguous() or grad.shape != p.shape or not grad.is_contiguous():
             raise Zero8ValueError(f"{where}: expected a contiguous float32 partition and a gradient of its shape, got "
                                   f"{p.dtype} {tuple(p.shape)} and {grad.dtype} {tuple(grad.shape)}")
         part = self._partition(p, group, gi)
         state = self.state[p]
         if not state:
-            state.update(self._partition_new_state(p, part, group))
+            state.update(_placed(self._partition_new_state(p, part, group), p.device))
+        _check_placed(state, p, where)
         state["step"] += 1
         step = state["step"]
         group_hyper = None
@@ -452,6 +456,8 @@ class PartitionedStates:
         gb = grad.data_ptr()
         grad_code = dtype_code(grad, f"{where}.grad")
         two = self.num_states == 2
+        cuda = p.device.type == "cuda"
+        stream = cuda_stream(p) if cuda else 0  # torch's current stream: ordered with DeepSpeed's own kernels
         for s in part.segments:
             if check and self.overrides_for(s.param):
                 hyper = self._hyper(self._config(group, s.param))
@@ -484,7 +490,11 @@ class PartitionedStates:
                     a.state1 = state["fp32_state1"].data_ptr() + 4 * (s.first + at)
                     if two:
                         a.state2 = state["fp32_state2"].data_ptr() + 4 * (s.first + at)
-                _C.step_tensor(a)
+                if cuda:
+                    with on_device(p):
+                        _C.step_tensor_cuda(a, stream)
+                else:
+                    _C.step_tensor(a)
 
     # ---- state dicts ----
 
@@ -509,7 +519,8 @@ class PartitionedStates:
                 if value is None:
                     continue
                 part = self._partition(p, self.param_groups[gi], gi)
-                state[p] = self._partition_state_from(p, part, value, group, f"{where}, a DeepSpeed partition")
+                state[p] = _placed(self._partition_state_from(p, part, value, group, f"{where}, a DeepSpeed partition"),
+                                   p.device)
         # The group dicts stay the ones DeepSpeed holds (it replaced their params and may swap param_groups).
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
@@ -517,3 +528,21 @@ class PartitionedStates:
         self.state = state
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _placed(state: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """``state`` with its tensors on the partition's device (they are made and re-encoded on the CPU, where
+    the per-segment layout is built once; a GPU partition steps them where they are, as torch.optim keeps a
+    parameter's states on its device)."""
+    if device.type == "cpu":
+        return state
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _check_placed(state: Dict[str, Any], p: torch.Tensor, where: str) -> None:
+    """The kernels read every state tensor through p's device: one elsewhere (the partition moved after the
+    state was made) is an error naming it, not a read of another device's memory."""
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and k != "step" and v.device != p.device:
+            raise Zero8ValueError(f"{where}: the state {k!r} is on {v.device} but the partition is on {p.device}: "
+                                  f"load the optimizer's state after moving the model")
