@@ -252,15 +252,15 @@ def test_cuda_partition_steps_as_the_cpu_one(make):
             for gs in grads:
                 flat.grad = _flat_grad(params, gs, lo, hi, flat.numel() * 2).to(dev)
                 opt.step()
-            out[dev] = (opt, flat)
-        (copt, cflat), (gopt, gflat) = out["cpu"], out["cuda"]
+            out[dev] = (opt, flat, params)
+        (copt, cflat, _), (gopt, gflat, gparams) = out["cpu"], out["cuda"]
         assert_same_bits(gflat.detach(), cflat.detach(), f"rank {rank} partition")
         for k, v in copt.state[cflat].items():
             if isinstance(v, torch.Tensor):
                 assert gopt.state[gflat][k].device.type == "cuda", k
                 assert_same_bits(gopt.state[gflat][k], v, f"rank {rank} state {k}")
         sd = gopt.state_dict()
-        again = make(_model_params())
+        again = make(gparams)  # the parameters that carry DeepSpeed's mapping into gflat
         again.param_groups[0]["params"] = [gflat]
         again.load_state_dict(sd)
         for k, v in gopt.state[gflat].items():
