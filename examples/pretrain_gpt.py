@@ -7,6 +7,7 @@ by zero8-launch, mpirun or plain python (one rank); driven by a DeepSpeed JSON c
         --out_dir out/pretrain
     mpirun -np 2 python examples/pretrain_gpt.py --config examples/configs/gpt_zero8_stage2.json
     python examples/pretrain_gpt.py --config examples/configs/gpt_fp32_adamw.json --steps 100
+    zero8-launch --num_procs 2 examples/pretrain_gpt.py --device cuda ...   # one rank per GPU (NCCL)
 
 Data: every *.py file under the running interpreter's standard library (sysconfig's "stdlib" path; no
 site-packages, test suites or codec tables), ordered by the SHA-256 of its relative path (a fixed shuffle
@@ -22,6 +23,11 @@ scaled_dot_product_attention, GELU MLP of 4x width), a final layer norm and a li
 untied by default (its weight gets 8-bit states like the other matrices, while the embedding keeps the
 32-bit states StableEmbedding asks for); --tie_weights shares the embedding matrix (then with 32-bit
 states). No dropout: runs are deterministic.
+
+Device: --device cpu, cuda (this rank's GPU, cuda:LOCAL_RANK: the engine keeps the 8-bit states and every
+buffer there and talks over NCCL between ranks) or auto (the default: cuda when zero8 has its CUDA kernels
+and every local rank can have a GPU of its own, else cpu). The model is built on the CPU from the seed and
+then moved, so both devices start from the same weights.
 
 Output (rank 0): a progress bar (tqdm when installed, else a plain line), a report every
 steps_per_print steps (loss, validation loss, tokens/s, optimizer-state bytes, peak memory and bytes sent
@@ -373,6 +379,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tie_weights", action="store_true", help="share the embedding matrix with the head")
     p.add_argument("--corpus_mb", type=float, default=4.0, help="MB of standard-library source used, > 0")
     p.add_argument("--seed", type=int, default=1234, help="model initialization and batch sampling")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to train: cuda (this rank's GPU), cpu, or auto (cuda when every local rank can "
+                        "have a GPU, default)")
     p.add_argument("--eval_interval", type=int, default=50, help="steps between validation losses, >= 1")
     p.add_argument("--eval_seqs", type=int, default=128,
                    help="validation sequences, >= 1 (fixed, spread evenly)")
@@ -402,6 +411,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def pick_device(choice: str) -> torch.device:
+    """--device: cuda is this rank's GPU (zero8.engine.local_device(): cuda:LOCAL_RANK); auto takes it when
+    zero8 has its CUDA kernels and there are as many GPUs as local ranks (NCCL needs one per rank)."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    usable = torch.cuda.is_available() and zero8.build_info()["cuda"]
+    if choice == "auto":
+        return zero8.engine.local_device() if usable and torch.cuda.device_count() >= _local_size() else \
+            torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use "
+                         "--device cpu")
+    if not zero8.build_info()["cuda"]:
+        raise SystemExit("--device cuda: this zero8 was built without CUDA (zero8.build_info()['cuda'] is "
+                         "False); reinstall it with its CUDA kernels, or use --device cpu")
+    return zero8.engine.local_device()
+
+
 def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: int, world: int, comm,
              micro: int) -> float:
     """Mean validation loss per byte over the fixed sequences; rank r takes sequences r, r+world, ..."""
@@ -410,7 +437,7 @@ def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: 
     mine = offsets[rank::world]
     with torch.no_grad():
         for i in range(0, mine.numel(), micro):
-            x, y = sequences(corpus.val, mine[i:i + micro], seq_len)
+            x, y = (t.to(engine.device) for t in sequences(corpus.val, mine[i:i + micro], seq_len))
             total += float(lm_loss(engine(x), y, reduction="sum"))
             count += y.numel()
     engine.train()
@@ -420,7 +447,8 @@ def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    comm = world_comm()
+    device = pick_device(args.device)
+    comm = world_comm(device=device)  # NCCL for a GPU run of several ranks
     rank, world = comm.rank, comm.size
     if __name__ != "__main__":  # main() called from another script: handle the stop signals here
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
@@ -436,7 +464,7 @@ def main(argv=None) -> int:
 
     corpus = Corpus(int(args.corpus_mb * 1e6))
     torch.manual_seed(args.seed)
-    model = GPT(args.d_model, args.n_layer, args.n_head, args.seq_len, args.tie_weights)
+    model = GPT(args.d_model, args.n_layer, args.n_head, args.seq_len, args.tie_weights).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     # The engine gets the config as a dict (with this script's overrides), so its warnings and errors start
     # with "<config dict>": they are given the file's name instead, as docs/CONFIG.md shows them.
@@ -499,7 +527,7 @@ def main(argv=None) -> int:
         print(f"run: {world} rank(s), {steps} steps of {batch} sequences ({tokens_per_step} tokens; micro-batch "
               f"{micro} x {gas} accumulation per rank), config {args.config} (zero8 "
               f"{'on' if z8 and z8.get('enabled', True) else 'off'}), "
-              f"{os.environ.get('OMP_NUM_THREADS')} thread(s)/rank"
+              f"{os.environ.get('OMP_NUM_THREADS')} thread(s)/rank, {device} ({comm.backend})"
               + (f", resumed at step {start}" if start else ""), flush=True)
 
     progress = Progress(rank == 0, not args.no_progress, start, steps)
@@ -514,7 +542,9 @@ def main(argv=None) -> int:
         tok_s = (step * tokens_per_step - timer["tokens"]) / max(now - timer["t"], 1e-9)
         timer["t"], timer["tokens"] = now, step * tokens_per_step
         cs = engine.comm_stats()
-        mine = json.dumps([cs["bytes"], cs["gradient_bytes"], state_bytes, max_rss_mb()]).encode()
+        mem = engine.memory_stats()  # on a GPU: the optimizer's buffers beside torch's peak (activations...)
+        gpu_peak = mem["total"] + mem["torch_max_allocated"] if device.type == "cuda" else 0
+        mine = json.dumps([cs["bytes"], cs["gradient_bytes"], state_bytes, max_rss_mb(), gpu_peak]).encode()
         per_rank = [json.loads(b) for b in comm.all_gather_bytes(mine)] if world > 1 else [json.loads(mine)]
         if rank != 0:
             return
@@ -533,7 +563,8 @@ def main(argv=None) -> int:
                 f"{'-' if loss is None else f'{tok_s:,.0f}'} tok/s | "
                 f"state/rank {' '.join(fmt_bytes(r[2]) for r in per_rank)} | peak RSS/rank "
                 f"{' '.join(f'{r[3]:.0f}MB' for r in per_rank)} | "
-                f"sent/rank {' '.join(fmt_bytes(r[0]) for r in per_rank)}")
+                + (f"peak GPU/rank {' '.join(fmt_bytes(r[4]) for r in per_rank)} | " if device.type == "cuda" else "")
+                + f"sent/rank {' '.join(fmt_bytes(r[0]) for r in per_rank)}")
 
     def save(step_done: int) -> None:
         nonlocal saved_step
@@ -562,7 +593,7 @@ def main(argv=None) -> int:
         local, step_lr = 0.0, engine.get_lr()[0]  # the lr this step applies
         for k in range(gas):
             lo = (rank * gas + k) * micro
-            x, y = sequences(corpus.train, offsets[lo:lo + micro], args.seq_len)
+            x, y = (t.to(device) for t in sequences(corpus.train, offsets[lo:lo + micro], args.seq_len))
             loss = lm_loss(engine(x), y)
             engine.backward(loss)
             engine.step()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import zero8
 
@@ -28,10 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 CONFIG = ROOT / "examples" / "configs" / "gpt_fp32_adamw.json"
 STEPS = 60
-# A tiny model and data (about 6 k parameters... 0.3 s of training per run): the runs are start-up bound.
+# A tiny model and data (about 6 k parameters... 0.3 s of training per run): the runs are start-up bound. On
+# the CPU also where a GPU is (--device auto would take it): the bit-for-bit comparisons are the CPU's.
 TINY = ["--steps", str(STEPS), "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--seq_len", "32",
         "--batch_size", "8", "--corpus_mb", "0.5", "--eval_seqs", "32", "--eval_interval", "20",
-        "--log_interval", "1", "--save_interval", "0", "--config", str(CONFIG)]
+        "--log_interval", "1", "--save_interval", "0", "--config", str(CONFIG), "--device", "cpu"]
 TIMEOUT = 240
 
 
@@ -235,6 +237,14 @@ def test_option_values_at_the_bounds_are_taken():
     args = _example_module().parse_args(["--config", str(CONFIG), "--save_interval", "0", "--step_sleep", "0",
                                          "--log_interval", "1", "--d_model", "6", "--n_head", "3"])
     assert (args.save_interval, args.step_sleep, args.log_interval) == (0, 0.0, 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: test_engine_cuda.py runs --device cuda")
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    out = _run_fails(1, tmp_path, "--device", "cuda", "--no_progress", "--no_plot")
+    assert "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device cpu" in out
+    assert "Traceback" not in out, out
+    assert _example_module().pick_device("auto") == torch.device("cpu")  # auto falls back to the CPU
 
 
 def _run_fails(np: int, out_dir: Path, *extra: str) -> str:
