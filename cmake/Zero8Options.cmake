@@ -1,12 +1,13 @@
 # Optional backends. Each is AUTO by default (built when found), ON demands it (FATAL_ERROR if
 # absent), OFF skips it. Code that needs a missing backend says "not built with X" at run time.
-set(ZERO8_CUDA AUTO CACHE STRING "CUDA kernels (AUTO, ON, OFF)")
+set(ZERO8_CUDA AUTO CACHE STRING "CUDA kernels (AUTO, IF_GPU, ON, OFF)")
 set(ZERO8_NCCL AUTO CACHE STRING "NCCL communicator backend, needs CUDA (AUTO, ON, OFF)")
 set(ZERO8_MPI AUTO CACHE STRING "MPI communicator backend (AUTO, ON, OFF)")
 set(ZERO8_DNNL AUTO CACHE STRING "oneDNN int8 GEMM for the C++ int8 API (AUTO, ON, OFF)")
-set_property(CACHE ZERO8_CUDA ZERO8_NCCL ZERO8_MPI ZERO8_DNNL PROPERTY STRINGS AUTO ON OFF)
-if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES 80 90)
+set_property(CACHE ZERO8_NCCL ZERO8_MPI ZERO8_DNNL PROPERTY STRINGS AUTO ON OFF)
+set_property(CACHE ZERO8_CUDA PROPERTY STRINGS AUTO IF_GPU ON OFF)
+if(NOT ZERO8_CUDA MATCHES "^(AUTO|IF_GPU|ON|OFF)$")
+  message(FATAL_ERROR "ZERO8_CUDA=${ZERO8_CUDA}: expected AUTO, IF_GPU, ON or OFF")
 endif()
 
 find_package(OpenMP REQUIRED COMPONENTS CXX)
@@ -20,8 +21,35 @@ else()
 endif()
 
 # --- CUDA ---
+# AUTO: built when nvcc is found (the C++ build and CI compile every kernel). IF_GPU, the Python wheel's
+# default (pyproject.toml): built only when nvcc is found and the CUDA driver of this machine sees a GPU,
+# for the GPU it sees (CMAKE_CUDA_ARCHITECTURES native) unless architectures are given; so `pip install .`
+# stays CPU-only, and minutes of nvcc shorter, on machines without a GPU such as CI.
 set(ZERO8_WITH_CUDA 0)
-if(NOT ZERO8_CUDA STREQUAL "OFF")
+set(_zero8_cuda_wanted ${ZERO8_CUDA})
+if(ZERO8_CUDA STREQUAL "IF_GPU")
+  unset(_zero8_gpu_probe_run CACHE)  # probe at every configure: the machine may have changed
+  try_run(_zero8_gpu_probe_run _zero8_gpu_probe_compiled ${CMAKE_BINARY_DIR}/zero8_gpu_probe
+          ${CMAKE_CURRENT_LIST_DIR}/cuda_gpu_probe.cpp LINK_LIBRARIES ${CMAKE_DL_LIBS}
+          RUN_OUTPUT_VARIABLE _zero8_gpu_probe_out)
+  if(_zero8_gpu_probe_compiled AND _zero8_gpu_probe_run EQUAL 0)
+    message(STATUS "ZERO8_CUDA=IF_GPU: the CUDA driver sees ${_zero8_gpu_probe_out} GPU(s): building the CUDA kernels")
+    set(_zero8_cuda_wanted AUTO)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES native)
+    endif()
+  else()
+    if(NOT _zero8_gpu_probe_compiled)
+      set(_zero8_gpu_probe_out "the probe cmake/cuda_gpu_probe.cpp did not build")
+    endif()
+    message(STATUS "ZERO8_CUDA=IF_GPU: no GPU (${_zero8_gpu_probe_out}): building without CUDA")
+    set(_zero8_cuda_wanted OFF)
+  endif()
+endif()
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 80 90)
+endif()
+if(NOT _zero8_cuda_wanted STREQUAL "OFF")
   include(CheckLanguage)
   if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
     set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
@@ -34,6 +62,9 @@ if(NOT ZERO8_CUDA STREQUAL "OFF")
   elseif(ZERO8_CUDA STREQUAL "ON")
     message(FATAL_ERROR "ZERO8_CUDA=ON but no CUDA compiler (nvcc) was found; install the CUDA toolkit "
                         "or configure with -DZERO8_CUDA=OFF")
+  elseif(ZERO8_CUDA STREQUAL "IF_GPU")
+    message(WARNING "ZERO8_CUDA=IF_GPU: a GPU is visible but no CUDA compiler (nvcc) was found, so zero8 is "
+                    "built without its CUDA kernels; install the CUDA toolkit (or set CUDACXX) and reinstall")
   endif()
 endif()
 

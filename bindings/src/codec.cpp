@@ -1,6 +1,7 @@
 // Maps and the block-wise codec (zero8/quant.h) for zero8.functional: raw-pointer quantize/dequantize
-// over a standard map or a custom 256-value code table, with the GIL released while they run, and the
-// general dynamic-map construction behind create_dynamic_map's non-default arguments.
+// over a standard map or a custom 256-value code table, with the GIL released while they run, on host
+// memory or (the *_cuda entries) on device memory queued on the caller's stream, and the general
+// dynamic-map construction behind create_dynamic_map's non-default arguments.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -101,6 +102,63 @@ void init_codec(py::module_& m) {
       py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("n"), py::arg("block"), py::arg("values"),
       py::arg("y_ptr"), py::arg("dtype"), py::arg("accumulate") = false, py::arg("threads") = 0,
       py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise over a custom 256-value map. Releases the GIL.");
+
+  // CUDA: device pointers; the kernels are queued on `stream` (a cudaStream_t as an int: Python passes
+  // torch.cuda.current_stream(device).cuda_stream) and the call returns without waiting. The current
+  // device must be the tensors' (standard maps are uploaded once per device). A build without CUDA raises
+  // Zero8NotSupportedError.
+  m.def("quant_table_bytes",
+        [](const std::vector<float>& values) {
+          const auto table = table_for_values(values);
+          return py::bytes(reinterpret_cast<const char*>(table.get()), sizeof(QuantTable));
+        },
+        py::arg("values"),
+        "The codec's table of a custom 256-value map, as bytes: copied to device memory (64-byte aligned), it is "
+        "the table_ptr of the *_table_cuda entries.");
+  m.def(
+      "quantize_blockwise_cuda",
+      [](Ptr x, DType dtype, int64_t n, int32_t block, MapKind kind, Ptr codes, Ptr absmax, bool stochastic,
+         uint64_t seed, uint64_t index_base, Ptr stream) {
+        const auto opt = rounding_options<quant::QuantizeOptions>(stochastic, seed, index_base, 0);
+        quant::quantize_blockwise_cuda(as_ptr<const void>(x), dtype, n, block, kind, as_ptr<uint8_t>(codes),
+                                       as_ptr<float>(absmax), opt, as_ptr<void>(stream));
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("kind"), py::arg("codes_ptr"),
+      py::arg("absmax_ptr"), py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "quantize_blockwise on device pointers, queued on `stream`: the same codes and scales as the CPU.");
+  m.def(
+      "quantize_blockwise_table_cuda",
+      [](Ptr x, DType dtype, int64_t n, int32_t block, Ptr table, Ptr codes, Ptr absmax, bool stochastic,
+         uint64_t seed, uint64_t index_base, Ptr stream) {
+        const auto opt = rounding_options<quant::QuantizeOptions>(stochastic, seed, index_base, 0);
+        quant::quantize_blockwise_cuda(as_ptr<const void>(x), dtype, n, block, as_ptr<const QuantTable>(table),
+                                       as_ptr<uint8_t>(codes), as_ptr<float>(absmax), opt, as_ptr<void>(stream));
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("table_ptr"), py::arg("codes_ptr"),
+      py::arg("absmax_ptr"), py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
+      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "quantize_blockwise_cuda over a custom map: table_ptr is device memory holding quant_table_bytes(values).");
+  m.def(
+      "dequantize_blockwise_cuda",
+      [](Ptr codes, Ptr absmax, int64_t n, int32_t block, MapKind kind, Ptr y, DType dtype, bool accumulate,
+         Ptr stream) {
+        quant::dequantize_blockwise_cuda(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), n, block, kind,
+                                         as_ptr<void>(y), dtype, accumulate, as_ptr<void>(stream));
+      },
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("n"), py::arg("block"), py::arg("kind"), py::arg("y_ptr"),
+      py::arg("dtype"), py::arg("accumulate") = false, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "dequantize_blockwise on device pointers, queued on `stream`.");
+  m.def(
+      "dequantize_blockwise_table_cuda",
+      [](Ptr codes, Ptr absmax, int64_t n, int32_t block, Ptr table, Ptr y, DType dtype, bool accumulate, Ptr stream) {
+        quant::dequantize_blockwise_cuda(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), n, block,
+                                         as_ptr<const QuantTable>(table), as_ptr<void>(y), dtype, accumulate,
+                                         as_ptr<void>(stream));
+      },
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("n"), py::arg("block"), py::arg("table_ptr"),
+      py::arg("y_ptr"), py::arg("dtype"), py::arg("accumulate") = false, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise_cuda over a custom map (see quant_table_bytes).");
 }
 
 }  // namespace zero8::bindings

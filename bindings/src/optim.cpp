@@ -1,6 +1,7 @@
 // The fused optimizer kernels (zero8/optim.h) for zero8.optim: Hyper, a StepArgs whose pointers are
 // ints (tensor.data_ptr()) and whose maps are MapKinds looked up here, and the validated step entries,
-// each releasing the GIL. step_tensor runs both phases of LAMB/LARS as zero8::optim::step does.
+// each releasing the GIL. step_tensor runs both phases of LAMB/LARS as zero8::optim::step does;
+// step_tensor_cuda the same on device memory, queued on the caller's stream.
 #include <optional>
 #include <vector>
 
@@ -196,6 +197,20 @@ void init_optim(py::module_& m) {
       py::arg("args"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
       "One whole tensor (or each segment as its own tensor): LAMB/LARS run norms -> trust ratio -> step, the "
       "others the step. Validated; releases the GIL.");
+  m.def(
+      "step_tensor_cuda",
+      [](const PyStepArgs& args, Ptr stream) {
+        optim::StepArgs a = args.raw();
+        // Device copies of the maps the step reads (on the current device, which must be the tensors').
+        const bool q8 = a.bits == 8;
+        a.map1 = q8 && optim::optim_uses_state(a.algo, a.h, 1) ? quant::table_get_device(args.map1) : nullptr;
+        a.map2 = q8 && optim::optim_uses_state(a.algo, a.h, 2) ? quant::table_get_device(args.map2) : nullptr;
+        optim::step_tensor_cuda(a, as_ptr<void>(stream));
+      },
+      py::arg("args"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "step_tensor on device pointers (one tensor: no segments), queued on `stream` (a cudaStream_t as an int, "
+      "torch.cuda.current_stream(device).cuda_stream) with no host sync; LAMB/LARS compute their trust ratio on "
+      "the device. The current device must be the tensors'. Same bits as step_tensor. Releases the GIL.");
   m.def(
       "state_bytes",
       [](Algo algo, int64_t n, int bits, int32_t block) { return optim::StateLayout(algo, n, bits, block).bytes(); },

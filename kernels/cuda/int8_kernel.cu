@@ -1,7 +1,8 @@
-// CUDA kernels of the int8 linear layers: row-wise and per-block absmax quantization (nearest or
-// stochastic), outlier-column detection and the GEMM epilogue, with the element rules of
-// zero8/kernels/int8.h (built with --fmad=false, so they round as the CPU reference), plus the int8
-// GEMM through cuBLASLt (int32 accumulation). Compiled in CI; no GPU has run them yet (docs/INT8.md).
+// CUDA kernels of the int8 linear layers: row-wise, column-wise and per-block absmax quantization
+// (nearest or stochastic), per-block dequantization, outlier-column detection and the GEMM epilogue,
+// with the element rules of zero8/kernels/int8.h (built with --fmad=false, so they round as the CPU
+// reference), plus the int8 GEMM through cuBLASLt (int32 accumulation). Compiled in CI; no GPU has run
+// them yet (docs/INT8.md).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -79,6 +80,46 @@ __global__ void block_quant_kernel(BlockQuantArgs a, int64_t nbc) {
   }
 }
 
+// One CUDA block per kColTile consecutive columns: its threads are kColTile x kColRows, lane tx walks
+// column c0 + tx down the rows (consecutive lanes read consecutive addresses), the rows' partial maxima
+// meet in shared memory.
+constexpr int kColTile = 32, kColRows = 8;
+__global__ void col_quant_kernel(ColQuantArgs a, int64_t ld) {
+  __shared__ uint32_t part[kColRows][kColTile];
+  __shared__ float col_scale[kColTile];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = int64_t(blockIdx.x) * kColTile + tx;
+  uint32_t bits = 0;
+  if (c < a.cols)
+    for (int64_t r = ty; r < a.rows; r += kColRows)
+      bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
+  part[ty][tx] = bits;
+  __syncthreads();
+  if (ty == 0) {
+    for (int k = 1; k < kColRows; ++k) bits = max(bits, part[k][tx]);
+    const float s = int8_scale_from_bits(bits);
+    col_scale[tx] = s;
+    if (c < a.cols) a.scale[c] = s;
+  }
+  __syncthreads();
+  if (c >= a.cols) return;
+  const float s = col_scale[tx];
+  for (int64_t r = ty; r < a.rows; r += kColRows) {
+    const int64_t i = r * ld + c;
+    a.q[i] = quant_elem(dtype_load(a.x, a.dtype, i), s, a.stochastic, a.seed, a.index_base + uint64_t(i));
+  }
+}
+
+// y = q * its tile's scale, one rounding to dtype (int8_block_dequant_ref's rule).
+__global__ void block_dequant_kernel(BlockDequantArgs a, int64_t nbc) {
+  const int64_t n = a.rows * a.cols;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / a.cols, c = e % a.cols;
+    const float s = a.scale[(r / a.block_rows) * nbc + c / a.block_cols];
+    dtype_store(a.y, a.dtype, e, float(a.q[e]) * s);
+  }
+}
+
 // Marks columns; the mask was zeroed first. Racing writes all store 1.
 __global__ void col_outliers_kernel(OutlierArgs a) {
   const int64_t n = a.rows * a.cols;
@@ -147,6 +188,23 @@ void int8_block_quant_cuda(const BlockQuantArgs& a, void* stream) {
   const dim3 grid{unsigned(nbc), unsigned(nbr), 1u};
   block_quant_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
   cuda_check(cudaGetLastError(), "int8_block_quant_cuda");
+}
+
+void int8_col_quant_cuda(const ColQuantArgs& a, void* stream) {
+  const int64_t tiles = (a.cols + kColTile - 1) / kColTile;
+  if (tiles > kMaxGridX)
+    ZERO8_THROW(unsupported, "int8_col_quant_cuda: cols = " << a.cols << " exceeds the launch grid");
+  check_device_ptrs("int8_col_quant_cuda", {{a.x, "x"}, {a.q, "q"}, {a.scale, "scale"}});
+  const dim3 block{unsigned(kColTile), unsigned(kColRows), 1u};
+  col_quant_kernel<<<unsigned(tiles), block, 0, static_cast<cudaStream_t>(stream)>>>(a, a.ld > 0 ? a.ld : a.cols);
+  cuda_check(cudaGetLastError(), "int8_col_quant_cuda");
+}
+
+void int8_block_dequant_cuda(const BlockDequantArgs& a, void* stream) {
+  check_device_ptrs("int8_block_dequant_cuda", {{a.q, "q"}, {a.scale, "scale"}, {a.y, "y"}});
+  const int64_t nbc = (a.cols + a.block_cols - 1) / a.block_cols;
+  block_dequant_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
+  cuda_check(cudaGetLastError(), "int8_block_dequant_cuda");
 }
 
 void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {

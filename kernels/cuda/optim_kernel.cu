@@ -190,6 +190,12 @@ __global__ void optim_norms_reduce_kernel(const double* parts, int64_t nseg_eff,
   }
 }
 
+// Phase 1 -> phase 2 on the device: one trust ratio per segment from its reduced norms.
+__global__ void optim_trust_kernel(const NormSums* sums, int64_t nseg_eff, Algo algo, Hyper h, float* trust) {
+  const int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s < nseg_eff) trust[s] = optim_trust_ratio_of(algo, h, sums[s].w_sq, sums[s].u_sq);
+}
+
 int threads_for_block(int32_t block) { return block < kMaxThreads ? int(block) : kMaxThreads; }
 
 // Every pointer the kernels read or write (null ones are unused: the validated API decides).
@@ -201,17 +207,38 @@ void check_step_ptrs(const StepArgs& a, const char* where) {
                                          {a.seg_offsets, "seg_offsets"}, {a.seg_trust, "seg_trust"}});
 }
 
+// Phase 1 into out_dev (nseg or 1 NormSums, device memory), queued on st: per-piece sums, then the
+// fixed-order reduction per segment. Its scratch is a stream-ordered allocation.
+void norms_to_device(const StepArgs& a, const OptimConsts& c, NormSums* out_dev, cudaStream_t st) {
+  const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  const size_t nparts = size_t(nblocks + nseg);
+  double* parts = nullptr;
+  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&parts), 2 * nparts * sizeof(double), st));
+  ZERO8_CUDA_CHECK(cudaMemsetAsync(parts, 0, 2 * nparts * sizeof(double), st));
+  optim_norms_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, parts);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+  optim_norms_reduce_kernel<<<unsigned(nseg), 32, 0, st>>>(parts, nseg, a.nseg > 0 ? a.seg_offsets : nullptr,
+                                                          a.block, a.n, out_dev);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+  ZERO8_CUDA_CHECK(cudaFreeAsync(parts, st));
+}
+
+void step_launch(const StepArgs& a, cudaStream_t st) {
+  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
+  const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
+  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+  optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, use1, use2,
+                                                                               algo_has_trust_ratio(a.algo));
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void optim_step_cuda(const StepArgs& a, void* stream) {
   if (a.n <= 0) return;
   check_step_ptrs(a, "optim_step_cuda");
-  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
-  const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, static_cast<cudaStream_t>(stream)>>>(
-      a, c, use1, use2, algo_has_trust_ratio(a.algo));
-  ZERO8_CUDA_CHECK(cudaGetLastError());
+  step_launch(a, static_cast<cudaStream_t>(stream));
 }
 
 void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream) {
@@ -222,23 +249,36 @@ void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream) {
   }
   check_step_ptrs(a, "optim_norms_cuda");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
-  const size_t nparts = size_t(nblocks + nseg);
-  double* parts = nullptr;
   NormSums* out_dev = nullptr;
-  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&parts), 2 * nparts * sizeof(double), st));
   ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&out_dev), size_t(nseg) * sizeof(NormSums), st));
-  ZERO8_CUDA_CHECK(cudaMemsetAsync(parts, 0, 2 * nparts * sizeof(double), st));
-  optim_norms_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, parts);
-  ZERO8_CUDA_CHECK(cudaGetLastError());
-  optim_norms_reduce_kernel<<<unsigned(nseg), 32, 0, st>>>(parts, nseg, a.nseg > 0 ? a.seg_offsets : nullptr,
-                                                          a.block, a.n, out_dev);
-  ZERO8_CUDA_CHECK(cudaGetLastError());
+  norms_to_device(a, optim_consts(a.algo, a.h, a.bits), out_dev, st);
   ZERO8_CUDA_CHECK(cudaMemcpyAsync(out_host, out_dev, size_t(nseg) * sizeof(NormSums), cudaMemcpyDeviceToHost, st));
-  ZERO8_CUDA_CHECK(cudaFreeAsync(parts, st));
   ZERO8_CUDA_CHECK(cudaFreeAsync(out_dev, st));
   ZERO8_CUDA_CHECK(cudaStreamSynchronize(st));
+}
+
+void optim_step_tensor_cuda(const StepArgs& args, void* stream) {
+  if (args.n <= 0) return;
+  if (!algo_has_trust_ratio(args.algo)) {
+    optim_step_cuda(args, stream);
+    return;
+  }
+  StepArgs a = args;
+  a.seg_trust = nullptr;  // any given ratios are ignored: computed below, in device memory
+  check_step_ptrs(a, "optim_step_tensor_cuda");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
+  NormSums* sums = nullptr;
+  float* trust = nullptr;
+  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sums), size_t(nseg) * sizeof(NormSums), st));
+  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&trust), size_t(nseg) * sizeof(float), st));
+  norms_to_device(a, optim_consts(a.algo, a.h, a.bits), sums, st);
+  optim_trust_kernel<<<unsigned((nseg + 127) / 128), 128, 0, st>>>(sums, nseg, a.algo, a.h, trust);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+  a.seg_trust = trust;
+  step_launch(a, st);
+  ZERO8_CUDA_CHECK(cudaFreeAsync(sums, st));
+  ZERO8_CUDA_CHECK(cudaFreeAsync(trust, st));
 }
 
 }  // namespace zero8::optim

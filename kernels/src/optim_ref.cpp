@@ -57,14 +57,7 @@ OptimConsts optim_consts(Algo a, const Hyper& h, int state_bits) {
 }
 
 float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s) {
-  if (!algo_has_trust_ratio(a)) return 1.0f;
-  const double w = std::sqrt(s.w_sq), u = std::sqrt(s.u_sq);
-  if (!(w > 0.0) || !(u > 0.0)) return 1.0f;  // also NaN norms: leave the update unscaled
-  double r = w / u;
-  if (a == Algo::lars) r *= double(h.trust_coefficient);
-  if (h.max_trust_ratio > 0.0f && r > double(h.max_trust_ratio)) r = double(h.max_trust_ratio);
-  if (r < double(h.min_trust_ratio)) r = double(h.min_trust_ratio);
-  return float(r);
+  return optim_trust_ratio_of(a, h, s.w_sq, s.u_sq);
 }
 
 namespace {

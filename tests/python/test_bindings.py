@@ -37,6 +37,11 @@ API = [
     # optimizer kernels
     "Hyper", "StepArgs", "step_range", "norms_range", "trust_ratio", "step_tensor", "state_bytes",
     "algo_num_states", "hyper_validate", "algo_table", "algo_spec", "AlgoSpec", "HyperSpec",
+    # CUDA entries (every build has them; a CPU-only build raises Zero8NotSupportedError from each)
+    "quant_table_bytes", "quantize_blockwise_cuda", "quantize_blockwise_table_cuda", "dequantize_blockwise_cuda",
+    "dequantize_blockwise_table_cuda", "step_tensor_cuda", "int8_quantize_rows_cuda", "int8_quantize_cols_cuda",
+    "int8_quantize_blocks_cuda", "int8_dequantize_blocks_cuda", "int8_outlier_columns_cuda",
+    "int8_dequantize_matmul_cuda", "int8_gemm_cuda", "int8_block_matmul_cuda",
     # communicator
     "Communicator", "comm_create", "comm_backend_available", "topology_split", "node_groups",
     # config

@@ -990,6 +990,8 @@ def test_meta_layers_raise_naming_the_layer_until_loaded():
     with pytest.raises(zero8.Zero8ValueError, match=r"Linear8bitLt\.bias is on the meta device"):
         m(x)
     for make in (lambda: Linear8bitLt(8, 4, device="cuda"), lambda: Int8Linear(8, 4, device="cuda")):
+        if zero8.build_info()["cuda"]:
+            break  # a CUDA build makes them there (tests/python/test_cuda_int8.py)
         with pytest.raises(zero8.Zero8ValueError, match="runs on CPU"):
             make()
 

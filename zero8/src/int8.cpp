@@ -82,6 +82,43 @@ BlockQuantArgs block_args(const void* x, DType dtype, int64_t rows, int64_t cols
   return a;
 }
 
+ColQuantArgs col_args(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                      const Int8QuantOptions& opt) {
+  check_quant_io(x, dtype, rows, cols, q);
+  check_ptr(scale, "scale", cols, 4);
+  check_threads(opt.threads);
+  ColQuantArgs a;
+  a.x = x;
+  a.dtype = dtype;
+  a.rows = rows;
+  a.cols = cols;
+  a.q = q;
+  a.scale = scale;
+  set_quant_options(a, opt);
+  return a;
+}
+
+BlockDequantArgs block_dequant_args(const int8_t* q, const float* scale, int64_t rows, int64_t cols,
+                                    int32_t block_rows, int32_t block_cols, void* y, DType dtype, int threads) {
+  check_shape(rows, cols);
+  check_dtype(dtype, "dtype");
+  check_blocks(block_rows, block_cols);
+  check_ptr(q, "q", rows * cols, 1);
+  check_ptr(scale, "scale", int8_block_count(rows, cols, block_rows, block_cols), 4);
+  check_ptr(y, "y", rows * cols, dtype_size(dtype));
+  check_threads(threads);
+  BlockDequantArgs a;
+  a.q = q;
+  a.scale = scale;
+  a.rows = rows;
+  a.cols = cols;
+  a.block_rows = block_rows;
+  a.block_cols = block_cols;
+  a.y = y;
+  a.dtype = dtype;
+  return a;
+}
+
 OutlierArgs outlier_args(const void* x, DType dtype, int64_t rows, int64_t cols, float threshold, uint8_t* mask) {
   check_shape(rows, cols);
   check_dtype(dtype, "dtype");
@@ -264,17 +301,7 @@ void int8_quantize_rows(const void* x, DType dtype, int64_t rows, int64_t cols, 
 
 void int8_quantize_cols(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
                         const Int8QuantOptions& opt) {
-  check_quant_io(x, dtype, rows, cols, q);
-  check_ptr(scale, "scale", cols, 4);
-  check_threads(opt.threads);
-  ColQuantArgs a;
-  a.x = x;
-  a.dtype = dtype;
-  a.rows = rows;
-  a.cols = cols;
-  a.q = q;
-  a.scale = scale;
-  set_quant_options(a, opt);
+  const ColQuantArgs a = col_args(x, dtype, rows, cols, q, scale, opt);
   if (cols > 0) int8_col_quant(a, isa_active(), opt.threads);
 }
 
@@ -286,22 +313,7 @@ void int8_quantize_blocks(const void* x, DType dtype, int64_t rows, int64_t cols
 
 void int8_dequantize_blocks(const int8_t* q, const float* scale, int64_t rows, int64_t cols, int32_t block_rows,
                             int32_t block_cols, void* y, DType dtype, int threads) {
-  check_shape(rows, cols);
-  check_dtype(dtype, "dtype");
-  check_blocks(block_rows, block_cols);
-  check_ptr(q, "q", rows * cols, 1);
-  check_ptr(scale, "scale", int8_block_count(rows, cols, block_rows, block_cols), 4);
-  check_ptr(y, "y", rows * cols, dtype_size(dtype));
-  check_threads(threads);
-  BlockDequantArgs a;
-  a.q = q;
-  a.scale = scale;
-  a.rows = rows;
-  a.cols = cols;
-  a.block_rows = block_rows;
-  a.block_cols = block_cols;
-  a.y = y;
-  a.dtype = dtype;
+  const BlockDequantArgs a = block_dequant_args(q, scale, rows, cols, block_rows, block_cols, y, dtype, threads);
   if (rows > 0 && cols > 0) int8_block_dequant(a, isa_active(), threads);
 }
 
@@ -375,6 +387,17 @@ void int8_quantize_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t c
 #endif
 }
 
+void int8_quantize_cols_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                             const Int8QuantOptions& opt, void* stream) {
+#if ZERO8_WITH_CUDA
+  const ColQuantArgs a = col_args(x, dtype, rows, cols, q, scale, opt);
+  if (cols > 0) int8_col_quant_cuda(a, stream);
+#else
+  (void)x, (void)dtype, (void)rows, (void)cols, (void)q, (void)scale, (void)opt, (void)stream;
+  cuda_unsupported();
+#endif
+}
+
 void int8_quantize_blocks_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows,
                                int32_t block_cols, int8_t* q, float* scale, const Int8QuantOptions& opt, void* stream) {
 #if ZERO8_WITH_CUDA
@@ -383,6 +406,17 @@ void int8_quantize_blocks_cuda(const void* x, DType dtype, int64_t rows, int64_t
 #else
   (void)x, (void)dtype, (void)rows, (void)cols, (void)block_rows, (void)block_cols, (void)q, (void)scale, (void)opt,
       (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void int8_dequantize_blocks_cuda(const int8_t* q, const float* scale, int64_t rows, int64_t cols, int32_t block_rows,
+                                 int32_t block_cols, void* y, DType dtype, void* stream) {
+#if ZERO8_WITH_CUDA
+  const BlockDequantArgs a = block_dequant_args(q, scale, rows, cols, block_rows, block_cols, y, dtype, 0);
+  if (rows > 0 && cols > 0) int8_block_dequant_cuda(a, stream);
+#else
+  (void)q, (void)scale, (void)rows, (void)cols, (void)block_rows, (void)block_cols, (void)y, (void)dtype, (void)stream;
   cuda_unsupported();
 #endif
 }

@@ -1,10 +1,13 @@
 """Where torch tensors meet zero8._C: validation whose errors name the tensor, and the raw pointer and
 dtype code the C++ layer takes instead of the tensor (the extension does not link libtorch, so it works
-with any torch build). Torch types stop here: callers pass ``ptr(t)`` and ``dtype_code(t)`` to ``_C``.
+with any torch build). Torch types stop here: callers pass ``ptr(t)`` and ``dtype_code(t)`` to ``_C``, and
+for a CUDA tensor ``cuda_stream(t)``, torch's current stream on its device, where the ``*_cuda`` entries
+queue their kernels, called within ``on_device(t)`` (the C++ side works on the current device).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -13,10 +16,16 @@ from . import _C
 from ._C import Zero8NotSupportedError, Zero8ValueError
 
 __all__ = [
+    "CUDA_BUILT",
     "FLOAT_DTYPES",
     "check_cpu",
     "check_contiguous",
     "check_cpu_contiguous",
+    "check_device",
+    "check_device_contiguous",
+    "check_same_device",
+    "cuda_stream",
+    "on_device",
     "check_dtype",
     "check_numel",
     "check_float_tensor",
@@ -26,6 +35,12 @@ __all__ = [
     "ptr",
     "torch_dtype",
 ]
+
+# Whether this build has the CUDA kernels (pyproject.toml's ZERO8_CUDA decides at install).
+CUDA_BUILT = bool(_C.build_info()["cuda"])
+_NO_CUDA = ("this zero8 was built without its CUDA kernels (no GPU or no nvcc when it was installed, or "
+            "ZERO8_CUDA=OFF); reinstall it on a machine with a GPU and the CUDA toolkit, or with ZERO8_CUDA=ON "
+            "(docs/ENGINE.md, \"Install\")")
 
 # The element types the kernels read and write (zero8::DType).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,20 +92,61 @@ def check_not_dtensor(t: torch.Tensor, name: str,
 
 
 def check_cpu(t: torch.Tensor, name: str) -> None:
-    """The tensor lives in host memory. A CUDA tensor is a valid request the Python layer does not route
-    to the CUDA kernels (Zero8NotSupportedError); any other device is a bad argument (Zero8ValueError). A
-    DTensor is refused (Zero8NotSupportedError): its data pointer is not its data."""
+    """The tensor lives in host memory, for the functions that run on the CPU only. A CUDA tensor is a
+    valid request they do not route to the CUDA kernels (Zero8NotSupportedError); any other device is a
+    bad argument (Zero8ValueError). A DTensor is refused (Zero8NotSupportedError): its data pointer is not
+    its data."""
     _check_is_tensor(t, name)
     check_not_dtensor(t, name)
     dev = t.device.type
     if dev == "cpu":
         return
     if dev == "cuda":
-        raise Zero8NotSupportedError(
-            f"{name} is on {t.device}: zero8's Python layer runs on CPU tensors "
-            f"(this build: CUDA kernels {'compiled' if _C.build_info()['cuda'] else 'not compiled'})"
-        )
+        raise Zero8NotSupportedError(f"{name} is on {t.device}: this function runs on CPU tensors")
     raise Zero8ValueError(f"{name} is on device {t.device}; zero8 needs a CPU tensor")
+
+
+def check_device(t: torch.Tensor, name: str) -> None:
+    """The tensor is where zero8's kernels run: host memory, or a CUDA device when this build has the CUDA
+    kernels. A CUDA tensor in a build without them raises Zero8NotSupportedError naming the tensor and
+    saying so; any other device (meta, mps...) is a bad argument (Zero8ValueError). A DTensor is refused
+    (Zero8NotSupportedError): its data pointer is not its data."""
+    _check_is_tensor(t, name)
+    check_not_dtensor(t, name)
+    dev = t.device.type
+    if dev == "cpu" or (dev == "cuda" and CUDA_BUILT):
+        return
+    if dev == "cuda":
+        raise Zero8NotSupportedError(f"{name} is on {t.device}, but {_NO_CUDA}")
+    raise Zero8ValueError(f"{name} is on device {t.device}; zero8 runs on CPU and CUDA tensors")
+
+
+def check_same_device(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) -> None:
+    """t is on ref's device (one kernel call reads both); the error names both tensors and devices."""
+    _check_is_tensor(t, name)
+    if t.device != ref.device:
+        raise Zero8ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; zero8 needs them on "
+                              f"the same device (move one with .to({ref_name}.device))")
+
+
+def check_device_contiguous(t: torch.Tensor, name: str) -> None:
+    """A dense, contiguous tensor on a device zero8 runs on (check_device)."""
+    check_device(t, name)
+    check_contiguous(t, name)
+
+
+def cuda_stream(t: torch.Tensor) -> int:
+    """The cudaStream_t, as an int, of torch's current stream on CUDA tensor t's device: the stream the
+    ``*_cuda`` entries of ``_C`` queue their kernels on, so they are ordered with torch's work as torch's
+    own kernels are (``torch.cuda.stream(s)`` moves them to s). 0 is the legacy default stream, torch's
+    default."""
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def on_device(t: torch.Tensor):
+    """A context in which t's CUDA device is the current one (the C++ side allocates, uploads its tables and
+    launches on the current device); nothing for a CPU tensor."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def check_contiguous(t: torch.Tensor, name: str) -> None:
@@ -123,6 +179,7 @@ def check_numel(t: torch.Tensor, name: str, n: int, what: str = "") -> None:
 
 
 def check_float_tensor(t: torch.Tensor, name: str) -> "_C.DType":
-    """A contiguous CPU float32/bfloat16/float16 tensor; returns its DType code."""
-    check_cpu_contiguous(t, name)
+    """A contiguous float32/bfloat16/float16 tensor on the CPU or (a CUDA build) a GPU; returns its DType
+    code."""
+    check_device_contiguous(t, name)
     return dtype_code(t, name)

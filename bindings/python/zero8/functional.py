@@ -1,11 +1,13 @@
 """Block-wise 8-bit quantization of torch tensors with bitsandbytes' signatures (``bitsandbytes.functional``):
-``create_dynamic_map``, ``quantize_blockwise`` and ``dequantize_blockwise``, on CPU tensors of float32,
-bfloat16 or float16, run by zero8's C++ codec (SIMD, OpenMP, GIL released). The codec runs as two torch
-custom ops, ``zero8::quantize_blockwise`` and ``zero8::dequantize_blockwise``, so ``torch.compile``
-(fullgraph) traces code calling these functions without a graph break; with ``aot_eager`` it gives the
-eager bits, and with inductor too, except the mean of nested scales, which inductor sums in its own order.
-In eager mode the dispatch costs about 7 us per call, which doubles the time of a call on a few thousand
-elements and is noise on large tensors.
+``create_dynamic_map``, ``quantize_blockwise`` and ``dequantize_blockwise``, on tensors of float32, bfloat16
+or float16, run by zero8's C++ codec (SIMD, OpenMP, GIL released) on the CPU, and, in a build with CUDA, by
+its CUDA kernels on GPU tensors: outputs on the input's device, queued on torch's current stream, with the
+same codes and scales as the CPU for the same input. The codec runs as two torch custom ops,
+``zero8::quantize_blockwise`` and ``zero8::dequantize_blockwise``, so ``torch.compile`` (fullgraph) traces
+code calling these functions without a graph break; with ``aot_eager`` it gives the eager bits, and with
+inductor too, except where the nested scales' mean (a float64 sum, rounded once), summed in inductor's own
+order, rounds the other way. In eager mode the dispatch costs about 7 us per call, which doubles the time of a
+call on a few thousand elements and is noise on large tensors.
 
 Format: a tensor is cut into blocks of ``blocksize`` elements (a power of two in 64..4096; bitsandbytes'
 default 4096); each block stores uint8 codes and one float32 scale. Decoding is ``code[q] * absmax`` as in
@@ -28,11 +30,12 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
 from ._C import Zero8ValueError
-from ._tensors import (FLOAT_DTYPES, check_cpu_contiguous, check_dtype, check_float_tensor, check_numel,
-                       dtype_code, ptr)
+from ._tensors import (FLOAT_DTYPES, check_device_contiguous, check_dtype, check_float_tensor, check_numel,
+                       check_same_device, cuda_stream, dtype_code, on_device, ptr)
 
 __all__ = ["QuantState", "create_dynamic_map", "quantize_blockwise", "dequantize_blockwise"]
 
@@ -137,11 +140,29 @@ def _check_blocksize(blocksize) -> int:
     return blocksize
 
 
-def _check_code(code: Optional[torch.Tensor]) -> None:
+def _check_code(code: Optional[torch.Tensor], data: torch.Tensor) -> None:
+    """A 256-value float32 map on the CPU or on `data`'s device (bitsandbytes' QuantState.to moves it)."""
     if code is not None:
-        check_cpu_contiguous(code, "code")
+        check_device_contiguous(code, "code")
+        if code.device.type != "cpu":
+            check_same_device(code, "code", data, "A")
         check_dtype(code, "code", torch.float32)
         check_numel(code, "code", 256, "a code table has 256 values")
+
+
+# A code map on a GPU -> (its version, its CPU copy): the codec builds its tables from the values on the host,
+# so such a map is read back once, not at every call (a copy that waits for the GPU).
+_host_codes = WeakIdKeyDictionary()
+
+
+def _host_code(code: Tensor) -> Tensor:
+    if code.device.type == "cpu":
+        return code
+    hit = _host_codes.get(code)
+    if hit is None or hit[0] != code._version:
+        hit = (code._version, code.cpu())
+        _host_codes[code] = hit
+    return hit[1]
 
 
 def _map_arg(code: Optional[torch.Tensor]):
@@ -150,10 +171,26 @@ def _map_arg(code: Optional[torch.Tensor]):
     it runs inside the ops, where the data is real."""
     if code is None:
         return _C.MapKind.dynamic_signed, None
+    code = _host_code(code)
     for kind in _STANDARD_KINDS:
         if torch.equal(code, _standard_map(kind)):
             return kind, None
     return None, code.tolist()
+
+
+# A custom map's codec table on a GPU, by (device, values): uploaded once, kept for the process (a few
+# KB each; the kernels read it asynchronously, so it is never freed under them).
+_device_tables: dict = {}
+
+
+def _device_table(values: list, device: torch.device) -> Tensor:
+    key = (device, tuple(values))
+    t = _device_tables.get(key)
+    if t is None:
+        host = torch.frombuffer(bytearray(_C.quant_table_bytes(values)), dtype=torch.uint8)
+        t = host.to(device)
+        _device_tables[key] = t
+    return t
 
 
 def _codec_table_problem(values: list) -> Optional[str]:
@@ -174,14 +211,21 @@ def _code_tensor(code: Optional[torch.Tensor]) -> torch.Tensor:
 _negation_tables: dict = {}
 
 
-def _negation_table(kind, code: torch.Tensor) -> Optional[torch.Tensor]:
+def _negation_table(kind, code: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
     """The 256 uint8 codes of -code[c] for a sign-symmetric map, one whose values other than its largest
     all have their negation in the map (the dynamic signed map: +-v_k, 0 and +1.0); the largest value goes
     to the code nearest to its negation (+1.0 -> -0.99297, where bitsandbytes encodes -1). None for any
-    other map (unsigned maps, asymmetric custom maps): negating there would change decoded values."""
-    key = int(kind) if kind is not None else None
+    other map (unsigned maps, asymmetric custom maps): negating there would change decoded values. `code`
+    is on the CPU; the table is on `device` (a standard map's is kept per device: no copy per call)."""
+    key = (int(kind), str(device)) if kind is not None else None
     if key in _negation_tables:
         return _negation_tables[key]
+    if device.type != "cpu":
+        table = _negation_table(kind, code, torch.device("cpu"))
+        table = table.to(device) if table is not None else None
+        if key is not None:
+            _negation_tables[key] = table
+        return table
     neg = -code
     hi = torch.searchsorted(code, neg).clamp(max=255)  # the map is sorted (the codec checked it)
     lo = (hi - 1).clamp(min=0)
@@ -198,6 +242,12 @@ def _scales_make_nonnegative(out: torch.Tensor, absmax: torch.Tensor, blocksize:
     every element decodes to the same value, except the +1.0 code's (the block's extreme element and what
     rounded to it), which becomes the nearest code of -1.0."""
     neg = absmax < 0
+    if out.is_cuda:  # every code through a select: no read of `neg` by the host (a wait for the GPU)
+        flat = out.view(-1)
+        recode = neg.repeat_interleave(blocksize)[: flat.numel()]
+        flat.copy_(torch.where(recode, table[flat.long()], flat))
+        absmax.abs_()
+        return
     if not bool(neg.any()):
         return
     flat = out.view(-1)
@@ -219,24 +269,34 @@ def _scales_make_nonnegative(out: torch.Tensor, absmax: torch.Tensor, blocksize:
 
 def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int,
                                nonnegative_scales: bool) -> tuple[Tensor, Tensor]:
-    """(codes of A's shape, one float32 scale per block); nonnegative_scales: the first step of nesting
-    (``_scales_make_nonnegative``, for a sign-symmetric map)."""
+    """(codes of A's shape, one float32 scale per block), on A's device; nonnegative_scales: the first step
+    of nesting (``_scales_make_nonnegative``, for a sign-symmetric map)."""
     A = A.contiguous()
     kind, values = _map_arg(code)
     n = A.numel()
-    out = torch.empty(A.shape, dtype=torch.uint8)
-    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32)
-    if kind is not None:
-        _C.quantize_blockwise(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax))
-    else:
+    out = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
+    absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=A.device)
+    if kind is None:
         problem = _codec_table_problem(values)
         if problem is not None:
             raise Zero8ValueError(f"quantize_blockwise: {problem}. zero8 quantizes to the nearest value of a map "
                                   "of 256 finite values sorted ascending within [-1, 1] (dequantize_blockwise "
                                   "decodes with any 256 values)")
+    if A.is_cuda:
+        with on_device(A):
+            if kind is not None:
+                _C.quantize_blockwise_cuda(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax),
+                                           stream=cuda_stream(A))
+            else:
+                _C.quantize_blockwise_table_cuda(ptr(A), dtype_code(A), n, blocksize,
+                                                 ptr(_device_table(values, A.device)), ptr(out), ptr(absmax),
+                                                 stream=cuda_stream(A))
+    elif kind is not None:
+        _C.quantize_blockwise(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax))
+    else:
         _C.quantize_blockwise_values(ptr(A), dtype_code(A), n, blocksize, values, ptr(out), ptr(absmax))
     if nonnegative_scales:
-        table = _negation_table(kind, _code_tensor(code))
+        table = _negation_table(kind, _host_code(_code_tensor(code)), A.device)
         if table is not None:
             _scales_make_nonnegative(out, absmax, blocksize, table)
     return out, absmax
@@ -244,28 +304,37 @@ def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int
 
 def _dequantize_blockwise_kernel(A: Tensor, absmax: Tensor, code: Optional[Tensor], blocksize: int,
                                  dtype: torch.dtype) -> Tensor:
-    """``code[A] * absmax`` per block, of A's shape, in `dtype`."""
+    """``code[A] * absmax`` per block, of A's shape, in `dtype`, on A's device."""
     A, absmax = A.contiguous(), absmax.contiguous()
     kind, values = _map_arg(code)
     n = A.numel()
-    out = torch.empty(A.shape, dtype=dtype)
-    if kind is not None:
-        _C.dequantize_blockwise(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out))
-    elif _codec_table_problem(values) is not None:
+    out = torch.empty(A.shape, dtype=dtype, device=A.device)
+    if kind is None and _codec_table_problem(values) is not None:
         # A map the codec's tables do not take (unsorted, or values outside [-1, 1]), as bitsandbytes
         # states may carry: decoding needs no thresholds, so torch does it, with the codec's arithmetic
         # (the float32 product, then one rounding to dtype).
         scales = absmax.repeat_interleave(blocksize)[:n]
-        out.view(-1).copy_(code[A.reshape(-1).long()] * scales)
+        out.view(-1).copy_(code.to(A.device)[A.reshape(-1).long()] * scales)
+    elif A.is_cuda:
+        with on_device(A):
+            if kind is not None:
+                _C.dequantize_blockwise_cuda(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out),
+                                             stream=cuda_stream(A))
+            else:
+                _C.dequantize_blockwise_table_cuda(ptr(A), ptr(absmax), n, blocksize,
+                                                   ptr(_device_table(values, A.device)), ptr(out), dtype_code(out),
+                                                   stream=cuda_stream(A))
+    elif kind is not None:
+        _C.dequantize_blockwise(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out))
     else:
         _C.dequantize_blockwise_values(ptr(A), ptr(absmax), n, blocksize, values, ptr(out), dtype_code(out))
     return out
 
 
 _quantize_blockwise_op = torch.library.custom_op("zero8::quantize_blockwise", _quantize_blockwise_kernel,
-                                                 mutates_args=(), device_types="cpu")
+                                                 mutates_args=(), device_types=("cpu", "cuda"))
 _dequantize_blockwise_op = torch.library.custom_op("zero8::dequantize_blockwise", _dequantize_blockwise_kernel,
-                                                   mutates_args=(), device_types="cpu")
+                                                   mutates_args=(), device_types=("cpu", "cuda"))
 
 
 @_quantize_blockwise_op.register_fake
@@ -293,14 +362,17 @@ def _nest_scales(scales: Tensor, blocksize: int) -> Tuple[Tensor, Tensor, QuantS
     other scales nest as they would without it; it still makes its group of `blocksize` scales NaN (the
     nested format has no room for one NaN scale), so blocksize**2 elements decode as NaN."""
     finite = scales.isfinite()
-    means = torch.where(finite, scales, 0).sum() / finite.sum().clamp_min(1)
+    # Both sums in float64, rounded once: a float32 sum depends on its order, which differs between the CPU
+    # and a GPU (and inductor), and the offset and the choice must not.
+    means = (torch.where(finite, scales, 0).double().sum() / finite.sum().clamp_min(1)).float()
     candidates = []
     for offset in (means, torch.zeros_like(means)):
         q, state2 = quantize_blockwise(scales - offset, blocksize=blocksize, nested=False)
         back = dequantize_blockwise(q, state2) + offset
         # The group of the non-finite scale decodes as NaN with either offset; the rest is compared.
         error = torch.where(finite & back.isfinite(),
-                            (back - scales).abs() / scales.abs().clamp_min(torch.finfo(torch.float32).tiny), 0).sum()
+                            (back - scales).abs() / scales.abs().clamp_min(torch.finfo(torch.float32).tiny),
+                            0).double().sum()
         candidates.append((q, offset, state2, error))
     (q0, o0, s0, e0), (q1, o1, s1, e1) = candidates
     use_mean = e0 <= e1
@@ -312,10 +384,10 @@ def _nest_scales(scales: Tensor, blocksize: int) -> Tuple[Tensor, Tensor, QuantS
 def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, absmax: Optional[torch.Tensor] = None,
                        out: Optional[torch.Tensor] = None, blocksize: int = 4096,
                        nested: bool = False) -> Tuple[torch.Tensor, QuantState]:
-    """Quantize A (CPU, contiguous, float32/bfloat16/float16) block-wise with the map `code` (default:
-    the dynamic signed map). Returns (codes as uint8 of A's shape, QuantState). `absmax` (float32,
-    ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when given (copied
-    into: the op returns new tensors).
+    """Quantize A (contiguous, float32/bfloat16/float16, on the CPU or a GPU) block-wise with the map `code`
+    (default: the dynamic signed map). Returns (codes as uint8 of A's shape, QuantState), on A's device.
+    `absmax` (float32, ceil(numel / blocksize) elements) and `out` (uint8, numel elements) are filled when
+    given (copied into: the op returns new tensors).
     nested=True quantizes the scales again, minus an offset (kept as `offset`): their mean, as bitsandbytes
     does, or 0 when that gives the smaller relative error of the scales (``_nest_scales``).
     Before centring, it makes the scales non-negative (as bitsandbytes' are) when the map is sign-symmetric
@@ -330,15 +402,17 @@ def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, abs
     """
     check_float_tensor(A, "A")
     blocksize = _check_blocksize(blocksize)
-    _check_code(code)
+    _check_code(code, A)
     n = A.numel()
     blocks = -(-n // blocksize)
     if absmax is not None:
-        check_cpu_contiguous(absmax, "absmax")
+        check_device_contiguous(absmax, "absmax")
+        check_same_device(absmax, "absmax", A, "A")
         check_dtype(absmax, "absmax", torch.float32)
         check_numel(absmax, "absmax", blocks, f"one scale per block of {blocksize}")
     if out is not None:
-        check_cpu_contiguous(out, "out")
+        check_device_contiguous(out, "out")
+        check_same_device(out, "out", A, "A")
         check_dtype(out, "out", torch.uint8)
         check_numel(out, "out", n, "one code per element of A")
     codes, scales = _quantize_blockwise_op(A, code, blocksize, nested)
@@ -362,8 +436,8 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
                          nested: bool = False) -> torch.Tensor:
     """Decode uint8 codes A to ``code[A] * absmax`` per block. Give either `quant_state` (from
     quantize_blockwise, or bitsandbytes') or `absmax` (+ `code`, `blocksize`; the result is then float32).
-    `out` (CPU, contiguous, float32/bfloat16/float16, A.numel() elements) is filled when given (copied
-    into); its dtype wins. `code` may be any 256 float32 values (bitsandbytes' states may carry maps
+    `out` (contiguous, float32/bfloat16/float16, A.numel() elements, on A's device) is filled when given
+    (copied into); its dtype wins. `code` may be any 256 float32 values (bitsandbytes' states may carry maps
     that are unsorted or reach beyond [-1, 1]; quantize_blockwise takes only sorted maps within it).
     `nested` is accepted for signature compatibility (the state says whether it is
     nested)."""
@@ -372,17 +446,18 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
         if absmax is None:
             raise Zero8ValueError("dequantize_blockwise needs quant_state or absmax")
         quant_state = QuantState(absmax=absmax, code=_code_tensor(code), blocksize=blocksize, dtype=torch.float32)
-    check_cpu_contiguous(A, "A")
+    check_device_contiguous(A, "A")
     check_dtype(A, "A", torch.uint8)
     bs = _check_blocksize(quant_state.blocksize)
-    _check_code(quant_state.code)
+    _check_code(quant_state.code, A)
     scales = quant_state.absmax
     if quant_state.nested:
         scales = dequantize_blockwise(quant_state.absmax, quant_state.state2)
         scales += quant_state.offset
         scales = scales.float()
     n = A.numel()
-    check_cpu_contiguous(scales, "absmax")
+    check_device_contiguous(scales, "absmax")
+    check_same_device(scales, "absmax", A, "A")
     check_dtype(scales, "absmax", torch.float32)
     check_numel(scales, "absmax", -(-n // bs), f"one scale per block of {bs}")
     if out is None:
@@ -392,5 +467,6 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
                                   "float16")
         return _dequantize_blockwise_op(A, scales, quant_state.code, bs, out_dtype)
     check_float_tensor(out, "out")
+    check_same_device(out, "out", A, "A")
     check_numel(out, "out", n, "one element per code of A")
     return out.copy_(_dequantize_blockwise_op(A, scales, quant_state.code, bs, out.dtype).view(out.shape))

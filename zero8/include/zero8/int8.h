@@ -69,9 +69,13 @@ std::string int8_block_matmul_backend();
 void int8_quantize_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
                              const uint8_t* col_mask = nullptr, const Int8QuantOptions& opt = {},
                              void* stream = nullptr);
+void int8_quantize_cols_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,
+                             const Int8QuantOptions& opt = {}, void* stream = nullptr);
 void int8_quantize_blocks_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows,
                                int32_t block_cols, int8_t* q, float* scale, const Int8QuantOptions& opt = {},
                                void* stream = nullptr);
+void int8_dequantize_blocks_cuda(const int8_t* q, const float* scale, int64_t rows, int64_t cols, int32_t block_rows,
+                                 int32_t block_cols, void* y, DType dtype, void* stream = nullptr);
 void int8_outlier_columns_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, float threshold,
                                uint8_t* mask, void* stream = nullptr);
 void int8_dequantize_matmul_cuda(const EpilogueArgs& args, void* stream = nullptr);

@@ -104,6 +104,13 @@ void step_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, const f
 // step (any seg_trust given is ignored), the others the step. Validated.
 void step_tensor(StepArgs a, int threads = 0);
 
+// step_tensor on CUDA: one tensor (nseg must be 0) whose pointers are all device memory on the current
+// device, the maps included (quant::table_get_device). Validated as step_tensor; then queued on
+// `stream` (a cudaStream_t, null for the default stream) without any host sync: LAMB/LARS compute
+// their norms and trust ratio on the device. Throws ErrorCode::unsupported when zero8 was built
+// without CUDA.
+void step_tensor_cuda(StepArgs a, void* stream = nullptr);
+
 // Validation used by the entries above (phase2: the step, which needs seg_trust for LAMB/LARS).
 void args_validate(const StepArgs& a, bool phase2);
 

@@ -287,6 +287,16 @@ class EngineCheckpoints:
                 warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
             return None, None
         tag = "" if tag is None else str(tag)
+        from ..deepspeed.universal import is_deepspeed_checkpoint
+        ds_tag = tag or _latest_text(load_dir)
+        if ds_tag and "/" not in ds_tag and not ds_tag.startswith(".") and \
+                is_deepspeed_checkpoint(os.path.join(load_dir, ds_tag)):
+            # A run moved from DeepSpeed: its fp32 states quantized into this engine's (zero8.deepspeed.migrate).
+            from ..deepspeed.migrate import load_into_engine
+            return load_into_engine(self, load_dir, ds_tag, load_module_strict=load_module_strict,
+                                    load_optimizer_states=load_optimizer_states,
+                                    load_lr_scheduler_states=load_lr_scheduler_states,
+                                    load_module_only=load_module_only)
         full = load_optimizer_states and not load_module_only
         staged: dict = {}
 
@@ -644,3 +654,12 @@ def _jsonable(x):
     if isinstance(x, torch.Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
     return x
+
+
+def _latest_text(load_dir: str) -> str:
+    """The tag `<load_dir>/latest` names, "" when unreadable (the C++ load then reports it)."""
+    try:
+        with open(os.path.join(load_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

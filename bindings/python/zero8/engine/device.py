@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from .. import _C
+from .. import _C, _tensors
 from .._C import Zero8NotSupportedError, Zero8ValueError
 from .world import launcher_local_rank
 
@@ -52,11 +52,8 @@ def check_device(device: torch.device) -> torch.device:
         return _CPU
     if device.type != "cuda":
         raise Zero8NotSupportedError(f"the model is on {device}: zero8's engine trains on the CPU or a CUDA device")
-    if not _C.build_info()["cuda"]:
-        raise Zero8NotSupportedError(
-            f"the model is on {device}, but this zero8 was built without CUDA (zero8.build_info()['cuda'] is "
-            f"False): reinstall it with its CUDA kernels (pip install . -C cmake.define.ZERO8_CUDA=ON on a machine "
-            f"with the CUDA toolkit), or train on the CPU")
+    if not _tensors.CUDA_BUILT:
+        raise Zero8NotSupportedError(f"the model is on {device}, but {_tensors._NO_CUDA}; or train on the CPU")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     rank = launcher_local_rank()

@@ -33,10 +33,10 @@ from torch.autograd.function import once_differentiable
 
 from .. import _ops
 from .._C import Zero8ValueError
-from .._tensors import FLOAT_DTYPES, check_cpu, check_dtype, dtype_code
+from .._tensors import FLOAT_DTYPES, check_device, check_dtype, check_same_device, dtype_code
 from . import linear8bit as _l8
-from .linear8bit import (_check_device_arg, _check_input, _check_loaded, _check_weight, _float_linear, _is_meta_call,
-                         _seed, int8_mm)
+from .linear8bit import (_check_device_arg, _check_input, _check_layer_tensors, _check_loaded, _check_weight,
+                         _float_linear, _is_meta_call, _seed, int8_mm)
 
 __all__ = ["Int8Linear", "blockwise_int8_matmul"]
 
@@ -50,9 +50,10 @@ def _blockwise_int8_matmul_sliced(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Te
 
 
 def _check_block_operand(q: Tensor, s: Tensor, rows: int, cols: int, block: int, name: str, sname: str) -> None:
-    check_cpu(q, name)
+    check_device(q, name)
     check_dtype(q, name, torch.int8)
-    check_cpu(s, sname)
+    check_device(s, sname)
+    check_same_device(s, sname, q, name)
     check_dtype(s, sname, torch.float32)
     want = (-(-rows // block), -(-cols // block))
     if tuple(s.shape) != want:
@@ -68,7 +69,7 @@ def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, bl
     column-block scales and accumulated in float32 (slices in ascending order), then ``+ bias``, returned
     as ``out_dtype``. Either operand may be the ``.t()`` view of a contiguous matrix (no copy). Runs the
     fused AVX-512 VNNI kernel (``zero8._C.int8_block_matmul``) where the CPU has it, else one library int8
-    GEMM per slice; both give the same bits."""
+    GEMM per slice, and on a GPU zero8's per-block CUDA kernel; all give the same bits."""
     if not isinstance(block, int) or not 1 <= block <= 65536:
         raise Zero8ValueError(f"block must be an int in 1..65536, got {block!r}")
     if qa.dim() != 2 or qb_t.dim() != 2 or qa.shape[1] != qb_t.shape[1]:
@@ -78,10 +79,12 @@ def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, bl
     n = qb_t.shape[0]
     _check_block_operand(qa, sa, m, k, block, "qa", "sa")
     _check_block_operand(qb_t, sb_t, n, k, block, "qb_t", "sb_t")
+    check_same_device(qb_t, "qb_t", qa, "qa")
     if out_dtype not in FLOAT_DTYPES:
         raise Zero8ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
     if bias is not None:
-        check_cpu(bias, "bias")
+        check_device(bias, "bias")
+        check_same_device(bias, "bias", qa, "qa")
         dtype_code(bias, "bias")
         if bias.shape != (n,):
             raise Zero8ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
@@ -164,11 +167,12 @@ class Int8Linear(torch.nn.Module):
     - ``gemm``: ``"exact"`` (per-block scales in the reduction as well, Jetfire's math, the fused kernel)
       or ``"fast"`` (one library int8 GEMM per product, vector-wise scales): see the module docstring.
 
-    CPU tensors of float32, bfloat16 or float16 (the output has the input's dtype). Made on the meta device
-    (``device="meta"``), the layer holds shapes only until ``to_empty(device="cpu")`` + ``load_state_dict``
-    or ``load_state_dict(..., assign=True)``; a loaded weight is kept float32. Until then a meta input gives
-    a meta output (shapes and dtypes, backward too; ``activation_memory()`` reports what the loaded layer
-    would keep) and a CPU input raises.
+    Tensors of float32, bfloat16 or float16 on the CPU, or on a GPU in a build with CUDA (the same int8
+    codes, scales and integer products as the CPU, by zero8's CUDA kernels and ``torch._int_mm``); the output
+    has the input's dtype. Made on the meta device (``device="meta"``), the layer holds shapes only until
+    ``to_empty(device=...)`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``; a loaded weight
+    is kept float32. Until then a meta input gives a meta output (shapes and dtypes, backward too;
+    ``activation_memory()`` reports what the loaded layer would keep) and a real input raises.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
@@ -231,6 +235,8 @@ class Int8Linear(torch.nn.Module):
         if not meta:
             _check_loaded(self, "Int8Linear", ("weight", "bias"))
         _check_input(x, self.in_features, meta=meta)
+        if not meta:
+            _check_layer_tensors(self, "Int8Linear", ("weight", "bias"), x)
         _check_weight(self.weight, "Int8Linear.weight")
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
             return _float_linear(x, self.weight, self.bias)

@@ -6,9 +6,10 @@ default), quantizes each activation row to int8 on the fly, and computes the inp
 ``convert_linear8bit`` swaps the ``nn.Linear`` modules of a trained model for it.
 
 Also the int8 primitives both int8 layers use (``Int8Linear`` imports them): torch tensors in, validated
-here (errors name the tensor), then the kernels of kernels/src/int8_*.cpp as the torch custom ops of
-``zero8._ops`` (so ``torch.compile`` traces them without graph breaks), and the int8 GEMM: zero8's oneDNN
-one when built with it, else ``torch._int_mm`` (docs/INT8.md).
+here (errors name the tensor), then the kernels of kernels/src/int8_*.cpp (kernels/cuda/int8_*.cu for CUDA
+tensors, in a build with CUDA) as the torch custom ops of ``zero8._ops`` (so ``torch.compile`` traces them
+without graph breaks), and the int8 GEMM: on the CPU zero8's oneDNN one when built with it, else
+``torch._int_mm``; on a GPU ``torch._int_mm`` (docs/INT8.md).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 from torch import Tensor
 
 from .. import _C, _ops
-from .._tensors import FLOAT_DTYPES, check_cpu, check_cpu_contiguous, check_dtype, dtype_code
+from .._tensors import (CUDA_BUILT, FLOAT_DTYPES, check_device, check_device_contiguous, check_dtype,
+                        check_same_device, dtype_code)
 from .._C import Zero8ValueError
+from ..optim.optimizer import Zero8UnsupportedArgumentError
 
 __all__ = [
     "Linear8bitLt",
@@ -42,7 +45,8 @@ _GEMM = "zero8" if _C.int8_gemm_backend().startswith("onednn") or not hasattr(to
 
 
 def int8_gemm_backend() -> str:
-    """The int8 GEMM in use: ``"torch"`` or ``"zero8 (<_C.int8_gemm_backend()>)"``."""
+    """The int8 GEMM in use on the CPU: ``"torch"`` or ``"zero8 (<_C.int8_gemm_backend()>)"``. On a GPU the
+    layers multiply with ``torch._int_mm`` whatever this says."""
     return "torch" if _GEMM == "torch" else f"zero8 ({_C.int8_gemm_backend()})"
 
 
@@ -58,8 +62,9 @@ def set_int8_gemm_backend(name: str) -> None:
 
 
 def _float_matrix(x: Tensor, name: str) -> Tensor:
-    """A contiguous 2-D CPU view of a float tensor (a copy only if needed); errors name the tensor."""
-    check_cpu(x, name)
+    """A contiguous 2-D view of a float tensor on the CPU or a GPU (a copy only if needed); errors name the
+    tensor."""
+    check_device(x, name)
     dtype_code(x, name)
     if x.dim() != 2:
         raise Zero8ValueError(f"{name} must be 2-D here, got shape {tuple(x.shape)}")
@@ -67,9 +72,10 @@ def _float_matrix(x: Tensor, name: str) -> Tensor:
 
 
 def _seed() -> Tensor:
-    # Stochastic rounding draws its seed from torch's generator, so torch.manual_seed makes a run
-    # reproducible; a one-element tensor, drawn in the graph under torch.compile (zero8._ops).
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    # Stochastic rounding draws its seed from torch's CPU generator, so torch.manual_seed makes a run
+    # reproducible, with the same draws for CPU and CUDA tensors (the kernels read the seed on the host: no
+    # wait for a GPU); a one-element tensor, drawn in the graph under torch.compile (zero8._ops).
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu")
 
 
 def quantize_rows(x: Tensor, col_mask: Optional[Tensor] = None, stochastic: bool = False):
@@ -77,7 +83,8 @@ def quantize_rows(x: Tensor, col_mask: Optional[Tensor] = None, stochastic: bool
     nonzero ``col_mask`` byte are left out of the scale and coded 0."""
     x = _float_matrix(x, "x")
     if col_mask is not None:
-        check_cpu_contiguous(col_mask, "col_mask")
+        check_device_contiguous(col_mask, "col_mask")
+        check_same_device(col_mask, "col_mask", x, "x")
         check_dtype(col_mask, "col_mask", torch.uint8)
         if col_mask.numel() != x.shape[1]:
             raise Zero8ValueError(f"col_mask has {col_mask.numel()} elements; expected {x.shape[1]}")
@@ -103,8 +110,11 @@ def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype =
 
 def int8_mm(a: Tensor, b: Tensor, b_trans: bool = True) -> Tensor:
     """int32 ``a @ b.T`` (``b_trans``: ``b`` is n x k, a weight matrix) or ``a @ b`` (``b`` is k x n) for
-    int8 ``a`` (m x k), through the chosen int8 GEMM. Operands may be strided views (zero8's path makes
-    them contiguous: it takes row-major matrices)."""
+    int8 ``a`` (m x k), through the chosen int8 GEMM (``torch._int_mm`` on a GPU, any shape: see
+    ``zero8._ops._int_mm_cuda``). Operands may be strided views (zero8's path makes them contiguous: it
+    takes row-major matrices)."""
+    if a.is_cuda:
+        return _ops._int_mm_cuda(a, b if b_trans else b.t())
     if _GEMM == "torch":
         return torch._int_mm(a, b.t() if b_trans else b)
     if b.shape[1 if b_trans else 0] != a.shape[1]:
@@ -128,18 +138,18 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
         return _ops.int8_dequantize_matmul(acc, row_scale, col_scale, out_dtype, add, bias, row_group, row_stride,
                                            col_group, col_stride)
     if out is None:
-        out = torch.empty(tuple(acc.shape), dtype=out_dtype)
+        out = torch.empty(tuple(acc.shape), dtype=out_dtype, device=acc.device)
     # Writing into a given tensor (the per-slice path accumulates into one) is eager only: not an op.
     return _ops._dequantize_matmul_into(acc, row_scale, col_scale, add, bias, out, accumulate, row_group,
                                         row_stride, col_group, col_stride)
 
 
 def _check_input(x: Tensor, in_features: int, name: str = "input", meta: bool = False) -> None:
-    """A float input of ``... x in_features`` on the CPU (or, with ``meta``, on the meta device)."""
+    """A float input of ``... x in_features`` on the CPU or a GPU (or, with ``meta``, on the meta device)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not (meta and x.is_meta):
-        check_cpu(x, name)
+        check_device(x, name)
     if x.dtype not in FLOAT_DTYPES:
         raise Zero8ValueError(f"{name} has dtype {x.dtype}; expected float32, bfloat16 or float16")
     if x.dim() < 1 or x.shape[-1] != in_features:
@@ -153,9 +163,25 @@ def _check_weight(w: Tensor, name: str) -> None:
 
 
 def _check_device_arg(device, layer: str) -> None:
-    if device is not None and torch.device(device).type not in ("cpu", "meta"):
-        raise Zero8ValueError(f"{layer} runs on CPU here (or is created on the meta device, to be loaded later); "
-                              f"device={device!r}")
+    if device is None:
+        return
+    kind = torch.device(device).type
+    if kind == "cuda" and not CUDA_BUILT:  # both a bad argument here and a not-supported device
+        raise Zero8UnsupportedArgumentError(
+            f"{layer}(device={device!r}): this zero8 was built without its CUDA kernels, so the layer runs on CPU "
+            f"(or is created on the meta device, to be loaded later); reinstall zero8 on a machine with a GPU and "
+            f"nvcc, or with ZERO8_CUDA=ON (docs/ENGINE.md, \"Install\")")
+    if kind not in ("cpu", "cuda", "meta"):
+        raise Zero8ValueError(f"{layer} runs on CPU or CUDA (or is created on the meta device, to be loaded "
+                              f"later); device={device!r}")
+
+
+def _check_layer_tensors(module: torch.nn.Module, layer: str, names: Sequence[str], x: Tensor) -> None:
+    """The layer's tensors are on the input's device (one kernel call reads them all); errors name both."""
+    for name in names:
+        t = getattr(module, name)
+        if t is not None:
+            check_same_device(t, f"{layer}.{name}", x, "input")
 
 
 def _check_loaded(module: torch.nn.Module, layer: str, names: Sequence[str]) -> None:
@@ -248,13 +274,14 @@ class Linear8bitLt(torch.nn.Module):
     ``has_fp16_weights=True`` (dequantized), and bitsandbytes' int8 ``Linear8bitLt`` state dict (``weight``
     int8, ``SCB`` the per-row absmax, ``weight = int8 * SCB / 127``, ``weight_format`` 0 for row-major):
     ``weight_scale = SCB / 127``. ``bnb_state_dict(model)`` saves in bitsandbytes' form. ``.half()`` /
-    ``.to(dtype)`` cast the bias (and a kept float weight) but leave ``weight_scale`` float32. CPU tensors of
-    float32, bfloat16 or float16; the output has the input's dtype. Bad inputs and malformed state dicts
-    raise ``zero8.Zero8ValueError`` naming them.
+    ``.to(dtype)`` cast the bias (and a kept float weight) but leave ``weight_scale`` float32. Tensors of
+    float32, bfloat16 or float16 on the CPU, or on a GPU in a build with CUDA (``.to("cuda")`` moves the int8
+    weight and its scales; the integer products equal the CPU's); the output has the input's dtype. Bad inputs
+    and malformed state dicts raise ``zero8.Zero8ValueError`` naming them.
 
     Made on the meta device (``device="meta"``, ``with torch.device("meta"):``), the layer holds shapes
-    only until ``to_empty(device="cpu")`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``;
-    until then a meta input gives a meta output (shapes and dtypes, backward too) and a CPU input raises.
+    only until ``to_empty(device=...)`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``;
+    until then a meta input gives a meta output (shapes and dtypes, backward too) and a real input raises.
     """
 
     def __init__(self, input_features: int, output_features: int, bias: bool = True,
@@ -324,7 +351,7 @@ class Linear8bitLt(torch.nn.Module):
         shape = (self.out_features, self.in_features)
         if isinstance(w, Tensor) and tuple(w.shape) == shape:
             if not self.has_fp16_weights and w.is_floating_point() and skey not in state_dict:
-                check_cpu(w, wkey)
+                check_device(w, wkey)
                 state_dict[wkey], state_dict[skey] = quantize_rows(w.detach().float())
             elif self.has_fp16_weights and w.dtype == torch.int8 and isinstance(state_dict.get(skey), Tensor):
                 scale = state_dict.pop(skey)
@@ -350,8 +377,8 @@ class Linear8bitLt(torch.nn.Module):
         m.threshold = float(threshold)
         m.has_fp16_weights = has_fp16_weights
         m.index = None
-        if linear.weight.device.type not in ("cpu", "meta"):
-            raise Zero8ValueError(f"linear.weight is on {linear.weight.device}; Linear8bitLt runs on CPU")
+        if not linear.weight.is_meta:
+            check_device(linear.weight, "linear.weight")
         _check_weight(linear.weight, "linear.weight")
         m._set_weight(linear.weight.detach().clone())
         if has_fp16_weights:
@@ -373,6 +400,8 @@ class Linear8bitLt(torch.nn.Module):
         if not meta:
             _check_loaded(self, "Linear8bitLt", names)
         _check_input(x, self.in_features, meta=meta)
+        if not meta:
+            _check_layer_tensors(self, "Linear8bitLt", names, x)
         if meta or x.numel() == 0:  # shapes only, or an empty batch kept in the graph: the float product
             w = self.weight if self.has_fp16_weights else x.new_zeros(()).expand(self.out_features, self.in_features)
             return _float_linear(x, w, self.bias)

@@ -26,7 +26,8 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   edit made through the parameter itself, and rebinding ``.data``) and its bits, for in-place edits
   through ``p.data``, which torch does not version: all of them for a parameter of up to 64 KiB, else
   about 1000 evenly spaced elements, so such an edit of only a few elements of a larger parameter can
-  go unseen (edit under ``torch.no_grad()`` instead). ``load_state_dict`` restores the saved masters
+  go unseen (edit under ``torch.no_grad()`` instead; on a GPU the bits are not compared at all, since
+  reading them would make every step wait for the GPU). ``load_state_dict`` restores the saved masters
   and holds to the same rule: the next step compares every element of each parameter with the rounding
   of its loaded master (all elements, once) and re-seeds those that differ. So weights loaded into the
   model before or after the optimizer's state (EMA or averaged weights) are where training goes on from,
@@ -41,6 +42,11 @@ states, and so of the parameter. 32-bit states keep it to the element, as torch 
 (its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as zero8's
 engine does in every precision; or check the gradients before stepping
 (``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
+
+Devices: CPU parameters, or CUDA parameters in a build with zero8's CUDA kernels (``zero8.build_info()``).
+The states live on the parameter's device (``load_state_dict`` places them there, as torch.optim does, so
+a state dict saved on a GPU loads on the CPU and back), and a CUDA step runs the same fused kernel, with
+the same bits, on torch's current stream without waiting for the GPU (LAMB and LARS included).
 
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
@@ -67,8 +73,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
-from .._tensors import FLOAT_DTYPES, check_cpu, check_not_dtensor, dtype_code
+from .._tensors import (FLOAT_DTYPES, check_device, check_not_dtensor, check_same_device, cuda_stream, dtype_code,
+                        on_device)
 from . import _algos
+from .partition import PartitionedStates
 
 __all__ = [
     "GlobalOptimManager",
@@ -87,15 +95,18 @@ _SYNC_SAMPLE = 1024  # ... a larger one at every (n // _SYNC_SAMPLE | 1)-th elem
 
 _SIGNED = _C.MapKind.dynamic_signed
 _UNSIGNED = _C.MapKind.dynamic_unsigned
-_maps: Dict[int, torch.Tensor] = {}
+_maps: Dict[tuple, torch.Tensor] = {}
 
 
-def _map(kind) -> torch.Tensor:
-    """The shared 256-value float32 map tensor of a MapKind (one tensor for every parameter's qmap)."""
-    t = _maps.get(int(kind))
+def _map(kind, device=None) -> torch.Tensor:
+    """The shared 256-value float32 map tensor of a MapKind on `device` (default: the CPU; one tensor per
+    device for every parameter's qmap, which lives with its parameter as bitsandbytes' does)."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (int(kind), str(device))
+    t = _maps.get(key)
     if t is None:
-        t = torch.tensor(_C.map_values(kind), dtype=torch.float32)
-        _maps[int(kind)] = t
+        t = torch.tensor(_C.map_values(kind), dtype=torch.float32, device=device)
+        _maps[key] = t
     return t
 
 
@@ -113,8 +124,9 @@ def _snapshot(p: torch.Tensor) -> bytes:
 
 def _synced(p: torch.Tensor, master: torch.Tensor, bits: torch.Tensor) -> tuple:
     """The record of 16-bit p as the optimizer leaves it, its master current (bits: p itself, or its
-    contiguous copy when p is a strided view)."""
-    return (p._version, p.data_ptr(), master, _snapshot(bits))
+    contiguous copy when p is a strided view). A GPU parameter's bits are not sampled: reading them would
+    make the host wait for the step (see _step_param)."""
+    return (p._version, p.data_ptr(), master, _snapshot(bits) if bits.device.type == "cpu" else None)
 
 
 def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
@@ -123,8 +135,24 @@ def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
     pv, mv = p.detach().reshape(-1), master.view(-1)
     rounded = mv.to(p.dtype)
     keep = (rounded == pv) | (rounded.isnan() & pv.isnan())
-    if not bool(keep.all()):
+    # On a GPU every element goes through the select (no host read of keep.all(), a wait for the GPU).
+    if p.device.type != "cpu" or not bool(keep.all()):
         mv.copy_(torch.where(keep, mv, pv.to(torch.float32)))
+
+
+_STATE_TENSORS = ("state1", "state2", "absmax1", "absmax2", "master")
+
+
+def _check_state_device(state: Dict[str, Any], p: torch.Tensor, name: str) -> None:
+    """The tensors the step reads live on p's device (a model moved after its optimizer made or loaded
+    states would otherwise hand the kernel pointers of another memory)."""
+    for key in _STATE_TENSORS:
+        t = state.get(key)
+        if isinstance(t, torch.Tensor) and t.device != p.device:
+            raise Zero8ValueError(f"the optimizer state {key!r} of {name} is on {t.device} but the parameter is on "
+                                  f"{p.device}: move the model before the optimizer's first step, or move the states "
+                                  f"with optimizer.load_state_dict(optimizer.state_dict()), which places each state "
+                                  f"on its parameter's device")
 
 
 _DTENSOR_WHY = ("DTensor/FSDP2-sharded parameters are not supported by zero8.optim; give it whole parameters "
@@ -541,7 +569,7 @@ def table_classes(algo: str, module: str) -> Tuple[type, type, type]:
 # ---------------------------------------------------------------------------------------------------
 # The optimizer base
 
-class Optimizer8bit(torch.optim.Optimizer):
+class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
     """Base of zero8's optimizers. A subclass names its row of the algorithm table,
     ``class SGD(Optimizer8bit, algo="sgd")``, which gives it everything else: ``algo`` (a ``_C.Algo``), its
     constructor (arguments and defaults), ``_GROUP_KEYS`` (the group hyperparameters, checked by
@@ -614,10 +642,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         if block_wise is not True:
             _unsupported("block_wise", block_wise, "zero8's 8-bit states are always block-wise")
         if is_paged:
-            _unsupported("is_paged", is_paged, "paged (unified-memory) states are CUDA-only; zero8 runs on CPU")
+            _unsupported("is_paged", is_paged, "zero8 keeps its states in the parameter's own memory (no paged "
+                         "unified-memory states)")
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
         self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master, bits), see _step_param
         super().__init__(params, defaults)
+        self._record_model_params()  # DeepSpeed may replace them by flat partitions (zero8.optim.partition)
 
     # torch's __getstate__ keeps only defaults, state and param_groups: add the 8-bit knobs and the
     # per-parameter overrides (as (tensor, config) pairs, so deepcopy/pickle map them to the copied
@@ -637,6 +667,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._overrides = WeakIdKeyDictionary()
             for p, c in pairs or ():
                 self._overrides[p] = c
+        if not hasattr(self, "_model_params"):
+            self._record_model_params()
         if not hasattr(self, "_synced"):  # a copy or unpickled optimizer: its first step compares in full
             self._synced = {}
         if not hasattr(self, "master_weights"):  # pickled before the knob existed
@@ -694,7 +726,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 raise Zero8ValueError("override_config: pass keywords, key/value or key_value_dict, not several")
             key_value_dict = kwargs
         config = _override_dict(key, value, key_value_dict)
-        known = {id(p) for g in self.param_groups for p in g["params"]}
+        known = self._known_params()
         for p in _as_params(parameters):
             if id(p) not in known:
                 raise Zero8ValueError(f"override_config: a tensor of shape {tuple(p.shape)} is not a parameter "
@@ -755,8 +787,10 @@ class Optimizer8bit(torch.optim.Optimizer):
     # ---- state ----
 
     def _new_state(self, p: torch.Tensor, cfg: Dict[str, Any]) -> Dict[str, Any]:
+        # The states live on the parameter's device (an initial value is encoded on the CPU: same codes).
         bits = self._state_bits(p, cfg)
         init = self._initial_value(cfg)
+        dev = p.device
         values = torch.full((p.numel(),), init, dtype=torch.float32) if init != 0.0 else None
         state: Dict[str, Any] = {"step": 0}
         for i in range(1, self.num_states + 1):
@@ -764,17 +798,17 @@ class Optimizer8bit(torch.optim.Optimizer):
                 block = cfg["block_size"]
                 kind = self._state_map(i)
                 if values is None:  # zero codes and scales decode to 0, as bitsandbytes initialises them
-                    codes = torch.zeros(p.shape, dtype=torch.uint8)
-                    absmax = torch.zeros(-(-p.numel() // block), dtype=torch.float32)
+                    codes = torch.zeros(p.shape, dtype=torch.uint8, device=dev)
+                    absmax = torch.zeros(-(-p.numel() // block), dtype=torch.float32, device=dev)
                 else:
                     codes, absmax = _encode(values, block, kind)
-                    codes = codes.reshape(p.shape)
+                    codes, absmax = codes.reshape(p.shape).to(dev), absmax.to(dev)
                 state[f"state{i}"] = codes
                 state[f"absmax{i}"] = absmax
-                state[f"qmap{i}"] = _map(kind)
+                state[f"qmap{i}"] = _map(kind, dev)
             else:
-                state[f"state{i}"] = (torch.zeros(p.shape, dtype=torch.float32) if values is None
-                                      else values.reshape(p.shape).clone())
+                state[f"state{i}"] = (torch.zeros(p.shape, dtype=torch.float32, device=dev) if values is None
+                                      else values.reshape(p.shape).to(dev, copy=True))
         if p.dtype != torch.float32 and cfg["master_weights"]:
             state["master"] = p.detach().to(torch.float32).contiguous().clone()
         return state
@@ -792,12 +826,16 @@ class Optimizer8bit(torch.optim.Optimizer):
         mng = GlobalOptimManager.get_instance()
         check_global = mng.has_overrides()
         check_own = len(self._overrides) > 0
+        self._adopt_torch_states()
         for gi, group in enumerate(self.param_groups):  # values changed since construction (a scheduler...)
             self._check_hyper(group, f" (param_groups[{gi}])")
         for gi, group in enumerate(self.param_groups):
             group_hyper = None
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
+                    continue
+                if self._is_partition(p, group):
+                    self._step_partition(p, group, gi)
                     continue
                 over = mng.config_for(p) if check_global else None
                 own = self._overrides.get(p) if check_own else None
@@ -821,8 +859,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         if grad.layout != torch.strided:
             raise Zero8ValueError(f"{name} (shape {tuple(p.shape)}) has a sparse gradient; zero8 optimizers "
                                   f"take dense gradients (e.g. nn.Embedding(sparse=False))")
-        check_cpu(p, name)
-        check_cpu(grad, f"{name}.grad")
+        check_same_device(grad, f"{name}.grad", p, name)
+        check_device(p, name)
         if grad.shape != p.shape:
             raise Zero8ValueError(f"{name}.grad has shape {tuple(grad.shape)}; the parameter has {tuple(p.shape)}")
         # The states follow the parameter's row-major order. A strided parameter (a transposed view, a
@@ -841,6 +879,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         s1 = state["state1"]
         if s1.numel() != n:
             raise Zero8ValueError(f"{name} has {n} elements but its optimizer state1 has {s1.numel()}")
+        _check_state_device(state, p, name)
         master = state.get("master")
         if master is not None and p.dtype == torch.float32:
             raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state has a float32 master copy (was "
@@ -856,9 +895,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             # Changed outside the optimizer since it last left p (a step, or load_state_dict)? Through p itself
             # bumps torch's version; rebinding p.data moves the pointer; in place through p.data shows only in
             # the bits. (A record's master is held, so an id reused by a new parameter never matches.)
+            # A GPU parameter's bits are not compared: reading them would make the host wait for the GPU at
+            # every step, so an in-place edit through p.data goes unseen there (edit under no_grad instead).
             rec = self._synced.get(id(p))
             if (rec is None or rec[0] != p._version or rec[1] != p.data_ptr() or rec[2] is not master
-                    or _snapshot(work) != rec[3]):
+                    or (rec[3] is not None and _snapshot(work) != rec[3])):
                 _reseed_master(p, master)
         hyper.step = state["step"]
         a = _C.StepArgs()
@@ -890,7 +931,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             a.state1 = s1.data_ptr()
             if two:
                 a.state2 = state["state2"].data_ptr()
-        _C.step_tensor(a)
+        if p.device.type == "cuda":  # queued on torch's current stream, no host sync (LAMB/LARS included)
+            with on_device(p):
+                _C.step_tensor_cuda(a, cuda_stream(p))
+        else:
+            _C.step_tensor(a)
         if strided:  # as the kernel's write: through .data, torch's version is not bumped
             p.data.copy_(work)
         if master is not None:  # the kernel writes through the pointer: torch's version is not bumped
@@ -969,6 +1014,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         """torch's state_dict (the live state tensors, parameters by index) with bitsandbytes' group
         aliases added (e.g. SGD's ``betas = (momentum, dampening)``), so bitsandbytes can load it, and the
         algorithm's name (group key ``zero8_algorithm``), so zero8 refuses to load it into another algorithm."""
+        self._adopt_torch_states()
         sd = super().state_dict()
         for g in sd["param_groups"]:
             for k, v in self._bnb_group_aliases(g).items():
@@ -995,8 +1041,39 @@ class Optimizer8bit(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if self._has_partitions():
+            self._load_partitioned(state_dict)
+            return
         groups = self.param_groups
-        saved_groups = copy.deepcopy(state_dict["param_groups"])  # a tensor lr is updated in place by schedulers
+        new_groups = self._loaded_groups(state_dict["param_groups"])
+        saved_groups = state_dict["param_groups"]
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        group_of = {id(p): (gi, pi) for gi, g in enumerate(new_groups) for pi, p in enumerate(g["params"])}
+        state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                state[key] = value
+                continue
+            p = id_map[key]
+            gi, pi = group_of[id(p)]
+            state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
+                                              f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for p in id_map.values():
+            # The parameter stays the truth: without a record, the next step compares all its elements with
+            # the rounding of the loaded master and re-seeds those that differ (weights loaded into the model
+            # before this win, as in torch; the same checkpoint's weights keep the exact masters).
+            self._synced.pop(id(p), None)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_groups(self, saved_groups: list) -> list:
+        """The param groups a load installs: each of this optimizer's groups (its params) with the saved
+        group's hyperparameters (bitsandbytes' aliases mapped, torch.optim flags that do not apply dropped),
+        checked; a saved group of another algorithm or with an unsupported flag is refused."""
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(saved_groups)  # a tensor lr is updated in place by schedulers
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
@@ -1018,27 +1095,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             new["params"] = group["params"]
             self._check_group(new, index)
             new_groups.append(new)
-
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
-                          chain.from_iterable(g["params"] for g in groups)))
-        group_of = {id(p): (gi, pi) for gi, g in enumerate(new_groups) for pi, p in enumerate(g["params"])}
-        state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
-        for key, value in state_dict["state"].items():
-            if key not in id_map:
-                state[key] = value
-                continue
-            p = id_map[key]
-            gi, pi = group_of[id(p)]
-            state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
-                                              f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
-        self.__setstate__({"state": state, "param_groups": new_groups})
-        for p in id_map.values():
-            # The parameter stays the truth: without a record, the next step compares all its elements with
-            # the rounding of the loaded master and re-seeds those that differ (weights loaded into the model
-            # before this win, as in torch; the same checkpoint's weights keep the exact masters).
-            self._synced.pop(id(p), None)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        return new_groups
 
     def _load_param_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any],
                           where: str) -> Dict[str, Any]:
@@ -1100,6 +1157,11 @@ class Optimizer8bit(torch.optim.Optimizer):
                 out["master"] = master.detach().to(torch.float32).reshape(p.shape).contiguous().clone()
             else:  # bitsandbytes and torch keep none: the parameter's value is the best master there is
                 out["master"] = p.detach().to(torch.float32).contiguous().clone()
+        # Each state on its parameter's device, as torch.optim loads (saved on a GPU, loaded on the CPU, and back).
+        for key, value in out.items():
+            if isinstance(value, torch.Tensor):
+                out[key] = (_map(_SIGNED if key == "qmap1" else _UNSIGNED, p.device) if key.startswith("qmap")
+                            else value.to(p.device))
         return out  # other saved keys (bitsandbytes' unorm_vec, torch's max_exp_avg_sq; a master under
         # master_weights=False, the parameter being the truth) have no use here
 

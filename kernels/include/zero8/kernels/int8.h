@@ -228,7 +228,9 @@ const char* int8_block_gemm_variant(Isa isa);
 // CUDA kernels over device pointers, queued on `stream` (a cudaStream_t; null: default stream).
 // int8_col_outliers_cuda writes the mask only (count it on the host if needed).
 void int8_row_quant_cuda(const RowQuantArgs& a, void* stream);
+void int8_col_quant_cuda(const ColQuantArgs& a, void* stream);
 void int8_block_quant_cuda(const BlockQuantArgs& a, void* stream);
+void int8_block_dequant_cuda(const BlockDequantArgs& a, void* stream);
 void int8_col_outliers_cuda(const OutlierArgs& a, void* stream);
 void int8_epilogue_cuda(const EpilogueArgs& a, void* stream);
 // cuBLASLt int8 GEMM (int32 accumulation, CUBLAS_COMPUTE_32I) on device pointers. Throws

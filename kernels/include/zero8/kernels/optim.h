@@ -127,6 +127,7 @@ void optim_step(const StepArgs& a, Isa isa, int threads = 0);
 // Trust ratio from the reduced norms: as in the LAMB paper (You et al. 2020) and LARS (You et al.
 // 2017): ||w|| / ||u|| (times eta for lars), 1 when either norm is 0, clipped at max_trust_ratio, then
 // raised to min_trust_ratio (the order and the exemption of zero norms are DeepSpeed FusedLamb's).
+// Defined by optim_trust_ratio_of (optim_math.h), which the CUDA step also runs on the device.
 float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s);
 
 #if ZERO8_WITH_CUDA
@@ -135,6 +136,10 @@ float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s);
 // writes out_host (nseg or 1 entries).
 void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream);
 void optim_step_cuda(const StepArgs& a, void* stream);
+// One tensor, or each segment as its own tensor, as step_tensor: LAMB/LARS run norms -> trust ratio
+// (optim_trust_ratio_of, on the device) -> step, all queued on `stream` with no host sync (a.seg_trust
+// is ignored; temporaries are stream-ordered allocations); the others the step.
+void optim_step_tensor_cuda(const StepArgs& a, void* stream);
 #endif
 
 }  // namespace zero8::optim

@@ -178,6 +178,29 @@ ZERO8_HD float optim_direction_one(Algo a, const OptimConsts& c, float g, float 
   return optim_lars_direction(c, g, p);
 }
 
+// ---- trust ratio (LAMB / LARS, between the phases) ----
+// optim_trust_ratio's definition, here so that the CUDA step can compute it on the device (no host
+// read between the phases): ||w|| / ||u|| (times eta for lars), 1 when either norm is 0 or NaN,
+// clipped at max_trust_ratio (0: no clip), then raised to min_trust_ratio. In double, each operation
+// correctly rounded on both sides, then rounded once to float. 1 for the algorithms without a ratio.
+ZERO8_HD double optim_sqrt_f64(double x) {
+#if defined(__CUDA_ARCH__)
+  return __dsqrt_rn(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+ZERO8_HD float optim_trust_ratio_of(Algo a, const Hyper& h, double w_sq, double u_sq) {
+  if (a != Algo::lamb && a != Algo::lars) return 1.0f;
+  const double w = optim_sqrt_f64(w_sq), u = optim_sqrt_f64(u_sq);
+  if (!(w > 0.0) || !(u > 0.0)) return 1.0f;  // also NaN norms: leave the update unscaled
+  double r = w / u;
+  if (a == Algo::lars) r *= double(h.trust_coefficient);
+  if (h.max_trust_ratio > 0.0f && r > double(h.max_trust_ratio)) r = double(h.max_trust_ratio);
+  if (r < double(h.min_trust_ratio)) r = double(h.min_trust_ratio);
+  return float(r);
+}
+
 // ---- norm reduction order (phase 1) ----
 // Squares are formed exactly in double (a float product fits in 53 bits). Within a piece (one
 // segment's part of one state block) element k of the piece goes to lane k % 8; the lanes combine as
