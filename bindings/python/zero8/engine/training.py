@@ -669,9 +669,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         the "train" route (and "encode", which DeepSpeed handles as train), in order on "eval" and "predict"
         (as DeepSpeed's, so each rank evaluates its share). batch_size None: train_micro_batch_size_per_gpu;
         collate_fn None: the one given to initialize; num_local_io_workers None: 0 (the batches are loaded
-        in this process); pin_memory as the DataLoader's (where a GPU is available; it speeds up copies of the
-        batches to the device). zero8's keyword-only extras: drop_last (None: the config's dataloader_drop_last) and
-        shuffle (None: the route's)."""
+        in this process); pin_memory as the DataLoader's (it applies where a GPU is available, and speeds up
+        copies of the batches to it). zero8's keyword-only extras: drop_last (None: the config's
+        dataloader_drop_last) and shuffle (None: the route's)."""
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
