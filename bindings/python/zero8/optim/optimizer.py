@@ -35,13 +35,16 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   rounding, keep the exact float32 masters.
 
 Non-finite gradients: a NaN or Inf gradient element makes its parameter element NaN or Inf, as in
-torch. With 8-bit states it also makes the scale of its state block non-finite (a NaN scale, see
-``zero8.functional``), so the next step turns the whole block NaN: ``block_size`` (256) elements of the
-states, and so of the parameter. 32-bit states keep it to the element, as torch does; bitsandbytes'
-8-bit states spread an Inf over its block the same way. Skip such steps: ``torch.amp.GradScaler`` does
-(its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as zero8's
-engine does in every precision; or check the gradients before stepping
-(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
+torch, in every optimizer (Lion too: the sign of NaN is NaN here, where torch.sign's 0 would stop the
+element without a word; an Inf moves a Lion parameter by ``lr``), and no other element. 32-bit states
+keep the NaN or Inf, as torch's do. An 8-bit state block cannot hold one (its scale would turn NaN, and
+with it all ``block_size`` elements of the block at the next step), so a non-finite 8-bit state is
+stored as 0 and the rest of its block trains on. LAMB and LARS compute a per-tensor trust ratio: a NaN
+norm makes it 1 for that tensor, an infinite update norm 0 for that step (as timm's). Skip such steps:
+``torch.amp.GradScaler`` does (its ``step`` calls no ``optimizer.step()`` when the unscaled gradients
+hold an Inf or NaN), as zero8's engine does in every precision; or check the gradients before stepping
+(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``). docs/ARCHITECTURE.md, "Non-finite
+gradients in the optimizers", has the details.
 
 Devices: CPU parameters, or CUDA parameters in a build with zero8's CUDA kernels (``zero8.build_info()``).
 The states live on the parameter's device (``load_state_dict`` places them there, as torch.optim does, so
@@ -327,6 +330,10 @@ def wants_fp32_state(p: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Argument checks (the messages name the argument)
 
+_F32_MAX = 3.4028234663852886e38   # the largest float32
+_F32_TRUE_MIN = 1.401298464324817e-45  # the smallest positive float32 (subnormal)
+
+
 def _num(value, name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -351,6 +358,10 @@ def _check_range(value, name: str, bounds: Tuple[float, float, bool, bool]) -> f
     ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
         raise Zero8ValueError(f"Invalid {name}: {value} ({_range_text(lo, hi, lo_open, hi_open)})")
+    # The kernels compute in float32, where a larger magnitude is inf and a smaller nonzero one 0.
+    if v != 0 and not _F32_TRUE_MIN <= abs(v) <= _F32_MAX:
+        raise Zero8ValueError(f"Invalid {name}: {value} (beyond float32's range, which zero8's kernels compute in: "
+                              f"it would be {'inf' if abs(v) > 1 else '0'} there; largest float32 3.4028235e38)")
     return v
 
 
