@@ -454,11 +454,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def pick_device(choice: str) -> torch.device:
+def pick_device(choice: str, pipelined: bool = False) -> torch.device:
     """--device: cuda is this rank's GPU (zero8.engine.local_device(): cuda:LOCAL_RANK); auto takes it when
-    zero8 has its CUDA kernels and there are as many GPUs as local ranks (NCCL needs one per rank)."""
-    if choice == "cpu":
+    zero8 has its CUDA kernels and there are as many GPUs as local ranks (NCCL needs one per rank). The
+    pipeline engine trains on the CPU only, so auto picks the CPU for --pipeline-stages above 1."""
+    if choice == "cpu" or (choice == "auto" and pipelined):
         return torch.device("cpu")
+    if pipelined:
+        raise SystemExit("--device cuda with --pipeline-stages: the pipeline engine trains on the CPU only for "
+                         "now; use --device cpu, or --pipeline-stages 1")
     usable = torch.cuda.is_available() and zero8.build_info()["cuda"]
     if choice == "auto":
         return zero8.engine.local_device() if usable and torch.cuda.device_count() >= _local_size() else \
@@ -501,7 +505,7 @@ def evaluate_pipeline(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: in
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = pick_device(args.device)
+    device = pick_device(args.device, args.pipeline_stages > 1)
     comm = world_comm(device=device)  # NCCL for a GPU run of several ranks
     rank, world = comm.rank, comm.size
     if __name__ != "__main__":  # main() called from another script: handle the stop signals here
