@@ -1159,12 +1159,8 @@ void parse_zero8(Section& top, Config& c) {
       else z.seed = uint64_t(value_int(s.ctx(), s.key_path("seed"), *v, 0, kI64Max));
     }
   }
+  // "nccl" needs a model on a GPU, which the engine checks (the config does not know where the model is).
   z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl"}, true));
-  if (z.comm_backend == CommBackend::nccl)
-    s.unsupported("comm_backend",
-                  "\"nccl\" cannot run the engine: its buffers (parameters, gradients, optimizer state, checkpoints) "
-                  "are host memory, and NCCL takes device buffers only; use \"auto\", \"mpi\" or \"single\" (the "
-                  "NCCL backend is for device buffers through the C++ Communicator API, comm_create(\"nccl\"))");
   z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, f64(gt(0.0)));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);

@@ -137,8 +137,9 @@ class EngineCheckpoints:
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
         # The C++ writer reads the tensors where they are: module_tensors keeps them alive until it returns.
         views = [(k, dtype, shape, t.data_ptr(), t.numel() * t.element_size()) for k, dtype, shape, t in module_tensors]
-        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
-                           bool(save_latest), state_dict, views)
+        with self._stream_order():  # a device optimizer's parts are copied out on its stream
+            _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
+                               bool(save_latest), state_dict, views)
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
@@ -340,8 +341,9 @@ class EngineCheckpoints:
 
         if full:
             try:
-                res = _C.checkpoint_load(self._opt, load_dir, tag, True, lambda r: self._load_before_commit(
-                    lambda: stage(r["path"], r["client_state_json"])))
+                with self._stream_order():
+                    res = _C.checkpoint_load(self._opt, load_dir, tag, True, lambda r: self._load_before_commit(
+                        lambda: stage(r["path"], r["client_state_json"])))
             except _C.Zero8IOError as e:
                 named = self._hyper_groups_named(str(e), load_dir, tag)
                 if named is None:
@@ -362,7 +364,8 @@ class EngineCheckpoints:
             self._on_ranks_agreed(stage_module_only, "load_checkpoint (nothing was loaded)", all_ranks=True)
             with torch.no_grad():
                 self.module.load_state_dict(staged["model_states"]["module"], strict=load_module_strict)
-            self._opt.init(0)  # masters from the loaded weights, everywhere equal
+            with self._stream_order():
+                self._opt.init(0)  # masters from the loaded weights, everywhere equal
         path, model_states, state = staged["path"], staged["model_states"], staged["state"]
         if state is not None and not load_module_only:
             e = state["engine"]
@@ -585,7 +588,10 @@ def _check_tag_not_empty(tag, call: str, dir_arg: str, default: str) -> None:
 
 def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
     """t itself when it is the whole of a CPU storage not in ``seen`` (data pointers of the storages given out
-    before), else a copy: torch.save writes a tensor's whole storage, once per storage."""
+    before), else a copy: torch.save writes a tensor's whole storage, once per storage. A GPU tensor is
+    copied to the CPU, so that the file loads on any machine, as the checkpoint's other files do."""
+    if t.device.type != "cpu":
+        return t.to("cpu")
     exact = (t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj()
              and not t.is_neg() and t.storage_offset() == 0
              and t.untyped_storage().nbytes() == t.numel() * t.element_size())
