@@ -586,8 +586,8 @@ TEST(ConfigOptimizer, AdamWModeFollowsDeepSpeed) {
   EXPECT_EQ(algo(R"({"type": "LARS", "params": {"momentum": 0.9}})"), zero8::optim::Algo::lars);
 }
 
-TEST(ConfigZero8, CommTimeoutDefaultsToDeepSpeedsThirtyMinutes) {
-  EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.comm_timeout_s, 1800.0);
+TEST(ConfigZero8, CommTimeoutDefaultsToTorchsTenMinutes) {
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.comm_timeout_s, 600.0);
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_timeout_s": 45}})").zero8.comm_timeout_s, 45.0);
 }
 

@@ -1165,7 +1165,7 @@ void parse_zero8(Section& top, Config& c) {
                   "\"nccl\" cannot run the engine: its buffers (parameters, gradients, optimizer state, checkpoints) "
                   "are host memory, and NCCL takes device buffers only; use \"auto\", \"mpi\" or \"single\" (the "
                   "NCCL backend is for device buffers through the C++ Communicator API, comm_create(\"nccl\"))");
-  z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, f64(gt(0.0)));
+  z.comm_timeout_s = s.get_num("comm_timeout_s", 600.0, f64(gt(0.0)));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
   ck.finish("");

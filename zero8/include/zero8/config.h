@@ -169,7 +169,7 @@ struct Zero8Config {
   bool stochastic_rounding = false;
   uint64_t seed = 0;                // stochastic rounding stream
   CommBackend comm_backend = CommBackend::automatic;
-  double comm_timeout_s = 1800.0;
+  double comm_timeout_s = 600.0;    // torch's NCCL default (10 min), see comm_env.cpp
   int64_t checkpoint_keep_last = 0; // "checkpoint": {"keep_last": N}; 0 keeps all
   auto tie() const {
     return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, int8_activations,
