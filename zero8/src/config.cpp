@@ -1168,6 +1168,7 @@ void parse_zero8(Section& top, Config& c) {
   z.comm_timeout_s = s.get_num("comm_timeout_s", 600.0, f64(gt(0.0)));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
+  z.checkpoint_allow_pickle = ck.get_bool("allow_pickle", false);
   ck.finish("");
   s.finish("");
 }
@@ -1347,7 +1348,7 @@ std::string to_json(const Config& c, int indent) {
                 {"seed", q.seed},
                 {"comm_backend", backend_names[int(q.comm_backend)]},
                 {"comm_timeout_s", q.comm_timeout_s},
-                {"checkpoint", {{"keep_last", q.checkpoint_keep_last}}}};
+                {"checkpoint", {{"keep_last", q.checkpoint_keep_last}, {"allow_pickle", q.checkpoint_allow_pickle}}}};
   return j.dump(indent);
 }
 
