@@ -176,7 +176,7 @@ TEST(CommSingle, TimeoutFromEnvironment) {
               std::string::npos) << e.what();
   }
   unsetenv("ZERO8_COMM_TIMEOUT");
-  EXPECT_EQ(make_single()->timeout(), 1800.0);  // DeepSpeed's 30 minutes
+  EXPECT_EQ(make_single()->timeout(), 600.0);  // torch's NCCL default, 10 minutes
 }
 
 TEST(CommSingle, DataMovementIsACopy) {

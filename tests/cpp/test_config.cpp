@@ -466,7 +466,7 @@ TEST(ConfigErrors, UnknownKeysInKnownSectionsFailWithTheKeyMeant) {
       {R"({"train_batch_size": 8, "checkpoint": {"tag_validaton": "Fail"}})",
        "test.json: checkpoint.tag_validaton: unknown key; did you mean \"tag_validation\"?"},
       {R"({"train_batch_size": 8, "zero8": {"checkpoint": {"keep": 2}}})",
-       "test.json: zero8.checkpoint.keep: unknown key (the keys zero8 reads here: keep_last)"},
+       "test.json: zero8.checkpoint.keep: unknown key (the keys zero8 reads here: keep_last, allow_pickle)"},
       {R"({"train_batch_size": 8, "zero8": {"state_block": 128}})",
        "test.json: zero8.state_block: unknown key (the keys zero8 reads here: enabled, state_block_size, "},
   };
@@ -586,9 +586,18 @@ TEST(ConfigOptimizer, AdamWModeFollowsDeepSpeed) {
   EXPECT_EQ(algo(R"({"type": "LARS", "params": {"momentum": 0.9}})"), zero8::optim::Algo::lars);
 }
 
-TEST(ConfigZero8, CommTimeoutDefaultsToDeepSpeedsThirtyMinutes) {
-  EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.comm_timeout_s, 1800.0);
+TEST(ConfigZero8, CommTimeoutDefaultsToTorchsTenMinutes) {
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.comm_timeout_s, 600.0);
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_timeout_s": 45}})").zero8.comm_timeout_s, 45.0);
+}
+
+// Unpickling arbitrary objects on load is an opt-in, off unless the config says so, and written back.
+TEST(ConfigZero8, CheckpointAllowPickleIsOffByDefault) {
+  EXPECT_FALSE(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.checkpoint_allow_pickle);
+  const cfg::Config c = parse(R"({"train_batch_size": 8, "zero8": {"checkpoint": {"allow_pickle": true}}})");
+  EXPECT_TRUE(c.zero8.checkpoint_allow_pickle);
+  EXPECT_TRUE(parse(cfg::to_json(c)).zero8.checkpoint_allow_pickle);
+  EXPECT_THROW(parse(R"({"train_batch_size": 8, "zero8": {"checkpoint": {"allow_pickle": "yes"}}})"), zero8::Error);
 }
 
 // Pipeline activations on the wire: fp32 by default, int8 blocks when asked; a boolean like the other

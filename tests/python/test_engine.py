@@ -115,6 +115,16 @@ def test_gradient_accumulation_matches_bigger_micro_batch(baseline):
     assert max_param_diff(m2, ref) <= 2 * err
 
 
+def test_comm_timeout_defaults_to_ten_minutes(monkeypatch):
+    # torch's NCCL default: a live but hung rank ends the job within 10 minutes, naming it (docs/FAILURES.md);
+    # the config's key changes it.
+    monkeypatch.delenv("ZERO8_COMM_TIMEOUT", raising=False)
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=EXACT))
+    assert engine.zero8_config.typed.zero8.comm_timeout_s == 600.0 and engine._dp.timeout == 600.0
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=dict(EXACT, comm_timeout_s=42)))
+    assert engine._dp.timeout == 42.0
+
+
 def test_boundary_bookkeeping():
     engine, _, _, _ = engine_for(config(batch=30, gas=3, zero8=EXACT))
     boundaries = []

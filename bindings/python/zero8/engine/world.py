@@ -31,7 +31,7 @@ def _shutdown() -> None:
 
     A rank that exits on an uncaught exception (Python has printed it and set sys.last_value) ends the
     whole job instead: its peers may be waiting for it in a collective, and a normal exit would leave
-    them there until the communicator timeout (1800 s by default). A Zero8CommError is the exception: its
+    them there until the communicator timeout (600 s by default). A Zero8CommError is the exception: its
     world has already failed, and every rank reports its own view of that failure."""
     comm = _world.get("comm")
     exc = getattr(sys, "last_value", None)

@@ -110,7 +110,7 @@ namespace zero8::comm {
 // ---------------------------------------------------------------------------------------------
 
 // Environment (read by comm_env.cpp, the one place these are parsed):
-//   ZERO8_COMM_TIMEOUT  seconds before a collective gives up (default 1800; per communicator: set_timeout)
+//   ZERO8_COMM_TIMEOUT  seconds before a collective gives up (default 600; per communicator: set_timeout)
 //   ZERO8_COMM_IFADDR   IPv4 address of this host for the MPI backend's liveness connections
 //                       (default: the address the hostname resolves to, else 127.0.0.1)
 //   ZERO8_COMM_NODE     node name used to form node groups (default: the hostname)
