@@ -10,7 +10,8 @@
 # Usage: scripts/sanitize.sh [asan] [tsan] [fuzz] (default: all three, in that order). Each part prints
 # one summary line "sanitize: <part>: ..." (also appended to $ZERO8_SANITIZE_SUMMARY when set) and the
 # script exits non-zero if any part failed. Environment: ZERO8_BUILD_DIR (the build dirs are
-# <it>-asan and <it>-tsan; default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_FUZZ_SECONDS.
+# <it>-asan and <it>-tsan; default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_FUZZ_SECONDS,
+# ZERO8_SANITIZE_CTEST_ARGS (more ctest arguments for the asan part, e.g. -E resize to trim it).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 base="${ZERO8_BUILD_DIR:-$root/build}"
@@ -63,9 +64,9 @@ run_asan() {
   local i
   for i in 0 1; do
     log="$asan_dir/ctest${i}.log"
-    # shellcheck disable=SC2086  # kinds[i] is two ctest arguments
+    # shellcheck disable=SC2086  # kinds[i] and ZERO8_SANITIZE_CTEST_ARGS are lists of ctest arguments
     ASAN_OPTIONS="$ASAN_OPTIONS${opts[i]}" ctest --test-dir "$asan_dir" --output-on-failure -j "$jobs" ${kinds[i]} \
-      >"$log" 2>&1 || rc=1
+      ${ZERO8_SANITIZE_CTEST_ARGS:-} >"$log" 2>&1 || rc=1
     line=$(grep -E '^[0-9]+% tests passed' "$log" | tail -1)
     lines+=("${line:-ctest printed no summary ($log)}")
     if grep -qE 'Test +#[0-9]+: .*\*\*\*(Failed|Exception|Timeout)|Not Run' "$log"; then
