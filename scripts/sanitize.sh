@@ -44,8 +44,8 @@ configure() {
   local dir=$1 san=$2
   shift 2
   CC=clang CXX=clang++ cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZERO8_CUDA=OFF \
-    -DZERO8_SANITIZE="$san" "$@" >"$dir.configure.log" 2>&1 ||
-    { cat "$dir.configure.log" >&2; return 1; }
+    -DZERO8_SANITIZE="$san" "$@" >"$dir/configure.log" 2>&1 ||
+    { cat "$dir/configure.log" >&2; return 1; }
 }
 
 run_asan() {
