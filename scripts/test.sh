@@ -2,7 +2,8 @@
 # The whole test suite: installs what is missing (scripts/setup.sh), builds (scripts/build.sh), runs
 # every ctest test (GoogleTest, multi-rank MPI tests, the package and CLI tests), then the Python
 # tests when there are any. Prints a summary and exits non-zero if anything failed.
-# Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS.
+# Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS;
+# ZERO8_TEST_CLANG=0 and ZERO8_TEST_SANITIZE=0 skip the clang and the sanitizer/fuzz builds.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${ZERO8_BUILD_DIR:-$root/build}"
@@ -84,6 +85,21 @@ if [[ "${ZERO8_TEST_CLANG:-1}" != 0 ]]; then
   clang_note="$clang_note, $(( $(date +%s) - t2 )) s"
 fi
 
+# --- C++ under sanitizers, and fuzzing (ZERO8_TEST_SANITIZE=0 skips them) ---
+# scripts/sanitize.sh: ASan+UBSan over every ctest test and the fuzz corpora, TSan over the threaded
+# communicator tests, then each fuzz target for ZERO8_FUZZ_SECONDS (default 30); clang builds without
+# CUDA in <build>-asan and <build>-tsan. Only failures are printed here (logs in those directories).
+san_lines=("skipped (ZERO8_TEST_SANITIZE=0)") san_rc=0
+if [[ "${ZERO8_TEST_SANITIZE:-1}" != 0 ]]; then
+  san_summary="$build_dir/sanitize.summary"
+  : >"$san_summary"
+  t3=$(date +%s)
+  ZERO8_SANITIZE_SUMMARY="$san_summary" bash "$root/scripts/sanitize.sh" >/dev/null || san_rc=$?
+  mapfile -t san_lines <"$san_summary"
+  ((${#san_lines[@]} > 0)) || san_lines=("scripts/sanitize.sh printed no summary (exit $san_rc)")
+  san_lines+=("all parts: $(( $(date +%s) - t3 )) s")
+fi
+
 # --- Python ---
 py_passed=0 py_failed=0 py_skipped=0 py_rc=0 py_note="no Python tests yet"
 shopt -s nullglob
@@ -117,12 +133,14 @@ echo "================ zero8 test summary ================"
 echo "setup+build: ${t_build} s; ctest: ${t_ctest} s; total: ${t_total} s"
 echo "C++ (ctest): ${ctest_passed} passed, ${ctest_failed} failed of ${ctest_total} (${ctest_skipped} skipped)"
 echo "C++ (clang): ${clang_note}"
+for line in "${san_lines[@]}"; do echo "Sanitizers:  $line"; done
 echo "Python:      ${py_passed} passed, ${py_failed} failed, ${py_skipped} skipped (${py_note})"
 echo "===================================================="
 status=0
 if ((ctest_rc != 0 || ctest_failed != 0)); then status=1; fi
 if ((py_rc != 0 || py_failed != 0)); then status=1; fi
 if ((clang_rc != 0)); then status=1; fi
+if ((san_rc != 0)); then status=1; fi
 echo "total: $(( ctest_passed + py_passed )) passed, $(( ctest_failed + py_failed )) failed, $(( ctest_skipped + py_skipped )) skipped"
 if ((status != 0)); then echo "test: FAILED" >&2; fi
 exit $status
