@@ -3,7 +3,8 @@
 # every ctest test (GoogleTest, multi-rank MPI tests, the package and CLI tests), then the Python
 # tests when there are any. Prints a summary and exits non-zero if anything failed.
 # Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS;
-# ZERO8_TEST_CLANG=0 and ZERO8_TEST_SANITIZE=0 skip the clang and the sanitizer/fuzz builds.
+# ZERO8_TEST_SANITIZE=0 skips the sanitizer/fuzz builds. The ASan+UBSan build is a clang build running
+# every ctest test, so the plain clang build runs only without it (ZERO8_TEST_CLANG=1 forces it, 0 skips it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${ZERO8_BUILD_DIR:-$root/build}"
@@ -53,12 +54,14 @@ else
   ctest_rc=1
 fi
 
-# --- C++ again, built by clang (ZERO8_TEST_CLANG=0 skips it) ---
+# --- C++ again, built by clang (when the ASan build below does not run; ZERO8_TEST_CLANG=1|0) ---
 # The library is built and tested with g++ above; this checks that it also builds and passes with clang
 # (Debian's clang 14, OpenMP through libomp), as C++ users may build it. Only failures are printed (the
 # whole log is in the build directory). CUDA is left out here: the g++ build compiles every .cu file.
+clang_default=$([[ "${ZERO8_TEST_SANITIZE:-1}" != 0 ]] && echo 0 || echo 1)
 clang_note="skipped (ZERO8_TEST_CLANG=0)" clang_rc=0
-if [[ "${ZERO8_TEST_CLANG:-1}" != 0 ]]; then
+[[ $clang_default == 0 && -z "${ZERO8_TEST_CLANG:-}" ]] && clang_note="as the ASan+UBSan build below (ZERO8_TEST_CLANG=1 adds a plain one)"
+if [[ "${ZERO8_TEST_CLANG:-$clang_default}" != 0 ]]; then
   clang_dir="$build_dir-clang"
   clang_log="$clang_dir/ctest.log"
   t2=$(date +%s)
