@@ -159,9 +159,11 @@ def mpirun_command(job: Job, mpirun: str = "mpirun", as_root: bool | None = None
     if job.oversubscribe or job.hosts is None:
         # This machine alone: P ranks whatever its core count (OpenMPI refuses more ranks than cores).
         cmd.argv.append("--oversubscribe")
-    if job.bind_cores:
-        # The wrappers bind each rank: mpirun's own binding (to one core per rank for up to 2 ranks)
-        # would hide the other cores from them.
+    if not any(a == "--bind-to" or a.startswith("--bind-to=") for a in job.launcher_args):
+        # mpirun binds each rank to ONE core when it starts at most 2 ranks (to a socket above that), so one
+        # rank per host would train on one of its cores. DeepSpeed's launchers do not bind; neither does
+        # zero8-launch unless asked: --bind_cores_to_rank binds in the wrappers, and a --bind-to in
+        # --launcher_args is the user's choice.
         cmd.argv += ["--bind-to", "none"]
     if job.multi_node and job.net_if:
         # ob1 + TCP on the named network for MPI, and the runtime's own (orted <-> mpirun) connections.

@@ -198,7 +198,18 @@ def test_bind_cores_to_rank_command_lines(tmp_path):
     job, warnings = _plan(["--bind_core_list", "0", "--log_dir", str(tmp_path), "s.py"])
     assert warnings == ["--bind_core_list has no effect without --bind_cores_to_rank (as in DeepSpeed)"]
     argv = mpirun_command(job, "mpirun").argv
-    assert "--bind-to" not in argv and "--bind_cores" not in argv and "--core_list" not in argv
+    assert "--bind_cores" not in argv and "--core_list" not in argv
+    assert argv[argv.index("--bind-to") + 1] == "none"  # unbound, as DeepSpeed's launchers leave ranks
+
+
+def test_mpirun_leaves_ranks_unbound_unless_told(tmp_path):
+    # mpirun's default binds up to 2 ranks to one core each: one rank per host would use one core of it.
+    job, _ = _plan(["--num_procs", "2", "--log_dir", str(tmp_path), "s.py"])
+    argv = mpirun_command(job, "mpirun").argv
+    assert argv.count("--bind-to") == 1 and argv[argv.index("--bind-to") + 1] == "none"
+    for given in (["--bind-to", "core"], ["--bind-to=socket"]):
+        argv = mpirun_command(_job(launcher_args=given), "mpirun").argv
+        assert [a for a in argv if a.startswith("--bind-to")] == given[:1]  # the user's binding only
     with pytest.raises(LaunchError, match="--bind_core_list '1-0': range '1-0' runs backwards"):
         _plan(["--bind_cores_to_rank", "--bind_core_list", "1-0", "s.py"])
 
@@ -252,7 +263,8 @@ def test_mpirun_multi_host_command():
             "--mca oob_tcp_if_include 10.0.0.0/24") in text
     assert argv[argv.index("PATH") - 1] == "-x" and argv[argv.index("ZERO8_X=a b") - 1] == "-x"
     tail = _tail(argv)
-    assert argv[argv.index("/py") - 2:argv.index("/py")] == ["--bind-to", "none"]
+    assert argv[argv.index("/py") - 2:argv.index("/py")] == ["--bind-to", "none"]  # the user's, once
+    assert argv.count("--bind-to") == 1
     assert tail[tail.index("--hosts") + 1] == "n1:0,1@n2:0"
     assert tail[tail.index("--net_if") + 1] == "10.0.0.0/24"
     assert tail[tail.index("--master_addr") + 1:tail.index("--master_addr") + 4] == ["n1", "--master_port", "1234"]
