@@ -295,7 +295,10 @@ def run_one(hosts: Hosts, scenario: str, setting: Setting, base: dict, model: di
     two_hosts = SCENARIOS[scenario][1] is not None
     py = sys.executable
     if setting.system == "zero8":
-        launch = [py, "-m", "zero8_launch", "--log_dir", run_dir / "logs", "--no_prefix"]
+        # Unbound, as torchrun leaves DeepSpeed's ranks: mpirun would bind each rank to a core, and with
+        # one slot per namespace both "hosts" bind theirs to core 0 of the one machine they share.
+        launch = [py, "-m", "zero8_launch", "--log_dir", run_dir / "logs", "--no_prefix",
+                  "--launcher_args", "--bind-to none"]
         if two_hosts:
             launch += ["--hostfile", hosts.hostfile(run_dir / "hostfile"), "--net_if", f"{hosts.net}.0/24"]
         else:
@@ -378,6 +381,7 @@ def summarize(runs: list[dict]) -> dict:
         "step_s_max": max(step), "tokens_per_s": last["tokens_per_step"] / med,
         "state_bytes_per_rank": max(rk["state_bytes"] for rk in last["ranks"]),
         "peak_rss_mb_per_rank": max(rk["max_rss_mb"] for r in ok for rk in r["ranks"]),
+        "cpus_per_rank": min(rk.get("cpus", 0) for r in ok for rk in r["ranks"]),
         "link_bytes_per_rank_step": mean_of("link_bytes_per_rank_step"),
         "zero8_bytes_per_rank_step": mean_of("zero8_bytes_per_rank_step"),
         "zero8_comm_s_per_step": mean_of("zero8_comm_s_per_step"),

@@ -191,6 +191,7 @@ def main() -> int:
         "zero8": None if z0 is None else {k: z1[k] - z0[k] for k in z0},
         "state_bytes": state_bytes, "master_bytes": master_bytes,
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "cpus": len(os.sched_getaffinity(0)),  # a launcher that binds ranks to cores shows here
     }
     ranks = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
     if rank == 0:

@@ -66,6 +66,8 @@ def test_table_and_json(short_run):
         assert row["tokens_per_s"] == pytest.approx(2 * 4 * 64 / row["step_s"])  # 2 ranks x 4 sequences x 64
         assert row["params"] == compact["params"] == _bench_module().gpt_params(_bench_module().MODELS["tiny"])
         assert row["peak_rss_mb_per_rank"] > 100  # torch alone
+        # no launcher binds the ranks (mpirun would, zero8's to one core each): both systems may use every core
+        assert row["cpus_per_rank"] == len(os.sched_getaffinity(0)), (role, row["cpus_per_rank"])
         assert 0.0 < row["val_loss"] < 6.0 and 0.0 < row["train_loss"] < 6.0
 
 
