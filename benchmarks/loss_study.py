@@ -14,7 +14,8 @@ mean relative difference to the reference (paired by seed) with the spread, byte
 (all communication, and the gradients alone, relative to fp32), and the memory the remedy adds per rank.
 The rule (issue 31): a variant qualifies when its mean difference is at most --bound (0.2%) above
 fp32's (a lower loss costs nothing, so the bound is one-sided) and its gradient bytes are at most 0.26x
-fp32's; among those the one that adds the least memory, then sends the fewest bytes, wins. The winner
+fp32's; among those the one that adds the least memory, then sends the fewest bytes, then uses the
+fewest remedies (a loss difference inside the seeds' spread is no reason for one), wins. The winner
 of the int8-parameter-sync variants is chosen the same way. Table to stdout and <out_dir>/loss_study.txt,
 every run's CSV under <out_dir>/<variant>-s<seed>/, and a last line LOSS_STUDY {...}. --reuse keeps
 runs whose log is complete, so an interrupted study resumes.
@@ -80,13 +81,18 @@ def run_figures(log: Path, world: int) -> dict:
             "state_bytes_per_rank": int(last["state_bytes"]) / world}
 
 
+def remedies(name: str) -> int:
+    """How many settings the variant adds to plain int8 communication."""
+    return sum(k not in ("int8_gradients", "int8_params") for k in variant(name)[0])
+
+
 def choose(rows: dict, names: list[str], bound: float) -> tuple[str | None, list[str]]:
     """The issue's rule over `names`: the qualifying variants (mean validation loss at most `bound` above fp32's,
     gradient bytes <= 0.26x fp32's), and the winner among them (least added memory, then fewest bytes,
-    then lowest loss); None when none qualifies."""
+    then fewest remedies, then lowest loss); None when none qualifies."""
     ok = [n for n in names if rows[n]["rel_mean"] <= bound and rows[n]["grad_ratio"] <= GRAD_BYTES_BOUND]
     best = min(ok, key=lambda n: (rows[n]["extra_bytes_per_param"], rows[n]["bytes_per_rank_step"],
-                                  rows[n]["val_mean"])) if ok else None
+                                  remedies(n), rows[n]["val_mean"])) if ok else None
     return best, ok
 
 

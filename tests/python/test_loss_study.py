@@ -47,6 +47,9 @@ def test_rule(study):
     best, ok = study.choose(rows, list(rows), 0.002)
     # over the bound (int8), over the byte bound (int8_b64): out; the cheapest in memory, then bytes, wins
     assert ok == ["int8_ef", "int8_sr", "int8_b256"] and best == "int8_sr"
+    # equal in memory and bytes: the fewest remedies, not a loss difference inside the noise, decide
+    best, _ = study.choose({"int8": _row(0.001), "int8_sr": _row(-0.001)}, ["int8", "int8_sr"], 0.002)
+    assert best == "int8"
     # a lower loss than fp32 costs nothing: the bound is one-sided
     best, ok = study.choose({"int8": _row(-0.004)}, ["int8"], 0.002)
     assert best == "int8" and ok == ["int8"]
