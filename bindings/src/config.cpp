@@ -201,6 +201,8 @@ void init_config_types(py::module_& m) {
       .def_readonly("wire_block_size", &Zero8Config::wire_block_size)
       .def_readonly("int8_gradients", &Zero8Config::int8_gradients)
       .def_readonly("int8_params", &Zero8Config::int8_params)
+      .def_readonly("int8_activations", &Zero8Config::int8_activations,
+                    "pipeline engine: activations and activation gradients between stages as int8 blocks")
       .def_readonly("error_feedback", &Zero8Config::error_feedback)
       .def_readonly("release_gradients", &Zero8Config::release_gradients)
       .def_readonly("min_8bit_size", &Zero8Config::min_8bit_size)
@@ -209,7 +211,9 @@ void init_config_types(py::module_& m) {
       .def_readonly("seed", &Zero8Config::seed)
       .def_readonly("comm_backend", &Zero8Config::comm_backend)
       .def_readonly("comm_timeout_s", &Zero8Config::comm_timeout_s)
-      .def_readonly("checkpoint_keep_last", &Zero8Config::checkpoint_keep_last, "\"checkpoint\": {\"keep_last\"}");
+      .def_readonly("checkpoint_keep_last", &Zero8Config::checkpoint_keep_last, "\"checkpoint\": {\"keep_last\"}")
+      .def_readonly("checkpoint_allow_pickle", &Zero8Config::checkpoint_allow_pickle,
+                    "\"checkpoint\": {\"allow_pickle\"}");
 
   py::class_<Config>(m, "Config",
                      "A parsed and validated DeepSpeed config for a data-parallel size, every value resolved "

@@ -338,7 +338,37 @@ def test_count_of_zero_says_what_leaving_it_out_means(tmp_path):
                           (["--launcher", "slurm", "--num_procs", "0"], "srun's default for the allocation")):
         with pytest.raises(LaunchError) as e:
             _plan(argv + ["s.py"], {"SLURM_JOB_NODELIST": "gpu1"})
-        assert str(e.value).endswith(f": give a count >= 1, or leave it out for {meaning} (-1 says the same)")
+        assert str(e.value).endswith(f": give a count >= 1, or leave it out for {meaning}")
+
+
+def test_every_numeric_flag_refuses_a_value_out_of_range(tmp_path, capsys):
+    # `--num_procs -1` ran one rank: -1, DeepSpeed's "all" sentinel, was taken for "not given". Every count
+    # and time the launcher takes is checked before anything runs, and the error names the flag.
+    hf = tmp_path / "hosts"
+    hf.write_text("n1 slots=2\nn2 slots=2\n")
+    for argv, msg in ((["--num_procs", "-1"], "--num_procs/--num_gpus -1: give a count >= 1"),
+                      (["--num_gpus", "-1"], "--num_procs/--num_gpus -1: give a count >= 1"),
+                      (["-H", str(hf), "--num_procs", "-1"], "--num_procs/--num_gpus -1: give a count >= 1"),
+                      (["-H", str(hf), "--num_nodes", "-1"], "--num_nodes -1: give a count >= 1"),
+                      (["--launcher", "slurm", "--num_nodes", "-1"], "--num_nodes -1: give a count >= 1"),
+                      (["--timeout", "-5"], "--timeout -5: give seconds >= 0 (0: no limit)"),
+                      (["--timeout", "nan"], "--timeout nan: give seconds >= 0"),
+                      (["--start_timeout", "-1"], "--start_timeout -1: give seconds >= 0 (0: wait forever)"),
+                      (["--start_timeout", "inf"], "--start_timeout inf: give seconds >= 0"),
+                      (["--stop_grace", "-0.5"], "--stop_grace -0.5: give seconds >= 0"),
+                      (["--fail_grace", "nan"], "--fail_grace nan: give seconds >= 0"),
+                      (["--master_port", "0"], "--master_port 0: not a TCP port")):
+        with pytest.raises(LaunchError, match=re.escape(msg)):
+            _plan(argv + ["s.py"], {"SLURM_JOB_NODELIST": "gpu1"})
+    # From the command line: exit 2 and the message, before any rank is started.
+    assert cli.main(["--num_procs", "-1", "--log_dir", str(tmp_path / "logs"), "s.py"]) == 2
+    assert "zero8-launch: error: --num_procs/--num_gpus -1: give a count >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+    # Leaving them out keeps the defaults.
+    job, _ = _plan(["--log_dir", str(tmp_path), "s.py"])
+    assert job.local_procs == 1 and job.hosts is None
+    job, _ = _plan(["-H", str(hf), "--num_procs", "1", "--log_dir", str(tmp_path), "s.py"])
+    assert job.hosts == {"n1": [0], "n2": [0]}
 
 
 def test_deepspeed_command_lines_are_accepted(tmp_path):
@@ -606,6 +636,29 @@ def test_monitor_a_rank_whose_traceback_the_abort_cut_is_listed_as_ended_by_it()
             in lines), lines
 
 
+def test_monitor_names_a_hung_rank_first():
+    # Rank 1 hangs alive; rank 0's collective times out naming it, and rank 0's exit aborts the job. The rank
+    # that hung is the cause, named first with what it was doing; rank 0's error follows. A dead peer named in
+    # the same message is not called hung.
+    m = JobMonitor("/nonexistent", 3, out=io.BytesIO(), err=io.BytesIO())
+    for r in (0, 1, 2):
+        m.feed("err", format_marker(rank=r, event="start", pid=10 + r).encode() + b"\n")
+    m.feed("err", b"[rank0] Traceback (most recent call last):\n"
+           b"[rank0] zero8.Zero8CommError: all_reduce #7 on 'world' (rank 0 of 3): timed out after 600.1 s (timeout "
+           b"600 s); not heard from: rank 1 (not in a communication call for 600.3 s (last: barrier #6 on 'world' "
+           b"(rank 1 of 3))); rank 2 (died)\n")
+    m.feed("err", format_marker(rank=0, event="exit", code=1, signal=0, stopped_by="").encode() + b"\n")
+    for r in (1, 2):
+        m.feed("err", format_marker(rank=r, event="exit", code=143, signal=15, stopped_by="SIGTERM").encode() + b"\n")
+    m.feed("err", b"")
+    lines, code = m.failure_report()
+    assert lines[0] == ("rank 1 hung: alive, but it did not join all_reduce #7 on 'world' within the communicator "
+                        "timeout (600 s, on rank 0); it was not in a communication call for 600.3 s (last: barrier "
+                        "#6 on 'world' (rank 1 of 3))"), lines
+    assert not any(l.startswith("rank 2 hung") for l in lines), lines
+    assert code == 1 and lines[1] == "rank 0 exited with code 1", lines
+
+
 def test_monitor_reads_the_status_file_of_a_rank_whose_exit_record_was_lost(tmp_path):
     # The daemon (orted) of rank 1's host was SIGKILLed: its wrapper ended the script (exit 143, stopped_by
     # engine_exit) and wrote rank1.status.json in the shared log dir, but its exit record never reached the
@@ -803,7 +856,7 @@ def test_zero8_training_under_the_launcher(tmp_path):
 @needs_mpirun
 def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
     # Rank 1 raises between collectives; rank 0 is already waiting in the next step's reduction. The job
-    # must end about when rank 1 fails, not at the communicator timeout (1800 s by default, 60 s in these tests).
+    # must end about when rank 1 fails, not at the communicator timeout (600 s by default, 60 s in these tests).
     r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
                 "--raise_rank", "1", "--raise_step", "1"], timeout=200)
     elapsed = _seconds_since_test_event(r)
@@ -841,6 +894,26 @@ def test_rank_that_saves_alone_ends_the_job_naming_the_mismatch(tmp_path):
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 0 saved alone (the comm timeout is 60 s)"
     assert re.search(r"mismatched collectives: this rank called \w+ #\d+ on '[\w-]+', rank 1 called \w+ #\d+", out), \
         out[-3000:]
+
+
+@needs_mpirun
+def test_hung_rank_ends_the_job_naming_it_and_the_call(tmp_path):
+    # Rank 1 is alive but stuck (a long sleep before its step: no death, no exit, its connections open) while
+    # rank 0 waits for it in the step's first collective. The communicator's timeout (5 s here, 600 s by
+    # default) must end the job, and the report must name rank 1, what it was doing, and the call rank 0 waited in.
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
+                "--sleep_step", "600", "--sleep_ranks", "1"], env=job_env(ZERO8_COMM_TIMEOUT="5"), timeout=200)
+    elapsed = _seconds_since_test_event(r)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert elapsed < 40, f"the job took {elapsed:.0f} s to end after rank 1 hung (the comm timeout is 5 s)"
+    m = re.search(r"zero8-launch: .*Zero8CommError: (\w+) #\d+ on '[\w-]+' \(rank 0 of 2\).* timed out after "
+                  r"[0-9.]+ s \(timeout 5 s\); not heard from: rank 1 \(not in a communication call for", r.stderr)
+    assert m, out[-3000:]
+    # The hung rank is named first, as the cause.
+    assert re.search(r"job FAILED .*\nzero8-launch: rank 1 hung: alive, but it did not join \w+ #\d+ on '[\w-]+' "
+                     r"within the communicator timeout \(5 s, on rank 0\); it was not in a communication call", r.stderr), \
+        r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

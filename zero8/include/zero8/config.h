@@ -161,6 +161,7 @@ struct Zero8Config {
   int32_t wire_block_size = 2048;   // power of two in [64, 4096]
   bool int8_gradients = true;       // quantized reduce-scatter of gradients
   bool int8_params = false;         // quantized all-gather of parameter updates
+  bool int8_activations = false;    // pipeline: activations and their gradients between stages as int8 blocks
   bool error_feedback = false;      // carry the gradient quantization error to the next step
   bool release_gradients = false;   // stage 2: hand reduced gradient buckets' memory back to the OS
   int64_t min_8bit_size = 4096;     // parameters with fewer elements keep fp32 states
@@ -168,12 +169,15 @@ struct Zero8Config {
   bool stochastic_rounding = false;
   uint64_t seed = 0;                // stochastic rounding stream
   CommBackend comm_backend = CommBackend::automatic;
-  double comm_timeout_s = 1800.0;
+  double comm_timeout_s = 600.0;    // torch's NCCL default (10 min), see comm_env.cpp
   int64_t checkpoint_keep_last = 0; // "checkpoint": {"keep_last": N}; 0 keeps all
+  // "checkpoint": {"allow_pickle": true}: load_checkpoint may unpickle any object in the model-states
+  // file (client_state as DeepSpeed pickles it), which can run code; else only tensors and plain values
+  bool checkpoint_allow_pickle = false;
   auto tie() const {
-    return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, error_feedback,
-                    release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
-                    checkpoint_keep_last);
+    return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, int8_activations,
+                    error_feedback, release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
+                    checkpoint_keep_last, checkpoint_allow_pickle);
   }
 };
 

@@ -160,6 +160,14 @@ class ShardedOptimizer {
   // grad_ready without backward_end (that micro-batch's gradient is not reduced yet).
   StepInfo step();
 
+  // The step's agreement over the data-parallel group, the squared gradient norm (whose finiteness is
+  // the overflow flag), is also reduced over `outer` when one is set: the pipeline engine passes its
+  // pipeline group, so that an overflow in any stage skips the step in every stage and clipping uses the
+  // norm of the whole model. Then step() is collective over `outer` too (one all_reduce of two doubles in
+  // host memory, after the one over the data-parallel group). nullptr (the default) turns it off.
+  // `outer` must outlive this optimizer.
+  void set_step_group(comm::Communicator* outer) { outer_ = outer; }
+
   // Learning rate and other hyperparameters of the next steps of one hyper group (schedulers change lr
   // between steps). Each is validated at every step.
   optim::Hyper& hyper(int hyper_group = 0);
@@ -199,6 +207,12 @@ class ShardedOptimizer {
   // Master padding beyond part_valid and everything else keeps its value.
   void copy_to_host(Group g, Part p, void* dst);
   void copy_from_host(Group g, Part p, const void* src);
+  // Bytes [offset, offset + bytes) of part p only, so that a caller can stage a large part through a
+  // small host buffer (checkpoints of device optimizers); the range must lie within part_bytes.
+  void copy_to_host(Group g, Part p, int64_t offset, int64_t bytes, void* dst);
+  // Where part p of group g lives: the optimizer's own memory (a device pointer when memory = device),
+  // null when it is not held. A host optimizer's parts can be read in place (its checkpoints do).
+  void* part_data(Group g, Part p);
 
  private:
   struct Bucket;
@@ -246,6 +260,7 @@ class ShardedOptimizer {
   std::vector<ParamSpec> params_;
   ShardConfig cfg_;
   comm::Communicator& dp_;
+  comm::Communicator* outer_ = nullptr;            // set_step_group
   Layout layout_;
   LossScaler scaler_;
   std::vector<optim::Hyper> hypers_;               // per hyper group

@@ -43,13 +43,18 @@ void safetensors_header_write(FileWriter& w, const SafetensorsMetadata& metadata
 }
 
 FileInfo safetensors_write(const std::string& tmp, const char* name, const char* role, const std::string& tag,
-                           int64_t step, const std::vector<SafetensorsTensor>& tensors) {
+                           int64_t step, const std::vector<SafetensorsTensor>& tensors, const SafetensorsData& data) {
   FileInfo fi;
   fi.name = name;
   fi.role = role;
   FileWriter w(join(tmp, fi.name), true);
   safetensors_header_write(w, {{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}}, tensors);
-  for (const SafetensorsTensor& t : tensors) w.write(t.data, t.bytes);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t before = w.offset();
+    if (data) data(w, i);
+    else w.write(tensors[i].data, tensors[i].bytes);
+    ZERO8_ASSERT(w.offset() - before == tensors[i].bytes);
+  }
   w.finish();
   fi.bytes = w.offset();
   fi.xxh3 = w.digest();

@@ -22,6 +22,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
+from .._torch_load import torch_load
 from ..lr_schedules import Zero8LRScheduler
 from .client_optim import _f32, _hyper_from_group
 from .params import override_group_text
@@ -58,15 +59,17 @@ class EngineCheckpoints:
     """Zero8Engine's checkpoint methods (DeepSpeed's names); they use the engine's optimizer, module,
     communicator, counters and typed config (self._cfg)."""
 
-    def _checkpoint_tag(self, tag: str) -> str:
-        """The tag every rank saves under: rank 0's. checkpoint.tag_validation (DeepSpeed's Warn, Ignore,
-        Fail) says what another tag on some rank does: Fail raises on every rank, Warn warns (rank 0),
-        Ignore says nothing. Either way the shards go under rank 0's tag, since shards under several tags
-        are no checkpoint (DeepSpeed's Warn lets each rank write its own)."""
-        if self._dp.size == 1:
+    def _checkpoint_tag(self, tag: str, comm=None) -> str:
+        """The tag every rank of ``comm`` (default: the data-parallel group) saves under: rank 0's.
+        checkpoint.tag_validation (DeepSpeed's Warn, Ignore, Fail) says what another tag on some rank does:
+        Fail raises on every rank, Warn warns (rank 0), Ignore says nothing. Either way the shards go under
+        rank 0's tag, since shards under several tags are no checkpoint (DeepSpeed's Warn lets each rank
+        write its own)."""
+        comm = self._dp if comm is None else comm
+        if comm.size == 1:
             return tag
         mode = self._cfg.checkpoint.tag_validation
-        tags = [t.decode() for t in self._dp.all_gather_bytes(tag.encode())]
+        tags = [t.decode() for t in comm.all_gather_bytes(tag.encode())]
         if len(set(tags)) > 1:
             msg = f"checkpoint tag differs across ranks: {tags}"
             if mode == _C.TagValidation.fail:
@@ -94,15 +97,23 @@ class EngineCheckpoints:
         save_dir = os.fspath(save_dir)
         _check_tag_not_empty(tag, "save_checkpoint", "save_dir", "global_step<N> (N = engine.global_steps)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        client_state = dict(client_state or {})
         tag = self._checkpoint_tag(tag)
+        self._save_tag(save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                       int(self._cfg.zero8.checkpoint_keep_last), stacklevel=3)
+        return True
+
+    def _save_tag(self, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
+                  exclude_frozen_parameters: bool, keep_last: int, stacklevel: int) -> None:
+        """save_checkpoint under a tag the ranks agreed on (collective over the data-parallel group).
+        ``stacklevel``: the frame of the user's save_checkpoint call, counted from here, for warnings."""
+        client_state = dict(client_state or {})
         gas = self.gradient_accumulation_steps()
         done = self.micro_steps % gas + int(self._backward_done)
         if done and self.global_rank == 0:
             warnings.warn(
                 f"save_checkpoint in the middle of gradient accumulation (micro-batch {done} of {gas} of step "
                 f"{self.global_steps + 1}): the gradients of that step are not saved; a load resumes at its start",
-                stacklevel=2)
+                stacklevel=stacklevel)
         sched_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         state = {
             "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
@@ -117,20 +128,19 @@ class EngineCheckpoints:
                 state[key] = None
                 state[f"{key}_in_model_states"] = True
         state["optimizer"] = _jsonable(state["optimizer"])
-        keep_last = int(self._cfg.zero8.checkpoint_keep_last)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
         # so a crash or a full disk never leaves `latest` naming a tag without it.
         written = self._on_ranks_agreed(
             lambda: (self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
-                     self._module_rest(exclude_frozen_parameters)),
+                     self._module_rest(exclude_frozen_parameters, stacklevel + 3)),
             f"save_checkpoint: writing {MODEL_STATES_FILE}")
         pt, (state_dict, module_tensors) = (None, ([], [])) if written is None else written
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
         # The C++ writer reads the tensors where they are: module_tensors keeps them alive until it returns.
         views = [(k, dtype, shape, t.data_ptr(), t.numel() * t.element_size()) for k, dtype, shape, t in module_tensors]
-        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
-                           bool(save_latest), state_dict, views)
-        return True
+        with self._stream_order():  # a device optimizer's parts are copied out on its stream
+            _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
+                               bool(save_latest), state_dict, views)
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
@@ -171,21 +181,23 @@ class EngineCheckpoints:
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
-    def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False) -> Any:
-        """Run ``work`` on rank 0 (all_ranks: on every rank), then let every rank learn whether it failed
-        anywhere (a collective), so that no rank goes on alone into the next collective: a failing rank
-        re-raises its error; the others raise the first failing rank's, as the same kind of error,
-        prefixed with ``what`` and that rank. Returns work's result where it ran, else None."""
+    def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False, comm=None) -> Any:
+        """Run ``work`` on rank 0 of ``comm`` (default: the data-parallel group; all_ranks: on every rank),
+        then let every rank learn whether it failed anywhere (a collective), so that no rank goes on alone
+        into the next collective: a failing rank re-raises its error; the others raise the first failing
+        rank's, as the same kind of error, prefixed with ``what`` and that rank (of ``comm``). Returns
+        work's result where it ran, else None."""
+        comm = self._dp if comm is None else comm
         result, error = None, None
-        if all_ranks or self.global_rank == 0:
+        if all_ranks or comm.rank == 0:
             try:
                 result = work()
             except Exception as e:  # every rank must reach the all-reduce below
                 error = e
-        if not self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]:
+        if not comm.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]:
             return result
         mine = b"" if error is None else f"{type(error).__name__}\n{error}".encode()
-        reports = self._dp.all_gather_bytes(mine)
+        reports = comm.all_gather_bytes(mine)
         if error is not None:
             try:
                 raise error
@@ -213,7 +225,7 @@ class EngineCheckpoints:
         return {k: _compact(v.detach(), seen) if isinstance(v, torch.Tensor) else v
                 for k, v in self._module_entries(exclude_frozen).items()}
 
-    def _module_rest(self, exclude_frozen: bool) -> tuple[list, list]:
+    def _module_rest(self, exclude_frozen: bool, stacklevel: int) -> tuple[list, list]:
         """The module's state_dict for the C++ checkpoint (zero8::ckpt::SaveOptions), so that ``zero8-checkpoint
         to-fp32`` gives all of it, as DeepSpeed's zero_to_fp32 does: every key in order as (key, source), the
         source being the trained parameter's name (the export takes it from the fp32 masters) or the key of
@@ -239,7 +251,7 @@ class EngineCheckpoints:
             if dtype is None:
                 warnings.warn(f"save_checkpoint: {key} is {v.dtype}, which the checkpoint's model_rest.safetensors "
                               "cannot hold: zero8-checkpoint to-fp32 will give the trained parameters only (the "
-                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=5)
+                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=stacklevel)
                 return [], []
             first[id(v)] = key
             tensors.append((key, dtype, list(v.shape), v.detach().to("cpu").contiguous()))
@@ -266,7 +278,7 @@ class EngineCheckpoints:
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Callable | None = None):
+                        custom_load_fn: Callable | None = None, allow_pickle: bool | None = None):
         """Collective load of ``<load_dir>/<tag>`` (tag None: the one ``latest`` names) at any world size.
         Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file;
         client_state: the keys of that file the load did not consume, the caller's saved client_state among
@@ -275,10 +287,15 @@ class EngineCheckpoints:
         load restores masters, 8-bit states, the working copy bit for bit, steps and loss scale; otherwise
         only the module weights are read (from the .pt file) and the masters are reset from them.
         Everything is read and checked on every rank before anything changes: a load that raises (on any
-        rank, for any reason) leaves the engine as it was, on every rank."""
+        rank, for any reason) leaves the engine as it was, on every rank. allow_pickle (default: the config's
+        zero8.checkpoint.allow_pickle, false): unpickle any object of the model-states file, such as a
+        client_state of custom classes, which can run code from the file; else an object other than tensors
+        and plain values fails the load with Zero8ValueError naming it."""
         self._check_live()
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
+        if allow_pickle is None:
+            allow_pickle = bool(self._cfg.zero8.checkpoint_allow_pickle)
         load_dir = os.fspath(load_dir)
         _check_tag_not_empty(tag, "load_checkpoint", "load_dir", "the tag 'latest' names")
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
@@ -286,12 +303,22 @@ class EngineCheckpoints:
                 warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
             return None, None
         tag = "" if tag is None else str(tag)
+        from ..deepspeed.universal import is_deepspeed_checkpoint
+        ds_tag = tag or _latest_text(load_dir)
+        if ds_tag and "/" not in ds_tag and not ds_tag.startswith(".") and \
+                is_deepspeed_checkpoint(os.path.join(load_dir, ds_tag)):
+            # A run moved from DeepSpeed: its fp32 states quantized into this engine's (zero8.deepspeed.migrate).
+            from ..deepspeed.migrate import load_into_engine
+            return load_into_engine(self, load_dir, ds_tag, load_module_strict=load_module_strict,
+                                    load_optimizer_states=load_optimizer_states,
+                                    load_lr_scheduler_states=load_lr_scheduler_states,
+                                    load_module_only=load_module_only, allow_pickle=allow_pickle)
         full = load_optimizer_states and not load_module_only
         staged: dict = {}
 
         def stage(path: str, client_state_json: str) -> None:
             """Read and check everything the engine applies after the C++ load (which cannot fail then)."""
-            model_states = self._read_model_states(path)
+            model_states = self._read_model_states(path, allow_pickle)
             module_sd = model_states.get("module") if isinstance(model_states, dict) else None
             if not isinstance(module_sd, dict):
                 raise _C.Zero8IOError(f"{os.path.join(path, MODEL_STATES_FILE)}: no 'module' state dict")
@@ -320,8 +347,9 @@ class EngineCheckpoints:
 
         if full:
             try:
-                res = _C.checkpoint_load(self._opt, load_dir, tag, True,
-                                         lambda r: stage(r["path"], r["client_state_json"]))
+                with self._stream_order():
+                    res = _C.checkpoint_load(self._opt, load_dir, tag, True, lambda r: self._load_before_commit(
+                        lambda: stage(r["path"], r["client_state_json"])))
             except _C.Zero8IOError as e:
                 named = self._hyper_groups_named(str(e), load_dir, tag)
                 if named is None:
@@ -342,7 +370,8 @@ class EngineCheckpoints:
             self._on_ranks_agreed(stage_module_only, "load_checkpoint (nothing was loaded)", all_ranks=True)
             with torch.no_grad():
                 self.module.load_state_dict(staged["model_states"]["module"], strict=load_module_strict)
-            self._opt.init(0)  # masters from the loaded weights, everywhere equal
+            with self._stream_order():
+                self._opt.init(0)  # masters from the loaded weights, everywhere equal
         path, model_states, state = staged["path"], staged["model_states"], staged["state"]
         if state is not None and not load_module_only:
             e = state["engine"]
@@ -386,6 +415,12 @@ class EngineCheckpoints:
         self._backward_done = False
         return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
             model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
+
+    def _load_before_commit(self, check: Callable[[], None]) -> None:
+        """Runs the load's last checks, inside the C++ load before it changes anything (a raise here on any
+        rank fails the load on every rank of the data-parallel group, changing nothing). The pipeline engine
+        makes every stage agree here."""
+        check()
 
     def _override_changes(self, recorded) -> list[str]:
         """The override groups whose overrides differ from the checkpoint's record of them (its engine state's
@@ -452,24 +487,27 @@ class EngineCheckpoints:
         return {k: v for k, v in model_states.items() if k not in consumed or k in own}
 
     @staticmethod
-    def _read_model_states(tag_path: str) -> dict:
+    def _read_model_states(tag_path: str, allow_pickle: bool) -> dict:
         """The model-states file, its module tensors mapped from the file (torch.load with mmap) rather than
         read into memory: the load copies them into the module (the frozen parameters and buffers, or every
         entry without the optimizer states) straight from the page cache, so a large frozen tensor costs no
         rank a copy of its own. Everything else (the caller's client_state, the LR scheduler's state, a
         module's extra state) may outlive the load, so it is copied out of the mapping here: the mapping goes
-        with the last module tensor, when the load returns."""
+        with the last module tensor, when the load returns. Tensors and plain values only, unless
+        `allow_pickle` (client_state may hold any picklable object, as in DeepSpeed, but unpickling one can run
+        code from the file). torch.save's zipfile format (the only one zero8 writes) is what mmap needs."""
         path = os.path.join(tag_path, MODEL_STATES_FILE)
-        # Our own file; client_state may hold arbitrary picklable objects, as in DeepSpeed. torch.save's
-        # zipfile format (the only one zero8 writes) is what mmap needs.
+        option = "load_checkpoint(..., allow_pickle=True) or zero8.checkpoint.allow_pickle in the config"
         try:
-            states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except FileNotFoundError:
+            states = torch_load(path, allow_pickle=allow_pickle, option=option, mmap=True)
+        except (FileNotFoundError, Zero8ValueError):
             raise
         except Exception as mapped_error:
             # A file system that cannot map files (some FUSE mounts) still reads it: load it into memory.
             try:
-                states = torch.load(path, map_location="cpu", weights_only=False)
+                states = torch_load(path, allow_pickle=allow_pickle, option=option)
+            except Zero8ValueError:
+                raise
             except Exception as e:
                 raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
                                       f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
@@ -559,7 +597,10 @@ def _check_tag_not_empty(tag, call: str, dir_arg: str, default: str) -> None:
 
 def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
     """t itself when it is the whole of a CPU storage not in ``seen`` (data pointers of the storages given out
-    before), else a copy: torch.save writes a tensor's whole storage, once per storage."""
+    before), else a copy: torch.save writes a tensor's whole storage, once per storage. A GPU tensor is
+    copied to the CPU, so that the file loads on any machine, as the checkpoint's other files do."""
+    if t.device.type != "cpu":
+        return t.to("cpu")
     exact = (t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj()
              and not t.is_neg() and t.storage_offset() == 0
              and t.untyped_storage().nbytes() == t.numel() * t.element_size())
@@ -638,3 +679,12 @@ def _jsonable(x):
     if isinstance(x, torch.Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
     return x
+
+
+def _latest_text(load_dir: str) -> str:
+    """The tag `<load_dir>/latest` names, "" when unreadable (the C++ load then reports it)."""
+    try:
+        with open(os.path.join(load_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -2,8 +2,10 @@
 (``_C.ShardedOptimizer``). The trainable parameters become zero-copy views into the optimizer's working
 buffer, and (fp32) their ``.grad`` views into its gradient buffer, so autograd accumulates straight into
 C++ memory; post-accumulate-grad hooks report each gradient as ready, so stage 2 reduces full buckets
-while backward is still running. Here: building the engine, DeepSpeed's accessors, forward / backward /
-step, the data loader and the statistics; checkpoints are in checkpoint.py.
+while backward is still running. A model on a GPU gets a device optimizer: the same views, of CUDA
+memory, and the optimizer's work on the current CUDA stream (device.py). Here: building the engine,
+DeepSpeed's accessors, forward / backward / step, the data loader and the statistics; checkpoints are in
+checkpoint.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .client_optim import (
     _hyper_from_group,
 )
 from .config_view import comm_timeout_s, working_dtype
+from .device import StreamOrder, check_device, model_device
 from .optimizer import Zero8Optimizer
 from .params import built_client_optimizer, collect_params, fp32_state, override_hyper_groups
 from .world import engines, local_rank
@@ -44,11 +47,12 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
-                 world: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None):
+                 world: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None,
+                 device: torch.device | None = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self._init_state(model, config, dp, world)
+        self._init_state(model, config, dp, world, device)
         client_optimizer, model_parameters = built_client_optimizer(model, model_parameters, client_optimizer)
         self._select_params(model, model_parameters, client_optimizer)
         sc = self._sharded_config(client_optimizer)
@@ -65,10 +69,17 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     # ---- setup, in the order __init__ runs it ----
     def _init_state(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
-                    world: "_C.Communicator") -> None:
+                    world: "_C.Communicator", device: torch.device | None) -> None:
         """The module, the config (``config``: DeepSpeed's dict; ``_cfg``: the typed view the engine reads),
-        the communicators and DeepSpeed's counters."""
+        the communicators, the device (its CUDA stream) and DeepSpeed's counters."""
         self.module = model
+        self._device = model_device(model) if device is None else check_device(device)
+        self._stream_order = StreamOrder(self._device)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # the optimizer's buffers go to the current device
+            # The engine's own calls with host buffers (agreements, checkpoint strings) and tensors go
+            # through the optimizer's stream too.
+            dp.stream = self._stream_order.stream.cuda_stream
         self.zero8_config = config
         self.config = config.dict
         self._cfg = config.typed if config.typed is not None else _C.Config.from_normalized(config.json,
@@ -90,6 +101,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._backward_done = False
         self._in_step = False  # engine.step() is calling optimizer.step()
         self._bytes = {"gradients": 0, "step": 0}
+        self._backward_bytes0 = 0  # bytes sent when the running micro-batch's backward began
         self._hooks: list = []
         self.collate_fn = None  # initialize's collate_fn, deepspeed_io's default
         self._dataloader_drop_last = False  # the config's dataloader_drop_last (initialize sets it)
@@ -104,15 +116,17 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     def _select_params(self, model: torch.nn.Module, model_parameters, client_optimizer) -> None:
         """The parameters to optimize (the client's list or param groups, model_parameters, or all trainable
-        ones, in order), their names and param groups; they must be CPU float tensors."""
+        ones, in order), their names and param groups; they must be float tensors on the engine's device."""
         groups = collect_params(model, model_parameters, client_optimizer, stacklevel=4)
         params = groups.params
         if not params:
             raise Zero8ValueError("model_parameters: no trainable parameters (requires_grad=True) to optimize")
-        for p in params:
-            if p.device.type != "cpu":
-                raise Zero8NotSupportedError(f"parameter on {p.device}: zero8's engine trains CPU models")
         names = {id(p): n for n, p in model.named_parameters()}
+        for i, p in enumerate(params):
+            if p.device != self._device:
+                raise Zero8NotSupportedError(
+                    f"parameter {names.get(id(p), f'param{i}')} is on {p.device}, the model on {self._device}: "
+                    f"zero8's engine trains the parameters where the model is")
         self._params = params
         self._param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
         self._hyper_group = groups.hyper_group
@@ -137,6 +151,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         its optimizer section or of the client optimizer's type and param groups, one Hyper per param group."""
         cfg = self._cfg
         sc = _C.shard_config_from_json(self.zero8_config.json, self._dp.size)
+        if self._device.type == "cuda":
+            sc.memory = "device"  # every buffer on the current device (initialize made it the model's)
+            sc.stream = self._stream_order.stream.cuda_stream
         if client_optimizer is not None and cfg.optimizer.present:
             raise Zero8ValueError(
                 "optimizer: both a client optimizer and an \"optimizer\" config section were given; pass one"
@@ -192,8 +209,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._shard_config = sc
         # Parameters become views into the working buffer (and fp32 grads views into the grad buffer).
         self._bind_params()
-        self._opt.init(0)  # rank 0's weights everywhere; masters from them
-        self._broadcast_rest()
+        with self._stream_order():
+            self._opt.init(0)  # rank 0's weights everywhere; masters from them
+            self._broadcast_rest()
         self._register_hooks()
         self._destroyed = False
         engines.add(self)
@@ -237,7 +255,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         opt = self._opt
         wbuf, gbuf = {}, {}
         for g in range(_C.NUM_GROUPS):
-            if opt.group_padded(g) > 0:
+            if opt.group_padded(g) > 0 and self._device.type == "cuda":
+                wbuf[g] = torch.as_tensor(opt.device_buffer("working", g), device=self._device).view(self._dtype)
+                gbuf[g] = torch.as_tensor(opt.device_buffer("grad", g), device=self._device).view(torch.float32)
+            elif opt.group_padded(g) > 0:
                 wbuf[g] = torch.frombuffer(opt.working_buffer(g), dtype=self._dtype)
                 gbuf[g] = torch.frombuffer(opt.grad_buffer(g), dtype=torch.float32)
         self._grad_views = []
@@ -253,15 +274,20 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._working_buffers, self._grad_buffers = wbuf, gbuf
 
     def _broadcast_rest(self) -> None:
-        """Frozen parameters and buffers: rank 0's values everywhere (DeepSpeed broadcasts the module)."""
+        """Frozen parameters and buffers: rank 0's values everywhere (DeepSpeed broadcasts the module). Those
+        on the engine's device and on the CPU (through the device when the communicator takes device memory
+        only, NCCL)."""
         if self._dp.size == 1:
             return
         managed = {id(p) for p in self._params}
         tensors = [p for p in self.module.parameters() if id(p) not in managed] + list(self.module.buffers())
+        staged = self._dp.memory == "device"
         for t in tensors:
-            if t.numel() == 0 or t.device.type != "cpu":
+            if t.numel() == 0 or t.device not in (torch.device("cpu"), self._device):
                 continue
             src = t.data if t.data.is_contiguous() else t.data.contiguous()
+            if staged and src.device.type == "cpu":
+                src = src.to(self._device)
             self._dp.broadcast_ptr(src.data_ptr(), src.numel() * src.element_size(), 0)
             if src is not t.data:
                 t.data.copy_(src)
@@ -300,10 +326,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _params_outside_graph(self, loss: torch.Tensor) -> bool:
-        """Whether some trainable parameter is not a leaf of loss's autograd graph (walked once)."""
+    def _params_outside_graph(self, roots: list) -> bool:
+        """Whether some trainable parameter is not a leaf of the autograd graph of ``roots`` (walked once)."""
         wanted = {id(p) for p in self._params}
-        seen, stack = set(), [loss.grad_fn]
+        seen, stack = set(), [t.grad_fn for t in roots]
         while stack and wanted:
             fn = stack.pop()
             if fn is None or fn in seen:
@@ -318,7 +344,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     def _gradient_arrived(self, i: int) -> None:
         n, expected = self._arrivals[i], max(1, self._expected[i])
         if n == expected:
-            self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
+            with self._stream_order():  # the gradient is written on the current stream (autograd's)
+                self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
         elif n > expected:
             self._expected[i] = n
             if self._opt.param_reduced(i):
@@ -403,7 +430,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        """Where the engine trains: the CPU, or the model's CUDA device (DeepSpeed's engine.device)."""
+        return self._device
 
     @property
     def loss_scale(self) -> float:
@@ -462,17 +490,19 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             "no_sync at stage 2 too)")
 
     def train_batch(self, *args, **kwargs):
-        """DeepSpeed's PipelineEngine.train_batch; not supported (no pipeline parallelism)."""
+        """DeepSpeed's PipelineEngine.train_batch: the engine of a zero8.pipe.PipelineModule has it."""
         raise Zero8NotSupportedError(
-            "engine.train_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Train "
-            "each micro-batch with loss = engine(batch); engine.backward(loss); engine.step() (the optimizer steps "
-            "at every gradient_accumulation_steps-th micro-batch)")
+            "engine.train_batch(): DeepSpeed's PipelineEngine method, which zero8.initialize returns for a "
+            "zero8.pipe.PipelineModule; this engine trains a plain module: train each micro-batch with "
+            "loss = engine(batch); engine.backward(loss); engine.step() (the optimizer steps at every "
+            "gradient_accumulation_steps-th micro-batch)")
 
     def eval_batch(self, *args, **kwargs):
-        """DeepSpeed's PipelineEngine.eval_batch; not supported (no pipeline parallelism)."""
+        """DeepSpeed's PipelineEngine.eval_batch: the engine of a zero8.pipe.PipelineModule has it."""
         raise Zero8NotSupportedError(
-            "engine.eval_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Evaluate "
-            "with engine.eval() and, under torch.no_grad(), engine(batch)")
+            "engine.eval_batch(): DeepSpeed's PipelineEngine method, which zero8.initialize returns for a "
+            "zero8.pipe.PipelineModule; this engine evaluates a plain module with engine.eval() and, under "
+            "torch.no_grad(), engine(batch)")
 
     def _bytes_sent(self) -> int:
         return sum(int(s["bytes"]) for s in self._dp.stats().values())
@@ -488,29 +518,47 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             raise RuntimeError(
                 "engine.backward() called twice without engine.step() in between (one backward per micro-batch)"
             )
+        loss, scaled = self._scaled_loss(loss, scale_wrt_gas)
+        self._autograd_backward([scaled], None, retain_graph)
+        self._reduce_backward()
+        return loss
+
+    def _scaled_loss(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss / gradient_accumulation_steps, what backward differentiates: that times the fp16 loss scale)."""
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        scaled = loss.float() * float(self._opt.loss_scale) if self.fp16_enabled() else loss
+        return loss, loss.float() * float(self._opt.loss_scale) if self.fp16_enabled() else loss
+
+    def _autograd_backward(self, tensors: list, grads, retain_graph: bool = False) -> None:
+        """The autograd part of a micro-batch's backward: from ``tensors`` (with ``grads``, None for a
+        scalar loss), the gradients arriving through the hooks (stage 2 reduces full buckets meanwhile).
+        _reduce_backward ends the micro-batch."""
         if self._backwards == 0:
-            self._counting = self._params_outside_graph(scaled)
+            self._counting = self._params_outside_graph(tensors)
         self._backwards += 1
-        b0 = self._bytes_sent()
+        self._backward_bytes0 = self._bytes_sent()
         t0 = time.perf_counter()
         self._in_backward = True
         try:
-            scaled.backward(retain_graph=retain_graph)
+            torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         finally:
             self._in_backward = False
+        self._timers["backward"] += time.perf_counter() - t0
+
+    def _reduce_backward(self) -> None:
+        """The end of a micro-batch's backward (collective): the gradients not reduced yet are (stage 2;
+        stage 1 at the accumulation boundary), and a trainable parameter without a gradient is an error
+        unless ignore_unused_parameters."""
         unused = [] if self._cfg.zero.ignore_unused_parameters else [
             self._param_names[i] for i, n in enumerate(self._arrivals) if not n]
         t1 = time.perf_counter()
         self._backward_end()  # collective: every rank gets here before any raises below
         t2 = time.perf_counter()
-        self._timers["backward"] += t2 - t0
+        self._timers["backward"] += t2 - t1
         self._timers["reduce"] += t2 - t1
         self._timers["micro"] += 1
-        self._bytes["gradients"] += self._bytes_sent() - b0
+        self._bytes["gradients"] += self._bytes_sent() - self._backward_bytes0
         if unused:
             shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
             raise RuntimeError(
@@ -518,10 +566,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                 f"{shown}; with zero_optimization.ignore_unused_parameters false this is an error (set it true to "
                 f"treat their gradients as zero, or freeze them with requires_grad_(False))"
             )
-        return loss
 
     def _backward_end(self) -> None:
-        self._opt.backward_end(self.is_gradient_accumulation_boundary())
+        with self._stream_order():
+            self._opt.backward_end(self.is_gradient_accumulation_boundary())
         self._expected = [max(e, n) for e, n in zip(self._expected, self._arrivals)]
         self._arrivals = [0] * len(self._params)
         self._counting = False
@@ -545,7 +593,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         """The sharded step with the param groups' current hyperparameters (collective)."""
         self._apply_hyper()
         b0 = self._bytes_sent()
-        info = dict(self._opt.step())
+        with self._stream_order():
+            info = dict(self._opt.step())
         self._bytes["step"] += self._bytes_sent() - b0
         self._last_info = info
         return info
@@ -640,9 +689,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         the "train" route (and "encode", which DeepSpeed handles as train), in order on "eval" and "predict"
         (as DeepSpeed's, so each rank evaluates its share). batch_size None: train_micro_batch_size_per_gpu;
         collate_fn None: the one given to initialize; num_local_io_workers None: 0 (the batches are loaded
-        in this process); pin_memory as the DataLoader's (it only applies with an accelerator: zero8 trains
-        on the CPU). zero8's keyword-only extras: drop_last (None: the config's dataloader_drop_last) and
-        shuffle (None: the route's)."""
+        in this process); pin_memory as the DataLoader's (it applies where a GPU is available, and speeds up
+        copies of the batches to it). zero8's keyword-only extras: drop_last (None: the config's
+        dataloader_drop_last) and shuffle (None: the route's)."""
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
@@ -684,13 +733,20 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     def memory_stats(self) -> dict:
         """Bytes held by this rank: working copy, gradient buffers, fp32 master and optimizer state of its
-        partition, scratch buffers; ``total`` and ``state_bytes_per_param`` (state of the whole model
-        divided over its parameters, this rank's share)."""
+        partition, scratch buffers (the optimizer's own memory: on the GPU for a model there); ``total`` and
+        ``state_bytes_per_param`` (state of the whole model divided over its parameters, this rank's share).
+        On a GPU also ``device`` and what torch's allocator holds there beside them (activations, 16-bit
+        gradients, frozen weights): ``torch_allocated`` now and ``torch_max_allocated``, its peak
+        (torch.cuda.max_memory_allocated)."""
         m = {k: int(v) for k, v in self._opt.memory().items()}
         m["total"] = sum(m.values())
         n = sum(p.numel() for p in self._params)
         m["params"] = n
         m["state_bytes_per_param"] = m["state"] / n if n else 0.0
+        if self._device.type == "cuda":
+            m["device"] = str(self._device)
+            m["torch_allocated"] = int(torch.cuda.memory_allocated(self._device))
+            m["torch_max_allocated"] = int(torch.cuda.max_memory_allocated(self._device))
         return m
 
 
