@@ -122,8 +122,9 @@ def main() -> int:
         cfg = json.load(f)
 
     corpus = ex.Corpus(int(a.corpus_mb * 1e6))
-    torch.manual_seed(a.seed)
-    model = ex.GPT(a.d_model, a.n_layer, a.n_head, a.seq_len, tie_weights=False)
+    # as the example builds it for the data-parallel engine: its layers, each from its own seed
+    model = ex.LayerModule(ex.gpt_layers(a.d_model, a.n_layer, a.n_head, a.seq_len, tie_weights=False),
+                           seed_layers=True, base_seed=a.seed)
     n_params = sum(q.numel() for q in model.parameters())
     groups = ex.param_groups(model)
 
