@@ -9,6 +9,8 @@
 #   netns_cluster.sh exec HOST CMD...      run CMD on HOST (z8h0, z8h1 or its address)
 #   netns_cluster.sh hostfile [SLOTS]      print a hostfile naming both hosts (default 2 slots each)
 #   netns_cluster.sh stats                 bytes each host's veth sent/received, one JSON object
+#   netns_cluster.sh shape RATE|off        rate-limit both directions of the veth (tc tbf; RATE: 1gbit,
+#                                          10gbit, 500mbit) or remove the limit
 #   netns_cluster.sh run CMD...            up, run CMD on z8h0, down (always, also on failure/Ctrl-C)
 #
 # Inside the cluster OMPI_MCA_plm_rsh_agent points at netns_rsh.sh, so (with `hostfile > /tmp/hosts`)
@@ -137,6 +139,35 @@ cmd_stats() {
   printf '}\n'
 }
 
+# Token bucket on each veth end's egress, so both directions run at RATE. tbf, not netem: kernels without
+# sch_netem (no added delay) still have it. The bucket holds 4 ms at RATE (500 KB at 1 Gbit/s): at least
+# one 64 KB segmentation-offload packet, and enough that a timer tick of the host does not idle the link.
+cmd_shape() {
+  [[ $# -eq 1 ]] || die "usage: netns_cluster.sh shape RATE|off (RATE: <N>mbit or <N>gbit)"
+  local rate="$1" bits=0 i
+  if [[ "$rate" =~ ^([1-9][0-9]{0,5})(mbit|gbit)$ ]]; then
+    bits=$(( BASH_REMATCH[1] * 1000000 ))
+    [[ "${BASH_REMATCH[2]}" == gbit ]] && bits=$(( bits * 1000 ))
+  elif [[ "$rate" != off ]]; then
+    die "shape '$rate': give the rate as <N>mbit or <N>gbit (e.g. 1gbit, 10gbit, 500mbit), or 'off'"
+  fi
+  need_root
+  command -v tc >/dev/null || die "the 'tc' command (iproute2) is not installed"
+  if [[ "$rate" == off ]]; then
+    for i in 0 1; do
+      ip netns exec "${hosts[$i]}" tc qdisc del dev "${veths[$i]}" root 2>/dev/null || true
+    done
+    echo "netns_cluster: ${veths[0]} <-> ${veths[1]} not shaped"
+    return 0
+  fi
+  for i in 0 1; do
+    ip netns exec "${hosts[$i]}" tc qdisc replace dev "${veths[$i]}" root tbf rate "$rate" \
+      burst $(( bits / 8 / 250 > 65536 ? bits / 8 / 250 : 65536 )) latency 100ms ||
+      die "tc qdisc replace dev ${veths[$i]} root tbf rate $rate failed in ${hosts[$i]} (is sch_tbf available?)"
+  done
+  echo "netns_cluster: ${veths[0]} <-> ${veths[1]} shaped to $rate each way (tbf)"
+}
+
 cmd_run() {
   [[ $# -ge 1 ]] || die "usage: netns_cluster.sh run CMD..."
   need_root
@@ -162,6 +193,7 @@ case "$sub" in
   exec) cmd_exec "$@" ;;
   hostfile) cmd_hostfile "$@" ;;
   stats) cmd_stats ;;
+  shape) cmd_shape "$@" ;;
   run) cmd_run "$@" ;;
-  *) die "unknown command '$sub' (check|up|down|exec|hostfile|stats|run)" ;;
+  *) die "unknown command '$sub' (check|up|down|exec|hostfile|stats|shape|run)" ;;
 esac
