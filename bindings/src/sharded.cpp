@@ -75,6 +75,8 @@ ShardConfig shard_config_from_json(const std::string& config_json, int world) {
   s.error_feedback = c.zero8.enabled && c.zero8.error_feedback;
   s.release_grads = c.zero8.enabled && c.zero8.release_gradients;
   s.reduce_bucket_size = c.zero.reduce_bucket_size;
+  s.allgather_bucket_size = c.zero.allgather_bucket_size;
+  s.overlap = c.zero.overlap_comm;
   s.gradient_clipping = c.gradient_clipping;
   s.fp16 = c.fp16.enabled;
   s.loss_scaler = config::loss_scaler_config(c);
@@ -143,8 +145,13 @@ void init_sharded(py::module_& m) {
       .def_readwrite("int8_params", &ShardConfig::int8_params)
       .def_readwrite("error_feedback", &ShardConfig::error_feedback)
       .def_readwrite("release_grads", &ShardConfig::release_grads,
-                     "stage 2 with several buckets: reduced buckets' gradient memory goes back to the OS")
+                     "reduced gradient buckets' memory goes back to the OS instead of being kept for the next ones")
       .def_readwrite("reduce_bucket_size", &ShardConfig::reduce_bucket_size, "elements per gradient bucket")
+      .def_readwrite("allgather_bucket_size", &ShardConfig::allgather_bucket_size,
+                     "elements per piece of the parameter all-gather, over all ranks")
+      .def_readwrite("overlap", &ShardConfig::overlap,
+                     "stage 2 reductions and the step's all-gather on a thread of the optimizer (host memory, "
+                     "several ranks): zero_optimization.overlap_comm")
       .def_readwrite("gradient_clipping", &ShardConfig::gradient_clipping)
       .def_readwrite("fp16", &ShardConfig::fp16, "dynamic loss scaling applies")
       .def_property(
@@ -190,8 +197,8 @@ void init_sharded(py::module_& m) {
         return repr_fields(self, "ShardConfig",
                            {"algo", "bits", "stage", "working_dtype", "state_block", "wire_block", "min_8bit_size",
                             "int8_grads", "bf16_grads", "int8_params", "error_feedback", "stochastic_wire", "wire_seed",
-                            "release_grads", "reduce_bucket_size", "gradient_clipping", "fp16", "memory", "stream",
-                            "hyper"});
+                            "release_grads", "reduce_bucket_size", "allgather_bucket_size", "overlap",
+                            "gradient_clipping", "fp16", "memory", "stream", "hyper"});
       });
 
   m.def("shard_config_from_json", &shard_config_from_json, py::arg("config_json"), py::arg("world"),
