@@ -455,10 +455,14 @@ void ShardedOptimizer::make_full_input(const char* what) {
     // so a rank holds only the gradients not yet reduced. Stage 1 keeps every gradient until the
     // boundary, and one bucket is reduced at the end of backward: there, refaulting the pages each step
     // would cost time and save nothing at the peak.
-    if (on_device())
+    // Cleared as each reduction clears it (written with zeros, or its pages handed back), so that the
+    // memory it holds does not depend on when it was made.
+    if (on_device()) {
       grads_device_[g] = Store(cfg_.memory, gl.padded() * 4, cfg_.stream);
-    else
+    } else {
       grads_[g] = GradBuffer(gl.padded(), cfg_.release_grads && cfg_.stage == 2 && buckets_[g].size() > 1);
+      grads_[g].zero();
+    }
   }
   full_input_ = true;
   note_grads_held();
