@@ -832,7 +832,8 @@ void backward_with_grad_add(ShardedOptimizer& opt, int step, int micro, DType dt
     std::vector<float> g(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       g[size_t(i)] = grad_value(r, step, micro, p, i);
-      if (dtype != DType::f32) half[size_t(i)] = dtype == DType::bf16 ? f32_to_bf16(g[size_t(i)]) : f32_to_f16(g[size_t(i)]);
+      const float v = g[size_t(i)];
+      if (dtype != DType::f32) half[size_t(i)] = dtype == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
     }
     opt.grad_add(p, dtype == DType::f32 ? static_cast<const void*>(g.data()) : half.data(), dtype);
     opt.grad_ready(p);
@@ -917,7 +918,9 @@ TEST(Sharded, GradAddAndOverlapGiveTheBitsOfTheFullBuffer) {
         train(*opt, 3, k.gas);  // the full buffer, with overlap
       else
         train_with_grad_add(*opt, 3, k.gas);
-      const char* what = variant == 0 ? "grad_add" : variant == 1 ? "grad_add with overlap" : "full buffer with overlap";
+      const char* what = variant == 0   ? "grad_add"
+                         : variant == 1 ? "grad_add with overlap"
+                                        : "full buffer with overlap";
       EXPECT_EQ(params_of(*opt), want) << what << ", rank " << opt->rank();
       EXPECT_TRUE(shard_bytes(*opt) == want_shard) << what << ": masters or states differ on rank " << opt->rank();
       expect_replicas_identical(*opt);
@@ -1059,6 +1062,38 @@ TEST(Sharded, OverlapReducesWhileTheCallerComputes) {
                                                             << o.reduce_wait_seconds << " s";
   EXPECT_FALSE(opt.step().skipped);
   expect_replicas_identical(opt);
+}
+
+TEST(Sharded, OverlapBoundsTheBucketsInFlight) {
+  // Sixteen buckets reported last first, each posted at once: backward may run ahead of the reductions by
+  // four buckets, then a gradient that needs a new buffer waits for one. So a rank holds at most the
+  // bucket being filled, four waiting for their reduction, and one of padding only (3 ranks), whatever
+  // the speed of the reductions; the weights are those of reductions in the caller's thread.
+  const int64_t n = int64_t(1) << 16;
+  std::vector<ParamSpec> params;
+  for (int p = 0; p < 16; ++p) params.push_back({"w" + std::to_string(p), {n}});
+  ShardConfig c = base_config();
+  c.int8_grads = true;
+  c.reduce_bucket_size = n;
+  std::vector<float> result[2];
+  for (bool overlap : {false, true}) {
+    c.overlap = overlap;
+    ShardedOptimizer opt(params, c, world());
+    opt.init(0);
+    std::vector<float> g(static_cast<size_t>(n));
+    for (int s = 0; s < 2; ++s) {
+      for (int p = 15; p >= 0; --p) {
+        for (int64_t i = 0; i < n; ++i) g[size_t(i)] = grad_value(opt.rank(), s, 0, p, i);
+        opt.grad_add(p, g.data(), DType::f32);
+        opt.grad_ready(p);
+      }
+      opt.backward_end(true);
+      opt.step();
+    }
+    EXPECT_LE(opt.memory().grads_peak, (overlap ? 6 : 1) * 4 * n) << (overlap ? "with" : "without") << " overlap";
+    result[int(overlap)] = params_of(opt);
+  }
+  EXPECT_EQ(result[1], result[0]);
 }
 
 }  // namespace

@@ -315,7 +315,6 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     const int64_t bs = std::max<int64_t>(gl.align, (cfg.reduce_bucket_size + gl.align - 1) / gl.align * gl.align);
     for (int64_t b = 0; b < gl.padded(); b += bs) buckets_[g].push_back(Bucket{b, std::min(gl.padded(), b + bs), 0});
     slot_of_[g].assign(buckets_[g].size(), -1);
-    for (const Bucket& b : buckets_[g]) slot_floats_ = std::max(slot_floats_, b.end - b.begin);
     param_buckets_[g].assign(params.size(), {});
     for (int idx : gl.params) {
       const ParamSlot& s = layout_.slots[idx];
@@ -420,7 +419,8 @@ void* ShardedOptimizer::param_working(int param) {
 }
 
 float* ShardedOptimizer::grad_input(Group g) {
-  ZERO8_CHECK_ARG(int(g) >= 0 && int(g) < kNumGroups, "group", "must be 0 (8-bit states) or 1 (fp32 states), got " << int(g));
+  ZERO8_CHECK_ARG(int(g) >= 0 && int(g) < kNumGroups, "group",
+                  "must be 0 (8-bit states) or 1 (fp32 states), got " << int(g));
   make_full_input("ShardedOptimizer::grad_input");
   return grad_data(int(g));
 }
@@ -498,26 +498,56 @@ void ShardedOptimizer::grad_add(int param, const void* grad, DType dtype) {
   }
 }
 
-// Bucket bi's buffer of this micro-batch, taken from the pool (or made) the first time. for_caller: the
-// caller's stream writes it next (a device slot cleared on the reduction stream is waited for there).
+// How many buckets the reductions may lag behind backward (posted, not yet reduced, holding their
+// buffers) before a gradient that needs a new bucket buffer waits for one: with overlap, a rank then
+// holds at most this many buckets more than backward is filling, as DeepSpeed's stage 2 holds two
+// buffers with overlap_comm. The waiting is what the reductions cost anyway when they are the slower.
+constexpr size_t kBucketsAhead = 4;
+
+// Bucket bi's buffer of this micro-batch, taken from the pool (a free slot large enough) or made the first
+// time. for_caller: the caller's stream writes it next (a device slot cleared on the reduction stream is
+// waited for there), and with overlap the caller may wait for the reductions (kBucketsAhead).
 float* ShardedOptimizer::slot_data(int g, int bi, bool for_caller) {
+  const Bucket& b = buckets_[g][size_t(bi)];
+  const int64_t need = b.end - b.begin;
   Slot* slot = nullptr;
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    int& si = slot_of_[g][size_t(bi)];
-    if (si < 0) {
-      if (free_slots_.empty()) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (slot_of_[g][size_t(bi)] < 0) {
+      auto fitting = [&]() -> size_t {  // index in free_slots_ of the smallest free slot that holds the bucket
+        size_t best = free_slots_.size();
+        for (size_t k = 0; k < free_slots_.size(); ++k) {
+          const int64_t cap = slots_[size_t(free_slots_[k])]->buf.bytes() / 4;
+          if (cap >= need && (best == free_slots_.size() || cap < slots_[size_t(free_slots_[best])]->buf.bytes() / 4))
+            best = k;
+        }
+        return best;
+      };
+      if (for_caller && threaded_) {
+        const double t0 = now_s();
+        done_cv_.wait(lk, [&] {
+          return failure_ || fitting() < free_slots_.size() || jobs_.size() + size_t(busy_) < kBucketsAhead;
+        });
+        count_job(Phase::reduce, 0, 0.0, now_s() - t0);
+        if (failure_) std::rethrow_exception(failure_);
+      }
+      size_t k = fitting();
+      if (k == free_slots_.size() && !free_slots_.empty()) k = free_slots_.size() - 1;  // too small: made anew
+      if (k == free_slots_.size()) {
         slots_.push_back(std::make_unique<Slot>());
         if (on_device()) slots_.back()->cleared = std::make_unique<device::Event>("ShardedOptimizer: bucket cleared");
         free_slots_.push_back(int(slots_.size()) - 1);
       }
-      si = free_slots_.back();
-      free_slots_.pop_back();
+      slot_of_[g][size_t(bi)] = free_slots_[k];
+      free_slots_.erase(free_slots_.begin() + std::ptrdiff_t(k));
     }
-    slot = slots_[size_t(si)].get();
-    const Bucket& b = buckets_[g][size_t(bi)];
-    slot->used = std::max(slot->used, b.end - b.begin);
-    if (slot->buf.bytes() == 0) slot->buf = Store(cfg_.memory, slot_floats_ * 4, cfg_.stream);
+    slot = slots_[size_t(slot_of_[g][size_t(bi)])].get();
+    if (slot->buf.bytes() < need * 4) {
+      slot->buf = Store(cfg_.memory, need * 4, cfg_.stream);  // zeros
+      slot->used = 0;
+      slot->pending_clear = false;
+    }
+    slot->used = std::max(slot->used, need);
   }
   if (for_caller && slot->pending_clear) {
     slot->cleared->wait_on(cfg_.stream);
@@ -783,7 +813,7 @@ void ShardedOptimizer::worker_loop() {
       done_cv_.notify_all();
       return;
     }
-    if (jobs_.empty()) done_cv_.notify_all();
+    done_cv_.notify_all();  // drain waits for the last job, a gradient for a free bucket buffer
   }
 }
 

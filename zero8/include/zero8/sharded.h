@@ -93,8 +93,11 @@ struct ShardConfig {
 //    and it is added to the bucket that carries it. Stage 2 keeps no full-size gradient buffer then: a
 //    bucket's fp32 buffer comes from a pool when its first gradient arrives, and goes back to the pool once
 //    the bucket is reduced, so a rank holds its partition of the reduced gradient (chunk floats per group)
-//    plus the buckets in flight. Stage 1 reduces at the accumulation boundary, so it keeps a full buffer
-//    until then (as DeepSpeed's stage 1 keeps its gradients).
+//    plus the buckets in flight: those backward is filling (a parameter's whole span at least) and, with
+//    overlap, at most 4 more waiting for their reduction (a gradient that needs a new buffer beyond that
+//    waits for one, as DeepSpeed's stage 2 holds two buffers with overlap_comm). Stage 1 reduces at the
+//    accumulation boundary, so it keeps a full buffer until then (as DeepSpeed's stage 1 keeps its
+//    gradients).
 //  * grad_input(g) / param_grad(i): a full-size fp32 buffer that the caller writes in place (autograd or
 //    libtorch accumulating into views of it). Stage 1 has it from the start; in stage 2 the first call
 //    makes it (4 bytes per parameter for the optimizer's lifetime) and grad_add adds into it from then on.
@@ -331,7 +334,6 @@ class ShardedOptimizer {
   std::vector<std::unique_ptr<Slot>> slots_;       // stage 2 bucket buffers, in use or free
   std::vector<int> free_slots_;                    // slots_ not in use (zeros, or no memory with release_grads)
   std::vector<int> slot_of_[kNumGroups];           // per bucket: its slot this micro-batch, -1: none
-  int64_t slot_floats_ = 0;                        // a slot's size: the largest bucket
   int64_t grads_peak_ = 0;                         // MemoryStats::grads_peak
   Store part_grad_[kNumGroups];                    // this rank's reduced gradient (chunk floats)
   Store master_[kNumGroups];                       // chunk floats
