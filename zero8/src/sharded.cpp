@@ -329,7 +329,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     }
   }
   // Scratch at its largest use from the start: a device buffer that grew later would wait for the device.
-  int64_t owned = 1, chunk = 0, padded = 0;
+  int64_t owned = 1, chunk = 0;
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     for (const Bucket& b : buckets_[g]) {
@@ -337,13 +337,14 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
       owned = std::max(owned, off[size_t(r) + 1] - off[size_t(r)]);
     }
     chunk = std::max(chunk, gl.chunk);
-    padded = std::max(padded, gl.padded());
   }
   norm_sums_ = Store(mem, 2 * int64_t(sizeof(double)), cfg.stream);
   norm_work_ = Store(mem, norm_work * int64_t(sizeof(double)), cfg.stream);
   scratch_ = Store(mem, owned * 4, cfg.stream);
+  int64_t piece = 0;  // the largest all-gather piece, over all ranks
+  for (int g = 0; g < kNumGroups; ++g) piece = std::max(piece, gather_piece(g) * dp.size());
   delta_ = Store(mem, cfg.int8_params ? chunk * 4 : 0, cfg.stream);
-  full_delta_ = Store(mem, cfg.int8_params ? padded * 4 : 0, cfg.stream);
+  full_delta_ = Store(mem, cfg.int8_params ? piece * 4 : 0, cfg.stream);
   seg_offsets_ = Store(mem, 0, cfg.stream);
   seg_trust_ = Store(mem, 0, cfg.stream);
   // The reduction order, the same on every rank: buckets by their first (lowest-index) parameter, last
@@ -568,17 +569,16 @@ void ShardedOptimizer::slot_clear(int g, int bi) {
     if (si < 0) return;
     slot = slots_[size_t(si)].get();
   }
-  if (cfg_.release_grads) {
-    slot->buf = Store();
-  } else {
+  if (!cfg_.release_grads) {
     vec::zero(slot->buf.data(), slot->used * 4, where_reduce());
     if (on_device()) {
       slot->cleared->record(side_->get());
       slot->pending_clear = true;
     }
   }
+  std::lock_guard<std::mutex> lk(mu_);  // memory() reads the slots' sizes
+  if (cfg_.release_grads) slot->buf = Store();
   slot->used = 0;
-  std::lock_guard<std::mutex> lk(mu_);
   slot_of_[g][size_t(bi)] = -1;
   free_slots_.push_back(si);
 }

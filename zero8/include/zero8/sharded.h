@@ -77,7 +77,8 @@ struct ShardConfig {
 // gradient reductions (stage 2: per bucket during backward; stage 1: at the boundary) run on a side
 // stream of the optimizer, which first waits for cfg.stream (backward wrote the gradient there); the
 // reduced buckets are cleared there too, and cfg.stream waits for the side stream at backward_end, so
-// the next micro-batch's backward and the step see them done. The communicator's stream is set to the
+// the next micro-batch's backward and the step see them done; a bucket buffer of grad_add cleared there
+// is waited for on cfg.stream (an event per buffer) before grad_add writes it again. The communicator's stream is set to the
 // stream of each call for its duration and restored after it.
 // Host syncs: one per step, reading the global gradient norm (whose finiteness is the overflow test:
 // one all_reduce of two doubles, one 16-byte read); LAMB and LARS add some per hyper-group run (their
