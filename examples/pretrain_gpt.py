@@ -7,13 +7,14 @@ by zero8-launch, mpirun or plain python (one rank); driven by a DeepSpeed JSON c
         --out_dir out/pretrain
     mpirun -np 2 python examples/pretrain_gpt.py --config examples/configs/gpt_zero8_stage2.json
     python examples/pretrain_gpt.py --config examples/configs/gpt_fp32_adamw.json --steps 100
+    zero8-launch --num_procs 4 examples/pretrain_gpt.py --pipeline-stages 2   # 2 stages x 2 data-parallel ranks
 
 Data: every *.py file under the running interpreter's standard library (sysconfig's "stdlib" path; no
 site-packages, test suites or codec tables), ordered by the SHA-256 of its relative path (a fixed shuffle
 that spreads the subset over the whole library), taken until --corpus_mb; the first 95% of those bytes are
 the training stream, the files after it the validation stream (disjoint files). Tokens are bytes (vocab
 256). The global batch of step s is drawn from a generator seeded by (seed, s) alone, so the data position
-is the step number: a resumed run, or a run at another world size, sees the same batches (rank r takes
+is the step number: a resumed run, or a run at another world size, sees the same batches (data-parallel rank r takes
 rows [r*m, (r+1)*m) of every global batch, m the per-rank micro-batch).
 
 Model: token embedding zero8.nn.StableEmbedding (layer norm after the lookup, 32-bit optimizer states)
@@ -21,7 +22,11 @@ plus a learned position embedding, pre-LN blocks (causal self-attention with tor
 scaled_dot_product_attention, GELU MLP of 4x width), a final layer norm and a linear head. The head is
 untied by default (its weight gets 8-bit states like the other matrices, while the embedding keeps the
 32-bit states StableEmbedding asks for); --tie_weights shares the embedding matrix (then with 32-bit
-states). No dropout: runs are deterministic.
+states). No dropout: runs are deterministic. The model is written once, as a list of layers (zero8.pipe):
+built whole for data parallelism, or with --pipeline-stages S cut into S stages (zero8.pipe.PipelineModule,
+balanced by parameter count) that train_batch runs as a 1F1B pipeline, each stage over ranks / S
+data-parallel ranks (default config then gpt_zero8_pipe.json: 4 micro-batches per step, ZeRO stage 1).
+Each layer is built from its own seed, so both ways start from the same weights.
 
 Output (rank 0): a progress bar (tqdm when installed, else a plain line), a report every
 steps_per_print steps (loss, validation loss, tokens/s, optimizer-state bytes, peak memory and bytes sent
@@ -30,7 +35,8 @@ per rank), <out_dir>/train_log.csv and, at the end, <out_dir>/loss.png (matplotl
 SIGUSR1 (what OpenMPI's mpirun forwards): the ranks agree at the next step boundary, save together and
 exit with status 0 (no CSV row for the stop step: the checkpoint carries the losses of the open report
 window). --resume continues from the latest checkpoint (weights, 8-bit states, scheduler, data position,
-report window, elapsed time) with the same losses and CSV rows as an uninterrupted run.
+report window, elapsed time) with the same losses and CSV rows as an uninterrupted run; --resume TAG from
+another checkpoint of --save_dir (e.g. global_step200), the CSV rows after it dropped.
 
 Optional packages (PyPI): tqdm for the progress bar, matplotlib for the plot; without them the example
 prints a plain progress line and skips the plot.
@@ -91,6 +97,7 @@ from torch import nn  # noqa: E402
 
 import zero8  # noqa: E402
 from zero8.engine import world_comm  # noqa: E402
+from zero8.pipe import LayerModule, LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
 VOCAB = 256
 CSV_FIELDS = ["step", "tokens", "loss", "val_loss", "lr", "tokens_per_s", "bytes_sent", "gradient_bytes",
@@ -162,10 +169,30 @@ def batch_offsets(seed: int, step: int, rows: int, stream_len: int, seq_len: int
 # Model
 # ---------------------------------------------------------------------------------------------
 
-class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+# The GPT is one list of layers (zero8.pipe): built whole (LayerModule) for the data-parallel engine, or cut
+# into consecutive stages (PipelineModule) with --pipeline-stages; each layer is built from its own seed
+# (base_seed + its index), so both hold the same weights.
 
-    def __init__(self, d_model: int, n_head: int):
+class Embedding(nn.Module):
+    """Token embedding (zero8.nn.StableEmbedding: layer norm after the lookup, 32-bit optimizer states)
+    plus a learned position embedding."""
+
+    def __init__(self, d_model: int, seq_len: int):
+        super().__init__()
+        self.tok = zero8.nn.StableEmbedding(VOCAB, d_model)  # keeps its xavier init
+        self.pos = nn.Embedding(seq_len, d_model)
+        nn.init.normal_(self.pos.weight, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos.weight[: idx.shape[1]]
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)). GPT-2's initialization: weights
+    N(0, 0.02), the residual output projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
+    variance does not grow with depth, biases zero."""
+
+    def __init__(self, d_model: int, n_head: int, n_layer: int):
         super().__init__()
         self.n_head = n_head
         self.ln1 = nn.LayerNorm(d_model)
@@ -174,6 +201,10 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
         self.fc_out = nn.Linear(4 * d_model, d_model)
+        for lin in (self.qkv, self.proj, self.fc, self.fc_out):
+            std = 0.02 / math.sqrt(2 * n_layer) if lin in (self.proj, self.fc_out) else 0.02
+            nn.init.normal_(lin.weight, 0.0, std)
+            nn.init.zeros_(lin.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -183,34 +214,33 @@ class Block(nn.Module):
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
 
 
-class GPT(nn.Module):
-    def __init__(self, d_model: int, n_layer: int, n_head: int, seq_len: int, tie_weights: bool):
-        super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"--d_model {d_model} is not a multiple of --n_head {n_head}")
-        self.tok = zero8.nn.StableEmbedding(VOCAB, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, VOCAB, bias=False)
-        # GPT-2's initialization; the residual output projections scaled by 1/sqrt(2 * n_layer) so the
-        # residual stream's variance does not grow with depth. StableEmbedding keeps its xavier init.
-        for name, p in self.named_parameters():
-            if name.startswith("tok."):
-                continue
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-        if tie_weights:
-            self.head.weight = self.tok.weight
+class Head(nn.Linear):
+    """The output projection to the byte logits, without bias."""
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+    def __init__(self, d_model: int):
+        super().__init__(d_model, VOCAB, bias=False)
+        nn.init.normal_(self.weight, 0.0, 0.02)
+
+
+def tied_head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The head of --tie_weights: the token embedding's matrix."""
+    return x @ embedding.tok.weight.t()
+
+
+def gpt_layers(d_model: int, n_layer: int, n_head: int, seq_len: int, tie_weights: bool) -> list:
+    """The GPT as layers: embedding, n_layer blocks, final layer norm, head. The head is untied by default
+    (its weight gets 8-bit states like the other matrices, while the embedding keeps the 32-bit states
+    StableEmbedding asks for); --tie_weights makes the head reuse the embedding matrix (then with 32-bit
+    states; under a pipeline, the first and last stages hold it and keep their copies identical)."""
+    if d_model % n_head:
+        raise ValueError(f"--d_model {d_model} is not a multiple of --n_head {n_head}")
+    if tie_weights:
+        embed = TiedLayerSpec("embed", Embedding, d_model, seq_len, tied_weight_attr="tok.weight")
+        head = TiedLayerSpec("embed", Embedding, d_model, seq_len, forward_fn=tied_head, tied_weight_attr="tok.weight")
+    else:
+        embed, head = LayerSpec(Embedding, d_model, seq_len), LayerSpec(Head, d_model)
+    return [embed, *[LayerSpec(Block, d_model, n_head, n_layer) for _ in range(n_layer)],
+            LayerSpec(nn.LayerNorm, d_model), head]
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -358,7 +388,9 @@ def write_plot(csv_path: Path, png_path: Path, title: str) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="DeepSpeed JSON config (examples/configs/)")
+    p.add_argument("--config", default=None,
+                   help="DeepSpeed JSON config (examples/configs/; default gpt_zero8_stage2.json, or "
+                        "gpt_zero8_pipe.json with --pipeline-stages above 1)")
     p.add_argument("--out_dir", default="out/pretrain", help="CSV log, plot, and checkpoints by default")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps, >= 1 (default: the config's scheduler total_num_steps; also sets it)")
@@ -371,6 +403,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n_layer", type=int, default=4, help="transformer blocks, >= 1")
     p.add_argument("--n_head", type=int, default=4, help="attention heads, >= 1")
     p.add_argument("--tie_weights", action="store_true", help="share the embedding matrix with the head")
+    p.add_argument("--pipeline-stages", "--pipeline_stages", dest="pipeline_stages", type=int, default=1,
+                   help="pipeline stages, >= 1, dividing the number of ranks (1: data parallelism only; above 1: "
+                        "the layers cut into that many stages, each run by ranks / stages data-parallel ranks)")
     p.add_argument("--corpus_mb", type=float, default=4.0, help="MB of standard-library source used, > 0")
     p.add_argument("--seed", type=int, default=1234, help="model initialization and batch sampling")
     p.add_argument("--eval_interval", type=int, default=50, help="steps between validation losses, >= 1")
@@ -380,7 +415,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="report/CSV period in steps, >= 1 (config's steps_per_print by default)")
     p.add_argument("--save_dir", default=None, help="checkpoint directory (default <out_dir>/checkpoints)")
     p.add_argument("--save_interval", type=int, default=100, help="steps between checkpoints; 0: only at the end")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save_dir")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                   help="continue from a checkpoint in --save_dir: the one its 'latest' names (no TAG, or "
+                        "'latest'), or TAG (e.g. global_step200)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--no_plot", action="store_true", help="no PNG at the end")
     p.add_argument("--step_sleep", type=float, default=0.0,
@@ -389,7 +426,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Values that would otherwise end in a bare traceback (a division by zero in evaluate, a modulo by
     # zero in the loop, a KeyError in the engine) or be taken silently with another meaning.
     at_least = {"steps": 1, "batch_size": 1, "gradient_accumulation_steps": 1, "seq_len": 1, "d_model": 1,
-                "n_layer": 1, "n_head": 1, "eval_interval": 1, "eval_seqs": 1, "log_interval": 1,
+                "n_layer": 1, "n_head": 1, "pipeline_stages": 1, "eval_interval": 1, "eval_seqs": 1, "log_interval": 1,
                 "save_interval": 0, "step_sleep": 0}
     for name, low in at_least.items():
         value = getattr(args, name)
@@ -399,6 +436,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--corpus_mb {args.corpus_mb} must be above 0")
     if args.d_model % args.n_head:
         p.error(f"--d_model {args.d_model} is not a multiple of --n_head {args.n_head}")
+    if args.pipeline_stages > args.n_layer + 3:
+        p.error(f"--pipeline-stages {args.pipeline_stages}: the GPT has only {args.n_layer + 3} layers (--n_layer "
+                f"blocks, the embedding, the final norm and the head)")
+    if args.config is None:
+        name = "gpt_zero8_pipe.json" if args.pipeline_stages > 1 else "gpt_zero8_stage2.json"
+        args.config = str(Path(__file__).resolve().parent / "configs" / name)
     return args
 
 
@@ -418,6 +461,17 @@ def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: 
     return total / count
 
 
+def evaluate_pipeline(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, micro: int) -> float:
+    """The same mean validation loss per byte through the pipeline's eval_batch: data-parallel rank d takes
+    sequences d, d + dp, ... (as many on every rank), as micro-batches of equal size, so the mean of their
+    mean losses is the mean per byte."""
+    dp, d = engine.dp_world_size, engine.grid.get_data_parallel_rank()
+    mine = offsets[d::dp][: offsets.numel() // dp]
+    size = micro if mine.numel() % micro == 0 else 1
+    batches = (sequences(corpus.val, mine[i:i + size], seq_len) for i in range(0, mine.numel(), size))
+    return float(engine.eval_batch(batches, num_micro_batches=mine.numel() // size))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     comm = world_comm()
@@ -435,9 +489,16 @@ def main(argv=None) -> int:
     log_interval = args.log_interval or report
 
     corpus = Corpus(int(args.corpus_mb * 1e6))
-    torch.manual_seed(args.seed)
-    model = GPT(args.d_model, args.n_layer, args.n_head, args.seq_len, args.tie_weights)
-    n_params = sum(p.numel() for p in model.parameters())
+    layers = gpt_layers(args.d_model, args.n_layer, args.n_head, args.seq_len, args.tie_weights)
+    pipelined = args.pipeline_stages > 1
+    try:
+        model = (PipelineModule(layers, num_stages=args.pipeline_stages, loss_fn=lm_loss, seed_layers=True,
+                                base_seed=args.seed) if pipelined
+                 else LayerModule(layers, seed_layers=True, base_seed=args.seed))
+    except zero8.Zero8ValueError as e:
+        raise SystemExit(f"--pipeline-stages {args.pipeline_stages}: {e}") from None
+    with torch.device("meta"):  # the whole model's size, whatever this rank builds
+        n_params = sum(p.numel() for p in LayerModule(layers).parameters())
     # The engine gets the config as a dict (with this script's overrides), so its warnings and errors start
     # with "<config dict>": they are given the file's name instead, as docs/CONFIG.md shows them.
     def named(msg: str) -> str:
@@ -459,10 +520,17 @@ def main(argv=None) -> int:
     micro = engine.train_micro_batch_size_per_gpu()
     batch = engine.train_batch_size()
     tokens_per_step = batch * args.seq_len
+    # This rank's share of each global batch: its data-parallel rank's rows (a pipeline's first and last
+    # stages read them; the stages between them need no data).
+    dp, dp_rank = (engine.dp_world_size, engine.grid.get_data_parallel_rank()) if pipelined else (world, rank)
 
     start, log_state = 0, {}
-    if args.resume:
-        path, client = engine.load_checkpoint(save_dir)
+    if args.resume is not None:
+        tag = None if args.resume == "latest" else args.resume  # "latest" is never a tag's name
+        try:
+            path, client = engine.load_checkpoint(save_dir, tag=tag)
+        except (zero8.Zero8IOError, zero8.Zero8ValueError) as e:  # no such tag, a bad name, a damaged file
+            raise SystemExit(f"--resume {args.resume}: {e}") from None
         if path is None:
             raise SystemExit(f"--resume: no checkpoint in {save_dir} (no 'latest' file)")
         data = (client or {}).get("data", {})
@@ -484,7 +552,7 @@ def main(argv=None) -> int:
     state_bytes = int(engine.memory_stats()["state"])
     val_offsets = torch.linspace(0, corpus.val.numel() - args.seq_len - 2, args.eval_seqs).long()
 
-    rows = read_csv_rows(csv_path, start) if (rank == 0 and args.resume) else []
+    rows = read_csv_rows(csv_path, start) if (rank == 0 and args.resume is not None) else []
     if rank == 0:
         with open(csv_path, "w", newline="", encoding="utf-8") as f:  # rows after the checkpoint are dropped
             w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -493,11 +561,15 @@ def main(argv=None) -> int:
         z8 = cfg.get("zero8", {})
         print(corpus.describe())
         print(f"model: GPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} seq_len={args.seq_len} "
-              f"{'tied' if args.tie_weights else 'untied'} head, {n_params:,} parameters; param groups: "
+              f"{'tied' if args.tie_weights else 'untied'} head, {n_params:,} parameters; param groups"
+              f"{' of stage 0' if pipelined else ''}: "
               + ", ".join(f"{g['name']} {sum(p.numel() for p in g['params']):,} (weight decay {g['weight_decay']:g})"
                           for g in optimizer.param_groups))
-        print(f"run: {world} rank(s), {steps} steps of {batch} sequences ({tokens_per_step} tokens; micro-batch "
-              f"{micro} x {gas} accumulation per rank), config {args.config} (zero8 "
+        print(f"run: {world} rank(s)"
+              + (f" ({args.pipeline_stages} pipeline stages x {dp} data-parallel ranks)" if pipelined else "")
+              + f", {steps} steps of {batch} sequences ({tokens_per_step} tokens; micro-batch "
+              f"{micro} x {gas} {'micro-batches per pipeline' if pipelined else 'accumulation per rank'}), config "
+              f"{args.config} (zero8 "
               f"{'on' if z8 and z8.get('enabled', True) else 'off'}), "
               f"{os.environ.get('OMP_NUM_THREADS')} thread(s)/rank"
               + (f", resumed at step {start}" if start else ""), flush=True)
@@ -514,7 +586,8 @@ def main(argv=None) -> int:
         tok_s = (step * tokens_per_step - timer["tokens"]) / max(now - timer["t"], 1e-9)
         timer["t"], timer["tokens"] = now, step * tokens_per_step
         cs = engine.comm_stats()
-        mine = json.dumps([cs["bytes"], cs["gradient_bytes"], state_bytes, max_rss_mb()]).encode()
+        sent = cs["bytes"] + cs.get("pipeline", {}).get("pipe_group_bytes", 0)
+        mine = json.dumps([sent, cs["gradient_bytes"], state_bytes, max_rss_mb()]).encode()
         per_rank = [json.loads(b) for b in comm.all_gather_bytes(mine)] if world > 1 else [json.loads(mine)]
         if rank != 0:
             return
@@ -547,9 +620,14 @@ def main(argv=None) -> int:
         if rank == 0:
             progress.write(f"checkpoint saved: step {step_done} in {save_dir}")
 
+    def validation_loss() -> float:
+        if pipelined:
+            return evaluate_pipeline(engine, corpus, val_offsets, args.seq_len, micro)
+        return evaluate(engine, corpus, val_offsets, args.seq_len, rank, world, comm, micro)
+
     last_val = float("nan")
     if start == 0:  # the untrained model's validation loss (about ln 256 = 5.55)
-        last_val = evaluate(engine, corpus, val_offsets, args.seq_len, rank, world, comm, micro)
+        last_val = validation_loss()
         log_row(0, None, last_val, None, report=True)
 
     step, stopped_by = start, ""
@@ -559,24 +637,28 @@ def main(argv=None) -> int:
     while step < steps:
         # The global batch of this step; this rank's micro-batches are its rows.
         offsets = batch_offsets(args.seed, step, batch, corpus.train.numel(), args.seq_len)
-        local, step_lr = 0.0, engine.get_lr()[0]  # the lr this step applies
-        for k in range(gas):
-            lo = (rank * gas + k) * micro
-            x, y = sequences(corpus.train, offsets[lo:lo + micro], args.seq_len)
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            local += float(loss.detach())
+        step_lr = engine.get_lr()[0]  # the lr this step applies
+        micro_batches = (sequences(corpus.train, offsets[lo:lo + micro], args.seq_len)
+                         for lo in range(dp_rank * gas * micro, (dp_rank + 1) * gas * micro, micro))
+        if pipelined:  # the global batch's mean loss, on every rank
+            batch_loss = float(engine.train_batch(micro_batches))
+        else:
+            local = 0.0
+            for x, y in micro_batches:
+                loss = lm_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                local += float(loss.detach())
         step += 1
         if args.step_sleep > 0:
             time.sleep(args.step_sleep)
         # One small collective per step: the mean loss of the global batch, and whether any rank was asked
         # to stop (so all of them save at this same boundary).
         if world > 1:
-            total, stops = comm.all_reduce_f64([local, 1.0 if _stop_signal else 0.0], "sum")
+            total, stops = comm.all_reduce_f64([0.0 if pipelined else local, 1.0 if _stop_signal else 0.0], "sum")
         else:
-            total, stops = local, 1.0 if _stop_signal else 0.0
-        step_loss = total / (gas * world)
+            total, stops = (0.0 if pipelined else local), 1.0 if _stop_signal else 0.0
+        step_loss = batch_loss if pipelined else total / (gas * world)
         loss_sum += step_loss
         loss_n += 1
         progress.update(step, step_loss, (step * tokens_per_step - timer["tokens"]) /
@@ -584,7 +666,7 @@ def main(argv=None) -> int:
 
         evaluated = step % args.eval_interval == 0 or step == steps
         if evaluated:
-            last_val = evaluate(engine, corpus, val_offsets, args.seq_len, rank, world, comm, micro)
+            last_val = validation_loss()
         # No row of its own at a stop: the checkpoint carries the open window to the resumed run.
         if step % log_interval == 0 or evaluated or step == steps:
             log_row(step, loss_sum / loss_n, last_val if evaluated else None, step_lr,
@@ -599,6 +681,7 @@ def main(argv=None) -> int:
     save(step)
     progress.close()
     elapsed = time.perf_counter() - t_run
+    boundaries = engine.boundary_stats() if pipelined else []  # collective over each pipeline
     if rank == 0:
         if stopped_by:
             print(f"stopped by {stopped_by} after step {step}: checkpoint saved in {save_dir}; "
@@ -607,6 +690,10 @@ def main(argv=None) -> int:
             print(f"done: {step - start} steps{f' (from step {start})' if start else ''} in {elapsed:.1f} s "
                   f"({(step - start) * tokens_per_step / elapsed:,.0f} tokens/s); "
                   f"final validation loss {last_val:.4f}", flush=True)
+        for b in boundaries:
+            print(f"stages {b['boundary'][0]}-{b['boundary'][1]} (pipeline of data-parallel rank 0): "
+                  f"{fmt_bytes(b['activation_bytes'])} of activations, {fmt_bytes(b['gradient_bytes'])} of their "
+                  f"gradients ({b['bytes'] / b['fp32_bytes']:.4f} of fp32)", flush=True)
         if not args.no_plot:
             title = f"{Path(args.config).name}, {world} rank(s), {n_params:,} parameters"
             if write_plot(csv_path, png_path, title):

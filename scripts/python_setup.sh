@@ -4,8 +4,9 @@
 # `pip install --no-build-isolation .`: CMake builds the extension incrementally in build/python/<wheel tag>/
 # (about 2 min from clean on 2 cores, seconds when little changed), and torch comes from PyPI only if the
 # version pinned in pyproject.toml (the one place it is pinned) is not installed already.
-# With --test: `.[test]`, also pyproject.toml's test extra (pytest, and bitsandbytes for the
-# interoperability tests of zero8.optim), resolved by pip together with the torch pin.
+# With --test: `.[test]`, also pyproject.toml's test extra (pytest; bitsandbytes for the interoperability
+# tests of zero8.optim; deepspeed, transformers and accelerate for tests/python/test_deepspeed.py), resolved by
+# pip together with the torch pin.
 # Extra pip arguments: $ZERO8_PIP_ARGS (e.g. -v to see the compiler). The CUDA kernels are built in when this
 # machine has nvcc and a GPU; ZERO8_CUDA=ON|OFF in the environment decides instead (pyproject.toml).
 set -euo pipefail

@@ -92,7 +92,7 @@ shopt -u nullglob
 if ((${#py_tests[@]} > 0)); then
   py_log="$build_dir/pytest.log"
   # The Python tests run against the installed package; python_setup.sh --test (re)installs it with the
-  # test extra (pytest, bitsandbytes).
+  # test extra (pytest, bitsandbytes, deepspeed, transformers, accelerate).
   if [[ -f "$root/scripts/python_setup.sh" ]] && ! bash "$root/scripts/python_setup.sh" --test; then
     echo "test: scripts/python_setup.sh failed: the Python tests cannot run" >&2
     py_rc=1 py_failed=${#py_tests[@]} py_note="python_setup.sh failed"

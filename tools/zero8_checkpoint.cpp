@@ -1,5 +1,7 @@
 // zero8-checkpoint: look at, verify and export zero8 checkpoints without a training job.
-//   inspect <dir> [--tag T]                          tags, latest, step, world size, param groups, bytes per part
+//   inspect <dir> [--tag T]                          tags, latest, step, world size, param groups, bytes per part;
+//                                                    exit 1 when a file of the tag is missing, truncated or has
+//                                                    a bad header (checksums: verify)
 //   verify  <dir> [--tag T]                          every checksum and range; exit 1 on any fault
 //   to-fp32 <dir> <out.safetensors> [--tag T] [--no-verify]   the module's state_dict, trained weights in fp32
 // <dir> is a checkpoint directory (the tag defaults to the one `latest` names) or a tag directory.
@@ -38,7 +40,15 @@ struct Args {
   bool no_verify = false;
 };
 
-bool is_tag_dir(const std::string& dir) { return fs::exists(fs::path(dir) / ckpt::kManifestName); }
+// Whether `path` exists; a path that cannot be looked at (permissions) is an error naming it, not "no".
+bool path_exists(const fs::path& path) {
+  std::error_code ec;
+  const bool found = fs::exists(path, ec);
+  if (ec) throw Error(ErrorCode::io, path.string() + ": cannot access: " + ec.message());
+  return found;
+}
+
+bool is_tag_dir(const std::string& dir) { return path_exists(fs::path(dir) / ckpt::kManifestName); }
 
 // The tag directory to work on.
 std::string resolve(const Args& a) {
@@ -141,8 +151,8 @@ struct TagRow {
 
 // The tags of a checkpoint directory as save and load see them: the complete tags (tags_list), each tag
 // an interrupted two-rename replace left only under .replaced-<tag>-<nonce> (tag_path reads it there and
-// the next save renames it back), and tag directories whose manifest cannot be read or validated (listed
-// with the error, never used). Then the leftovers the next save removes.
+// the next save renames it back), and tag directories whose manifest cannot be read or validated, or that
+// cannot be looked into at all (listed with the error, never used). Then the leftovers the next save removes.
 int inspect_list(const Args& a, const std::string& latest) {
   std::vector<TagRow> rows;
   std::vector<std::string> leftovers;
@@ -184,9 +194,11 @@ int inspect_list(const Args& a, const std::string& latest) {
         leftovers.push_back(n + " (an older copy of tag " + tag + ", which is in place; removed by the next save)");
       else
         row(tag, e.path().string());  // the only copy of its tag
-    } else if (n[0] != '.' && e.is_directory(ec) && fs::exists(e.path() / ckpt::kManifestName, ec) &&
-               std::find(tags.begin(), tags.end(), n) == tags.end()) {
-      row(n, e.path().string());  // a manifest tags_list could not read: a damaged tag
+    } else if (n[0] != '.' && e.is_directory(ec) && std::find(tags.begin(), tags.end(), n) == tags.end()) {
+      // A manifest tags_list could not read (a damaged tag), or a directory whose manifest cannot even be
+      // looked for (no permission): listed with manifest_read's error, which names the path and the cause.
+      const bool manifest = fs::exists(e.path() / ckpt::kManifestName, ec);
+      if (manifest || ec) row(n, e.path().string());
     }
   }
   // Oldest save first, as tags_list orders them; unreadable ones (no save time) last, by name.
@@ -242,6 +254,9 @@ int inspect(const Args& a) {
               bytes_text(s.fp32).c_str(), bytes_text(s.residual).c_str(), bytes_text(s.model).c_str(),
               bytes_text(s.other).c_str(), bytes_text(s.total).c_str());
   for (const ckpt::FileInfo& f : m.files) std::printf("  file %s: %s bytes\n", f.name.c_str(), bytes_text(f.bytes).c_str());
+  // What a few bytes per file tell: every file there, at its size, with a good header. The checksums,
+  // which read everything, are verify's.
+  const ckpt::VerifyResult v = ckpt::verify(tag_dir, /*checksums=*/false);
   if (m.state_dict.empty()) {
     std::printf("  state_dict: not listed (to-fp32 gives the trained parameters only)\n");
   } else {
@@ -256,6 +271,14 @@ int inspect(const Args& a) {
   }
   const std::string cs = m.client_state.size() > 200 ? m.client_state.substr(0, 200) + "..." : m.client_state;
   std::printf("  client state: %s\n  config: %s\n", cs.c_str(), m.config_json == "null" ? "none" : "stored");
+  if (!v.ok()) {
+    for (const std::string& p : v.problems) std::fprintf(stderr, "error: %s\n", p.c_str());
+    std::fprintf(stderr, "FAILED %s: %zu problem(s) in its files (inspect reads each file's size and header; verify "
+                         "also checks every checksum)\n", tag_dir.c_str(), v.problems.size());
+    return 1;
+  }
+  std::printf("  files: all %d present, sizes and headers as the manifest lists them (checksums: zero8-checkpoint "
+              "verify)\n", v.files);
   return 0;
 }
 

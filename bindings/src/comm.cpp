@@ -175,6 +175,21 @@ void init_comm(py::module_& m) {
             return py::bytes(buf);
           },
           py::arg("nbytes"), py::arg("peer"), py::arg("tag") = 0, "Blocking receive of exactly nbytes from `peer`.")
+      .def(
+          "send_ptr",
+          [](Communicator& c, Ptr buf, int64_t nbytes, int peer, int tag) {
+            c.send(as_ptr<const void>(buf), nbytes, peer, tag);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("peer"), py::arg("tag") = 0,
+          py::call_guard<py::gil_scoped_release>(), "Blocking send of nbytes at ptr to `peer` (a tensor's memory).")
+      .def(
+          "recv_ptr",
+          [](Communicator& c, Ptr buf, int64_t nbytes, int peer, int tag) {
+            c.recv(as_ptr<void>(buf), nbytes, peer, tag);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("peer"), py::arg("tag") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "Blocking receive of exactly nbytes from `peer` into the memory at ptr.")
       .def("stats", [](const Communicator& c) { return stats_dict(c.stats()); },
            "{op_name: {calls, bytes, seconds, bytes_to_peer}}: bytes this rank sent since creation or stats_reset().")
       .def("stats_reset", &Communicator::stats_reset)

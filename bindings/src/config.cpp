@@ -201,6 +201,8 @@ void init_config_types(py::module_& m) {
       .def_readonly("wire_block_size", &Zero8Config::wire_block_size)
       .def_readonly("int8_gradients", &Zero8Config::int8_gradients)
       .def_readonly("int8_params", &Zero8Config::int8_params)
+      .def_readonly("int8_activations", &Zero8Config::int8_activations,
+                    "pipeline engine: activations and activation gradients between stages as int8 blocks")
       .def_readonly("error_feedback", &Zero8Config::error_feedback)
       .def_readonly("release_gradients", &Zero8Config::release_gradients)
       .def_readonly("min_8bit_size", &Zero8Config::min_8bit_size)

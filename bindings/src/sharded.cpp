@@ -402,6 +402,9 @@ void init_sharded(py::module_& m) {
       .def(
           "set_group_hyper", [](ShardedOptimizer& o, int g, const optim::Hyper& h) { o.hyper(g) = h; },
           py::arg("hyper_group"), py::arg("hyper"))
+      .def("set_step_group", &ShardedOptimizer::set_step_group, py::arg("outer").none(true), py::keep_alive<1, 2>(),
+           "Also reduce the step's overflow flag and squared gradient norm over `outer` (the pipeline group: every\n"
+           "stage skips together and clips by the whole model's norm); None turns it off.")
       .def_property_readonly("loss_scale", &ShardedOptimizer::loss_scale)
       .def_property_readonly(
           "loss_scaler_state",

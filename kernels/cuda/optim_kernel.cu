@@ -116,8 +116,8 @@ __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use
       if (use1) a.state1[i] = s1;
       if (use2) a.state2[i] = s2;
     }
-    s1v[k] = s1;
-    s2v[k] = s2;
+    s1v[k] = optim_state_finite(s1);  // used by the 8-bit encoding only
+    s2v[k] = optim_state_finite(s2);
   }
   if (q8 && use1) block_encode(s1v, per, lo, len, *a.map1, a.code1, a.absmax1 + b);
   if (q8 && use2) block_encode(s2v, per, lo, len, *a.map2, a.code2, a.absmax2 + b);

@@ -31,10 +31,11 @@ struct V256 {
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F min(F a, F b) { return _mm256_min_ps(a, b); }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
-  // 1 where u > 0, -1 where u < 0, else 0 (also NaN), as the scalar rule.
+  // optim_sign: 1 where u > 0, -1 where u < 0, u itself where it is NaN, else 0.
   static F sign(F u) {
     const F gt = _mm256_cmp_ps(u, zero(), _CMP_GT_OQ), lt = _mm256_cmp_ps(u, zero(), _CMP_LT_OQ);
-    return _mm256_or_ps(_mm256_and_ps(gt, set1(1.0f)), _mm256_and_ps(lt, set1(-1.0f)));
+    const F s = _mm256_or_ps(_mm256_and_ps(gt, set1(1.0f)), _mm256_and_ps(lt, set1(-1.0f)));
+    return _mm256_blendv_ps(s, u, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
   }
   // dtype_load / dtype_store (dtype_avx2.h).
   static F load_grad(const void* g, DType t, int64_t j) { return load8(g, t, j); }

@@ -6,9 +6,10 @@
 // take the loop of optim_simd.h with the VBMI block helpers. Bit-identical to optim_ref.cpp
 // (tests/cpp/test_optim.cpp).
 // GCC 12's intrinsic headers initialize their "undefined" vectors with themselves, which trips
-// -Wmaybe-uninitialized once inlined; the values are never read.
+// -Wmaybe-uninitialized (and -Wuninitialized) once inlined; the values are never read.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 
@@ -126,14 +127,22 @@ struct BlockUpdate {
   }
   // The block's scales (written to absmax) and encodings.
   void finish(BlockEncode* e1, BlockEncode* e2) const {
-    const float s1 = r1.scale(*a.map1);
+    const float s1 = finite_scale(r1, x1, *a.map1);
     a.absmax1[b] = s1;
     *e1 = BlockEncode(x1, s1, *a.map1, a.code1 + lo);
     if constexpr (kStates == 2) {
-      const float s2 = r2.scale(*a.map2);
+      const float s2 = finite_scale(r2, x2, *a.map2);
       a.absmax2[b] = s2;
       *e2 = BlockEncode(x2, s2, *a.map2, a.code2 + lo);
     }
+  }
+  // The scale of the block's states x with optim_state_finite applied: a NaN scale says that a state is not
+  // finite (rare), and only then are the states made finite and their range taken again.
+  float finite_scale(const quant::BitExtremes& r, float* x, const QuantTable& t) const {
+    const float s = r.scale(t);
+    if (s == s) return s;
+    for (int32_t i = 0; i < a.block; ++i) x[i] = optim_state_finite(x[i]);
+    return quant::block_scale<DType::f32>(x, 0, a.block, t);
   }
 };
 

@@ -85,8 +85,9 @@ BlockStates block_states_load(const StepArgs& a, int which, bool used, int64_t l
   return st;
 }
 
-void block_states_store(const StepArgs& a, int which, bool used, int64_t lo, int32_t len, const float* buf) {
+void block_states_store(const StepArgs& a, int which, bool used, int64_t lo, int32_t len, float* buf) {
   if (!used || a.bits == 32) return;
+  for (int32_t i = 0; i < len; ++i) buf[i] = optim_state_finite(buf[i]);
   uint8_t* codes = which == 1 ? a.code1 : a.code2;
   float* absmax = which == 1 ? a.absmax1 : a.absmax2;
   const quant::QuantTable& t = which == 1 ? *a.map1 : *a.map2;

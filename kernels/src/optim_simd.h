@@ -199,6 +199,16 @@ inline Ptrs simd_piece_ptrs(const StepArgs& a, int64_t i, int64_t lo, bool use1,
   return q;
 }
 
+// The block's new 8-bit states x encoded, with optim_state_finite applied. A non-finite state is what makes
+// the encoder's scale NaN, so only such a block (rare: the step of a NaN or Inf gradient) is made finite
+// and encoded again; the common path pays one compare.
+inline float simd_encode_states(float* x, int32_t len, const quant::QuantTable& t, uint8_t* codes) {
+  const float scale = ZERO8_OPTIM_BLOCK_ENCODE(x, len, t, codes);
+  if (scale == scale) return scale;
+  for (int32_t i = 0; i < len; ++i) x[i] = optim_state_finite(x[i]);
+  return ZERO8_OPTIM_BLOCK_ENCODE(x, len, t, codes);
+}
+
 // One state block [lo, hi): decode its 8-bit states into buf1/buf2, step it piece by piece, encode the
 // states again. *seg: the segment of element lo or an earlier one (lamb/lars).
 template <class V, Algo A>
@@ -217,8 +227,8 @@ void simd_step_block(const StepArgs& a, const OptimConsts& c, const VConsts<V>& 
     simd_step_piece<V, A>(k, q, end - i, trust, c.lr * trust);
     i = end;
   }
-  if (use1 && q8) a.absmax1[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf1, len, *a.map1, a.code1 + lo);
-  if (use2 && q8) a.absmax2[b] = ZERO8_OPTIM_BLOCK_ENCODE(buf2, len, *a.map2, a.code2 + lo);
+  if (use1 && q8) a.absmax1[b] = simd_encode_states(buf1, len, *a.map1, a.code1 + lo);
+  if (use2 && q8) a.absmax2[b] = simd_encode_states(buf2, len, *a.map2, a.code2 + lo);
 }
 
 template <class V, Algo A>

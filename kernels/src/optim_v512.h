@@ -27,12 +27,15 @@ struct V512 {
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F min(F a, F b) { return _mm512_min_ps(a, b); }
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
-  // 1 where u > 0, -1 where u < 0, else 0 (also NaN), as the scalar rule.
+  // optim_sign: 1 where u > 0, -1 where u < 0, u itself where it is NaN, else 0.
   static F sign(F u) {
     const __mmask16 gt = _mm512_cmp_ps_mask(u, zero(), _CMP_GT_OQ);
     const __mmask16 lt = _mm512_cmp_ps_mask(u, zero(), _CMP_LT_OQ);
-    return _mm512_mask_blend_ps(lt, _mm512_mask_blend_ps(gt, zero(), set1(1.0f)), set1(-1.0f));
+    const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
+    const F s = _mm512_mask_blend_ps(lt, _mm512_mask_blend_ps(gt, zero(), set1(1.0f)), set1(-1.0f));
+    return _mm512_mask_blend_ps(nan, s, u);
   }
+
   // dtype_load / dtype_store (dtype_avx512.h).
   static F load_grad(const void* g, DType t, int64_t j) { return load16(g, t, j); }
   static void store_param(void* p, DType t, int64_t j, F v) { store16(p, t, j, v); }

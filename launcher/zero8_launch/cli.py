@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import shlex
 import shutil
@@ -58,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Hostfile lines: 'hostname slots=N' ('#' comments). --include/--exclude: "
                "'host1@host2:0,2' (all of host1, slots 0 and 2 of host2). See docs/LAUNCH.md.")
     p.add_argument("-H", "--hostfile", default=None, help="hosts and their slots, DeepSpeed's format (default: this machine only)")
-    p.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
-    p.add_argument("--num_procs", "--num_gpus", dest="num_procs", type=int, default=-1,
+    p.add_argument("--num_nodes", type=int, default=None, help="use the first N hosts of the hostfile")
+    p.add_argument("--num_procs", "--num_gpus", dest="num_procs", type=int, default=None,
                    help="processes per node (slots 0..P-1 of each host); without a hostfile, processes on "
                         "this machine (default 1)")
     p.add_argument("-i", "--include", default="", help="only these hosts/slots: host[:slot[,slot]]@host... "
@@ -171,15 +172,23 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
         all_procs, all_nodes = "srun's default for the allocation", "every node of the allocation"
     else:
         all_procs, all_nodes = "1 process (the default without a hostfile)", "this machine alone"
+    # Every number the options take, checked before anything runs: a count of -1 (DeepSpeed's "all"
+    # sentinel) or 0 used to run one rank without a word, a negative or NaN time to act as no limit.
     for flag, value, default in (("--num_procs/--num_gpus", args.num_procs, all_procs),
                                  ("--num_nodes", args.num_nodes, all_nodes)):
-        if value == 0 or value < -1:
-            raise LaunchError(f"{flag} {value}: give a count >= 1, or leave it out for {default} "
-                              f"(-1 says the same)")
-    if args.start_timeout < 0:
-        raise LaunchError(f"--start_timeout {args.start_timeout:g}: give seconds >= 0 (0: wait forever)")
+        if value is not None and value < 1:
+            raise LaunchError(f"{flag} {value}: give a count >= 1, or leave it out for {default}")
+    for flag, value, zero in (("--timeout", args.timeout, "no limit"),
+                              ("--start_timeout", args.start_timeout, "wait forever"),
+                              ("--stop_grace", args.stop_grace, "kill at once"),
+                              ("--fail_grace", args.fail_grace, "end the job at once")):
+        if not (math.isfinite(value) and value >= 0):
+            raise LaunchError(f"{flag} {value:g}: give seconds >= 0 (0: {zero})")
     if not 1 <= args.master_port <= 65535:
         raise LaunchError(f"--master_port {args.master_port}: not a TCP port (1..65535)")
+    # -1 below: not given (Job, select_resources).
+    num_nodes = -1 if args.num_nodes is None else args.num_nodes
+    num_procs = -1 if args.num_procs is None else args.num_procs
     job = Job(script=args.user_script, script_args=list(args.user_args), master_port=args.master_port,
               module=args.module, no_python=args.no_python, no_prefix=args.no_prefix, net_if=args.net_if,
               oversubscribe=args.oversubscribe, launcher_args=shlex.split(args.launcher_args),
@@ -191,7 +200,7 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
             warnings.append("--bind_core_list has no effect without --bind_cores_to_rank (as in DeepSpeed)")
     if args.hostfile:
         pool = read_hostfile(args.hostfile)
-        job.hosts = select_resources(pool, args.num_nodes, args.num_procs, args.include, args.exclude,
+        job.hosts = select_resources(pool, num_nodes, num_procs, args.include, args.exclude,
                                      oversubscribe=args.oversubscribe)
         job.set_devices = any(slots != list(range(len(slots))) for slots in job.hosts.values())
         job.master_addr = args.master_addr or next(iter(job.hosts))
@@ -201,7 +210,7 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
         if args.include or args.exclude:
             raise LaunchError("--include/--exclude need a --hostfile (under SLURM, srun's --nodelist/--exclude "
                               "go in --launcher_args)")
-        job.num_nodes, job.num_procs = args.num_nodes, args.num_procs
+        job.num_nodes, job.num_procs = num_nodes, num_procs
         job.local_procs = None
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
         first = expand_hostlist(nodelist)[:1] if nodelist else []
@@ -213,19 +222,19 @@ def plan(args: argparse.Namespace, environ=None) -> tuple[Job, list[str]]:
             raise LaunchError("--launcher slurm without a hostfile: no SLURM_JOB_NODELIST here (not inside an "
                               "allocation?); give --master_addr or --hostfile")
     else:
-        if args.num_nodes > 1:
-            raise LaunchError(f"--num_nodes {args.num_nodes} needs a --hostfile naming the nodes")
+        if num_nodes > 1:
+            raise LaunchError(f"--num_nodes {num_nodes} needs a --hostfile naming the nodes")
         job.master_addr = args.master_addr or "127.0.0.1"
         if args.include or args.exclude:
             # As DeepSpeed without a hostfile: the filters select slots of "localhost", here one per core.
             cores = os.cpu_count() or 1
-            job.hosts = select_resources(OrderedDict([(LOCAL_HOST, cores)]), args.num_nodes, args.num_procs,
+            job.hosts = select_resources(OrderedDict([(LOCAL_HOST, cores)]), num_nodes, num_procs,
                                          args.include, args.exclude, oversubscribe=True,
                                          source=f"a run without --hostfile (its one host is {LOCAL_HOST}, "
                                                 f"with {cores} slot(s), one per core)")
             job.set_devices = any(slots != list(range(len(slots))) for slots in job.hosts.values())
         else:
-            job.local_procs = args.num_procs if args.num_procs > 0 else 1
+            job.local_procs = num_procs if num_procs > 0 else 1
     env_files = []
     # DeepSpeed's .deepspeed_env (home, then the working directory; DS_ENV_FILE names another file).
     name = environ.get("DS_ENV_FILE", ".deepspeed_env")

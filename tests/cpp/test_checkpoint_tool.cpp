@@ -1,10 +1,14 @@
 // The checkpoint readers behind zero8-checkpoint, on a one-process checkpoint: the fp32 export and
 // the model file read back with the checkpoint tests' own safetensors reader (header length, JSON header,
 // raw little-endian data; tests/dist/ckpt_util.h) equal the masters and the working copy byte for byte; verify finds each
-// kind of fault and names the file; the bytes per part add up from the layout; tags and latest.
-// (Multi-rank checkpoints and the tool's command line: tests/dist/run_checkpoint.cmake.)
+// kind of fault and names the file; the bytes per part add up from the layout; tags and latest; a tag that
+// cannot be read is reported with the OS's reason, by the library and by zero8-checkpoint inspect, which
+// also fails on a missing or truncated file. (Multi-rank checkpoints and the rest of the tool's command
+// line: tests/dist/run_checkpoint.cmake.)
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -22,6 +26,10 @@
 #include "zero8/comm/communicator.h"
 #include "zero8/error.h"
 #include "zero8/sharded.h"
+
+#ifndef ZERO8_CHECKPOINT_TOOL
+#define ZERO8_CHECKPOINT_TOOL ""  // built without the tools (ZERO8_BUILD_TOOLS=OFF): its tests skip
+#endif
 
 namespace zero8 {
 namespace {
@@ -176,6 +184,113 @@ TEST_F(CheckpointTool, TagsAndLatest) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("latest: does not name a valid tag"), std::string::npos) << e.what();
   }
+}
+
+// What a child process reports: its exit code and output. unprivileged: the child first becomes the user
+// nobody (uid and gid 65534) when this process is root, whom no permission bits stop.
+struct ChildResult {
+  int code = -1;
+  std::string out;
+};
+ChildResult in_child(bool unprivileged, const std::function<int()>& body) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::dup2(fds[1], 2);
+    ::close(fds[0]);
+    const bool drop = unprivileged && ::geteuid() == 0;
+    if (drop && (::setgroups(0, nullptr) != 0 || ::setgid(65534) != 0 || ::setuid(65534) != 0)) ::_exit(125);
+    const int code = body();
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  ::close(fds[1]);
+  ChildResult r;
+  char buf[4096];
+  for (ssize_t k; (k = ::read(fds[0], buf, sizeof(buf))) > 0;) r.out.append(buf, size_t(k));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// zero8-checkpoint with these arguments (in a child; see in_child).
+ChildResult run_tool(const std::vector<std::string>& args, bool unprivileged = false) {
+  return in_child(unprivileged, [&] {
+    std::vector<char*> argv{const_cast<char*>(ZERO8_CHECKPOINT_TOOL)};
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(ZERO8_CHECKPOINT_TOOL, argv.data());
+    return 126;
+  });
+}
+
+// A tag directory without permissions used to be "manifest.json: missing" (not a complete checkpoint), and
+// zero8-checkpoint inspect left it out of the tag list: both now name the path and the OS's reason.
+TEST_F(CheckpointTool, AnUnreadableTagIsReportedWithTheOsError) {
+  if (!*ZERO8_CHECKPOINT_TOOL) GTEST_SKIP() << "zero8-checkpoint was not built";
+  fs::permissions(dir_, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                            fs::perms::others_read | fs::perms::others_exec);  // nobody may look inside
+  fs::permissions(tag_dir_, fs::perms::none);
+  const std::string manifest = tag_dir_ + "/manifest.json";
+  const ChildResult probe = in_child(true, [&] { return ::access(manifest.c_str(), R_OK) == 0 ? 0 : 1; });
+  if (probe.code != 1) {
+    fs::permissions(tag_dir_, fs::perms::owner_all);
+    GTEST_SKIP() << "this process reads a directory without permissions (exit " << probe.code << ")";
+  }
+  // The library: tag_path (load, verify, to-fp32 of a named tag) and the tag `latest` names.
+  const ChildResult lib = in_child(true, [&] {
+    try {
+      ckpt::tag_path(dir_, "global_step2");
+      std::printf("no error");
+    } catch (const Error& e) {
+      std::printf("%s", e.what());
+      return e.code() == ErrorCode::io ? 0 : 1;
+    }
+    return 2;
+  });
+  EXPECT_EQ(lib.code, 0) << lib.out;
+  EXPECT_EQ(lib.out, manifest + ": cannot access: Permission denied");
+  // The tool: the tag is listed as unreadable, with the reason, and inspecting it (latest names it) fails.
+  ChildResult r = run_tool({"inspect", dir_}, true);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("tags (2, oldest first; 1 unreadable)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  global_step2             unreadable: " + manifest + ": cannot open: Permission denied"),
+            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("error: " + manifest + ": cannot access: Permission denied"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("missing"), std::string::npos) << r.out;
+  r = run_tool({"inspect", dir_, "--tag", "first"}, true);  // another tag is fine
+  EXPECT_EQ(r.code, 0) << r.out;
+  fs::permissions(tag_dir_, fs::perms::owner_all);
+}
+
+// inspect reads each file's size and header: a missing or truncated file fails it (exit 1, naming the
+// file), as verify would; a changed byte inside a file is only verify's to find (the checksums).
+TEST_F(CheckpointTool, InspectFailsOnAMissingOrTruncatedFile) {
+  if (!*ZERO8_CHECKPOINT_TOOL) GTEST_SKIP() << "zero8-checkpoint was not built";
+  ChildResult r = run_tool({"inspect", dir_});
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("files: all 2 present, sizes and headers as the manifest lists them (checksums: "
+                       "zero8-checkpoint verify)"), std::string::npos) << r.out;
+  const std::string shard = tag_dir_ + "/zero8_shard_rank0.bin", model = tag_dir_ + "/model.safetensors";
+  std::vector<uint8_t> bytes = read_bytes(shard);
+  bytes[bytes.size() / 2] ^= 1;
+  write_bytes(shard, bytes);
+  r = run_tool({"inspect", dir_});
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(run_tool({"verify", dir_}).code, 1);
+  bytes.resize(bytes.size() - 100);
+  write_bytes(shard, bytes);
+  fs::remove(model);
+  r = run_tool({"inspect", dir_});
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("error: " + shard + ": truncated: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("error: " + model + ": missing"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("FAILED " + tag_dir_ + ": 2 problem(s)"), std::string::npos) << r.out;
+  EXPECT_EQ(run_tool({"inspect", dir_, "--tag", "first"}).code, 0);
 }
 
 TEST_F(CheckpointTool, RenamedTagDirectoryLoadsWithAWarning) {

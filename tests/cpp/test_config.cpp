@@ -1,10 +1,12 @@
 // DeepSpeed JSON config: real configs parse with DeepSpeed's defaults and rules, every malformed file
-// in tests/data/configs/bad fails with its key path, unknown keys warn, the LR schedules match
+// in tests/data/configs/bad fails with its key path, unknown keys fail inside the sections zero8 reads
+// (with the key meant) and warn at the top level, values beyond float32 fail as written, the LR schedules match
 // lr_schedules.py at hand-computed points, and to_json round-trips.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -411,30 +413,114 @@ TEST(ConfigErrors, MalformedJsonLineAndColumn) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Unknown keys warn (with their path); nothing is printed and parsing goes on.
+// Unknown keys: an error inside a section zero8 reads (the key meant, when one is close), a warning at
+// the top level (DeepSpeed ignores those), except a near miss of a section zero8 reads.
 
-TEST(ConfigWarnings, UnknownKeysWarnWithPath) {
+TEST(ConfigWarnings, UnknownTopLevelKeysWarnWithPath) {
   const auto c = parse(R"({
     "train_batch_size": 8,
     "my_custom_key": 1,
-    "fp16": {"enabled": true, "loss_scael": 128},
-    "optimizer": {"type": "Adam", "adam_w_mode": false, "params": {"lr": 0.01, "momentum": 0.9}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_max_live_parameters": 1e9},
-    "zero8": {"state_block": 128}
+    "fp16": {"enabled": true},
+    "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_max_live_parameters": 1e9}
   })");
   EXPECT_TRUE(has_warning(c, "test.json: my_custom_key: unknown key, ignored (DeepSpeed ignores"));
-  EXPECT_TRUE(has_warning(c, "test.json: fp16.loss_scael: unknown key"));
-  EXPECT_TRUE(has_warning(c, "test.json: optimizer.params.momentum: unknown key"));
-  // adam_w_mode belongs in params: DeepSpeed ignores it at this level, and so the default (true) holds.
-  EXPECT_TRUE(has_warning(c, "test.json: optimizer.adam_w_mode: unknown key"));
-  EXPECT_TRUE(c.optimizer.get("adam_w_mode"));
   EXPECT_TRUE(has_warning(c, "test.json: zero_optimization.reduce_bucket_size: \"auto\""));
   EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
-  EXPECT_TRUE(has_warning(c, "test.json: zero8.state_block: unknown key"));
   // stage3_* keys are DeepSpeed's own and silently accepted.
   EXPECT_FALSE(has_warning(c, "stage3_max_live_parameters"));
-  EXPECT_EQ(c.fp16.loss_scale, 0.0);  // the misspelled key did not apply
-  EXPECT_EQ(c.warnings.size(), 6u) << all_warnings(c);
+  EXPECT_EQ(c.warnings.size(), 2u) << all_warnings(c);
+}
+
+// A misspelt key used to warn and then train with the default of the key meant: another job than the
+// one written (the ZeRO stage, int8 gradients, a whole zero8 section).
+TEST(ConfigErrors, UnknownKeysInKnownSectionsFailWithTheKeyMeant) {
+  const struct {
+    const char* config;
+    const char* error;
+  } cases[] = {
+      {R"({"train_batch_size": 8, "zero_optimization": {"stgae": 2}})",
+       "test.json: zero_optimization.stgae: unknown key; did you mean \"stage\"? (DeepSpeed rejects unknown "
+       "zero_optimization keys too)"},
+      {R"({"train_batch_size": 8, "zero8": {"int8_gradeints": false}})",
+       "test.json: zero8.int8_gradeints: unknown key; did you mean \"int8_gradients\"?"},
+      {R"({"train_batch_size": 8, "zer08": {"optim_bits": 8}})",
+       "test.json: zer08: unknown top-level key; did you mean \"zero8\"?"},
+      {R"({"train_batch_size": 8, "zero_optimisation": {"stage": 2}})",
+       "test.json: zero_optimisation: unknown top-level key; did you mean \"zero_optimization\"?"},
+      {R"({"train_batch_size": 8, "fp16": {"enabled": true, "loss_scael": 128}})",
+       "test.json: fp16.loss_scael: unknown key; did you mean \"loss_scale\"?"},
+      {R"({"train_batch_size": 8, "bf16": {"Enabled": true}})", "test.json: bf16.Enabled: unknown key; did you mean \"enabled\"?"},
+      {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "beta": [0.9, 0.95]}}})",
+       "test.json: optimizer.params.beta: unknown key; did you mean \"betas\"? (DeepSpeed would pass it to the AdamW "
+       "constructor, which rejects unknown arguments)"},
+      // adam_w_mode belongs in params: at this level DeepSpeed would ignore it and keep the default (true).
+      {R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "adam_w_mode": false, "params": {}}})",
+       "test.json: optimizer.adam_w_mode: unknown key (the keys zero8 reads here: type, legacy_fusion, params)"},
+      {R"({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}})",
+       "test.json: optimizer.params.betas: unknown key ("},
+      {R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}})",
+       "test.json: scheduler.params.warmup_num_step: unknown key; did you mean \"warmup_num_steps\"?"},
+      {R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer": {"device": "none", "pin_memroy": true}}})",
+       "test.json: zero_optimization.offload_optimizer.pin_memroy: unknown key; did you mean \"pin_memory\"?"},
+      {R"({"train_batch_size": 8, "checkpoint": {"tag_validaton": "Fail"}})",
+       "test.json: checkpoint.tag_validaton: unknown key; did you mean \"tag_validation\"?"},
+      {R"({"train_batch_size": 8, "zero8": {"checkpoint": {"keep": 2}}})",
+       "test.json: zero8.checkpoint.keep: unknown key (the keys zero8 reads here: keep_last)"},
+      {R"({"train_batch_size": 8, "zero8": {"state_block": 128}})",
+       "test.json: zero8.state_block: unknown key (the keys zero8 reads here: enabled, state_block_size, "},
+  };
+  for (const auto& c : cases) {
+    const zero8::Error e = parse_error(c.config);
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << c.config;
+    EXPECT_EQ(std::string(e.what()).rfind(c.error, 0), 0u) << e.what();
+  }
+  // The keys of DeepSpeed's sections that zero8 ignores are still accepted without a word.
+  const auto ok = parse(R"({"train_batch_size": 8,
+      "zero_optimization": {"stage": 2, "sub_group_size": 1e9, "stage3_prefetch_bucket_size": 5e8,
+                            "offload_param": {"device": "none", "pin_memory": true}},
+      "fp16": {"enabled": true, "fused_mode": true}, "checkpoint": {"parallel_write": {}},
+      "optimizer": {"type": "AdamW", "legacy_fusion": false, "params": {"lr": 0.01, "foreach": true}}})");
+  EXPECT_TRUE(ok.warnings.empty()) << all_warnings(ok);
+}
+
+// A number float32 cannot hold would become inf (or 0) in the kernels: the error names the file, the key
+// and the value as the file writes it (not its double or float32 rounding), and no C++ source path.
+TEST(ConfigErrors, ValuesBeyondFloat32FailWithTheValueAsWritten) {
+  const struct {
+    const char* config;
+    const char* error;
+  } cases[] = {
+      {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e39}}})",
+       "test.json: optimizer.params.lr: expected a number >= 0 that float32 can hold"},
+      {R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"eps": 1E-50}}})",
+       "test.json: optimizer.params.eps: expected a number >= 0 that float32 can hold"},
+      {R"({"train_batch_size": 8, "optimizer": {"type": "Lamb", "params": {"max_coeff": 4e38}}})",
+       "test.json: optimizer.params.max_coeff: expected a number > 0 that float32 can hold"},
+      {R"({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3.5e38}}})",
+       "test.json: scheduler.params.warmup_max_lr: expected a number >= 0 that float32 can hold"},
+      {R"({"train_batch_size": 8, "gradient_clipping": 1.0e+40})",
+       "test.json: gradient_clipping: expected a number >= 0 that float32 can hold"},
+  };
+  const char* const written[] = {"got 1e39", "got 1E-50", "got 4e38", "got 3.5e38", "got 1.0e+40"};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const zero8::Error e = parse_error(cases[i].config);
+    const std::string what = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::invalid_argument) << what;
+    EXPECT_EQ(what.rfind(cases[i].error, 0), 0u) << what;
+    EXPECT_EQ(what.size() - what.rfind(written[i]), std::string(written[i]).size()) << what;  // ends with it
+    EXPECT_EQ(what.find(".cpp"), std::string::npos) << what;
+  }
+  // Other value errors quote the number as written too (a double would print 1e+30 and 1.5000000000000000001).
+  auto e = parse_error(R"({"train_batch_size": 1e30})");
+  EXPECT_STREQ(e.what(), "test.json: train_batch_size: expected an integer >= 1, got 1e30");
+  e = parse_error(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5000000000000000001]}}})");
+  EXPECT_STREQ(e.what(), "test.json: optimizer.params.betas[1]: expected a number in [0, 1), got 1.5000000000000000001");
+  // The largest float32 and the smallest subnormal are fine, and so is a timeout kept in double.
+  const auto ok = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW",
+      "params": {"lr": 3.4028234e38, "eps": 1.5e-45}}, "zero8": {"comm_timeout_s": 1e300}})");
+  EXPECT_EQ(float(ok.optimizer.get("lr")), 3.4028234e38f);
+  EXPECT_GT(float(ok.optimizer.get("eps")), 0.0f);
 }
 
 TEST(ConfigWarnings, IgnoredFeaturesAndDeepSpeedQuirks) {
@@ -444,8 +530,7 @@ TEST(ConfigWarnings, IgnoredFeaturesAndDeepSpeedQuirks) {
     "progressive_layer_drop": {"enabled": true, "theta": 0.5},
     "zero_optimization": {"stage": 1, "zero_quantized_gradients": true},
     "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-    "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
-                                                 "warmup_type": "linear"}}
+    "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1}}
   })");
   EXPECT_TRUE(has_warning(c, "sparse_attention: not implemented by zero8"));
   EXPECT_TRUE(has_warning(c, "progressive_layer_drop: not implemented by zero8"));
@@ -453,7 +538,10 @@ TEST(ConfigWarnings, IgnoredFeaturesAndDeepSpeedQuirks) {
   // SGD has no betas: DeepSpeed's OneCycle turns momentum cycling off with a warning.
   EXPECT_FALSE(c.scheduler.momentum_cycled);
   EXPECT_TRUE(has_warning(c, "scheduler.params.cycle_momentum: momentum is not cycled: SGD has no betas"));
-  EXPECT_TRUE(has_warning(c, "scheduler.params.warmup_type: unknown key"));
+  // OneCycle takes no warmup_type: DeepSpeed's constructor would reject it.
+  EXPECT_EQ(std::string(parse_error(R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params":
+      {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "warmup_type": "linear"}}})").what()).rfind(
+                "test.json: scheduler.params.warmup_type: unknown key (", 0), 0u);
   // An unknown warmup_type falls back to log, as lr_schedules.py does.
   const auto d = parse(R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {}},
                            "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})");
@@ -501,6 +589,17 @@ TEST(ConfigOptimizer, AdamWModeFollowsDeepSpeed) {
 TEST(ConfigZero8, CommTimeoutDefaultsToDeepSpeedsThirtyMinutes) {
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.comm_timeout_s, 1800.0);
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_timeout_s": 45}})").zero8.comm_timeout_s, 45.0);
+}
+
+// Pipeline activations on the wire: fp32 by default, int8 blocks when asked; a boolean like the other
+// int8 keys, and written back by to_json.
+TEST(ConfigZero8, Int8ActivationsIsAnOptInBoolean) {
+  EXPECT_FALSE(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.int8_activations);
+  const auto c = parse(R"({"train_batch_size": 8, "zero8": {"int8_activations": true}})");
+  EXPECT_TRUE(c.zero8.int8_activations);
+  EXPECT_TRUE(cfg::parse_string(cfg::to_json(c), 1).zero8.int8_activations);
+  const std::string m = parse_error(R"({"train_batch_size": 8, "zero8": {"int8_activations": "yes"}})").what();
+  EXPECT_NE(m.find("zero8.int8_activations"), std::string::npos) << m;
 }
 
 // The engine's buffers are host memory; NCCL reads device buffers only (ncclBroadcast of a

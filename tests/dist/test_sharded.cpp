@@ -1,8 +1,9 @@
 // The sharded optimizer under mpirun -np K: sharded steps equal one process stepping the averaged
 // gradient (bit-exact with fp32 communication, within the codec's bound with int8), stage 1 equals
 // stage 2, clipping and LAMB/LARS trust ratios agree with the unsharded computation, an overflow
-// on one rank makes every rank skip, and the bucket input (grad_add) and the overlap thread give the
-// bits of the full buffer reduced in the caller's thread.
+// on one rank makes every rank skip (also through a step group, the pipeline engine's), and the
+// bucket input (grad_add) and the overlap thread give the bits of the full buffer reduced in the
+// caller's thread.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -502,6 +504,47 @@ TEST(Sharded, OverflowOnOneRankSkipsEverywhere) {
     train(*opt, 1);
     EXPECT_EQ(opt->steps(), 3);
     expect_replicas_identical(*opt);
+  }
+}
+
+TEST(Sharded, StepGroupMakesTheOverflowAndTheNormCommon) {
+  // Each rank steps an optimizer of its own (as a pipeline stage over a 1-rank data-parallel group) whose
+  // step group is the world: the gradient norm is the world's, and an overflow on one rank skips them all.
+  auto solo_comm = world().split(world().rank(), 0, "solo");
+  const int r = world().rank(), n = world().size();
+  for (bool grouped : {false, true}) {
+    ShardConfig c = base_config();
+    c.gradient_clipping = 0.5;
+    ShardedOptimizer opt(test_params(), c, *solo_comm);
+    for (size_t p = 0; p < opt.layout().params.size(); ++p) {
+      float* w = static_cast<float*>(opt.param_working(int(p)));
+      for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) w[i] = init_value(int(p), i);
+    }
+    opt.init(0);
+    if (grouped) opt.set_step_group(&world());
+    double mine = 0.0, all = 0.0;
+    for (int q = 0; q < n; ++q)
+      for (size_t p = 0; p < opt.layout().params.size(); ++p)
+        for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) {
+          const double x = grad_value(q, 0, 0, int(p), i);
+          all += x * x;
+          if (q == r) {
+            opt.param_grad(int(p))[i] = float(x);
+            mine += x * x;
+          }
+        }
+    opt.backward_end(true);
+    const shard::StepInfo info = opt.step();
+    const double want = std::sqrt(grouped ? all : mine);
+    EXPECT_NEAR(info.grad_norm, want, 1e-12 * want) << "rank " << r << (grouped ? " with" : " without") << " the group";
+    EXPECT_FALSE(info.skipped);
+    // An overflow on the last rank only.
+    for (size_t p = 0; p < opt.layout().params.size(); ++p)
+      for (int64_t i = 0; i < opt.layout().slots[p].numel; ++i) opt.param_grad(int(p))[i] = 0.25f;
+    if (r == n - 1) opt.param_grad(1)[3] = std::numeric_limits<float>::infinity();
+    opt.backward_end(true);
+    const shard::StepInfo second = opt.step();
+    EXPECT_EQ(second.skipped, grouped || r == n - 1) << "rank " << r << (grouped ? " with" : " without") << " the group";
   }
 }
 

@@ -338,7 +338,37 @@ def test_count_of_zero_says_what_leaving_it_out_means(tmp_path):
                           (["--launcher", "slurm", "--num_procs", "0"], "srun's default for the allocation")):
         with pytest.raises(LaunchError) as e:
             _plan(argv + ["s.py"], {"SLURM_JOB_NODELIST": "gpu1"})
-        assert str(e.value).endswith(f": give a count >= 1, or leave it out for {meaning} (-1 says the same)")
+        assert str(e.value).endswith(f": give a count >= 1, or leave it out for {meaning}")
+
+
+def test_every_numeric_flag_refuses_a_value_out_of_range(tmp_path, capsys):
+    # `--num_procs -1` ran one rank: -1, DeepSpeed's "all" sentinel, was taken for "not given". Every count
+    # and time the launcher takes is checked before anything runs, and the error names the flag.
+    hf = tmp_path / "hosts"
+    hf.write_text("n1 slots=2\nn2 slots=2\n")
+    for argv, msg in ((["--num_procs", "-1"], "--num_procs/--num_gpus -1: give a count >= 1"),
+                      (["--num_gpus", "-1"], "--num_procs/--num_gpus -1: give a count >= 1"),
+                      (["-H", str(hf), "--num_procs", "-1"], "--num_procs/--num_gpus -1: give a count >= 1"),
+                      (["-H", str(hf), "--num_nodes", "-1"], "--num_nodes -1: give a count >= 1"),
+                      (["--launcher", "slurm", "--num_nodes", "-1"], "--num_nodes -1: give a count >= 1"),
+                      (["--timeout", "-5"], "--timeout -5: give seconds >= 0 (0: no limit)"),
+                      (["--timeout", "nan"], "--timeout nan: give seconds >= 0"),
+                      (["--start_timeout", "-1"], "--start_timeout -1: give seconds >= 0 (0: wait forever)"),
+                      (["--start_timeout", "inf"], "--start_timeout inf: give seconds >= 0"),
+                      (["--stop_grace", "-0.5"], "--stop_grace -0.5: give seconds >= 0"),
+                      (["--fail_grace", "nan"], "--fail_grace nan: give seconds >= 0"),
+                      (["--master_port", "0"], "--master_port 0: not a TCP port")):
+        with pytest.raises(LaunchError, match=re.escape(msg)):
+            _plan(argv + ["s.py"], {"SLURM_JOB_NODELIST": "gpu1"})
+    # From the command line: exit 2 and the message, before any rank is started.
+    assert cli.main(["--num_procs", "-1", "--log_dir", str(tmp_path / "logs"), "s.py"]) == 2
+    assert "zero8-launch: error: --num_procs/--num_gpus -1: give a count >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+    # Leaving them out keeps the defaults.
+    job, _ = _plan(["--log_dir", str(tmp_path), "s.py"])
+    assert job.local_procs == 1 and job.hosts is None
+    job, _ = _plan(["-H", str(hf), "--num_procs", "1", "--log_dir", str(tmp_path), "s.py"])
+    assert job.hosts == {"n1": [0], "n2": [0]}
 
 
 def test_deepspeed_command_lines_are_accepted(tmp_path):

@@ -5,7 +5,8 @@ for bit, and SIGTERM to one rank mid-run makes every rank save a checkpoint and 
 (examples/configs/gpt_fp32_adamw.json: 32-bit AdamW states, fp32 gradients on the wire) and one thread
 per process, so every difference would be a real one. Also, on one process: option values out of range
 are argparse errors, --resume with nothing to train fails, a stopped and resumed run writes the CSV rows of
-an uninterrupted one, and config warnings and errors name the file.
+an uninterrupted one, --resume TAG continues from an earlier checkpoint, and config warnings and errors name
+the file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -143,6 +145,23 @@ def test_two_ranks_match_one_process(runs):
     for a, b in zip(v1, v2):
         assert abs(a - b) <= 1e-5 * abs(a), (v1, v2)
     assert "2 rank(s)" in runs["two_out"] and "1 rank(s)" in runs["one_out"]
+
+
+def test_pipeline_of_two_stages_trains_the_same_model(runs, tmp_path):
+    # --pipeline-stages 2 on 2 ranks: the GPT's layers cut into 2 stages, one data-parallel rank each, fed
+    # the 1-process run's two accumulated micro-batches. Each stage runs the same arithmetic on the same
+    # numbers, and the exact config's optimizer is elementwise, so training is the same bit for bit; the
+    # reported loss is train_batch's float32 mean (DeepSpeed's), the 1-process run's is the float64 one.
+    out = _run(2, tmp_path, "--no_progress", "--no_plot", "--gradient_accumulation_steps", "2",
+               "--pipeline-stages", "2")
+    one, pipe = _rows(runs["one"]), _rows(tmp_path)
+    assert [r["step"] for r in one] == [r["step"] for r in pipe]
+    f32 = [struct.unpack("f", struct.pack("f", float(r["loss"])))[0] for r in one if r["loss"]]
+    assert f32 == [float(r["loss"]) for r in pipe if r["loss"]]
+    # Validation: the pipeline's eval_batch averages the micro-batches' mean losses in another order.
+    for a, b in zip([r for r in one if r["val_loss"]], [r for r in pipe if r["val_loss"]]):
+        assert abs(float(a["val_loss"]) - float(b["val_loss"])) <= 1e-5 * float(a["val_loss"]), (a, b)
+    assert "(2 pipeline stages x 1 data-parallel ranks)" in out and "stages 0-1" in out, out
 
 
 def _rank_pids(mpirun_pid: int) -> dict[int, int]:
@@ -289,14 +308,34 @@ def test_interrupted_and_resumed_log_matches_uninterrupted(tmp_path):
     assert elapsed == sorted(elapsed) and elapsed[-1] >= 0.3 * stopped, elapsed  # continues the stopped run's
 
 
+def test_resume_from_an_earlier_tag(tmp_path):
+    # --resume could only take the checkpoint `latest` names. With a tag, the run goes on from that one:
+    # the same losses as an uninterrupted run, the CSV rows after the tag replaced.
+    steps = ["--steps", "9", "--save_interval", "3", "--no_progress", "--no_plot"]
+    _run(1, tmp_path / "whole", *steps)
+    whole = _rows(tmp_path / "whole")
+    out = _run(1, tmp_path / "whole", *steps, "--resume", "global_step3")
+    assert "resumed at step 3" in out and "done: 6 steps (from step 3) in " in out, out
+    assert _losses(_rows(tmp_path / "whole")) == _losses(whole)
+    # No TAG, or "latest": the checkpoint latest names (step 9 of 9 here: nothing left to train).
+    for resume in (["--resume"], ["--resume", "latest"]):
+        out = _run_fails(1, tmp_path / "whole", *steps, *resume)
+        assert "is at step 9, not below --steps 9" in out, out
+    # A tag that is not there: the engine's error, naming it and the directory, without a traceback.
+    out = _run_fails(1, tmp_path / "whole", *steps, "--resume", "global_step4")
+    assert f"--resume global_step4: {tmp_path / 'whole' / 'checkpoints' / 'global_step4'}: missing: tag " \
+           f"'global_step4' is not in {tmp_path / 'whole' / 'checkpoints'}" in out, out
+    assert "Traceback" not in out, out
+
+
 def test_config_warnings_and_errors_name_the_file(tmp_path):
     # The example passes the engine a dict (the config with its overrides), which the engine names
-    # "<config dict>"; the example puts the file's name back.
+    # "<config dict>"; the example puts the file's name back, in warnings and errors.
     import json
 
     cfg = json.loads(CONFIG.read_text())
-    cfg["zero_optimization"]["reduce_bucket_sise"] = 1
-    path = tmp_path / "typo.json"
+    cfg["my_setting"] = 1
+    path = tmp_path / "extra.json"
     path.write_text(json.dumps(cfg))
     tiny = [a if a != str(CONFIG) else str(path) for a in TINY]
     env = {**_env(), "PYTHONWARNINGS": "default"}
@@ -304,8 +343,20 @@ def test_config_warnings_and_errors_name_the_file(tmp_path):
                         "--out_dir", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"{path}: zero_optimization.reduce_bucket_sise: unknown key" in r.stderr, r.stderr
+    assert f"{path}: my_setting: unknown key, ignored" in r.stderr, r.stderr
     assert "<config dict>" not in r.stderr, r.stderr
+    # A misspelt key inside a section zero8 reads is an error (it would run with the default of the key
+    # meant), with the key meant.
+    cfg = json.loads(CONFIG.read_text())
+    cfg["zero_optimization"]["reduce_bucket_sise"] = 1
+    path.write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, str(EXAMPLE), *tiny, "--steps", "1", "--no_progress", "--no_plot",
+                        "--out_dir", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f'{path}: zero_optimization.reduce_bucket_sise: unknown key; did you mean "reduce_bucket_size"?' \
+        in r.stderr, r.stderr
+    assert "<config dict>" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     # 8 sequences do not split into 3 accumulated micro-batches: the engine's error, without a traceback.
     out = _run_fails(1, tmp_path / "out", "--gradient_accumulation_steps", "3")
     assert f"{CONFIG}: train_batch_size: 8 is not divisible by gradient_accumulation_steps 3" in out, out

@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <nlohmann/json.hpp>
@@ -39,23 +41,19 @@ std::string lower(std::string s) {
   return s;
 }
 
-// A JSON value as the user wrote it, shortened for messages.
-std::string show(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
-
 std::string fmt_num(double x) {
   std::ostringstream os;
   os << x;
   return os.str();
 }
 
-// An admissible interval for a number, which also words itself for error messages.
+// An admissible interval for a number, which also words itself for error messages. f32: the value goes
+// to a float32 (every hyperparameter of the kernels, the learning rates of the schedules, loss scales), so
+// it must be 0 or of a magnitude float32 holds, neither rounded to inf nor to 0.
 struct Range {
   double lo = -kInf, hi = kInf;
   bool lo_open = false, hi_open = false;
+  bool f32 = true;
   bool contains(double x) const {
     return (lo_open ? x > lo : x >= lo) && (hi_open ? x < hi : x <= hi);
   }
@@ -71,6 +69,10 @@ Range any_number() { return {}; }
 Range ge(double lo) { return {lo, kInf, false, false}; }
 Range gt(double lo) { return {lo, kInf, true, false}; }
 Range in_co(double lo, double hi) { return {lo, hi, false, true}; }  // [lo, hi)
+Range f64(Range r) {  // a value kept in double (a timeout), not limited to float32's range
+  r.f32 = false;
+  return r;
+}
 
 std::string int_range_text(int64_t lo, int64_t hi) {
   if (lo == kI64Min && hi == kI64Max) return "an integer";
@@ -91,6 +93,10 @@ struct Ctx {
   // DeepSpeed config often has several (offload, a ZeRO++ key, a monitor...), and one error naming them
   // all saves a parse per setting. A value zero8 cannot read at all still fails at once.
   std::vector<std::string> unsupported;
+  // The text of every floating-point number as the file writes it, by key path ("optimizer.params.lr" ->
+  // "1e39"), so that messages quote a value as written rather than as a double (1e+39) or float32 (inf)
+  // prints it.
+  std::unordered_map<std::string, std::string> number_text;
 };
 
 std::string join_path(const std::string& path, const std::string& key) {
@@ -145,14 +151,34 @@ void warn_at(const Ctx& ctx, const std::string& path, const std::string& msg) {
   ctx.warnings->push_back(ctx.source + ": " + (path.empty() ? std::string() : path + ": ") + msg);
 }
 
+// The value at `path` as the file writes it (a number's own text), shortened for messages.
+std::string show(const Ctx& ctx, const std::string& path, const json& v) {
+  std::string s;
+  const auto it = v.is_number_float() ? ctx.number_text.find(path) : ctx.number_text.end();
+  s = it != ctx.number_text.end() ? it->second : v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+// A number read from `path` (or its default when the file has none), for messages: as written if written.
+std::string num_text(const Ctx& ctx, const std::string& path, double x) {
+  const auto it = ctx.number_text.find(path);
+  return it != ctx.number_text.end() ? it->second : json(x).dump();
+}
+
 [[noreturn]] void fail_expected(const Ctx& ctx, const std::string& path, const std::string& what, const json& v) {
-  fail_at(ctx, path, "expected " + what + ", got " + show(v));
+  fail_at(ctx, path, "expected " + what + ", got " + show(ctx, path, v));
 }
 
 double value_num(const Ctx& ctx, const std::string& path, const json& v, const Range& r) {
   if (!v.is_number()) fail_expected(ctx, path, r.text(), v);
   const double x = v.get<double>();
   if (!std::isfinite(x) || !r.contains(x)) fail_expected(ctx, path, r.text(), v);
+  // FLT_TRUE_MIN: the smallest positive float32 (a subnormal); anything nonzero below it rounds to 0.
+  if (r.f32 && x != 0.0 && (std::fabs(x) > double(FLT_MAX) || std::fabs(x) < double(FLT_TRUE_MIN)))
+    fail_at(ctx, path, "expected " + r.text() + " that float32 can hold (zero8 computes with it in float32, where " +
+                           show(ctx, path, v) + " would be " + (std::fabs(x) > 1.0 ? "inf" : "0") +
+                           "; largest float32 3.4028235e38), got " + show(ctx, path, v));
   return x;
 }
 
@@ -177,8 +203,25 @@ int64_t value_int(const Ctx& ctx, const std::string& path, const json& v, int64_
   return x;
 }
 
-// A view of one JSON object at a key path, which records the keys it read so that finish() can warn
-// about the rest. A missing section (nullptr) reads as all defaults.
+// Optimal string alignment distance, case-insensitive: the insertions, deletions, substitutions and
+// swaps of two adjacent characters that turn a into b ("stgae" -> "stage": 1, "zer08" -> "zero8": 1).
+size_t edit_distance(const std::string& a0, const std::string& b0) {
+  const std::string a = lower(a0), b = lower(b0);
+  const size_t n = a.size(), m = b.size();
+  std::vector<std::vector<size_t>> d(n + 1, std::vector<size_t>(m + 1));
+  for (size_t i = 0; i <= n; ++i) d[i][0] = i;
+  for (size_t j = 0; j <= m; ++j) d[0][j] = j;
+  for (size_t i = 1; i <= n; ++i)
+    for (size_t j = 1; j <= m; ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[n][m];
+}
+
+// A view of one JSON object at a key path, which records the keys it read so that finish() can reject
+// the rest (and suggest the key meant). A missing section (nullptr) reads as all defaults.
 class Section {
  public:
   Section(Ctx& ctx, const json* obj, std::string path, Auto policy)
@@ -191,13 +234,17 @@ class Section {
 
   // The raw value (null included), marking the key as read; nullptr when absent.
   const json* raw(const std::string& key) {
+    know(key);
     if (!obj_) return nullptr;
     auto it = obj_->find(key);
     if (it == obj_->end()) return nullptr;
     seen_.insert(key);
     return &*it;
   }
-  bool has(const std::string& key) const { return obj_ && obj_->find(key) != obj_->end(); }
+  bool has(const std::string& key) {
+    know(key);
+    return obj_ && obj_->find(key) != obj_->end();
+  }
   std::vector<std::string> keys() const {
     std::vector<std::string> k;
     if (obj_)
@@ -296,21 +343,67 @@ class Section {
   void unsupported(const std::string& key, const std::string& msg) { unsupported_at(ctx_, key_path(key), msg); }
   void warn(const std::string& key, const std::string& msg) const { warn_at(ctx_, key_path(key), msg); }
 
-  // Warn once for every key that was not read. DeepSpeed ignores unknown top-level keys; `hint` says
-  // what DeepSpeed would do with an unknown key here when that differs.
-  void finish(const std::string& hint = "") {
+  // Fail on the first key of this section that was not read (the keys zero8 ignores are read, see
+  // ignore()): a misspelt key would otherwise leave its setting at the default and run another job than
+  // the one written, and DeepSpeed's own config models forbid unknown keys as well. `why` says what
+  // DeepSpeed does with such a key here.
+  void finish(const std::string& why) {
     if (!obj_) return;
-    for (auto it = obj_->begin(); it != obj_->end(); ++it)
-      if (!seen_.count(it.key()))
-        warn_at(ctx_, key_path(it.key()), "unknown key, ignored" + (hint.empty() ? std::string() : " " + hint));
+    for (auto it = obj_->begin(); it != obj_->end(); ++it) {
+      if (seen_.count(it.key())) continue;
+      const std::string near = closest_key(it.key());
+      std::string known;
+      if (near.empty() && known_order_.size() <= 16)
+        for (const std::string& k : known_order_) known += (known.empty() ? "" : ", ") + k;
+      fail_at(ctx_, key_path(it.key()),
+              "unknown key" + (!near.empty() ? "; did you mean \"" + near + "\"?"
+                               : !known.empty() ? " (the keys zero8 reads here: " + known + ")"
+                                                : std::string(" (docs/CONFIG.md lists the keys zero8 reads here)")) +
+                  (why.empty() ? "" : " " + why));
+    }
+  }
+
+  // The top level: DeepSpeed ignores keys it does not know there, and so does zero8 (a warning), except a
+  // near miss of a key zero8 reads ("zer08", "zero_optimisation"): a misspelt section, which would be
+  // skipped whole.
+  void finish_top() {
+    for (auto it = obj_->begin(); it != obj_->end(); ++it) {
+      if (seen_.count(it.key())) continue;
+      const std::string near = closest_key(it.key());
+      if (!near.empty())
+        fail_at(ctx_, it.key(), "unknown top-level key; did you mean \"" + near + "\"? (DeepSpeed would ignore a "
+                                "misspelt section, and every setting in it, without a word)");
+      warn_at(ctx_, it.key(), "unknown key, ignored (DeepSpeed ignores unknown top-level keys too)");
+    }
   }
 
  private:
+  void know(const std::string& key) {
+    if (known_.insert(key).second) known_order_.push_back(key);
+  }
+  // The key of this section that `key` is a likely misspelling of ("" if none): the nearest by
+  // edit_distance, within 1 edit for keys of up to 7 characters and 2 for longer ones, so that "stgae",
+  // "zer08" and "int8_gradeints" find theirs but distinct short names ("amp", "aio") are not confused.
+  std::string closest_key(const std::string& key) const {
+    std::string best;
+    size_t best_d = key.size() <= 7 ? 1 : 2;
+    for (const std::string& k : known_order_) {
+      const size_t d = edit_distance(key, k);
+      if (d <= best_d && (best.empty() || d < best_d)) {
+        best = k;
+        best_d = d;
+      }
+    }
+    return best;
+  }
+
   Ctx& ctx_;
   const json* obj_;
   std::string path_;
   Auto policy_;
   std::set<std::string> seen_;
+  std::set<std::string> known_;            // every key the parser asked this section for, present or not
+  std::vector<std::string> known_order_;   // the same, in the order asked
 };
 
 bool is_true(const json& v) { return v.is_boolean() && v.get<bool>(); }
@@ -418,6 +511,58 @@ json parse_json_text(const Ctx& ctx, const std::string& text) {
   return root;
 }
 
+// The text of every floating-point number of a well-formed document, by key path (Ctx::number_text): the
+// SAX interface hands over each number's own characters, which the parsed tree no longer has.
+class NumberTextSax : public nlohmann::json_sax<json> {
+ public:
+  explicit NumberTextSax(std::unordered_map<std::string, std::string>* out) : out_(out) {}
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t& s) override {
+    (*out_)[path()] = s;
+    return value();
+  }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override { return open(false); }
+  bool key(string_t& k) override {
+    frames_.back().key = k;
+    return true;
+  }
+  bool end_object() override { return close(); }
+  bool start_array(std::size_t) override { return open(true); }
+  bool end_array() override { return close(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  struct Frame {
+    bool array;
+    std::string key;
+    int64_t index;
+  };
+  std::string path() const {
+    std::string p;
+    for (const Frame& f : frames_) p = f.array ? p + "[" + std::to_string(f.index) + "]" : join_path(p, f.key);
+    return p;
+  }
+  bool value() {  // one value done: the next one of an array has the next index
+    if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+    return true;
+  }
+  bool open(bool array) {
+    frames_.push_back(Frame{array, "", 0});
+    return true;
+  }
+  bool close() {
+    frames_.pop_back();
+    return value();
+  }
+  std::unordered_map<std::string, std::string>* out_;
+  std::vector<Frame> frames_;
+};
+
 // ---------------------------------------------------------------------------------------------------
 // Sections.
 
@@ -497,7 +642,7 @@ void parse_precision(Section& top, Config& c) {
     s.ignore("fused_mode");
     s.reject_if("fp16_master_weights_and_grads", is_true,
                 "fp16 master weights are not supported: zero8 keeps an fp32 master of each partition");
-    s.finish("(DeepSpeed rejects unknown fp16 keys)");
+    s.finish("(DeepSpeed rejects unknown fp16 keys too)");
   }
   {
     // "bfloat16" is DeepSpeed's old name, read only when "bf16" is absent.
@@ -514,7 +659,7 @@ void parse_precision(Section& top, Config& c) {
                 "bf16 master weights are not supported: zero8 keeps an fp32 master of each partition");
     s.reject_if("bf16_optimizer_states", is_true,
                 "bf16 optimizer states are not supported: zero8 keeps them as 8-bit blocks (or fp32)");
-    s.finish("(DeepSpeed rejects unknown bf16 keys)");
+    s.finish("(DeepSpeed rejects unknown bf16 keys too)");
   }
   if (c.fp16.enabled && c.bf16.enabled)
     fail_at(top.ctx(), "bf16.enabled", "fp16 and bf16 cannot both be enabled (DeepSpeed asserts the same)");
@@ -535,7 +680,7 @@ void parse_offload(Section& z, const std::string& key, const std::string& what) 
                         "pipeline_write", "fast_init", "ratio", "super_offload", "convert_grad_on_cpu",
                         "cpuadam_cores_perc"})
     o.ignore(k);
-  o.finish("(DeepSpeed rejects unknown offload keys)");
+  o.finish("(DeepSpeed rejects unknown offload keys too)");
 }
 
 void parse_zero(Section& top, Config& c) {
@@ -592,7 +737,7 @@ void parse_zero(Section& top, Config& c) {
     s.ignore(k);
   for (const std::string& k : s.keys())
     if (k.rfind("stage3_", 0) == 0) s.ignore(k);
-  s.finish("(DeepSpeed rejects unknown zero_optimization keys)");
+  s.finish("(DeepSpeed rejects unknown zero_optimization keys too)");
 }
 
 std::string supported_list(const std::vector<std::string>& names) {
@@ -727,14 +872,15 @@ void parse_optimizer(Section& top, Config& c) {
     const char* momentum = has(optim::HyperField::beta1);
     const char* dampening = has(optim::HyperField::dampening);
     p.fail(nesterov, std::string("Nesterov momentum requires ") + momentum + " > 0 and " + dampening + " 0 (got " +
-                         momentum + " " + fmt_num(o.get(momentum)) + ", " + dampening + " " +
-                         fmt_num(o.get(dampening)) + ")");
+                         momentum + " " + num_text(p.ctx(), p.key_path(momentum), o.get(momentum)) + ", " +
+                         dampening + " " + num_text(p.ctx(), p.key_path(dampening), o.get(dampening)) + ")");
   }
   const char* max_key = has(optim::HyperField::max_trust_ratio);
   const char* min_key = has(optim::HyperField::min_trust_ratio);
   if (max_key && min_key && o.get(min_key) > o.get(max_key))
-    p.fail(min_key, std::string("expected <= ") + max_key + " " + fmt_num(o.get(max_key)) + ", got " +
-                        fmt_num(o.get(min_key)));
+    p.fail(min_key, std::string("expected <= ") + max_key + " " +
+                        num_text(p.ctx(), p.key_path(max_key), o.get(max_key)) + ", got " +
+                        num_text(p.ctx(), p.key_path(min_key), o.get(min_key)));
   if (row->torch_flags) ignore_torch_flags(p);
   p.finish(std::string("(DeepSpeed would pass it to the ") + row->deepspeed +
            " constructor, which rejects unknown arguments)");
@@ -969,7 +1115,7 @@ void parse_checkpoint(Section& top, Config& c) {
                   "size reads other ranks' shards); use false or remove it");
   s.ignore("parallel_write");
   s.ignore("writer");
-  s.finish();
+  s.finish("(DeepSpeed ignores unknown checkpoint keys, leaving the setting meant at its default)");
 }
 
 bool is_pow2_block(int64_t b) { return b >= 64 && b <= 4096 && (b & (b - 1)) == 0; }
@@ -990,6 +1136,7 @@ void parse_zero8(Section& top, Config& c) {
   }
   z.int8_gradients = s.get_bool("int8_gradients", true);
   z.int8_params = s.get_bool("int8_params", false);
+  z.int8_activations = s.get_bool("int8_activations", false);
   z.error_feedback = s.get_bool("error_feedback", false);
   if (z.error_feedback && !z.int8_gradients)
     s.warn("error_feedback", "has no effect without int8_gradients (fp32 gradients have no quantization error)");
@@ -1019,11 +1166,11 @@ void parse_zero8(Section& top, Config& c) {
                   "\"nccl\" cannot run the engine: its buffers (parameters, gradients, optimizer state, checkpoints) "
                   "are host memory, and NCCL takes device buffers only; use \"auto\", \"mpi\" or \"single\" (the "
                   "NCCL backend is for device buffers through the C++ Communicator API, comm_create(\"nccl\"))");
-  z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, gt(0.0));
+  z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, f64(gt(0.0)));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
-  ck.finish();
-  s.finish();
+  ck.finish("");
+  s.finish("");
 }
 
 }  // namespace
@@ -1036,7 +1183,7 @@ const char* scheduler_type_name(SchedulerType t) {
 
 std::string plain_json(const std::string& json_text, const std::string& source_name) {
   std::vector<std::string> unused;
-  Ctx ctx{source_name, &unused, nullptr, {}};
+  Ctx ctx{source_name, &unused, nullptr, {}, {}};
   return parse_json_text(ctx, json_text).dump();
 }
 
@@ -1045,9 +1192,11 @@ Config parse_string(const std::string& json_text, int world_size, const std::str
   Config c;
   c.source = source_name;
   c.world_size = world_size;
-  Ctx ctx{source_name, &c.warnings, nullptr, {}};
+  Ctx ctx{source_name, &c.warnings, nullptr, {}, {}};
   const json root = parse_json_text(ctx, json_text);
-  if (!root.is_object()) fail_at(ctx, "", "the config must be a JSON object, got " + show(root));
+  NumberTextSax numbers(&ctx.number_text);
+  json::sax_parse(json_text, &numbers, nlohmann::json::input_format_t::json, /*strict=*/true, /*ignore_comments=*/true);
+  if (!root.is_object()) fail_at(ctx, "", "the config must be a JSON object, got " + show(ctx, "", root));
   ctx.root = &root;
   Section top(ctx, &root, "", Auto::reject);
   parse_batch(top, world_size, c);
@@ -1058,7 +1207,7 @@ Config parse_string(const std::string& json_text, int world_size, const std::str
   parse_misc(top, c);
   parse_checkpoint(top, c);
   parse_zero8(top, c);
-  top.finish("(DeepSpeed ignores unknown top-level keys too)");
+  top.finish_top();
   throw_unsupported(ctx);
   return c;
 }
@@ -1190,6 +1339,7 @@ std::string to_json(const Config& c, int indent) {
                 {"wire_block_size", q.wire_block_size},
                 {"int8_gradients", q.int8_gradients},
                 {"int8_params", q.int8_params},
+                {"int8_activations", q.int8_activations},
                 {"error_feedback", q.error_feedback},
                 {"release_gradients", q.release_gradients},
                 {"min_8bit_size", q.min_8bit_size},

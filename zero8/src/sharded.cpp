@@ -855,6 +855,9 @@ double ShardedOptimizer::grad_sq_sum_global(bool* overflow) {
   } else {
     std::memcpy(host, sums, sizeof(host));
   }
+  // A pipeline's stages share one norm and one overflow verdict (set_step_group): the stages' sums are
+  // added over the pipe group, on the host (16 bytes; the group's backend may want device memory).
+  if (outer_) comm::all_reduce_host(*outer_, host, kNumGroups, comm::ScalarType::f64, comm::ReduceOp::sum);
   const double total = host[0] + host[1];
   *overflow = !std::isfinite(total);
   return total;

@@ -6,8 +6,8 @@
                                                           model_parameters=model.parameters(),
                                                           config="ds_config.json")
 
-Submodules: ``functional`` (block-wise quantization), ``optim``, ``nn``, ``engine``, ``config``,
-``lr_schedules``, ``utils`` (``zero8.utils.zero_to_fp32``: DeepSpeed's consolidated-weights functions); they
+Submodules: ``functional`` (block-wise quantization), ``optim``, ``nn``, ``engine``, ``pipe`` (pipeline models), ``config``,
+``deepspeed``, ``lr_schedules``, ``utils`` (``zero8.utils.zero_to_fp32``: DeepSpeed's consolidated-weights functions); they
 are imported on first use. The ranks' communicator is ``zero8.init_distributed()`` (the engine's).
 Errors from the C++ library are ``Zero8Error`` subclasses that are also the builtin exception for their
 kind (``Zero8ValueError`` is a ``ValueError``, ``Zero8IOError`` an ``OSError``...); ``.code`` names the
@@ -42,7 +42,7 @@ __version__ = _C.version()
 
 # Imported on first attribute access (zero8.optim...). A name whose module is not installed raises
 # AttributeError, so hasattr() works.
-_SUBMODULES = ("functional", "optim", "nn", "engine", "config", "lr_schedules", "utils")
+_SUBMODULES = ("functional", "optim", "nn", "engine", "pipe", "config", "lr_schedules", "utils", "deepspeed")
 # DeepSpeed's top-level names, from zero8.engine on first access.
 _ENGINE_NAMES = ("initialize", "add_config_arguments", "init_distributed")
 

@@ -1,8 +1,8 @@
 """DeepSpeed JSON configs on the Python side: a path, a dict or JSON text goes to the C++ parser
 (``_C.Config``), which validates it (errors name the JSON key path) and returns the typed config, every
 value resolved (``cfg.typed.zero.stage``, ``cfg.typed.zero8.optim_bits``), and its normalized JSON. Python
-only loads the text and reports the parser's warnings (unknown keys and the like) once, from rank 0. The
-keys are documented in docs/CONFIG.md.
+only loads the text and reports the parser's warnings (unknown top-level keys and the like) once, from
+rank 0. The keys are documented in docs/CONFIG.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["Zero8Config", "Zero8ConfigWarning", "load_config", "config_source_te
 
 
 class Zero8ConfigWarning(UserWarning):
-    """A config key zero8 ignores (unknown, or a DeepSpeed feature without effect here)."""
+    """A config key zero8 ignores (an unknown top-level key, or a DeepSpeed feature without effect here)."""
 
 
 @dataclass

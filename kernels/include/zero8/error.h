@@ -1,5 +1,6 @@
 // zero8::Error, the one exception type the library throws, and the check macros that build it.
-// An error says what failed, where (file:line of the check), and, when known, which rank or tensor.
+// An error says what failed and, when known, which file, key, rank or tensor; internal errors (and every
+// error of a debug build) also name the file:line of the check.
 #pragma once
 
 #include <sstream>
@@ -27,7 +28,12 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// The messages are what users read (Python shows them as they are): a zero8 source path there says
+// nothing to them, so release builds keep it for internal errors, the bugs whose reports need it.
 [[noreturn]] inline void throw_error(ErrorCode code, const char* file, int line, const std::string& msg) {
+#ifdef NDEBUG
+  if (code != ErrorCode::internal) throw Error(code, msg);
+#endif
   std::ostringstream os;
   os << msg << " [" << file << ":" << line << "]";
   throw Error(code, os.str());

@@ -254,13 +254,15 @@ Summary summarize(const Manifest& m, int64_t manifest_bytes);
 // Every check: the manifest, each file's presence, size, header and checksum, the shard sections
 // (inside their file, not overlapping, covering each global range exactly once) and the model
 // file's tensors. Collects every problem as "<file>: <problem>" instead of stopping at the first.
+// checksums false: all but the checksums, so only a few bytes of each file are read (a missing,
+// truncated or overlong file, a bad header); `zero8-checkpoint inspect` checks that much.
 struct VerifyResult {
   std::vector<std::string> problems;
   int files = 0;      // files checked
   int64_t bytes = 0;  // bytes hashed
   bool ok() const { return problems.empty(); }
 };
-VerifyResult verify(const std::string& tag_dir);
+VerifyResult verify(const std::string& tag_dir, bool checksums = true);
 
 // Consolidated fp32 weights as one safetensors file at out_path (written to a temporary name beside it,
 // synced, renamed: an existing file is replaced atomically and keeps its permission bits; a symbolic

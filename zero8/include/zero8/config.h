@@ -161,6 +161,7 @@ struct Zero8Config {
   int32_t wire_block_size = 2048;   // power of two in [64, 4096]
   bool int8_gradients = true;       // quantized reduce-scatter of gradients
   bool int8_params = false;         // quantized all-gather of parameter updates
+  bool int8_activations = false;    // pipeline: activations and their gradients between stages as int8 blocks
   bool error_feedback = false;      // carry the gradient quantization error to the next step
   bool release_gradients = false;   // stage 2: hand reduced gradient buckets' memory back to the OS
   int64_t min_8bit_size = 4096;     // parameters with fewer elements keep fp32 states
@@ -171,8 +172,8 @@ struct Zero8Config {
   double comm_timeout_s = 1800.0;
   int64_t checkpoint_keep_last = 0; // "checkpoint": {"keep_last": N}; 0 keeps all
   auto tie() const {
-    return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, error_feedback,
-                    release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
+    return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, int8_activations,
+                    error_feedback, release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
                     checkpoint_keep_last);
   }
 };

@@ -221,6 +221,14 @@ class ShardedOptimizer {
   // grad_ready without backward_end (that micro-batch's gradient is not reduced yet).
   StepInfo step();
 
+  // The step's agreement over the data-parallel group, the squared gradient norm (whose finiteness is
+  // the overflow flag), is also reduced over `outer` when one is set: the pipeline engine passes its
+  // pipeline group, so that an overflow in any stage skips the step in every stage and clipping uses the
+  // norm of the whole model. Then step() is collective over `outer` too (one all_reduce of two doubles in
+  // host memory, after the one over the data-parallel group). nullptr (the default) turns it off.
+  // `outer` must outlive this optimizer.
+  void set_step_group(comm::Communicator* outer) { outer_ = outer; }
+
   // Learning rate and other hyperparameters of the next steps of one hyper group (schedulers change lr
   // between steps). Each is validated at every step.
   optim::Hyper& hyper(int hyper_group = 0);
@@ -322,6 +330,7 @@ class ShardedOptimizer {
   std::vector<ParamSpec> params_;
   ShardConfig cfg_;
   comm::Communicator& dp_;
+  comm::Communicator* outer_ = nullptr;            // set_step_group
   Layout layout_;
   LossScaler scaler_;
   std::vector<optim::Hyper> hypers_;               // per hyper group

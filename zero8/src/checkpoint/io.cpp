@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -28,8 +29,14 @@ namespace fs = std::filesystem;
 std::string errno_text(int e) { return std::strerror(e); }
 
 std::string strip_where(const std::string& s) {
+  // Only a " [<file>:<line>]" suffix (internal errors, debug builds), never a message's own "[8]".
   const size_t p = s.rfind(" [");
-  return p != std::string::npos && s.back() == ']' ? s.substr(0, p) : s;
+  if (p == std::string::npos || s.back() != ']') return s;
+  const size_t colon = s.rfind(':');
+  if (colon == std::string::npos || colon < p + 3 || colon + 2 >= s.size()) return s;
+  for (size_t i = colon + 1; i + 1 < s.size(); ++i)
+    if (!std::isdigit(static_cast<unsigned char>(s[i]))) return s;
+  return s.substr(0, p);
 }
 
 std::string hex64(uint64_t v) {
@@ -181,8 +188,12 @@ void rename_or_fail(const std::string& from, const std::string& to) {
 }
 
 bool exists(const std::string& p) {
+  // Only "no such file" is false: a path that cannot be looked at (a directory without search permission
+  // on the way, an I/O error) would otherwise read as missing, and a readable tag as an incomplete one.
   std::error_code ec;
-  return fs::exists(p, ec);
+  const bool found = fs::exists(p, ec);
+  if (ec) CKPT_FAIL(p, "cannot access: " + ec.message());
+  return found;
 }
 
 void remove_tree(const std::string& p) {

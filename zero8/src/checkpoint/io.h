@@ -17,7 +17,8 @@ namespace zero8::ckpt::detail {
 #define CKPT_FAIL(path, what) ZERO8_THROW(io, (path) << ": " << (what))
 
 std::string errno_text(int e);
-// Error text without the " [file:line]" suffix ZERO8_THROW appends (for verify's problem list).
+// Error text without the " [file:line]" suffix ZERO8_THROW appends to internal errors and in debug builds
+// (for verify's problem list).
 std::string strip_where(const std::string& s);
 // 16 lowercase hex digits, as the manifest writes checksums and nonces; parse: false unless exactly that.
 std::string hex64(uint64_t v);
@@ -88,7 +89,7 @@ class FileReader {
 std::string file_read_text(const std::string& path, int64_t limit = int64_t(1) << 30);
 void fsync_dir(const std::string& dir);
 void rename_or_fail(const std::string& from, const std::string& to);
-bool exists(const std::string& p);
+bool exists(const std::string& p);  // false when absent; Error(io) when it cannot be looked at
 void remove_tree(const std::string& p);
 
 // ---- environment (declared in checkpoint.h) and the crash hooks ----

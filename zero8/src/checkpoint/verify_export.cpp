@@ -40,7 +40,7 @@ Summary summarize(const Manifest& m, int64_t manifest_bytes) {
   return s;
 }
 
-VerifyResult verify(const std::string& tag_dir) {
+VerifyResult verify(const std::string& tag_dir, bool checksums) {
   VerifyResult v;
   Manifest m;
   try {
@@ -49,7 +49,7 @@ VerifyResult verify(const std::string& tag_dir) {
     v.problems.push_back(strip_where(e.what()));
     return v;
   }
-  FileSet files(tag_dir, m, true);
+  FileSet files(tag_dir, m, checksums);
   for (const FileInfo& fi : m.files) {
     ++v.files;
     try {

@@ -15,10 +15,12 @@ Names, signatures and return values follow deepspeed.initialize / DeepSpeedEngin
 listed in ``initialize``'s docstring.
 
 The package, by job: ``entry`` (initialize, init_distributed, add_config_arguments), ``training`` (the
-engine: setup, forward / backward / step, hooks, statistics), ``checkpoint`` (save / load, the model-states
-file, the 16-bit model), ``optimizer`` (the returned Zero8Optimizer), ``params`` (which parameters train in
-which param and hyper groups), ``client_optim`` (client optimizers and param groups as C++
-hyperparameters), ``config_view`` (how the engine reads its config), ``world`` (the world communicator).
+engine: setup, forward / backward / step, hooks, statistics), ``pipeline`` (the engine of a
+zero8.pipe.PipelineModule: train_batch / eval_batch over each stage's plain engine), ``checkpoint`` (save /
+load, the model-states file, the 16-bit model), ``pipeline_checkpoint`` (the pipeline's tags), ``optimizer``
+(the returned Zero8Optimizer), ``params`` (which parameters train in which param and hyper groups),
+``client_optim`` (client optimizers and param groups as C++ hyperparameters), ``config_view`` (how the
+engine reads its config), ``world`` (the world communicator).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 from .checkpoint import MODEL_STATES_FILE
 from .entry import add_config_arguments, init_distributed, initialize  # noqa: F401
 from .optimizer import Zero8Optimizer
+from .pipeline import PipelineEngine
 from .training import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, Zero8Engine  # noqa: F401
 from .world import world_comm
 
-__all__ = ["initialize", "Zero8Engine", "Zero8Optimizer", "MODEL_STATES_FILE", "world_comm"]
+__all__ = ["initialize", "Zero8Engine", "PipelineEngine", "Zero8Optimizer", "MODEL_STATES_FILE", "world_comm"]

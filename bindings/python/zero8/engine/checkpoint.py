@@ -58,15 +58,17 @@ class EngineCheckpoints:
     """Zero8Engine's checkpoint methods (DeepSpeed's names); they use the engine's optimizer, module,
     communicator, counters and typed config (self._cfg)."""
 
-    def _checkpoint_tag(self, tag: str) -> str:
-        """The tag every rank saves under: rank 0's. checkpoint.tag_validation (DeepSpeed's Warn, Ignore,
-        Fail) says what another tag on some rank does: Fail raises on every rank, Warn warns (rank 0),
-        Ignore says nothing. Either way the shards go under rank 0's tag, since shards under several tags
-        are no checkpoint (DeepSpeed's Warn lets each rank write its own)."""
-        if self._dp.size == 1:
+    def _checkpoint_tag(self, tag: str, comm=None) -> str:
+        """The tag every rank of ``comm`` (default: the data-parallel group) saves under: rank 0's.
+        checkpoint.tag_validation (DeepSpeed's Warn, Ignore, Fail) says what another tag on some rank does:
+        Fail raises on every rank, Warn warns (rank 0), Ignore says nothing. Either way the shards go under
+        rank 0's tag, since shards under several tags are no checkpoint (DeepSpeed's Warn lets each rank
+        write its own)."""
+        comm = self._dp if comm is None else comm
+        if comm.size == 1:
             return tag
         mode = self._cfg.checkpoint.tag_validation
-        tags = [t.decode() for t in self._dp.all_gather_bytes(tag.encode())]
+        tags = [t.decode() for t in comm.all_gather_bytes(tag.encode())]
         if len(set(tags)) > 1:
             msg = f"checkpoint tag differs across ranks: {tags}"
             if mode == _C.TagValidation.fail:
@@ -94,15 +96,23 @@ class EngineCheckpoints:
         save_dir = os.fspath(save_dir)
         _check_tag_not_empty(tag, "save_checkpoint", "save_dir", "global_step<N> (N = engine.global_steps)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        client_state = dict(client_state or {})
         tag = self._checkpoint_tag(tag)
+        self._save_tag(save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                       int(self._cfg.zero8.checkpoint_keep_last), stacklevel=3)
+        return True
+
+    def _save_tag(self, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
+                  exclude_frozen_parameters: bool, keep_last: int, stacklevel: int) -> None:
+        """save_checkpoint under a tag the ranks agreed on (collective over the data-parallel group).
+        ``stacklevel``: the frame of the user's save_checkpoint call, counted from here, for warnings."""
+        client_state = dict(client_state or {})
         gas = self.gradient_accumulation_steps()
         done = self.micro_steps % gas + int(self._backward_done)
         if done and self.global_rank == 0:
             warnings.warn(
                 f"save_checkpoint in the middle of gradient accumulation (micro-batch {done} of {gas} of step "
                 f"{self.global_steps + 1}): the gradients of that step are not saved; a load resumes at its start",
-                stacklevel=2)
+                stacklevel=stacklevel)
         sched_state = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
         state = {
             "format": _ENGINE_STATE_FORMAT, "version": _ENGINE_STATE_VERSION, "engine": self._engine_state(),
@@ -117,12 +127,11 @@ class EngineCheckpoints:
                 state[key] = None
                 state[f"{key}_in_model_states"] = True
         state["optimizer"] = _jsonable(state["optimizer"])
-        keep_last = int(self._cfg.zero8.checkpoint_keep_last)
         # The .pt file goes into the tag with the shards, before the tag is installed and `latest` moves,
         # so a crash or a full disk never leaves `latest` naming a tag without it.
         written = self._on_ranks_agreed(
             lambda: (self._model_states_bytes(client_state, sched_state, exclude_frozen_parameters),
-                     self._module_rest(exclude_frozen_parameters)),
+                     self._module_rest(exclude_frozen_parameters, stacklevel + 3)),
             f"save_checkpoint: writing {MODEL_STATES_FILE}")
         pt, (state_dict, module_tensors) = (None, ([], [])) if written is None else written
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
@@ -130,7 +139,6 @@ class EngineCheckpoints:
         views = [(k, dtype, shape, t.data_ptr(), t.numel() * t.element_size()) for k, dtype, shape, t in module_tensors]
         _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
                            bool(save_latest), state_dict, views)
-        return True
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
@@ -171,21 +179,23 @@ class EngineCheckpoints:
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name
 
-    def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False) -> Any:
-        """Run ``work`` on rank 0 (all_ranks: on every rank), then let every rank learn whether it failed
-        anywhere (a collective), so that no rank goes on alone into the next collective: a failing rank
-        re-raises its error; the others raise the first failing rank's, as the same kind of error,
-        prefixed with ``what`` and that rank. Returns work's result where it ran, else None."""
+    def _on_ranks_agreed(self, work: Callable[[], Any], what: str, all_ranks: bool = False, comm=None) -> Any:
+        """Run ``work`` on rank 0 of ``comm`` (default: the data-parallel group; all_ranks: on every rank),
+        then let every rank learn whether it failed anywhere (a collective), so that no rank goes on alone
+        into the next collective: a failing rank re-raises its error; the others raise the first failing
+        rank's, as the same kind of error, prefixed with ``what`` and that rank (of ``comm``). Returns
+        work's result where it ran, else None."""
+        comm = self._dp if comm is None else comm
         result, error = None, None
-        if all_ranks or self.global_rank == 0:
+        if all_ranks or comm.rank == 0:
             try:
                 result = work()
             except Exception as e:  # every rank must reach the all-reduce below
                 error = e
-        if not self._dp.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]:
+        if not comm.all_reduce_f64([1.0 if error is not None else 0.0], "max")[0]:
             return result
         mine = b"" if error is None else f"{type(error).__name__}\n{error}".encode()
-        reports = self._dp.all_gather_bytes(mine)
+        reports = comm.all_gather_bytes(mine)
         if error is not None:
             try:
                 raise error
@@ -213,7 +223,7 @@ class EngineCheckpoints:
         return {k: _compact(v.detach(), seen) if isinstance(v, torch.Tensor) else v
                 for k, v in self._module_entries(exclude_frozen).items()}
 
-    def _module_rest(self, exclude_frozen: bool) -> tuple[list, list]:
+    def _module_rest(self, exclude_frozen: bool, stacklevel: int) -> tuple[list, list]:
         """The module's state_dict for the C++ checkpoint (zero8::ckpt::SaveOptions), so that ``zero8-checkpoint
         to-fp32`` gives all of it, as DeepSpeed's zero_to_fp32 does: every key in order as (key, source), the
         source being the trained parameter's name (the export takes it from the fp32 masters) or the key of
@@ -239,7 +249,7 @@ class EngineCheckpoints:
             if dtype is None:
                 warnings.warn(f"save_checkpoint: {key} is {v.dtype}, which the checkpoint's model_rest.safetensors "
                               "cannot hold: zero8-checkpoint to-fp32 will give the trained parameters only (the "
-                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=5)
+                              f"whole state_dict is in {MODEL_STATES_FILE})", stacklevel=stacklevel)
                 return [], []
             first[id(v)] = key
             tensors.append((key, dtype, list(v.shape), v.detach().to("cpu").contiguous()))
@@ -286,6 +296,16 @@ class EngineCheckpoints:
                 warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
             return None, None
         tag = "" if tag is None else str(tag)
+        from ..deepspeed.universal import is_deepspeed_checkpoint
+        ds_tag = tag or _latest_text(load_dir)
+        if ds_tag and "/" not in ds_tag and not ds_tag.startswith(".") and \
+                is_deepspeed_checkpoint(os.path.join(load_dir, ds_tag)):
+            # A run moved from DeepSpeed: its fp32 states quantized into this engine's (zero8.deepspeed.migrate).
+            from ..deepspeed.migrate import load_into_engine
+            return load_into_engine(self, load_dir, ds_tag, load_module_strict=load_module_strict,
+                                    load_optimizer_states=load_optimizer_states,
+                                    load_lr_scheduler_states=load_lr_scheduler_states,
+                                    load_module_only=load_module_only)
         full = load_optimizer_states and not load_module_only
         staged: dict = {}
 
@@ -320,8 +340,8 @@ class EngineCheckpoints:
 
         if full:
             try:
-                res = _C.checkpoint_load(self._opt, load_dir, tag, True,
-                                         lambda r: stage(r["path"], r["client_state_json"]))
+                res = _C.checkpoint_load(self._opt, load_dir, tag, True, lambda r: self._load_before_commit(
+                    lambda: stage(r["path"], r["client_state_json"])))
             except _C.Zero8IOError as e:
                 named = self._hyper_groups_named(str(e), load_dir, tag)
                 if named is None:
@@ -386,6 +406,12 @@ class EngineCheckpoints:
         self._backward_done = False
         return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
             model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
+
+    def _load_before_commit(self, check: Callable[[], None]) -> None:
+        """Runs the load's last checks, inside the C++ load before it changes anything (a raise here on any
+        rank fails the load on every rank of the data-parallel group, changing nothing). The pipeline engine
+        makes every stage agree here."""
+        check()
 
     def _override_changes(self, recorded) -> list[str]:
         """The override groups whose overrides differ from the checkpoint's record of them (its engine state's
@@ -638,3 +664,12 @@ def _jsonable(x):
     if isinstance(x, torch.Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
     return x
+
+
+def _latest_text(load_dir: str) -> str:
+    """The tag `<load_dir>/latest` names, "" when unreadable (the C++ load then reports it)."""
+    try:
+        with open(os.path.join(load_dir, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return ""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 
@@ -12,6 +13,7 @@ from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
 from ..config import load_config
 from .config_view import dataloader_drop_last, requested_backend
+from .pipeline import PipelineEngine
 from .training import Zero8Engine
 from .world import world_comm
 
@@ -51,8 +53,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     - ``config``: a DeepSpeed config (dict, path or JSON text; ``args.deepspeed_config`` and
       ``config_params`` as in DeepSpeed, and as there config= with args.deepspeed_config is an error).
-      It is validated in C++ (``zero8.Zero8ValueError`` naming the key path); unknown keys warn once
-      (rank 0). A ``"zero8"`` section turns on 8-bit states and int8
+      It is validated in C++ (``zero8.Zero8ValueError`` naming the key path; an unknown key inside a
+      section zero8 reads is one, with the key meant); unknown top-level keys warn once (rank 0). A
+      ``"zero8"`` section turns on 8-bit states and int8
       communication (docs/CONFIG.md).
     - ``optimizer``: None (the config's "optimizer" section), a torch.optim Adam/AdamW/SGD/RMSprop/
       Adagrad, a zero8.optim / bitsandbytes 8-bit optimizer (its class and hyperparameters are read; its
@@ -68,15 +71,23 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
       yields micro-batches of this rank's share (DistributedSampler over the data-parallel ranks), made
       by ``collate_fn``, else None.
 
+    - ``model``: a torch module, or a ``zero8.pipe.PipelineModule``: then the engine is the pipeline
+      engine (``train_batch`` / ``eval_batch``, docs/PIPELINE.md), each stage's optimizer sharded over
+      the stage's data-parallel ranks, and the config's batch sizes count those ranks.
+
     Processes: under mpirun every rank runs this (MPI backend, chosen automatically; no
     torch.distributed process group is needed: ``distributed_port`` and ``dist_init_required`` are
-    accepted and ignored). Not supported: ``mpu``/``mesh_param`` (model or pipeline parallelism).
-    ZeRO stage 0 runs as stage 1 (same arithmetic, states partitioned).
+    accepted and ignored). Not supported: ``mpu``/``mesh_param`` (tensor parallelism; pipeline
+    parallelism comes from a PipelineModule). ZeRO stage 0 runs as stage 1 (same arithmetic, states
+    partitioned).
     """
+    from ..pipe.module import PipelineModule
+
     if model is None:
         raise Zero8ValueError("initialize: model is required")
     if mpu is not None or mesh_param is not None:
-        raise Zero8NotSupportedError("initialize: mpu / mesh_param (model or pipeline parallelism) are not supported")
+        raise Zero8NotSupportedError("initialize: mpu / mesh_param (tensor parallelism) are not supported; for "
+                                     "pipeline parallelism pass a zero8.pipe.PipelineModule as model")
     if config is None and config_params is not None:
         config = config_params
     args_key = next((k for k in ("deepspeed_config", "zero8_config") if getattr(args, k, None) is not None), None)
@@ -89,13 +100,27 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if config is None:
         raise Zero8ValueError("initialize: no config (pass config=, or args.deepspeed_config)")
     world = world_comm(requested_backend(config))
-    dp = world.split(0, world.rank, f"zero8-engine-{next(_engine_numbers)}")  # own counters per engine
-    cfg = load_config(config, dp.size, rank=world.rank)
-    engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
-                         client_lr_scheduler=lr_scheduler)
+    if isinstance(model, PipelineModule):
+        # The engine's own world (its own counters), cut into the pipe x data grid of the module's topology.
+        world = world.split(0, world.rank, f"zero8-pipe-{next(_engine_numbers)}")
+        topo = _C.topology_split(world, model.num_stages)
+        dp = topo["dp_group"]
+        cfg = load_config(config, dp.size, rank=world.rank)
+        engine = PipelineEngine(model, cfg, dp, world, topo["pp_group"], model_parameters=model_parameters,
+                                client_optimizer=optimizer, client_lr_scheduler=lr_scheduler)
+    else:
+        dp = world.split(0, world.rank, f"zero8-engine-{next(_engine_numbers)}")  # own counters per engine
+        cfg = load_config(config, dp.size, rank=world.rank)
+        if cfg.typed is not None and cfg.typed.zero8.int8_activations and world.rank == 0:
+            warnings.warn("zero8.int8_activations has no effect here: it quantizes the activations between "
+                          "pipeline stages, and this model is not a zero8.pipe.PipelineModule", stacklevel=2)
+        engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
+                             client_lr_scheduler=lr_scheduler)
     engine.collate_fn = collate_fn
     engine._dataloader_drop_last = dataloader_drop_last(config)
     loader = None
     if training_data is not None:
         loader = engine.deepspeed_io(training_data)
+        if isinstance(engine, PipelineEngine):
+            engine.set_dataloader(loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

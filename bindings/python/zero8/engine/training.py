@@ -92,6 +92,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._backward_done = False
         self._in_step = False  # engine.step() is calling optimizer.step()
         self._bytes = {"gradients": 0, "step": 0}
+        self._backward_bytes0 = 0  # bytes sent when the running micro-batch's backward began
         self._hooks: list = []
         self.collate_fn = None  # initialize's collate_fn, deepspeed_io's default
         self._dataloader_drop_last = False  # the config's dataloader_drop_last (initialize sets it)
@@ -313,10 +314,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _params_outside_graph(self, loss: torch.Tensor) -> bool:
-        """Whether some trainable parameter is not a leaf of loss's autograd graph (walked once)."""
+    def _params_outside_graph(self, roots: list) -> bool:
+        """Whether some trainable parameter is not a leaf of the autograd graph of ``roots`` (walked once)."""
         wanted = {id(p) for p in self._params}
-        seen, stack = set(), [loss.grad_fn]
+        seen, stack = set(), [t.grad_fn for t in roots]
         while stack and wanted:
             fn = stack.pop()
             if fn is None or fn in seen:
@@ -476,17 +477,19 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             "no_sync at stage 2 too)")
 
     def train_batch(self, *args, **kwargs):
-        """DeepSpeed's PipelineEngine.train_batch; not supported (no pipeline parallelism)."""
+        """DeepSpeed's PipelineEngine.train_batch: the engine of a zero8.pipe.PipelineModule has it."""
         raise Zero8NotSupportedError(
-            "engine.train_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Train "
-            "each micro-batch with loss = engine(batch); engine.backward(loss); engine.step() (the optimizer steps "
-            "at every gradient_accumulation_steps-th micro-batch)")
+            "engine.train_batch(): DeepSpeed's PipelineEngine method, which zero8.initialize returns for a "
+            "zero8.pipe.PipelineModule; this engine trains a plain module: train each micro-batch with "
+            "loss = engine(batch); engine.backward(loss); engine.step() (the optimizer steps at every "
+            "gradient_accumulation_steps-th micro-batch)")
 
     def eval_batch(self, *args, **kwargs):
-        """DeepSpeed's PipelineEngine.eval_batch; not supported (no pipeline parallelism)."""
+        """DeepSpeed's PipelineEngine.eval_batch: the engine of a zero8.pipe.PipelineModule has it."""
         raise Zero8NotSupportedError(
-            "engine.eval_batch(): DeepSpeed's PipelineEngine method; zero8 has no pipeline parallelism. Evaluate "
-            "with engine.eval() and, under torch.no_grad(), engine(batch)")
+            "engine.eval_batch(): DeepSpeed's PipelineEngine method, which zero8.initialize returns for a "
+            "zero8.pipe.PipelineModule; this engine evaluates a plain module with engine.eval() and, under "
+            "torch.no_grad(), engine(batch)")
 
     def _bytes_sent(self) -> int:
         return sum(int(s["bytes"]) for s in self._dp.stats().values())
@@ -502,29 +505,47 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             raise RuntimeError(
                 "engine.backward() called twice without engine.step() in between (one backward per micro-batch)"
             )
+        loss, scaled = self._scaled_loss(loss, scale_wrt_gas)
+        self._autograd_backward([scaled], None, retain_graph)
+        self._reduce_backward()
+        return loss
+
+    def _scaled_loss(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss / gradient_accumulation_steps, what backward differentiates: that times the fp16 loss scale)."""
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        scaled = loss.float() * float(self._opt.loss_scale) if self.fp16_enabled() else loss
+        return loss, loss.float() * float(self._opt.loss_scale) if self.fp16_enabled() else loss
+
+    def _autograd_backward(self, tensors: list, grads, retain_graph: bool = False) -> None:
+        """The autograd part of a micro-batch's backward: from ``tensors`` (with ``grads``, None for a
+        scalar loss), the gradients arriving through the hooks (stage 2 reduces full buckets meanwhile).
+        _reduce_backward ends the micro-batch."""
         if self._backwards == 0:
-            self._counting = self._params_outside_graph(scaled)
+            self._counting = self._params_outside_graph(tensors)
         self._backwards += 1
-        b0 = self._bytes_sent()
+        self._backward_bytes0 = self._bytes_sent()
         t0 = time.perf_counter()
         self._in_backward = True
         try:
-            scaled.backward(retain_graph=retain_graph)
+            torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         finally:
             self._in_backward = False
+        self._timers["backward"] += time.perf_counter() - t0
+
+    def _reduce_backward(self) -> None:
+        """The end of a micro-batch's backward (collective): the gradients not reduced yet are (stage 2;
+        stage 1 at the accumulation boundary), and a trainable parameter without a gradient is an error
+        unless ignore_unused_parameters."""
         unused = [] if self._cfg.zero.ignore_unused_parameters else [
             self._param_names[i] for i, n in enumerate(self._arrivals) if not n]
         t1 = time.perf_counter()
         self._backward_end()  # collective: every rank gets here before any raises below
         t2 = time.perf_counter()
-        self._timers["backward"] += t2 - t0
+        self._timers["backward"] += t2 - t1
         self._timers["reduce"] += t2 - t1
         self._timers["micro"] += 1
-        self._bytes["gradients"] += self._bytes_sent() - b0
+        self._bytes["gradients"] += self._bytes_sent() - self._backward_bytes0
         if unused:
             shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
             raise RuntimeError(
@@ -532,7 +553,6 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                 f"{shown}; with zero_optimization.ignore_unused_parameters false this is an error (set it true to "
                 f"treat their gradients as zero, or freeze them with requires_grad_(False))"
             )
-        return loss
 
     def _backward_end(self) -> None:
         self._opt.backward_end(self.is_gradient_accumulation_boundary())

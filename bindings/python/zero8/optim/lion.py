@@ -11,7 +11,9 @@ __all__ = ["Lion", "Lion8bit", "Lion32bit"]
 
 class Lion(Optimizer8bit, algo="lion"):
     """Lion: ``p *= 1 - lr wd``; ``p -= lr sign(b1 m + (1-b1) g)``; ``m = b2 m + (1-b2) g`` (decoupled
-    weight decay; ``sign(0) = 0``). Defaults as the paper and bitsandbytes: ``lr=1e-4, betas=(0.9, 0.99)``.
+    weight decay; ``sign(0) = 0``, ``sign(NaN) = NaN``: a NaN gradient makes its parameter NaN, as in every
+    zero8 optimizer, instead of stopping it silently as torch.sign's 0 would). Defaults as the paper and
+    bitsandbytes: ``lr=1e-4, betas=(0.9, 0.99)``.
     ``master_weights=False`` keeps no float32 master of bfloat16/float16 parameters (see ``Optimizer8bit``).
     """
 

@@ -35,13 +35,16 @@ State of one parameter ``p`` (the keys of bitsandbytes' optimizers, so state dic
   rounding, keep the exact float32 masters.
 
 Non-finite gradients: a NaN or Inf gradient element makes its parameter element NaN or Inf, as in
-torch. With 8-bit states it also makes the scale of its state block non-finite (a NaN scale, see
-``zero8.functional``), so the next step turns the whole block NaN: ``block_size`` (256) elements of the
-states, and so of the parameter. 32-bit states keep it to the element, as torch does; bitsandbytes'
-8-bit states spread an Inf over its block the same way. Skip such steps: ``torch.amp.GradScaler`` does
-(its ``step`` calls no ``optimizer.step()`` when the unscaled gradients hold an Inf or NaN), as zero8's
-engine does in every precision; or check the gradients before stepping
-(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``).
+torch, in every optimizer (Lion too: the sign of NaN is NaN here, where torch.sign's 0 would stop the
+element without a word; an Inf moves a Lion parameter by ``lr``), and no other element. 32-bit states
+keep the NaN or Inf, as torch's do. An 8-bit state block cannot hold one (its scale would turn NaN, and
+with it all ``block_size`` elements of the block at the next step), so a non-finite 8-bit state is
+stored as 0 and the rest of its block trains on. LAMB and LARS compute a per-tensor trust ratio: a NaN
+norm makes it 1 for that tensor, an infinite update norm 0 for that step (as timm's). Skip such steps:
+``torch.amp.GradScaler`` does (its ``step`` calls no ``optimizer.step()`` when the unscaled gradients
+hold an Inf or NaN), as zero8's engine does in every precision; or check the gradients before stepping
+(``torch.nn.utils.clip_grad_norm_(..., error_if_nonfinite=True)``). docs/ARCHITECTURE.md, "Non-finite
+gradients in the optimizers", has the details.
 
 Devices: CPU parameters, or CUDA parameters in a build with zero8's CUDA kernels (``zero8.build_info()``).
 The states live on the parameter's device (``load_state_dict`` places them there, as torch.optim does, so
@@ -76,6 +79,7 @@ from .._C import Zero8NotSupportedError, Zero8ValueError
 from .._tensors import (FLOAT_DTYPES, check_device, check_not_dtensor, check_same_device, cuda_stream, dtype_code,
                         on_device)
 from . import _algos
+from .partition import PartitionedStates
 
 __all__ = [
     "GlobalOptimManager",
@@ -326,6 +330,10 @@ def wants_fp32_state(p: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------------
 # Argument checks (the messages name the argument)
 
+_F32_MAX = 3.4028234663852886e38   # the largest float32
+_F32_TRUE_MIN = 1.401298464324817e-45  # the smallest positive float32 (subnormal)
+
+
 def _num(value, name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -350,6 +358,10 @@ def _check_range(value, name: str, bounds: Tuple[float, float, bool, bool]) -> f
     ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
         raise Zero8ValueError(f"Invalid {name}: {value} ({_range_text(lo, hi, lo_open, hi_open)})")
+    # The kernels compute in float32, where a larger magnitude is inf and a smaller nonzero one 0.
+    if v != 0 and not _F32_TRUE_MIN <= abs(v) <= _F32_MAX:
+        raise Zero8ValueError(f"Invalid {name}: {value} (beyond float32's range, which zero8's kernels compute in: "
+                              f"it would be {'inf' if abs(v) > 1 else '0'} there; largest float32 3.4028235e38)")
     return v
 
 
@@ -568,7 +580,7 @@ def table_classes(algo: str, module: str) -> Tuple[type, type, type]:
 # ---------------------------------------------------------------------------------------------------
 # The optimizer base
 
-class Optimizer8bit(torch.optim.Optimizer):
+class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
     """Base of zero8's optimizers. A subclass names its row of the algorithm table,
     ``class SGD(Optimizer8bit, algo="sgd")``, which gives it everything else: ``algo`` (a ``_C.Algo``), its
     constructor (arguments and defaults), ``_GROUP_KEYS`` (the group hyperparameters, checked by
@@ -646,6 +658,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
         self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master, bits), see _step_param
         super().__init__(params, defaults)
+        self._record_model_params()  # DeepSpeed may replace them by flat partitions (zero8.optim.partition)
 
     # torch's __getstate__ keeps only defaults, state and param_groups: add the 8-bit knobs and the
     # per-parameter overrides (as (tensor, config) pairs, so deepcopy/pickle map them to the copied
@@ -665,6 +678,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._overrides = WeakIdKeyDictionary()
             for p, c in pairs or ():
                 self._overrides[p] = c
+        if not hasattr(self, "_model_params"):
+            self._record_model_params()
         if not hasattr(self, "_synced"):  # a copy or unpickled optimizer: its first step compares in full
             self._synced = {}
         if not hasattr(self, "master_weights"):  # pickled before the knob existed
@@ -722,7 +737,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 raise Zero8ValueError("override_config: pass keywords, key/value or key_value_dict, not several")
             key_value_dict = kwargs
         config = _override_dict(key, value, key_value_dict)
-        known = {id(p) for g in self.param_groups for p in g["params"]}
+        known = self._known_params()
         for p in _as_params(parameters):
             if id(p) not in known:
                 raise Zero8ValueError(f"override_config: a tensor of shape {tuple(p.shape)} is not a parameter "
@@ -822,12 +837,16 @@ class Optimizer8bit(torch.optim.Optimizer):
         mng = GlobalOptimManager.get_instance()
         check_global = mng.has_overrides()
         check_own = len(self._overrides) > 0
+        self._adopt_torch_states()
         for gi, group in enumerate(self.param_groups):  # values changed since construction (a scheduler...)
             self._check_hyper(group, f" (param_groups[{gi}])")
         for gi, group in enumerate(self.param_groups):
             group_hyper = None
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
+                    continue
+                if self._is_partition(p, group):
+                    self._step_partition(p, group, gi)
                     continue
                 over = mng.config_for(p) if check_global else None
                 own = self._overrides.get(p) if check_own else None
@@ -1006,6 +1025,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         """torch's state_dict (the live state tensors, parameters by index) with bitsandbytes' group
         aliases added (e.g. SGD's ``betas = (momentum, dampening)``), so bitsandbytes can load it, and the
         algorithm's name (group key ``zero8_algorithm``), so zero8 refuses to load it into another algorithm."""
+        self._adopt_torch_states()
         sd = super().state_dict()
         for g in sd["param_groups"]:
             for k, v in self._bnb_group_aliases(g).items():
@@ -1032,8 +1052,39 @@ class Optimizer8bit(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if self._has_partitions():
+            self._load_partitioned(state_dict)
+            return
         groups = self.param_groups
-        saved_groups = copy.deepcopy(state_dict["param_groups"])  # a tensor lr is updated in place by schedulers
+        new_groups = self._loaded_groups(state_dict["param_groups"])
+        saved_groups = state_dict["param_groups"]
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        group_of = {id(p): (gi, pi) for gi, g in enumerate(new_groups) for pi, p in enumerate(g["params"])}
+        state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                state[key] = value
+                continue
+            p = id_map[key]
+            gi, pi = group_of[id(p)]
+            state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
+                                              f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
+        self.__setstate__({"state": state, "param_groups": new_groups})
+        for p in id_map.values():
+            # The parameter stays the truth: without a record, the next step compares all its elements with
+            # the rounding of the loaded master and re-seeds those that differ (weights loaded into the model
+            # before this win, as in torch; the same checkpoint's weights keep the exact masters).
+            self._synced.pop(id(p), None)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_groups(self, saved_groups: list) -> list:
+        """The param groups a load installs: each of this optimizer's groups (its params) with the saved
+        group's hyperparameters (bitsandbytes' aliases mapped, torch.optim flags that do not apply dropped),
+        checked; a saved group of another algorithm or with an unsupported flag is refused."""
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(saved_groups)  # a tensor lr is updated in place by schedulers
         if len(groups) != len(saved_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
@@ -1055,27 +1106,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             new["params"] = group["params"]
             self._check_group(new, index)
             new_groups.append(new)
-
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
-                          chain.from_iterable(g["params"] for g in groups)))
-        group_of = {id(p): (gi, pi) for gi, g in enumerate(new_groups) for pi, p in enumerate(g["params"])}
-        state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
-        for key, value in state_dict["state"].items():
-            if key not in id_map:
-                state[key] = value
-                continue
-            p = id_map[key]
-            gi, pi = group_of[id(p)]
-            state[p] = self._load_param_state(p, value, self._config(new_groups[gi], p),
-                                              f"state[{key}] (param_groups[{gi}]['params'][{pi}])")
-        self.__setstate__({"state": state, "param_groups": new_groups})
-        for p in id_map.values():
-            # The parameter stays the truth: without a record, the next step compares all its elements with
-            # the rounding of the loaded master and re-seeds those that differ (weights loaded into the model
-            # before this win, as in torch; the same checkpoint's weights keep the exact masters).
-            self._synced.pop(id(p), None)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        return new_groups
 
     def _load_param_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any],
                           where: str) -> Dict[str, Any]:

@@ -104,12 +104,17 @@ ZERO8_HD float optim_lars_direction(const OptimConsts& c, float g, float p) {
 
 // ---- Lion ----
 // Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Program 1: p <- p (1 - lr wd);
-// p <- p - lr sign(b1 m + (1-b1) g); m <- b2 m + (1-b2) g. sign(0) = 0 as torch.sign.
+// p <- p - lr sign(b1 m + (1-b1) g); m <- b2 m + (1-b2) g. sign(+-0) = +0 as torch.sign; sign(NaN) = NaN as
+// numpy.sign and jax.numpy.sign (the paper's Lion is optax's), not 0 as torch.sign: with 0, a NaN gradient
+// would leave its parameter as it is and its momentum NaN, so the element would stop training for good
+// without a NaN anywhere in the model.
+ZERO8_HD float optim_sign(float u) { return u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : (u == u ? 0.0f : u)); }
+
 ZERO8_HD float optim_lion_one(const OptimConsts& c, float g, float p, float& m) {
   g = g * c.grad_scale;
   p = p * c.decay;
   const float u = c.beta1 * m + c.beta1_c * g;
-  const float s = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+  const float s = optim_sign(u);
   m = c.beta2 * m + c.beta2_c * g;
   return p - c.lr * s;
 }
@@ -154,6 +159,17 @@ ZERO8_HD float optim_lamb_one(const OptimConsts& c, float g, float p, float& m, 
   const float u = optim_lamb_direction(c, g, p, m, v);
   return p - lr_trust * u;
 }
+
+// ---- non-finite states ----
+// An 8-bit state block stores codes and one scale: a NaN or Inf among its new states would make the scale
+// NaN, and at the next step all block-size elements of the state, and so of the parameter, NaN (or, for
+// Lion, frozen). So with 8-bit states a non-finite new state is stored as 0 and the block's scale comes from
+// its finite states: the element that took the NaN/Inf keeps it in its parameter (which the update has
+// already written, as torch's would be), and the other elements of the block train on as in torch.
+// 32-bit states keep the value, as torch's do. Every variant encodes what applying this to each new 8-bit
+// state before taking the block's range gives (the SIMD ones apply it to a block only when its range
+// shows a non-finite state, so the common step pays nothing for it).
+ZERO8_HD float optim_state_finite(float s) { return s - s == 0.0f ? s : 0.0f; }
 
 // One element of any algorithm: returns the new parameter, updates s1/s2 in place (unused states may
 // be any value). `trust` is the segment's trust ratio (lamb/lars; 1 otherwise).

@@ -1,0 +1,269 @@
+"""zero8.pipe and the pipeline engine in one process: the 1F1B schedule (every shape simulated against
+blocking send/recv), DeepSpeed's partition methods and topology, layer building and seeds, a one-stage
+pipeline against the plain engine (bit for bit, 8-bit states included: one stage has the whole model's
+layout), the engine's errors and its checkpoints. Multi-rank runs: test_pipe_dist.py.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import zero8
+from engine_util import EXACT, FULL8, config, make_data
+from pipe_util import lm_layers, lm_loss, make_tokens, micro_batches, mse, regression_layers, train_plain
+from zero8.config import load_config
+from zero8.engine import PipelineEngine
+from zero8.engine.training import Zero8Engine
+from zero8.engine.world import world_comm
+from zero8.pipe import (
+    LayerModule,
+    LayerSpec,
+    PipeDataParallelTopology,
+    PipelineError,
+    PipelineModule,
+    TiedLayerSpec,
+    partition_balanced,
+    partition_uniform,
+)
+from zero8.pipe import schedule as sched
+from zero8.pipe.p2p import Structure
+
+B = 32
+
+
+# ---- the schedule ----
+@pytest.mark.parametrize("stages", range(1, 9))
+def test_1f1b_schedule_never_deadlocks_and_runs_every_micro_batch_once(stages):
+    for micro in range(1, 13):
+        programs = [sched.train_schedule(s, stages, micro) for s in range(stages)]
+        sched.simulate(programs, ((0, stages - 1),) if stages > 1 else ())
+        sched.simulate([sched.eval_schedule(s, stages, micro) for s in range(stages)])
+        for s, prog in enumerate(programs):
+            fwd = [i.micro for i in prog if i.kind == sched.FORWARD]
+            bwd = [i.micro for i in prog if i.kind == sched.BACKWARD]
+            assert fwd == bwd == list(range(micro))
+            assert prog[-1] == sched.Instruction(sched.STEP)
+            # 1F1B: a stage holds at most stages - s micro-batches' activations at once.
+            live, most = 0, 0
+            for i in prog:
+                live += (i.kind == sched.FORWARD) - (i.kind == sched.BACKWARD)
+                most = max(most, live)
+            assert most <= min(stages - s, micro)
+
+
+def test_the_schedule_deadlocks_without_the_parity_order(monkeypatch):
+    # The simulator catches what the even/odd ordering prevents: both neighbours sending first.
+    monkeypatch.setattr(sched, "_pair", lambda stage, send, recv: [send, recv])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        sched.simulate([sched.train_schedule(s, 2, 4) for s in range(2)])
+
+
+# ---- partitions and topology ----
+def test_partition_methods_follow_deepspeeds_meaning():
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]  # DeepSpeed: the first parts take the remainder
+    assert partition_uniform(4, 4) == [0, 1, 2, 3, 4]
+    # Balanced: the largest stage as small as possible, every stage non-empty.
+    assert partition_balanced([1, 1, 1, 10, 1, 1], 3) == [0, 3, 4, 6]
+    assert partition_balanced([5, 5, 5, 5], 2) == [0, 2, 4]
+    parts = partition_balanced([0, 1, 0, 1, 0, 1, 0, 1], 4)
+    assert all(b > a for a, b in zip(parts, parts[1:])) and parts[0] == 0 and parts[-1] == 8
+    with pytest.raises(ValueError, match="3 layer"):
+        partition_balanced([1, 1, 1], 4)
+
+
+def test_pipe_data_topology_is_stage_major():
+    t = PipeDataParallelTopology(num_pp=2, num_dp=3)
+    assert t.world_size() == 6 and t.get_dim("pipe") == 2 and t.get_dim("data") == 3 and t.get_dim("model") == 0
+    assert t.get_rank(pipe=1, data=2) == 5 and t.get_coord(4) == t.ProcessCoord(pipe=1, data=1)
+    assert t.get_axis_comm_lists("data") == [[0, 1, 2], [3, 4, 5]]  # a stage's data-parallel ranks
+    assert t.get_axis_comm_lists("pipe") == [[0, 3], [1, 4], [2, 5]]  # one pipeline per data-parallel rank
+    assert t.filter_match(pipe=0) == [0, 1, 2] and t.get_axis_list("data", 0) == [0, 3]
+    with pytest.raises(ValueError, match="outside"):
+        t.get_rank(pipe=2, data=0)
+
+
+def test_partition_method_type_balances_the_matching_layers():
+    layers = [LayerSpec(nn.Embedding, 8, 4), *[LayerSpec(nn.Linear, 4, 4) for _ in range(4)], LayerSpec(nn.LayerNorm, 4)]
+    m = PipelineModule(layers, num_stages=1, partition_method="type:linear")
+    assert m.parts == [0, 6] and m.stage_id == 0 and m.num_pipeline_stages() == 1
+    with pytest.raises(ValueError, match="no layer's class name matches"):
+        PipelineModule(layers, num_stages=1, partition_method="type:Conv2d")
+    with pytest.raises(ValueError, match="not one of"):
+        PipelineModule(layers, num_stages=1, partition_method="best")
+
+
+# ---- building layers ----
+def test_layer_module_and_a_one_stage_pipeline_build_the_same_model():
+    torch.manual_seed(5)
+    before = torch.rand(3)
+    torch.manual_seed(5)
+    a = LayerModule(lm_layers(), loss_fn=lm_loss, seed_layers=True)
+    after = torch.rand(3)
+    assert torch.equal(before, after)  # seeded building leaves the caller's RNG stream alone
+    b = PipelineModule(lm_layers(), num_stages=1, loss_fn=lm_loss, seed_layers=True)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert "tied_modules.embed.weight" in sa and "1.fc.weight" in sa
+    # The tied module is one module, used by the first and the last layer.
+    assert a.forward_funcs[0] is a.tied_modules["embed"] and a.forward_funcs[-1].func.__name__ == "tied_head"
+    x, y = make_tokens()
+    assert torch.isfinite(lm_loss(a(x[:4]), y[:4]))
+
+
+def test_tied_weight_attr_must_name_parameters_and_specs_must_be_modules():
+    with pytest.raises(ValueError, match="tied_weight_attr"):
+        LayerModule([TiedLayerSpec("e", nn.Embedding, 4, 4, tied_weight_attr="bias")])
+    with pytest.raises(TypeError, match="not a torch.nn.Module class"):
+        LayerSpec(lambda: None)
+    with pytest.raises(ValueError, match="num_stages or topology"):
+        PipelineModule(regression_layers())
+    with pytest.raises(ValueError, match="must divide the world size"):
+        PipelineModule(regression_layers(), num_stages=2)  # one process here
+    with pytest.raises(ValueError, match="2 stages but only 1 layer"):
+        PipelineModule(regression_layers()[:1], num_stages=2)
+    with pytest.raises(ValueError, match=r"stage 0 \(layers 0..1\) holds no trainable parameters"):
+        zero8.initialize(model=PipelineModule([nn.Tanh(), nn.Tanh()], num_stages=1), config=config(zero8=EXACT))
+
+
+# ---- the engine in one process ----
+def _plain(layers, loss, cfg):
+    model = LayerModule(layers, loss_fn=loss, seed_layers=True)
+    comm = world_comm("auto").split(0, 0, "reference")
+    return Zero8Engine(model, load_config(cfg, 1, warn=False), comm, world_comm("auto")), comm
+
+
+def _pipe(layers, loss, cfg, **kw):
+    model = PipelineModule(layers, num_stages=1, loss_fn=loss, seed_layers=True, **kw)
+    engine, _, _, _ = zero8.initialize(model=model, config=cfg)
+    return engine
+
+
+def _train(engine, data, steps, first=0):
+    return [float(engine.train_batch(micro_batches(data, s, B, 0, 1, engine.micro_batches)))
+            for s in range(first, first + steps)]
+
+
+@pytest.mark.parametrize("z8,stage", [(EXACT, 1), (FULL8, 2), (dict(FULL8, min_8bit_size=64), 1)])
+def test_one_stage_pipeline_equals_the_plain_engine_bit_for_bit(z8, stage):
+    data = make_data()
+    cfg = config(gas=4, stage=stage, zero8=z8, gradient_clipping=1.0)
+    engine = _pipe(regression_layers(), mse, cfg)
+    assert isinstance(engine, PipelineEngine) and engine.is_first_stage() and engine.is_last_stage()
+    losses = _train(engine, data, 4)
+    ref, comm = _plain(regression_layers(), mse, cfg)
+    ref_losses = train_plain(ref, data, 4, B, mse, 0, 1, comm)
+    assert losses == ref_losses and losses[-1] < losses[0]
+    sd, ref_sd = engine.module.state_dict(), ref.module.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in sd.items())
+    assert engine.get_global_grad_norm() == ref.get_global_grad_norm()
+    assert engine.global_steps == 4 and engine.micro_steps == 16
+
+
+def test_activation_checkpointing_changes_nothing():
+    data = make_data()
+    cfg = config(gas=2, zero8=EXACT)
+    plain_run = _train(_pipe(regression_layers(), mse, cfg), data, 3)
+    ckpt_run = _train(_pipe(regression_layers(), mse, cfg, activation_checkpoint_interval=2), data, 3)
+    assert plain_run == ckpt_run
+
+
+def test_the_pipeline_engine_trains_through_train_batch_only():
+    engine = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT))
+    x, y = next(micro_batches(make_data(), 0, B, 0, 1, 2))
+    for call in (lambda: engine(x), lambda: engine.backward(torch.tensor(1.0)), lambda: engine.step()):
+        with pytest.raises(PipelineError, match="train_batch"):
+            call()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="gradients enabled"):
+        engine.train_batch(micro_batches(make_data(), 0, B, 0, 1, 2))
+    with pytest.raises(ValueError, match=r"\(inputs, labels\)"):
+        engine.train_batch(iter([x, x]))
+    with pytest.raises(StopIteration, match="ended at micro-batch 1 of 2"):
+        engine.train_batch(iter([(x, y)]))
+
+
+def test_the_plain_engine_points_pipeline_calls_to_a_pipeline_module():
+    ref, _ = _plain(regression_layers(), mse, config(zero8=EXACT))
+    with pytest.raises(zero8.Zero8NotSupportedError, match="PipelineModule"):
+        ref.train_batch(iter([]))
+
+
+def test_int8_activations_key_is_parsed_and_typos_are_named():
+    cfg = load_config(config(zero8={"int8_activations": True}), 1, warn=False)
+    assert cfg.typed.zero8.int8_activations and not load_config(config(), 1, warn=False).typed.zero8.int8_activations
+    assert json.loads(cfg.json)["zero8"]["int8_activations"] is True
+    with pytest.warns(zero8.config.Zero8ConfigWarning, match="zero8.int8_activation: unknown key"):
+        load_config(config(zero8={"int8_activation": True}), 1)
+    with pytest.raises(ValueError, match="int8_activations"):
+        load_config(config(zero8={"int8_activations": 1}), 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero8.initialize(model=LayerModule(regression_layers()), config=config(zero8={"int8_activations": True}))
+    assert any("int8_activations" in str(w.message) and "PipelineModule" in str(w.message) for w in caught)
+
+
+def test_eval_batch_gives_the_mean_loss_and_the_last_outputs():
+    data = make_data()
+    engine = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT))
+    batches = list(micro_batches(data, 0, B, 0, 1, 2))
+    loss, logits = engine.eval_batch(iter(batches), return_logits=True)
+    with torch.no_grad():
+        expected = sum(float(mse(engine.module(x), y).double()) for x, y in batches) / 2
+        last = engine.module(batches[-1][0])
+    assert float(loss) == float(torch.tensor(expected, dtype=torch.float32)) and torch.equal(logits, last)
+    per_micro = engine.eval_batch(iter(batches), reduce_output=None)
+    assert len(per_micro) == 2 and engine.global_steps == 0 and not engine.module.training
+
+
+def test_structure_of_the_messages_round_trips():
+    s = Structure.of((torch.zeros(2, 3, requires_grad=True), torch.ones(4, dtype=torch.long)), "output")
+    assert Structure.from_bytes(s.to_bytes()) == s and s.tensors[0].grad and not s.tensors[1].grad
+    assert s.describe() == "(float32[2, 3], int64[4])"
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
+        Structure.of({"x": torch.zeros(1)}, "stage 0 output")
+
+
+def test_checkpoint_of_a_pipeline_resumes_bit_exactly(tmp_path):
+    data = make_data()
+    cfg = config(gas=2, zero8=dict(FULL8, min_8bit_size=64))
+    a = _pipe(regression_layers(), mse, cfg)
+    _train(a, data, 2)
+    a.save_checkpoint(tmp_path, client_state={"epoch": 7})
+    cont = _train(a, data, 2, first=2)
+    b = _pipe(regression_layers(), mse, cfg)
+    path, client = b.load_checkpoint(tmp_path)
+    assert client["epoch"] == 7 and b.global_steps == 2
+    assert _train(b, data, 2, first=2) == cont
+    tag = tmp_path / "global_step2"
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert {"pipeline.json", "stage_00", *(f"layer_{i:02d}-model_states.pt" for i in (0, 2, 4, 6))} <= {
+        p.name for p in tag.iterdir()}
+    assert not any(p.name.startswith(".tmp-pipe-") for p in tmp_path.iterdir())
+    assert zero8._C.checkpoint_verify(str(tag / "stage_00" / "global_step2"))["ok"]
+    # The plain engine's checkpoints are not a pipeline's, and the other way round.
+    ref, _ = _plain(regression_layers(), mse, cfg)
+    ref.save_checkpoint(tmp_path / "plain")
+    with pytest.raises(ValueError, match="plain engine"):
+        b.load_checkpoint(tmp_path / "plain")
+
+
+def test_weights_only_load_reads_the_layer_files(tmp_path):
+    data = make_data()
+    cfg = config(gas=2, zero8=EXACT)
+    a = _pipe(regression_layers(), mse, cfg)
+    _train(a, data, 2)
+    a.save_checkpoint(tmp_path)
+    b = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    b.load_checkpoint(tmp_path, load_optimizer_states=False)
+    sa, sb = a.module.state_dict(), b.module.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa) and b.global_steps == 2
+    c = _pipe(regression_layers(), mse, cfg)
+    c.load_checkpoint(tmp_path, load_module_only=True)
+    assert c.global_steps == 0 and all(torch.equal(v, sa[k]) for k, v in c.module.state_dict().items())
+    (tmp_path / "global_step2" / "layer_02-model_states.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="layer_02"):
+        c.load_checkpoint(tmp_path, load_module_only=True)
