@@ -2,9 +2,9 @@
 """The largest GPT that trains 10 steps on 2 ranks within a memory limit, for zero8 and for DeepSpeed
 ZeRO-2 (issue 31, point 4).
 
-Each system climbs a ladder of GPTs (examples/pretrain_gpt.py's model: 8 blocks, head size 64, width
-growing by 128) with a binary search: a rung fits when its 2-rank job trains `--steps` steps without
-being killed. The job runs in a memory cgroup whose limit is `--limit_gb` for everything it starts
+Each system climbs a ladder of GPTs (examples/pretrain_gpt.py's layers in one LayerModule: 8 blocks,
+head size 64, width growing by 128) with a binary search: a rung fits when its 2-rank job trains
+`--steps` steps without being killed. The job runs in a memory cgroup whose limit is `--limit_gb` for everything it starts
 (launcher and ranks: cgroup v2 memory.max, or v1 memory.limit_in_bytes where the memory controller is
 on v1, both without swap), created as a child of this process's cgroup (root needed). Without a
 writable cgroup, the job runs unlimited and fits when the sum of its ranks' peak RSS is within the
@@ -44,9 +44,9 @@ WIDTHS = [256 + 128 * k for k in range(20)]  # 256 .. 2688
 
 def gpt_params(d_model: int, seq_len: int) -> int:
     """Parameters of examples/pretrain_gpt.py's GPT (untied head): per block 12 d^2 + 13 d, the
-    embeddings, the final LayerNorm and the head."""
+    embeddings (with StableEmbedding's LayerNorm), the final LayerNorm and the head."""
     d = d_model
-    return N_LAYER * (12 * d * d + 13 * d) + VOCAB * d + seq_len * d + 2 * d + VOCAB * d
+    return N_LAYER * (12 * d * d + 13 * d) + VOCAB * d + 2 * d + seq_len * d + 2 * d + VOCAB * d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +86,8 @@ def worker(args) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     ex = load_example()
-    model = ex.GPT(args.d_model, N_LAYER, args.d_model // HEAD_DIM, args.seq_len, False)
+    layers = ex.gpt_layers(args.d_model, N_LAYER, args.d_model // HEAD_DIM, args.seq_len, False)
+    model = ex.LayerModule(layers, seed_layers=True, base_seed=args.seed)
     cfg = ds_config(args)
     if args.worker == "zero8":
         import zero8
@@ -204,8 +205,22 @@ def command(system: str, args, d_model: int, result_dir: str) -> list:
     if system == "zero8":
         mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
         return [mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none"] + me
+    # torchrun starts the script with its own interpreter: the script and its arguments only.
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(29500 + os.getpid() % 1000)] + me
+            str(29500 + os.getpid() % 1000)] + me[1:]
+
+
+def first_error(output: str) -> str:
+    """The first line that reads as a Python error (the launchers' own reports follow it), with the last
+    file its traceback names, else the tail."""
+    where = ""
+    for line in output.splitlines():
+        head = line.split(":", 1)[0].strip()
+        if line.lstrip().startswith('File "'):
+            where = line.strip() + ": "
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return (where + line.strip())[:600]
+    return output[-600:]
 
 
 def run_rung(system: str, args, d_model: int, limit: int, index: int) -> dict:
@@ -219,7 +234,7 @@ def run_rung(system: str, args, d_model: int, limit: int, index: int) -> dict:
     try:
         r = subprocess.run(command(system, args, d_model, result_dir), env=env, capture_output=True, text=True,
                            timeout=args.timeout, preexec_fn=cg.enter if cg else None)
-        rc, tail = r.returncode, (r.stdout + r.stderr)[-3000:]
+        rc, tail = r.returncode, first_error(r.stdout + r.stderr)
     except subprocess.TimeoutExpired:
         rc, tail = -1, "timed out"
     seconds = time.perf_counter() - t0
@@ -235,7 +250,7 @@ def run_rung(system: str, args, d_model: int, limit: int, index: int) -> dict:
     peak = [x["peak_rss"] for x in ranks]
     fits = rc == 0 and len(ranks) == 2 and (cg is not None or sum(peak) <= limit)
     why = "" if fits else ("killed at the limit" if oom else
-                           "peak RSS above the limit" if rc == 0 and len(ranks) == 2 else f"exit {rc}: {tail[-600:]}")
+                           "peak RSS above the limit" if rc == 0 and len(ranks) == 2 else f"exit {rc}: {tail}")
     return {"fits": fits, "peak_rss": peak, "seconds": seconds, "why": why, "oom_kills": oom,
             "memory": ranks[0].get("memory") if ranks else None, "cgroup": None if cg is None else
             ("v2" if cg.v2 else "v1")}

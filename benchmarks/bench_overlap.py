@@ -49,7 +49,8 @@ def worker(args) -> int:
     torch.set_num_threads(args.threads)
     ex = load_example()
     world = world_comm("auto")
-    model = ex.GPT(args.d_model, args.n_layer, args.d_model // 64, args.seq_len, False)
+    layers = ex.gpt_layers(args.d_model, args.n_layer, args.d_model // 64, args.seq_len, False)
+    model = ex.LayerModule(layers, seed_layers=True, base_seed=args.seed)
     cfg = {
         "train_batch_size": args.batch * world.size,
         "train_micro_batch_size_per_gpu": args.batch,
