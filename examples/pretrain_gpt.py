@@ -7,6 +7,7 @@ by zero8-launch, mpirun or plain python (one rank); driven by a DeepSpeed JSON c
         --out_dir out/pretrain
     mpirun -np 2 python examples/pretrain_gpt.py --config examples/configs/gpt_zero8_stage2.json
     python examples/pretrain_gpt.py --config examples/configs/gpt_fp32_adamw.json --steps 100
+    zero8-launch --num_procs 2 examples/pretrain_gpt.py --device cuda ...   # one rank per GPU (NCCL)
     zero8-launch --num_procs 4 examples/pretrain_gpt.py --pipeline-stages 2   # 2 stages x 2 data-parallel ranks
 
 Data: every *.py file under the running interpreter's standard library (sysconfig's "stdlib" path; no
@@ -27,6 +28,11 @@ built whole for data parallelism, or with --pipeline-stages S cut into S stages 
 balanced by parameter count) that train_batch runs as a 1F1B pipeline, each stage over ranks / S
 data-parallel ranks (default config then gpt_zero8_pipe.json: 4 micro-batches per step, ZeRO stage 1).
 Each layer is built from its own seed, so both ways start from the same weights.
+
+Device: --device cpu, cuda (this rank's GPU, cuda:LOCAL_RANK: the engine keeps the 8-bit states and every
+buffer there and talks over NCCL between ranks) or auto (the default: cuda when zero8 has its CUDA kernels
+and every local rank can have a GPU of its own, else cpu). The model is built on the CPU from the seed and
+then moved, so both devices start from the same weights.
 
 Output (rank 0): a progress bar (tqdm when installed, else a plain line), a report every
 steps_per_print steps (loss, validation loss, tokens/s, optimizer-state bytes, peak memory and bytes sent
@@ -408,6 +414,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the layers cut into that many stages, each run by ranks / stages data-parallel ranks)")
     p.add_argument("--corpus_mb", type=float, default=4.0, help="MB of standard-library source used, > 0")
     p.add_argument("--seed", type=int, default=1234, help="model initialization and batch sampling")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to train: cuda (this rank's GPU), cpu, or auto (cuda when every local rank can "
+                        "have a GPU, default)")
     p.add_argument("--eval_interval", type=int, default=50, help="steps between validation losses, >= 1")
     p.add_argument("--eval_seqs", type=int, default=128,
                    help="validation sequences, >= 1 (fixed, spread evenly)")
@@ -445,6 +454,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def pick_device(choice: str, pipelined: bool = False) -> torch.device:
+    """--device: cuda is this rank's GPU (zero8.engine.local_device(): cuda:LOCAL_RANK); auto takes it when
+    zero8 has its CUDA kernels and there are as many GPUs as local ranks (NCCL needs one per rank). The
+    pipeline engine trains on the CPU only, so auto picks the CPU for --pipeline-stages above 1."""
+    if choice == "cpu" or (choice == "auto" and pipelined):
+        return torch.device("cpu")
+    if pipelined:
+        raise SystemExit("--device cuda with --pipeline-stages: the pipeline engine trains on the CPU only for "
+                         "now; use --device cpu, or --pipeline-stages 1")
+    usable = torch.cuda.is_available() and zero8.build_info()["cuda"]
+    if choice == "auto":
+        return zero8.engine.local_device() if usable and torch.cuda.device_count() >= _local_size() else \
+            torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use "
+                         "--device cpu")
+    if not zero8.build_info()["cuda"]:
+        raise SystemExit("--device cuda: this zero8 was built without CUDA (zero8.build_info()['cuda'] is "
+                         "False); reinstall it with its CUDA kernels, or use --device cpu")
+    return zero8.engine.local_device()
+
+
 def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: int, world: int, comm,
              micro: int) -> float:
     """Mean validation loss per byte over the fixed sequences; rank r takes sequences r, r+world, ..."""
@@ -453,7 +484,7 @@ def evaluate(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: int, rank: 
     mine = offsets[rank::world]
     with torch.no_grad():
         for i in range(0, mine.numel(), micro):
-            x, y = sequences(corpus.val, mine[i:i + micro], seq_len)
+            x, y = (t.to(engine.device) for t in sequences(corpus.val, mine[i:i + micro], seq_len))
             total += float(lm_loss(engine(x), y, reduction="sum"))
             count += y.numel()
     engine.train()
@@ -474,7 +505,8 @@ def evaluate_pipeline(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: in
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    comm = world_comm()
+    device = pick_device(args.device, args.pipeline_stages > 1)
+    comm = world_comm(device=device)  # NCCL for a GPU run of several ranks
     rank, world = comm.rank, comm.size
     if __name__ != "__main__":  # main() called from another script: handle the stop signals here
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
@@ -497,6 +529,7 @@ def main(argv=None) -> int:
                  else LayerModule(layers, seed_layers=True, base_seed=args.seed))
     except zero8.Zero8ValueError as e:
         raise SystemExit(f"--pipeline-stages {args.pipeline_stages}: {e}") from None
+    model = model.to(device)
     with torch.device("meta"):  # the whole model's size, whatever this rank builds
         n_params = sum(p.numel() for p in LayerModule(layers).parameters())
     # The engine gets the config as a dict (with this script's overrides), so its warnings and errors start
@@ -571,7 +604,7 @@ def main(argv=None) -> int:
               f"{micro} x {gas} {'micro-batches per pipeline' if pipelined else 'accumulation per rank'}), config "
               f"{args.config} (zero8 "
               f"{'on' if z8 and z8.get('enabled', True) else 'off'}), "
-              f"{os.environ.get('OMP_NUM_THREADS')} thread(s)/rank"
+              f"{os.environ.get('OMP_NUM_THREADS')} thread(s)/rank, {device} ({comm.backend})"
               + (f", resumed at step {start}" if start else ""), flush=True)
 
     progress = Progress(rank == 0, not args.no_progress, start, steps)
@@ -587,7 +620,9 @@ def main(argv=None) -> int:
         timer["t"], timer["tokens"] = now, step * tokens_per_step
         cs = engine.comm_stats()
         sent = cs["bytes"] + cs.get("pipeline", {}).get("pipe_group_bytes", 0)
-        mine = json.dumps([sent, cs["gradient_bytes"], state_bytes, max_rss_mb()]).encode()
+        mem = engine.memory_stats()  # on a GPU: the optimizer's buffers beside torch's peak (activations...)
+        gpu_peak = mem["total"] + mem["torch_max_allocated"] if device.type == "cuda" else 0
+        mine = json.dumps([sent, cs["gradient_bytes"], state_bytes, max_rss_mb(), gpu_peak]).encode()
         per_rank = [json.loads(b) for b in comm.all_gather_bytes(mine)] if world > 1 else [json.loads(mine)]
         if rank != 0:
             return
@@ -606,7 +641,8 @@ def main(argv=None) -> int:
                 f"{'-' if loss is None else f'{tok_s:,.0f}'} tok/s | "
                 f"state/rank {' '.join(fmt_bytes(r[2]) for r in per_rank)} | peak RSS/rank "
                 f"{' '.join(f'{r[3]:.0f}MB' for r in per_rank)} | "
-                f"sent/rank {' '.join(fmt_bytes(r[0]) for r in per_rank)}")
+                + (f"peak GPU/rank {' '.join(fmt_bytes(r[4]) for r in per_rank)} | " if device.type == "cuda" else "")
+                + f"sent/rank {' '.join(fmt_bytes(r[0]) for r in per_rank)}")
 
     def save(step_done: int) -> None:
         nonlocal saved_step
@@ -638,7 +674,7 @@ def main(argv=None) -> int:
         # The global batch of this step; this rank's micro-batches are its rows.
         offsets = batch_offsets(args.seed, step, batch, corpus.train.numel(), args.seq_len)
         step_lr = engine.get_lr()[0]  # the lr this step applies
-        micro_batches = (sequences(corpus.train, offsets[lo:lo + micro], args.seq_len)
+        micro_batches = (tuple(t.to(device) for t in sequences(corpus.train, offsets[lo:lo + micro], args.seq_len))
                          for lo in range(dp_rank * gas * micro, (dp_rank + 1) * gas * micro, micro))
         if pipelined:  # the global batch's mean loss, on every rank
             batch_loss = float(engine.train_batch(micro_batches))

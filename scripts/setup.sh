@@ -9,7 +9,9 @@ set -euo pipefail
 # OpenMPI (the CPU communication backend and `mpirun` for the multi-rank tests), nlohmann-json
 # (DeepSpeed config, checkpoint manifests) and xxHash (checkpoint checksums), both header-only,
 # oneDNN (the CPU int8 GEMM; the build falls back to the scalar reference without it), python3;
-# clang with its OpenMP runtime (libomp), for the test suite's second build of the C++ library;
+# clang with its OpenMP runtime (libomp), for the test suite's second build of the C++ library, and
+# its sanitizer and libFuzzer runtimes (libclang-rt-14-dev) and llvm-symbolizer (llvm) for the
+# sanitizer and fuzz builds (scripts/sanitize.sh);
 # iproute2 (`ip netns`, veth) for the two-host tests in network namespaces.
 ZERO8_APT_PACKAGES=(
   cmake
@@ -27,6 +29,8 @@ ZERO8_APT_PACKAGES=(
   python3
   clang
   libomp-dev
+  libclang-rt-14-dev
+  llvm
   iproute2
 )
 

@@ -2,7 +2,9 @@
 # The whole test suite: installs what is missing (scripts/setup.sh), builds (scripts/build.sh), runs
 # every ctest test (GoogleTest, multi-rank MPI tests, the package and CLI tests), then the Python
 # tests when there are any. Prints a summary and exits non-zero if anything failed.
-# Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS.
+# Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS;
+# ZERO8_TEST_SANITIZE=0 skips the sanitizer/fuzz builds. The ASan+UBSan build is a clang build running
+# every ctest test, so the plain clang build runs only without it (ZERO8_TEST_CLANG=1 forces it, 0 skips it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${ZERO8_BUILD_DIR:-$root/build}"
@@ -52,12 +54,14 @@ else
   ctest_rc=1
 fi
 
-# --- C++ again, built by clang (ZERO8_TEST_CLANG=0 skips it) ---
+# --- C++ again, built by clang (when the ASan build below does not run; ZERO8_TEST_CLANG=1|0) ---
 # The library is built and tested with g++ above; this checks that it also builds and passes with clang
 # (Debian's clang 14, OpenMP through libomp), as C++ users may build it. Only failures are printed (the
 # whole log is in the build directory). CUDA is left out here: the g++ build compiles every .cu file.
+clang_default=$([[ "${ZERO8_TEST_SANITIZE:-1}" != 0 ]] && echo 0 || echo 1)
 clang_note="skipped (ZERO8_TEST_CLANG=0)" clang_rc=0
-if [[ "${ZERO8_TEST_CLANG:-1}" != 0 ]]; then
+[[ $clang_default == 0 && -z "${ZERO8_TEST_CLANG:-}" ]] && clang_note="as the ASan+UBSan build below (ZERO8_TEST_CLANG=1 adds a plain one)"
+if [[ "${ZERO8_TEST_CLANG:-$clang_default}" != 0 ]]; then
   clang_dir="$build_dir-clang"
   clang_log="$clang_dir/ctest.log"
   t2=$(date +%s)
@@ -82,6 +86,21 @@ if [[ "${ZERO8_TEST_CLANG:-1}" != 0 ]]; then
     fi
   fi
   clang_note="$clang_note, $(( $(date +%s) - t2 )) s"
+fi
+
+# --- C++ under sanitizers, and fuzzing (ZERO8_TEST_SANITIZE=0 skips them) ---
+# scripts/sanitize.sh: ASan+UBSan over every ctest test and the fuzz corpora, TSan over the threaded
+# communicator tests, then each fuzz target for ZERO8_FUZZ_SECONDS (default 30); clang builds without
+# CUDA in <build>-asan and <build>-tsan. Only failures are printed here (logs in those directories).
+san_lines=("skipped (ZERO8_TEST_SANITIZE=0)") san_rc=0
+if [[ "${ZERO8_TEST_SANITIZE:-1}" != 0 ]]; then
+  san_summary="$build_dir/sanitize.summary"
+  : >"$san_summary"
+  t3=$(date +%s)
+  ZERO8_SANITIZE_SUMMARY="$san_summary" bash "$root/scripts/sanitize.sh" >/dev/null || san_rc=$?
+  mapfile -t san_lines <"$san_summary"
+  ((${#san_lines[@]} > 0)) || san_lines=("scripts/sanitize.sh printed no summary (exit $san_rc)")
+  san_lines+=("all parts: $(( $(date +%s) - t3 )) s")
 fi
 
 # --- Python ---
@@ -117,12 +136,14 @@ echo "================ zero8 test summary ================"
 echo "setup+build: ${t_build} s; ctest: ${t_ctest} s; total: ${t_total} s"
 echo "C++ (ctest): ${ctest_passed} passed, ${ctest_failed} failed of ${ctest_total} (${ctest_skipped} skipped)"
 echo "C++ (clang): ${clang_note}"
+for line in "${san_lines[@]}"; do echo "Sanitizers:  $line"; done
 echo "Python:      ${py_passed} passed, ${py_failed} failed, ${py_skipped} skipped (${py_note})"
 echo "===================================================="
 status=0
 if ((ctest_rc != 0 || ctest_failed != 0)); then status=1; fi
 if ((py_rc != 0 || py_failed != 0)); then status=1; fi
 if ((clang_rc != 0)); then status=1; fi
+if ((san_rc != 0)); then status=1; fi
 echo "total: $(( ctest_passed + py_passed )) passed, $(( ctest_failed + py_failed )) failed, $(( ctest_skipped + py_skipped )) skipped"
 if ((status != 0)); then echo "test: FAILED" >&2; fi
 exit $status

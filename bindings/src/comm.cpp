@@ -1,6 +1,7 @@
 // The Communicator (comm/communicator.h) for the engine: creation, collectives over Python bytes and
-// lists (small control data) or raw pointers (tensors), byte counters, splits and the pp x dp
-// topology. Every collective releases the GIL; Python objects are converted before and after.
+// lists (small control data, on any backend: through device scratch on NCCL) or raw pointers (tensors),
+// byte counters, splits and the pp x dp topology. Every collective releases the GIL; Python objects are
+// converted before and after.
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +68,8 @@ void init_comm(py::module_& m) {
                              [](const Communicator& c) {
                                return std::string(c.memory() == comm::MemSpace::host ? "host" : "device");
                              })
+      .def_property_readonly("device", &Communicator::device,
+                             "The CUDA device a device-memory backend (NCCL) works on; -1 for host backends.")
       .def_property_readonly("world_ranks", &Communicator::world_ranks)
       .def("description", &Communicator::description)
       .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout,
@@ -80,15 +83,14 @@ void init_comm(py::module_& m) {
       .def(
           "broadcast_bytes",
           [](Communicator& c, const py::bytes& data, int root) {
-            comm::check_host_memory(c, "self", "Communicator.broadcast_bytes", "broadcast_ptr on device memory");
             std::string buf = data;
             {
               py::gil_scoped_release release;
               // The length first, so only the root needs to know it (others may pass b"").
               int64_t len = int64_t(buf.size());
-              c.broadcast(&len, int64_t(sizeof(len)), root);
+              comm::broadcast_host(c, &len, int64_t(sizeof(len)), root);
               buf.resize(size_t(len));
-              c.broadcast(buf.data(), len, root);
+              comm::broadcast_host(c, buf.data(), len, root);
             }
             return py::bytes(buf);
           },
@@ -101,11 +103,10 @@ void init_comm(py::module_& m) {
       .def(
           "all_reduce_f64",
           [](Communicator& c, std::vector<double> values, const std::string& op) {
-            comm::check_host_memory(c, "self", "Communicator.all_reduce_f64", "all_reduce_ptr on device memory");
             const ReduceOp o = parse_op(op);
             {
               py::gil_scoped_release release;
-              c.all_reduce(values.data(), int64_t(values.size()), o);
+              comm::all_reduce_host(c, values.data(), int64_t(values.size()), ScalarType::f64, o);
             }
             return values;
           },
@@ -124,7 +125,6 @@ void init_comm(py::module_& m) {
       .def(
           "all_gather_bytes",
           [](Communicator& c, const py::bytes& data) {
-            comm::check_host_memory(c, "self", "Communicator.all_gather_bytes", "all_gather_ptr on device memory");
             const std::string mine = data;
             const int n = c.size();
             std::vector<int64_t> lens(static_cast<size_t>(n)), displs(static_cast<size_t>(n), 0);
@@ -132,14 +132,14 @@ void init_comm(py::module_& m) {
             {
               py::gil_scoped_release release;
               const int64_t my_len = int64_t(mine.size());
-              c.all_gather(&my_len, lens.data(), int64_t(sizeof(int64_t)));
+              comm::all_gather_host(c, &my_len, lens.data(), int64_t(sizeof(int64_t)));
               int64_t total = 0;
               for (int p = 0; p < n; ++p) {
                 displs[size_t(p)] = total;
                 total += lens[size_t(p)];
               }
               all.resize(size_t(total));
-              c.all_gather_v(mine.data(), my_len, all.data(), lens, displs);
+              comm::all_gather_v_host(c, mine.data(), my_len, all.data(), lens, displs);
             }
             py::list out;
             for (int p = 0; p < n; ++p) out.append(py::bytes(all.data() + displs[size_t(p)], size_t(lens[size_t(p)])));
@@ -224,6 +224,17 @@ void init_comm(py::module_& m) {
       "single). A backend this build lacks raises Zero8NotSupportedError.");
   m.def("comm_backend_available", &comm::comm_backend_available, py::arg("backend"),
         "Whether the backend is compiled in (not: usable right now).");
+  m.def(
+      "comm_auto_backend",
+      [](const std::string& memory) {
+        ZERO8_CHECK_ARG(memory == "host" || memory == "device", "memory",
+                        "must be \"host\" or \"device\", got \"" << memory << "\"");
+        return comm::comm_auto_backend(memory == "device" ? comm::MemSpace::device : comm::MemSpace::host);
+      },
+      py::arg("memory") = "host",
+      "The backend comm_create('auto') makes for buffers in `memory`: 'single' or 'mpi' (started by an MPI "
+      "launcher), for \"device\" 'nccl' instead of 'mpi' when that launcher started several processes and zero8 "
+      "has NCCL.");
   m.def(
       "topology_split",
       [](Communicator& world, int pp) {

@@ -211,7 +211,9 @@ void init_config_types(py::module_& m) {
       .def_readonly("seed", &Zero8Config::seed)
       .def_readonly("comm_backend", &Zero8Config::comm_backend)
       .def_readonly("comm_timeout_s", &Zero8Config::comm_timeout_s)
-      .def_readonly("checkpoint_keep_last", &Zero8Config::checkpoint_keep_last, "\"checkpoint\": {\"keep_last\"}");
+      .def_readonly("checkpoint_keep_last", &Zero8Config::checkpoint_keep_last, "\"checkpoint\": {\"keep_last\"}")
+      .def_readonly("checkpoint_allow_pickle", &Zero8Config::checkpoint_allow_pickle,
+                    "\"checkpoint\": {\"allow_pickle\"}");
 
   py::class_<Config>(m, "Config",
                      "A parsed and validated DeepSpeed config for a data-parallel size, every value resolved "

@@ -13,10 +13,13 @@
 namespace zero8::comm::detail {
 
 namespace {
-// 30 minutes, DeepSpeed's default process-group timeout (deepspeed/constants.py, default_pg_timeout): a
-// rank may spend minutes alone (rank 0's evaluation or checkpoint conversion) while the others wait. A
-// rank that dies or leaves is detected at once whatever the timeout (its connection closes).
-constexpr double kDefaultTimeoutSeconds = 1800.0;
+// 10 minutes, torch's default for NCCL process groups (torch.distributed's default_pg_nccl_timeout), not
+// DeepSpeed's 30: this timeout only ever ends a job whose ranks are all alive, as every other failure is
+// seen sooner (a death or an exit at once, a lost host after ZERO8_COMM_LINK_TIMEOUT, mismatched
+// collectives after 2 s), so it bounds how long a hung rank (a deadlock, a stuck file system, a stopped
+// process) holds the whole job. A rank that legitimately works alone for longer (rank 0 converting a large
+// checkpoint while the others wait) needs zero8.comm_timeout_s or ZERO8_COMM_TIMEOUT raised.
+constexpr double kDefaultTimeoutSeconds = 600.0;
 // How long a liveness connection may go without any TCP answer from its peer's host before the peer
 // counts as lost (a network partition or a host that went down; see liveness.cpp). A paused or busy
 // process does not count: its kernel answers for it. A minute rides out a switch's or NIC's brief

@@ -93,6 +93,7 @@ class NcclComm final : public Communicator {
   }
   const char* backend() const override { return "nccl"; }
   MemSpace memory() const override { return MemSpace::device; }
+  int device() const override { return device_; }
   [[noreturn]] void abort(int exit_code) override {
     if (host_->forked()) std::_Exit(exit_code);  // the NCCL and MPI state are the parent's
     if (nccl_ != nullptr) ncclCommAbort(nccl_);

@@ -627,6 +627,40 @@ void all_gather_host(Communicator& c, const void* send, void* recv, int64_t byte
   device::synchronize(c.stream(), where);
 }
 
+void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, void* recv,
+                       const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs) {
+  if (c.memory() == MemSpace::host) return c.all_gather_v(send, send_bytes, recv, recv_bytes, recv_displs);
+  ZERO8_CHECK_ARG(recv_bytes.size() == size_t(c.size()) && recv_displs.size() == size_t(c.size()), "recv_bytes",
+                  "need one entry per rank (" << c.size() << "), got " << recv_bytes.size() << " and "
+                                              << recv_displs.size());
+  int64_t total = 0;
+  for (size_t p = 0; p < recv_bytes.size(); ++p) {
+    ZERO8_CHECK_ARG(recv_bytes[p] >= 0 && recv_displs[p] >= 0, "recv_bytes",
+                    "rank " << p << ": " << recv_bytes[p] << " bytes at " << recv_displs[p]);
+    total = std::max(total, recv_displs[p] + recv_bytes[p]);
+  }
+  const std::string where = "all_gather_v_host on '" + c.name() + "'";
+  device::Buffer tmp(std::max<int64_t>(total, 1), where);
+  char* d = tmp.as<char>();
+  char* mine = d + recv_displs[size_t(c.rank())];
+  device::copy(mine, send, send_bytes, c.stream(), where);
+  c.all_gather_v(mine, send_bytes, d, recv_bytes, recv_displs);  // in place
+  for (size_t p = 0; p < recv_bytes.size(); ++p)
+    device::copy(static_cast<char*>(recv) + recv_displs[p], d + recv_displs[p], recv_bytes[p], c.stream(), where);
+  device::synchronize(c.stream(), where);
+}
+
+void broadcast_host(Communicator& c, void* buf, int64_t bytes, int root) {
+  if (c.memory() == MemSpace::host) return c.broadcast(buf, bytes, root);
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  const std::string where = "broadcast_host on '" + c.name() + "'";
+  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
+  if (c.rank() == root) device::copy(tmp.data(), buf, bytes, c.stream(), where);
+  c.broadcast(tmp.data(), bytes, root);
+  device::copy(buf, tmp.data(), bytes, c.stream(), where);
+  device::synchronize(c.stream(), where);
+}
+
 void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op) {
   if (c.memory() == MemSpace::host) return c.all_reduce(data, data, count, type, op);
   ZERO8_CHECK_ARG(count >= 0, "count", "must be >= 0, got " << count);
@@ -692,6 +726,14 @@ bool comm_backend_available(const std::string& backend) {
   if (backend == "mpi") return ZERO8_WITH_MPI != 0;
   if (backend == "nccl") return ZERO8_WITH_NCCL != 0;
   return false;
+}
+
+std::string comm_auto_backend(MemSpace memory) {
+  int launched_size = 0;
+  if (!launched_by_mpi_launcher(&launched_size)) return "single";
+  if (memory == MemSpace::device && launched_size > 1 && ZERO8_WITH_NCCL != 0) return "nccl";
+  // Several processes without MPI: "mpi", whose creation says that it is missing (as "auto" does).
+  return ZERO8_WITH_MPI != 0 || launched_size > 1 ? "mpi" : "single";
 }
 
 std::unique_ptr<Communicator> comm_create(const std::string& backend) {

@@ -25,6 +25,14 @@ class LaunchError(ValueError):
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)(?:\s+.*)?$")
 # Characters that separate hosts and slots in the lists built from host names.
 _HOST_SEPARATORS = ":@,"
+# Most names or cores one range of a core list or a SLURM host list expands to: far above any machine
+# or allocation, and small enough that a typo ('0-99999999999') fails at once instead of filling memory.
+_MAX_RANGE = 1 << 20
+
+
+def _is_uint(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also accepts '²' (which int() refuses) and other scripts' digits."""
+    return text.isascii() and text.isdigit()
 
 
 def parse_hostfile(text: str, source: str = "<hostfile>") -> "OrderedDict[str, int]":
@@ -48,7 +56,7 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> "OrderedDict[str, i
             raise LaunchError(f"{source}:{lineno}: bad host name '{host}': "
                               f"{' '.join(repr(c) for c in bad)} cannot be in a host name "
                               f"(expected a host name or an IPv4 address)")
-        if not slots_text.isdigit() or int(slots_text) < 1:
+        if not _is_uint(slots_text) or int(slots_text) < 1:
             raise LaunchError(f"{source}:{lineno}: bad slot count '{slots_text}' for host '{host}': "
                               f"expected a positive integer")
         if host in pool:
@@ -74,7 +82,7 @@ def _parse_slots(spec: str, text: str) -> list[int]:
     slots = []
     for s in text.split(","):
         s = s.strip()
-        if not s.isdigit():
+        if not _is_uint(s):
             raise LaunchError(f"bad slot '{s}' in '{spec}': expected host:slot[,slot...] with integer slots")
         slots.append(int(s))
     return slots
@@ -147,17 +155,21 @@ def parse_core_list(text: str, flag: str = "--bind_core_list") -> list[int]:
     """DeepSpeed's core list syntax: '0,2-5,7' -> [0, 2, 3, 4, 5, 7] (order kept). Raises LaunchError
     naming the bad item, a backwards range or a core listed twice."""
     cores: list[int] = []
+    seen: set[int] = set()
     for item in text.split(","):
         item = item.strip()
         lo, dash, hi = item.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
+        if not _is_uint(lo) or (dash and not _is_uint(hi)):
             raise LaunchError(f"{flag} '{text}': bad item '{item}' (expected cores like 0,2-5,7)")
         first, last = int(lo), int(hi if dash else lo)
         if last < first:
             raise LaunchError(f"{flag} '{text}': range '{item}' runs backwards")
+        if len(cores) + last - first >= _MAX_RANGE:
+            raise LaunchError(f"{flag} '{text}': more than {_MAX_RANGE} cores")
         for c in range(first, last + 1):
-            if c in cores:
+            if c in seen:
                 raise LaunchError(f"{flag} '{text}': core {c} is listed twice")
+            seen.add(c)
             cores.append(c)
     return cores
 
@@ -198,8 +210,10 @@ def expand_hostlist(text: str) -> list[str]:
             continue
         for r in m.group("ranges").split(","):
             lo, dash, hi = r.partition("-")
-            if not lo.isdigit() or (dash and not hi.isdigit()):
+            if not _is_uint(lo) or (dash and not _is_uint(hi)):
                 raise LaunchError(f"bad host list '{text}': bad range '{r}'")
+            if len(names) + int(hi if dash else lo) - int(lo) >= _MAX_RANGE:
+                raise LaunchError(f"bad host list '{text}': more than {_MAX_RANGE} names")
             width = len(lo)
             for i in range(int(lo), int(hi if dash else lo) + 1):
                 names.append(f"{m.group('pre')}{i:0{width}d}{m.group('post')}")

@@ -49,6 +49,12 @@ _NOISE_BLOCK = re.compile(r"exited on signal|non-zero (exit code|status)|exiting
                           r"orted .* exited|An ORTE daemon", re.I)
 _SECONDARY = re.compile(r"Zero8CommError")
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+# A communicator timeout (comm/src/comm_mpi.cpp, timeout_cause): "<call> (rank 0 of 2): timed out after 600.0 s
+# (timeout 600 s); not heard from: rank 1 (not in a communication call for 600.2 s (last: ...)); ...". The ranks
+# not heard from are the cause (alive but hung), though the rank whose call timed out is the one that exits.
+_COMM_TIMEOUT = re.compile(r"(\S+ #\d+ on '[^']*') \(rank (\d+) of \d+\): timed out after [0-9.]+ s "
+                           r"\(timeout ([^)]*) s\); not heard from: (.*)")
+_PEER_NAME = re.compile(r"rank (\d+)(?: \(world rank (\d+)\))? \(")
 
 
 @dataclass
@@ -82,6 +88,28 @@ def _last_traceback(lines: list[str]) -> int | None:
         if lines[i].startswith("Traceback (most recent call last)"):
             return i
     return None
+
+
+def hung_ranks(line: str) -> list[tuple[int, str, str, str]]:
+    """(world rank, what it was doing, the call it did not join, the timeout) of each live rank that a
+    communicator timeout in `line` names as not heard from (dead, lost or finished ranks are not hung)."""
+    m = _COMM_TIMEOUT.search(line)
+    if m is None:
+        return []
+    call, _, timeout, rest = m.groups()
+    found, pos = [], 0
+    while (p := _PEER_NAME.match(rest, pos)) is not None:
+        depth, i = 1, p.end()  # the state text is the balanced parenthesis after the name
+        while i < len(rest) and depth:
+            depth += {"(": 1, ")": -1}.get(rest[i], 0)
+            i += 1
+        state = rest[p.end():i - 1]
+        if not state.startswith(("died", "lost", "has already shut down")):
+            found.append((int(p.group(2) or p.group(1)), state, call, timeout))
+        if not rest.startswith("; ", i):
+            break
+        pos = i + 2
+    return found
 
 
 def error_excerpt(lines: list[str], max_lines: int = 30) -> list[str]:
@@ -473,6 +501,15 @@ class JobMonitor:
             out.append(f"rank(s) {self.describe_ranks(never)} never reported a start"
                        + (" (no rank did)" if len(never) == self.world_size else ""))
             out.append(self.start_causes(never))
+        # Ranks that a communicator timeout names as not heard from while alive: the cause of the job's end,
+        # named first, though they were ended by the abort that the timed-out rank's error started.
+        hung: dict[int, str] = {}
+        for s in failed + cut:
+            for l in info[s.rank][0][-60:]:
+                for r, state, call, timeout in hung_ranks(l):
+                    hung.setdefault(r, f"rank {r} hung: alive, but it did not join {call} within the communicator "
+                                       f"timeout ({timeout} s, on rank {s.rank}); it was {state}")
+        out = [hung[r] for r in sorted(hung)] + out
         out += self.mpirun_notes
         code = None
         if primary and primary[0].exit_code:

@@ -83,6 +83,27 @@ TEST(CommSingle, Basics) {
   EXPECT_NE(c->description().find("single"), std::string::npos);
 }
 
+// What "auto" stands for: the single backend outside an MPI launcher; under one, MPI, and for device
+// buffers NCCL when it started several processes and zero8 has NCCL.
+TEST(CommSingle, AutoBackendByMemory) {
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  unsetenv("PMI_SIZE");
+  EXPECT_EQ(comm_auto_backend(MemSpace::host), "single");
+  EXPECT_EQ(comm_auto_backend(MemSpace::device), "single");
+  setenv("OMPI_COMM_WORLD_SIZE", "1", 1);
+  const std::string one = ZERO8_WITH_MPI ? "mpi" : "single";
+  EXPECT_EQ(comm_auto_backend(MemSpace::host), one);
+  EXPECT_EQ(comm_auto_backend(MemSpace::device), one);  // one process: no NCCL
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  EXPECT_EQ(comm_auto_backend(MemSpace::host), "mpi");
+  EXPECT_EQ(comm_auto_backend(MemSpace::device), ZERO8_WITH_NCCL ? "nccl" : "mpi");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  setenv("PMI_SIZE", "2", 1);
+  EXPECT_EQ(comm_auto_backend(MemSpace::device), ZERO8_WITH_NCCL ? "nccl" : "mpi");
+  unsetenv("PMI_SIZE");
+  EXPECT_EQ(comm_create("single")->device(), -1);
+}
+
 TEST(CommSingle, FactoryChoicesAndErrors) {
   // Outside any MPI launcher, "auto" is the single-process backend.
   unsetenv("OMPI_COMM_WORLD_SIZE");
@@ -155,7 +176,7 @@ TEST(CommSingle, TimeoutFromEnvironment) {
               std::string::npos) << e.what();
   }
   unsetenv("ZERO8_COMM_TIMEOUT");
-  EXPECT_EQ(make_single()->timeout(), 1800.0);  // DeepSpeed's 30 minutes
+  EXPECT_EQ(make_single()->timeout(), 600.0);  // torch's NCCL default, 10 minutes
 }
 
 TEST(CommSingle, DataMovementIsACopy) {

@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "zero8/comm/communicator.h"
@@ -326,9 +327,15 @@ TEST(ShardedDevice, HostCopiesOfEveryPartAreTheBuffers) {
   EXPECT_STREQ(shard::ShardedOptimizer::part_name(Part::absmax1), "absmax1");
 
   auto check = [&](shard::Group g, Part p, const void* where) {
+    EXPECT_EQ(opt.part_data(g, p), where) << shard::ShardedOptimizer::part_name(p);
     std::vector<uint8_t> got(size_t(opt.part_bytes(g, p)));
     opt.copy_to_host(g, p, got.data());
     EXPECT_EQ(std::memcmp(got.data(), where, got.size()), 0) << shard::ShardedOptimizer::part_name(p);
+    // A piece of it (as checkpoints stage a device optimizer's parts): the same bytes at the same offset.
+    const int64_t off = int64_t(got.size()) / 3, n = int64_t(got.size()) / 2;
+    std::vector<uint8_t> piece(static_cast<size_t>(n));
+    opt.copy_to_host(g, p, off, n, piece.data());
+    EXPECT_EQ(std::memcmp(piece.data(), got.data() + off, size_t(n)), 0) << shard::ShardedOptimizer::part_name(p);
     for (uint8_t& x : got) x = uint8_t(x ^ 0x5a);
     opt.copy_from_host(g, p, got.data());
     EXPECT_EQ(std::memcmp(got.data(), where, got.size()), 0) << shard::ShardedOptimizer::part_name(p);
@@ -344,6 +351,18 @@ TEST(ShardedDevice, HostCopiesOfEveryPartAreTheBuffers) {
   check(q8, Part::residual, opt.residual(q8).data());
   std::vector<uint8_t> none;
   EXPECT_NO_THROW(opt.copy_to_host(q8, Part::state1, none.data()));  // 0 bytes: nothing to do
+  EXPECT_EQ(opt.part_data(q8, Part::state1), nullptr);                // not held
+  std::vector<uint8_t> buf(8);
+  const int64_t whole = opt.part_bytes(q8, Part::master);
+  for (const auto& [off, n] : {std::pair<int64_t, int64_t>{whole - 4, 8}, {-1, 4}, {0, -4}}) {
+    try {
+      opt.copy_to_host(q8, Part::master, off, n, buf.data());
+      ADD_FAILURE() << "a range outside the part: [" << off << ", +" << n << ")";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is not within the " + std::to_string(whole) + " bytes of master"),
+                std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -169,4 +169,11 @@ TEST(Layout, BadInputNamesTheProblem) {
   EXPECT_NE(msg({{"w", {3}}}, {0, 256, 2048, 4096}).find("'world'"), std::string::npos);
   EXPECT_NE(msg({{"w", {3}}}, {1, 100, 2048, 4096}).find("'state_block'"), std::string::npos);
   EXPECT_NE(msg({{"w", {3}}}, {1, 256, 8192, 4096}).find("'wire_block'"), std::string::npos);
+  // Shapes from a manifest may hold any int64: counts past 2^62 (per parameter or per group) are refused
+  // instead of overflowing (found by tests/fuzz/fuzz_manifest under UBSan).
+  const int64_t two32 = int64_t(1) << 32, two62 = int64_t(1) << 62;
+  EXPECT_NE(msg({{"w", {two32, two32}}}, {}).find("'w' has more than 2^62 elements"), std::string::npos);
+  EXPECT_NE(msg({{"a", {two62}}, {"b", {two62}}}, {}).find("8bit group's parameters hold more than 2^62"),
+            std::string::npos);
+  EXPECT_NO_THROW(Layout::build({{"a", {two62 / 2}}, {"b", {two62 / 2}}}, {}));
 }

@@ -319,7 +319,9 @@ int phase_fp32_compare(std::vector<std::string> args) {
     PHASE_CHECK(t.shape == lay.params[p].shape, lay.params[p].name << " shape");
     const shard::ParamSlot& s = lay.slots[p];
     PHASE_CHECK(int64_t(t.data.size()) == s.numel * 4, lay.params[p].name << " offsets");
-    PHASE_CHECK(std::memcmp(t.data.data(), saved.master[int(s.group)].data() + s.offset * 4, size_t(s.numel) * 4) == 0,
+    // An empty tensor's data() may be null, which memcmp must not get even for 0 bytes (UBSan).
+    PHASE_CHECK(s.numel == 0 ||
+                    std::memcmp(t.data.data(), saved.master[int(s.group)].data() + s.offset * 4, size_t(s.numel) * 4) == 0,
                 lay.params[p].name << " differs from the saved masters");
   }
   std::printf("CKPT_PHASE fp32 export equals the masters: %zu tensors\n", lay.params.size());

@@ -1,10 +1,16 @@
 // Shared state of the multi-rank GoogleTest executables: the world communicator created once by
 // dist_main.cpp (every rank runs every test; each test makes the same collective calls on all ranks),
-// and deterministic per-rank test data every rank can regenerate for any other rank.
+// deterministic per-rank test data every rank can regenerate for any other rank, and a temporary
+// directory every rank sees.
 #pragma once
+
+#include <stdlib.h>
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
 
 #include "zero8/comm/communicator.h"
 #include "zero8/kernels/hd.h"
@@ -20,5 +26,36 @@ inline float dist_value(uint64_t salt, int r, int64_t i) {
   const int e = int((uint64_t(i) * 7 + uint64_t(r) * 3 + salt) % 20) - 10;
   return std::ldexp(u, e);
 }
+
+// Rank 0's text on every rank of world().
+inline std::string broadcast_text(const std::string& s) {
+  int64_t n = int64_t(s.size());
+  world().broadcast(&n, sizeof(n), 0);
+  std::string out = world().rank() == 0 ? s : std::string(size_t(n), '\0');
+  if (n > 0) world().broadcast(out.data(), n, 0);
+  return out;
+}
+
+// A fresh directory every rank sees (rank 0 makes it), removed when the test ends.
+class TempDir {
+ public:
+  TempDir() {
+    std::string p;
+    if (world().rank() == 0) {
+      const char* base = std::getenv("TMPDIR");
+      std::string tmpl = std::string(base && *base ? base : "/tmp") + "/zero8_ckpt_XXXXXX";
+      if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+      p = tmpl;
+    }
+    path = broadcast_text(p);
+  }
+  ~TempDir() {
+    world().barrier();
+    if (world().rank() == 0) std::filesystem::remove_all(path);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string path;
+};
 
 }  // namespace zero8::test

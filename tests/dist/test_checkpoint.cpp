@@ -26,34 +26,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string broadcast_text(const std::string& s) {
-  int64_t n = int64_t(s.size());
-  world().broadcast(&n, sizeof(n), 0);
-  std::string out = world().rank() == 0 ? s : std::string(size_t(n), '\0');
-  if (n > 0) world().broadcast(out.data(), n, 0);
-  return out;
-}
-
-// A fresh directory every rank sees (rank 0 makes it), removed when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    std::string p;
-    if (world().rank() == 0) {
-      const char* base = std::getenv("TMPDIR");
-      std::string tmpl = std::string(base && *base ? base : "/tmp") + "/zero8_ckpt_XXXXXX";
-      if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-      p = tmpl;
-    }
-    path = broadcast_text(p);
-  }
-  ~TempDir() {
-    world().barrier();
-    if (world().rank() == 0) fs::remove_all(path);
-  }
-  std::string path;
-};
-
 // Every file under dir with its content (small test checkpoints), to prove nothing was changed.
 std::map<std::string, std::vector<uint8_t>> tree(const std::string& dir) {
   std::map<std::string, std::vector<uint8_t>> t;

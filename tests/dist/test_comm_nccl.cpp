@@ -131,6 +131,41 @@ TEST(DistNccl, CollectivesOnDeviceBuffers) {
   c->barrier();
 }
 
+// Host buffers on NCCL through the *_host calls (device scratch), as the sharded optimizer and the
+// checkpoints pass their control data; and the device the backend chose, the rank's among its node's.
+TEST(DistNccl, HostBuffersGoThroughDeviceScratch) {
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  const int n = c->size(), me = c->rank();
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  EXPECT_EQ(c->device(), comm::node_groups(world()).local_rank % devices);
+  EXPECT_EQ(world().device(), -1);
+
+  std::vector<int64_t> rb(static_cast<size_t>(n)), rd(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (int q = 0; q < n; ++q) {
+    rb[size_t(q)] = 2 * q + 1;
+    rd[size_t(q)] = total;
+    total += 2 * q + 1;
+  }
+  const std::vector<uint8_t> mine(static_cast<size_t>(2 * me + 1), uint8_t(me + 7));
+  std::vector<uint8_t> all(static_cast<size_t>(total), 0);
+  comm::all_gather_v_host(*c, mine.data(), 2 * me + 1, all.data(), rb, rd);
+  for (int q = 0; q < n; ++q)
+    for (int64_t i = 0; i < rb[size_t(q)]; ++i) ASSERT_EQ(all[size_t(rd[size_t(q)] + i)], uint8_t(q + 7));
+
+  std::string text = me == n - 1 ? "from the last rank" : std::string(18, '?');
+  comm::broadcast_host(*c, text.data(), int64_t(text.size()), n - 1);
+  EXPECT_EQ(text, "from the last rank");
+  const int64_t v = me + 1;
+  std::vector<int64_t> got(static_cast<size_t>(n));
+  comm::all_gather_host(*c, &v, got.data(), sizeof(v));
+  for (int q = 0; q < n; ++q) EXPECT_EQ(got[size_t(q)], q + 1);
+  EXPECT_EQ(comm::all_reduce_host_value<int32_t>(*c, me, ReduceOp::min), 0);
+}
+
 // On a caller's (non-default) stream: the work is ordered after what the stream already holds (here a
 // copy the test queues there without waiting) and complete when the call returns.
 TEST(DistNccl, OnTheCallersStream) {

@@ -9,6 +9,8 @@ every rank's micro-batches is exactly the reference's batch.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 DATA_ROWS = 512
@@ -143,3 +145,91 @@ def mean_tail(losses, n: int = 10) -> float:
     tail = losses[-n:]
     return sum(tail) / len(tail)
 
+
+
+# ---- exact gradients: the same bits on every device (the CUDA engine against the CPU one) ----
+
+# name -> shape: w and w2 in the 8-bit group (min_8bit_size 4096), b and ln in the fp32 group.
+EXACT_GRAD_SHAPES = {"w": (64, 80), "w2": (5000,), "b": (80,), "ln": (37,)}
+# Engine settings the device tests run: fp32 and bf16, stage 1 (with accumulation) and 2, the full int8
+# configuration with error feedback, 32-bit states, and fp16 loss scaling with an overflow skipped.
+EXACT_COMBOS = {
+    "fp32_stage2_int8_ef": dict(stage=2, zero8={**FULL8, "error_feedback": True}),
+    "fp32_stage1_gas2": dict(stage=1, gas=2, zero8=FULL8),
+    "bf16_stage2_int8": dict(stage=2, zero8=FULL8, bf16={"enabled": True}),
+    "bf16_stage1_32bit": dict(stage=1, gas=2, zero8=EXACT, bf16={"enabled": True}),
+    "fp16_stage2_overflow": dict(stage=2, zero8=FULL8, inf_step=1,
+                                 fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}),
+}
+
+
+class ExactGradModel(torch.nn.Module):
+    """A model whose loss has known gradients: loss = sum over its parameters p of (p * c_p).sum(), so p's
+    gradient is c_p (times the loss scale) on any device, exactly: c_p are multiples of 2^-10 below 1/8,
+    which float32, bfloat16 and float16 hold exactly. A real model's backward rounds differently on a GPU
+    and a CPU; with these gradients the CUDA engine and the CPU engine must hold the same bits."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        for name, shape in EXACT_GRAD_SHAPES.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g) * 0.1))
+
+    def forward(self, step: int, rank: int, micro: int = 0, inf: bool = False) -> torch.Tensor:
+        loss = None
+        for i, (name, p) in enumerate(self.named_parameters()):
+            c = exact_grad(p.shape, step, rank, micro, i)
+            if inf and name == "w":
+                c[0, 0] = float("inf")
+            term = (p * c.to(p.device, p.dtype)).sum()
+            loss = term if loss is None else loss + term.to(loss.dtype)
+        return loss
+
+
+def exact_grad(shape, step: int, rank: int, micro: int, param: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(((step * 64 + rank) * 8 + micro) * 16 + param)
+    return torch.randint(-127, 128, tuple(shape), generator=g).float() / 1024
+
+
+def exact_config(combo: str, world: int) -> dict:
+    """The DeepSpeed config of ``combo`` for ``world`` ranks, one sample per micro-batch (a copy: callers
+    may add keys)."""
+    kw = copy.deepcopy(EXACT_COMBOS[combo])
+    kw.pop("inf_step", None)
+    gas = kw.pop("gas", 1)
+    return config(batch=world * gas, gas=gas, lr=1e-2, **kw)
+
+
+def exact_train(engine, combo: str, first: int, steps: int, rank: int) -> None:
+    """Steps [first, first + steps) of ``combo`` with its exact gradients (on rank 0, an Inf at its inf_step)."""
+    inf_step = EXACT_COMBOS[combo].get("inf_step", -1)
+    for s in range(first, first + steps):
+        for k in range(engine.gradient_accumulation_steps()):
+            engine.backward(engine(s, rank, k, inf=s == inf_step and rank == 0 and k == 0))
+            engine.step()
+
+
+def engine_dump(engine) -> dict:
+    """Everything of this rank that the next steps depend on, on the CPU: every part of the sharded optimizer
+    (working copy, masters, codes and scales or fp32 states, residuals) as bytes, the model's weights, the
+    counters and the loss scale."""
+    opt = engine._opt
+    names = ("working", "master", "codes1", "absmax1", "codes2", "absmax2", "state1", "state2", "residual")
+    parts = {(g, part): opt.copy_to_host(g, part) for g in range(2) for part in names}
+    weights = {n: p.detach().to("cpu").clone() for n, p in engine.module.named_parameters()}
+    return {"parts": parts, "weights": weights, "steps": (engine.global_steps, engine.skipped_steps),
+            "loss_scale": float(engine.loss_scale)}
+
+
+def dump_diff(a: dict, b: dict) -> list[str]:
+    """What differs between two engine_dump()s, in bits; [] when nothing does."""
+    out = [f"part {k}" for k in a["parts"] if a["parts"][k] != b["parts"].get(k)]
+    for n, t in a["weights"].items():
+        u = b["weights"].get(n)
+        if u is None or t.dtype != u.dtype or not torch.equal(t.view(torch.uint8), u.view(torch.uint8)):
+            out.append(f"weight {n}")
+    if a["steps"] != b["steps"]:
+        out.append(f"counters {a['steps']} vs {b['steps']}")
+    if a["loss_scale"] != b["loss_scale"]:
+        out.append(f"loss scale {a['loss_scale']} vs {b['loss_scale']}")
+    return out

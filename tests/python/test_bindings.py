@@ -227,7 +227,7 @@ def test_config_parse_normalizes_and_warns():
 
 
 # How the typed config (_C.Config) names what the normalized JSON holds: the batch triple is Config.batch,
-# "zero_optimization" is Config.zero, zero8.checkpoint.keep_last is ConfigZero8.checkpoint_keep_last, the
+# "zero_optimization" is Config.zero, zero8.checkpoint.<key> is ConfigZero8.checkpoint_<key>, the
 # optimizer's betas are beta1 and beta2, and enum values are the JSON's in lower case (DeepSpeed's
 # scheduler names in snake case).
 TYPED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -263,7 +263,8 @@ def assert_typed_matches_json(cfg: "_C.Config", normalized: dict) -> int:
             section = getattr(cfg, TYPED_SECTIONS.get(key, key))
             for k, v in value.items():
                 if (key, k) == ("zero8", "checkpoint"):
-                    assert_typed_value(section.checkpoint_keep_last, v["keep_last"], "zero8.checkpoint.keep_last")
+                    for ck, cv in v.items():
+                        assert_typed_value(getattr(section, f"checkpoint_{ck}"), cv, f"zero8.checkpoint.{ck}")
                 else:
                     assert_typed_value(getattr(section, k), v, f"{key}.{k}")
                 n += 1

@@ -636,6 +636,29 @@ def test_monitor_a_rank_whose_traceback_the_abort_cut_is_listed_as_ended_by_it()
             in lines), lines
 
 
+def test_monitor_names_a_hung_rank_first():
+    # Rank 1 hangs alive; rank 0's collective times out naming it, and rank 0's exit aborts the job. The rank
+    # that hung is the cause, named first with what it was doing; rank 0's error follows. A dead peer named in
+    # the same message is not called hung.
+    m = JobMonitor("/nonexistent", 3, out=io.BytesIO(), err=io.BytesIO())
+    for r in (0, 1, 2):
+        m.feed("err", format_marker(rank=r, event="start", pid=10 + r).encode() + b"\n")
+    m.feed("err", b"[rank0] Traceback (most recent call last):\n"
+           b"[rank0] zero8.Zero8CommError: all_reduce #7 on 'world' (rank 0 of 3): timed out after 600.1 s (timeout "
+           b"600 s); not heard from: rank 1 (not in a communication call for 600.3 s (last: barrier #6 on 'world' "
+           b"(rank 1 of 3))); rank 2 (died)\n")
+    m.feed("err", format_marker(rank=0, event="exit", code=1, signal=0, stopped_by="").encode() + b"\n")
+    for r in (1, 2):
+        m.feed("err", format_marker(rank=r, event="exit", code=143, signal=15, stopped_by="SIGTERM").encode() + b"\n")
+    m.feed("err", b"")
+    lines, code = m.failure_report()
+    assert lines[0] == ("rank 1 hung: alive, but it did not join all_reduce #7 on 'world' within the communicator "
+                        "timeout (600 s, on rank 0); it was not in a communication call for 600.3 s (last: barrier "
+                        "#6 on 'world' (rank 1 of 3))"), lines
+    assert not any(l.startswith("rank 2 hung") for l in lines), lines
+    assert code == 1 and lines[1] == "rank 0 exited with code 1", lines
+
+
 def test_monitor_reads_the_status_file_of_a_rank_whose_exit_record_was_lost(tmp_path):
     # The daemon (orted) of rank 1's host was SIGKILLed: its wrapper ended the script (exit 143, stopped_by
     # engine_exit) and wrote rank1.status.json in the shared log dir, but its exit record never reached the
@@ -833,7 +856,7 @@ def test_zero8_training_under_the_launcher(tmp_path):
 @needs_mpirun
 def test_uncaught_exception_after_initialize_ends_the_job(tmp_path):
     # Rank 1 raises between collectives; rank 0 is already waiting in the next step's reduction. The job
-    # must end about when rank 1 fails, not at the communicator timeout (1800 s by default, 60 s in these tests).
+    # must end about when rank 1 fails, not at the communicator timeout (600 s by default, 60 s in these tests).
     r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
                 "--raise_rank", "1", "--raise_step", "1"], timeout=200)
     elapsed = _seconds_since_test_event(r)
@@ -871,6 +894,26 @@ def test_rank_that_saves_alone_ends_the_job_naming_the_mismatch(tmp_path):
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end after rank 0 saved alone (the comm timeout is 60 s)"
     assert re.search(r"mismatched collectives: this rank called \w+ #\d+ on '[\w-]+', rank 1 called \w+ #\d+", out), \
         out[-3000:]
+
+
+@needs_mpirun
+def test_hung_rank_ends_the_job_naming_it_and_the_call(tmp_path):
+    # Rank 1 is alive but stuck (a long sleep before its step: no death, no exit, its connections open) while
+    # rank 0 waits for it in the step's first collective. The communicator's timeout (5 s here, 600 s by
+    # default) must end the job, and the report must name rank 1, what it was doing, and the call rank 0 waited in.
+    r = launch(["--num_procs", "2", "--log_dir", tmp_path / "logs", TRAIN_JOB, "--steps", "3", "--hidden", "64",
+                "--sleep_step", "600", "--sleep_ranks", "1"], env=job_env(ZERO8_COMM_TIMEOUT="5"), timeout=200)
+    elapsed = _seconds_since_test_event(r)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert elapsed < 40, f"the job took {elapsed:.0f} s to end after rank 1 hung (the comm timeout is 5 s)"
+    m = re.search(r"zero8-launch: .*Zero8CommError: (\w+) #\d+ on '[\w-]+' \(rank 0 of 2\).* timed out after "
+                  r"[0-9.]+ s \(timeout 5 s\); not heard from: rank 1 \(not in a communication call for", r.stderr)
+    assert m, out[-3000:]
+    # The hung rank is named first, as the cause.
+    assert re.search(r"job FAILED .*\nzero8-launch: rank 1 hung: alive, but it did not join \w+ #\d+ on '[\w-]+' "
+                     r"within the communicator timeout \(5 s, on rank 0\); it was not in a communication call", r.stderr), \
+        r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

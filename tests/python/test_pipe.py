@@ -196,7 +196,7 @@ def test_int8_activations_key_is_parsed_and_typos_are_named():
     cfg = load_config(config(zero8={"int8_activations": True}), 1, warn=False)
     assert cfg.typed.zero8.int8_activations and not load_config(config(), 1, warn=False).typed.zero8.int8_activations
     assert json.loads(cfg.json)["zero8"]["int8_activations"] is True
-    with pytest.warns(zero8.config.Zero8ConfigWarning, match="zero8.int8_activation: unknown key"):
+    with pytest.raises(zero8.Zero8ValueError, match='zero8.int8_activation: unknown key; did you mean "int8_activations"'):
         load_config(config(zero8={"int8_activation": True}), 1)
     with pytest.raises(ValueError, match="int8_activations"):
         load_config(config(zero8={"int8_activations": 1}), 1)

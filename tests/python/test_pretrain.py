@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import zero8
 
@@ -30,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 CONFIG = ROOT / "examples" / "configs" / "gpt_fp32_adamw.json"
 STEPS = 60
-# A tiny model and data (about 6 k parameters... 0.3 s of training per run): the runs are start-up bound.
+# A tiny model and data (about 6 k parameters... 0.3 s of training per run): the runs are start-up bound. On
+# the CPU also where a GPU is (--device auto would take it): the bit-for-bit comparisons are the CPU's.
 TINY = ["--steps", str(STEPS), "--d_model", "32", "--n_layer", "1", "--n_head", "2", "--seq_len", "32",
         "--batch_size", "8", "--corpus_mb", "0.5", "--eval_seqs", "32", "--eval_interval", "20",
-        "--log_interval", "1", "--save_interval", "0", "--config", str(CONFIG)]
+        "--log_interval", "1", "--save_interval", "0", "--config", str(CONFIG), "--device", "cpu"]
 TIMEOUT = 240
 
 
@@ -256,6 +258,14 @@ def test_option_values_at_the_bounds_are_taken():
     assert (args.save_interval, args.step_sleep, args.log_interval) == (0, 0.0, 1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: test_engine_cuda.py runs --device cuda")
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    out = _run_fails(1, tmp_path, "--device", "cuda", "--no_progress", "--no_plot")
+    assert "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device cpu" in out
+    assert "Traceback" not in out, out
+    assert _example_module().pick_device("auto") == torch.device("cpu")  # auto falls back to the CPU
+
+
 def _run_fails(np: int, out_dir: Path, *extra: str) -> str:
     r = subprocess.run(_cmd(np, out_dir, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=TIMEOUT)
@@ -362,3 +372,11 @@ def test_config_warnings_and_errors_name_the_file(tmp_path):
     assert f"{CONFIG}: train_batch_size: 8 is not divisible by gradient_accumulation_steps 3" in out, out
     assert "(the config as changed by --steps 60, --batch_size 8, --gradient_accumulation_steps 3)" in out, out
     assert "Traceback" not in out, out
+
+
+def test_pipeline_picks_the_cpu_and_refuses_cuda():
+    # The pipeline engine exchanges host tensors between stages: auto must not pick a GPU for it.
+    mod = _example_module()
+    assert mod.pick_device("auto", pipelined=True) == torch.device("cpu")
+    with pytest.raises(SystemExit, match="--device cuda with --pipeline-stages: the pipeline engine trains on the CPU"):
+        mod.pick_device("cuda", pipelined=True)

@@ -1160,15 +1160,12 @@ void parse_zero8(Section& top, Config& c) {
       else z.seed = uint64_t(value_int(s.ctx(), s.key_path("seed"), *v, 0, kI64Max));
     }
   }
+  // "nccl" needs a model on a GPU, which the engine checks (the config does not know where the model is).
   z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl"}, true));
-  if (z.comm_backend == CommBackend::nccl)
-    s.unsupported("comm_backend",
-                  "\"nccl\" cannot run the engine: its buffers (parameters, gradients, optimizer state, checkpoints) "
-                  "are host memory, and NCCL takes device buffers only; use \"auto\", \"mpi\" or \"single\" (the "
-                  "NCCL backend is for device buffers through the C++ Communicator API, comm_create(\"nccl\"))");
-  z.comm_timeout_s = s.get_num("comm_timeout_s", 1800.0, f64(gt(0.0)));
+  z.comm_timeout_s = s.get_num("comm_timeout_s", 600.0, f64(gt(0.0)));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
+  z.checkpoint_allow_pickle = ck.get_bool("allow_pickle", false);
   ck.finish("");
   s.finish("");
 }
@@ -1348,7 +1345,7 @@ std::string to_json(const Config& c, int indent) {
                 {"seed", q.seed},
                 {"comm_backend", backend_names[int(q.comm_backend)]},
                 {"comm_timeout_s", q.comm_timeout_s},
-                {"checkpoint", {{"keep_last", q.checkpoint_keep_last}}}};
+                {"checkpoint", {{"keep_last", q.checkpoint_keep_last}, {"allow_pickle", q.checkpoint_allow_pickle}}}};
   return j.dump(indent);
 }
 

@@ -8,9 +8,17 @@
 
 namespace zero8::shard {
 
+// Most elements a group may hold, so that its size, rounded up to blocks and chunks, stays in int64_t
+// (shapes come from manifests too, where a dimension may be any 64-bit number).
+constexpr int64_t kMaxGroupNumel = int64_t(1) << 62;
+
 int64_t ParamSpec::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    ZERO8_CHECK_ARG(d >= 0, "params", "parameter '" << name << "' has dimension " << d);
+    ZERO8_CHECK_ARG(!__builtin_mul_overflow(n, d, &n) && n <= kMaxGroupNumel, "params",
+                    "parameter '" << name << "' has more than 2^62 elements (dimension " << d << ")");
+  }
   return n;
 }
 
@@ -40,7 +48,6 @@ Layout Layout::build(const std::vector<ParamSpec>& params, const LayoutConfig& c
     const ParamSpec& p = params[i];
     ZERO8_CHECK_ARG(!p.name.empty(), "params", "parameter " << i << " has an empty name");
     ZERO8_CHECK_ARG(names.insert(p.name).second, "params", "duplicate parameter name '" << p.name << "'");
-    for (int64_t d : p.shape) ZERO8_CHECK_ARG(d >= 0, "params", "parameter '" << p.name << "' has dimension " << d);
     ZERO8_CHECK_ARG(p.hyper_group >= 0 && p.hyper_group < kMaxHyperGroups, "params",
                     "parameter '" << p.name << "' has hyper_group " << p.hyper_group << " (0.." << kMaxHyperGroups - 1
                                   << " allowed)");
@@ -59,9 +66,12 @@ Layout Layout::build(const std::vector<ParamSpec>& params, const LayoutConfig& c
         if (!gl.runs.empty()) gl.numel = (gl.numel + cfg.state_block - 1) / cfg.state_block * cfg.state_block;
         gl.runs.push_back(HyperRun{h, gl.numel, gl.numel});
       }
-      l.slots[i] = ParamSlot{Group(g), gl.numel, params[i].numel()};
+      const int64_t n = params[i].numel();
+      ZERO8_CHECK_ARG(gl.numel <= kMaxGroupNumel - n, "params",
+                      "the " << group_name(Group(g)) << " group's parameters hold more than 2^62 elements");
+      l.slots[i] = ParamSlot{Group(g), gl.numel, n};
       gl.params.push_back(i);
-      gl.numel += params[i].numel();
+      gl.numel += n;
       gl.runs.back().end = gl.numel;
     }
   }

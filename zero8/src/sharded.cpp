@@ -1209,30 +1209,34 @@ int64_t ShardedOptimizer::part_bytes(Group g, Part p) const {
   return 0;
 }
 
-// Where part p of group g lives (the optimizer's memory), or null when it is not held.
-static void* part_data(ShardedOptimizer& o, Group g, ShardedOptimizer::Part p) {
-  using Part = ShardedOptimizer::Part;
-  optim::State* st = o.state(g);
+void* ShardedOptimizer::part_data(Group g, Part p) {
+  ZERO8_CHECK_ARG(int(g) >= 0 && int(g) < kNumGroups, "group", "must be 0 (8-bit states) or 1 (fp32 states), got " << int(g));
+  if (part_bytes(g, p) == 0) return nullptr;
+  optim::State* st = state(g);
   switch (p) {
-    case Part::working: return o.working(g);
-    case Part::master: return o.master(g);
+    case Part::working: return working(g);
+    case Part::master: return master(g);
     case Part::codes1: return st->codes(1);
     case Part::absmax1: return st->absmax(1);
-    case Part::codes2: return st->layout().num_states >= 2 ? st->codes(2) : nullptr;
-    case Part::absmax2: return st->layout().num_states >= 2 ? st->absmax(2) : nullptr;
+    case Part::codes2: return st->codes(2);
+    case Part::absmax2: return st->absmax(2);
     case Part::state1: return st->fp32(1);
-    case Part::state2: return st->layout().num_states >= 2 ? st->fp32(2) : nullptr;
-    case Part::residual: return nullptr;  // residual_data (private): see copy_to_host
+    case Part::state2: return st->fp32(2);
+    case Part::residual: return residual_data(int(g));
   }
   return nullptr;
 }
 
-void ShardedOptimizer::copy_to_host(Group g, Part p, void* dst) {
-  const int64_t bytes = part_bytes(g, p);
+void ShardedOptimizer::copy_to_host(Group g, Part p, void* dst) { copy_to_host(g, p, 0, part_bytes(g, p), dst); }
+
+void ShardedOptimizer::copy_to_host(Group g, Part p, int64_t offset, int64_t bytes, void* dst) {
+  const int64_t whole = part_bytes(g, p);
+  ZERO8_CHECK_ARG(offset >= 0 && bytes >= 0 && offset <= whole && bytes <= whole - offset, "bytes",
+                  "[" << offset << ", +" << bytes << ") is not within the " << whole << " bytes of " << part_name(p));
   if (bytes == 0) return;
   ZERO8_CHECK_ARG(dst != nullptr, "dst", "null pointer for " << bytes << " bytes of " << part_name(p));
   ZERO8_SHARD_DEVICE_SCOPE("copy_to_host");
-  const void* src = p == Part::residual ? residual_data(int(g)) : part_data(*this, g, p);
+  const uint8_t* src = static_cast<const uint8_t*>(part_data(g, p)) + offset;
   if (!on_device()) {
     std::memcpy(dst, src, size_t(bytes));
     return;
@@ -1247,7 +1251,7 @@ void ShardedOptimizer::copy_from_host(Group g, Part p, const void* src) {
   if (bytes == 0) return;
   ZERO8_CHECK_ARG(src != nullptr, "src", "null pointer for " << bytes << " bytes of " << part_name(p));
   ZERO8_SHARD_DEVICE_SCOPE("copy_from_host");
-  void* dst = p == Part::residual ? residual_data(int(g)) : part_data(*this, g, p);
+  void* dst = part_data(g, p);
   if (!on_device()) {
     std::memcpy(dst, src, size_t(bytes));
     return;

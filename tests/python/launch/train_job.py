@@ -114,6 +114,8 @@ def train(a, rank: int, world: int, local_rank: int) -> dict:
     sleepers = {int(r) for r in a.sleep_ranks.split(",") if r}
     for step in range(start_step, a.steps):
         if rank in sleepers:
+            if step == start_step:
+                say_test_event(rank, f"starts sleeping {a.sleep_step:g} s at step {step}")
             time.sleep(a.sleep_step)  # the other ranks wait for this one inside the step's collectives
         if rank == a.raise_rank and step == a.raise_step:
             say_test_event(rank, f"raises at step {step}")

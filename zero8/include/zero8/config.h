@@ -169,12 +169,15 @@ struct Zero8Config {
   bool stochastic_rounding = false;
   uint64_t seed = 0;                // stochastic rounding stream
   CommBackend comm_backend = CommBackend::automatic;
-  double comm_timeout_s = 1800.0;
+  double comm_timeout_s = 600.0;    // torch's NCCL default (10 min), see comm_env.cpp
   int64_t checkpoint_keep_last = 0; // "checkpoint": {"keep_last": N}; 0 keeps all
+  // "checkpoint": {"allow_pickle": true}: load_checkpoint may unpickle any object in the model-states
+  // file (client_state as DeepSpeed pickles it), which can run code; else only tensors and plain values
+  bool checkpoint_allow_pickle = false;
   auto tie() const {
     return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, int8_activations,
                     error_feedback, release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
-                    checkpoint_keep_last);
+                    checkpoint_keep_last, checkpoint_allow_pickle);
   }
 };
 

@@ -15,7 +15,7 @@ struct ParamSpec {
   std::vector<int64_t> shape;
   bool fp32_state = false;  // force 32-bit optimizer state (e.g. the StableEmbedding weight)
   int hyper_group = 0;      // which hyperparameter set steps it (the engine's param group index)
-  int64_t numel() const;
+  int64_t numel() const;  // Error(invalid_argument) for a negative dimension or more than 2^62 elements
 };
 
 // The two parameter groups: 8-bit optimizer state, and fp32 state (small or marked parameters).

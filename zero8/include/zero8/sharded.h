@@ -269,6 +269,12 @@ class ShardedOptimizer {
   // Master padding beyond part_valid and everything else keeps its value.
   void copy_to_host(Group g, Part p, void* dst);
   void copy_from_host(Group g, Part p, const void* src);
+  // Bytes [offset, offset + bytes) of part p only, so that a caller can stage a large part through a
+  // small host buffer (checkpoints of device optimizers); the range must lie within part_bytes.
+  void copy_to_host(Group g, Part p, int64_t offset, int64_t bytes, void* dst);
+  // Where part p of group g lives: the optimizer's own memory (a device pointer when memory = device),
+  // null when it is not held. A host optimizer's parts can be read in place (its checkpoints do).
+  void* part_data(Group g, Part p);
 
  private:
   struct Bucket;

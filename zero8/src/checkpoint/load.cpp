@@ -1,8 +1,8 @@
 // ckpt::load: every rank validates the manifest and reads the ranges of the old shards that overlap
 // its partition (any saved world size) into staging buffers; only when every rank succeeded are the
-// masters, states, working copy, step and loss scaler replaced (see checkpoint.h).
+// masters, states, working copy, step and loss scaler replaced (see checkpoint.h), in host or device
+// memory alike.
 #include <algorithm>
-#include <cstring>
 
 #include "checkpoint/collective.h"
 #include "checkpoint/io.h"
@@ -142,35 +142,60 @@ void model_stage(const Manifest& m, ShardedOptimizer& opt, FileSet& files, Stage
   }
 }
 
+// The broadcast of the restored working copy runs on the optimizer's stream (a device optimizer's
+// communicator otherwise orders it after the legacy default stream only), restored after.
+class CommStreamScope {
+ public:
+  CommStreamScope(comm::Communicator& c, const shard::ShardConfig& cfg) : c_(c), prev_(c.stream()) {
+    if (cfg.memory == MemSpace::device) {
+      c_.set_stream(cfg.stream);
+      set_ = true;
+    }
+  }
+  ~CommStreamScope() {
+    if (!set_) return;
+    try {
+      c_.set_stream(prev_);
+    } catch (const Error&) {  // it was valid when it was set: nothing to restore it from
+    }
+  }
+  CommStreamScope(const CommStreamScope&) = delete;
+  CommStreamScope& operator=(const CommStreamScope&) = delete;
+
+ private:
+  comm::Communicator& c_;
+  void* prev_;
+  bool set_ = false;
+};
+
+// The staged partitions into the optimizer, through copy_from_host (a plain copy for a host optimizer).
 void commit(const Manifest& m, ShardedOptimizer& opt, Staged& s) {
-  opt.discard_gradients();  // of the weights being replaced; the saved residuals are restored below
+  using Part = ShardedOptimizer::Part;
+  opt.discard_gradients();  // of the weights being replaced (residuals too); the saved residuals are restored below
   for (int g = 0; g < kNumGroups; ++g) {
-    const shard::GroupLayout& gl = opt.layout().groups[g];
-    float* master = opt.master(Group(g));
-    std::fill(master, master + gl.chunk, 0.0f);
-    std::copy(s.master[g].begin(), s.master[g].end(), master);
-    optim::State* st = opt.state(Group(g));
-    for (int k = 1; k <= st->layout().num_states; ++k) {
-      if (st->layout().bits == 8) {
-        std::copy(s.codes[g][k - 1].begin(), s.codes[g][k - 1].end(), st->codes(k));
-        std::copy(s.absmax[g][k - 1].begin(), s.absmax[g][k - 1].end(), st->absmax(k));
+    const Group gr = Group(g);
+    opt.copy_from_host(gr, Part::master, s.master[g].data());
+    const optim::StateLayout& sl = opt.state(gr)->layout();
+    for (int k = 1; k <= sl.num_states; ++k) {
+      if (sl.bits == 8) {
+        opt.copy_from_host(gr, k == 1 ? Part::codes1 : Part::codes2, s.codes[g][k - 1].data());
+        opt.copy_from_host(gr, k == 1 ? Part::absmax1 : Part::absmax2, s.absmax[g][k - 1].data());
       } else {
-        std::copy(s.fp32[g][k - 1].begin(), s.fp32[g][k - 1].end(), st->fp32(k));
+        opt.copy_from_host(gr, k == 1 ? Part::state1 : Part::state2, s.fp32[g][k - 1].data());
       }
     }
-    std::vector<float>& res = opt.residual(Group(g));
-    if (s.residual_restore && !s.residual[g].empty()) res = s.residual[g];
-    else std::fill(res.begin(), res.end(), 0.0f);
+    if (s.residual_restore && !s.residual[g].empty()) opt.copy_from_host(gr, Part::residual, s.residual[g].data());
   }
   opt.set_steps(m.step);
   if (s.scaler_restore) opt.scaler().set_state(m.loss_scaler);
   if (s.working_restore) {
-    const int es = dtype_size(opt.config().working_dtype);
+    const CommStreamScope scope(opt.comm(), opt.config());
     for (int g = 0; g < kNumGroups; ++g) {
-      const int64_t bytes = opt.layout().groups[g].padded() * es;
+      const Group gr = Group(g);
+      const int64_t bytes = opt.part_bytes(gr, Part::working);
       if (bytes == 0) continue;
-      if (opt.rank() == 0) std::memcpy(opt.working(Group(g)), s.working[g].data(), size_t(bytes));
-      opt.comm().broadcast(opt.working(Group(g)), bytes, 0);
+      if (opt.rank() == 0) opt.copy_from_host(gr, Part::working, s.working[g].data());
+      opt.comm().broadcast(opt.working(gr), bytes, 0);
     }
     opt.mark_initialized();
   } else {
@@ -217,7 +242,8 @@ LoadResult load(ShardedOptimizer& opt, const std::string& dir, const LoadOptions
       res.warnings.push_back("the manifest was saved as tag '" + m.tag + "', it is now in '" + path + "'");
     compat_check(m, opt, src);
     const shard::ShardConfig& cfg = opt.config();
-    const bool has_residual = !opt.residual(Group::q8).empty() || !opt.residual(Group::fp32).empty();
+    const bool has_residual = opt.part_bytes(Group::q8, ShardedOptimizer::Part::residual) > 0 ||
+                              opt.part_bytes(Group::fp32, ShardedOptimizer::Part::residual) > 0;
     // A residual is one rank's share of the gradient in flat coordinates: it carries over only to
     // the same rank of the same layout.
     bool same_layout = m.world == opt.world() && m.wire_block == opt.layout().cfg.wire_block;

@@ -43,13 +43,18 @@ void safetensors_header_write(FileWriter& w, const SafetensorsMetadata& metadata
 }
 
 FileInfo safetensors_write(const std::string& tmp, const char* name, const char* role, const std::string& tag,
-                           int64_t step, const std::vector<SafetensorsTensor>& tensors) {
+                           int64_t step, const std::vector<SafetensorsTensor>& tensors, const SafetensorsData& data) {
   FileInfo fi;
   fi.name = name;
   fi.role = role;
   FileWriter w(join(tmp, fi.name), true);
   safetensors_header_write(w, {{"format", "pt"}, {"zero8_tag", tag}, {"zero8_step", std::to_string(step)}}, tensors);
-  for (const SafetensorsTensor& t : tensors) w.write(t.data, t.bytes);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t before = w.offset();
+    if (data) data(w, i);
+    else w.write(tensors[i].data, tensors[i].bytes);
+    ZERO8_ASSERT(w.offset() - before == tensors[i].bytes);
+  }
   w.finish();
   fi.bytes = w.offset();
   fi.xxh3 = w.digest();
@@ -84,12 +89,17 @@ Safetensors safetensors_parse(const FileReader& r) {
       CKPT_FAIL(r.path(), what + ": missing or unsupported dtype");
     e.dtype = t["dtype"].get<std::string>();
     if (!t.contains("shape") || !t["shape"].is_array()) CKPT_FAIL(r.path(), what + ": missing shape");
+    // Element and byte counts in int64_t: a shape whose product does not fit cannot match the file.
     int64_t n = 1;
     for (const json& d : t["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) CKPT_FAIL(r.path(), what + ": bad shape");
       e.shape.push_back(d.get<int64_t>());
-      n *= e.shape.back();
+      if (__builtin_mul_overflow(n, e.shape.back(), &n))
+        CKPT_FAIL(r.path(), what + ": bad shape (more than 2^63 elements)");
     }
+    int64_t bytes = 0;
+    if (__builtin_mul_overflow(n, int64_t(st_dtype_size(e.dtype)), &bytes))
+      CKPT_FAIL(r.path(), what + ": bad shape " + shape_text(e.shape) + " (more than 2^63 bytes)");
     if (!t.contains("data_offsets") || !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
         !t["data_offsets"][0].is_number_integer() || !t["data_offsets"][1].is_number_integer())
       CKPT_FAIL(r.path(), what + ": missing data_offsets");
@@ -98,7 +108,7 @@ Safetensors safetensors_parse(const FileReader& r) {
     if (e.begin < 0 || e.end < e.begin || e.end > data)
       CKPT_FAIL(r.path(), what + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
                             ") outside the " + std::to_string(data) + " data bytes");
-    if (e.end - e.begin != n * st_dtype_size(e.dtype))
+    if (e.end - e.begin != bytes)
       CKPT_FAIL(r.path(), what + ": " + std::to_string(e.end - e.begin) + " bytes for shape " + shape_text(e.shape));
     spans.emplace_back(e.begin, e.end);
     st.tensors.emplace(it.key(), std::move(e));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -36,9 +37,13 @@ using SafetensorsMetadata = std::vector<std::pair<std::string, std::string>>;
 // dtype, shape and data offsets, the tensors in the given order). The tensors' bytes follow it.
 void safetensors_header_write(FileWriter& w, const SafetensorsMetadata& metadata,
                               const std::vector<SafetensorsTensor>& tensors);
-// The file <tmp>/<name> of a tag (metadata: format pt, zero8_tag, zero8_step), written and synced.
+// Appends the bytes of tensor `index` (its SafetensorsTensor::bytes of them) to the file being written.
+using SafetensorsData = std::function<void(FileWriter& w, size_t index)>;
+// The file <tmp>/<name> of a tag (metadata: format pt, zero8_tag, zero8_step), written and synced; each
+// tensor's bytes come from its data pointer, or from `data` when given (then the pointers are not read).
 FileInfo safetensors_write(const std::string& tmp, const char* name, const char* role, const std::string& tag,
-                           int64_t step, const std::vector<SafetensorsTensor>& tensors);
+                           int64_t step, const std::vector<SafetensorsTensor>& tensors,
+                           const SafetensorsData& data = {});
 
 struct SafetensorsEntry {
   std::string dtype;  // safetensors name (F32, BF16, I64, ...)

@@ -1,9 +1,11 @@
 // ckpt::save: every rank writes its shard (fp32 master, 8-bit codes and absmax or fp32 states, the
 // error-feedback residual) into a temporary directory, rank 0 the model files and the manifest; the
-// directory becomes the tag only once complete, and latest follows (see checkpoint.h).
+// directory becomes the tag only once complete, and latest follows (see checkpoint.h). A device
+// optimizer's parts are staged through a small host buffer; the files are the same bytes either way.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -30,43 +32,75 @@ using shard::Group;
 using shard::kNumGroups;
 using shard::ShardedOptimizer;
 
-struct SectionSource {
-  SectionInfo info;
-  const void* data;
+using Part = ShardedOptimizer::Part;
+
+// The parts of this rank's buffers as the files are written: a host optimizer's own memory, in place; a
+// device optimizer's copied in pieces of at most kStageBytes through one page-locked buffer, so a save
+// holds no host copy of a whole part or of the model.
+class PartWriter {
+ public:
+  static constexpr int64_t kStageBytes = int64_t(64) << 20;
+  explicit PartWriter(ShardedOptimizer& opt) : opt_(opt), device_(opt.config().memory == MemSpace::device) {}
+
+  // Bytes [offset, offset + bytes) of part p of group g, appended to w.
+  void write(FileWriter& w, Group g, Part p, int64_t offset, int64_t bytes) {
+    if (bytes <= 0) return;
+    if (!device_) {
+      w.write(static_cast<const uint8_t*>(opt_.part_data(g, p)) + offset, bytes);
+      return;
+    }
+    uint8_t* stage = static_cast<uint8_t*>(stage_.reserve(std::min(bytes, kStageBytes), "checkpoint save (staging)"));
+    for (int64_t done = 0; done < bytes;) {
+      const int64_t n = std::min(bytes - done, kStageBytes);
+      opt_.copy_to_host(g, p, offset + done, n, stage);
+      w.write(stage, n);
+      done += n;
+    }
+  }
+
+ private:
+  ShardedOptimizer& opt_;
+  const bool device_;
+  device::PinnedBuffer stage_;
 };
 
-FileInfo shard_write(ShardedOptimizer& opt, const std::string& tmp, uint64_t nonce, const Env& env) {
+struct SectionSource {
+  SectionInfo info;
+  Group group;
+  Part part;
+};
+
+FileInfo shard_write(ShardedOptimizer& opt, PartWriter& parts, const std::string& tmp, uint64_t nonce, const Env& env) {
   const int r = opt.rank();
   const shard::Layout& lay = opt.layout();
   std::vector<SectionSource> secs;
-  auto add = [&](int g, const std::string& kind, int64_t b, int64_t e, const void* p) {
+  // A section is a whole part of this rank's buffers, named (kind) as the part is.
+  auto add = [&](int g, Part part, int64_t b, int64_t e) {
     SectionInfo s;
     s.group = shard::group_name(Group(g));
-    s.kind = kind;
+    s.kind = ShardedOptimizer::part_name(part);
     s.begin = b;
     s.end = e;
-    s.bytes = (e - b) * section_esize(kind);
-    secs.push_back(SectionSource{s, p});
+    s.bytes = (e - b) * section_esize(s.kind);
+    ZERO8_ASSERT(s.bytes == opt.part_bytes(Group(g), part));
+    secs.push_back(SectionSource{s, Group(g), part});
   };
   for (int g = 0; g < kNumGroups; ++g) {
     const shard::GroupLayout& gl = lay.groups[g];
     const int64_t b = gl.part_begin(r), valid = gl.part_valid(r);
     if (valid > 0) {
-      add(g, "master", b, b + valid, opt.master(Group(g)));
-      optim::State* st = opt.state(Group(g));
-      const optim::StateLayout& sl = st->layout();
+      add(g, Part::master, b, b + valid);
+      const optim::StateLayout& sl = opt.state(Group(g))->layout();
       for (int k = 1; k <= sl.num_states; ++k) {
-        const std::string n = std::to_string(k);
         if (sl.bits == 8) {
-          add(g, "codes" + n, b, b + valid, st->codes(k));
-          add(g, "absmax" + n, b / sl.block, b / sl.block + sl.num_blocks(), st->absmax(k));
+          add(g, k == 1 ? Part::codes1 : Part::codes2, b, b + valid);
+          add(g, k == 1 ? Part::absmax1 : Part::absmax2, b / sl.block, b / sl.block + sl.num_blocks());
         } else {
-          add(g, "state" + n, b, b + valid, st->fp32(k));
+          add(g, k == 1 ? Part::state1 : Part::state2, b, b + valid);
         }
       }
     }
-    const std::vector<float>& res = opt.residual(Group(g));
-    if (!res.empty() && gl.padded() > 0) add(g, "residual", 0, gl.padded(), res.data());
+    if (opt.part_bytes(Group(g), Part::residual) > 0) add(g, Part::residual, 0, gl.padded());
   }
 
   FileInfo fi;
@@ -87,7 +121,7 @@ FileInfo shard_write(ShardedOptimizer& opt, const std::string& tmp, uint64_t non
     if (i == secs.size() / 2) crash_at(env, "mid_shard", r);
     w.pad_to(kSectionAlign);
     secs[i].info.offset = w.offset();
-    w.write(secs[i].data, secs[i].info.bytes);
+    parts.write(w, secs[i].group, secs[i].part, 0, secs[i].info.bytes);
     fi.sections.push_back(secs[i].info);
   }
   if (secs.empty()) crash_at(env, "mid_shard", r);
@@ -98,7 +132,7 @@ FileInfo shard_write(ShardedOptimizer& opt, const std::string& tmp, uint64_t non
 }
 
 // The working copy in its dtype, in model order.
-FileInfo model_write(ShardedOptimizer& opt, const std::string& tmp, const std::string& tag) {
+FileInfo model_write(ShardedOptimizer& opt, PartWriter& parts, const std::string& tmp, const std::string& tag) {
   const shard::Layout& lay = opt.layout();
   const std::string dtype = safetensors_dtype(opt.config().working_dtype);
   const int es = dtype_size(opt.config().working_dtype);
@@ -106,9 +140,12 @@ FileInfo model_write(ShardedOptimizer& opt, const std::string& tmp, const std::s
   for (size_t i = 0; i < lay.params.size(); ++i) {
     const shard::ParamSpec& p = lay.params[i];
     ZERO8_CHECK_ARG(p.name != "__metadata__", "params", "a parameter named '__metadata__' cannot be saved as safetensors");
-    tensors.push_back({p.name, dtype, p.shape, opt.param_working(int(i)), lay.slots[i].numel * es});
+    tensors.push_back({p.name, dtype, p.shape, nullptr, lay.slots[i].numel * es});
   }
-  return safetensors_write(tmp, kModelName, "model", tag, opt.steps(), tensors);
+  return safetensors_write(tmp, kModelName, "model", tag, opt.steps(), tensors, [&](FileWriter& w, size_t i) {
+    const shard::ParamSlot& slot = lay.slots[i];
+    parts.write(w, slot.group, Part::working, slot.offset * es, slot.numel * es);
+  });
 }
 
 // SaveOptions::state_dict and module_tensors checked and resolved against opt (rank 0, before anything
@@ -189,7 +226,7 @@ Manifest manifest_of(ShardedOptimizer& opt) {
   m.wire_block = lay.cfg.wire_block;
   m.min_8bit_size = lay.cfg.min_8bit_size;
   m.working_dtype = cfg.working_dtype;
-  m.error_feedback = !opt.residual(Group::q8).empty() || !opt.residual(Group::fp32).empty();
+  m.error_feedback = opt.part_bytes(Group::q8, Part::residual) > 0 || opt.part_bytes(Group::fp32, Part::residual) > 0;
   m.fp16 = cfg.fp16;
   m.loss_scaler = opt.scaler().state();
   if (cfg.bits == 8) {
@@ -283,7 +320,7 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
     crash_at(env, "begin", r);
   });
   agree(c, f);
-  c.broadcast(&nonce, sizeof(nonce), 0);
+  comm::broadcast_host(c, &nonce, sizeof(nonce), 0);
   const std::string tmp = join(dir, kTmpPrefix + tag + "-" + hex64(nonce));
   auto tmp_remove = [&] {
     if (r != 0) return;
@@ -295,9 +332,10 @@ SaveResult save(ShardedOptimizer& opt, const std::string& dir, const SaveOptions
   std::string entries;
   f = attempt([&] {
     json arr = json::array();
-    arr.push_back(file_to_json(shard_write(opt, tmp, nonce, env)));
+    PartWriter parts(opt);
+    arr.push_back(file_to_json(shard_write(opt, parts, tmp, nonce, env)));
     if (r == 0) {
-      arr.push_back(file_to_json(model_write(opt, tmp, tag)));
+      arr.push_back(file_to_json(model_write(opt, parts, tmp, tag)));
       if (!opts.module_tensors.empty()) arr.push_back(file_to_json(model_rest_write(opts.module_tensors, tmp, tag, opt.steps())));
       for (const auto& [name, bytes] : opts.extra_files) {
         FileInfo fi;

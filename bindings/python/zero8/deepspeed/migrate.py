@@ -40,7 +40,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 def load_into_engine(engine: "Zero8Engine", load_dir: str, tag: str, *, load_module_strict: bool = True,
                      load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                     load_module_only: bool = False):
+                     load_module_only: bool = False, allow_pickle: bool = False):
     """Load DeepSpeed checkpoint ``<load_dir>/<tag>`` into zero8 engine `engine` (collective; every rank reads
     the files). Returns DeepSpeed's ``(load_path, client_state)``. Everything is read and checked on every rank
     before anything changes."""
@@ -51,7 +51,7 @@ def load_into_engine(engine: "Zero8Engine", load_dir: str, tag: str, *, load_mod
     staged: dict = {}
 
     def stage() -> None:
-        states = read_checkpoint(tag_dir)
+        states = read_checkpoint(tag_dir, allow_pickle=allow_pickle)
         module_sd = states.model_states.get("module")
         if not isinstance(module_sd, dict):
             raise Zero8IOError(f"{tag_dir}: its model-states file has no 'module' state dict")

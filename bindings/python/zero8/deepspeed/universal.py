@@ -31,6 +31,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8IOError, Zero8NotSupportedError, Zero8ValueError
+from .._torch_load import torch_load
 from ..optim import _algos
 from ..optim.optimizer import _ALGORITHM_KEY
 from ..optim.partition import LAYOUT_KEY, decode_partition_state
@@ -69,9 +70,34 @@ class DeepSpeedStates(NamedTuple):
     kind: str
 
 
-def _load(path: str) -> Any:
+# The classes DeepSpeed's own checkpoint files pickle besides tensors and plain values (its loss scaler in the
+# optimizer files, its ZeRO stage enum, its fragment addresses), by module: reading them constructs these
+# classes from their saved fields (no other code runs), so a DeepSpeed checkpoint reads weights-only too.
+_DEEPSPEED_GLOBALS = {
+    "deepspeed.runtime.fp16.loss_scaler": ("LossScaler", "DynamicLossScaler"),
+    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
+}
+_ALLOW_PICKLE = "allow_pickle=True (to read_checkpoint, to_universal or the engine's load_checkpoint)"
+
+
+def _deepspeed_globals() -> list:
+    """DeepSpeed's classes of _DEEPSPEED_GLOBALS that this DeepSpeed has (none without DeepSpeed)."""
+    import importlib
+
+    found = []
+    for module, names in _DEEPSPEED_GLOBALS.items():
+        try:
+            m = importlib.import_module(module)
+        except ImportError:
+            continue
+        found += [getattr(m, n) for n in names if hasattr(m, n)]
+    return found
+
+
+def _load(path: str, allow_pickle: bool) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch_load(path, allow_pickle=allow_pickle, option=_ALLOW_PICKLE, allowed=_deepspeed_globals())
     except FileNotFoundError:
         raise Zero8IOError(f"{path}: no such file") from None
     except ModuleNotFoundError as e:
@@ -169,7 +195,7 @@ def _zero_file_as_torch(sd: dict, path: str) -> bool:
     return changed
 
 
-def _to_universal_from_zero(tag_dir: str, out_dir: str, workers: int) -> None:
+def _to_universal_from_zero(tag_dir: str, out_dir: str, workers: int, allow_pickle: bool) -> None:
     from deepspeed.checkpoint import ds_to_universal  # DeepSpeed's converter does the rest
 
     files = _optim_files(tag_dir)
@@ -179,11 +205,11 @@ def _to_universal_from_zero(tag_dir: str, out_dir: str, workers: int) -> None:
     tmp = tempfile.mkdtemp(prefix=".zero8-to-universal-", dir=parent)
     try:
         for path in files:
-            sd = _load(path)
+            sd = _load(path, allow_pickle)
             _zero_file_as_torch(sd, path)
             torch.save(sd, os.path.join(tmp, os.path.basename(path)))
         for path in glob.glob(os.path.join(tag_dir, "*model_states.pt")):
-            sd = _load(path)
+            sd = _load(path, allow_pickle)
             sd.setdefault(_UNIVERSAL_INFO, {"universal_checkpoint_version": 0.2})
             torch.save(sd, os.path.join(tmp, os.path.basename(path)))
         args = _ds_args(tmp, out_dir, workers)
@@ -246,7 +272,7 @@ def _zero8_tag_dir(path: str, tag: Optional[str]) -> str:
     return _C.checkpoint_tag_path(path, tag if tag is not None else _C.latest_read(path))
 
 
-def _export_zero8(tag_dir: str, out_dir: str) -> None:
+def _export_zero8(tag_dir: str, out_dir: str, allow_pickle: bool) -> None:
     check = _C.checkpoint_verify(tag_dir)
     if not check["ok"]:
         raise Zero8IOError(f"{tag_dir}: " + "; ".join(check["problems"]))
@@ -273,7 +299,7 @@ def _export_zero8(tag_dir: str, out_dir: str) -> None:
                 vals[name] = parts[f"state{i}"]
         values[g] = vals
     step = int(manifest["step"])
-    model_states = _load(os.path.join(tag_dir, _MODEL_STATES))
+    model_states = _load(os.path.join(tag_dir, _MODEL_STATES), allow_pickle)
     zero = os.path.join(out_dir, "zero")
     shapes: "OrderedDict[str, torch.Size]" = OrderedDict()
     for p in manifest["params"]:
@@ -308,7 +334,8 @@ def _export_zero8(tag_dir: str, out_dir: str) -> None:
         fh.write(tag)
 
 
-def to_universal(input_path: str, output_dir: str, tag: Optional[str] = None, workers: int = 1) -> str:
+def to_universal(input_path: str, output_dir: str, tag: Optional[str] = None, workers: int = 1,
+                 allow_pickle: bool = False) -> str:
     """Convert a checkpoint into a DeepSpeed universal checkpoint at `output_dir` (a tag directory; its parent
     gets ``latest_universal``, as DeepSpeed's ``ds_to_universal`` writes it):
 
@@ -320,7 +347,8 @@ def to_universal(input_path: str, output_dir: str, tag: Optional[str] = None, wo
 
     Returns `output_dir`. A DeepSpeed engine loads the result at any world size with
     ``"checkpoint": {"load_universal": true}`` and ``engine.load_checkpoint(<parent of output_dir>)``; its
-    optimizer must have as many param groups as the checkpoint (DeepSpeed pairs them by position)."""
+    optimizer must have as many param groups as the checkpoint (DeepSpeed pairs them by position).
+    allow_pickle: as read_checkpoint's."""
     input_path = os.fspath(input_path)
     output_dir = os.fspath(output_dir)
     if os.path.exists(output_dir) and os.listdir(output_dir):
@@ -329,32 +357,34 @@ def to_universal(input_path: str, output_dir: str, tag: Optional[str] = None, wo
         if tag is not None:
             raise Zero8ValueError("to_universal: tag is for a zero8 engine checkpoint; give a DeepSpeed checkpoint's "
                                   "tag directory itself")
-        _to_universal_from_zero(input_path, output_dir, workers)
+        _to_universal_from_zero(input_path, output_dir, workers, allow_pickle)
         return output_dir
     if not os.path.isdir(input_path):
         raise Zero8IOError(f"to_universal: {input_path}: no such directory")
     tag_dir = _zero8_tag_dir(input_path, tag)
     os.makedirs(output_dir, exist_ok=True)
-    _export_zero8(tag_dir, output_dir)
+    _export_zero8(tag_dir, output_dir, allow_pickle)
     return output_dir
 
 
 # ---------------------------------------------------------------------------------------------------
 # Reading a DeepSpeed checkpoint by parameter
 
-def read_checkpoint(tag_dir: str) -> DeepSpeedStates:
+def read_checkpoint(tag_dir: str, allow_pickle: bool = False) -> DeepSpeedStates:
     """The trained parameters of a DeepSpeed checkpoint tag directory, by name (see DeepSpeedStates): a ZeRO
     stage 1/2 checkpoint (every rank's optimizer file, states of torch's AdamW/Adam or of zero8) or a universal
-    one (``zero/``)."""
+    one (``zero/``). The files are read weights-only (tensors, plain values and DeepSpeed's own checkpoint
+    classes, _DEEPSPEED_GLOBALS); any other object fails with Zero8ValueError naming it unless allow_pickle,
+    which unpickles anything (as DeepSpeed's own load does) and so may run code from the files."""
     tag_dir = os.fspath(tag_dir)
     model_states_path = os.path.join(tag_dir, _MODEL_STATES)
     if os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt")):
-        return _read_universal(tag_dir, model_states_path)
+        return _read_universal(tag_dir, model_states_path, allow_pickle)
     files = _optim_files(tag_dir)
     if not files:
         raise Zero8IOError(f"{tag_dir}: not a DeepSpeed ZeRO stage 1/2 or universal checkpoint (no "
                            f"*_optim_states.pt, no zero/optimizer_state.pt)")
-    model_states = _load(model_states_path)
+    model_states = _load(model_states_path, allow_pickle)
     shapes = OrderedDict()
     for group in model_states.get(_PARAM_SHAPES) or []:
         shapes.update(group)
@@ -363,7 +393,7 @@ def read_checkpoint(tag_dir: str) -> DeepSpeedStates:
     pieces: Dict[str, Dict[str, list]] = {}
     steps, param_groups = set(), []
     for rank, path in enumerate(files):
-        osd = _load(path).get(_OPTIMIZER_STATE_DICT)
+        osd = _load(path, allow_pickle).get(_OPTIMIZER_STATE_DICT)
         if not isinstance(osd, dict) or _BASE_OPTIMIZER_STATE not in osd:
             raise Zero8IOError(f"{path}: not a DeepSpeed ZeRO stage 1/2 optimizer file")
         base = osd[_BASE_OPTIMIZER_STATE]
@@ -394,10 +424,10 @@ def read_checkpoint(tag_dir: str) -> DeepSpeedStates:
     return DeepSpeedStates(params, steps.pop() if steps else 0, param_groups, model_states, "zero")
 
 
-def _read_universal(tag_dir: str, model_states_path: str) -> DeepSpeedStates:
+def _read_universal(tag_dir: str, model_states_path: str, allow_pickle: bool) -> DeepSpeedStates:
     zero = os.path.join(tag_dir, "zero")
-    optim = _load(os.path.join(zero, "optimizer_state.pt"))
-    model_states = _load(model_states_path) if os.path.isfile(model_states_path) else {}
+    optim = _load(os.path.join(zero, "optimizer_state.pt"), allow_pickle)
+    model_states = _load(model_states_path, allow_pickle) if os.path.isfile(model_states_path) else {}
     params: "OrderedDict[str, Dict[str, torch.Tensor]]" = OrderedDict()
     steps = set()
     names = sorted(d for d in os.listdir(zero) if os.path.isdir(os.path.join(zero, d)))
@@ -411,7 +441,7 @@ def _read_universal(tag_dir: str, model_states_path: str) -> DeepSpeedStates:
             key, ext = os.path.splitext(f)
             if ext != ".pt":
                 continue
-            value = _load(os.path.join(d, f))
+            value = _load(os.path.join(d, f), allow_pickle)
             if key == "step":
                 steps.add(_step_of(value))
             else:

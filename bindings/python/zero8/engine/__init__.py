@@ -20,12 +20,14 @@ zero8.pipe.PipelineModule: train_batch / eval_batch over each stage's plain engi
 load, the model-states file, the 16-bit model), ``pipeline_checkpoint`` (the pipeline's tags), ``optimizer``
 (the returned Zero8Optimizer), ``params`` (which parameters train in which param and hyper groups),
 ``client_optim`` (client optimizers and param groups as C++ hyperparameters), ``config_view`` (how the
-engine reads its config), ``world`` (the world communicator).
+engine reads its config), ``device`` (CPU or the rank's GPU, the backend for it, the CUDA stream order),
+``world`` (the world communicator).
 """
 
 from __future__ import annotations
 
 from .checkpoint import MODEL_STATES_FILE
+from .device import local_device  # noqa: F401  (zero8.engine.local_device(): the rank's GPU)
 from .entry import add_config_arguments, init_distributed, initialize  # noqa: F401
 from .optimizer import Zero8Optimizer
 from .pipeline import PipelineEngine

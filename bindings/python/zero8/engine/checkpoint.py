@@ -22,6 +22,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
+from .._torch_load import torch_load
 from ..lr_schedules import Zero8LRScheduler
 from .client_optim import _f32, _hyper_from_group
 from .params import override_group_text
@@ -137,8 +138,9 @@ class EngineCheckpoints:
         extra = {} if pt is None else {MODEL_STATES_FILE: pt}
         # The C++ writer reads the tensors where they are: module_tensors keeps them alive until it returns.
         views = [(k, dtype, shape, t.data_ptr(), t.numel() * t.element_size()) for k, dtype, shape, t in module_tensors]
-        _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
-                           bool(save_latest), state_dict, views)
+        with self._stream_order():  # a device optimizer's parts are copied out on its stream
+            _C.checkpoint_save(self._opt, save_dir, tag, json.dumps(state), self.zero8_config.json, keep_last, extra,
+                               bool(save_latest), state_dict, views)
 
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
@@ -276,7 +278,7 @@ class EngineCheckpoints:
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Callable | None = None):
+                        custom_load_fn: Callable | None = None, allow_pickle: bool | None = None):
         """Collective load of ``<load_dir>/<tag>`` (tag None: the one ``latest`` names) at any world size.
         Returns ``(load_path, client_state)`` as DeepSpeed (load_path: the tag's model-states file;
         client_state: the keys of that file the load did not consume, the caller's saved client_state among
@@ -285,10 +287,15 @@ class EngineCheckpoints:
         load restores masters, 8-bit states, the working copy bit for bit, steps and loss scale; otherwise
         only the module weights are read (from the .pt file) and the masters are reset from them.
         Everything is read and checked on every rank before anything changes: a load that raises (on any
-        rank, for any reason) leaves the engine as it was, on every rank."""
+        rank, for any reason) leaves the engine as it was, on every rank. allow_pickle (default: the config's
+        zero8.checkpoint.allow_pickle, false): unpickle any object of the model-states file, such as a
+        client_state of custom classes, which can run code from the file; else an object other than tensors
+        and plain values fails the load with Zero8ValueError naming it."""
         self._check_live()
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
+        if allow_pickle is None:
+            allow_pickle = bool(self._cfg.zero8.checkpoint_allow_pickle)
         load_dir = os.fspath(load_dir)
         _check_tag_not_empty(tag, "load_checkpoint", "load_dir", "the tag 'latest' names")
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
@@ -305,13 +312,13 @@ class EngineCheckpoints:
             return load_into_engine(self, load_dir, ds_tag, load_module_strict=load_module_strict,
                                     load_optimizer_states=load_optimizer_states,
                                     load_lr_scheduler_states=load_lr_scheduler_states,
-                                    load_module_only=load_module_only)
+                                    load_module_only=load_module_only, allow_pickle=allow_pickle)
         full = load_optimizer_states and not load_module_only
         staged: dict = {}
 
         def stage(path: str, client_state_json: str) -> None:
             """Read and check everything the engine applies after the C++ load (which cannot fail then)."""
-            model_states = self._read_model_states(path)
+            model_states = self._read_model_states(path, allow_pickle)
             module_sd = model_states.get("module") if isinstance(model_states, dict) else None
             if not isinstance(module_sd, dict):
                 raise _C.Zero8IOError(f"{os.path.join(path, MODEL_STATES_FILE)}: no 'module' state dict")
@@ -340,8 +347,9 @@ class EngineCheckpoints:
 
         if full:
             try:
-                res = _C.checkpoint_load(self._opt, load_dir, tag, True, lambda r: self._load_before_commit(
-                    lambda: stage(r["path"], r["client_state_json"])))
+                with self._stream_order():
+                    res = _C.checkpoint_load(self._opt, load_dir, tag, True, lambda r: self._load_before_commit(
+                        lambda: stage(r["path"], r["client_state_json"])))
             except _C.Zero8IOError as e:
                 named = self._hyper_groups_named(str(e), load_dir, tag)
                 if named is None:
@@ -362,7 +370,8 @@ class EngineCheckpoints:
             self._on_ranks_agreed(stage_module_only, "load_checkpoint (nothing was loaded)", all_ranks=True)
             with torch.no_grad():
                 self.module.load_state_dict(staged["model_states"]["module"], strict=load_module_strict)
-            self._opt.init(0)  # masters from the loaded weights, everywhere equal
+            with self._stream_order():
+                self._opt.init(0)  # masters from the loaded weights, everywhere equal
         path, model_states, state = staged["path"], staged["model_states"], staged["state"]
         if state is not None and not load_module_only:
             e = state["engine"]
@@ -478,24 +487,27 @@ class EngineCheckpoints:
         return {k: v for k, v in model_states.items() if k not in consumed or k in own}
 
     @staticmethod
-    def _read_model_states(tag_path: str) -> dict:
+    def _read_model_states(tag_path: str, allow_pickle: bool) -> dict:
         """The model-states file, its module tensors mapped from the file (torch.load with mmap) rather than
         read into memory: the load copies them into the module (the frozen parameters and buffers, or every
         entry without the optimizer states) straight from the page cache, so a large frozen tensor costs no
         rank a copy of its own. Everything else (the caller's client_state, the LR scheduler's state, a
         module's extra state) may outlive the load, so it is copied out of the mapping here: the mapping goes
-        with the last module tensor, when the load returns."""
+        with the last module tensor, when the load returns. Tensors and plain values only, unless
+        `allow_pickle` (client_state may hold any picklable object, as in DeepSpeed, but unpickling one can run
+        code from the file). torch.save's zipfile format (the only one zero8 writes) is what mmap needs."""
         path = os.path.join(tag_path, MODEL_STATES_FILE)
-        # Our own file; client_state may hold arbitrary picklable objects, as in DeepSpeed. torch.save's
-        # zipfile format (the only one zero8 writes) is what mmap needs.
+        option = "load_checkpoint(..., allow_pickle=True) or zero8.checkpoint.allow_pickle in the config"
         try:
-            states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except FileNotFoundError:
+            states = torch_load(path, allow_pickle=allow_pickle, option=option, mmap=True)
+        except (FileNotFoundError, Zero8ValueError):
             raise
         except Exception as mapped_error:
             # A file system that cannot map files (some FUSE mounts) still reads it: load it into memory.
             try:
-                states = torch.load(path, map_location="cpu", weights_only=False)
+                states = torch_load(path, allow_pickle=allow_pickle, option=option)
+            except Zero8ValueError:
+                raise
             except Exception as e:
                 raise _C.Zero8IOError(f"{path}: cannot read the model states ({type(e).__name__}: {e}); "
                                       f"`zero8-checkpoint verify {tag_path}` checks its checksum") from e
@@ -585,7 +597,10 @@ def _check_tag_not_empty(tag, call: str, dir_arg: str, default: str) -> None:
 
 def _compact(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
     """t itself when it is the whole of a CPU storage not in ``seen`` (data pointers of the storages given out
-    before), else a copy: torch.save writes a tensor's whole storage, once per storage."""
+    before), else a copy: torch.save writes a tensor's whole storage, once per storage. A GPU tensor is
+    copied to the CPU, so that the file loads on any machine, as the checkpoint's other files do."""
+    if t.device.type != "cpu":
+        return t.to("cpu")
     exact = (t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj()
              and not t.is_neg() and t.storage_offset() == 0
              and t.untyped_storage().nbytes() == t.numel() * t.element_size())

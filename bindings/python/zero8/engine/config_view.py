@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from .._C import Zero8NotSupportedError
 from .._tensors import torch_dtype
 from ..config import raw_value
 
@@ -33,18 +32,10 @@ def comm_timeout_s(cfg) -> float | None:
 
 def requested_backend(config: Any) -> str:
     """zero8.comm_backend as written: read before the parse, which needs the data-parallel size that the
-    backend decides. "nccl" is refused here, before world_comm would set NCCL up (the parser refuses it
-    too, with the same words); a value that is not a string is left to the parser's error."""
+    backend decides (device.comm_backend checks it against the model's device); a value that is not a
+    string is left to the parser's error."""
     backend = raw_value(config, "zero8", "comm_backend", default="auto")
-    if not isinstance(backend, str):
-        return "auto"
-    if backend.lower() == "nccl":
-        raise Zero8NotSupportedError(
-            'zero8.comm_backend: "nccl" cannot run the engine: its buffers (parameters, gradients, optimizer '
-            'state, checkpoints) are host memory, and NCCL takes device buffers only; use "auto", "mpi" or '
-            '"single" (the NCCL backend is for device buffers through the C++ Communicator API, '
-            'comm_create("nccl"))')
-    return backend
+    return backend if isinstance(backend, str) else "auto"
 
 
 def dataloader_drop_last(config: Any) -> bool:

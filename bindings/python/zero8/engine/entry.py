@@ -13,6 +13,7 @@ from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
 from ..config import load_config
 from .config_view import dataloader_drop_last, requested_backend
+from .device import check_nccl_device, comm_backend, local_device, model_device
 from .pipeline import PipelineEngine
 from .training import Zero8Engine
 from .world import world_comm
@@ -38,11 +39,13 @@ def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distrib
                      timeout=None, init_method=None, dist_init_required=None, config=None, rank: int = -1,
                      world_size: int = -1) -> "_C.Communicator":
     """For scripts that call ``deepspeed.init_distributed()`` before ``initialize``: creates (or returns)
-    this process's world communicator (MPI under mpirun or zero8-launch, else one process). zero8 does
-    not start a torch.distributed process group, so the arguments are accepted and ignored; use
-    ``engine.global_rank`` / ``engine.world_size`` (or this communicator's ``rank`` and ``size``) instead
-    of ``torch.distributed.get_rank()``."""
-    return world_comm("auto")
+    this process's world communicator (MPI under mpirun or zero8-launch, else one process; with
+    ``dist_backend="nccl"`` and a GPU, the world of models on GPUs: NCCL where every local rank has a GPU
+    of its own, see world_comm). zero8 does not start a torch.distributed process group, so the other
+    arguments are accepted and ignored; use ``engine.global_rank`` / ``engine.world_size`` (or this
+    communicator's ``rank`` and ``size``) instead of ``torch.distributed.get_rank()``."""
+    nccl = isinstance(dist_backend, str) and dist_backend.lower() == "nccl" and torch.cuda.is_available()
+    return world_comm("auto", device=local_device() if nccl else None)
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -80,6 +83,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     accepted and ignored). Not supported: ``mpu``/``mesh_param`` (tensor parallelism; pipeline
     parallelism comes from a PipelineModule). ZeRO stage 0 runs as stage 1 (same arithmetic, states
     partitioned).
+
+    Devices: the engine trains where the model is. A model on a CUDA device (under a launcher: this rank's,
+    ``zero8.engine.local_device()``, cuda:LOCAL_RANK) keeps every optimizer buffer on that GPU and runs on
+    the current CUDA stream; ``"comm_backend": "auto"`` is then NCCL when the launcher started several
+    processes (one per GPU), and "mpi" stages device buffers through host memory (ranks may share a GPU).
+    The model is not moved: a CPU model trains on the CPU, where "nccl" is an error.
     """
     from ..pipe.module import PipelineModule
 
@@ -99,7 +108,26 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         config = getattr(args, args_key)
     if config is None:
         raise Zero8ValueError("initialize: no config (pass config=, or args.deepspeed_config)")
-    world = world_comm(requested_backend(config))
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    device = model_device(model)
+    if isinstance(model, PipelineModule) and device.type == "cuda":
+        raise Zero8NotSupportedError(
+            f"this stage of the PipelineModule is on {device}: zero8's pipeline engine trains on the CPU only "
+            f"for now (its stages exchange host tensors); train a plain module on the GPU, or keep the pipeline "
+            f"on the CPU")
+    backend = comm_backend(requested_backend(config), device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's set-up and the optimizer's buffers use the current device
+    world = world_comm(backend, device)
+    if device.type == "cuda":
+        check_nccl_device(world, device)
+        torch.cuda.set_device(device)
+    elif world.memory == "device":
+        raise Zero8NotSupportedError(
+            f"this process's world communicator is {world.backend}, which takes device buffers only, and the "
+            f"model is on the CPU: put the model on its rank's GPU (zero8.engine.local_device()), or make the "
+            f"world for the CPU (init_distributed() without dist_backend=\"nccl\")")
     if isinstance(model, PipelineModule):
         # The engine's own world (its own counters), cut into the pipe x data grid of the module's topology.
         world = world.split(0, world.rank, f"zero8-pipe-{next(_engine_numbers)}")
@@ -115,7 +143,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             warnings.warn("zero8.int8_activations has no effect here: it quantizes the activations between "
                           "pipeline stages, and this model is not a zero8.pipe.PipelineModule", stacklevel=2)
         engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
-                             client_lr_scheduler=lr_scheduler)
+                             client_lr_scheduler=lr_scheduler, device=device)
     engine.collate_fn = collate_fn
     engine._dataloader_drop_last = dataloader_drop_last(config)
     loader = None

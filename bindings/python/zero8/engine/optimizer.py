@@ -71,7 +71,8 @@ class Zero8Optimizer(torch.optim.Optimizer):
         overwrites the change. As DeepSpeed's ZeRO optimizer: not collective, every rank should hold the
         same weights. Under fp16/bf16 the masters take the 16-bit values."""
         self._engine._check_live()
-        self._engine._opt.refresh_masters()
+        with self._engine._stream_order():  # the weights were written on the current stream
+            self._engine._opt.refresh_masters()
 
     def state_dict(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

@@ -102,14 +102,14 @@ class PipelineCheckpoints:
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn=None):
+                        custom_load_fn=None, allow_pickle: bool | None = None):
         """Collective over every rank. Returns (load_path, client_state) as the plain engine's (this stage's),
         or (None, None) when load_dir has no ``latest``. With the optimizer states (the default): every
         stage loads its own checkpoint (any data-parallel size), bit-exact at the same one; the pipeline
         degree and partition must be the checkpoint's. Weights only (load_module_only, or
         load_optimizer_states=False): each stage reads its layers' files, at any pipeline degree; the
         counters and LR scheduler come back unless load_module_only. Whatever fails, on any rank, nothing
-        changes anywhere."""
+        changes anywhere. allow_pickle: as the plain engine's (the layer files always load weights-only)."""
         self._check_live()
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
@@ -135,7 +135,8 @@ class PipelineCheckpoints:
             try:
                 result = EngineCheckpoints.load_checkpoint(
                     self, stage_dir(path, self.stage_id), t, load_module_strict=load_module_strict,
-                    load_optimizer_states=True, load_lr_scheduler_states=load_lr_scheduler_states)
+                    load_optimizer_states=True, load_lr_scheduler_states=load_lr_scheduler_states,
+                    allow_pickle=allow_pickle)
             except Exception as e:
                 if not self._load_agreed:  # this stage failed before its check: the others wait for its word
                     self._load_agreed = True

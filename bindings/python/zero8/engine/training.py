@@ -3,8 +3,10 @@
 buffer. Post-accumulate-grad hooks hand each gradient over as it is complete: in stage 2 to the bucket
 that carries it (no full-size gradient buffer; ``param.grad`` is dropped), which is reduced while backward
 is still running; in stage 1 ``.grad`` (fp32) is a view into the optimizer's gradient buffer, so autograd
-accumulates straight into C++ memory until the boundary. Here: building the engine, DeepSpeed's accessors,
-forward / backward / step, the data loader and the statistics; checkpoints are in checkpoint.py.
+accumulates straight into its memory until the boundary. A model on a GPU gets a device optimizer: the
+same views, of CUDA memory, and the optimizer's work on the current CUDA stream (device.py). Here:
+building the engine, DeepSpeed's accessors, forward / backward / step, the data loader and the
+statistics; checkpoints are in checkpoint.py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .client_optim import (
     _hyper_from_group,
 )
 from .config_view import comm_timeout_s, working_dtype
+from .device import StreamOrder, check_device, model_device
 from .optimizer import Zero8Optimizer
 from .params import built_client_optimizer, collect_params, fp32_state, override_hyper_groups
 from .world import engines, local_rank
@@ -46,11 +49,12 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
-                 world: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None):
+                 world: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None,
+                 device: torch.device | None = None):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self._init_state(model, config, dp, world)
+        self._init_state(model, config, dp, world, device)
         client_optimizer, model_parameters = built_client_optimizer(model, model_parameters, client_optimizer)
         self._select_params(model, model_parameters, client_optimizer)
         sc = self._sharded_config(client_optimizer)
@@ -67,10 +71,17 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     # ---- setup, in the order __init__ runs it ----
     def _init_state(self, model: torch.nn.Module, config: Zero8Config, dp: "_C.Communicator",
-                    world: "_C.Communicator") -> None:
+                    world: "_C.Communicator", device: torch.device | None) -> None:
         """The module, the config (``config``: DeepSpeed's dict; ``_cfg``: the typed view the engine reads),
-        the communicators and DeepSpeed's counters."""
+        the communicators, the device (its CUDA stream) and DeepSpeed's counters."""
         self.module = model
+        self._device = model_device(model) if device is None else check_device(device)
+        self._stream_order = StreamOrder(self._device)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # the optimizer's buffers go to the current device
+            # The engine's own calls with host buffers (agreements, checkpoint strings) and tensors go
+            # through the optimizer's stream too.
+            dp.stream = self._stream_order.stream.cuda_stream
         self.zero8_config = config
         self.config = config.dict
         self._cfg = config.typed if config.typed is not None else _C.Config.from_normalized(config.json,
@@ -107,15 +118,17 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     def _select_params(self, model: torch.nn.Module, model_parameters, client_optimizer) -> None:
         """The parameters to optimize (the client's list or param groups, model_parameters, or all trainable
-        ones, in order), their names and param groups; they must be CPU float tensors."""
+        ones, in order), their names and param groups; they must be float tensors on the engine's device."""
         groups = collect_params(model, model_parameters, client_optimizer, stacklevel=4)
         params = groups.params
         if not params:
             raise Zero8ValueError("model_parameters: no trainable parameters (requires_grad=True) to optimize")
-        for p in params:
-            if p.device.type != "cpu":
-                raise Zero8NotSupportedError(f"parameter on {p.device}: zero8's engine trains CPU models")
         names = {id(p): n for n, p in model.named_parameters()}
+        for i, p in enumerate(params):
+            if p.device != self._device:
+                raise Zero8NotSupportedError(
+                    f"parameter {names.get(id(p), f'param{i}')} is on {p.device}, the model on {self._device}: "
+                    f"zero8's engine trains the parameters where the model is")
         self._params = params
         self._param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
         self._hyper_group = groups.hyper_group
@@ -140,6 +153,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         its optimizer section or of the client optimizer's type and param groups, one Hyper per param group."""
         cfg = self._cfg
         sc = _C.shard_config_from_json(self.zero8_config.json, self._dp.size)
+        if self._device.type == "cuda":
+            sc.memory = "device"  # every buffer on the current device (initialize made it the model's)
+            sc.stream = self._stream_order.stream.cuda_stream
         if client_optimizer is not None and cfg.optimizer.present:
             raise Zero8ValueError(
                 "optimizer: both a client optimizer and an \"optimizer\" config section were given; pass one"
@@ -195,8 +211,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._shard_config = sc
         # Parameters become views into the working buffer (and fp32 grads views into the grad buffer).
         self._bind_params()
-        self._opt.init(0)  # rank 0's weights everywhere; masters from them
-        self._broadcast_rest()
+        with self._stream_order():
+            self._opt.init(0)  # rank 0's weights everywhere; masters from them
+            self._broadcast_rest()
         self._register_hooks()
         self._destroyed = False
         engines.add(self)
@@ -243,7 +260,11 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         in_place = self._shard_config.stage == 1
         wbuf, gbuf = {}, {}
         for g in range(_C.NUM_GROUPS):
-            if opt.group_padded(g) > 0:
+            if opt.group_padded(g) > 0 and self._device.type == "cuda":
+                wbuf[g] = torch.as_tensor(opt.device_buffer("working", g), device=self._device).view(self._dtype)
+                if in_place:  # in stage 2 asking for the buffer would make a full one
+                    gbuf[g] = torch.as_tensor(opt.device_buffer("grad", g), device=self._device).view(torch.float32)
+            elif opt.group_padded(g) > 0:
                 wbuf[g] = torch.frombuffer(opt.working_buffer(g), dtype=self._dtype)
                 if in_place:
                     gbuf[g] = torch.frombuffer(opt.grad_buffer(g), dtype=torch.float32)
@@ -260,15 +281,20 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._working_buffers, self._grad_buffers = wbuf, gbuf
 
     def _broadcast_rest(self) -> None:
-        """Frozen parameters and buffers: rank 0's values everywhere (DeepSpeed broadcasts the module)."""
+        """Frozen parameters and buffers: rank 0's values everywhere (DeepSpeed broadcasts the module). Those
+        on the engine's device and on the CPU (through the device when the communicator takes device memory
+        only, NCCL)."""
         if self._dp.size == 1:
             return
         managed = {id(p) for p in self._params}
         tensors = [p for p in self.module.parameters() if id(p) not in managed] + list(self.module.buffers())
+        staged = self._dp.memory == "device"
         for t in tensors:
-            if t.numel() == 0 or t.device.type != "cpu":
+            if t.numel() == 0 or t.device not in (torch.device("cpu"), self._device):
                 continue
             src = t.data if t.data.is_contiguous() else t.data.contiguous()
+            if staged and src.device.type == "cpu":
+                src = src.to(self._device)
             self._dp.broadcast_ptr(src.data_ptr(), src.numel() * src.element_size(), 0)
             if src is not t.data:
                 t.data.copy_(src)
@@ -332,7 +358,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     def _gradient_arrived(self, i: int) -> None:
         n, expected = self._arrivals[i], max(1, self._expected[i])
         if n == expected:
-            self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
+            with self._stream_order():  # the gradient is written on the current stream (autograd's)
+                self._opt.grad_ready(i)  # stage 2: reduces the buckets this gradient completes
         elif n > expected:
             self._expected[i] = n
             if self._opt.param_reduced(i):
@@ -418,7 +445,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        """Where the engine trains: the CPU, or the model's CUDA device (DeepSpeed's engine.device)."""
+        return self._device
 
     @property
     def loss_scale(self) -> float:
@@ -555,7 +583,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             )
 
     def _backward_end(self) -> None:
-        self._opt.backward_end(self.is_gradient_accumulation_boundary())
+        with self._stream_order():
+            self._opt.backward_end(self.is_gradient_accumulation_boundary())
         self._expected = [max(e, n) for e, n in zip(self._expected, self._arrivals)]
         self._arrivals = [0] * len(self._params)
         self._counting = False
@@ -579,7 +608,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         """The sharded step with the param groups' current hyperparameters (collective)."""
         self._apply_hyper()
         b0 = self._bytes_sent()
-        info = dict(self._opt.step())
+        with self._stream_order():
+            info = dict(self._opt.step())
         self._bytes["step"] += self._bytes_sent() - b0
         self._last_info = info
         return info
@@ -674,9 +704,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         the "train" route (and "encode", which DeepSpeed handles as train), in order on "eval" and "predict"
         (as DeepSpeed's, so each rank evaluates its share). batch_size None: train_micro_batch_size_per_gpu;
         collate_fn None: the one given to initialize; num_local_io_workers None: 0 (the batches are loaded
-        in this process); pin_memory as the DataLoader's (it only applies with an accelerator: zero8 trains
-        on the CPU). zero8's keyword-only extras: drop_last (None: the config's dataloader_drop_last) and
-        shuffle (None: the route's)."""
+        in this process); pin_memory as the DataLoader's (it applies where a GPU is available, and speeds up
+        copies of the batches to it). zero8's keyword-only extras: drop_last (None: the config's
+        dataloader_drop_last) and shuffle (None: the route's)."""
         from torch.utils.data import DataLoader
         from torch.utils.data.distributed import DistributedSampler
 
@@ -730,14 +760,21 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     def memory_stats(self) -> dict:
         """Bytes held by this rank: working copy, gradient buffers (stage 2: the buckets held now; stage 1:
         the full buffer), fp32 master and optimizer state of its partition, scratch buffers (with the
-        reduced gradient of the partition); ``total`` of those, ``grads_peak`` (the most the gradient buffers
-        held) and ``state_bytes_per_param`` (state of the whole model divided over its parameters, this
-        rank's share)."""
+        reduced gradient of the partition): the optimizer's own memory, on the GPU for a model there;
+        ``total`` of those, ``grads_peak`` (the most the gradient buffers held) and
+        ``state_bytes_per_param`` (state of the whole model divided over its parameters, this rank's share).
+        On a GPU also ``device`` and what torch's allocator holds there beside them (activations, 16-bit
+        gradients, frozen weights): ``torch_allocated`` now and ``torch_max_allocated``, its peak
+        (torch.cuda.max_memory_allocated)."""
         m = {k: int(v) for k, v in self._opt.memory().items()}
         m["total"] = sum(m[k] for k in ("working", "grads", "master", "state", "buffers"))
         n = sum(p.numel() for p in self._params)
         m["params"] = n
         m["state_bytes_per_param"] = m["state"] / n if n else 0.0
+        if self._device.type == "cuda":
+            m["device"] = str(self._device)
+            m["torch_allocated"] = int(torch.cuda.memory_allocated(self._device))
+            m["torch_max_allocated"] = int(torch.cuda.max_memory_allocated(self._device))
         return m
 
 

@@ -114,7 +114,7 @@ namespace zero8::comm {
 // ---------------------------------------------------------------------------------------------
 
 // Environment (read by comm_env.cpp, the one place these are parsed):
-//   ZERO8_COMM_TIMEOUT  seconds before a collective gives up (default 1800; per communicator: set_timeout)
+//   ZERO8_COMM_TIMEOUT  seconds before a collective gives up (default 600; per communicator: set_timeout)
 //   ZERO8_COMM_IFADDR   IPv4 address of this host for the MPI backend's liveness connections
 //                       (default: the address the hostname resolves to, else 127.0.0.1)
 //   ZERO8_COMM_NODE     node name used to form node groups (default: the hostname)
@@ -180,6 +180,9 @@ class Communicator {
   // Whether calls may come from another thread than the one that made the communicator, one thread at
   // a time (see "Threads" above).
   virtual bool calls_from_any_thread() const { return true; }
+  // The CUDA device a device-memory backend works on (NCCL: the rank's GPU, chosen at creation as its
+  // index among the ranks of its node, modulo the devices); -1 for host backends.
+  virtual int device() const { return -1; }
   int world_rank(int r) const { return world_ranks_.at(size_t(r)); }  // rank r in the world communicator
   const std::vector<int>& world_ranks() const { return world_ranks_; }
 
@@ -325,6 +328,10 @@ class Communicator {
 // else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
 std::unique_ptr<Communicator> comm_create(const std::string& backend = "auto");
 bool comm_backend_available(const std::string& backend);  // compiled in (not: usable right now)
+// The backend "auto" stands for, for buffers in `memory`: host memory as comm_create("auto") decides;
+// device memory "nccl" instead of "mpi" when the MPI launcher started several processes and zero8 was
+// built with NCCL (one rank per GPU), else the same ("single" and "mpi" stage device buffers).
+std::string comm_auto_backend(MemSpace memory);
 
 // For code that hands the communicator host buffers (std::vector, stack values: the sharded
 // optimizer, checkpoints, node_groups, the Python bytes/list helpers): throws
@@ -334,11 +341,15 @@ bool comm_backend_available(const std::string& backend);  // compiled in (not: u
 void check_host_memory(const Communicator& c, const std::string& arg, const std::string& user,
                        const std::string& alternative = "");
 
-// Host buffers (small control data: flags, norms, sizes, configs) on any communicator: collective like
-// all_gather / all_reduce, and on a device-memory backend (NCCL) the data goes through a device scratch
-// buffer ordered on the communicator's stream; on a host backend these are the plain calls.
+// Host buffers (small control data: flags, norms, sizes, configs, checkpoint manifests) on any
+// communicator: collective like all_gather / all_gather_v / all_reduce / broadcast, and on a device-memory
+// backend (NCCL) the data goes through a device scratch buffer ordered on the communicator's stream; on a
+// host backend these are the plain calls.
 void all_gather_host(Communicator& c, const void* send, void* recv, int64_t bytes);
+void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, void* recv,
+                       const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs);
 void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op);
+void broadcast_host(Communicator& c, void* buf, int64_t bytes, int root);
 template <class T> T all_reduce_host_value(Communicator& c, T v, ReduceOp op) {
   all_reduce_host(c, &v, 1, scalar_type_of<T>(), op);
   return v;

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# The C++ library and its tests under sanitizers, and the fuzz targets (docs/TESTING.md), each part in
+# its own clang build without CUDA:
+#   asan  build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer, every ctest test (mpirun ones
+#         included; not the demo training run) and the replay of each fuzz corpus (tests/fuzz/corpus/).
+#   tsan  build-tsan/: ThreadSanitizer over the threaded communicator tests (test_comm_single's
+#         CommThreads, test_liveness).
+#   fuzz  each libFuzzer target of build-asan/ for ZERO8_FUZZ_SECONDS (default 30) from its corpus and
+#         the test data; new inputs go to build-asan/fuzz/corpus/<target>/, crashes to build-asan/fuzz/.
+# Usage: scripts/sanitize.sh [asan] [tsan] [fuzz] (default: all three, in that order). Each part prints
+# one summary line "sanitize: <part>: ..." (also appended to $ZERO8_SANITIZE_SUMMARY when set) and the
+# script exits non-zero if any part failed. Environment: ZERO8_BUILD_DIR (the build dirs are
+# <it>-asan and <it>-tsan; default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_FUZZ_SECONDS,
+# ZERO8_SANITIZE_CTEST_ARGS (more ctest arguments for the asan part, e.g. -E resize to trim it).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+base="${ZERO8_BUILD_DIR:-$root/build}"
+asan_dir="$base-asan" tsan_dir="$base-tsan"
+jobs="${ZERO8_CTEST_JOBS:-2}"
+fuzz_seconds="${ZERO8_FUZZ_SECONDS:-30}"
+parts=("$@")
+((${#parts[@]} > 0)) || parts=(asan tsan fuzz)
+
+if [[ $(id -u) -eq 0 ]]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+export OMPI_MCA_rmaps_base_oversubscribe=1
+# Reports name source lines (llvm-symbolizer, from clang's packages); a finding fails the process that hits it. LSan's only
+# suppressions are OpenMPI's own allocations, see the file.
+supp="$root/tests/sanitize"
+export ASAN_OPTIONS="detect_leaks=1:check_initialization_order=1"
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
+
+status=0
+summary() {
+  echo "sanitize: $1"
+  if [[ -n "${ZERO8_SANITIZE_SUMMARY:-}" ]]; then echo "$1" >>"$ZERO8_SANITIZE_SUMMARY"; fi
+}
+
+# configure DIR SANITIZERS [cmake args...]: a clang build of zero8 without CUDA in DIR.
+configure() {
+  local dir=$1 san=$2
+  shift 2
+  CC=clang CXX=clang++ cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZERO8_CUDA=OFF \
+    -DZERO8_SANITIZE="$san" "$@" >"$dir/configure.log" 2>&1 ||
+    { cat "$dir/configure.log" >&2; return 1; }
+}
+
+run_asan() {
+  local t0 log rc=0 line
+  t0=$(date +%s)
+  mkdir -p "$asan_dir"
+  if ! configure "$asan_dir" address,undefined -DZERO8_FUZZ=ON || ! cmake --build "$asan_dir" --parallel "$jobs"; then
+    summary "asan: build failed ($(( $(date +%s) - t0 )) s)"
+    return 1
+  fi
+  # The mpirun tests (label dist) apart: their ranks unwind every allocation fully, so that OpenMPI's
+  # leaks reach the libraries tests/sanitize/lsan.supp names (slower; see that file). Not the demo
+  # (label example): a training run whose quality check needs 150 steps, past its timeout at -O1 with
+  # ASan, over the codec and optimizer code that the unit tests run.
+  local -a kinds=("-LE dist|example" "-L dist") opts=("" ":fast_unwind_on_malloc=0") lines=()
+  local i
+  for i in 0 1; do
+    log="$asan_dir/ctest${i}.log"
+    # shellcheck disable=SC2086  # kinds[i] and ZERO8_SANITIZE_CTEST_ARGS are lists of ctest arguments
+    ASAN_OPTIONS="$ASAN_OPTIONS${opts[i]}" ctest --test-dir "$asan_dir" --output-on-failure -j "$jobs" ${kinds[i]} \
+      ${ZERO8_SANITIZE_CTEST_ARGS:-} >"$log" 2>&1 || rc=1
+    line=$(grep -E '^[0-9]+% tests passed' "$log" | tail -1)
+    lines+=("${line:-ctest printed no summary ($log)}")
+    if grep -qE 'Test +#[0-9]+: .*\*\*\*(Failed|Exception|Timeout)|Not Run' "$log"; then
+      grep -E 'Test +#[0-9]+: .*\*\*\*(Failed|Exception|Timeout)|Not Run' "$log" >&2
+      echo "sanitize: the ASan/UBSan test output: $log" >&2
+    fi
+  done
+  summary "asan: ${lines[0]}; mpirun tests: ${lines[1]}, $(( $(date +%s) - t0 )) s"
+  return $rc
+}
+
+run_tsan() {
+  local t0 rc=0 exe log
+  t0=$(date +%s)
+  mkdir -p "$tsan_dir"
+  # Only the test executables that run threads of the communicator (and the library they link).
+  if ! configure "$tsan_dir" thread || ! cmake --build "$tsan_dir" --parallel "$jobs" --target test_comm_single test_liveness; then
+    summary "tsan: build failed ($(( $(date +%s) - t0 )) s)"
+    return 1
+  fi
+  # One OpenMP thread: Debian's libomp is not built with TSan, so its barriers would read as races; the
+  # threads under test are the communicator's own.
+  for exe in test_comm_single test_liveness; do
+    log="$tsan_dir/$exe.log"
+    if ! OMP_NUM_THREADS=1 "$tsan_dir/tests/$exe" --gtest_brief=1 >"$log" 2>&1; then
+      rc=1
+      tail -40 "$log" >&2
+      echo "sanitize: the TSan output of $exe: $log" >&2
+    fi
+  done
+  summary "tsan: test_comm_single, test_liveness: $( ((rc == 0)) && echo passed || echo FAILED), $(( $(date +%s) - t0 )) s"
+  return $rc
+}
+
+run_fuzz() {
+  local t0 rc=0 name exe dirs dict work log results=()
+  t0=$(date +%s)
+  if [[ ! -f "$asan_dir/build.ninja" ]]; then
+    summary "fuzz: needs the asan part's build ($asan_dir)"
+    return 1
+  fi
+  cmake --build "$asan_dir" --parallel "$jobs" --target fuzz_config fuzz_manifest fuzz_safetensors fuzz_shard \
+    fuzz_dequant >/dev/null || { summary "fuzz: build failed"; return 1; }
+  for name in fuzz_config fuzz_manifest fuzz_safetensors fuzz_shard fuzz_dequant; do
+    exe="$asan_dir/tests/fuzz/$name"
+    work="$asan_dir/fuzz/corpus/$name"
+    log="$asan_dir/fuzz/$name.log"
+    mkdir -p "$work"
+    mapfile -t dirs <"$asan_dir/tests/fuzz/$name.dirs"
+    dict=()
+    case "$name" in fuzz_config | fuzz_manifest | fuzz_safetensors) dict=(-dict="$root/tests/fuzz/json.dict") ;; esac
+    # -timeout: an input that takes 10 s is a finding too (a hang); the first directory takes new inputs.
+    if "$exe" "${dict[@]}" -max_total_time="$fuzz_seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+        -artifact_prefix="$asan_dir/fuzz/$name-" "$work" "${dirs[@]}" >"$log" 2>&1; then
+      results+=("$name $(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$') runs")
+    else
+      rc=1
+      results+=("$name FAILED")
+      grep -E '^==[0-9]+==ERROR|^SUMMARY|^fuzz:|Test unit written to' "$log" >&2 || tail -20 "$log" >&2
+      echo "sanitize: $name found a crash (log: $log); once fixed, add the input to tests/fuzz/corpus/$name/" >&2
+    fi
+  done
+  summary "fuzz: $(printf '%s; ' "${results[@]}")${fuzz_seconds} s each, $(( $(date +%s) - t0 )) s"
+  return $rc
+}
+
+for part in "${parts[@]}"; do
+  case "$part" in
+    asan) run_asan || status=1 ;;
+    tsan) run_tsan || status=1 ;;
+    fuzz) run_fuzz || status=1 ;;
+    *) echo "sanitize: unknown part '$part' (expected asan, tsan or fuzz)" >&2; exit 2 ;;
+  esac
+done
+exit $status
