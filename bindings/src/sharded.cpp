@@ -75,6 +75,8 @@ ShardConfig shard_config_from_json(const std::string& config_json, int world) {
   s.error_feedback = c.zero8.enabled && c.zero8.error_feedback;
   s.release_grads = c.zero8.enabled && c.zero8.release_gradients;
   s.reduce_bucket_size = c.zero.reduce_bucket_size;
+  s.allgather_bucket_size = c.zero.allgather_bucket_size;
+  s.overlap = c.zero.overlap_comm;
   s.gradient_clipping = c.gradient_clipping;
   s.fp16 = c.fp16.enabled;
   s.loss_scaler = config::loss_scaler_config(c);
@@ -143,8 +145,13 @@ void init_sharded(py::module_& m) {
       .def_readwrite("int8_params", &ShardConfig::int8_params)
       .def_readwrite("error_feedback", &ShardConfig::error_feedback)
       .def_readwrite("release_grads", &ShardConfig::release_grads,
-                     "stage 2 with several buckets: reduced buckets' gradient memory goes back to the OS")
+                     "reduced gradient buckets' memory goes back to the OS instead of being kept for the next ones")
       .def_readwrite("reduce_bucket_size", &ShardConfig::reduce_bucket_size, "elements per gradient bucket")
+      .def_readwrite("allgather_bucket_size", &ShardConfig::allgather_bucket_size,
+                     "elements per piece of the parameter all-gather, over all ranks")
+      .def_readwrite("overlap", &ShardConfig::overlap,
+                     "stage 2 reductions and the step's all-gather on a thread of the optimizer (host memory, "
+                     "several ranks): zero_optimization.overlap_comm")
       .def_readwrite("gradient_clipping", &ShardConfig::gradient_clipping)
       .def_readwrite("fp16", &ShardConfig::fp16, "dynamic loss scaling applies")
       .def_property(
@@ -190,8 +197,8 @@ void init_sharded(py::module_& m) {
         return repr_fields(self, "ShardConfig",
                            {"algo", "bits", "stage", "working_dtype", "state_block", "wire_block", "min_8bit_size",
                             "int8_grads", "bf16_grads", "int8_params", "error_feedback", "stochastic_wire", "wire_seed",
-                            "release_grads", "reduce_bucket_size", "gradient_clipping", "fp16", "memory", "stream",
-                            "hyper"});
+                            "release_grads", "reduce_bucket_size", "allgather_bucket_size", "overlap",
+                            "gradient_clipping", "fp16", "memory", "stream", "hyper"});
       });
 
   m.def("shard_config_from_json", &shard_config_from_json, py::arg("config_json"), py::arg("world"),
@@ -239,7 +246,9 @@ void init_sharded(py::module_& m) {
             check_host_buffers(o, "grad_buffer");
             return buffer_view(self, o.grad_input(gr), o.layout().group(gr).padded() * int64_t(sizeof(float)));
           },
-          py::arg("group"), "The fp32 gradient input of a group (padded) as a writable memoryview of bytes.")
+          py::arg("group"),
+          "The full fp32 gradient input of a group (padded) as a writable memoryview of bytes. Stage 2 makes it on "
+          "the first call (4 bytes per parameter kept from then on); grad_add keeps only the buckets in flight.")
       .def(
           "master_values",
           [](py::object self, int g) {
@@ -346,6 +355,14 @@ void init_sharded(py::module_& m) {
           py::arg("group"), "(begin, valid): this rank's partition of a group in flat coordinates.")
       .def("init", &ShardedOptimizer::init, py::arg("root") = 0, py::call_guard<py::gil_scoped_release>(),
            "Collective: root's working copy becomes everyone's, and the masters are set from it.")
+      .def(
+          "grad_add",
+          [](ShardedOptimizer& o, int param, Ptr grad, DType dtype) {
+            o.grad_add(param, as_ptr<const void>(grad), dtype);
+          },
+          py::arg("param"), py::arg("grad_ptr"), py::arg("dtype"), py::call_guard<py::gil_scoped_release>(),
+          "Add parameter i's gradient (numel contiguous values of dtype f32/bf16/f16 at grad_ptr, in this optimizer's "
+          "memory) to this micro-batch's, in the bucket that carries it: stage 2 keeps no full gradient buffer.")
       .def("grad_ready", &ShardedOptimizer::grad_ready, py::arg("param"), py::call_guard<py::gil_scoped_release>(),
            "Parameter i's gradient of this micro-batch is complete (stage 2 reduces the buckets it completes,\n"
            "in one order of all buckets that every rank follows).")
@@ -417,9 +434,27 @@ void init_sharded(py::module_& m) {
             d["master"] = s.master;
             d["state"] = s.state;
             d["buffers"] = s.buffers;
+            d["grads_peak"] = s.grads_peak;
             return d;
           },
-          "Bytes held by this rank: dict(working, grads, master, state, buffers).")
+          "Bytes held by this rank: dict(working, grads, master, state, buffers), and grads_peak (the most grads "
+          "has been).")
+      .def(
+          "overlap_stats",
+          [](const ShardedOptimizer& o) {
+            const shard::OverlapStats s = o.overlap_stats();
+            py::dict d;
+            d["threaded"] = s.threaded;
+            d["reductions"] = s.reductions;
+            d["reduce_seconds"] = s.reduce_seconds;
+            d["reduce_wait_seconds"] = s.reduce_wait_seconds;
+            d["gathers"] = s.gathers;
+            d["gather_seconds"] = s.gather_seconds;
+            d["gather_wait_seconds"] = s.gather_wait_seconds;
+            return d;
+          },
+          "Time of the collectives since construction and the time the caller waited for them: dict(threaded, "
+          "reductions, reduce_seconds, reduce_wait_seconds, gathers, gather_seconds, gather_wait_seconds).")
       .def("refresh_masters", &ShardedOptimizer::refresh_masters,
            "This rank's fp32 masters from its working copy (not collective), after the weights were changed in place.")
       .def("sync_working_from_master", &ShardedOptimizer::sync_working_from_master,

@@ -367,9 +367,11 @@ std::shared_ptr<MpiWorld> MpiWorld::acquire() {
                       "keep one alive for the whole program");
   std::shared_ptr<MpiWorld> w(new MpiWorld());
   if (!inited) {
-    // Only the calling thread uses MPI (the liveness watcher uses plain sockets).
+    // One thread at a time calls MPI, not always the same one (a sharded optimizer's thread reduces
+    // gradients while the caller runs backward: sharded.h, "Overlap"); the liveness watcher uses plain
+    // sockets.
     int provided = 0;
-    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS)
       ZERO8_THROW(comm, "MPI backend: MPI_Init_thread failed");
     w->owns_mpi = true;
     // OpenMPI 4.1 reports a failed nonblocking collective (MPI_ERR_TRUNCATE when ranks call
@@ -377,6 +379,7 @@ std::shared_ptr<MpiWorld> MpiWorld::acquire() {
     // default one, MPI_Testall would abort the process instead of returning the error to us.
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   }
+  MPI_Query_thread(&w->thread_level);  // MPI_Init_thread's grant, or the level of whoever initialized MPI
   MPI_Comm_rank(MPI_COMM_WORLD, &w->rank);
   MPI_Comm_size(MPI_COMM_WORLD, &w->size);
   const double timeout = env_comm_timeout();

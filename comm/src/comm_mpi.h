@@ -34,6 +34,7 @@ class MpiWorld {
   MPI_Comm comm = MPI_COMM_NULL;  // dup of MPI_COMM_WORLD, errors returned (not fatal)
   int rank = 0, size = 1;
   bool owns_mpi = false;          // we called MPI_Init, so we call MPI_Finalize
+  int thread_level = 0;           // MPI_Query_thread: MPI_THREAD_SERIALIZED lets any thread call (one at a time)
   std::unique_ptr<Liveness> live;
   std::string failure;            // first failure (any communicator of this process)
   // This process is a fork()ed child of the one that set MPI up: it must leave MPI alone (not even
@@ -75,6 +76,7 @@ class MpiComm final : public Communicator {
   std::string description() const override;
   const char* backend() const override { return "mpi"; }
   MemSpace memory() const override { return MemSpace::host; }
+  bool calls_from_any_thread() const override { return world_->thread_level >= MPI_THREAD_SERIALIZED; }
   [[noreturn]] void abort(int exit_code) override;
 
   MpiWorld& world() const { return *world_; }

@@ -160,9 +160,12 @@ class Communicator::Call {
     }
   }
   ~Call() {
-    OpStats& s = c_.stats_.ops[size_t(kind_)];
-    s.calls += 1;
-    s.seconds += now_seconds() - t0_;
+    {
+      std::lock_guard<std::mutex> lk(c_.stats_mu_);
+      OpStats& s = c_.stats_.ops[size_t(kind_)];
+      s.calls += 1;
+      s.seconds += now_seconds() - t0_;
+    }
     c_.running_.store(nullptr, std::memory_order_release);
   }
 
@@ -274,12 +277,19 @@ void Communicator::set_timeout(double seconds) {
   timeout_s_ = seconds;
 }
 
+CommStats Communicator::stats() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  return stats_;
+}
+
 void Communicator::stats_reset() {
+  std::lock_guard<std::mutex> lk(stats_mu_);
   for (OpStats& s : stats_.ops) s = OpStats{0, 0, 0.0, std::vector<uint64_t>(size_t(size_), 0)};
 }
 
 void Communicator::count_bytes(OpKind kind, int peer, int64_t bytes) {
   if (peer == rank_ || bytes <= 0) return;
+  std::lock_guard<std::mutex> lk(stats_mu_);
   OpStats& s = stats_.ops[size_t(kind)];
   s.bytes += uint64_t(bytes);
   s.bytes_to_peer[size_t(peer)] += uint64_t(bytes);

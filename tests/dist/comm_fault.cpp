@@ -21,6 +21,11 @@
 //   mismatch_kind_fit: the same with sizes that fit each other (64 bytes each way).
 //   mismatch_bucket: both call bucket_reduce_scatter, rank 0 with 1000 elements, rank 1 with 2000:
 //               MPI_ERR_TRUNCATE is returned (not fatal) and raised as zero8::Error naming the call.
+//   overlap_kill: a sharded optimizer with overlap (its thread reduces the buckets during backward):
+//               after one clean step, rank 1 dies at the start of a backward; rank 0 reports every
+//               gradient, computes 0.3 s, and gets the thread's error from backward_end (or grad_ready).
+//   overlap_stall: the same, but rank 1 sleeps 3 s outside any call (timeout 2 s): rank 0's thread
+//               times out naming it, and rank 1's thread then fails with rank 0's reason.
 #include <signal.h>
 #include <unistd.h>
 
@@ -36,6 +41,7 @@
 #include "zero8/comm/communicator.h"
 #include "zero8/comm/quantized.h"
 #include "zero8/error.h"
+#include "zero8/sharded.h"
 
 namespace {
 double now_s() {
@@ -178,6 +184,33 @@ int main(int argc, char** argv) {
       t_op = now_s();
       bucket_reduce_scatter(*world, v.data(), len, off, out.data(), o);
       world->barrier();
+    } else if (mode == "overlap_kill" || mode == "overlap_stall") {
+      using namespace zero8::shard;
+      const int64_t len = int64_t(1) << 18;
+      std::vector<ParamSpec> params;
+      for (int p = 0; p < 4; ++p) params.push_back({"w" + std::to_string(p), {len}});
+      ShardConfig c;
+      c.overlap = true;
+      c.reduce_bucket_size = len;  // a bucket per parameter
+      ShardedOptimizer opt(params, c, *world);
+      opt.init(0);
+      std::vector<float> g(static_cast<size_t>(len), 0.01f * float(me + 1));
+      auto backward = [&] {
+        for (int p = 3; p >= 0; --p) {
+          opt.grad_add(p, g.data(), zero8::DType::f32);
+          opt.grad_ready(p);
+        }
+      };
+      backward();
+      opt.backward_end(true);
+      opt.step();
+      if (me == 1 && mode == "overlap_kill") raise(SIGKILL);
+      if (me == 1) usleep(3000000);
+      t_op = now_s();
+      backward();
+      if (me == 0) usleep(300000);  // the rest of the backward's computation
+      opt.backward_end(true);
+      opt.step();
     } else {
       std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
       return 2;

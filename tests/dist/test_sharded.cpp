@@ -1,15 +1,19 @@
 // The sharded optimizer under mpirun -np K: sharded steps equal one process stepping the averaged
 // gradient (bit-exact with fp32 communication, within the codec's bound with int8), stage 1 equals
-// stage 2, clipping and LAMB/LARS trust ratios agree with the unsharded computation, and an overflow
-// on one rank makes every rank skip (also through a step group, the pipeline engine's).
+// stage 2, clipping and LAMB/LARS trust ratios agree with the unsharded computation, an overflow
+// on one rank makes every rank skip (also through a step group, the pipeline engine's), and the
+// bucket input (grad_add) and the overlap thread give the bits of the full buffer reduced in the
+// caller's thread.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
+#include <thread>
 
 #include "dist_env.h"
 #include "zero8/error.h"
@@ -857,6 +861,282 @@ TEST(Sharded, BadConfigurationNamesTheProblem) {
   c.threads = -3;
   EXPECT_NE(construction_error(test_params(), c).find("invalid argument 'threads': must be >= 0"), std::string::npos)
       << construction_error(test_params(), c);
+}
+
+// ---- bucket input (grad_add) and overlap ----
+
+// Rank r's gradients of (step, micro) handed over with grad_add, each parameter reported right after, in
+// reverse order (as an engine's hooks do during backward); dtype: what the caller's gradients are in.
+void backward_with_grad_add(ShardedOptimizer& opt, int step, int micro, DType dtype = DType::f32) {
+  const int r = opt.rank();
+  for (int p = int(opt.layout().params.size()) - 1; p >= 0; --p) {
+    const int64_t n = opt.layout().slots[size_t(p)].numel;
+    std::vector<uint16_t> half(static_cast<size_t>(n));
+    std::vector<float> g(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      g[size_t(i)] = grad_value(r, step, micro, p, i);
+      const float v = g[size_t(i)];
+      if (dtype != DType::f32) half[size_t(i)] = dtype == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+    }
+    opt.grad_add(p, dtype == DType::f32 ? static_cast<const void*>(g.data()) : half.data(), dtype);
+    opt.grad_ready(p);
+  }
+}
+
+void train_with_grad_add(ShardedOptimizer& opt, int steps, int gas = 1, DType dtype = DType::f32) {
+  for (int s = 0; s < steps; ++s) {
+    for (int m = 0; m < gas; ++m) {
+      backward_with_grad_add(opt, s, m, dtype);
+      opt.backward_end(m == gas - 1);
+    }
+    opt.step();
+  }
+}
+
+// The masters, states and residuals of this rank, as bytes (compared between runs that must agree bit
+// for bit).
+std::vector<uint8_t> shard_bytes(ShardedOptimizer& opt) {
+  using Part = ShardedOptimizer::Part;
+  std::vector<uint8_t> out;
+  for (int g = 0; g < 2; ++g)
+    for (Part part : {Part::master, Part::codes1, Part::absmax1, Part::codes2, Part::absmax2, Part::state1,
+                      Part::state2, Part::residual}) {
+      std::vector<uint8_t> b(static_cast<size_t>(opt.part_bytes(Group(g), part)));
+      opt.copy_to_host(Group(g), part, b.data());
+      out.insert(out.end(), b.begin(), b.end());
+    }
+  return out;
+}
+
+TEST(Sharded, GradAddAndOverlapGiveTheBitsOfTheFullBuffer) {
+  // The full gradient buffer written in place, reduced in the caller's thread, the parameters gathered
+  // whole (the path the other tests take), against: grad_add into the reduction buckets, the reductions
+  // and the gathers on the optimizer's thread (overlap), and the all-gather cut into pieces. The same
+  // collectives in the same order over the same bytes: the same bits, in every configuration.
+  struct Case {
+    const char* name;
+    std::function<void(ShardConfig&)> set;
+    int gas;
+  };
+  const std::vector<Case> cases = {
+      {"fp32 wire", [](ShardConfig&) {}, 1},
+      {"int8 wire, error feedback, buckets of 128",
+       [](ShardConfig& c) {
+         c.int8_grads = true;
+         c.error_feedback = true;
+         c.reduce_bucket_size = 128;
+       },
+       1},
+      {"bf16 model, int8 gradients and parameters",
+       [](ShardConfig& c) {
+         c.working_dtype = DType::bf16;
+         c.int8_grads = true;
+         c.int8_params = true;
+       },
+       1},
+      {"stage 1, accumulation 3", [](ShardConfig& c) { c.stage = 1; }, 3},
+      {"stage 2, accumulation 3, int8", [](ShardConfig& c) { c.int8_grads = true; }, 3},
+      {"LAMB",
+       [](ShardConfig& c) {
+         c.algo = optim::Algo::lamb;
+         c.hyper.beta1 = 0.9f;
+       },
+       1},
+      {"release_grads", [](ShardConfig& c) { c.release_grads = true; }, 2},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    ShardConfig c = base_config();
+    k.set(c);
+    auto ref = make(c);
+    train(*ref, 3, k.gas);
+    const std::vector<float> want = params_of(*ref);
+    const std::vector<uint8_t> want_shard = shard_bytes(*ref);
+    for (int variant = 0; variant < 3; ++variant) {
+      ShardConfig v = c;
+      v.overlap = variant != 0;
+      v.allgather_bucket_size = 1024;  // several pieces per partition
+      auto opt = make(v);
+      if (variant == 2)
+        train(*opt, 3, k.gas);  // the full buffer, with overlap
+      else
+        train_with_grad_add(*opt, 3, k.gas);
+      const char* what = variant == 0   ? "grad_add"
+                         : variant == 1 ? "grad_add with overlap"
+                                        : "full buffer with overlap";
+      EXPECT_EQ(params_of(*opt), want) << what << ", rank " << opt->rank();
+      EXPECT_TRUE(shard_bytes(*opt) == want_shard) << what << ": masters or states differ on rank " << opt->rank();
+      expect_replicas_identical(*opt);
+      const shard::OverlapStats o = opt->overlap_stats();
+      EXPECT_EQ(o.threaded, v.overlap && world().size() > 1) << what;
+      EXPECT_GT(o.reductions, 0) << what;
+      EXPECT_GT(o.gathers, 0) << what;
+    }
+  }
+}
+
+TEST(Sharded, GradAddTakes16BitGradients) {
+  // bf16 and fp16 gradients are widened and added in fp32, as autograd's 16-bit gradient added into an
+  // fp32 buffer: the same bits as writing the widened values in place.
+  for (DType dt : {DType::bf16, DType::f16}) {
+    ShardConfig c = base_config();
+    auto in_place = make(c), added = make(c);
+    const int r = in_place->rank();
+    for (size_t p = 0; p < in_place->layout().params.size(); ++p) {
+      float* g = in_place->param_grad(int(p));
+      for (int64_t i = 0; i < in_place->layout().slots[p].numel; ++i) {
+        const float v = grad_value(r, 0, 0, int(p), i);
+        g[i] += dt == DType::bf16 ? bf16_to_f32(f32_to_bf16(v)) : f16_to_f32(f32_to_f16(v));
+      }
+    }
+    in_place->backward_end(true);
+    in_place->step();
+    backward_with_grad_add(*added, 0, 0, dt);
+    added->backward_end(true);
+    added->step();
+    EXPECT_EQ(params_of(*added), params_of(*in_place)) << dtype_name(dt);
+  }
+}
+
+TEST(Sharded, Stage2HoldsItsPartitionAndTheBucketsInFlight) {
+  // Six parameters of one bucket each. Reported last first (the reduction order), each bucket is reduced
+  // as soon as its parameter is reported, so one bucket buffer serves them all; reported first to last,
+  // every bucket waits for the last one and all six are in flight at once. Either way no buffer of its
+  // own for the full gradient: the rank's gradient memory is its reduced partition (in `buffers`) plus
+  // the buckets.
+  const int64_t n = int64_t(1) << 16, bucket_bytes = 4 * n;
+  std::vector<ParamSpec> params;
+  for (int p = 0; p < 6; ++p) params.push_back({"w" + std::to_string(p), {n}});
+  ShardConfig c = base_config();
+  c.reduce_bucket_size = n;
+  for (bool release : {false, true})
+    for (bool last_first : {true, false}) {
+      SCOPED_TRACE(std::string(release ? "release_grads, " : "") + (last_first ? "last first" : "first to last"));
+      c.release_grads = release;
+      ShardedOptimizer opt(params, c, world());
+      opt.init(0);
+      const shard::GroupLayout& gl = opt.layout().groups[0];
+      EXPECT_EQ(opt.memory().grads, 0);
+      std::vector<float> g(static_cast<size_t>(n), 0.25f);
+      for (int k = 0; k < 6; ++k) {
+        const int p = last_first ? 5 - k : k;
+        opt.grad_add(p, g.data(), DType::f32);
+        opt.grad_ready(p);
+        // Once reduced, a bucket's buffer is free again (kept in the pool, or freed with release_grads).
+        const int64_t waiting = last_first || k == 5 ? 0 : k + 1, reduced = last_first ? k + 1 : k == 5 ? 6 : 0;
+        const int64_t pooled = release ? 0 : std::min<int64_t>(reduced, last_first ? 1 : 6);
+        EXPECT_EQ(opt.memory().grads, (waiting + pooled) * bucket_bytes) << "after parameter " << p;
+      }
+      opt.backward_end(true);
+      const shard::MemoryStats m = opt.memory();
+      EXPECT_EQ(m.grads_peak, (last_first ? 1 : 6) * bucket_bytes);
+      EXPECT_EQ(m.grads, release ? 0 : m.grads_peak) << "the pool after backward";
+      if (last_first) {
+        EXPECT_LT(m.grads_peak, 4 * gl.padded()) << "a full-size gradient buffer";
+      }
+      EXPECT_GE(m.buffers, 4 * gl.chunk) << "the reduced partition";
+      EXPECT_FALSE(opt.step().skipped);
+      // Every rank's gradient is 0.25: AdamW's first step moves each weight by lr.
+      EXPECT_NEAR(static_cast<const float*>(opt.param_working(0))[7], -c.hyper.lr, 2e-4f);
+    }
+  // Stage 1 keeps the full buffer until the boundary (as DeepSpeed's stage 1 keeps its gradients).
+  c.stage = 1;
+  ShardedOptimizer one(params, c, world());
+  EXPECT_EQ(one.memory().grads_peak, 4 * one.layout().groups[0].padded());
+}
+
+TEST(Sharded, GradAddAfterItsBucketWasHandedOverIsRefused) {
+  // A part of a gradient that arrives after its bucket went to the reduction would be lost: refused,
+  // naming the parameter; the micro-batch still ends normally on every rank.
+  ShardConfig c = base_config();
+  auto opt = make(c);
+  const int last = int(opt->layout().params.size()) - 1;
+  std::vector<float> g(static_cast<size_t>(opt->layout().slots[size_t(last)].numel), 0.5f);
+  opt->grad_add(last, g.data(), DType::f32);
+  opt->grad_ready(last);
+  ASSERT_TRUE(opt->param_reduced(last));
+  try {
+    opt->grad_add(last, g.data(), DType::f32);
+    ADD_FAILURE() << "a gradient after the reduction was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 'w3' got a gradient after its bucket was handed to the reduction"),
+              std::string::npos) << e.what();
+  }
+  // The full buffer cannot be taken in the middle of a micro-batch that used the buckets.
+  EXPECT_THROW(opt->param_grad(0), Error);
+  opt->backward_end(true);
+  EXPECT_FALSE(opt->step().skipped);
+  EXPECT_NO_THROW(opt->param_grad(0));  // between micro-batches it can
+}
+
+TEST(Sharded, OverlapReducesWhileTheCallerComputes) {
+  // Real processes: once a backward has reported its parameters, the optimizer's thread reduces their
+  // buckets without the caller. The caller does not call the optimizer again until every bucket is
+  // reduced, then backward_end has almost nothing left to wait for: the reductions' time was hidden.
+  if (world().size() < 2) GTEST_SKIP() << "one rank has nothing to overlap (its reductions are local)";
+  ShardConfig c = base_config();
+  c.int8_grads = true;
+  c.overlap = true;
+  const int64_t n = int64_t(1) << 20;
+  c.reduce_bucket_size = n;
+  std::vector<ParamSpec> params;
+  for (int p = 0; p < 4; ++p) params.push_back({"w" + std::to_string(p), {n}});
+  ShardedOptimizer opt(params, c, world());
+  opt.init(0);
+  ASSERT_TRUE(opt.overlap_stats().threaded);
+  // Four buckets of parameters, and one of padding only where the partitions need it (3 ranks).
+  const int64_t buckets = (opt.layout().groups[0].padded() + n - 1) / n;
+  std::vector<float> g(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) g[size_t(i)] = grad_value(opt.rank(), 0, 0, 0, i);
+  for (int p = 3; p >= 0; --p) {
+    opt.grad_add(p, g.data(), DType::f32);
+    opt.grad_ready(p);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  while (opt.overlap_stats().reductions < buckets) {
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60)) << "the reductions did not progress";
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  opt.backward_end(true);
+  const shard::OverlapStats o = opt.overlap_stats();
+  EXPECT_EQ(o.reductions, buckets);
+  EXPECT_GT(o.reduce_seconds, 0.0);
+  EXPECT_LT(o.reduce_wait_seconds, 0.5 * o.reduce_seconds) << "reductions " << o.reduce_seconds << " s, waited "
+                                                            << o.reduce_wait_seconds << " s";
+  EXPECT_FALSE(opt.step().skipped);
+  expect_replicas_identical(opt);
+}
+
+TEST(Sharded, OverlapBoundsTheBucketsInFlight) {
+  // Sixteen buckets reported last first, each posted at once: backward may run ahead of the reductions by
+  // four buckets, then a gradient that needs a new buffer waits for one. So a rank holds at most the
+  // bucket being filled, four waiting for their reduction, and one of padding only (3 ranks), whatever
+  // the speed of the reductions; the weights are those of reductions in the caller's thread.
+  const int64_t n = int64_t(1) << 16;
+  std::vector<ParamSpec> params;
+  for (int p = 0; p < 16; ++p) params.push_back({"w" + std::to_string(p), {n}});
+  ShardConfig c = base_config();
+  c.int8_grads = true;
+  c.reduce_bucket_size = n;
+  std::vector<float> result[2];
+  for (bool overlap : {false, true}) {
+    c.overlap = overlap;
+    ShardedOptimizer opt(params, c, world());
+    opt.init(0);
+    std::vector<float> g(static_cast<size_t>(n));
+    for (int s = 0; s < 2; ++s) {
+      for (int p = 15; p >= 0; --p) {
+        for (int64_t i = 0; i < n; ++i) g[size_t(i)] = grad_value(opt.rank(), s, 0, p, i);
+        opt.grad_add(p, g.data(), DType::f32);
+        opt.grad_ready(p);
+      }
+      opt.backward_end(true);
+      opt.step();
+    }
+    EXPECT_LE(opt.memory().grads_peak, (overlap ? 6 : 1) * 4 * n) << (overlap ? "with" : "without") << " overlap";
+    result[int(overlap)] = params_of(opt);
+  }
+  EXPECT_EQ(result[1], result[0]);
 }
 
 }  // namespace

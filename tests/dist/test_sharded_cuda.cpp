@@ -8,6 +8,7 @@
 // Skips, naming why, without CUDA or a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -248,6 +249,45 @@ TEST(ShardedCuda, LambOnTheDeviceFollowsTheHost) {
     t.host->copy_to_host(Group(g), Part::master, a.data());
     t.dev->copy_to_host(Group(g), Part::master, b.data());
     for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(a[size_t(i)], b[size_t(i)], 1e-6f) << "group " << g << " element " << i;
+  }
+}
+
+// grad_add on a device: each parameter's gradient, written on the caller's stream, goes into the device
+// bucket that carries it (buffers cleared on the reduction stream and reused); the host twin takes the
+// same gradients in its full buffer. The same bits, stage 1 and 2, over accumulated micro-batches.
+TEST(ShardedCuda, GradAddIntoDeviceBucketsEqualsTheHost) {
+  SKIP_WITHOUT_CUDA();
+  for (int stage : {1, 2}) {
+    ShardConfig c = twin_config();
+    c.stage = stage;
+    c.int8_grads = true;
+    c.error_feedback = stage == 2;
+    SCOPED_TRACE(config_name(c));
+    Twins t(c, world());
+    const int r = world().rank(), n = int(twin_params().size());
+    int64_t most = 0;
+    for (int p = 0; p < n; ++p) most = std::max(most, t.host->layout().slots[size_t(p)].numel);
+    t.upload.reserve(most * 4, "gradient upload");  // once: a later reserve could free it under a queued add
+    std::string diff;
+    for (int s = 0; s < 3; ++s) {
+      for (int m = 0; m < 2; ++m) {
+        for (int p = n - 1; p >= 0; --p) {
+          const int64_t numel = t.host->layout().slots[size_t(p)].numel;
+          std::vector<float> grad(static_cast<size_t>(numel));
+          for (int64_t i = 0; i < numel; ++i) grad[size_t(i)] = grad_value(r, s, m, p, i);
+          float* h = t.host->param_grad(p);
+          for (int64_t i = 0; i < numel; ++i) h[i] += grad[size_t(i)];
+          device::copy(t.upload.data(), grad.data(), numel * 4, t.stream.get(), "gradient upload");
+          t.dev->grad_add(p, t.upload.data(), DType::f32);
+          t.host->grad_ready(p);
+          t.dev->grad_ready(p);
+        }
+        t.host->backward_end(m == 1);
+        t.dev->backward_end(m == 1);
+      }
+      expect_same_info(t.host->step(), t.dev->step());
+      ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
+    }
   }
 }
 

@@ -196,15 +196,17 @@ def test_stage2_reduces_buckets_during_backward(stage):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_stage2_gradient_release(dtype):
-    # zero8.release_gradients: the memory of reduced buckets goes back during backward and nothing is held
-    # after it; the training itself is bit-identical to keeping the buffer (the released pages read as
-    # the zeros the buffer is cleared to). Two 1024x1024 layers: 8 MiB of gradients, whole 2 MiB pages.
-    def run(release):
+def test_stage2_holds_the_buckets_in_flight(dtype):
+    # Stage 2 keeps no full-size gradient buffer: each gradient goes to the bucket that carries it
+    # (param.grad is dropped), and a bucket's buffer serves the next one once it is reduced; with
+    # zero8.release_gradients it is freed instead, so nothing is held between backwards. Either way the
+    # training is bit-identical to stage 1's full buffer (one rank: the same sums). Two 1024x1024 layers
+    # in buckets of 2^18 elements (1 MiB): 8 MiB of weight gradients, 4 buckets each.
+    def run(stage, release=False):
         torch.manual_seed(3)
         model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024))
         cfg = config(zero8=dict(FULL8, release_gradients=release),
-                     zero_optimization={"stage": 2, "reduce_bucket_size": 1 << 18})
+                     zero_optimization={"stage": stage, "reduce_bucket_size": 1 << 18})
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         engine, _, _, _ = zero8.initialize(model=model, config=cfg)
@@ -220,17 +222,25 @@ def test_stage2_gradient_release(dtype):
             held.append(engine.memory_stats()["grads"])
             engine.step()
             losses.append(loss.item())
-        return full, during, held, losses, [p.detach().float().clone() for p in model.parameters()]
+        grads = [p.grad for p in model.parameters()]
+        peak = engine.memory_stats()["grads_peak"]
+        return full, during, held, peak, grads, losses, [p.detach().float().clone() for p in model.parameters()]
 
-    full, during_keep, held_keep, losses_keep, params_keep = run(False)
-    _, during_rel, held_rel, losses_rel, params_rel = run(True)
-    assert all(h >= full for h in held_keep) and all(d >= full for d in during_keep)
-    # The second layer's buckets are reduced before the first layer's weight gradient arrives.
-    assert all(d <= full - 4 * 1024 * 1024 for d in during_rel), (during_rel, full)
-    # Only the fp32-state group stays: the two biases (under min_8bit_size), one bucket, 8 KiB.
-    assert held_rel == [4 * 2 * 1024] * 3
-    assert losses_rel == losses_keep
-    assert all(torch.equal(a, b) for a, b in zip(params_rel, params_keep))
+    full, _, held_one, peak_one, _, losses_one, params_one = run(stage=1)
+    _, during_keep, held_keep, peak_keep, grads, losses_keep, params_keep = run(stage=2)
+    _, during_rel, held_rel, peak_rel, _, losses_rel, params_rel = run(stage=2, release=True)
+    assert all(h >= full for h in held_one) and peak_one >= full  # stage 1: the full buffer
+    # The second layer's weight takes four bucket buffers of 1 MiB and the biases' bucket (in the fp32-state
+    # group) one of 8 KiB; once those four are reduced, the first layer's weight reuses them: 4 MiB and
+    # 8 KiB at most, not 8 MiB.
+    held = 4 * (4 << 18) + 4 * 2048
+    assert all(d == held for d in during_keep), (during_keep, full)
+    assert all(d <= held for d in during_rel), (during_rel, full)
+    assert peak_keep == peak_rel == held < full
+    assert held_keep == [held] * 3 and held_rel == [0] * 3  # the pool, or nothing, between backwards
+    assert all(g is None for g in grads)  # the gradients live in the buckets only
+    assert losses_rel == losses_keep == losses_one
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(params_rel, params_keep, params_one))
 
 
 # ---- mixed precision ----

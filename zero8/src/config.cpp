@@ -701,7 +701,8 @@ void parse_zero(Section& top, Config& c) {
   // Element counts; DeepSpeed allows 0, which no bucketing can use.
   z.reduce_bucket_size = s.get_int("reduce_bucket_size", z.reduce_bucket_size, 1);
   z.allgather_bucket_size = s.get_int("allgather_bucket_size", z.allgather_bucket_size, 1);
-  z.overlap_comm = s.get_bool("overlap_comm", false);  // DeepSpeed's default is true for stage 3 only
+  // zero8 overlaps by default (DeepSpeed: only in stage 3); either way the results are the same bits.
+  z.overlap_comm = s.get_bool("overlap_comm", true);
   z.contiguous_gradients = s.get_bool("contiguous_gradients", true);
   z.reduce_scatter = s.get_bool("reduce_scatter", true);
   z.allgather_partitions = s.get_bool("allgather_partitions", true);

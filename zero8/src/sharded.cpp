@@ -5,6 +5,7 @@
 #include "zero8/sharded.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -24,6 +25,22 @@ struct ShardedOptimizer::Bucket {
   int64_t begin = 0, end = 0;
   int nparams = 0;  // parameters overlapping the bucket
 };
+
+// The fp32 buffer of one stage 2 bucket for one micro-batch (see "Gradient memory" in sharded.h): zeros
+// while free (or no memory at all with release_grads). On a device it is cleared on the reduction stream,
+// and `cleared` marks that, for the caller's stream to wait on before it writes the slot again.
+struct ShardedOptimizer::Slot {
+  Store buf;
+  int64_t used = 0;  // floats the last bucket used (all zeros again once it is cleared)
+  std::unique_ptr<device::Event> cleared;
+  bool pending_clear = false;  // `cleared` was recorded and the caller's stream has not waited for it yet
+};
+
+namespace {
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
 
 // ---- agreement across ranks ----
 
@@ -67,6 +84,7 @@ std::vector<ConfigField> config_fields(const ShardConfig& c) {
           {"int8_params", c.int8_params},
           {"stochastic_wire", c.stochastic_wire},
           {"reduce_bucket_size", c.reduce_bucket_size},
+          {"allgather_bucket_size", c.allgather_bucket_size},
           {"gradient_clipping (bits)", clip},
           {"fp16", c.fp16},
           {"layout.state_block", c.layout.state_block},
@@ -296,14 +314,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     // Buckets: cut the padded range into aligned pieces of about reduce_bucket_size elements.
     const int64_t bs = std::max<int64_t>(gl.align, (cfg.reduce_bucket_size + gl.align - 1) / gl.align * gl.align);
     for (int64_t b = 0; b < gl.padded(); b += bs) buckets_[g].push_back(Bucket{b, std::min(gl.padded(), b + bs), 0});
-    // release_grads: stage 2 with several buckets hands the memory of each reduced bucket back at once,
-    // so a rank holds only the gradients not yet reduced. Stage 1 keeps every gradient until the
-    // boundary, and one bucket is reduced at the end of backward: there, refaulting the pages each step
-    // would cost time and save nothing at the peak.
-    if (dev)
-      grads_device_[g] = Store(mem, gl.padded() * 4, cfg.stream);
-    else
-      grads_[g] = GradBuffer(gl.padded(), cfg.release_grads && cfg.stage == 2 && buckets_[g].size() > 1);
+    slot_of_[g].assign(buckets_[g].size(), -1);
     param_buckets_[g].assign(params.size(), {});
     for (int idx : gl.params) {
       const ParamSlot& s = layout_.slots[idx];
@@ -318,7 +329,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     }
   }
   // Scratch at its largest use from the start: a device buffer that grew later would wait for the device.
-  int64_t owned = 1, chunk = 0, padded = 0;
+  int64_t owned = 1, chunk = 0;
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     for (const Bucket& b : buckets_[g]) {
@@ -326,13 +337,14 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
       owned = std::max(owned, off[size_t(r) + 1] - off[size_t(r)]);
     }
     chunk = std::max(chunk, gl.chunk);
-    padded = std::max(padded, gl.padded());
   }
   norm_sums_ = Store(mem, 2 * int64_t(sizeof(double)), cfg.stream);
   norm_work_ = Store(mem, norm_work * int64_t(sizeof(double)), cfg.stream);
   scratch_ = Store(mem, owned * 4, cfg.stream);
+  int64_t piece = 0;  // the largest all-gather piece, over all ranks
+  for (int g = 0; g < kNumGroups; ++g) piece = std::max(piece, gather_piece(g) * dp.size());
   delta_ = Store(mem, cfg.int8_params ? chunk * 4 : 0, cfg.stream);
-  full_delta_ = Store(mem, cfg.int8_params ? padded * 4 : 0, cfg.stream);
+  full_delta_ = Store(mem, cfg.int8_params ? piece * 4 : 0, cfg.stream);
   seg_offsets_ = Store(mem, 0, cfg.stream);
   seg_trust_ = Store(mem, 0, cfg.stream);
   // The reduction order, the same on every rank: buckets by their first (lowest-index) parameter, last
@@ -348,11 +360,27 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   }
   std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& k : keyed) order_.push_back(k.second);
+  for (int g = 0; g < kNumGroups; ++g) order_pos_[g].assign(buckets_[g].size(), 0);
+  for (size_t i = 0; i < order_.size(); ++i) order_pos_[order_[i].first][size_t(order_[i].second)] = i;
   pending_.resize(kNumGroups);
   for (int g = 0; g < kNumGroups; ++g) reset_progress(g);
+  // Stage 1 reduces at the boundary: it keeps every gradient until then, in the full buffer.
+  if (cfg.stage == 1) make_full_input("ShardedOptimizer");
+  // One rank has nothing to hide (its reductions are local copies); a device has its side stream.
+  threaded_ = cfg.overlap && !dev && dp.size() > 1 && dp.calls_from_any_thread();
+  overlap_.threaded = threaded_;
+  if (threaded_) worker_ = std::thread([this] { worker_loop(); });
 }
 
-ShardedOptimizer::~ShardedOptimizer() = default;
+ShardedOptimizer::~ShardedOptimizer() {
+  if (!worker_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();  // a job that runs finishes (or fails: communicator.h, "Failure"); queued ones are dropped
+}
 
 ShardConfig ShardedOptimizer::config() const {
   ShardConfig c = cfg_;
@@ -391,10 +419,178 @@ void* ShardedOptimizer::param_working(int param) {
   return working_[int(s.group)].as<uint8_t>() + s.offset * dtype_size(cfg_.working_dtype);
 }
 
+float* ShardedOptimizer::grad_input(Group g) {
+  ZERO8_CHECK_ARG(int(g) >= 0 && int(g) < kNumGroups, "group",
+                  "must be 0 (8-bit states) or 1 (fp32 states), got " << int(g));
+  make_full_input("ShardedOptimizer::grad_input");
+  return grad_data(int(g));
+}
+
 float* ShardedOptimizer::param_grad(int param) {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  make_full_input("ShardedOptimizer::param_grad");
   const ParamSlot& s = layout_.slots[param];
   return grad_data(int(s.group)) + s.offset;
+}
+
+// The full gradient input, once (see "Gradient memory"). Stage 2 may switch to it only between
+// micro-batches: the buckets of the one under way hold gradients that the full buffer would not.
+void ShardedOptimizer::make_full_input(const char* what) {
+  if (full_input_) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    bool in_use = next_ != 0 || !jobs_.empty() || busy_;
+    for (int g = 0; g < kNumGroups; ++g)
+      for (int si : slot_of_[g]) in_use = in_use || si >= 0;
+    if (in_use)
+      throw Error(ErrorCode::invalid_argument,
+                  std::string(what) + " (rank " + std::to_string(rank()) + "): the gradients of this micro-batch " +
+                      "went to the reduction buckets (grad_add); the full gradient buffer can only be taken " +
+                      "between micro-batches (before the first grad_add, or after backward_end)");
+    slots_.clear();
+    free_slots_.clear();
+  }
+  for (int g = 0; g < kNumGroups; ++g) {
+    const GroupLayout& gl = layout_.groups[g];
+    // release_grads: stage 2 with several buckets hands the memory of each reduced bucket back at once,
+    // so a rank holds only the gradients not yet reduced. Stage 1 keeps every gradient until the
+    // boundary, and one bucket is reduced at the end of backward: there, refaulting the pages each step
+    // would cost time and save nothing at the peak.
+    // Cleared as each reduction clears it (written with zeros, or its pages handed back), so that the
+    // memory it holds does not depend on when it was made.
+    if (on_device()) {
+      grads_device_[g] = Store(cfg_.memory, gl.padded() * 4, cfg_.stream);
+    } else {
+      grads_[g] = GradBuffer(gl.padded(), cfg_.release_grads && cfg_.stage == 2 && buckets_[g].size() > 1);
+      grads_[g].zero();
+    }
+  }
+  full_input_ = true;
+  note_grads_held();
+}
+
+void ShardedOptimizer::grad_add(int param, const void* grad, DType dtype) {
+  ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
+  ZERO8_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, "dtype",
+                  "gradients are float32, bfloat16 or float16, got " << dtype_name(dtype));
+  const ParamSlot& s = layout_.slots[param];
+  if (s.numel == 0) return;
+  ZERO8_CHECK_ARG(grad != nullptr, "grad", "null pointer for the " << s.numel << " gradient values of '"
+                                                                    << params_[size_t(param)].name << "'");
+  ZERO8_SHARD_DEVICE_SCOPE("grad_add");
+  const int g = int(s.group);
+  for (int bi : param_buckets_[g][size_t(param)])
+    if (order_pos_[g][size_t(bi)] < next_)
+      throw Error(ErrorCode::invalid_argument,
+                  "ShardedOptimizer::grad_add (rank " + std::to_string(rank()) + "): parameter '" +
+                      params_[size_t(param)].name + "' got a gradient after its bucket was handed to the " +
+                      "reduction of this micro-batch (every parameter of the bucket had been reported by " +
+                      "grad_ready): it would be lost; report a parameter once its gradient is whole");
+  const int esize = dtype_size(dtype);
+  if (full_input_) {
+    vec::add(grad_data(g) + s.offset, DType::f32, grad, dtype, s.numel, where_step());
+    return;
+  }
+  for (int bi : param_buckets_[g][size_t(param)]) {
+    const Bucket& b = buckets_[g][size_t(bi)];
+    const int64_t lo = std::max(s.offset, b.begin), hi = std::min(s.offset + s.numel, b.end);
+    vec::add(slot_data(g, bi, true) + (lo - b.begin), DType::f32,
+             static_cast<const uint8_t*>(grad) + (lo - s.offset) * esize, dtype, hi - lo, where_step());
+  }
+}
+
+// How many buckets the reductions may lag behind backward (posted, not yet reduced, holding their
+// buffers) before a gradient that needs a new bucket buffer waits for one: with overlap, a rank then
+// holds at most this many buckets more than backward is filling, as DeepSpeed's stage 2 holds two
+// buffers with overlap_comm. The waiting is what the reductions cost anyway when they are the slower.
+constexpr size_t kBucketsAhead = 4;
+
+// Bucket bi's buffer of this micro-batch, taken from the pool (a free slot large enough) or made the first
+// time. for_caller: the caller's stream writes it next (a device slot cleared on the reduction stream is
+// waited for there), and with overlap the caller may wait for the reductions (kBucketsAhead).
+float* ShardedOptimizer::slot_data(int g, int bi, bool for_caller) {
+  const Bucket& b = buckets_[g][size_t(bi)];
+  const int64_t need = b.end - b.begin;
+  Slot* slot = nullptr;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (slot_of_[g][size_t(bi)] < 0) {
+      auto fitting = [&]() -> size_t {  // index in free_slots_ of the smallest free slot that holds the bucket
+        size_t best = free_slots_.size();
+        for (size_t k = 0; k < free_slots_.size(); ++k) {
+          const int64_t cap = slots_[size_t(free_slots_[k])]->buf.bytes() / 4;
+          if (cap >= need && (best == free_slots_.size() || cap < slots_[size_t(free_slots_[best])]->buf.bytes() / 4))
+            best = k;
+        }
+        return best;
+      };
+      if (for_caller && threaded_) {
+        const double t0 = now_s();
+        done_cv_.wait(lk, [&] {
+          return failure_ || fitting() < free_slots_.size() || jobs_.size() + size_t(busy_) < kBucketsAhead;
+        });
+        count_job(Phase::reduce, 0, 0.0, now_s() - t0);
+        if (failure_) std::rethrow_exception(failure_);
+      }
+      size_t k = fitting();
+      if (k == free_slots_.size() && !free_slots_.empty()) k = free_slots_.size() - 1;  // too small: made anew
+      if (k == free_slots_.size()) {
+        slots_.push_back(std::make_unique<Slot>());
+        if (on_device()) slots_.back()->cleared = std::make_unique<device::Event>("ShardedOptimizer: bucket cleared");
+        free_slots_.push_back(int(slots_.size()) - 1);
+      }
+      slot_of_[g][size_t(bi)] = free_slots_[k];
+      free_slots_.erase(free_slots_.begin() + std::ptrdiff_t(k));
+    }
+    slot = slots_[size_t(slot_of_[g][size_t(bi)])].get();
+    if (slot->buf.bytes() < need * 4) {
+      slot->buf = Store(cfg_.memory, need * 4, cfg_.stream);  // zeros
+      slot->used = 0;
+      slot->pending_clear = false;
+    }
+    slot->used = std::max(slot->used, need);
+  }
+  if (for_caller && slot->pending_clear) {
+    slot->cleared->wait_on(cfg_.stream);
+    slot->pending_clear = false;
+  }
+  note_grads_held();
+  return slot->buf.as<float>();
+}
+
+// After bucket bi's reduction (on the thread of "Overlap", or on the device's reduction stream): its
+// slot is zeros again, or loses its memory with release_grads, and goes back to the pool.
+void ShardedOptimizer::slot_clear(int g, int bi) {
+  Slot* slot = nullptr;
+  int si = -1;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    si = slot_of_[g][size_t(bi)];
+    if (si < 0) return;
+    slot = slots_[size_t(si)].get();
+  }
+  if (!cfg_.release_grads) {
+    vec::zero(slot->buf.data(), slot->used * 4, where_reduce());
+    if (on_device()) {
+      slot->cleared->record(side_->get());
+      slot->pending_clear = true;
+    }
+  }
+  std::lock_guard<std::mutex> lk(mu_);  // memory() reads the slots' sizes
+  if (cfg_.release_grads) slot->buf = Store();
+  slot->used = 0;
+  slot_of_[g][size_t(bi)] = -1;
+  free_slots_.push_back(si);
+}
+
+// grads_peak: the bucket buffers held, and the full buffer's size.
+void ShardedOptimizer::note_grads_held() {
+  int64_t held = 0;
+  for (int g = 0; g < kNumGroups; ++g)
+    held += on_device() ? grads_device_[g].bytes() : grads_[g].size() * int64_t(sizeof(float));
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const auto& slot : slots_) held += slot->buf.bytes();
+  grads_peak_ = std::max(grads_peak_, held);
 }
 
 std::vector<float>& ShardedOptimizer::residual(Group g) {
@@ -406,6 +602,7 @@ std::vector<float>& ShardedOptimizer::residual(Group g) {
 
 void ShardedOptimizer::init(int root) {
   ZERO8_SHARD_DEVICE_SCOPE("init");
+  drain(Phase::reduce);  // the communicator is the caller's again
   {
     StreamScope scope(*this, where_step());
     for (int g = 0; g < kNumGroups; ++g)
@@ -417,6 +614,7 @@ void ShardedOptimizer::init(int root) {
 
 void ShardedOptimizer::discard_gradients() {
   ZERO8_SHARD_DEVICE_SCOPE("discard_gradients");
+  drain(Phase::reduce);  // the buckets posted so far are reduced (the other ranks reduce them too), then dropped
   clear_grad_inputs();
   for (int g = 0; g < kNumGroups; ++g) {
     vec::zero(part_grad_[g].data(), part_grad_[g].bytes(), where_step());
@@ -456,13 +654,16 @@ comm::WireOptions ShardedOptimizer::wire_options(comm::WireFormat format) {
 }
 
 // On a device, on the side stream: the gradient was written on the caller's stream, which the side
-// stream waits for first.
-void ShardedOptimizer::reduce_bucket(int g, const Bucket& b) {
+// stream waits for first. With overlap, on the optimizer's thread.
+void ShardedOptimizer::reduce_bucket(int g, int bi) {
+  const Bucket& b = buckets_[g][size_t(bi)];
   const GroupLayout& gl = layout_.groups[g];
   const std::vector<int64_t> off = owner_offsets(gl, b.begin, b.end);
   const int r = rank();
   const int64_t mine = off[r + 1] - off[r];
   const vec::Where w = where_reduce();
+  // A bucket that got no gradient on this rank (unused parameters, padding) sends zeros from a slot.
+  const float* input = full_input_ ? grad_data(g) + b.begin : slot_data(g, bi, false);
   side_after_caller();
   scratch_.grow(std::max<int64_t>(mine, 1) * 4);
   const comm::WireOptions opt = wire_options(cfg_.int8_grads ? comm::WireFormat::int8
@@ -471,12 +672,17 @@ void ShardedOptimizer::reduce_bucket(int g, const Bucket& b) {
   float* residual = residual_data(g);
   {
     StreamScope scope(*this, w);
-    comm::bucket_reduce_scatter(dp_, grad_data(g) + b.begin, b.end - b.begin, off, scratch_.as<float>(), opt,
+    comm::bucket_reduce_scatter(dp_, input, b.end - b.begin, off, scratch_.as<float>(), opt,
                                 residual ? residual + b.begin : nullptr, &wire_ws_);
   }
   // Accumulate into this rank's partition gradient (several micro-batches in stage 2).
   float* dst = part_grad_[g].as<float>() + (b.begin + off[r] - gl.part_begin(r));
   vec::add(dst, DType::f32, scratch_.data(), DType::f32, mine, w);
+  done_[g][size_t(bi)] = true;
+  if (full_input_)
+    release_reduced(g, bi);
+  else
+    slot_clear(g, bi);
 }
 
 void ShardedOptimizer::grad_ready(int param) {
@@ -490,15 +696,13 @@ void ShardedOptimizer::grad_ready(int param) {
 }
 
 // Reduce buckets along the order every rank follows: during backward (only_ready) those at its head whose
-// parameters have all been reported, stopping at the first one still waiting, and handing their memory
-// back; at the end of backward all that are left (grad_input is cleared next).
+// parameters have all been reported, stopping at the first one still waiting; at the end of backward all
+// that are left. With overlap they are posted to the optimizer's thread, in that order.
 void ShardedOptimizer::reduce_in_order(bool only_ready) {
   for (; next_ < order_.size(); ++next_) {
     const auto [g, bi] = order_[next_];
     if (only_ready && pending_[g][size_t(bi)] > 0) break;
-    reduce_bucket(g, buckets_[g][size_t(bi)]);
-    done_[g][size_t(bi)] = true;
-    if (only_ready) release_reduced(g, bi);
+    post(Phase::reduce, [this, g = g, bi = bi] { reduce_bucket(g, bi); });
   }
 }
 
@@ -506,12 +710,12 @@ bool ShardedOptimizer::param_reduced(int param) const {
   ZERO8_CHECK_ARG(param >= 0 && size_t(param) < params_.size(), "param", "index " << param << " out of range");
   const int g = int(layout_.slots[param].group);
   for (int bi : param_buckets_[g][param])
-    if (done_[g][size_t(bi)]) return true;
+    if (order_pos_[g][size_t(bi)] < next_) return true;
   return false;
 }
 
-// Hand back the memory of the run of reduced buckets around bucket bi (a huge page may straddle two
-// buckets: it goes back once both are reduced).
+// Hand back the memory of the run of reduced buckets around bucket bi of the full gradient input (a huge
+// page may straddle two buckets: it goes back once both are reduced).
 void ShardedOptimizer::release_reduced(int g, int bi) {
   if (on_device() || !grads_[g].releases()) return;
   int lo = bi, hi = bi;
@@ -520,14 +724,19 @@ void ShardedOptimizer::release_reduced(int g, int bi) {
   grads_[g].release(buckets_[g][size_t(lo)].begin, buckets_[g][size_t(hi)].end);
 }
 
-// On a device the gradient input is cleared on the side stream after the reductions that read it, and
-// the caller's stream waits for that before the next backward writes it (or the step reads the sums).
+// Every gradient of the micro-batch is dropped: the full input is cleared (on a device, on the side stream
+// after the reductions that read it, and the caller's stream waits for that before the next backward
+// writes it or the step reads the sums); buckets still holding gradients (none after backward_end) are
+// cleared and go back to the pool. The thread has no job (drained).
 void ShardedOptimizer::clear_grad_inputs() {
   for (int g = 0; g < kNumGroups; ++g) {
-    if (on_device())
-      vec::zero(grads_device_[g].data(), grads_device_[g].bytes(), where_reduce());
-    else
-      grads_[g].zero();
+    if (full_input_) {
+      if (on_device())
+        vec::zero(grads_device_[g].data(), grads_device_[g].bytes(), where_reduce());
+      else
+        grads_[g].zero();
+    }
+    for (size_t bi = 0; bi < buckets_[g].size(); ++bi) slot_clear(g, int(bi));
     reset_progress(g);
   }
   next_ = 0;
@@ -540,9 +749,85 @@ void ShardedOptimizer::backward_end(bool boundary) {
   reported_ = false;
   if (cfg_.stage == 2 || boundary) {
     reduce_in_order(false);
+    drain(Phase::reduce);
     clear_grad_inputs();
   }
   if (boundary) micro_ = 0;
+}
+
+// ---- the thread of "Overlap" ----
+
+void ShardedOptimizer::post(Phase phase, std::function<void()> job) {
+  if (!threaded_) {
+    const double t0 = now_s();
+    job();
+    const double dt = now_s() - t0;
+    std::lock_guard<std::mutex> lk(mu_);
+    count_job(phase, 1, dt, dt);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (failure_) std::rethrow_exception(failure_);
+    jobs_.emplace_back(phase, std::move(job));
+  }
+  work_cv_.notify_one();
+}
+
+void ShardedOptimizer::drain(Phase phase) {
+  if (!threaded_) return;
+  const double t0 = now_s();
+  std::unique_lock<std::mutex> lk(mu_);
+  // Bounded: each job's collectives end within the communicator's timeout, or fail (and end the thread).
+  done_cv_.wait(lk, [&] { return failure_ || (jobs_.empty() && !busy_); });
+  count_job(phase, 0, 0.0, now_s() - t0);
+  if (failure_) std::rethrow_exception(failure_);
+}
+
+// Runs the jobs in the order they were posted. The first that throws ends the thread: its collective
+// failed (communicator.h, "Failure": the communicator is unusable after it), and the caller rethrows the
+// error at its next post or drain.
+void ShardedOptimizer::worker_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    work_cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+    if (stop_) return;
+    std::pair<Phase, std::function<void()>> job = std::move(jobs_.front());
+    jobs_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    std::exception_ptr err;
+    const double t0 = now_s();
+    try {
+      job.second();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    const double dt = now_s() - t0;
+    lk.lock();
+    busy_ = false;
+    count_job(job.first, 1, dt, 0.0);
+    if (err) {
+      failure_ = err;
+      jobs_.clear();
+      done_cv_.notify_all();
+      return;
+    }
+    done_cv_.notify_all();  // drain waits for the last job, a gradient for a free bucket buffer
+  }
+}
+
+// Under mu_: jobs run, their wall time, and the time the caller waited for them.
+void ShardedOptimizer::count_job(Phase phase, int jobs, double ran, double waited) {
+  const bool reduce = phase == Phase::reduce;
+  (reduce ? overlap_.reductions : overlap_.gathers) += jobs;
+  (reduce ? overlap_.reduce_seconds : overlap_.gather_seconds) += ran;
+  (reduce ? overlap_.reduce_wait_seconds : overlap_.gather_wait_seconds) += waited;
+}
+
+OverlapStats ShardedOptimizer::overlap_stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return overlap_;
 }
 
 // ---- the step ----
@@ -705,18 +990,23 @@ std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
   return trust;
 }
 
-void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<float>& trust_by_param) {
+// Steps [lo, hi) of this rank's partition of group g (offsets from its start; lo on a state block).
+void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<float>& trust_by_param, int64_t lo,
+                                  int64_t hi) {
   const int64_t b = layout_.groups[g].part_begin(rank());
   if (layout_.groups[g].part_valid(rank()) == 0) return;
   optim::StepArgs whole;
   fill_step_args(g, whole, grad_scale);
-  for_each_run(g, [&](int h, int64_t lo, int64_t hi) {
-    optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], lo, hi);
+  for_each_run(g, [&](int h, int64_t run_lo, int64_t run_hi) {
+    run_lo = std::max(run_lo, lo);
+    run_hi = std::min(run_hi, hi);
+    if (run_lo >= run_hi) return;
+    optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], run_lo, run_hi);
     std::vector<int> seg_params;
     std::vector<int64_t> offs;
     std::vector<float> trust;
     if (optim::algo_has_trust_ratio(cfg_.algo)) {
-      offs = segment_offsets(layout_, g, b, lo, hi, &seg_params);
+      offs = segment_offsets(layout_, g, b, run_lo, run_hi, &seg_params);
       for (int p : seg_params) trust.push_back(trust_by_param[size_t(p)]);
       a.nseg = int64_t(trust.size());
       a.seg_offsets = offs.data();
@@ -732,42 +1022,63 @@ void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<flo
   });
 }
 
-void ShardedOptimizer::param_sync(int g) {
+// Elements per rank of one all-gather piece of group g: allgather_bucket_size over the ranks, in whole
+// alignment units (so each piece holds whole state and wire blocks), at most the partition. The
+// stochastic int8 parameter sync keeps one piece: its draws follow the collectives of the step, which
+// more pieces would change.
+int64_t ShardedOptimizer::gather_piece(int g) const {
   const GroupLayout& gl = layout_.groups[g];
-  if (gl.padded() == 0) return;
+  if (gl.chunk == 0) return 0;
+  if (cfg_.int8_params && cfg_.stochastic_wire) return gl.chunk;
+  const int64_t want = cfg_.allgather_bucket_size / world();
+  const int64_t piece = std::max<int64_t>(gl.align, (want + gl.align - 1) / gl.align * gl.align);
+  return std::min(piece, gl.chunk);
+}
+
+// The all-gather of [lo, hi) of every rank's partition of group g (offsets from each partition's start,
+// whole alignment units), after this rank stepped its own: the same bytes, and the same int8 blocks, as
+// one gather of the whole partitions.
+void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi) {
+  const GroupLayout& gl = layout_.groups[g];
+  if (gl.padded() == 0 || lo >= hi) return;
   const int esize = dtype_size(cfg_.working_dtype);
   const int r = rank();
+  const int64_t valid = gl.part_valid(r), n = hi - lo, mine_valid = std::clamp<int64_t>(valid - lo, 0, n);
   const vec::Where w = where_step();
   StreamScope scope(*this, w);
   uint8_t* working = working_[g].as<uint8_t>();
   if (!cfg_.int8_params) {
     if (cfg_.working_dtype == DType::f32)
-      vec::copy(working + gl.part_begin(r) * esize, master_[g].data(), gl.part_valid(r) * 4, w);
+      vec::copy(working + (gl.part_begin(r) + lo) * esize, master_[g].as<float>() + lo, mine_valid * 4, w);
     const size_t ranks = size_t(world());
-    std::vector<int64_t> bytes(ranks, gl.chunk * esize), displs(ranks, 0);
-    for (int p = 0; p < world(); ++p) displs[p] = gl.part_begin(p) * esize;
-    dp_.all_gather_v(working + displs[r], bytes[r], working, bytes, displs);
+    std::vector<int64_t> bytes(ranks, n * esize), displs(ranks, 0);
+    for (int p = 0; p < world(); ++p) displs[size_t(p)] = (gl.part_begin(p) + lo) * esize;
+    dp_.all_gather_v(working + displs[size_t(r)], bytes[size_t(r)], working, bytes, displs);
     return;
   }
   // int8 parameter sync: the owner sends int8 blocks of (master - working); every rank, the owner
   // included, adds the same decoded delta to its working copy, so replicas stay identical and the
   // next delta carries what this one's rounding lost.
-  const int64_t valid = gl.part_valid(r), b = gl.part_begin(r);
   const DType wt = cfg_.working_dtype;
   delta_.grow(gl.chunk * 4);
-  float* delta = delta_.as<float>();
-  vec::zero(delta + valid, (gl.chunk - valid) * 4, w);
-  vec::diff(delta, master_[g].as<float>(), working + b * esize, wt, valid, w);
+  float* delta = delta_.as<float>() + lo;
+  vec::zero(delta + mine_valid, (n - mine_valid) * 4, w);
+  vec::diff(delta, master_[g].as<float>() + lo, working + (gl.part_begin(r) + lo) * esize, wt, mine_valid, w);
   std::vector<int64_t> off(size_t(world()) + 1);
-  for (int p = 0; p <= world(); ++p) off[p] = gl.chunk * p;
-  full_delta_.grow(gl.padded() * 4);
+  for (int p = 0; p <= world(); ++p) off[size_t(p)] = n * p;
+  full_delta_.grow(n * world() * 4);
   const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
-  comm::bucket_all_gather(dp_, delta, gl.padded(), off, full_delta_.as<float>(), opt, &wire_ws_);
-  vec::add(working, wt, full_delta_.data(), DType::f32, gl.numel, w);
+  comm::bucket_all_gather(dp_, delta, n * world(), off, full_delta_.as<float>(), opt, &wire_ws_);
+  for (int p = 0; p < world(); ++p) {
+    const int64_t at = gl.part_begin(p) + lo;
+    vec::add(working + at * esize, wt, full_delta_.as<float>() + n * p, DType::f32,
+             std::clamp<int64_t>(gl.numel - at, 0, n), w);
+  }
 }
 
 void ShardedOptimizer::sync_working_from_master() {
   ZERO8_SHARD_DEVICE_SCOPE("sync_working_from_master");
+  drain(Phase::reduce);
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
@@ -775,7 +1086,7 @@ void ShardedOptimizer::sync_working_from_master() {
                  master_[g].data(), DType::f32, valid, where_step());
     const bool q = cfg_.int8_params;
     cfg_.int8_params = false;  // an exact gather: the masters are the truth after a load
-    param_sync(g);
+    param_sync(g, 0, gl.chunk);
     cfg_.int8_params = q;
   }
   initialized_ = true;
@@ -816,8 +1127,17 @@ StepInfo ShardedOptimizer::step() {
     const float grad_scale = float(unscale * info.clip_coef);
     std::vector<float> trust;
     if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
-    for (int g = 0; g < kNumGroups; ++g) step_group(g, grad_scale, trust);
-    for (int g = 0; g < kNumGroups; ++g) param_sync(g);
+    // Each piece of the partition is gathered (with overlap: on the optimizer's thread) while the next
+    // one is stepped; the gathers run in the same order on every rank.
+    for (int g = 0; g < kNumGroups; ++g) {
+      const int64_t chunk = layout_.groups[g].chunk, piece = gather_piece(g);
+      for (int64_t lo = 0; lo < chunk; lo += piece) {
+        const int64_t hi = std::min(chunk, lo + piece);
+        step_group(g, grad_scale, trust, lo, hi);
+        post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi); });
+      }
+    }
+    drain(Phase::gather);
     ++steps_;
     scaler_.update(false);
   }
@@ -829,6 +1149,11 @@ StepInfo ShardedOptimizer::step() {
 
 MemoryStats ShardedOptimizer::memory() const {
   MemoryStats m;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& slot : slots_) m.grads += slot->buf.bytes();
+    m.grads_peak = grads_peak_;
+  }
   for (int g = 0; g < kNumGroups; ++g) {
     m.working += working_[g].bytes();
     m.grads += on_device() ? grads_device_[g].bytes() : grads_[g].resident_bytes();
@@ -837,6 +1162,7 @@ MemoryStats ShardedOptimizer::memory() const {
     m.buffers += part_grad_[g].bytes() + int64_t(residual_[g].size() * sizeof(float)) + residual_device_[g].bytes();
   }
   m.buffers += scratch_.bytes() + delta_.bytes() + full_delta_.bytes();
+  m.grads_peak = std::max(m.grads_peak, m.grads);
   return m;
 }
 

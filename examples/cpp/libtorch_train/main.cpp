@@ -1,8 +1,9 @@
 // Trains a small MLP classifier with libtorch autograd and zero8's C++ sharded optimizer under mpirun
 // (`mpirun -np 2 ./libtorch_train`): ZeRO stage 2, 8-bit AdamW states, int8 gradient reduce-scatter.
 // The parameters are torch::from_blob views into the optimizer's working buffer, so the forward pass
-// reads what the optimizer writes; a gradient hook per parameter adds its gradient into zero8's
-// gradient buffer and reports it ready, so full buckets are reduced while backward is still running.
+// reads what the optimizer writes; a gradient hook per parameter hands its gradient to zero8 (grad_add:
+// into the bucket that carries it, no full-size gradient buffer) and reports it ready, so full buckets
+// are reduced while backward is still running.
 // Exit status 0 when the held-out loss fell below half its initial value, 1 otherwise.
 #include <torch/torch.h>
 
@@ -123,7 +124,6 @@ int run(const Options& opt) {
   zero8::shard::ShardedOptimizer sharded(specs, cfg, *comm);
 
   // Parameters become views into the working buffer (fp32 here); values copied in first.
-  std::vector<torch::Tensor> grad_views;
   {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
@@ -131,16 +131,17 @@ int run(const Options& opt) {
       torch::Tensor w = torch::from_blob(sharded.param_working(int(i)), p.sizes(), torch::kFloat32);
       w.copy_(p);
       p.set_data(w);
-      grad_views.push_back(torch::from_blob(sharded.param_grad(int(i)), p.sizes(), torch::kFloat32));
     }
   }
   sharded.init(0);
 
-  // The gradient hook: add this backward's gradient into zero8's buffer (accumulating micro-batches)
-  // and report it complete; the returned undefined tensor leaves autograd's gradient unchanged.
+  // The gradient hook: hand this backward's gradient to zero8 (added in fp32 to the bucket that carries
+  // it, accumulating micro-batches) and report it complete; the returned undefined tensor leaves
+  // autograd's gradient unchanged.
   for (size_t i = 0; i < params.size(); ++i) {
-    params[i].register_hook([&sharded, &grad_views, i](torch::Tensor g) {
-      grad_views[i].add_(g);
+    params[i].register_hook([&sharded, i](torch::Tensor g) {
+      const torch::Tensor c = g.contiguous();
+      sharded.grad_add(int(i), c.data_ptr(), zero8::DType::f32);
       sharded.grad_ready(int(i));
       return torch::Tensor();
     });

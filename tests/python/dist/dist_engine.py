@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util
 
 import zero8  # noqa: E402
+from zero8 import _C  # noqa: E402
 from zero8.engine import world_comm  # noqa: E402
 from zero8.utils.zero_to_fp32 import (  # noqa: E402
     get_fp32_state_dict_from_zero_checkpoint,
@@ -161,6 +163,84 @@ def test_stage1_equals_stage2(baseline):
     train(e1, 10)
     train(e2, 10)
     assert params_equal(m1, m2)
+
+
+@pytest.mark.parametrize("zero8_cfg", [EXACT, FULL8], ids=["exact", "full8"])
+def test_overlap_comm_gives_the_same_bits(zero8_cfg):
+    # overlap_comm (zero8's default): the reductions run on the optimizer's thread during backward and the
+    # all-gather pieces while the step goes on; off: both in the training loop's thread. The same
+    # collectives in the same order: the same weights, bit for bit, and as stage 1's with exact settings.
+    zo = {"stage": 2, "reduce_bucket_size": 2048, "allgather_bucket_size": 4096}
+    on, m_on = engine_for(config(zero8=zero8_cfg, gas=2, zero_optimization=zo))
+    off, m_off = engine_for(config(zero8=zero8_cfg, gas=2, zero_optimization=dict(zo, overlap_comm=False)))
+    train(on, 6)
+    train(off, 6)
+    o_on, o_off = on.comm_stats()["overlap"], off.comm_stats()["overlap"]
+    assert params_equal(m_on, m_off)
+    assert o_on["threaded"] == (N > 1) and not o_off["threaded"]
+    assert o_on["reductions"] == o_off["reductions"] > 0 and o_on["gathers"] == o_off["gathers"] > 0
+    # Without the thread the loop waits for every reduction: nothing is hidden.
+    assert o_off["reduce_wait_seconds"] == pytest.approx(o_off["reduce_seconds"]) and o_off["reduce_hidden"] == 0.0
+
+
+def test_reductions_run_while_backward_goes_on():
+    # Real processes: the first layer's weight is the last gradient of a backward. A hook on it waits (up
+    # to 60 s) until the optimizer's thread has reduced buckets of this backward: they are reduced while
+    # backward is still running, before engine.backward ends it.
+    if N == 1:
+        pytest.skip("one rank has nothing to overlap: its reductions are local")
+    engine, model = engine_for(config(zero8=FULL8, zero_optimization={"stage": 2, "reduce_bucket_size": 2048}))
+    train(engine, 1)
+    seen = []
+
+    def wait_for_reductions(_):
+        before, t0 = seen[0], time.monotonic()
+        while engine.comm_stats()["overlap"]["reductions"] == before and time.monotonic() - t0 < 60:
+            time.sleep(0.001)
+        seen.append(engine.comm_stats()["overlap"]["reductions"])
+
+    model[0].weight.register_post_accumulate_grad_hook(wait_for_reductions)
+    seen.append(engine.comm_stats()["overlap"]["reductions"])
+    x, y = micro_batch(DATA, 1, B, RANK, N, 1, 0)
+    engine.backward(loss_fn(engine(x), y))
+    after = engine.comm_stats()["overlap"]
+    engine.step()
+    assert seen[1] > seen[0], "no bucket was reduced while backward ran"
+    assert after["threaded"] and after["reductions"] >= seen[1] and 0.0 <= after["reduce_hidden"] <= 1.0, after
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stage2_keeps_no_full_gradient_buffer(overlap):
+    # Six 512x512 layers in buckets of 2^16 elements (256 KiB, four per weight): each rank holds its
+    # reduced partition and the bucket buffers in flight, never the 6 MiB of the whole gradient. In the
+    # training loop's thread a weight's four buckets are reduced when it arrives, and the next weight reuses
+    # them (plus one for the biases, in the fp32-state group); with overlap the reductions may lag by four
+    # buckets more. Stage 1 holds the whole buffer.
+    def run(stage):
+        torch.manual_seed(5)
+        layers = []
+        for _ in range(6):
+            layers += [torch.nn.Linear(512, 512), torch.nn.Tanh()]
+        model = torch.nn.Sequential(*layers)
+        engine, _, _, _ = zero8.initialize(model=model, config=config(
+            zero8=FULL8, zero_optimization={"stage": stage, "reduce_bucket_size": 1 << 16, "overlap_comm": overlap}))
+        for s in range(3):
+            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(100 * s + RANK))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        return engine, sum(p.numel() for p in model.parameters()), model
+
+    e2, n, model2 = run(2)
+    e1, _, model1 = run(1)
+    m1, m2 = e1.memory_stats(), e2.memory_stats()
+    same = params_equal(model1, model2) if N == 1 else replicas_equal(model2)
+    bucket, biases = 4 * (1 << 16), 4 * e2._opt.group_padded(_C.GROUP_FP32)  # the biases: one bucket
+    assert m1["grads_peak"] >= 4 * n
+    if overlap and N > 1:
+        assert m2["grads_peak"] <= 8 * bucket + biases < 4 * n, m2
+    else:
+        assert m2["grads_peak"] == 4 * bucket + biases, m2
+    assert same
 
 
 def test_full_8bit_int8_close_to_torch(baseline):

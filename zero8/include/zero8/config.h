@@ -128,7 +128,7 @@ struct ZeroConfig {
   int stage = 0;
   int64_t reduce_bucket_size = 500000000;
   int64_t allgather_bucket_size = 500000000;
-  bool overlap_comm = false;  // DeepSpeed: default true only for stage 3
+  bool overlap_comm = true;  // zero8's default; DeepSpeed's is true only for stage 3
   bool contiguous_gradients = true;
   bool reduce_scatter = true;
   bool allgather_partitions = true;

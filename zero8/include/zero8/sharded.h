@@ -5,8 +5,14 @@
 // The buffers live in host memory or on a CUDA device; one code path serves both (see "Devices" below).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "zero8/comm/communicator.h"
@@ -39,8 +45,15 @@ struct ShardConfig {
   bool error_feedback = false;         // keep the int8 gradient quantization residual (per rank)
   bool stochastic_wire = false;        // int8 blocks on the wire round stochastically (unbiased), else nearest
   uint64_t wire_seed = 0;              // their stream: (wire_seed, step, collective of the step, rank, element)
-  bool release_grads = false;          // stage 2, several buckets: reduced buckets' memory goes back to the OS
+  bool release_grads = false;          // reduced gradient buckets' memory goes back to the OS ("Gradient memory")
   int64_t reduce_bucket_size = 500000000;  // elements per gradient bucket (DeepSpeed's default 5e8)
+  // Elements of the parameter all-gather per piece, over all ranks (DeepSpeed's allgather_bucket_size): with
+  // overlap, the step hands each piece of its partition to the all-gather as soon as it is stepped.
+  int64_t allgather_bucket_size = 500000000;
+  // Overlap ("Overlap" below): stage 2 reduces each bucket on a thread of the optimizer while the caller's
+  // backward goes on, and the step's all-gather runs there while the step goes on. false: both in the
+  // caller's thread. Either way the same collectives in the same order: the results are the same bits.
+  bool overlap = false;
   double gradient_clipping = 0.0;      // global gradient-norm clip (0: off)
   bool fp16 = false;                   // dynamic loss scaling (loss_scaler) applies
   LossScalerConfig loss_scaler;
@@ -64,7 +77,8 @@ struct ShardConfig {
 // gradient reductions (stage 2: per bucket during backward; stage 1: at the boundary) run on a side
 // stream of the optimizer, which first waits for cfg.stream (backward wrote the gradient there); the
 // reduced buckets are cleared there too, and cfg.stream waits for the side stream at backward_end, so
-// the next micro-batch's backward and the step see them done. The communicator's stream is set to the
+// the next micro-batch's backward and the step see them done; a bucket buffer of grad_add cleared there
+// is waited for on cfg.stream (an event per buffer) before grad_add writes it again. The communicator's stream is set to the
 // stream of each call for its duration and restored after it.
 // Host syncs: one per step, reading the global gradient norm (whose finiteness is the overflow test:
 // one all_reduce of two doubles, one 16-byte read); LAMB and LARS add some per hyper-group run (their
@@ -74,6 +88,47 @@ struct ShardConfig {
 // processes can share one GPU); each needs CUDA. release_grads is host only (it hands pages back to the
 // operating system). Accessors return device pointers (working, grad_input, master, state's codes...);
 // residual() is host only; copy_to_host / copy_from_host serve either memory.
+
+// Gradient memory. The gradients come in one of two ways:
+//  * grad_add(param, grad, dtype): the caller hands each parameter's gradient over (autograd's, in a hook),
+//    and it is added to the bucket that carries it. Stage 2 keeps no full-size gradient buffer then: a
+//    bucket's fp32 buffer comes from a pool when its first gradient arrives, and goes back to the pool once
+//    the bucket is reduced, so a rank holds its partition of the reduced gradient (chunk floats per group)
+//    plus the buckets in flight: those backward is filling (a parameter's whole span at least) and, with
+//    overlap, at most 4 more waiting for their reduction (a gradient that needs a new buffer beyond that
+//    waits for one, as DeepSpeed's stage 2 holds two buffers with overlap_comm). Stage 1 reduces at the
+//    accumulation boundary, so it keeps a full buffer until then (as DeepSpeed's stage 1 keeps its
+//    gradients).
+//  * grad_input(g) / param_grad(i): a full-size fp32 buffer that the caller writes in place (autograd or
+//    libtorch accumulating into views of it). Stage 1 has it from the start; in stage 2 the first call
+//    makes it (4 bytes per parameter for the optimizer's lifetime) and grad_add adds into it from then on.
+// release_grads: stage 2's reduced buckets are freed instead of kept for the next ones (the pool holds
+// nothing between backwards, at the cost of allocating again); the full buffer (stage 2 only) hands the
+// pages of each reduced bucket back to the operating system (GradBuffer).
+//
+// Overlap (ShardConfig::overlap; host memory, stage 2, more than one rank, and a communicator whose calls
+// may come from another thread: communicator.h, "Threads"). The optimizer runs a thread that takes jobs in
+// the order the caller posts them: grad_ready posts each bucket it completes, in the fixed reduction order,
+// and the caller goes on with its backward; backward_end posts the rest and waits for all. The step posts
+// the all-gather of each piece of the updated partition (allgather_bucket_size elements over the ranks)
+// while it steps the next piece, and waits for all before it returns. So the thread and the caller never
+// use the communicator at the same time as long as the caller makes no call on dp's world from
+// grad_ready until backward_end returns (a pipeline's send/recv in backward needs overlap off). A failed
+// collective on the thread (a dead or stuck peer: communicator.h, "Failure") is thrown in the caller by
+// the next grad_ready, backward_end or any other call, with the communicator's message, which names the
+// rank. overlap_stats() says how much of the collectives' time the caller did not wait for. Device
+// optimizers reduce on a side stream instead (below) and ignore overlap.
+
+// Time the collectives took and the time the caller waited for them, since construction.
+struct OverlapStats {
+  bool threaded = false;           // the collectives run on the optimizer's thread (see "Overlap")
+  int64_t reductions = 0;          // gradient buckets reduced
+  double reduce_seconds = 0.0;     // wall time of those reductions
+  double reduce_wait_seconds = 0.0;  // time the caller spent in them or waiting for them
+  int64_t gathers = 0;             // pieces of the parameter all-gather
+  double gather_seconds = 0.0;
+  double gather_wait_seconds = 0.0;
+};
 
 // What one step did.
 struct StepInfo {
@@ -87,7 +142,8 @@ struct StepInfo {
 // Memory held by one rank, in bytes.
 struct MemoryStats {
   int64_t working = 0;  // the full working copy (all parameters, working dtype, padded)
-  int64_t grads = 0;    // the gradient input buffers (fp32, padded): the bytes resident now
+  int64_t grads = 0;    // gradient input: the full buffer's resident bytes, and the bucket buffers held now
+  int64_t grads_peak = 0;  // the most `grads` has been since construction
   int64_t master = 0;   // fp32 master of this rank's partitions
   int64_t state = 0;    // optimizer state of this rank's partitions (codes + scales, or fp32)
   int64_t buffers = 0;  // reduction/sync scratch and the error-feedback residual
@@ -116,11 +172,16 @@ class ShardedOptimizer {
   // every rank after init() and after each step. param_working(i) points at parameter i in it.
   void* working(Group g) { return working_[int(g)].data(); }
   void* param_working(int param);
-  // Gradient input of a group (fp32, padded): the caller writes (and accumulates over micro-batches)
-  // this rank's local gradient here. param_grad(i) points at parameter i in it. It reads as zeros
-  // after each reduction; in stage 2 with several buckets the memory of each reduced bucket goes back
-  // to the operating system at once (GradBuffer), so a rank holds only the gradients not yet reduced.
-  float* grad_input(Group g) { return grad_data(int(g)); }
+  // Adds `grad` (the parameter's numel values of dtype f32, bf16 or f16, contiguous, in this optimizer's
+  // memory; on a device, written on cfg.stream) to parameter `param`'s gradient of this micro-batch, in
+  // fp32 (y = y + x, as autograd accumulates). See "Gradient memory". Throws Error(invalid_argument) naming
+  // the parameter if its bucket was already handed to the reduction this micro-batch (param_reduced).
+  void grad_add(int param, const void* grad, DType dtype);
+  // The full gradient input of a group (fp32, padded; see "Gradient memory": in stage 2 the first call
+  // makes it): the caller writes (and accumulates over micro-batches) this rank's local gradient here.
+  // param_grad(i) points at parameter i in it. It reads as zeros after each reduction. Error in stage 2
+  // between a grad_add and the end of its micro-batch.
+  float* grad_input(Group g);
   float* param_grad(int param);
 
   // Collective: make rank `root`'s working copy everyone's, and set the masters from it. Call once
@@ -148,7 +209,7 @@ class ShardedOptimizer {
   // at most once per micro-batch, once its gradient is whole: a later addition to it is lost if its
   // bucket was reduced (param_reduced says whether it was).
   void grad_ready(int param);
-  // Whether a bucket holding `param` was reduced this micro-batch.
+  // Whether a bucket holding `param` was handed to the reduction this micro-batch.
   bool param_reduced(int param) const;
   // End of a micro-batch's backward (collective). Stage 2 reduces the buckets not yet reduced and
   // clears grad_input; stage 1 reduces everything when `boundary` (the last micro-batch of the
@@ -175,6 +236,7 @@ class ShardedOptimizer {
   double loss_scale() const { return scaler_.scale(); }
   int64_t steps() const { return steps_; }
   MemoryStats memory() const;
+  OverlapStats overlap_stats() const;
 
   // ---- state access (checkpoints) ----
   // Partition of group g on this rank: [part_begin, part_begin + part_valid) in flat coordinates.
@@ -216,19 +278,33 @@ class ShardedOptimizer {
 
  private:
   struct Bucket;
+  struct Slot;
+  enum class Phase : uint8_t { reduce, gather };
   void reset_progress(int g);
-  void reduce_bucket(int g, const Bucket& b);
+  void reduce_bucket(int g, int bi);
   void reduce_in_order(bool only_ready);
   void release_reduced(int g, int bi);
   void clear_grad_inputs();
   void validate_hypers() const;
-  void step_group(int g, float grad_scale, const std::vector<float>& trust_by_param);
+  void step_group(int g, float grad_scale, const std::vector<float>& trust_by_param, int64_t lo, int64_t hi);
   double grad_sq_sum_global(bool* overflow);
   template <class F>
   void for_each_run(int g, F&& f) const;
   std::vector<float> trust_ratios(float grad_scale);
-  void param_sync(int g);
+  int64_t gather_piece(int g) const;
+  void param_sync(int g, int64_t lo, int64_t hi);
   void fill_step_args(int g, optim::StepArgs& a, float grad_scale);
+  // The gradient input (see "Gradient memory").
+  void make_full_input(const char* what);
+  float* slot_data(int g, int bi, bool for_caller);
+  void slot_clear(int g, int bi);
+  void note_grads_held();
+  // The thread of "Overlap": post() queues a job (or runs it now without the thread), drain() waits until
+  // every job posted so far has run and rethrows the thread's failure.
+  void post(Phase phase, std::function<void()> job);
+  void drain(Phase phase);
+  void worker_loop();
+  void count_job(Phase phase, int jobs, double ran, double waited);
 
   // Zeroed bytes in the optimizer's memory: a host vector, or device memory. grow() keeps nothing.
   class Store {
@@ -250,7 +326,7 @@ class ShardedOptimizer {
   bool on_device() const { return cfg_.memory == MemSpace::device; }
   vec::Where where_step() const;    // the caller's stream (cfg.stream)
   vec::Where where_reduce() const;  // the reduction side stream
-  float* grad_data(int g);
+  float* grad_data(int g);           // the full gradient input
   float* residual_data(int g);      // null without error feedback
   void side_after_caller();         // the side stream waits for the caller's work so far
   void caller_after_side();         // and the other way round
@@ -268,8 +344,13 @@ class ShardedOptimizer {
   bool initialized_ = false;                       // the masters were set (init, a load): step() may run
   int device_ = -1;                                // the CUDA device of a device optimizer
   Store working_[kNumGroups];                      // bytes
+  bool full_input_ = false;                        // the full gradient input exists (see "Gradient memory")
   GradBuffer grads_[kNumGroups];                   // host: full, padded; pages handed back once reduced
   Store grads_device_[kNumGroups];                 // device: the same, cleared after each reduction
+  std::vector<std::unique_ptr<Slot>> slots_;       // stage 2 bucket buffers, in use or free
+  std::vector<int> free_slots_;                    // slots_ not in use (zeros, or no memory with release_grads)
+  std::vector<int> slot_of_[kNumGroups];           // per bucket: its slot this micro-batch, -1: none
+  int64_t grads_peak_ = 0;                         // MemoryStats::grads_peak
   Store part_grad_[kNumGroups];                    // this rank's reduced gradient (chunk floats)
   Store master_[kNumGroups];                       // chunk floats
   std::unique_ptr<optim::State> states_[kNumGroups];
@@ -289,11 +370,24 @@ class ShardedOptimizer {
   std::vector<Bucket> buckets_[kNumGroups];
   std::vector<std::vector<int>> param_buckets_[kNumGroups];  // per param index: buckets it overlaps
   std::vector<std::pair<int, int>> order_;         // every (group, bucket), in the order all ranks reduce them
-  size_t next_ = 0;                                // order_[next_] is the next bucket to reduce
+  std::vector<size_t> order_pos_[kNumGroups];      // per bucket: its index in order_
+  size_t next_ = 0;                                // order_[next_] is the next bucket to reduce (or post)
   int micro_ = 0;                                  // micro-batches since the last boundary
   bool reported_ = false;                          // grad_ready since the last backward_end
   uint64_t wire_calls_ = 0;                        // wire collectives since the last step (stochastic seeds)
   comm::WireOptions wire_options(comm::WireFormat format);
+  // The thread of "Overlap". mu_ guards the jobs, busy_, stop_, failure_, overlap_, the slot pool
+  // (slots_, free_slots_, slot_of_) and grads_peak_; a job's buffers are the thread's from post() until
+  // the job has run, and the caller's otherwise.
+  bool threaded_ = false;
+  std::thread worker_;
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<std::pair<Phase, std::function<void()>>> jobs_;
+  bool busy_ = false;                              // the thread is running a job
+  bool stop_ = false;
+  std::exception_ptr failure_;                     // the first job that threw; every later post/drain rethrows it
+  OverlapStats overlap_;
 };
 
 }  // namespace zero8::shard

@@ -71,6 +71,14 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         self._setup_ties(replicas)
 
     # ---- setup ----
+    def _build_sharded_optimizer(self, sc: "_C.ShardConfig", client_optimizer) -> None:
+        # Between a micro-batch's backward and its END_BACKWARD this stage sends and receives on the pipe
+        # communicator, and one world's communicators take calls from one thread at a time: stage 2's
+        # reductions stay in this thread (no overlap thread) when there are several stages.
+        if self.module.num_stages > 1:
+            sc.overlap = False
+        super()._build_sharded_optimizer(sc, client_optimizer)
+
     def _summary(self) -> str:
         m = self.module
         return (f"{super()._summary()}; pipeline of {m.num_stages} stage(s) x {self.dp_world_size} data-parallel "
@@ -135,11 +143,13 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                 if not p.requires_grad:
                     continue
                 if self.stage_id == owner:
-                    grad = self._grad_views[self._param_index[id(p)]]
+                    # Stage 1: into the gradient buffer; stage 2 (no full buffer): into the bucket that
+                    # carries it, not reduced yet (_gradient_arrived defers it).
+                    i = self._param_index[id(p)]
                     buf = torch.empty(p.shape, dtype=torch.float32)
                     for s in others:
                         self._pipe.recv_ptr(buf.data_ptr(), buf.numel() * 4, s, TAG_TIED_GRAD)
-                        grad.add_(buf)
+                        self._opt.grad_add(i, buf.data_ptr(), _C.DType.f32)
                 else:
                     acc = self._tied_acc[id(p)]
                     self._pipe.send_ptr(acc.data_ptr(), acc.numel() * 4, owner, TAG_TIED_GRAD)

@@ -1,11 +1,12 @@
 """The training engine: Zero8Engine wraps a torch model around zero8's ZeRO stage 1/2 sharded optimizer
 (``_C.ShardedOptimizer``). The trainable parameters become zero-copy views into the optimizer's working
-buffer, and (fp32) their ``.grad`` views into its gradient buffer, so autograd accumulates straight into
-C++ memory; post-accumulate-grad hooks report each gradient as ready, so stage 2 reduces full buckets
-while backward is still running. A model on a GPU gets a device optimizer: the same views, of CUDA
-memory, and the optimizer's work on the current CUDA stream (device.py). Here: building the engine,
-DeepSpeed's accessors, forward / backward / step, the data loader and the statistics; checkpoints are in
-checkpoint.py.
+buffer. Post-accumulate-grad hooks hand each gradient over as it is complete: in stage 2 to the bucket
+that carries it (no full-size gradient buffer; ``param.grad`` is dropped), which is reduced while backward
+is still running; in stage 1 ``.grad`` (fp32) is a view into the optimizer's gradient buffer, so autograd
+accumulates straight into its memory until the boundary. A model on a GPU gets a device optimizer: the
+same views, of CUDA memory, and the optimizer's work on the current CUDA stream (device.py). Here:
+building the engine, DeepSpeed's accessors, forward / backward / step, the data loader and the
+statistics; checkpoints are in checkpoint.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
+from .._tensors import dtype_code
 from ..config import Zero8Config
 from ..lr_schedules import scheduler_from_config
 from .checkpoint import EngineCheckpoints
@@ -253,14 +255,19 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     def _bind_params(self) -> None:
         opt = self._opt
+        # Stage 1 keeps the full gradient buffer until the boundary, so fp32 autograd accumulates into views
+        # of it; stage 2 has none (the hooks hand each gradient to its bucket): no views.
+        in_place = self._shard_config.stage == 1
         wbuf, gbuf = {}, {}
         for g in range(_C.NUM_GROUPS):
             if opt.group_padded(g) > 0 and self._device.type == "cuda":
                 wbuf[g] = torch.as_tensor(opt.device_buffer("working", g), device=self._device).view(self._dtype)
-                gbuf[g] = torch.as_tensor(opt.device_buffer("grad", g), device=self._device).view(torch.float32)
+                if in_place:  # in stage 2 asking for the buffer would make a full one
+                    gbuf[g] = torch.as_tensor(opt.device_buffer("grad", g), device=self._device).view(torch.float32)
             elif opt.group_padded(g) > 0:
                 wbuf[g] = torch.frombuffer(opt.working_buffer(g), dtype=self._dtype)
-                gbuf[g] = torch.frombuffer(opt.grad_buffer(g), dtype=torch.float32)
+                if in_place:
+                    gbuf[g] = torch.frombuffer(opt.grad_buffer(g), dtype=torch.float32)
         self._grad_views = []
         with torch.no_grad():
             for i, p in enumerate(self._params):
@@ -268,9 +275,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                 wv = wbuf[g][off:off + n].view(p.shape)
                 wv.copy_(p.data)
                 p.data = wv
-                gv = gbuf[g][off:off + n].view(p.shape)
+                gv = gbuf[g][off:off + n].view(p.shape) if in_place else None
                 self._grad_views.append(gv)
-                p.grad = gv if self._dtype == torch.float32 else None
+                p.grad = gv if gv is not None and self._dtype == torch.float32 else None
         self._working_buffers, self._grad_buffers = wbuf, gbuf
 
     def _broadcast_rest(self) -> None:
@@ -312,16 +319,23 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             gv = self._grad_views[i]
 
             def hook(param, i=i, gv=gv):
+                # A backward outside engine.backward (the torch loop) only hands its gradient over.
+                counted = self._in_backward and not self._counting
+                late = False
+                if self._in_backward:
+                    self._arrivals[i] += 1
+                    late = counted and self._arrivals[i] > max(1, self._expected[i])
+                    if late:
+                        self._gradient_arrived(i)  # raises if its bucket was reduced: this part would be lost
                 grad = param.grad
-                if grad is not None and grad.data_ptr() != gv.data_ptr():
-                    # A 16-bit gradient (or one torch made after the user cleared .grad): accumulate it
-                    # into the fp32 buffer the optimizer reads.
-                    gv.add_(grad)
+                if grad is not None and (gv is None or grad.data_ptr() != gv.data_ptr()):
+                    # Stage 2, a 16-bit gradient, or one torch made after the user cleared .grad: the
+                    # optimizer adds it in fp32 to the bucket that carries it (stage 2) or to its buffer.
+                    grad = grad.contiguous()
+                    dtype = dtype_code(grad, f"the gradient of {self._param_names[i]}")
+                    self._opt.grad_add(i, grad.data_ptr(), dtype)
                     param.grad = gv if fp32 else None
-                if not self._in_backward:
-                    return  # a backward outside engine.backward (the torch loop): its gradient just stays
-                self._arrivals[i] += 1
-                if not self._counting:
+                if counted and not late:
                     self._gradient_arrived(i)
 
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
@@ -380,9 +394,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """DeepSpeed's engine.zero_grad(): clears the gradients of the module's parameters the engine does
         not optimize (trainable ones left out of model_parameters). The others are the engine's: their
-        gradients are its accumulation buffers (in fp32, param.grad is a view of one), which backward and
-        step reduce and clear. Clearing them here would drop the micro-batches accumulated so far (stage 1),
-        where DeepSpeed's zero_grad cannot reach its accumulated gradients, so they are left alone."""
+        gradients are in its accumulation buffers (in stage 1 with fp32, param.grad is a view of one), which
+        backward and step reduce and clear. Clearing them here would drop the micro-batches accumulated so
+        far (stage 1), where DeepSpeed's zero_grad cannot reach its accumulated gradients, so they are left
+        alone."""
         managed = set() if self.__dict__.get("_destroyed", True) else {id(p) for p in self._params}
         for p in self.module.parameters():
             if id(p) in managed or p.grad is None:
@@ -717,7 +732,11 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         ``ops`` {kind: {calls, bytes, seconds, bytes_to_peer}} for the kinds used, ``bytes`` (total),
         ``bytes_to_peer`` (per peer, all kinds), and by phase: ``gradient_bytes`` (reduction during
         backward), ``step_bytes`` (overflow/norm agreement and the parameter all-gather), ``other_bytes``
-        (initial broadcast, checkpoints)."""
+        (initial broadcast, checkpoints). ``overlap``: the gradient reductions' and the parameter
+        all-gather's seconds, the seconds the training loop waited for them (``reduce_wait_seconds``,
+        ``gather_wait_seconds``), and the share of the reductions' time hidden behind backward
+        (``reduce_hidden``: 1 - wait / seconds); ``threaded`` says whether they ran on the optimizer's
+        thread (zero_optimization.overlap_comm, several ranks)."""
         ops = {k: dict(v) for k, v in self._dp.stats().items() if int(v["calls"]) > 0}
         total = sum(int(v["bytes"]) for v in ops.values())
         peers = [0] * self._dp.size
@@ -729,17 +748,26 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             "bytes": total, "bytes_to_peer": peers, "gradient_bytes": self._bytes["gradients"],
             "step_bytes": self._bytes["step"], "other_bytes": total - self._bytes["gradients"] - self._bytes["step"],
             "int8_gradients": bool(self._shard_config.int8_grads), "int8_params": bool(self._shard_config.int8_params),
+            "overlap": self._overlap_stats(),
         }
 
+    def _overlap_stats(self) -> dict:
+        o = dict(self._opt.overlap_stats())
+        spent, waited = o["reduce_seconds"], o["reduce_wait_seconds"]
+        o["reduce_hidden"] = max(0.0, 1.0 - waited / spent) if spent > 0 else 0.0
+        return o
+
     def memory_stats(self) -> dict:
-        """Bytes held by this rank: working copy, gradient buffers, fp32 master and optimizer state of its
-        partition, scratch buffers (the optimizer's own memory: on the GPU for a model there); ``total`` and
+        """Bytes held by this rank: working copy, gradient buffers (stage 2: the buckets held now; stage 1:
+        the full buffer), fp32 master and optimizer state of its partition, scratch buffers (with the
+        reduced gradient of the partition): the optimizer's own memory, on the GPU for a model there;
+        ``total`` of those, ``grads_peak`` (the most the gradient buffers held) and
         ``state_bytes_per_param`` (state of the whole model divided over its parameters, this rank's share).
         On a GPU also ``device`` and what torch's allocator holds there beside them (activations, 16-bit
         gradients, frozen weights): ``torch_allocated`` now and ``torch_max_allocated``, its peak
         (torch.cuda.max_memory_allocated)."""
         m = {k: int(v) for k, v in self._opt.memory().items()}
-        m["total"] = sum(m.values())
+        m["total"] = sum(m[k] for k in ("working", "grads", "master", "state", "buffers"))
         n = sum(p.numel() for p in self._params)
         m["params"] = n
         m["state_bytes_per_param"] = m["state"] / n if n else 0.0

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -64,7 +65,10 @@ namespace zero8::comm {
 //   communicator 'world' ... from another thread") and does nothing; the running call completes.
 //   (MPI requires every rank to issue a communicator's collectives in one order: threads racing to
 //   issue them cannot.) Calls on different communicators of one world from two threads at once are
-//   not detected and are not allowed either.
+//   not detected and are not allowed either. One thread at a time, the calls may come from any thread
+//   where calls_from_any_thread() (the MPI backend asks MPI for MPI_THREAD_SERIALIZED and says whether
+//   it got it; when someone else initialized MPI with less, only the initializing thread may call), if
+//   each thread hands the communicator over to the next one with a synchronization (a mutex, a join).
 // * fork(): a child process cannot use its parent's MPI communicators: every call there throws
 //   Error(comm) ("this communicator belongs to process 1234 and cannot be used after fork()"),
 //   and the child writes nothing to the parent's connections (see "MPI backend" below). Destroying
@@ -173,6 +177,9 @@ class Communicator {
   virtual std::string description() const = 0;      // backend, name, rank, size, host
   virtual const char* backend() const = 0;           // "single", "mpi", "nccl"
   virtual MemSpace memory() const = 0;
+  // Whether calls may come from another thread than the one that made the communicator, one thread at
+  // a time (see "Threads" above).
+  virtual bool calls_from_any_thread() const { return true; }
   // The CUDA device a device-memory backend works on (NCCL: the rank's GPU, chosen at creation as its
   // index among the ranks of its node, modulo the devices); -1 for host backends.
   virtual int device() const { return -1; }
@@ -183,7 +190,8 @@ class Communicator {
   double timeout() const { return timeout_s_; }
   void set_timeout(double seconds);
 
-  CommStats stats() const { return stats_; }
+  // Safe to call while another thread's call runs (a sharded optimizer's thread, sharded.h "Overlap").
+  CommStats stats() const;
   void stats_reset();
 
   // The CUDA stream (a cudaStream_t of the current device, as an untyped handle; nullptr: none) that the
@@ -302,6 +310,7 @@ class Communicator {
   std::vector<int> world_ranks_;
   double timeout_s_ = 300.0;
   CommStats stats_;
+  mutable std::mutex stats_mu_;  // stats_: read by stats() while a call of another thread updates it
   uint64_t seq_ = 0;
   uint64_t collective_seq_ = 0;
   std::string failure_;
