@@ -18,7 +18,7 @@ zero8 runs under mpirun (its launcher's engine), DeepSpeed under torchrun with g
 DS_ACCELERATOR=cpu.
 
     python3 benchmarks/bench_memory_limit.py --limit_gb 3
-    python3 benchmarks/bench_memory_limit.py --setup   # installs deepspeed==0.19.8 into this Python
+    bash benchmarks/setup_deepspeed.sh                 # DeepSpeed (pinned there) into this Python
 
 Prints a table and one JSON line (`{"bench": "memory_limit", ...}`).
 """
@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEEPSPEED_VERSION = "0.19.8"
 N_LAYER, HEAD_DIM, VOCAB = 8, 64, 256
 WIDTHS = [256 + 128 * k for k in range(20)]  # 256 .. 2688
 
@@ -283,16 +282,6 @@ def search(system: str, args, limit: int) -> dict:
             "tried": {str(d): v for d, v in sorted(tried.items())}}
 
 
-def setup() -> int:
-    """deepspeed==DEEPSPEED_VERSION into this Python, leaving torch as installed (its ops JIT-compile on
-    first use; the benchmark uses torch's AdamW, so none is built)."""
-    import torch
-    env = dict(os.environ, DS_BUILD_OPS="0", PIP_ROOT_USER_ACTION="ignore")
-    torch_pin = "torch==" + torch.__version__.split("+")[0]
-    return subprocess.call([sys.executable, "-m", "pip", "install", f"deepspeed=={DEEPSPEED_VERSION}", torch_pin],
-                           env=env)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit_gb", type=float, default=3.0, help="memory limit of the 2-rank job, GiB")
@@ -306,21 +295,18 @@ def main(argv=None) -> int:
     p.add_argument("--start", type=int, default=None, help="first rung to try (index into the width ladder)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
     p.add_argument("--no_cgroup", action="store_true", help="measure peak RSS against the limit instead")
-    p.add_argument("--setup", action="store_true", help=f"install deepspeed=={DEEPSPEED_VERSION} and exit")
     p.add_argument("--worker", choices=["zero8", "deepspeed"], help=argparse.SUPPRESS)
     p.add_argument("--d_model", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result_dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
-    if args.setup:
-        return setup()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
         if s not in ("zero8", "deepspeed"):
             p.error(f"--systems: unknown system {s!r} (zero8, deepspeed)")
     if "deepspeed" in systems and importlib.util.find_spec("deepspeed") is None:
-        print(f"deepspeed is not installed: run `{sys.argv[0]} --setup` (deepspeed=={DEEPSPEED_VERSION})",
+        print("deepspeed is not installed: run `bash benchmarks/setup_deepspeed.sh` (it pins the version)",
               file=sys.stderr)
         return 2
     if "zero8" in systems and not (shutil.which("mpirun") or shutil.which("mpiexec")):
