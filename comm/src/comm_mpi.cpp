@@ -55,7 +55,7 @@ double now_s() {
 }
 
 // Poll schedule: spin a little (small messages complete in microseconds), then yield (ranks may
-// outnumber cores, as 4 ranks on this 2-core machine), then sleep so a long wait costs no CPU; the
+// outnumber cores, as in 4-rank tests on a 2-core CI machine), then sleep so a long wait costs no CPU; the
 // sleep ends at once when the liveness alarm rings, so a death is reported within microseconds
 // (mpirun starts terminating the survivors about a millisecond after a rank dies).
 void backoff(Liveness* live, int iter, double waited) {
