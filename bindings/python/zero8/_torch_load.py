@@ -6,6 +6,7 @@ a forged directory. A refused file is an error that names the file, the object a
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 from typing import Any, Iterable
@@ -44,3 +45,19 @@ def torch_load(path: str, *, allow_pickle: bool, option: str, allowed: Iterable[
             f"{path}: holds {refused_object(e)}, which only a full unpickling can rebuild, and unpickling can run "
             f"code from the file; zero8 reads only tensors and plain values from it unless allowed: {option}, for a "
             f"file from a source you trust") from None
+
+
+def torch_save_atomic(obj: Any, path: str) -> None:
+    """torch.save of obj to path, whole or not at all: written to a temporary file beside it, synced, then
+    renamed into place; the temporary file is removed on any error."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

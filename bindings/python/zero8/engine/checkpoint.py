@@ -22,7 +22,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
-from .._torch_load import torch_load
+from .._torch_load import torch_load, torch_save_atomic
 from ..lr_schedules import Zero8LRScheduler
 from .client_optim import _f32, _hyper_from_group
 from .params import override_group_text
@@ -166,17 +166,7 @@ class EngineCheckpoints:
         save_dir = os.fspath(save_dir)
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, save_filename)
-        tmp = f"{path}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(self._module_state_dict(exclude_frozen_parameters), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        torch_save_atomic(self._module_state_dict(exclude_frozen_parameters), path)
         return True
 
     save_fp16_model = save_16bit_model  # DeepSpeed's older name

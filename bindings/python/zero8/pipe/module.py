@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._C import Zero8NotSupportedError, Zero8ValueError
+from .._torch_load import torch_save_atomic
 from .topology import PipeDataParallelTopology, ProcessTopology
 
 PARTITION_METHODS = ("parameters", "uniform", "type:<regex>")
@@ -268,17 +269,7 @@ class LayerModule(nn.Module):
                 sd = {k: v for k, v in sd.items() if k not in frozen}
             sd = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
             path = self.ckpt_layer_path(save_dir, idx)
-            tmp = f"{path}.tmp{os.getpid()}"
-            try:
-                with open(tmp, "wb") as f:
-                    torch.save(sd, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            torch_save_atomic(sd, path)
             written.append(path)
         return written
 
