@@ -3,7 +3,7 @@
 ZeRO-2 (issue 31, point 4).
 
 Each system climbs a ladder of GPTs (examples/pretrain_gpt.py's layers in one LayerModule: 8 blocks,
-head size 64, width growing by 128) with a binary search: a rung fits when its 2-rank job trains
+head size 64, width growing by 64) with a binary search: a rung fits when its 2-rank job trains
 `--steps` steps without being killed. The job runs in a memory cgroup whose limit is `--limit_gb` for everything it starts
 (launcher and ranks: cgroup v2 memory.max, or v1 memory.limit_in_bytes where the memory controller is
 on v1, both without swap), created as a child of this process's cgroup (root needed). Without a
@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 N_LAYER, HEAD_DIM, VOCAB = 8, 64, 256
-WIDTHS = [256 + 128 * k for k in range(20)]  # 256 .. 2688
+WIDTHS = [256 + 64 * k for k in range(40)]  # 256 .. 2752
 
 
 def gpt_params(d_model: int, seq_len: int) -> int:

@@ -59,7 +59,7 @@ def variant(name: str) -> tuple[dict, float]:
         raise SystemExit(f"unknown variant '{name}': one of {', '.join(VARIANTS)}, or one of the int8 ones + "
                          f"'{PARAM_SYNC}' (with int8 parameter sync)")
     keys, mem = VARIANTS[base]
-    return {**keys, **({"int8_params": True} if plus else {})}, mem
+    return {**keys, "int8_params": plus}, mem  # explicit: CONFIG has zero8's default (true)
 
 
 def write_config(name: str, out: Path) -> Path:
@@ -148,7 +148,7 @@ def main() -> int:
             "bytes_per_rank_step": statistics.mean(x["bytes_per_rank_step"] for x in f),
             "grad_bytes_per_rank_step": statistics.mean(x["grad_bytes_per_rank_step"] for x in f),
             "state_bytes_per_rank": f[0]["state_bytes_per_rank"], "extra_bytes_per_param": variant(name)[1],
-            "int8_params": variant(name)[0].get("int8_params", False),
+            "int8_params": variant(name)[0]["int8_params"],
         }
     fp32_grad = rows["fp32"]["grad_bytes_per_rank_step"]
     fp32_all = rows["fp32"]["bytes_per_rank_step"]

@@ -205,6 +205,7 @@ void init_config_types(py::module_& m) {
                     "pipeline engine: activations and activation gradients between stages as int8 blocks")
       .def_readonly("error_feedback", &Zero8Config::error_feedback)
       .def_readonly("release_gradients", &Zero8Config::release_gradients)
+      .def_readonly("overlap_param_gather", &Zero8Config::overlap_param_gather)
       .def_readonly("min_8bit_size", &Zero8Config::min_8bit_size)
       .def_readonly("optim_bits", &Zero8Config::optim_bits)
       .def_readonly("stochastic_rounding", &Zero8Config::stochastic_rounding)

@@ -374,15 +374,24 @@ void init_sharded(py::module_& m) {
            "Collective end of a micro-batch's backward; boundary: the last micro-batch of the accumulation.")
       .def(
           "step",
-          [](ShardedOptimizer& o) {
+          [](ShardedOptimizer& o, bool defer_gather) {
             shard::StepInfo info;
             {
               py::gil_scoped_release release;
-              info = o.step();
+              info = o.step(defer_gather);
             }
             return step_info_dict(info);
           },
-          "Collective optimizer step: dict(skipped, grad_norm, clip_coef, loss_scale, step).")
+          py::arg("defer_gather") = false,
+          "Collective optimizer step: dict(skipped, grad_norm, clip_coef, loss_scale, step). defer_gather (with\n"
+          "the overlap thread): return before the parameter all-gather is done; read a parameter's working copy\n"
+          "only after wait_param(i), write it only after wait_gather().")
+      .def("wait_param", &ShardedOptimizer::wait_param, py::arg("param"), py::call_guard<py::gil_scoped_release>(),
+           "Deferred all-gather: block until parameter i's working copy holds the last step's update.")
+      .def("wait_gather", &ShardedOptimizer::wait_gather, py::call_guard<py::gil_scoped_release>(),
+           "Block until the whole deferred all-gather is done (at once when none is pending).")
+      .def_property_readonly("gather_pending", &ShardedOptimizer::gather_pending,
+                             "A deferred all-gather is pending (wait_gather() ends it).")
       .def("set_lr", [](ShardedOptimizer& o, float lr) { o.hyper().lr = lr; }, py::arg("lr"))
       .def_property(
           "lr", [](ShardedOptimizer& o) { return o.hyper().lr; },

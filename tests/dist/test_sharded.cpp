@@ -42,6 +42,7 @@ ShardConfig base_config() {
   c.hyper.lr = 1e-2f;
   c.hyper.weight_decay = 0.01f;
   c.int8_grads = false;
+  c.int8_params = false;  // exact communication both ways: the bit-exact tests compare with one process
   c.reduce_bucket_size = 2048;
   return c;
 }
@@ -972,6 +973,73 @@ TEST(Sharded, GradAddAndOverlapGiveTheBitsOfTheFullBuffer) {
       EXPECT_GT(o.reductions, 0) << what;
       EXPECT_GT(o.gathers, 0) << what;
     }
+  }
+}
+
+TEST(Sharded, DeferredGatherGivesTheBitsOfTheWaitingStep) {
+  // step(true) returns with the all-gather still running on the optimizer's thread; each parameter is
+  // read only after wait_param (as the engine's forward hooks do), in forward order. After wait_param(p)
+  // parameter p holds the step's update, and the run ends with the bits of step(false).
+  struct Case {
+    const char* name;
+    std::function<void(ShardConfig&)> set;
+  };
+  const std::vector<Case> cases = {
+      {"fp32 wire", [](ShardConfig&) {}},
+      {"int8 gradients and parameters",
+       [](ShardConfig& c) {
+         c.int8_grads = true;
+         c.int8_params = true;
+       }},
+      {"bf16 model, int8 parameters",
+       [](ShardConfig& c) {
+         c.working_dtype = DType::bf16;
+         c.int8_params = true;
+       }},
+  };
+  const int steps = 4;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    ShardConfig c = base_config();
+    k.set(c);
+    c.overlap = true;
+    c.allgather_bucket_size = 256 * world().size();  // many pieces per partition
+    auto ref = make(c);
+    std::vector<std::vector<float>> want;  // the working copy after each step, per parameter
+    for (int s = 0; s < steps; ++s) {
+      backward_with_grad_add(*ref, s, 0);
+      ref->backward_end(true);
+      ref->step(false);
+      EXPECT_FALSE(ref->gather_pending());
+      want.push_back(params_of(*ref));
+    }
+    auto opt = make(c);
+    const int nparams = int(opt->layout().params.size());
+    for (int s = 0; s < steps; ++s) {
+      if (s > 0) {
+        int64_t at = 0;
+        for (int p = 0; p < nparams; ++p) {
+          opt->wait_param(p);
+          const int64_t n = opt->layout().slots[size_t(p)].numel;
+          const void* w = opt->param_working(p);
+          for (int64_t i = 0; i < n; ++i)
+            ASSERT_EQ(dtype_load(w, c.working_dtype, i), want[size_t(s - 1)][size_t(at + i)])
+                << "parameter " << p << " element " << i << " read after wait_param, step " << s << ", rank "
+                << opt->rank();
+          at += n;
+        }
+      }
+      backward_with_grad_add(*opt, s, 0);
+      opt->backward_end(true);
+      opt->step(true);
+      EXPECT_EQ(opt->gather_pending(), world().size() > 1) << "the gather is deferred only with the thread";
+    }
+    opt->wait_gather();
+    EXPECT_FALSE(opt->gather_pending());
+    EXPECT_EQ(params_of(*opt), want.back()) << "rank " << opt->rank();
+    EXPECT_TRUE(shard_bytes(*opt) == shard_bytes(*ref)) << "masters or states differ on rank " << opt->rank();
+    expect_replicas_identical(*opt);
+    EXPECT_THROW(opt->wait_param(nparams), Error);
   }
 }
 

@@ -63,8 +63,8 @@ def config(batch: int = 32, gas: int = 1, lr: float = 3e-3, weight_decay: float 
     return cfg
 
 
-# zero8 with 32-bit states and fp32 gradients on the wire: the arithmetic of torch's AdamW.
-EXACT = {"optim_bits": 32, "int8_gradients": False}
+# zero8 with 32-bit states and fp32 communication both ways: the arithmetic of torch's AdamW.
+EXACT = {"optim_bits": 32, "int8_gradients": False, "int8_params": False}
 # The full zero8 configuration: 8-bit states, int8 gradients and int8 parameter updates.
 FULL8 = {"optim_bits": 8, "int8_gradients": True, "int8_params": True}
 

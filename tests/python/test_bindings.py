@@ -528,7 +528,7 @@ SPECS = [("w1", [64, 80]), ("b1", [80]), ("w2", [80, 70]), ("b2", [70])]  # w*: 
 
 
 def make_optimizer(comm=None):
-    cfg = _C.ShardConfig(algo=_C.Algo.adamw, bits=8, stage=2, reduce_bucket_size=4096)
+    cfg = _C.ShardConfig(algo=_C.Algo.adamw, bits=8, stage=2, reduce_bucket_size=4096, int8_params=False)
     cfg.hyper.lr = 1e-2
     cfg.hyper.weight_decay = 0.01
     return _C.ShardedOptimizer([_C.ParamSpec(n, s) for n, s in SPECS], cfg, comm or _C.comm_create("single"))

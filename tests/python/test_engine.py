@@ -669,7 +669,7 @@ def test_per_parameter_overrides_step_as_zero8_optim(bits):
         sched.step()
     model = make_model()
     client = _overriding_client(model, bits)
-    cfg = config(zero8={"optim_bits": bits, "int8_gradients": False})
+    cfg = config(zero8={"optim_bits": bits, "int8_gradients": False, "int8_params": False})
     del cfg["optimizer"]
     engine, optimizer, _, _ = zero8.initialize(model=model, optimizer=client, config=cfg,
                                                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(client, _decay))

@@ -31,6 +31,8 @@ def test_variant_configs(study, tmp_path):
     assert {k: v for k, v in cfg.items() if k != "zero8"} == {k: v for k, v in base.items() if k != "zero8"}
     fp32 = json.loads(study.write_config("fp32", tmp_path).read_text())["zero8"]
     assert fp32["int8_gradients"] is False and fp32["int8_params"] is False
+    # A variant without "+p8" turns the int8 parameter sync off (CONFIG has zero8's default, on).
+    assert json.loads(study.write_config("int8", tmp_path).read_text())["zero8"]["int8_params"] is False
     for bad in ("int9", "fp32+p8", "int8+p8+p8"):
         with pytest.raises(SystemExit, match=re.escape(f"unknown variant '{bad}'")):
             study.variant(bad)

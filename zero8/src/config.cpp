@@ -1135,12 +1135,13 @@ void parse_zero8(Section& top, Config& c) {
     (std::string(key) == "state_block_size" ? z.state_block_size : z.wire_block_size) = int32_t(b);
   }
   z.int8_gradients = s.get_bool("int8_gradients", true);
-  z.int8_params = s.get_bool("int8_params", false);
+  z.int8_params = s.get_bool("int8_params", true);
   z.int8_activations = s.get_bool("int8_activations", false);
   z.error_feedback = s.get_bool("error_feedback", false);
   if (z.error_feedback && !z.int8_gradients)
     s.warn("error_feedback", "has no effect without int8_gradients (fp32 gradients have no quantization error)");
   z.release_gradients = s.get_bool("release_gradients", false);
+  z.overlap_param_gather = s.get_bool("overlap_param_gather", false);
   z.min_8bit_size = s.get_int("min_8bit_size", 4096, 0);
   {
     const json* v = s.find("optim_bits");
@@ -1339,6 +1340,7 @@ std::string to_json(const Config& c, int indent) {
                 {"int8_activations", q.int8_activations},
                 {"error_feedback", q.error_feedback},
                 {"release_gradients", q.release_gradients},
+                {"overlap_param_gather", q.overlap_param_gather},
                 {"min_8bit_size", q.min_8bit_size},
                 {"optim_bits", q.optim_bits},
                 {"stochastic_rounding", q.stochastic_rounding},

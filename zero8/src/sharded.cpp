@@ -329,21 +329,20 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     }
   }
   // Scratch at its largest use from the start: a device buffer that grew later would wait for the device.
-  int64_t owned = 1, chunk = 0;
+  int64_t owned = 1;
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     for (const Bucket& b : buckets_[g]) {
       const std::vector<int64_t> off = owner_offsets(gl, b.begin, b.end);
       owned = std::max(owned, off[size_t(r) + 1] - off[size_t(r)]);
     }
-    chunk = std::max(chunk, gl.chunk);
   }
   norm_sums_ = Store(mem, 2 * int64_t(sizeof(double)), cfg.stream);
   norm_work_ = Store(mem, norm_work * int64_t(sizeof(double)), cfg.stream);
   scratch_ = Store(mem, owned * 4, cfg.stream);
   int64_t piece = 0;  // the largest all-gather piece, over all ranks
   for (int g = 0; g < kNumGroups; ++g) piece = std::max(piece, gather_piece(g) * dp.size());
-  delta_ = Store(mem, cfg.int8_params ? chunk * 4 : 0, cfg.stream);
+  delta_ = Store(mem, cfg.int8_params ? piece / dp.size() * 4 : 0, cfg.stream);
   full_delta_ = Store(mem, cfg.int8_params ? piece * 4 : 0, cfg.stream);
   seg_offsets_ = Store(mem, 0, cfg.stream);
   seg_trust_ = Store(mem, 0, cfg.stream);
@@ -602,6 +601,7 @@ std::vector<float>& ShardedOptimizer::residual(Group g) {
 
 void ShardedOptimizer::init(int root) {
   ZERO8_SHARD_DEVICE_SCOPE("init");
+  wait_gather();
   drain(Phase::reduce);  // the communicator is the caller's again
   {
     StreamScope scope(*this, where_step());
@@ -614,6 +614,7 @@ void ShardedOptimizer::init(int root) {
 
 void ShardedOptimizer::discard_gradients() {
   ZERO8_SHARD_DEVICE_SCOPE("discard_gradients");
+  wait_gather();
   drain(Phase::reduce);  // the buckets posted so far are reduced (the other ranks reduce them too), then dropped
   clear_grad_inputs();
   for (int g = 0; g < kNumGroups; ++g) {
@@ -628,6 +629,7 @@ void ShardedOptimizer::discard_gradients() {
 
 void ShardedOptimizer::refresh_masters() {
   ZERO8_SHARD_DEVICE_SCOPE("refresh_masters");
+  wait_gather();
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
@@ -745,6 +747,7 @@ void ShardedOptimizer::clear_grad_inputs() {
 
 void ShardedOptimizer::backward_end(bool boundary) {
   ZERO8_SHARD_DEVICE_SCOPE("backward_end");
+  wait_gather();
   ++micro_;
   reported_ = false;
   if (cfg_.stage == 2 || boundary) {
@@ -784,6 +787,45 @@ void ShardedOptimizer::drain(Phase phase) {
   if (failure_) std::rethrow_exception(failure_);
 }
 
+void ShardedOptimizer::wait_gather() {
+  if (!deferred_) return;
+  deferred_ = false;
+  drain(Phase::gather);
+}
+
+void ShardedOptimizer::wait_param(int param) {
+  ZERO8_CHECK_ARG(param >= 0 && param < int(layout_.slots.size()), "param",
+                  "index " + std::to_string(param) + " out of range [0, " + std::to_string(layout_.slots.size()) + ")");
+  if (!deferred_) return;
+  const int64_t need = gather_index(param);
+  if (need < 0) return;
+  const double t0 = now_s();
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [&] { return failure_ || gathers_done_ > gather_base_ + need; });
+  count_job(Phase::gather, 0, 0.0, now_s() - t0);
+  if (failure_) std::rethrow_exception(failure_);
+}
+
+// The index, in the step's order of gather pieces, of the last piece that writes parameter `param`
+// (-1: none, an empty parameter). Piece k of group g gathers offsets [k * piece, (k + 1) * piece) of every
+// partition; the step posts group 0's pieces, then group 1's.
+int64_t ShardedOptimizer::gather_index(int param) const {
+  const ParamSlot& slot = layout_.slots[size_t(param)];
+  if (slot.numel == 0) return -1;
+  const int g = int(slot.group);
+  int64_t base = 0;
+  for (int h = 0; h < g; ++h) {
+    const int64_t piece = gather_piece(h);
+    if (piece > 0) base += (layout_.groups[h].chunk + piece - 1) / piece;
+  }
+  const GroupLayout& gl = layout_.groups[g];
+  const int64_t piece = gather_piece(g), a = slot.offset, b = slot.offset + slot.numel;
+  int64_t last = 0;
+  for (int p = gl.owner(a); p <= gl.owner(b - 1); ++p)
+    last = std::max(last, (std::min(b, gl.part_end(p)) - gl.part_begin(p) - 1) / piece);
+  return base + last;
+}
+
 // Runs the jobs in the order they were posted. The first that throws ends the thread: its collective
 // failed (communicator.h, "Failure": the communicator is unusable after it), and the caller rethrows the
 // error at its next post or drain.
@@ -806,6 +848,7 @@ void ShardedOptimizer::worker_loop() {
     const double dt = now_s() - t0;
     lk.lock();
     busy_ = false;
+    if (job.first == Phase::gather) ++gathers_done_;
     count_job(job.first, 1, dt, 0.0);
     if (err) {
       failure_ = err;
@@ -1030,7 +1073,10 @@ int64_t ShardedOptimizer::gather_piece(int g) const {
   const GroupLayout& gl = layout_.groups[g];
   if (gl.chunk == 0) return 0;
   if (cfg_.int8_params && cfg_.stochastic_wire) return gl.chunk;
-  const int64_t want = cfg_.allgather_bucket_size / world();
+  int64_t want = cfg_.allgather_bucket_size / world();
+  // The int8 sync expands every rank's piece to fp32 before adding it (4 bytes per element over the
+  // ranks): capped so that this scratch stays small next to the model whatever allgather_bucket_size is.
+  if (cfg_.int8_params) want = std::min<int64_t>(want, kInt8GatherPiece / world());
   const int64_t piece = std::max<int64_t>(gl.align, (want + gl.align - 1) / gl.align * gl.align);
   return std::min(piece, gl.chunk);
 }
@@ -1038,7 +1084,7 @@ int64_t ShardedOptimizer::gather_piece(int g) const {
 // The all-gather of [lo, hi) of every rank's partition of group g (offsets from each partition's start,
 // whole alignment units), after this rank stepped its own: the same bytes, and the same int8 blocks, as
 // one gather of the whole partitions.
-void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi) {
+void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi, const comm::WireOptions* int8) {
   const GroupLayout& gl = layout_.groups[g];
   if (gl.padded() == 0 || lo >= hi) return;
   const int esize = dtype_size(cfg_.working_dtype);
@@ -1047,7 +1093,7 @@ void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi) {
   const vec::Where w = where_step();
   StreamScope scope(*this, w);
   uint8_t* working = working_[g].as<uint8_t>();
-  if (!cfg_.int8_params) {
+  if (int8 == nullptr) {
     if (cfg_.working_dtype == DType::f32)
       vec::copy(working + (gl.part_begin(r) + lo) * esize, master_[g].as<float>() + lo, mine_valid * 4, w);
     const size_t ranks = size_t(world());
@@ -1060,15 +1106,14 @@ void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi) {
   // included, adds the same decoded delta to its working copy, so replicas stay identical and the
   // next delta carries what this one's rounding lost.
   const DType wt = cfg_.working_dtype;
-  delta_.grow(gl.chunk * 4);
-  float* delta = delta_.as<float>() + lo;
+  delta_.grow(n * 4);  // one piece: the pieces are synced one after the other (on the thread with overlap)
+  float* delta = delta_.as<float>();
   vec::zero(delta + mine_valid, (n - mine_valid) * 4, w);
   vec::diff(delta, master_[g].as<float>() + lo, working + (gl.part_begin(r) + lo) * esize, wt, mine_valid, w);
   std::vector<int64_t> off(size_t(world()) + 1);
   for (int p = 0; p <= world(); ++p) off[size_t(p)] = n * p;
   full_delta_.grow(n * world() * 4);
-  const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
-  comm::bucket_all_gather(dp_, delta, n * world(), off, full_delta_.as<float>(), opt, &wire_ws_);
+  comm::bucket_all_gather(dp_, delta, n * world(), off, full_delta_.as<float>(), *int8, &wire_ws_);
   for (int p = 0; p < world(); ++p) {
     const int64_t at = gl.part_begin(p) + lo;
     vec::add(working + at * esize, wt, full_delta_.as<float>() + n * p, DType::f32,
@@ -1078,21 +1123,20 @@ void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi) {
 
 void ShardedOptimizer::sync_working_from_master() {
   ZERO8_SHARD_DEVICE_SCOPE("sync_working_from_master");
+  wait_gather();
   drain(Phase::reduce);
   for (int g = 0; g < kNumGroups; ++g) {
     const GroupLayout& gl = layout_.groups[g];
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
     vec::convert(working_[g].as<uint8_t>() + b * dtype_size(cfg_.working_dtype), cfg_.working_dtype,
                  master_[g].data(), DType::f32, valid, where_step());
-    const bool q = cfg_.int8_params;
-    cfg_.int8_params = false;  // an exact gather: the masters are the truth after a load
-    param_sync(g, 0, gl.chunk);
-    cfg_.int8_params = q;
+    param_sync(g, 0, gl.chunk, nullptr);  // an exact gather: the masters are the truth after a load
   }
   initialized_ = true;
 }
 
-StepInfo ShardedOptimizer::step() {
+StepInfo ShardedOptimizer::step(bool defer_gather) {
+  wait_gather();
   // Zero masters would overwrite the model's weights with the update from zero (every rank alike).
   if (!initialized_)
     throw Error(ErrorCode::invalid_argument, "ShardedOptimizer::step called before init() (rank " +
@@ -1128,16 +1172,27 @@ StepInfo ShardedOptimizer::step() {
     std::vector<float> trust;
     if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
     // Each piece of the partition is gathered (with overlap: on the optimizer's thread) while the next
-    // one is stepped; the gathers run in the same order on every rank.
+    // one is stepped; the gathers run in the same order on every rank (gather_index counts on it).
+    const bool defer = defer_gather && threaded_ && !(cfg_.int8_params && cfg_.stochastic_wire);
+    if (defer) {
+      std::lock_guard<std::mutex> lk(mu_);
+      gather_base_ = gathers_done_;
+    }
     for (int g = 0; g < kNumGroups; ++g) {
       const int64_t chunk = layout_.groups[g].chunk, piece = gather_piece(g);
       for (int64_t lo = 0; lo < chunk; lo += piece) {
         const int64_t hi = std::min(chunk, lo + piece);
         step_group(g, grad_scale, trust, lo, hi);
-        post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi); });
+        if (cfg_.int8_params) {
+          const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
+          post(Phase::gather, [this, g, lo, hi, opt] { param_sync(g, lo, hi, &opt); });
+        } else {
+          post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi, nullptr); });
+        }
       }
     }
-    drain(Phase::gather);
+    if (defer) deferred_ = true;
+    else drain(Phase::gather);
     ++steps_;
     scaler_.update(false);
   }
@@ -1236,6 +1291,7 @@ void ShardedOptimizer::copy_to_host(Group g, Part p, int64_t offset, int64_t byt
   if (bytes == 0) return;
   ZERO8_CHECK_ARG(dst != nullptr, "dst", "null pointer for " << bytes << " bytes of " << part_name(p));
   ZERO8_SHARD_DEVICE_SCOPE("copy_to_host");
+  wait_gather();
   const uint8_t* src = static_cast<const uint8_t*>(part_data(g, p)) + offset;
   if (!on_device()) {
     std::memcpy(dst, src, size_t(bytes));
@@ -1251,6 +1307,7 @@ void ShardedOptimizer::copy_from_host(Group g, Part p, const void* src) {
   if (bytes == 0) return;
   ZERO8_CHECK_ARG(src != nullptr, "src", "null pointer for " << bytes << " bytes of " << part_name(p));
   ZERO8_SHARD_DEVICE_SCOPE("copy_from_host");
+  wait_gather();
   void* dst = part_data(g, p);
   if (!on_device()) {
     std::memcpy(dst, src, size_t(bytes));

@@ -33,7 +33,7 @@ struct Options {
   int log_every = 50;
   float lr = 2e-3f;
   int threads = 1;
-  bool int8_params = false;
+  bool int8_params = true;  // zero8's default
 };
 
 Options parse(int argc, char** argv) {
@@ -52,10 +52,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--log-every") o.log_every = std::atoi(next("--log-every"));
     else if (a == "--lr") o.lr = float(std::atof(next("--lr")));
     else if (a == "--threads") o.threads = std::atoi(next("--threads"));
-    else if (a == "--int8-params") o.int8_params = true;
+    else if (a == "--fp32-params") o.int8_params = false;
     else {
       std::printf("usage: %s [--steps N] [--batch B per rank] [--log-every K] [--lr LR] [--threads T] "
-                  "[--int8-params]\n", argv[0]);
+                  "[--fp32-params]\n", argv[0]);
       std::exit(a == "--help" || a == "-h" ? 0 : 2);
     }
   }
@@ -162,8 +162,8 @@ int run(const Options& opt) {
     int64_t n = 0;
     for (auto& p : params) n += p.numel();
     std::printf("zero8 %s, libtorch %s: %d rank(s) on %s, MLP %lld parameters, 8-bit AdamW, ZeRO stage 2, "
-                "int8 gradients%s\n", zero8::version(), TORCH_VERSION, world, comm->backend(),
-                (long long)n, opt.int8_params ? ", int8 parameter sync" : "");
+                "int8 gradients, %s parameter sync\n", zero8::version(), TORCH_VERSION, world, comm->backend(),
+                (long long)n, opt.int8_params ? "int8" : "fp32");
     std::printf("step %4d  held-out loss %.4f  accuracy %.3f\n", 0, loss0, acc0);
   }
 

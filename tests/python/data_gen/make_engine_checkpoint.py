@@ -29,7 +29,7 @@ CONFIG = {
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                  "warmup_num_steps": 10, "warmup_type": "linear"}},
     "zero_optimization": {"stage": 2},
-    "zero8": {"optim_bits": 8, "min_8bit_size": 4096, "int8_gradients": True},
+    "zero8": {"optim_bits": 8, "min_8bit_size": 4096, "int8_gradients": True, "int8_params": False},
     "steps_per_print": 10**6,
 }
 

@@ -173,14 +173,57 @@ def test_overlap_comm_gives_the_same_bits(zero8_cfg):
     zo = {"stage": 2, "reduce_bucket_size": 2048, "allgather_bucket_size": 4096}
     on, m_on = engine_for(config(zero8=zero8_cfg, gas=2, zero_optimization=zo))
     off, m_off = engine_for(config(zero8=zero8_cfg, gas=2, zero_optimization=dict(zo, overlap_comm=False)))
+    # zero8.overlap_param_gather: the step leaves its all-gather to the next forward.
+    late, m_late = engine_for(config(zero8=dict(zero8_cfg, overlap_param_gather=True), gas=2, zero_optimization=zo))
     train(on, 6)
     train(off, 6)
+    train(late, 6)
+    assert late._opt.gather_pending == (N > 1)
+    m_late.state_dict()  # waits for the last step's all-gather
     o_on, o_off = on.comm_stats()["overlap"], off.comm_stats()["overlap"]
-    assert params_equal(m_on, m_off)
+    assert params_equal(m_on, m_off) and params_equal(m_on, m_late)
+    assert late._defer_gather == (N > 1) and not off._defer_gather and not on._defer_gather
     assert o_on["threaded"] == (N > 1) and not o_off["threaded"]
     assert o_on["reductions"] == o_off["reductions"] > 0 and o_on["gathers"] == o_off["gathers"] > 0
     # Without the thread the loop waits for every reduction: nothing is hidden.
     assert o_off["reduce_wait_seconds"] == pytest.approx(o_off["reduce_seconds"]) and o_off["reduce_hidden"] == 0.0
+
+
+def test_the_parameter_gather_runs_into_the_next_forward():
+    # With zero8.overlap_param_gather, engine.step() returns with the all-gather pending; each module's
+    # forward pre-hook waits for its own parameters, so the first layer's input
+    # meets this step's weights; the forward's end, a state_dict and a checkpoint wait for all of it.
+    if N == 1:
+        pytest.skip("one rank gathers nothing")
+    engine, model = engine_for(config(zero8=dict(FULL8, overlap_param_gather=True),
+                                      zero_optimization={"stage": 2, "allgather_bucket_size": 4096}))
+    ref, m_ref = engine_for(config(zero8=FULL8, zero_optimization={"stage": 2, "allgather_bucket_size": 4096}))
+    seen = []
+    for m in model.modules():
+        if list(m.parameters(recurse=False)):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(
+                [p.detach().clone() for p in mod.parameters(recurse=False)]))
+    x, y = micro_batch(DATA, 1, B, RANK, N, 1, 0)
+    for e in (engine, ref):
+        e.backward(loss_fn(e(x), y))
+        e.step()
+    assert engine._opt.gather_pending and not ref._opt.gather_pending
+    seen.clear()
+    with torch.no_grad():
+        engine(x)  # the zero8 hooks run first (registered first): each module sees its updated weights
+    assert not engine._opt.gather_pending
+    want = [[p.detach().clone() for p in m.parameters(recurse=False)] for m in m_ref.modules()
+            if list(m.parameters(recurse=False))]
+    assert len(seen) == len(want) and all(torch.equal(a, b) for s, w in zip(seen, want) for a, b in zip(s, w))
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    assert engine._opt.gather_pending
+    sd = engine.module.state_dict()  # waits for the gather
+    assert not engine._opt.gather_pending
+    ref.backward(loss_fn(ref(x), y))
+    ref.step()
+    assert all(torch.equal(sd[k], v) for k, v in m_ref.state_dict().items())
+    assert engine.comm_stats()["overlap"]["gathers"] > 0
 
 
 def test_reductions_run_while_backward_goes_on():

@@ -160,10 +160,11 @@ struct Zero8Config {
   int32_t state_block_size = 256;   // power of two in [64, 4096]
   int32_t wire_block_size = 2048;   // power of two in [64, 4096]
   bool int8_gradients = true;       // quantized reduce-scatter of gradients
-  bool int8_params = false;         // quantized all-gather of parameter updates
+  bool int8_params = true;          // quantized all-gather of parameter updates (int8 blocks of the delta)
   bool int8_activations = false;    // pipeline: activations and their gradients between stages as int8 blocks
   bool error_feedback = false;      // carry the gradient quantization error to the next step
   bool release_gradients = false;   // stage 2: hand reduced gradient buckets' memory back to the OS
+  bool overlap_param_gather = false; // with overlap_comm: the step's all-gather runs during the next forward
   int64_t min_8bit_size = 4096;     // parameters with fewer elements keep fp32 states
   int optim_bits = 8;               // 8 or 32
   bool stochastic_rounding = false;
@@ -176,7 +177,7 @@ struct Zero8Config {
   bool checkpoint_allow_pickle = false;
   auto tie() const {
     return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, int8_activations,
-                    error_feedback, release_gradients, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
+                    error_feedback, release_gradients, overlap_param_gather, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
                     checkpoint_keep_last, checkpoint_allow_pickle);
   }
 };

@@ -28,6 +28,12 @@
 
 namespace zero8::shard {
 
+// The most elements (over all ranks) of one piece of the int8 parameter all-gather, whatever
+// allgather_bucket_size says: each rank expands every rank's piece to fp32 (4 bytes per element) before
+// adding it to its working copy, so this bounds that scratch at 16 MiB; the int8 blocks are the same
+// however the partition is cut (whole alignment units).
+constexpr int64_t kInt8GatherPiece = int64_t(1) << 22;
+
 struct ShardConfig {
   LayoutConfig layout;                 // layout.world is ignored: the communicator's size is used
   optim::Algo algo = optim::Algo::adamw;
@@ -41,7 +47,7 @@ struct ShardConfig {
   DType working_dtype = DType::f32;    // dtype of the model's parameters (the working copy)
   bool int8_grads = true;              // gradient reduce-scatter as int8 blocks (else bf16_grads picks)
   bool bf16_grads = false;             // unquantized gradient reduce-scatter in bf16 (else fp32)
-  bool int8_params = false;            // parameter all-gather as int8 blocks of the update delta
+  bool int8_params = true;             // parameter all-gather as int8 blocks of the update delta
   bool error_feedback = false;         // keep the int8 gradient quantization residual (per rank)
   bool stochastic_wire = false;        // int8 blocks on the wire round stochastically (unbiased), else nearest
   uint64_t wire_seed = 0;              // their stream: (wire_seed, step, collective of the step, rank, element)
@@ -118,6 +124,16 @@ struct ShardConfig {
 // the next grad_ready, backward_end or any other call, with the communicator's message, which names the
 // rank. overlap_stats() says how much of the collectives' time the caller did not wait for. Device
 // optimizers reduce on a side stream instead (below) and ignore overlap.
+
+// Deferred all-gather (step(true), with the overlap thread; host memory). The step updates every piece
+// of this rank's partition and posts each piece's all-gather to the thread, then returns: the gather of
+// step t runs while the caller starts step t+1's forward. The caller must not read a parameter's working
+// copy before wait_param(param) returned (the engine calls it in a forward pre-hook of each module, for
+// the module's own parameters), nor write the working copy before wait_gather(). The pieces are gathered
+// in a fixed order (group by group, each partition from its start), so a parameter waits only for the
+// pieces that hold it: at offset x of its partition, those up to piece x / piece size. The results are
+// the same bits as step(false), which waits for the whole gather before it returns. The int8 sync with
+// stochastic rounding (one piece) is not deferred.
 
 // Time the collectives took and the time the caller waited for them, since construction.
 struct OverlapStats {
@@ -219,7 +235,18 @@ class ShardedOptimizer {
   // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does). Throws
   // (before any collective) in the middle of an accumulation: after backward_end(false), or after
   // grad_ready without backward_end (that micro-batch's gradient is not reduced yet).
-  StepInfo step();
+  // defer_gather: see "Deferred all-gather"; ignored unless the optimizer runs the overlap thread.
+  StepInfo step(bool defer_gather = false);
+  // Deferred all-gather: blocks until parameter `param`'s working copy holds the last step's update (every
+  // piece of the gather that writes it is done); returns at once when no gather is pending. Rethrows a
+  // failed collective as the other calls do.
+  void wait_param(int param);
+  // Blocks until the whole deferred all-gather is done (at once when none is pending). Every collective
+  // call, and every call that reads or writes the working copy or the masters (init, discard_gradients,
+  // refresh_masters, backward_end, step, sync_working_from_master, copy_to_host, copy_from_host), makes it
+  // first.
+  void wait_gather();
+  bool gather_pending() const { return deferred_; }
 
   // The step's agreement over the data-parallel group, the squared gradient norm (whose finiteness is
   // the overflow flag), is also reduced over `outer` when one is set: the pipeline engine passes its
@@ -292,7 +319,10 @@ class ShardedOptimizer {
   void for_each_run(int g, F&& f) const;
   std::vector<float> trust_ratios(float grad_scale);
   int64_t gather_piece(int g) const;
-  void param_sync(int g, int64_t lo, int64_t hi);
+  // int8: the wire options of the int8 sync of this piece (taken in the caller's thread: they count the
+  // step's collectives); null: an exact all-gather in the working dtype.
+  void param_sync(int g, int64_t lo, int64_t hi, const comm::WireOptions* int8);
+  int64_t gather_index(int param) const;  // deferred gather: the piece (in the step's order) param needs last
   void fill_step_args(int g, optim::StepArgs& a, float grad_scale);
   // The gradient input (see "Gradient memory").
   void make_full_input(const char* what);
@@ -357,7 +387,7 @@ class ShardedOptimizer {
   std::vector<float> residual_[kNumGroups];        // host: error feedback (full, padded) when enabled
   Store residual_device_[kNumGroups];              // device: the same
   Store scratch_;                                  // reduction output
-  Store delta_;                                    // int8 parameter sync: this rank's delta (chunk floats)
+  Store delta_;                                    // int8 parameter sync: this rank's delta (one piece)
   Store full_delta_;                               // int8 parameter sync: the gathered deltas
   Store norm_sums_;                                // per group: the squared-gradient sums (2 doubles)
   Store norm_work_;                                // vec::sum_squares' work
@@ -385,6 +415,10 @@ class ShardedOptimizer {
   std::condition_variable work_cv_, done_cv_;
   std::deque<std::pair<Phase, std::function<void()>>> jobs_;
   bool busy_ = false;                              // the thread is running a job
+  int64_t gathers_done_ = 0;                       // gather jobs the thread finished since construction
+  // Deferred all-gather (caller's thread only): a gather is pending; gathers_done_ when the step posted it.
+  bool deferred_ = false;
+  int64_t gather_base_ = 0;
   bool stop_ = false;
   std::exception_ptr failure_;                     // the first job that threw; every later post/drain rethrows it
   OverlapStats overlap_;

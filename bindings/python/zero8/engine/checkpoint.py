@@ -94,6 +94,7 @@ class EngineCheckpoints:
         client_state (when JSON-serializable) go into the manifest's client state. tag="" (DeepSpeed: save_dir
         itself) raises Zero8ValueError. Returns True."""
         self._check_live()
+        self._wait_gather()  # the working copy holds the last step's update
         save_dir = os.fspath(save_dir)
         _check_tag_not_empty(tag, "save_checkpoint", "save_dir", "global_step<N> (N = engine.global_steps)")
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
@@ -282,6 +283,7 @@ class EngineCheckpoints:
         client_state of custom classes, which can run code from the file; else an object other than tensors
         and plain values fails the load with Zero8ValueError naming it."""
         self._check_live()
+        self._wait_gather()  # the load replaces what the last step's gather writes
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
         if allow_pickle is None:

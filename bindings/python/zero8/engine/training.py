@@ -102,6 +102,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._step_applied = False
         self._backward_done = False
         self._in_step = False  # engine.step() is calling optimizer.step()
+        self._defer_gather = False  # engine.step() leaves the parameter all-gather to the next forward
         self._bytes = {"gradients": 0, "step": 0}
         self._backward_bytes0 = 0  # bytes sent when the running micro-batch's backward began
         self._hooks: list = []
@@ -215,6 +216,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             self._opt.init(0)  # rank 0's weights everywhere; masters from them
             self._broadcast_rest()
         self._register_hooks()
+        self._register_gather_hooks()
         self._destroyed = False
         engines.add(self)
 
@@ -371,12 +373,44 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     f"next backwards wait for {n} parts. Use stage 1, or torch.utils.checkpoint with "
                     f"use_reentrant=False, to avoid it altogether")
 
+    def _register_gather_hooks(self) -> None:
+        """zero8.overlap_param_gather (with the overlap thread): engine.step() returns with the all-gather of the
+        updated partitions still running on the optimizer's thread (the C++ "Deferred all-gather"). Each module
+        waits in a forward pre-hook until its own parameters hold the update, so the gather overlaps the
+        forward; the end of engine's forward, a state_dict or load_state_dict of the model, and every engine
+        call that reads the weights wait for all of it."""
+        self._defer_gather = bool(self._cfg.zero8.overlap_param_gather) and bool(self._opt.overlap_stats()["threaded"])
+        if not self._defer_gather:
+            return
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for m in self.module.modules():
+            own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+            if not own:
+                continue
+
+            def pre_forward(module, args, own=own):
+                opt = self._opt
+                if opt is not None and opt.gather_pending:
+                    for i in own:
+                        opt.wait_param(i)
+
+            self._hooks.append(m.register_forward_pre_hook(pre_forward))
+        self._hooks.append(self.module.register_state_dict_pre_hook(lambda *a: self._wait_gather()))
+        self._hooks.append(self.module.register_load_state_dict_pre_hook(lambda *a: self._wait_gather()))
+
+    def _wait_gather(self) -> None:
+        """The deferred parameter all-gather of the last step is done (at once when none is pending)."""
+        opt = self.__dict__.get("_opt")
+        if opt is not None and self._defer_gather:
+            opt.wait_gather()
+
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's engine.destroy()): hooks removed, the parameters keep their
         current values in their own memory (no longer views of the C++ buffers), and the sharded optimizer
         and communicator are dropped. The engine cannot train afterwards; runs at exit for live engines."""
         if self.__dict__.get("_destroyed", True):
             return
+        self._wait_gather()
         self._destroyed = True
         for h in self._hooks:
             h.remove()
@@ -481,6 +515,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             args = tuple(_cast_floating(a, self._dtype) for a in args)
             kwargs = {k: _cast_floating(v, self._dtype) for k, v in kwargs.items()}
         out = self.module(*args, **kwargs)
+        self._wait_gather()  # a parameter no module's hook waited for (unused, or read by another module)
         self._timers["forward"] += time.perf_counter() - t0
         return out
 
@@ -609,7 +644,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._apply_hyper()
         b0 = self._bytes_sent()
         with self._stream_order():
-            info = dict(self._opt.step())
+            info = dict(self._opt.step(self._defer_gather and self._in_step))
         self._bytes["step"] += self._bytes_sent() - b0
         self._last_info = info
         return info
