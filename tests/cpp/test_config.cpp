@@ -137,7 +137,7 @@ TEST(ConfigFiles, BertFp16AdamWarmupDecay) {
   EXPECT_TRUE(c.fp16.enabled);
   EXPECT_EQ(c.fp16.loss_scale, 0.0);
   EXPECT_EQ(c.zero.stage, 1);
-  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);  // the file
   EXPECT_EQ(c.gradient_clipping, 1.0);
   EXPECT_FALSE(c.zero8.enabled);
   EXPECT_EQ(cfg::optimizer_state_bits(c), 32);
@@ -427,7 +427,7 @@ TEST(ConfigWarnings, UnknownTopLevelKeysWarnWithPath) {
   })");
   EXPECT_TRUE(has_warning(c, "test.json: my_custom_key: unknown key, ignored (DeepSpeed ignores"));
   EXPECT_TRUE(has_warning(c, "test.json: zero_optimization.reduce_bucket_size: \"auto\""));
-  EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 4194304);
   // stage3_* keys are DeepSpeed's own and silently accepted.
   EXPECT_FALSE(has_warning(c, "stage3_max_live_parameters"));
   EXPECT_EQ(c.warnings.size(), 2u) << all_warnings(c);

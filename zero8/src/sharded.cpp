@@ -342,6 +342,33 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   scratch_ = Store(mem, owned * 4, cfg.stream);
   int64_t piece = 0;  // the largest all-gather piece, over all ranks
   for (int g = 0; g < kNumGroups; ++g) piece = std::max(piece, gather_piece(g) * dp.size());
+  // The order of the step's pieces, the same on every rank: by the first (lowest-index) parameter each
+  // holds, so that a forward, which uses the parameters in about their order, finds its first layers
+  // gathered first (with a deferred gather it waits only for the pieces before its layer); the groups
+  // interleave (an embedding with 32-bit states comes before the 8-bit matrices after it).
+  {
+    std::vector<std::pair<int64_t, std::pair<int, int64_t>>> keyed;  // (first param, (group, piece index))
+    for (int g = 0; g < kNumGroups; ++g) {
+      const GroupLayout& gl = layout_.groups[g];
+      const int64_t gp = gather_piece(g);
+      for (int64_t k = 0; gp > 0 && k * gp < gl.chunk; ++k) {
+        int64_t first = int64_t(layout_.params.size());  // padding only: after every parameter
+        for (int rr = 0; rr < dp.size(); ++rr)
+          for (const Segment& sg : layout_.segments(Group(g), gl.part_begin(rr) + k * gp,
+                                                    std::min(gl.part_begin(rr) + (k + 1) * gp, gl.part_end(rr))))
+            first = std::min<int64_t>(first, sg.param);
+        keyed.push_back({first, {g, k}});
+      }
+      gather_pos_[g].assign(size_t(gp > 0 ? (gl.chunk + gp - 1) / gp : 0), 0);
+    }
+    std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (const auto& e : keyed) {
+      const int g = e.second.first;
+      const int64_t gp = gather_piece(g), lo = e.second.second * gp;
+      gather_pos_[g][size_t(e.second.second)] = int64_t(gather_order_.size());
+      gather_order_.push_back({g, lo, std::min(layout_.groups[g].chunk, lo + gp)});
+    }
+  }
   delta_ = Store(mem, cfg.int8_params ? piece / dp.size() * 4 : 0, cfg.stream);
   full_delta_ = Store(mem, cfg.int8_params ? piece * 4 : 0, cfg.stream);
   seg_offsets_ = Store(mem, 0, cfg.stream);
@@ -806,24 +833,19 @@ void ShardedOptimizer::wait_param(int param) {
   if (failure_) std::rethrow_exception(failure_);
 }
 
-// The index, in the step's order of gather pieces, of the last piece that writes parameter `param`
-// (-1: none, an empty parameter). Piece k of group g gathers offsets [k * piece, (k + 1) * piece) of every
-// partition; the step posts group 0's pieces, then group 1's.
+// The index, in the step's order of gather pieces (gather_order_), of the last piece that writes parameter
+// `param` (-1: none, an empty parameter). Piece k of group g gathers offsets [k * piece, (k + 1) * piece)
+// of every partition; within a group the pieces go in the order of k.
 int64_t ShardedOptimizer::gather_index(int param) const {
   const ParamSlot& slot = layout_.slots[size_t(param)];
   if (slot.numel == 0) return -1;
   const int g = int(slot.group);
-  int64_t base = 0;
-  for (int h = 0; h < g; ++h) {
-    const int64_t piece = gather_piece(h);
-    if (piece > 0) base += (layout_.groups[h].chunk + piece - 1) / piece;
-  }
   const GroupLayout& gl = layout_.groups[g];
   const int64_t piece = gather_piece(g), a = slot.offset, b = slot.offset + slot.numel;
   int64_t last = 0;
   for (int p = gl.owner(a); p <= gl.owner(b - 1); ++p)
     last = std::max(last, (std::min(b, gl.part_end(p)) - gl.part_begin(p) - 1) / piece);
-  return base + last;
+  return gather_pos_[g][size_t(last)];
 }
 
 // Runs the jobs in the order they were posted. The first that throws ends the thread: its collective
@@ -1178,17 +1200,15 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
       std::lock_guard<std::mutex> lk(mu_);
       gather_base_ = gathers_done_;
     }
-    for (int g = 0; g < kNumGroups; ++g) {
-      const int64_t chunk = layout_.groups[g].chunk, piece = gather_piece(g);
-      for (int64_t lo = 0; lo < chunk; lo += piece) {
-        const int64_t hi = std::min(chunk, lo + piece);
-        step_group(g, grad_scale, trust, lo, hi);
-        if (cfg_.int8_params) {
-          const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
-          post(Phase::gather, [this, g, lo, hi, opt] { param_sync(g, lo, hi, &opt); });
-        } else {
-          post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi, nullptr); });
-        }
+    for (const GatherPiece& gp : gather_order_) {
+      const int g = gp.group;
+      const int64_t lo = gp.lo, hi = gp.hi;
+      step_group(g, grad_scale, trust, lo, hi);
+      if (cfg_.int8_params) {
+        const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
+        post(Phase::gather, [this, g, lo, hi, opt] { param_sync(g, lo, hi, &opt); });
+      } else {
+        post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi, nullptr); });
       }
     }
     if (defer) deferred_ = true;

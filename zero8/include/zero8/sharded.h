@@ -130,8 +130,8 @@ struct ShardConfig {
 // step t runs while the caller starts step t+1's forward. The caller must not read a parameter's working
 // copy before wait_param(param) returned (the engine calls it in a forward pre-hook of each module, for
 // the module's own parameters), nor write the working copy before wait_gather(). The pieces are gathered
-// in a fixed order (group by group, each partition from its start), so a parameter waits only for the
-// pieces that hold it: at offset x of its partition, those up to piece x / piece size. The results are
+// in a fixed order, by the first parameter each holds (so about the forward's order, both groups
+// interleaved), and a parameter waits only until the pieces that hold it are done. The results are
 // the same bits as step(false), which waits for the whole gather before it returns. The int8 sync with
 // stochastic rounding (one piece) is not deferred.
 
@@ -400,6 +400,12 @@ class ShardedOptimizer {
   std::vector<Bucket> buckets_[kNumGroups];
   std::vector<std::vector<int>> param_buckets_[kNumGroups];  // per param index: buckets it overlaps
   std::vector<std::pair<int, int>> order_;         // every (group, bucket), in the order all ranks reduce them
+  struct GatherPiece {
+    int group;
+    int64_t lo, hi;  // offsets from each partition's start
+  };
+  std::vector<GatherPiece> gather_order_;          // the step's all-gather pieces, in the order every rank posts them
+  std::vector<int64_t> gather_pos_[kNumGroups];    // per group, per piece index: its place in gather_order_
   std::vector<size_t> order_pos_[kNumGroups];      // per bucket: its index in order_
   size_t next_ = 0;                                // order_[next_] is the next bucket to reduce (or post)
   int micro_ = 0;                                  // micro-batches since the last boundary
