@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: installs what is missing (Debian packages, the Python package), then pretrains a small
 # GPT on the Python standard library's source with 2 local processes through zero8-launch, using the
-# zero8 config (8-bit AdamW states, ZeRO stage 2, int8 gradient reduce-scatter). Progress on the
+# zero8 config (8-bit AdamW states, ZeRO stage 2, int8 gradients and parameter sync). Progress on the
 # terminal; CSV log, loss plot and checkpoints in out/pretrain/ (per-rank logs in out/pretrain/logs).
 # Extra arguments go to examples/pretrain_gpt.py (try --help; e.g. --steps 100, --resume).
 # The C++ optimizer demo is `bash scripts/build.sh && build/examples/demo_optimizers`.
