@@ -77,9 +77,15 @@ class TorchComm:
 
 
 def zero8_counters(engine) -> dict:
+    """zero8's own counters (the timed steps take the difference of two readings): bytes sent, seconds inside
+    collectives, and the overlap thread's seconds: the reductions' and the all-gather's, and how long the
+    training loop waited for each."""
     s = engine.comm_stats()
+    o = s["overlap"]
     return {"bytes": s["bytes"], "gradient_bytes": s["gradient_bytes"], "step_bytes": s["step_bytes"],
-            "seconds": sum(float(v["seconds"]) for v in s["ops"].values())}
+            "seconds": sum(float(v["seconds"]) for v in s["ops"].values()),
+            **{k: float(o[k]) for k in ("reduce_seconds", "reduce_wait_seconds", "gather_seconds",
+                                        "gather_wait_seconds")}}
 
 
 def deepspeed_state_bytes(engine) -> int:
