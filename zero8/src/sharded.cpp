@@ -350,16 +350,22 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     std::vector<std::pair<int64_t, std::pair<int, int64_t>>> keyed;  // (first param, (group, piece index))
     for (int g = 0; g < kNumGroups; ++g) {
       const GroupLayout& gl = layout_.groups[g];
-      const int64_t gp = gather_piece(g);
-      for (int64_t k = 0; gp > 0 && k * gp < gl.chunk; ++k) {
-        int64_t first = int64_t(layout_.params.size());  // padding only: after every parameter
-        for (int rr = 0; rr < dp.size(); ++rr)
-          for (const Segment& sg : layout_.segments(Group(g), gl.part_begin(rr) + k * gp,
-                                                    std::min(gl.part_begin(rr) + (k + 1) * gp, gl.part_end(rr))))
-            first = std::min<int64_t>(first, sg.param);
-        keyed.push_back({first, {g, k}});
+      const int64_t gp = gather_piece(g), pieces = gp > 0 ? (gl.chunk + gp - 1) / gp : 0;
+      // One pass over the parameters: each lowers the key of the pieces its span touches in every
+      // partition it reaches (a piece of padding only keeps a key after every parameter).
+      std::vector<int64_t> first(size_t(pieces), int64_t(layout_.params.size()));
+      for (int idx : gl.params) {
+        const ParamSlot& sl = layout_.slots[size_t(idx)];
+        if (sl.numel == 0) continue;
+        const int64_t a = sl.offset, b = sl.offset + sl.numel;
+        for (int p = gl.owner(a); p <= gl.owner(b - 1); ++p) {
+          const int64_t lo = std::max(a, gl.part_begin(p)) - gl.part_begin(p);
+          const int64_t hi = std::min(b, gl.part_end(p)) - gl.part_begin(p);
+          for (int64_t k = lo / gp; k <= (hi - 1) / gp; ++k) first[size_t(k)] = std::min<int64_t>(first[size_t(k)], idx);
+        }
       }
-      gather_pos_[g].assign(size_t(gp > 0 ? (gl.chunk + gp - 1) / gp : 0), 0);
+      for (int64_t k = 0; k < pieces; ++k) keyed.push_back({first[size_t(k)], {g, k}});
+      gather_pos_[g].assign(size_t(pieces), 0);
     }
     std::stable_sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     for (const auto& e : keyed) {

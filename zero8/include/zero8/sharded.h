@@ -400,13 +400,13 @@ class ShardedOptimizer {
   std::vector<Bucket> buckets_[kNumGroups];
   std::vector<std::vector<int>> param_buckets_[kNumGroups];  // per param index: buckets it overlaps
   std::vector<std::pair<int, int>> order_;         // every (group, bucket), in the order all ranks reduce them
+  std::vector<size_t> order_pos_[kNumGroups];      // per bucket: its index in order_
   struct GatherPiece {
     int group;
     int64_t lo, hi;  // offsets from each partition's start
   };
   std::vector<GatherPiece> gather_order_;          // the step's all-gather pieces, in the order every rank posts them
   std::vector<int64_t> gather_pos_[kNumGroups];    // per group, per piece index: its place in gather_order_
-  std::vector<size_t> order_pos_[kNumGroups];      // per bucket: its index in order_
   size_t next_ = 0;                                // order_[next_] is the next bucket to reduce (or post)
   int micro_ = 0;                                  // micro-batches since the last boundary
   bool reported_ = false;                          // grad_ready since the last backward_end
