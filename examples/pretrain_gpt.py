@@ -190,8 +190,6 @@ class Embedding(nn.Module):
         nn.init.normal_(self.pos.weight, 0.0, 0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        # Through pos's own forward (the same rows as slicing its weight): its forward pre-hook is where
-        # zero8.overlap_param_gather waits for the weight's update.
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 
 

@@ -129,11 +129,64 @@ void check_reduce_op(ReduceOp op) {
 
 }  // namespace
 
-// Around every public call: refuse a call overlapping another thread's and a forked child, fail
-// fast after an earlier failure, number the call, time it.
+namespace {
+
+struct BackgroundWork {
+  const void* owner;
+  std::thread::id runner;
+  std::function<void()> wait;
+};
+
+std::mutex g_background_mu;
+std::vector<BackgroundWork> g_background;  // guarded by g_background_mu
+std::atomic<int> g_background_count{0};    // its size, read without the lock on every call
+
+// Before a public call: the background work of other threads is done (see add_background_work). The
+// waits run outside the lock: they may take the communicator's timeout, and they remove their entry.
+void wait_for_background_work() {
+  if (g_background_count.load(std::memory_order_acquire) == 0) return;
+  std::vector<std::function<void()>> waits;
+  {
+    std::lock_guard<std::mutex> lk(g_background_mu);
+    for (const BackgroundWork& w : g_background)
+      if (w.runner != std::this_thread::get_id()) waits.push_back(w.wait);
+  }
+  for (const auto& wait : waits) wait();
+}
+
+// A call's start time: after the background work it waited for, which is not the call's own time.
+double call_start() {
+  wait_for_background_work();
+  return now_seconds();
+}
+
+}  // namespace
+
+void add_background_work(const void* owner, std::thread::id runner, std::function<void()> wait) {
+  std::lock_guard<std::mutex> lk(g_background_mu);
+  for (BackgroundWork& w : g_background)
+    if (w.owner == owner) {
+      w.runner = runner;
+      w.wait = std::move(wait);
+      return;
+    }
+  g_background.push_back({owner, runner, std::move(wait)});
+  g_background_count.store(int(g_background.size()), std::memory_order_release);
+}
+
+void remove_background_work(const void* owner) {
+  std::lock_guard<std::mutex> lk(g_background_mu);
+  g_background.erase(std::remove_if(g_background.begin(), g_background.end(),
+                                    [&](const BackgroundWork& w) { return w.owner == owner; }),
+                     g_background.end());
+  g_background_count.store(int(g_background.size()), std::memory_order_release);
+}
+
+// Around every public call: wait for other threads' background work, refuse a call overlapping
+// another thread's and a forked child, fail fast after an earlier failure, number the call, time it.
 class Communicator::Call {
  public:
-  Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(now_seconds()) {
+  Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(call_start()) {
     // One compare-exchange per call. A refused call changes nothing (not even the call numbers,
     // which the running call's messages and the peers' mismatch checks use).
     const char* running = nullptr;

@@ -420,6 +420,40 @@ class GateComm final : public Communicator {
   bool entered_ = false, open_ = false;
 };
 
+// Background work (a sharded optimizer's deferred all-gather): a call from any thread but the one that
+// runs it waits for it first, on any communicator; the runner's own calls do not; removed, nothing waits.
+TEST(CommThreads, CallsFromOtherThreadsWaitForBackgroundWork) {
+  GateComm c, other;
+  int owner = 0, waits = 0;
+  std::thread runner;  // stands for the optimizer's thread
+  std::mutex mu;
+  std::condition_variable cv;
+  bool go = false, done = false;
+  runner = std::thread([&] {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return go; });
+    c.barrier();  // the runner's own call: must not wait for its own work
+    done = true;
+    cv.notify_all();
+  });
+  add_background_work(&owner, runner.get_id(), [&] { ++waits; });
+  c.barrier();
+  other.barrier();
+  EXPECT_EQ(waits, 2);
+  {
+    std::unique_lock<std::mutex> lk(mu);
+    go = true;
+    cv.notify_all();
+    cv.wait(lk, [&] { return done; });
+  }
+  runner.join();
+  EXPECT_EQ(waits, 2);
+  remove_background_work(&owner);
+  c.barrier();
+  EXPECT_EQ(waits, 2);
+  EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 3u);
+}
+
 // Two threads' calls on one communicator must not overlap (MPI needs every rank's collectives in
 // one order): the second is refused, naming both ops, and the first completes untouched.
 TEST(CommThreads, OverlappingCallFromAnotherThreadIsRefused) {

@@ -193,7 +193,7 @@ TEST(ConfigFiles, Zero8LambOneCycle) {
   EXPECT_TRUE(c.zero8.enabled);  // the section turns zero8 on
   EXPECT_TRUE(c.zero8.int8_params);
   EXPECT_TRUE(c.zero8.error_feedback);
-  EXPECT_FALSE(c.zero8.overlap_param_gather);  // the default
+  EXPECT_TRUE(c.zero8.overlap_param_gather);  // the default
   EXPECT_EQ(c.zero8.min_8bit_size, 16384);
   EXPECT_EQ(c.zero8.comm_backend, cfg::CommBackend::mpi);
   EXPECT_EQ(c.zero8.comm_timeout_s, 120.0);
@@ -601,19 +601,19 @@ TEST(ConfigZero8, CheckpointAllowPickleIsOffByDefault) {
   EXPECT_THROW(parse(R"({"train_batch_size": 8, "zero8": {"checkpoint": {"allow_pickle": "yes"}}})"), zero8::Error);
 }
 
-// The int8 parameter sync is on by default (issue 31: the loss study qualified it); the all-gather into the
-// next forward is an opt-in (a parameter read between step and forward would see part of the update).
-// Both are written back by to_json.
-TEST(ConfigZero8, Int8ParamsOnAndOverlappedGatherOffByDefault) {
+// The int8 parameter sync (issue 31: the loss study qualified it) and the all-gather into the next forward
+// (the engine makes each parameter wait for its piece at its first touch) are on by default; both are
+// written back by to_json.
+TEST(ConfigZero8, Int8ParamsAndOverlappedGatherOnByDefault) {
   const cfg::Config d = parse(R"({"train_batch_size": 8, "zero8": {}})");
   EXPECT_TRUE(d.zero8.int8_params);
-  EXPECT_FALSE(d.zero8.overlap_param_gather);
-  const cfg::Config c = parse(R"({"train_batch_size": 8, "zero8": {"int8_params": false, "overlap_param_gather": true}})");
+  EXPECT_TRUE(d.zero8.overlap_param_gather);
+  const cfg::Config c = parse(R"({"train_batch_size": 8, "zero8": {"int8_params": false, "overlap_param_gather": false}})");
   EXPECT_FALSE(c.zero8.int8_params);
-  EXPECT_TRUE(c.zero8.overlap_param_gather);
+  EXPECT_FALSE(c.zero8.overlap_param_gather);
   const cfg::Config back = parse(cfg::to_json(c));
   EXPECT_FALSE(back.zero8.int8_params);
-  EXPECT_TRUE(back.zero8.overlap_param_gather);
+  EXPECT_FALSE(back.zero8.overlap_param_gather);
   EXPECT_THROW(parse(R"({"train_batch_size": 8, "zero8": {"overlap_param_gather": 1}})"), zero8::Error);
 }
 

@@ -41,7 +41,7 @@ def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_vs_ds")
     # Its own namespace names: test_multinode.py's cluster (z8h) may be up at the same time.
     cmd = [sys.executable, str(BENCH), "--model", "tiny", "--where", "local", "--steps", "2", "--warmup", "1",
-           "--repeats", "2", "--ds_grid", "none", "--ds_torch_adamw", "--overlap_gather", "--out_dir", str(out), "--netns_prefix", "z8ci",
+           "--repeats", "2", "--ds_grid", "none", "--ds_torch_adamw", "--eager_gather", "--out_dir", str(out), "--netns_prefix", "z8ci",
            "--netns_net", "10.211.0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=dict(os.environ, OMP_WAIT_POLICY="passive"))
@@ -56,7 +56,7 @@ def test_table_and_json(short_run):
     assert "== one host, no network" in stdout and "zero8 (default settings)" in stdout
     assert (out / "table.txt").read_text().strip() in stdout
     rows = compact["scenarios"]["local"]["rows"]
-    expected = {"zero8", "zero8_gather", "deepspeed_best"} if HAVE_DEEPSPEED else {"zero8", "zero8_gather"}
+    expected = {"zero8", "zero8_eager", "deepspeed_best"} if HAVE_DEEPSPEED else {"zero8", "zero8_eager"}
     assert set(rows) == expected
     if not HAVE_DEEPSPEED:
         assert "setup_deepspeed.sh" in compact["deepspeed_skipped"]
@@ -69,8 +69,8 @@ def test_table_and_json(short_run):
         # no launcher binds the ranks (mpirun would, zero8's to one core each): both systems may use every core
         assert row["cpus_per_rank"] == len(os.sched_getaffinity(0)), (role, row["cpus_per_rank"])
         assert 0.0 < row["val_loss"] < 6.0 and 0.0 < row["train_loss"] < 6.0
-    # The all-gather moved into the next forward changes when it runs, not what it computes.
-    assert (rows["zero8_gather"]["train_loss"], rows["zero8_gather"]["val_loss"]) == (
+    # The all-gather inside the step or into the next forward: when it runs, not what it computes.
+    assert (rows["zero8_eager"]["train_loss"], rows["zero8_eager"]["val_loss"]) == (
         rows["zero8"]["train_loss"], rows["zero8"]["val_loss"])
 
 
@@ -78,7 +78,7 @@ def test_rounds_interleave(short_run):
     *_, out = short_run
     runs = sorted(p.name for p in (out / "local").iterdir())
     roles = [re.sub(r"^\d+-round\d-", "", n) for n in runs]
-    per_round = ["zero8", "zero8_gather", "deepspeed_best"] if HAVE_DEEPSPEED else ["zero8", "zero8_gather"]
+    per_round = ["zero8", "zero8_eager", "deepspeed_best"] if HAVE_DEEPSPEED else ["zero8", "zero8_eager"]
     assert roles == per_round * 2, runs
     assert [int(n.split("-")[1][5:]) for n in runs] == [1] * len(per_round) + [2] * len(per_round)
 

@@ -1141,7 +1141,7 @@ void parse_zero8(Section& top, Config& c) {
   if (z.error_feedback && !z.int8_gradients)
     s.warn("error_feedback", "has no effect without int8_gradients (fp32 gradients have no quantization error)");
   z.release_gradients = s.get_bool("release_gradients", false);
-  z.overlap_param_gather = s.get_bool("overlap_param_gather", false);
+  z.overlap_param_gather = s.get_bool("overlap_param_gather", true);
   z.min_8bit_size = s.get_int("min_8bit_size", 4096, 0);
   {
     const json* v = s.find("optim_bits");

@@ -406,6 +406,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
 
 ShardedOptimizer::~ShardedOptimizer() {
   if (!worker_.joinable()) return;
+  comm::remove_background_work(this);
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
@@ -822,8 +823,8 @@ void ShardedOptimizer::drain(Phase phase) {
 
 void ShardedOptimizer::wait_gather() {
   if (!deferred_) return;
-  deferred_ = false;
   drain(Phase::gather);
+  if (deferred_.exchange(false)) comm::remove_background_work(this);
 }
 
 void ShardedOptimizer::wait_param(int param) {
@@ -1217,8 +1218,12 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
         post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi, nullptr); });
       }
     }
-    if (defer) deferred_ = true;
-    else drain(Phase::gather);
+    if (defer) {
+      deferred_ = true;
+      comm::add_background_work(this, worker_.get_id(), [this] { wait_gather(); });
+    } else {
+      drain(Phase::gather);
+    }
     ++steps_;
     scaler_.update(false);
   }

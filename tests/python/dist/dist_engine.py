@@ -168,62 +168,110 @@ def test_stage1_equals_stage2(baseline):
 @pytest.mark.parametrize("zero8_cfg", [EXACT, FULL8], ids=["exact", "full8"])
 def test_overlap_comm_gives_the_same_bits(zero8_cfg):
     # overlap_comm (zero8's default): the reductions run on the optimizer's thread during backward and the
-    # all-gather pieces while the step goes on; off: both in the training loop's thread. The same
-    # collectives in the same order: the same weights, bit for bit, and as stage 1's with exact settings.
+    # all-gather pieces while the step goes on and (zero8.overlap_param_gather, also a default) into the
+    # next forward; off: both in the training loop's thread. The same collectives in the same order: the
+    # same weights, bit for bit, and as stage 1's with exact settings.
     zo = {"stage": 2, "reduce_bucket_size": 2048, "allgather_bucket_size": 4096}
     on, m_on = engine_for(config(zero8=zero8_cfg, gas=2, zero_optimization=zo))
     off, m_off = engine_for(config(zero8=zero8_cfg, gas=2, zero_optimization=dict(zo, overlap_comm=False)))
-    # zero8.overlap_param_gather: the step leaves its all-gather to the next forward.
-    late, m_late = engine_for(config(zero8=dict(zero8_cfg, overlap_param_gather=True), gas=2, zero_optimization=zo))
+    # Without zero8.overlap_param_gather engine.step() returns with the gather done.
+    eager, m_eager = engine_for(config(zero8=dict(zero8_cfg, overlap_param_gather=False), gas=2,
+                                       zero_optimization=zo))
     train(on, 6)
-    train(off, 6)
-    train(late, 6)
-    assert late._opt.gather_pending == (N > 1)
-    m_late.state_dict()  # waits for the last step's all-gather
+    pending = on._opt.gather_pending
+    train(off, 6)  # its collectives wait for on's gather first
+    train(eager, 6)
+    assert pending == (N > 1) and not on._opt.gather_pending and not eager._opt.gather_pending
     o_on, o_off = on.comm_stats()["overlap"], off.comm_stats()["overlap"]
-    assert params_equal(m_on, m_off) and params_equal(m_on, m_late)
-    assert late._defer_gather == (N > 1) and not off._defer_gather and not on._defer_gather
+    assert params_equal(m_on, m_off) and params_equal(m_on, m_eager)
+    assert on._defer_gather == (N > 1) and not off._defer_gather and not eager._defer_gather
     assert o_on["threaded"] == (N > 1) and not o_off["threaded"]
     assert o_on["reductions"] == o_off["reductions"] > 0 and o_on["gathers"] == o_off["gathers"] > 0
     # Without the thread the loop waits for every reduction: nothing is hidden.
     assert o_off["reduce_wait_seconds"] == pytest.approx(o_off["reduce_seconds"]) and o_off["reduce_hidden"] == 0.0
 
 
+class ReadsChildWeight(torch.nn.Module):
+    """The test model under a parent that reads the last layer's bias before any layer runs (as a GPT
+    slicing its position table), outside that layer's forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        shift = self.inner[-1].bias * 0.5
+        return self.inner(x) + shift
+
+
 def test_the_parameter_gather_runs_into_the_next_forward():
-    # With zero8.overlap_param_gather, engine.step() returns with the all-gather pending; each module's
-    # forward pre-hook waits for its own parameters, so the first layer's input
-    # meets this step's weights; the forward's end, a state_dict and a checkpoint wait for all of it.
+    # By default engine.step() returns with the all-gather pending; each parameter waits for its piece at
+    # its first touch, in its module's forward, in a parent's, or outside any forward, so every read meets
+    # this step's weights; the forward's end, a state_dict and a checkpoint wait for all of it.
     if N == 1:
         pytest.skip("one rank gathers nothing")
-    engine, model = engine_for(config(zero8=dict(FULL8, overlap_param_gather=True),
-                                      zero_optimization={"stage": 2, "allgather_bucket_size": 4096}))
-    ref, m_ref = engine_for(config(zero8=FULL8, zero_optimization={"stage": 2, "allgather_bucket_size": 4096}))
+    zo = {"stage": 2, "allgather_bucket_size": 4096}
+    model, m_ref = ReadsChildWeight(make_model(0)), ReadsChildWeight(make_model(0))
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=FULL8, zero_optimization=zo))
+    ref, _, _, _ = zero8.initialize(model=m_ref, config=config(zero8=dict(FULL8, overlap_param_gather=False),
+                                                                  zero_optimization=zo))
     seen = []
     for m in model.modules():
         if list(m.parameters(recurse=False)):
             m.register_forward_pre_hook(lambda mod, args: seen.append(
                 [p.detach().clone() for p in mod.parameters(recurse=False)]))
     x, y = micro_batch(DATA, 1, B, RANK, N, 1, 0)
-    for e in (engine, ref):
+    for e in (ref, engine):  # ref's collectives would wait for engine's gather
         e.backward(loss_fn(e(x), y))
         e.step()
     assert engine._opt.gather_pending and not ref._opt.gather_pending
+    assert all(type(p) is not torch.nn.Parameter for p in model.parameters())  # armed
     seen.clear()
     with torch.no_grad():
-        engine(x)  # the zero8 hooks run first (registered first): each module sees its updated weights
+        out = engine(x)
     assert not engine._opt.gather_pending
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(out, ref(x))  # the parent's read of the last bias saw the update
     want = [[p.detach().clone() for p in m.parameters(recurse=False)] for m in m_ref.modules()
             if list(m.parameters(recurse=False))]
     assert len(seen) == len(want) and all(torch.equal(a, b) for s, w in zip(seen, want) for a, b in zip(s, w))
+    # Reads right after the step, outside any forward: the last layer first (its piece is gathered last).
+    for e in (ref, engine):
+        e.backward(loss_fn(e(x), y))
+        e.step()
+    last = model.inner[-1].weight.detach().clone()
+    ema = torch.stack([p.detach().norm() for p in model.parameters()])
+    assert torch.equal(last, m_ref.inner[-1].weight.detach())
+    assert torch.equal(ema, torch.stack([p.detach().norm() for p in m_ref.parameters()]))
     engine.backward(loss_fn(engine(x), y))
     engine.step()
     assert engine._opt.gather_pending
     sd = engine.module.state_dict()  # waits for the gather
-    assert not engine._opt.gather_pending
     ref.backward(loss_fn(ref(x), y))
     ref.step()
     assert all(torch.equal(sd[k], v) for k, v in m_ref.state_dict().items())
     assert engine.comm_stats()["overlap"]["gathers"] > 0
+
+
+def test_a_collective_of_the_training_loop_waits_for_the_pending_gather():
+    # Between engine.step() and the next forward the optimizer's thread still gathers; the loop's own
+    # collectives (a loss all-reduce on the world, or on the engine's communicator) first wait for it,
+    # since one thread at a time may call MPI: no "still running" error, no mismatched collectives.
+    if N == 1:
+        pytest.skip("one rank gathers nothing")
+    engine, model = engine_for(config(zero8=FULL8, zero_optimization={"stage": 2, "allgather_bucket_size": 4096}))
+    ref, m_ref = engine_for(config(zero8=dict(FULL8, overlap_param_gather=False),
+                                   zero_optimization={"stage": 2, "allgather_bucket_size": 4096}))
+    x, y = micro_batch(DATA, 1, B, RANK, N, 1, 0)
+    for comm in (WORLD, engine._dp):
+        for e in (ref, engine):
+            e.backward(loss_fn(e(x), y))
+            e.step()
+        assert engine._opt.gather_pending
+        total = comm.all_reduce_f64([1.0], "sum")
+        assert total == [float(comm.size)] and not engine._opt.gather_pending
+        assert params_equal(model, m_ref)
 
 
 def test_reductions_run_while_backward_goes_on():

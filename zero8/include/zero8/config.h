@@ -167,7 +167,7 @@ struct Zero8Config {
   bool int8_activations = false;    // pipeline: activations and their gradients between stages as int8 blocks
   bool error_feedback = false;      // carry the gradient quantization error to the next step
   bool release_gradients = false;   // stage 2: hand reduced gradient buckets' memory back to the OS
-  bool overlap_param_gather = false; // with overlap_comm: the step's all-gather runs during the next forward
+  bool overlap_param_gather = true;  // with overlap_comm: the step's all-gather runs during the next forward
   int64_t min_8bit_size = 4096;     // parameters with fewer elements keep fp32 states
   int optim_bits = 8;               // 8 or 32
   bool stochastic_rounding = false;

@@ -5,6 +5,7 @@
 // The buffers live in host memory or on a CUDA device; one code path serves both (see "Devices" below).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -131,7 +132,9 @@ struct ShardConfig {
 // copy before wait_param(param) returned (the engine calls it in a forward pre-hook of each module, for
 // the module's own parameters), nor write the working copy before wait_gather(). The pieces are gathered
 // in a fixed order, by the first parameter each holds (so about the forward's order, both groups
-// interleaved), and a parameter waits only until the pieces that hold it are done. The results are
+// interleaved), and a parameter waits only until the pieces that hold it are done. Until the gather is
+// done, a call of any communicator from another thread than the optimizer's (the training loop's own
+// all-reduce of its loss) first waits for it (communicator.h, add_background_work). The results are
 // the same bits as step(false), which waits for the whole gather before it returns. The int8 sync with
 // stochastic rounding (one piece) is not deferred.
 
@@ -422,8 +425,10 @@ class ShardedOptimizer {
   std::deque<std::pair<Phase, std::function<void()>>> jobs_;
   bool busy_ = false;                              // the thread is running a job
   int64_t gathers_done_ = 0;                       // gather jobs the thread finished since construction
-  // Deferred all-gather (caller's thread only): a gather is pending; gathers_done_ when the step posted it.
-  bool deferred_ = false;
+  // Deferred all-gather: a gather is pending (set by the caller's step; cleared by wait_gather, which a
+  // communicator call from any thread runs first: communicator.h, add_background_work); gathers_done_
+  // when the step posted it.
+  std::atomic<bool> deferred_{false};
   int64_t gather_base_ = 0;
   bool stop_ = false;
   std::exception_ptr failure_;                     // the first job that threw; every later post/drain rethrows it

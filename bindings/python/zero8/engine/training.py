@@ -32,6 +32,7 @@ from .client_optim import (
     _hyper_from_group,
 )
 from .config_view import comm_timeout_s, working_dtype
+from . import gather
 from .device import StreamOrder, check_device, model_device
 from .optimizer import Zero8Optimizer
 from .params import built_client_optimizer, collect_params, fp32_state, override_hyper_groups
@@ -103,6 +104,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._backward_done = False
         self._in_step = False  # engine.step() is calling optimizer.step()
         self._defer_gather = False  # engine.step() leaves the parameter all-gather to the next forward
+        self._gathering = None  # the parameters' class while it runs (gather.py)
         self._bytes = {"gradients": 0, "step": 0}
         self._backward_bytes0 = 0  # bytes sent when the running micro-batch's backward began
         self._hooks: list = []
@@ -374,35 +376,38 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     f"use_reentrant=False, to avoid it altogether")
 
     def _register_gather_hooks(self) -> None:
-        """zero8.overlap_param_gather (with the overlap thread): engine.step() returns with the all-gather of the
-        updated partitions still running on the optimizer's thread (the C++ "Deferred all-gather"). Each module
-        waits in a forward pre-hook until its own parameters hold the update, so the gather overlaps the
-        forward; the end of engine's forward, a state_dict or load_state_dict of the model, and every engine
-        call that reads the weights wait for all of it."""
+        """zero8.overlap_param_gather (with the overlap thread, the default): engine.step() returns with the
+        all-gather of the updated partitions still running on the optimizer's thread (the C++ "Deferred
+        all-gather"), and each parameter waits for its own piece at its first touch, in a module's forward or
+        anywhere else (gather.py), so the gather overlaps the forward and nothing reads a half-updated
+        weight. The end of engine's forward and every engine call that reads the weights wait for all of it.
+        Off when a trainable parameter is not exactly a torch.nn.Parameter (its class cannot be swapped)."""
         self._defer_gather = bool(self._cfg.zero8.overlap_param_gather) and bool(self._opt.overlap_stats()["threaded"])
         if not self._defer_gather:
             return
-        index = {id(p): i for i, p in enumerate(self._params)}
-        for m in self.module.modules():
-            own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
-            if not own:
-                continue
+        odd = gather.unguardable(self._params)
+        if odd:
+            self._defer_gather = False
+            if self.global_rank == 0:
+                name = self._param_names[odd[0]]
+                self._log(f"zero8.overlap_param_gather: off, parameter {name!r} is a "
+                          f"{type(self._params[odd[0]]).__name__}, not a torch.nn.Parameter; the step's "
+                          f"all-gather completes inside engine.step()")
+            return
+        self._gathering = gather.gathering_class(self, self._params)
 
-            def pre_forward(module, args, own=own):
-                opt = self._opt
-                if opt is not None and opt.gather_pending:
-                    for i in own:
-                        opt.wait_param(i)
-
-            self._hooks.append(m.register_forward_pre_hook(pre_forward))
-        self._hooks.append(self.module.register_state_dict_pre_hook(lambda *a: self._wait_gather()))
-        self._hooks.append(self.module.register_load_state_dict_pre_hook(lambda *a: self._wait_gather()))
+    def _wait_param(self, i: int) -> None:
+        """Parameter i holds the last step's update (GatheringParameter's first touch)."""
+        opt = self.__dict__.get("_opt")
+        if opt is not None and opt.gather_pending:
+            opt.wait_param(i)
 
     def _wait_gather(self) -> None:
         """The deferred parameter all-gather of the last step is done (at once when none is pending)."""
         opt = self.__dict__.get("_opt")
         if opt is not None and self._defer_gather:
             opt.wait_gather()
+            gather.disarm(self._params)
 
     def destroy(self) -> None:
         """Release the engine (DeepSpeed's engine.destroy()): hooks removed, the parameters keep their
@@ -515,7 +520,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             args = tuple(_cast_floating(a, self._dtype) for a in args)
             kwargs = {k: _cast_floating(v, self._dtype) for k, v in kwargs.items()}
         out = self.module(*args, **kwargs)
-        self._wait_gather()  # a parameter no module's hook waited for (unused, or read by another module)
+        self._wait_gather()  # the parameters this forward did not touch
         self._timers["forward"] += time.perf_counter() - t0
         return out
 
@@ -645,6 +650,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         b0 = self._bytes_sent()
         with self._stream_order():
             info = dict(self._opt.step(self._defer_gather and self._in_step))
+        if self._opt.gather_pending:
+            gather.arm(self._params, self._gathering)
         self._bytes["step"] += self._bytes_sent() - b0
         self._last_info = info
         return info

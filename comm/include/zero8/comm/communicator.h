@@ -6,9 +6,11 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "zero8/kernels/device.h"
@@ -69,6 +71,10 @@ namespace zero8::comm {
 //   where calls_from_any_thread() (the MPI backend asks MPI for MPI_THREAD_SERIALIZED and says whether
 //   it got it; when someone else initialized MPI with less, only the initializing thread may call), if
 //   each thread hands the communicator over to the next one with a synchronization (a mutex, a join).
+//   Background work (add_background_work below: a sharded optimizer's deferred all-gather, which its
+//   thread runs after the caller's step returned) is the one exception the library arranges itself:
+//   every public call of any communicator from another thread first waits for it, so the training
+//   loop's own collectives (a loss all-reduce) never run beside it.
 // * fork(): a child process cannot use its parent's MPI communicators: every call there throws
 //   Error(comm) ("this communicator belongs to process 1234 and cannot be used after fork()"),
 //   and the child writes nothing to the parent's connections (see "MPI backend" below). Destroying
@@ -164,6 +170,14 @@ struct StagingArea;
 }
 // The pp x dp grouping of a communicator (see topology_split()).
 struct Topology;
+
+// Work that thread `runner` does on communicators after the call that started it returned (a sharded
+// optimizer's deferred all-gather, sharded.h): a public call of any communicator in this process from
+// any other thread first runs `wait`, which must block until that work is done and may not call a
+// communicator itself. One entry per owner; remove it once the work is done (wait may run in several
+// threads at once, and after the entry is removed).
+void add_background_work(const void* owner, std::thread::id runner, std::function<void()> wait);
+void remove_background_work(const void* owner);
 
 class Communicator {
  public:
