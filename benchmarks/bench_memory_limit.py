@@ -36,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from pretrain_example import load_example
+
 N_LAYER, HEAD_DIM, VOCAB = 8, 64, 256
 WIDTHS = [256 + 64 * k for k in range(40)]  # 256 .. 2752
 
@@ -51,13 +52,6 @@ def gpt_params(d_model: int, seq_len: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # One rank (--worker zero8|deepspeed)
 # ---------------------------------------------------------------------------------------------
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples" / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def peak_rss_bytes() -> int:
     """VmHWM: this process's peak resident set."""

@@ -18,7 +18,6 @@ Prints a table and one JSON line (`{"bench": "overlap", ...}`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -28,15 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from pretrain_example import load_example
+
 VOCAB = 256
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples" / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def worker(args) -> int:

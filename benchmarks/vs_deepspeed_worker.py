@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import json
 import os
 import resource
@@ -25,15 +24,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_example():
-    """examples/pretrain_gpt.py as a module: its GPT, corpus, batches, loss and evaluation."""
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", ROOT / "examples" / "pretrain_gpt.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from pretrain_example import load_example
 
 
 def link_counters() -> dict:

@@ -21,7 +21,7 @@ from .commands import Job, mpirun_command, select_exports, srun_command
 from .hostfile import LOCAL_HOST, LaunchError, expand_hostlist, parse_core_list, read_hostfile, select_resources
 from .monitor import JobMonitor, run_job
 from .netinfo import local_ipv4, this_host_among
-from .rank_wrapper import DEFAULT_STOP_GRACE
+from .rank_wrapper import DEFAULT_STOP_GRACE, STACKS_SIGNAL
 
 __all__ = ["build_parser", "plan", "main"]
 
@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", action="append", default=[], metavar="NAME[=VALUE]",
                    help="also carry this variable to the ranks (repeatable)")
     p.add_argument("--log_dir", default="", help=f"per-rank logs go here (default {DEFAULT_LOG_ROOT}/<date-time>)")
-    p.add_argument("--timeout", type=float, default=0.0, help="end the job after S seconds (0: no limit)")
+    p.add_argument("--timeout", type=float, default=0.0,
+                   help="end the job after S seconds (0: no limit); under mpirun every rank first writes its "
+                        "Python stacks (all threads) to its log")
     p.add_argument("--start_timeout", type=float, default=DEFAULT_START_TIMEOUT,
                    help=f"end the job if some rank has not started S seconds after the launch, naming it and "
                         f"its host (default {DEFAULT_START_TIMEOUT:g}; 0: wait forever)")
@@ -287,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         monitor.say(f"running: {cmd.text()}")
         monitor.say(f"logs: {job.log_dir}/rank<R>.log (engine output: {launcher_log_path})")
         t0 = time.monotonic()
+        # srun keeps SIGALRM to itself: under it the ranks cannot be asked for their stacks.
         rc, how = run_job(cmd.argv, env, monitor, timeout=args.timeout, stop_grace=args.stop_grace,
-                          fail_grace=args.fail_grace, start_timeout=args.start_timeout)
+                          fail_grace=args.fail_grace, start_timeout=args.start_timeout,
+                          stacks_signal=STACKS_SIGNAL if engine == "mpirun" else None)
         elapsed = time.monotonic() - t0
         failed = [s for s in monitor.ranks.values() if s.exit_code not in (None, 0) and not s.stopped_by]
         if how == "done" and rc == 0 and not failed:
@@ -313,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         lines, code = monitor.failure_report(engine, -rc if rc < 0 and how == "done" else 0)
         if how == "timeout":
             monitor.say(f"job ended by --timeout {args.timeout:g} after {elapsed:.1f} s")
+            lines = monitor.stacks_report() + lines
             code = 124
         elif how == "start-timeout":
             monitor.say(f"job FAILED after {elapsed:.1f} s: not every rank started within --start_timeout "

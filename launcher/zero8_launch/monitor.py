@@ -1,7 +1,8 @@
 """Runs the engine command (mpirun/srun) and watches its output: forwards the ranks' prefixed output as it
 comes, reads the wrappers' marker lines (rank started / ended how), condenses mpirun's own failure
-banners, ends the job on a timeout or a stop request, and after the job explains a failure: which rank
-failed first and how (its error, from the tail of its log), which ranks failed because of it.
+banners, ends the job on a timeout (after asking every rank for its Python stacks) or a stop request, and
+after the job explains a failure: which rank failed first and how (its error, from the tail of its log),
+which ranks failed because of it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import time
 from dataclasses import dataclass, field
 
 from .netinfo import this_host_among
-from .rank_wrapper import MARKER, STOP_SIGNAL, parse_marker, status_path
+from .rank_wrapper import MARKER, SCRIPT_STACKS_SIGNAL, STOP_SIGNAL, parse_marker, status_path
 
 # Seconds between repeats of the stop signal while some rank has not acknowledged it.
 STOP_RESEND = 0.5
+# Seconds between asking the ranks for their Python stacks on --timeout (STACKS_SIGNAL) and ending the job:
+# time for the wrappers to pass the request on (they look every 0.1 s) and to write what the scripts print.
+STACKS_WAIT = 2.0
 # Seconds after the launch at which the launcher says which ranks it still waits for (once).
 START_NOTICE = 30.0
 
@@ -72,6 +76,7 @@ class RankState:
     order: int | None = None  # position among the ranks' ends, as the launcher saw them
     mpirun_signal: str = ""   # mpirun's report: "9 (Killed)"
     signalled: str = ""       # the wrapper received this signal from the engine/launcher (job ending)
+    stacks: str = ""          # on --timeout, its wrapper asked the script for its Python stacks: "1"; "0": no handler
     record: str = ""          # how it ended was read from this status file, its exit record having been lost
 
 
@@ -150,6 +155,7 @@ class JobMonitor:
         self.first_failure: float | None = None
         self.ends = 0
         self.stop_signal = 0                    # the signal that asked the launcher to stop, if any
+        self.stacks_asked: list[int] = []       # the ranks running when the launcher asked for their stacks
         self.started_at = time.time()           # status files older than this are another job's
         self._lock = threading.Lock()
         self._buf = {"out": b"", "err": b""}
@@ -337,6 +343,10 @@ class JobMonitor:
         if f["event"] == "signal":
             r.signalled = f.get("name", "?")
             return
+        if f["event"] == "stacks":
+            r.stacks = f.get("written", "0")
+            r.log = f.get("log") or r.log
+            return
         if f["event"] != "exit":
             return
         r.exit_code = int(f.get("code", "1"))
@@ -356,6 +366,31 @@ class JobMonitor:
             how = (f"was killed by signal {r.signal} ({_signal_name(r.signal)})" if r.signal
                    else f"exited with code {r.exit_code}")
             self._write("err", f"zero8-launch: rank {r.rank}{where} {how}\n".encode())
+
+    def ask_stacks(self) -> None:
+        """Notes the ranks running now, as the launcher asks them for their Python stacks (stacks_report)."""
+        with self._lock:
+            self.stacks_asked = sorted(r.rank for r in self.ranks.values() if r.started and r.exit_code is None)
+
+    def stacks_report(self) -> list[str]:
+        """Where the Python stacks the ranks wrote on --timeout are, and which ranks wrote none."""
+        ranks = [self.rank(r) for r in self.stacks_asked]
+        written = [s.rank for s in ranks if s.stacks == "1"]
+        none = [s.rank for s in ranks if s.stacks == "0"]
+        silent = [s.rank for s in ranks if not s.stacks]
+        out = []
+        if written:
+            hosts = {s.host or self.placement.get(s.rank, "") for s in ranks}
+            out.append(f"rank(s) {self.describe_ranks(written)} wrote the Python stacks of all their threads at the "
+                       f"timeout: above, and in {os.path.join(self.log_dir, 'rank<R>.log')}"
+                       + (" on each rank's host" if len(hosts) > 1 else ""))
+        if none:
+            out.append(f"rank(s) {self.describe_ranks(none)} wrote no Python stacks: their scripts have no handler "
+                       f"for {SCRIPT_STACKS_SIGNAL.name} (not Python, or Python run with -I, -E or -S)")
+        if silent:
+            out.append(f"rank(s) {self.describe_ranks(silent)} did not answer the request for their Python stacks "
+                       f"within {STACKS_WAIT:g} s")
+        return out
 
     # ---- after the job ----
     def rank_lines(self, r: RankState) -> tuple[list[str], str]:
@@ -543,13 +578,16 @@ def _die_with_parent() -> None:
 
 
 def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.0, stop_grace: float = 30.0,
-            fail_grace: float = 30.0, kill_grace: float = 10.0, start_timeout: float = 0.0) -> tuple[int, str]:
+            fail_grace: float = 30.0, kill_grace: float = 10.0, start_timeout: float = 0.0,
+            stacks_signal: int | None = None) -> tuple[int, str]:
     """Runs the engine; returns (its exit code, how it ended: 'done' | 'timeout' | 'stopped' |
     'failed-hung' | 'start-timeout'). While some rank has not reported a start, the launcher says which
     after START_NOTICE seconds, and ends the job after start_timeout seconds (0: never). Signals: the first SIGINT/SIGTERM asks the ranks to stop (STOP_SIGNAL through the
     engine, SIGTERM for the scripts) and gives them stop_grace seconds; a second, or the grace running
     out, terminates the engine (then SIGKILL after kill_grace). A rank failure that the engine does not
-    turn into the job's end within fail_grace seconds terminates it too."""
+    turn into the job's end within fail_grace seconds terminates it too. On the timeout, stacks_signal (if
+    given: rank_wrapper.STACKS_SIGNAL, for an engine that forwards it) asks every rank for its Python
+    stacks STACKS_WAIT seconds before the engine is terminated."""
     state = {"requests": 0, "signal": 0}
 
     def on_signal(signum, _frame):
@@ -634,9 +672,16 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
                                 f"{now - start:.0f} s" + (f" (--start_timeout {start_timeout:g} ends the job)"
                                                           if start_timeout > 0 else ""))
             if timeout > 0 and now - start > timeout and "term" not in deadlines:
-                monitor.say(f"timeout: the job ran longer than {timeout:g} s; ending it")
                 how = "timeout"
-                deadlines["term"] = now
+                if stacks_signal:
+                    monitor.say(f"timeout: the job ran longer than {timeout:g} s; every rank writes its Python "
+                                f"stacks to its log, then the job ends")
+                    monitor.ask_stacks()
+                    _send(proc, stacks_signal)
+                    deadlines["term"] = now + STACKS_WAIT  # and nothing else ends it before
+                else:
+                    monitor.say(f"timeout: the job ran longer than {timeout:g} s; ending it")
+                    deadlines["term"] = now
             if "stop" in deadlines and now > deadlines["stop"] and "term" not in deadlines:
                 monitor.say(f"the ranks did not stop within {stop_grace:g} s; ending the job")
                 deadlines["term"] = now
@@ -645,7 +690,7 @@ def run_job(argv: list[str], env: dict, monitor: JobMonitor, timeout: float = 0.
                 monitor.say(f"a rank failed {fail_grace:g} s ago and the job is still running; ending it")
                 how = "failed-hung"
                 deadlines["term"] = now
-            if "term" in deadlines and "term_sent" not in deadlines:
+            if "term" in deadlines and "term_sent" not in deadlines and now >= deadlines["term"]:
                 _send(proc, signal.SIGTERM)
                 deadlines["term_sent"] = now
                 deadlines["kill"] = now + kill_grace

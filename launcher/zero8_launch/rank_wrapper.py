@@ -1,8 +1,9 @@
 """The per-rank wrapper zero8-launch starts on every rank (`python -m zero8_launch.rank_wrapper ... -- script
 args`): maps the engine's rank variables (OpenMPI's OMPI_COMM_WORLD_*, SLURM's SLURM_*) to DeepSpeed's
 names, runs the user's script as a child process, writes its output to <log_dir>/rank<R>.log while
-forwarding it prefixed with '[rank<R>] ', forwards stop signals, and records how the rank ended (a status
-file and a marker line the launcher reads, so the launcher knows even without a shared file system).
+forwarding it prefixed with '[rank<R>] ', forwards stop signals, has the script write its Python stacks on
+the launcher's --timeout, and records how the rank ended (a status file and a marker line the launcher
+reads, so the launcher knows even without a shared file system).
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ import signal
 STOP_SIGNAL = signal.SIGUSR1
 # The signals the wrapper passes on to the script (STOP_SIGNAL as SIGTERM).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, STOP_SIGNAL)
+# The signal zero8-launch sends on --timeout, a moment before it ends the job, through mpirun, which forwards
+# it by default (srun keeps SIGALRM for its own timer): the wrapper then asks the script for the Python
+# stacks of all its threads, which say where the rank hung.
+STACKS_SIGNAL = signal.SIGALRM
+# The signal that asks the script: faulthandler writes the stacks to the script's stderr, registered for it
+# by stacks_site/sitecustomize.py as the script starts. Ignored by default, so that a script without the
+# handler (not Python; python -I, -E or -S, which skip that file) is not harmed.
+SCRIPT_STACKS_SIGNAL = signal.SIGURG
 
 # A stop that reaches the wrapper before main() has installed its handlers (while this module's imports
 # load) must not kill it by the signal's default action, which the launcher would report as a crash: it
@@ -24,6 +33,7 @@ _EARLY_SIGNALS: list[int] = []
 if __name__ == "__main__":
     for _s in FORWARDED_SIGNALS:
         signal.signal(_s, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
+    signal.signal(STACKS_SIGNAL, lambda *_: None)  # no script yet, no stacks
 
 import ctypes  # noqa: E402
 import errno  # noqa: E402
@@ -50,6 +60,8 @@ PARTIAL_DELAY = 0.2
 # Seconds a script gets to exit after SIGTERM when its engine died without ending it (the launcher's
 # --stop_grace, passed on, overrides this).
 DEFAULT_STOP_GRACE = 30.0
+# The directory whose sitecustomize.py registers SCRIPT_STACKS_SIGNAL in the script (first on its PYTHONPATH).
+STACKS_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stacks_site")
 
 
 def _int_env(env, name: str) -> int | None:
@@ -161,6 +173,26 @@ def rank_environment(env, world: dict) -> tuple[dict, dict, list[str]]:
     facts = dict(rank=rank, size=size, local_rank=int(out["LOCAL_RANK"]), local_size=int(out["LOCAL_SIZE"]),
                  node=node, nodes=nodes, host=host, engine=r["engine"])
     return out, facts, warnings
+
+
+def stacks_environment(env) -> dict:
+    """The variables that have the script's Python register SCRIPT_STACKS_SIGNAL (stacks_site/sitecustomize.py,
+    which then restores PYTHONPATH as it is in `env`)."""
+    path = env.get("PYTHONPATH")
+    return {"PYTHONPATH": STACKS_SITE if path is None else STACKS_SITE + os.pathsep + path,
+            "ZERO8_LAUNCH_STACKS_SIGNAL": str(int(SCRIPT_STACKS_SIGNAL))}
+
+
+def catches_signal(pid: int, sig: int) -> bool | None:
+    """Whether process `pid` has a handler for `sig` (Linux: SigCgt in /proc/<pid>/status); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _core_text(cores) -> str:
@@ -350,7 +382,7 @@ def _start_group_guard(pgid: int) -> tuple[int, int]:
     if pid == 0:
         try:
             os.setpgid(0, 0)
-            for s in FORWARDED_SIGNALS:
+            for s in FORWARDED_SIGNALS + (STACKS_SIGNAL,):
                 signal.signal(s, signal.SIG_DFL)
             devnull = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
@@ -439,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             facts["cores"] = _core_text(cores)
         except (LaunchError, OSError) as e:
             start_error = f"rank {rank}: {e}"
+    updates.update(stacks_environment(env))
     env.update(updates)
     for w in warnings:
         sys.stderr.write(f"zero8-launch: warning: {w}\n")
@@ -483,8 +516,15 @@ def main(argv: list[str] | None = None) -> int:
         except ProcessLookupError:
             pass
 
+    stacks_asked: list[bool] = []  # acted on by tick(), outside the signal handler (it writes the log)
+
+    def ask_stacks(_signum, _frame):
+        if running.get("child") is not None:
+            stacks_asked.append(True)
+
     for s in FORWARDED_SIGNALS:
         signal.signal(s, forward)
+    signal.signal(STACKS_SIGNAL, ask_stacks)
     if _EARLY_SIGNALS:  # asked to stop while starting: the script is not started
         forward(_EARLY_SIGNALS[0], None)
 
@@ -521,8 +561,27 @@ def main(argv: list[str] | None = None) -> int:
         prefix = b"" if opts["no_prefix"] else f"[rank{rank}] ".encode()
         ending: dict = {}
 
+        def write_stacks() -> None:
+            # The script writes them to its stderr, which comes here like the rest of its output.
+            caught = catches_signal(child.pid, SCRIPT_STACKS_SIGNAL)
+            if caught is False:
+                note = (f"zero8-launch: --timeout: no Python stacks of this rank: its script (pid {child.pid}) has "
+                        f"no handler for {SCRIPT_STACKS_SIGNAL.name} (not Python, or Python run with -I, -E or -S)\n")
+            else:
+                note = "zero8-launch: --timeout: the Python stacks of every thread of this rank's script follow\n"
+            log.write(note.encode())
+            log.flush()
+            if caught is not False:
+                child.send_signal(SCRIPT_STACKS_SIGNAL)
+            sys.stderr.write(format_marker(rank=rank, event="stacks", written=int(caught is not False),
+                                           host=facts["host"] or "", log=status["log"]) + "\n")
+            sys.stderr.flush()
+
         def tick() -> None:
             now = time.monotonic()
+            if stacks_asked and "stacks" not in ending and child.poll() is None:
+                ending["stacks"] = now
+                write_stacks()
             if "exited" not in ending and child.poll() is not None:
                 # The script has ended: so do the processes it started in its group (helpers, servers),
                 # as no rank may outlive the job. SIGTERM now, SIGKILL once its output is drained.

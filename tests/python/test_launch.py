@@ -553,7 +553,7 @@ def test_stop_before_the_wrapper_is_ready_is_a_stop_not_a_crash(tmp_path, capsys
     started = tmp_path / "started"
     script = tmp_path / "script.py"
     script.write_text(f"open({str(started)!r}, 'w').close()\n")
-    saved = {s: signal.getsignal(s) for s in rw.FORWARDED_SIGNALS}
+    saved = {s: signal.getsignal(s) for s in rw.FORWARDED_SIGNALS + (rw.STACKS_SIGNAL,)}
     rw._EARLY_SIGNALS.append(signal.SIGUSR1)
     try:
         with pytest.raises(SystemExit) as e:
@@ -598,6 +598,23 @@ def test_monitor_filters_and_attributes():
     assert code == 1 and lines[0] == "rank 1 (host n2) exited with code 1"
     assert "  ValueError: boom" in lines
     assert any("first rank to exit with a non-zero status was rank 1" in l for l in lines)
+
+
+def test_monitor_says_which_ranks_wrote_their_stacks_on_the_timeout():
+    # Asked on --timeout: rank 0's script wrote its stacks, rank 1's has no handler (not Python), rank 2's
+    # wrapper never answered; rank 3 had ended before and was not asked.
+    m = JobMonitor("/logs", 4, out=io.BytesIO(), err=io.BytesIO())
+    for r in range(4):
+        m.feed("err", format_marker(rank=r, event="start", pid=10 + r).encode() + b"\n")
+    m.feed("err", format_marker(rank=3, event="exit", code=0, signal=0, stopped_by="").encode() + b"\n")
+    m.ask_stacks()
+    m.feed("err", format_marker(rank=0, event="stacks", written=1, log="/logs/rank0.log").encode() + b"\n")
+    m.feed("err", format_marker(rank=1, event="stacks", written=0, log="/logs/rank1.log").encode() + b"\n")
+    assert m.stacks_report() == [
+        "rank(s) 0 wrote the Python stacks of all their threads at the timeout: above, and in /logs/rank<R>.log",
+        "rank(s) 1 wrote no Python stacks: their scripts have no handler for SIGURG (not Python, or Python run "
+        "with -I, -E or -S)",
+        "rank(s) 2 did not answer the request for their Python stacks within 2 s"]
 
 
 def test_monitor_a_traceback_cut_by_the_abort_does_not_make_that_rank_the_cause():
@@ -833,6 +850,68 @@ def test_timeout_ends_the_job(tmp_path):
     assert r.returncode == 124, r.stderr
     assert time.monotonic() - t0 < 30
     assert "timeout: the job ran longer than 3 s" in r.stderr
+
+
+_HANGING_SCRIPT = """import threading, time
+def helper_thread_waits_forever():
+    time.sleep(600)
+def rank_hangs_in_this_function():
+    time.sleep(600)
+threading.Thread(target=helper_thread_waits_forever, daemon=True).start()
+rank_hangs_in_this_function()
+"""
+
+
+@needs_mpirun
+def test_timeout_writes_the_stacks_of_every_rank_before_ending_the_job(tmp_path):
+    # A job ended by --timeout said nothing of where its ranks were. Now every rank's script writes the
+    # stacks of all its threads (faulthandler) to its log and stderr first, and the launcher says where.
+    script = tmp_path / "hang.py"
+    script.write_text(_HANGING_SCRIPT)
+    logs = tmp_path / "logs"
+    r = launch(["--num_procs", "2", "--timeout", "5", "--log_dir", logs, script], timeout=90)
+    assert r.returncode == 124, r.stderr
+    assert "timeout: the job ran longer than 5 s; every rank writes its Python stacks to its log" in r.stderr
+    for rank in (0, 1):
+        log = (logs / f"rank{rank}.log").read_text()
+        _, note, stacks = log.partition("zero8-launch: --timeout: the Python stacks of every thread of this "
+                                        "rank's script follow\n")
+        assert note, log
+        here = rf'  File "{re.escape(str(script))}", line 5 in rank_hangs_in_this_function$'
+        assert re.search(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):\n" + here, stacks, re.M), log
+        assert re.search(r"^  File .*, line 3 in helper_thread_waits_forever$", stacks, re.M), log
+        assert f"[rank{rank}]   File \"{script}\", line 5 in rank_hangs_in_this_function" in r.stderr
+    assert (f"rank(s) 0, 1 wrote the Python stacks of all their threads at the timeout: above, and in "
+            f"{logs / 'rank<R>.log'}") in r.stderr, r.stderr
+
+
+@needs_mpirun
+def test_a_script_without_the_stacks_handler_is_said_to_have_written_none(tmp_path):
+    # sleep(1) is no Python: nothing in it registers the signal that asks for the stacks.
+    r = launch(["--num_procs", "1", "--timeout", "3", "--log_dir", tmp_path, "--no_python", "sleep", "60"],
+               timeout=90)
+    assert r.returncode == 124, r.stderr
+    assert "rank(s) 0 wrote no Python stacks: their scripts have no handler for SIGURG" in r.stderr, r.stderr
+    assert "no handler for SIGURG (not Python" in (tmp_path / "rank0.log").read_text()
+
+
+@needs_mpirun
+def test_the_stacks_handler_leaves_the_script_s_environment_as_it_was(tmp_path):
+    # The wrapper's sitecustomize, first on the script's PYTHONPATH, puts PYTHONPATH and sys.path back
+    # and runs the sitecustomize it hides (here the user's own, on their PYTHONPATH).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, sys\n"
+                      "print('SEEN ' + json.dumps([os.environ.get('PYTHONPATH'), os.environ.get('USER_SITECUSTOMIZE'),\n"
+                      "    'ZERO8_LAUNCH_STACKS_SIGNAL' in os.environ, any('stacks_site' in p for p in sys.path),\n"
+                      "    sys.argv[1:], sys.path[0]]))\n")
+    r = launch(["--num_procs", "1", "--log_dir", tmp_path / "logs", script, "a"],
+               env=job_env(PYTHONPATH=str(site)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(re.search(r"^\[rank0\] SEEN (.*)$", r.stdout, re.M).group(1))
+    assert seen == [str(site), "ran", False, False, ["a"], str(tmp_path)]
 
 
 @needs_mpirun

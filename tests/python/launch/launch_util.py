@@ -45,8 +45,9 @@ def installed_problem() -> str | None:
     installed = Path(zero8_launch.__file__).resolve().parent
     if installed == SOURCE_LAUNCHER.resolve() or os.environ.get("ZERO8_ALLOW_STALE") == "1":
         return None
-    stale = [p.name for p in sorted(SOURCE_LAUNCHER.glob("*.py"))
-             if not (installed / p.name).exists() or not filecmp.cmp(p, installed / p.name, shallow=False)]
+    sources = sorted(p.relative_to(SOURCE_LAUNCHER) for p in SOURCE_LAUNCHER.rglob("*.py"))
+    stale = [str(p) for p in sources
+             if not (installed / p).exists() or not filecmp.cmp(SOURCE_LAUNCHER / p, installed / p, shallow=False)]
     if stale:
         return (f"the installed zero8_launch ({installed}) differs from launcher/zero8_launch: {', '.join(stale)}; "
                 f"reinstall with: {REINSTALL} (ZERO8_ALLOW_STALE=1 runs anyway)")

@@ -267,6 +267,21 @@ class EngineCheckpoints:
         torch.save(state, buf)
         return buf.getvalue()
 
+    def _load_dir_checked(self, load_dir, tag, custom_load_fn) -> str | None:
+        """load_checkpoint's argument checks, the plain engine's and the pipeline engine's: load_dir as a str,
+        or None when tag is None and load_dir has no ``latest`` (rank 0 warns; the load returns (None, None)
+        without reading anything)."""
+        if custom_load_fn is not None:
+            raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
+        load_dir = os.fspath(load_dir)
+        _check_tag_not_empty(tag, "load_checkpoint", "load_dir", "the tag 'latest' names")
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            if self.global_rank == 0:
+                # stacklevel: here, load_checkpoint, its caller
+                warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=3)
+            return None
+        return load_dir
+
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                         custom_load_fn: Callable | None = None, allow_pickle: bool | None = None):
@@ -284,16 +299,11 @@ class EngineCheckpoints:
         and plain values fails the load with Zero8ValueError naming it."""
         self._check_live()
         self._wait_gather()  # the load replaces what the last step's gather writes
-        if custom_load_fn is not None:
-            raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
+        load_dir = self._load_dir_checked(load_dir, tag, custom_load_fn)
+        if load_dir is None:
+            return None, None
         if allow_pickle is None:
             allow_pickle = bool(self._cfg.zero8.checkpoint_allow_pickle)
-        load_dir = os.fspath(load_dir)
-        _check_tag_not_empty(tag, "load_checkpoint", "load_dir", "the tag 'latest' names")
-        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
-            if self.global_rank == 0:
-                warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
-            return None, None
         tag = "" if tag is None else str(tag)
         from ..deepspeed.universal import is_deepspeed_checkpoint
         ds_tag = tag or _latest_text(load_dir)

@@ -111,13 +111,8 @@ class PipelineCheckpoints:
         counters and LR scheduler come back unless load_module_only. Whatever fails, on any rank, nothing
         changes anywhere. allow_pickle: as the plain engine's (the layer files always load weights-only)."""
         self._check_live()
-        if custom_load_fn is not None:
-            raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
-        load_dir = os.fspath(load_dir)
-        _check_tag_not_empty(tag, "load_checkpoint", "load_dir", "the tag 'latest' names")
-        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
-            if self.global_rank == 0:
-                warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded", stacklevel=2)
+        load_dir = self._load_dir_checked(load_dir, tag, custom_load_fn)
+        if load_dir is None:
             return None, None
         found: dict = {}
 
