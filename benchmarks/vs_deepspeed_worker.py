@@ -195,7 +195,11 @@ def main() -> int:
     if rank == 0:
         result = {
             "system": a.system, "world": world, "params": n_params, "steps": a.steps, "warmup": a.warmup,
-            "tokens_per_step": batch * a.seq_len, "seconds_per_step": elapsed / a.steps,
+            # From the barrier before the timed steps to the end of the last one, on the slowest rank: the
+            # cost per step of a long run. Not the closing barrier, which would add zero8's last all-gather
+            # (left to the next forward, which belongs to a step after the run) to these few steps.
+            "tokens_per_step": batch * a.seq_len,
+            "seconds_per_step": max(sum(rk["step_s"]) for rk in ranks) / a.steps,
             "first_loss": global_losses[0] / world, "train_loss": global_losses[-1] / world, "val_loss": val,
             "ranks": ranks,
             "versions": {"torch": torch.__version__, a.system: _version(a.system)},

@@ -134,6 +134,22 @@ def test_reference_choice():
     assert grid[3].sections["zero_optimization"]["reduce_bucket_size"] == 2_500
 
 
+def test_no_network_reference_of_the_same_rounds():
+    # zero8's step on a shaped link is judged against its one-host run in the same interleaved rounds when
+    # there is one (the machine drifts between scenarios), else against the local scenario's.
+    m = _bench_module()
+
+    def rows(**steps):
+        return {role: {"summary": {"step_s": t}} for role, t in steps.items()}
+
+    local = rows(zero8=2.0, zero8_eager=2.0, deepspeed_best=2.5)
+    key = "zero8 step / its no-network step"
+    assert m.ratios("1gbit", rows(zero8=2.2, zero8_nonet=2.1), local)[key] == pytest.approx(2.2 / 2.1)
+    assert m.ratios("1gbit", rows(zero8=2.2), local)[key] == pytest.approx(1.1)
+    assert m.ratios("1gbit", rows(zero8_eager=2.4, zero8_nonet=2.1), local)[
+        "zero8, overlap_param_gather off step / its no-network step"] == pytest.approx(1.2)
+
+
 def test_deepspeed_pin_agrees_with_pyproject():
     script = (ROOT / "benchmarks" / "setup_deepspeed.sh").read_text()
     pin = re.search(r"^DEEPSPEED_VERSION=([0-9.]+)$", script, re.M).group(1)

@@ -123,13 +123,15 @@ struct Bf16Config {
 
 enum class CommDataType : uint8_t { unset, fp32, fp16, bf16 };  // "communication_data_type"
 
+// zero8's default gradient bucket (DeepSpeed's: 5e8, one bucket for most models): 2^22 elements, 16 MiB
+// of fp32, so that stage 2's reductions overlap backward and its gradient memory is the buckets in flight
+// (torch DDP's default bucket is 25 MB). Also ShardConfig's default (sharded.h).
+inline constexpr int64_t kDefaultReduceBucket = int64_t(1) << 22;
+
 // "zero_optimization": stages 0..2 (3 is rejected), bucket sizes in elements.
 struct ZeroConfig {
   int stage = 0;
-  // zero8's default (DeepSpeed's: 5e8, one bucket for most models): 2^22 elements, 16 MiB of fp32, so that
-  // stage 2's reductions overlap backward and its gradient memory is the buckets in flight (torch DDP's
-  // default bucket is 25 MB).
-  int64_t reduce_bucket_size = int64_t(1) << 22;
+  int64_t reduce_bucket_size = kDefaultReduceBucket;
   int64_t allgather_bucket_size = 500000000;
   bool overlap_comm = true;  // zero8's default; DeepSpeed's is true only for stage 3
   bool contiguous_gradients = true;

@@ -18,6 +18,7 @@
 
 #include "zero8/comm/communicator.h"
 #include "zero8/comm/quantized.h"
+#include "zero8/config.h"
 #include "zero8/grad_buffer.h"
 #include "zero8/kernels/device.h"
 #include "zero8/kernels/hd.h"
@@ -53,7 +54,7 @@ struct ShardConfig {
   bool stochastic_wire = false;        // int8 blocks on the wire round stochastically (unbiased), else nearest
   uint64_t wire_seed = 0;              // their stream: (wire_seed, step, collective of the step, rank, element)
   bool release_grads = false;          // reduced gradient buckets' memory goes back to the OS ("Gradient memory")
-  int64_t reduce_bucket_size = 500000000;  // elements per gradient bucket (DeepSpeed's default 5e8)
+  int64_t reduce_bucket_size = config::kDefaultReduceBucket;  // elements per gradient bucket
   // Elements of the parameter all-gather per piece, over all ranks (DeepSpeed's allgather_bucket_size): with
   // overlap, the step hands each piece of its partition to the all-gather as soon as it is stepped.
   int64_t allgather_bucket_size = 500000000;

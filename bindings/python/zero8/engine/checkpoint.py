@@ -270,7 +270,8 @@ class EngineCheckpoints:
     def _load_dir_checked(self, load_dir, tag, custom_load_fn) -> str | None:
         """load_checkpoint's argument checks, the plain engine's and the pipeline engine's: load_dir as a str,
         or None when tag is None and load_dir has no ``latest`` (rank 0 warns; the load returns (None, None)
-        without reading anything)."""
+        without reading anything). First the pending parameter gather, whose writes the load replaces."""
+        self._wait_gather()
         if custom_load_fn is not None:
             raise Zero8NotSupportedError("load_checkpoint(custom_load_fn=...) is not supported")
         load_dir = os.fspath(load_dir)
@@ -298,7 +299,6 @@ class EngineCheckpoints:
         client_state of custom classes, which can run code from the file; else an object other than tensors
         and plain values fails the load with Zero8ValueError naming it."""
         self._check_live()
-        self._wait_gather()  # the load replaces what the last step's gather writes
         load_dir = self._load_dir_checked(load_dir, tag, custom_load_fn)
         if load_dir is None:
             return None, None

@@ -218,7 +218,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             self._opt.init(0)  # rank 0's weights everywhere; masters from them
             self._broadcast_rest()
         self._register_hooks()
-        self._register_gather_hooks()
+        self._prepare_deferred_gather()
         self._destroyed = False
         engines.add(self)
 
@@ -375,7 +375,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     f"next backwards wait for {n} parts. Use stage 1, or torch.utils.checkpoint with "
                     f"use_reentrant=False, to avoid it altogether")
 
-    def _register_gather_hooks(self) -> None:
+    def _prepare_deferred_gather(self) -> None:
         """zero8.overlap_param_gather (with the overlap thread, the default): engine.step() returns with the
         all-gather of the updated partitions still running on the optimizer's thread (the C++ "Deferred
         all-gather"), and each parameter waits for its own piece at its first touch, in a module's forward or
