@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -135,3 +137,31 @@ def test_functional_calls_with_keyword_tensors_wait_too():
     engine, params = armed(model)
     F.linear(torch.randn(1, 4), weight=model.proj.weight, bias=model.proj.bias)
     assert engine.waited == [1, 2]
+
+
+def test_a_second_thread_touching_a_parameter_while_the_first_waits_waits_too():
+    class Slow(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.go = threading.Event()
+
+        def _wait_param(self, i: int) -> None:
+            self.waited.append(i)
+            assert self.go.wait(30)
+
+    model = Parent()
+    params = list(model.parameters())
+    engine = Slow()
+    gather.arm(params, gather.gathering_class(engine, params))
+    first = threading.Thread(target=lambda: model.proj.weight.sum())
+    first.start()
+    while not engine.waited:
+        time.sleep(0.001)
+    second = threading.Thread(target=lambda: model.proj.weight.sum())
+    second.start()
+    while len(engine.waited) < 2 and second.is_alive():
+        time.sleep(0.001)
+    engine.go.set()
+    first.join()
+    second.join()
+    assert engine.waited == [1, 1] and plain(model.proj.weight)

@@ -36,14 +36,14 @@ class GatheringParameter(torch.nn.Parameter):
         return func(*args, **kwargs)
 
     def _settle(self) -> None:
-        """Wait for this parameter's piece, then be a plain Parameter again (first, so that nothing on the
-        way recurses into the hook)."""
+        """Wait for this parameter's piece, then be a plain Parameter again: in that order, so that another
+        thread touching it meanwhile waits too (nothing here touches the tensor, so nothing recurses)."""
         cls = type(self)
-        self.__class__ = torch.nn.Parameter
         engine = cls._engine() if cls._engine is not None else None
         i = cls._index.get(id(self))
         if engine is not None and i is not None:
             engine._wait_param(i)
+        self.__class__ = torch.nn.Parameter
 
 
 def _settle_in(obj) -> None:
