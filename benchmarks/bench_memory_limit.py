@@ -4,7 +4,8 @@ ZeRO-2 (issue 31, point 4).
 
 Each system climbs a ladder of GPTs (examples/pretrain_gpt.py's layers in one LayerModule: 8 blocks,
 head size 64, width growing by 64) with a binary search: a rung fits when its 2-rank job trains
-`--steps` steps without being killed. The job runs in a memory cgroup whose limit is `--limit_gb` for everything it starts
+`--steps` steps without being killed. Then the same search between the last width that fits and the
+next, in steps of `--refine` (the head size there: the divisor of the width closest to 64). The job runs in a memory cgroup whose limit is `--limit_gb` for everything it starts
 (launcher and ranks: cgroup v2 memory.max, or v1 memory.limit_in_bytes where the memory controller is
 on v1, both without swap), created as a child of this process's cgroup (root needed). Without a
 writable cgroup, the job runs unlimited and fits when the sum of its ranks' peak RSS is within the
@@ -40,6 +41,11 @@ from pretrain_example import load_example
 
 N_LAYER, HEAD_DIM, VOCAB = 8, 64, 256
 WIDTHS = [256 + 64 * k for k in range(40)]  # 256 .. 2752
+
+
+def n_heads(d_model: int) -> int:
+    """The head count whose head size is closest to HEAD_DIM (d_model / HEAD_DIM on the ladder's rungs)."""
+    return min((h for h in range(1, d_model + 1) if d_model % h == 0), key=lambda h: (abs(d_model / h - HEAD_DIM), h))
 
 
 def gpt_params(d_model: int, seq_len: int) -> int:
@@ -79,7 +85,7 @@ def worker(args) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     ex = load_example()
-    layers = ex.gpt_layers(args.d_model, N_LAYER, args.d_model // HEAD_DIM, args.seq_len, False)
+    layers = ex.gpt_layers(args.d_model, N_LAYER, n_heads(args.d_model), args.seq_len, False)
     model = ex.LayerModule(layers, seed_layers=True, base_seed=args.seed)
     cfg = ds_config(args)
     if args.worker == "zero8":
@@ -217,7 +223,19 @@ def first_error(output: str) -> str:
 
 
 def run_rung(system: str, args, d_model: int, limit: int, index: int) -> dict:
-    """One 2-rank job; {fits, peak_rss (per rank), seconds, why}."""
+    """One 2-rank job; {fits, peak_rss (per rank), seconds, why}. A job that fails without the limit
+    ending it (no OOM kill: a DeepSpeed rank sometimes aborts with "terminate called without an active
+    exception") runs once more, so that a crash does not pass for "does not fit"; the result keeps the
+    first failure in "retried_after"."""
+    res = run_rung_once(system, args, d_model, limit, index)
+    if res["why"].startswith("exit") and not res["oom_kills"]:
+        first = res["why"]
+        res = run_rung_once(system, args, d_model, limit, index + 1000)  # a cgroup of its own
+        res["retried_after"] = first
+    return res
+
+
+def run_rung_once(system: str, args, d_model: int, limit: int, index: int) -> dict:
     result_dir = tempfile.mkdtemp(prefix=f"memlimit_{system}_")
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="passive", DS_ACCELERATOR="cpu",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONWARNINGS="ignore",
@@ -250,30 +268,45 @@ def run_rung(system: str, args, d_model: int, limit: int, index: int) -> dict:
 
 
 def search(system: str, args, limit: int) -> dict:
-    """Binary search over WIDTHS for the last rung that fits (fitting is monotone in the model's size)."""
+    """Binary search over WIDTHS for the last rung that fits (fitting is monotone in the model's size),
+    then over the widths between it and the next rung in steps of args.refine."""
     tried = {}
-    lo, hi = -1, len(WIDTHS)  # WIDTHS[lo] fits (or none), WIDTHS[hi] does not (or beyond the ladder)
-    start = args.start if args.start is not None else len(WIDTHS) // 3
-    probe = min(max(start, 0), len(WIDTHS) - 1)
+    lo, hi = ladder_search(system, args, limit, WIDTHS, tried,
+                           args.start if args.start is not None else len(WIDTHS) // 3)
+    best = WIDTHS[lo] if lo >= 0 else None
+    if best is not None and hi < len(WIDTHS) and 0 < args.refine < WIDTHS[hi] - best:
+        fine = [best] + list(range(best + args.refine, WIDTHS[hi], args.refine)) + [WIDTHS[hi]]
+        flo, _ = ladder_search(system, args, limit, fine, tried, (len(fine) - 1) // 2, known=(0, len(fine) - 1))
+        best = fine[flo]
+    return {"largest_d_model": best, "largest_params": gpt_params(best, args.seq_len) if best else 0,
+            "ceiling_reached": lo == len(WIDTHS) - 1,
+            "tried": {str(d): v for d, v in sorted(tried.items())}}
+
+
+def ladder_search(system: str, args, limit: int, widths: list, tried: dict, start: int,
+                  known: tuple | None = None) -> tuple[int, int]:
+    """(lo, hi): widths[lo] fits (-1: none), widths[hi] does not (len: beyond the list); known: a (lo, hi)
+    already established."""
+    lo, hi = known if known else (-1, len(widths))
+    probe = min(max(start, lo + 1), hi - 1) if hi - lo > 1 else lo
     while hi - lo > 1:
-        d = WIDTHS[probe]
+        d = widths[probe]
         res = run_rung(system, args, d, limit, len(tried))
         tried[d] = res
         print(f"  {system:9s} d_model {d:5d} ({gpt_params(d, args.seq_len) / 1e6:7.1f}M params): "
               f"{'fits' if res['fits'] else 'does not fit'}; peak RSS per rank "
               f"{', '.join(f'{p / 2**30:.2f}' for p in res['peak_rss']) or '-'} GiB, {res['seconds']:.0f} s"
-              f"{'' if res['fits'] else '; ' + res['why'][:200]}", flush=True)
+              f"{'' if res['fits'] else '; ' + res['why'][:200]}"
+              f"{'; after a failure not at the limit: ' + res['retried_after'][:200] if 'retried_after' in res else ''}",
+              flush=True)
         if res["fits"]:
             lo = probe
         else:
             hi = probe
         probe = (lo + hi) // 2 if hi - lo > 1 else probe
-        if hi == len(WIDTHS) and res["fits"]:
-            probe = min(len(WIDTHS) - 1, probe + max(1, (len(WIDTHS) - probe) // 2))
-    best = WIDTHS[lo] if lo >= 0 else None
-    return {"largest_d_model": best, "largest_params": gpt_params(best, args.seq_len) if best else 0,
-            "ceiling_reached": lo == len(WIDTHS) - 1,
-            "tried": {str(d): v for d, v in sorted(tried.items())}}
+        if hi == len(widths) and res["fits"]:
+            probe = min(len(widths) - 1, probe + max(1, (len(widths) - probe) // 2))
+    return lo, hi
 
 
 def main(argv=None) -> int:
@@ -287,6 +320,9 @@ def main(argv=None) -> int:
                    help="reduce_bucket_size and allgather_bucket_size (elements), both systems")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--start", type=int, default=None, help="first rung to try (index into the width ladder)")
+    p.add_argument("--refine", type=int, default=16,
+                   help="then search the widths between the last rung that fits and the next in these steps "
+                        "(0: no)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per job")
     p.add_argument("--no_cgroup", action="store_true", help="measure peak RSS against the limit instead")
     p.add_argument("--worker", choices=["zero8", "deepspeed"], help=argparse.SUPPRESS)
@@ -307,7 +343,8 @@ def main(argv=None) -> int:
         print("mpirun not found (scripts/setup.sh installs OpenMPI)", file=sys.stderr)
         return 2
     limit = int(args.limit_gb * 2**30)
-    print(f"memory limit {args.limit_gb:g} GiB for 2 ranks; GPT {N_LAYER} blocks, head size {HEAD_DIM}, "
+    print(f"memory limit {args.limit_gb:g} GiB for 2 ranks; GPT {N_LAYER} blocks, head size {HEAD_DIM} "
+          f"(refined widths: the nearest that divides them), "
           f"seq_len {args.seq_len}, batch {args.batch} per rank, {args.steps} steps, buckets {args.bucket}", flush=True)
     results = {s: search(s, args, limit) for s in systems}
     print()

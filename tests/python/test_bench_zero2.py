@@ -62,3 +62,52 @@ def test_memory_limit_worker_reports_zero8_memory(tmp_path):
     mem = ranks[0]["memory"]
     assert mem["params"] == ranks[0]["params"]
     assert 0 < mem["grads_peak"] < 4 * mem["params"]  # buckets in flight, not a full fp32 buffer
+
+
+def test_memory_limit_search_refines_between_rungs(monkeypatch):
+    # The ladder's steps of 64 leave a wide bound on the ratio: the search goes on between the last rung
+    # that fits and the next one in steps of --refine, and reports the largest width that fits there.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_memory_limit as m
+    finally:
+        sys.path.pop(0)
+    runs = []
+
+    def fake_rung(system, args, d_model, limit, index):
+        runs.append(d_model)
+        return {"fits": d_model <= 936, "peak_rss": [1, 1], "seconds": 0.0, "why": "", "oom_kills": 0,
+                "memory": None, "cgroup": None}
+
+    monkeypatch.setattr(m, "run_rung", fake_rung)
+    args = m.argparse.Namespace(start=None, refine=16, seq_len=64)
+    r = m.search("zero8", args, 1 << 30)
+    assert r["largest_d_model"] == 928 and r["largest_params"] == m.gpt_params(928, 64)
+    assert {896, 960, 928, 944} <= set(runs) and len(runs) == len(set(runs))  # no width run twice
+    assert m.search("zero8", m.argparse.Namespace(start=None, refine=0, seq_len=64), 1 << 30)["largest_d_model"] == 896
+    # Head sizes: 64 on the ladder, the divisor nearest to 64 between its rungs.
+    assert [m.n_heads(d) for d in (640, 896, 912, 928)] == [10, 14, 16, 16]
+
+
+def test_memory_limit_rung_that_crashes_runs_once_more(monkeypatch):
+    # A job that fails without an OOM kill (a DeepSpeed rank's abort) is not "does not fit" on its own
+    # word: it runs once more; an OOM kill is final.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_memory_limit as m
+    finally:
+        sys.path.pop(0)
+    outcomes = []
+
+    def fake_once(system, args, d_model, limit, index):
+        why, oom = outcomes.pop(0)
+        return {"fits": not why, "peak_rss": [1, 1], "seconds": 0.0, "why": why, "oom_kills": oom,
+                "memory": None, "cgroup": "v1"}
+
+    monkeypatch.setattr(m, "run_rung_once", fake_once)
+    outcomes[:] = [("exit 1: terminate called without an active exception", 0), ("", 0)]
+    r = m.run_rung("deepspeed", None, 448, 1, 0)
+    assert r["fits"] and r["retried_after"].startswith("exit 1") and not outcomes
+    outcomes[:] = [("killed at the limit", 1)]
+    r = m.run_rung("deepspeed", None, 704, 1, 0)
+    assert not r["fits"] and "retried_after" not in r and not outcomes
