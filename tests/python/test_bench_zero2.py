@@ -23,6 +23,16 @@ def last_json(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.strip()][-1])
 
 
+def memory_limit_module():
+    """benchmarks/bench_memory_limit.py as a module (its directory holds the imports it needs)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_memory_limit
+    finally:
+        sys.path.pop(0)
+    return bench_memory_limit
+
+
 def test_overlap_benchmark_reports_both_settings():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_overlap.py"), "--d_model", "64",
                            "--n_layer", "1", "--seq_len", "16", "--batch", "1", "--bucket", "4096", "--steps", "2",
@@ -53,11 +63,7 @@ def test_memory_limit_worker_reports_zero8_memory(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_memory_limit import gpt_params
-    finally:
-        sys.path.pop(0)
+    gpt_params = memory_limit_module().gpt_params
     assert all(r["params"] == gpt_params(128, 16) and r["peak_rss"] > 0 for r in ranks)
     mem = ranks[0]["memory"]
     assert mem["params"] == ranks[0]["params"]
@@ -67,11 +73,7 @@ def test_memory_limit_worker_reports_zero8_memory(tmp_path):
 def test_memory_limit_search_refines_between_rungs(monkeypatch):
     # The ladder's steps of 64 leave a wide bound on the ratio: the search goes on between the last rung
     # that fits and the next one in steps of --refine, and reports the largest width that fits there.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_memory_limit as m
-    finally:
-        sys.path.pop(0)
+    m = memory_limit_module()
     runs = []
 
     def fake_rung(system, args, d_model, limit, index):
@@ -92,11 +94,7 @@ def test_memory_limit_search_refines_between_rungs(monkeypatch):
 def test_memory_limit_rung_that_crashes_runs_once_more(monkeypatch):
     # A job that fails without an OOM kill (a DeepSpeed rank's abort) is not "does not fit" on its own
     # word: it runs once more; an OOM kill is final.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_memory_limit as m
-    finally:
-        sys.path.pop(0)
+    m = memory_limit_module()
     outcomes = []
 
     def fake_once(system, args, d_model, limit, index):
