@@ -165,3 +165,17 @@ def test_a_second_thread_touching_a_parameter_while_the_first_waits_waits_too():
     first.join()
     second.join()
     assert engine.waited == [1, 1] and plain(model.proj.weight)
+
+
+def test_a_compiled_module_waits_and_gives_the_eager_result():
+    # torch.compile: the compiled call waits for every parameter it uses, computes what eager does (one
+    # more graph for the swapped class), and the parameters end plain.
+    model = Parent()
+    compiled = torch.compile(model)
+    x = torch.randn(5, 4)
+    want = model(x)
+    for _ in range(3):
+        engine, params = armed(model)
+        got = compiled(x)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6) and sorted(set(engine.waited)) == [0, 1, 2]
+        assert all(plain(p) for p in params)
