@@ -121,7 +121,7 @@ def zero8_nonet() -> Setting:
 def zero8_eager_gather() -> Setting:
     # zero8's defaults but zero8.overlap_param_gather off: engine.step() returns with the all-gather done,
     # to show what moving it into the next forward hides.
-    return Setting("zero8", "zero8, overlap_param_gather off",
+    return Setting("zero8", ROLE_NAMES["zero8_eager"],
                    {"zero_optimization": {"stage": 2}, "zero8": {"overlap_param_gather": False}})
 
 
@@ -591,17 +591,18 @@ def main(argv=None) -> int:
 
     def go(scen: str, setting: Setting, steps: int, tag: str, where: str | None = None) -> dict:
         # where: the scenario the run uses (default scen; "local" for zero8_nonet inside a shaped one)
-        counter[0] += 1
-        d = out_dir / scen / f"{counter[0]:03d}-{tag}"
+        def attempt(run_dir: Path) -> dict:
+            counter[0] += 1  # a port of its own
+            return run_one(hosts, where or scen, setting, base_config(model, a.warmup + steps), model, steps,
+                           a.warmup, run_dir, PORT_BASE + counter[0] % 200, timeout, a.seed, a.ds_torch_adamw)
+
+        d = out_dir / scen / f"{counter[0] + 1:03d}-{tag}"
         print(f"[{scen}] {setting.label} ({tag}) ...", end=" ", flush=True)
-        r = run_one(hosts, where or scen, setting, base_config(model, a.warmup + steps), model, steps, a.warmup, d,
-                    PORT_BASE + counter[0] % 200, timeout, a.seed, a.ds_torch_adamw)
+        r = attempt(d)
         if setting.system == "deepspeed" and "error" in r and DS_ABORT in (d / "run.log").read_text(errors="replace"):
             print(f"DeepSpeed aborted ({DS_ABORT!r}), once more ...", end=" ", flush=True)
-            counter[0] += 1
             first = r["error"]
-            r = run_one(hosts, where or scen, setting, base_config(model, a.warmup + steps), model, steps, a.warmup,
-                        d / "retry", PORT_BASE + counter[0] % 200, timeout, a.seed, a.ds_torch_adamw)
+            r = attempt(d / "retry")
             r["retried_after"] = first
         print("failed: " + r["error"] if "error" in r else f"{1e3 * r['seconds_per_step']:.0f} ms/step", flush=True)
         for ln in r.get("log_tail", []):
