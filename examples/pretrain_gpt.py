@@ -30,8 +30,9 @@ data-parallel ranks (default config then gpt_zero8_pipe.json: 4 micro-batches pe
 Each layer is built from its own seed, so both ways start from the same weights.
 
 Device: --device cpu, cuda (this rank's GPU, cuda:LOCAL_RANK: the engine keeps the 8-bit states and every
-buffer there and talks over NCCL between ranks) or auto (the default: cuda when zero8 has its CUDA kernels
-and every local rank can have a GPU of its own, else cpu). The model is built on the CPU from the seed and
+buffer there and talks over NCCL between ranks, or over MPI staged through host memory where ranks share a
+GPU; pipeline stages too) or auto (the default: cuda when zero8 has its CUDA kernels and every local rank
+can have a GPU of its own, else cpu). The model is built on the CPU from the seed and
 then moved, so both devices start from the same weights.
 
 Output (rank 0): a progress bar (tqdm when installed, else a plain line), a report every
@@ -454,15 +455,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def pick_device(choice: str, pipelined: bool = False) -> torch.device:
+def pick_device(choice: str) -> torch.device:
     """--device: cuda is this rank's GPU (zero8.engine.local_device(): cuda:LOCAL_RANK); auto takes it when
-    zero8 has its CUDA kernels and there are as many GPUs as local ranks (NCCL needs one per rank). The
-    pipeline engine trains on the CPU only, so auto picks the CPU for --pipeline-stages above 1."""
-    if choice == "cpu" or (choice == "auto" and pipelined):
+    zero8 has its CUDA kernels and there are as many GPUs as local ranks (NCCL needs one per rank; with
+    --device cuda, ranks that share a GPU talk over MPI, staged through host memory)."""
+    if choice == "cpu":
         return torch.device("cpu")
-    if pipelined:
-        raise SystemExit("--device cuda with --pipeline-stages: the pipeline engine trains on the CPU only for "
-                         "now; use --device cpu, or --pipeline-stages 1")
     usable = torch.cuda.is_available() and zero8.build_info()["cuda"]
     if choice == "auto":
         return zero8.engine.local_device() if usable and torch.cuda.device_count() >= _local_size() else \
@@ -505,7 +503,7 @@ def evaluate_pipeline(engine, corpus: Corpus, offsets: torch.Tensor, seq_len: in
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = pick_device(args.device, args.pipeline_stages > 1)
+    device = pick_device(args.device)
     comm = world_comm(device=device)  # NCCL for a GPU run of several ranks
     rank, world = comm.rank, comm.size
     if __name__ != "__main__":  # main() called from another script: handle the stop signals here

@@ -156,21 +156,19 @@ void init_comm(py::module_& m) {
       .def(
           "send_bytes",
           [](Communicator& c, const py::bytes& data, int peer, int tag) {
-            comm::check_host_memory(c, "self", "Communicator.send_bytes");
             const std::string buf = data;
             py::gil_scoped_release release;
-            c.send(buf.data(), int64_t(buf.size()), peer, tag);
+            comm::send_host(c, buf.data(), int64_t(buf.size()), peer, tag);
           },
           py::arg("data"), py::arg("peer"), py::arg("tag") = 0, "Blocking send to `peer` (recv must name the size).")
       .def(
           "recv_bytes",
           [](Communicator& c, int64_t nbytes, int peer, int tag) {
-            comm::check_host_memory(c, "self", "Communicator.recv_bytes");
             ZERO8_CHECK_ARG(nbytes >= 0, "nbytes", "must be >= 0, got " << nbytes);
             std::string buf(size_t(nbytes), '\0');
             {
               py::gil_scoped_release release;
-              c.recv(buf.data(), nbytes, peer, tag);
+              comm::recv_host(c, buf.data(), nbytes, peer, tag);
             }
             return py::bytes(buf);
           },

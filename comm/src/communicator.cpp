@@ -714,6 +714,25 @@ void broadcast_host(Communicator& c, void* buf, int64_t bytes, int root) {
   device::synchronize(c.stream(), where);
 }
 
+void send_host(Communicator& c, const void* buf, int64_t bytes, int peer, int tag) {
+  if (c.memory() == MemSpace::host) return c.send(buf, bytes, peer, tag);
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  const std::string where = "send_host on '" + c.name() + "'";
+  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
+  device::copy(tmp.data(), buf, bytes, c.stream(), where);
+  c.send(tmp.data(), bytes, peer, tag);
+}
+
+void recv_host(Communicator& c, void* buf, int64_t bytes, int peer, int tag) {
+  if (c.memory() == MemSpace::host) return c.recv(buf, bytes, peer, tag);
+  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
+  const std::string where = "recv_host on '" + c.name() + "'";
+  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
+  c.recv(tmp.data(), bytes, peer, tag);
+  device::copy(buf, tmp.data(), bytes, c.stream(), where);
+  device::synchronize(c.stream(), where);
+}
+
 void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op) {
   if (c.memory() == MemSpace::host) return c.all_reduce(data, data, count, type, op);
   ZERO8_CHECK_ARG(count >= 0, "count", "must be >= 0, got " << count);

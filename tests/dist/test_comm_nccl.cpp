@@ -164,6 +164,12 @@ TEST(DistNccl, HostBuffersGoThroughDeviceScratch) {
   comm::all_gather_host(*c, &v, got.data(), sizeof(v));
   for (int q = 0; q < n; ++q) EXPECT_EQ(got[size_t(q)], q + 1);
   EXPECT_EQ(comm::all_reduce_host_value<int32_t>(*c, me, ReduceOp::min), 0);
+  if (n >= 2 && me < 2) {  // point to point: the pipeline's message headers
+    std::string header = me == 0 ? "stage 0's header" : std::string(16, '?');
+    if (me == 0) comm::send_host(*c, header.data(), int64_t(header.size()), 1, 1);
+    else comm::recv_host(*c, header.data(), int64_t(header.size()), 0, 1);
+    EXPECT_EQ(header, "stage 0's header");
+  }
 }
 
 // On a caller's (non-default) stream: the work is ordered after what the stream already holds (here a

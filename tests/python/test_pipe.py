@@ -31,7 +31,7 @@ from zero8.pipe import (
     partition_uniform,
 )
 from zero8.pipe import schedule as sched
-from zero8.pipe.p2p import Structure
+from zero8.pipe.p2p import StageLink, Structure
 
 B = 32
 
@@ -225,6 +225,15 @@ def test_structure_of_the_messages_round_trips():
     assert s.describe() == "(float32[2, 3], int64[4])"
     with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
         Structure.of({"x": torch.zeros(1)}, "stage 0 output")
+
+
+def test_an_output_on_another_device_than_the_stage_is_refused_before_sending():
+    link = StageLink(world_comm("auto"), stage=0, stages=2, int8=False, wire_block=2048)
+    out = (torch.zeros(2), torch.empty(3, device="meta"))
+    with pytest.raises(zero8.Zero8ValueError, match=r"stage 0: element 1 of micro-batch 0's output is on meta, the "
+                                                    r"stage on cpu; a stage sends tensors of its own device"):
+        link.send_activations(out, 0)
+    assert link.activations.messages == 0 and link._sent is None
 
 
 def test_checkpoint_of_a_pipeline_resumes_bit_exactly(tmp_path):

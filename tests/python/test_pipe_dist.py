@@ -1,6 +1,7 @@
 """Runs the multi-rank pipeline tests as real processes under mpirun (see test_engine_dist.py for the
 settings): tests/python/dist/dist_pipe.py on 4 ranks (2 and 4 stages), then on 2 ranks (the 4-rank run's
-checkpoint at another data-parallel size), and a rank killed mid-schedule (dist/pipe_die.py).
+checkpoint at another data-parallel size), a rank killed mid-schedule (dist/pipe_die.py), and on GPUs
+(marked cuda) dist/dist_pipe_cuda.py: 2 stages on one GPU over MPI, and on two over NCCL.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import zero8
 
@@ -41,9 +43,9 @@ def _env(**extra) -> dict:
     return env
 
 
-def _pytest_under_mpirun(np: int, env: dict, results: Path) -> int:
+def _pytest_under_mpirun(np: int, env: dict, results: Path, script: str = "dist_pipe.py") -> int:
     cmd = [_mpirun(), "-np", str(np), "--oversubscribe", sys.executable, "-m", "pytest", "-q", "--color=no",
-           "-p", "no:cacheprovider", "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / "dist_pipe.py")]
+           "-p", "no:cacheprovider", "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / script)]
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as e:
@@ -68,6 +70,22 @@ def test_pipeline_under_mpirun(tmp_path):
     assert collected >= 14
     assert (shared / "latest").read_text() == "global_step3"
     _pytest_under_mpirun(2, _env(ZERO8_PIPE_SHARED=shared, ZERO8_DIST_RESULTS=r2), r2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["mpi", "nccl"])
+def test_pipeline_on_gpus_under_mpirun(tmp_path, backend):
+    if backend == "nccl":
+        if not zero8.build_info()["nccl"]:
+            pytest.skip("zero8 was built without NCCL")
+        if torch.cuda.device_count() < 2:
+            pytest.skip(f"NCCL needs a GPU per rank: 2 stages need 2 GPUs, this machine has "
+                        f"{torch.cuda.device_count()} (the mpi case runs both stages on one)")
+    results = tmp_path / "results"
+    results.mkdir()
+    env = _env(ZERO8_CUDA_BACKEND=backend, ZERO8_CUDA_OUT=tmp_path, ZERO8_DIST_RESULTS=results)
+    collected = _pytest_under_mpirun(2, env, results, "dist_pipe_cuda.py")
+    assert collected >= 8
 
 
 def test_a_rank_dying_mid_schedule_fails_every_rank_naming_it(tmp_path):

@@ -374,9 +374,3 @@ def test_config_warnings_and_errors_name_the_file(tmp_path):
     assert "Traceback" not in out, out
 
 
-def test_pipeline_picks_the_cpu_and_refuses_cuda():
-    # The pipeline engine exchanges host tensors between stages: auto must not pick a GPU for it.
-    mod = _example_module()
-    assert mod.pick_device("auto", pipelined=True) == torch.device("cpu")
-    with pytest.raises(SystemExit, match="--device cuda with --pipeline-stages: the pipeline engine trains on the CPU"):
-        mod.pick_device("cuda", pipelined=True)

@@ -111,11 +111,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     device = model_device(model)
-    if isinstance(model, PipelineModule) and device.type == "cuda":
-        raise Zero8NotSupportedError(
-            f"this stage of the PipelineModule is on {device}: zero8's pipeline engine trains on the CPU only "
-            f"for now (its stages exchange host tensors); train a plain module on the GPU, or keep the pipeline "
-            f"on the CPU")
     backend = comm_backend(requested_backend(config), device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's set-up and the optimizer's buffers use the current device

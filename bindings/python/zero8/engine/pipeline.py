@@ -6,10 +6,17 @@ step, LR scheduler and checkpoint machinery are the plain engine's. Here: the 1F
 between stages (zero8.pipe.p2p), tied weights, the loss reported from the last stage, the pipeline-wide
 overflow and gradient norm (the sharded optimizer's step group), and the checkpoint layout
 (pipeline_checkpoint.py).
+
+On a GPU each stage is on its rank's device (``zero8.engine.local_device()``) and a batch runs on the
+engine's CUDA stream (the current stream at initialize): forwards, backwards, the messages between stages
+(NCCL between GPUs, or MPI staged through host memory where ranks share a GPU) and the step, ordered after
+the caller's current stream and before its later work, as the plain engine's calls. The first and last
+stages move the micro-batches they read to the device, as DeepSpeed's pipeline engine does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -62,8 +69,10 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         if self.num_stages > 1:
             self._opt.set_step_group(pipe)  # overflow and gradient norm over every stage
         z = self._cfg.zero8
+        if self._device.type == "cuda":
+            pipe.stream = self._stream_order.stream.cuda_stream  # the stage's messages on the engine's stream
         self._link = StageLink(pipe, self.stage_id, self.num_stages, bool(z.enabled and z.int8_activations),
-                               int(z.wire_block_size))
+                               int(z.wire_block_size), self._device)
         self.data_iterator = None
         self.training_dataloader = None
         self.agg_train_loss = None
@@ -105,7 +114,7 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         for p in replicas.values():
             if not p.requires_grad:
                 continue
-            acc = torch.zeros(p.shape, dtype=torch.float32)
+            acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             self._tied_acc[id(p)] = acc
 
             def hook(param, acc=acc):
@@ -146,7 +155,7 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                     # Stage 1: into the gradient buffer; stage 2 (no full buffer): into the bucket that
                     # carries it, not reduced yet (_gradient_arrived defers it).
                     i = self._param_index[id(p)]
-                    buf = torch.empty(p.shape, dtype=torch.float32)
+                    buf = torch.empty(p.shape, dtype=torch.float32, device=p.device)
                     for s in others:
                         self._pipe.recv_ptr(buf.data_ptr(), buf.numel() * 4, s, TAG_TIED_GRAD)
                         self._opt.grad_add(i, buf.data_ptr(), _C.DType.f32)
@@ -211,8 +220,10 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             self.set_dataiterator(data_iter)
         self.module.train()
         t0 = time.perf_counter()
-        losses = self._run(sched.train_schedule(self.stage_id, self.num_stages, self.micro_batches), training=True)
-        self.agg_train_loss = self._reported_loss(losses, self.micro_batches)
+        with self._batch_stream():
+            losses = self._run(sched.train_schedule(self.stage_id, self.num_stages, self.micro_batches),
+                               training=True)
+            self.agg_train_loss = self._reported_loss(losses, self.micro_batches)
         self._pipe_timers["batch"] += time.perf_counter() - t0
         self._pipe_timers["batches"] += 1
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
@@ -241,21 +252,32 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         self.module.eval()
         self._eval_outputs = None
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._batch_stream():
                 outputs = self._run(sched.eval_schedule(self.stage_id, self.num_stages, micro), training=False,
                                     compute_loss=compute_loss, keep_last_output=return_logits)
+                if reduce_output is None:
+                    result = outputs if self.is_last_stage() else None
+                elif compute_loss and bcast_loss:
+                    result = self._reported_loss(outputs, micro)
+                else:
+                    result = self._dp_mean(outputs, micro) if self.is_last_stage() else None
         finally:
             self.data_iterator = saved
-        if reduce_output is None:
-            result = outputs if self.is_last_stage() else None
-        elif compute_loss and bcast_loss:
-            result = self._reported_loss(outputs, micro)
-        else:
-            result = self._dp_mean(outputs, micro) if self.is_last_stage() else None
         if return_logits:
             logits, self._eval_outputs = self._eval_outputs, None
             return result, logits
         return result
+
+    @contextlib.contextmanager
+    def _batch_stream(self):
+        """A batch's work on the engine's stream, after the caller's current stream's and before its later
+        work (StreamOrder); nothing on the CPU."""
+        with self._stream_order():
+            if self._device.type == "cuda":
+                with torch.cuda.stream(self._stream_order.stream):
+                    yield
+            else:
+                yield
 
     def _next_batch(self, micro: int):
         if self.data_iterator is None:
@@ -272,6 +294,8 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                 f"stage {self.stage_id}: micro-batch {micro} is a {type(batch).__name__}"
                 f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; a pipeline micro-batch is "
                 f"(inputs, labels): the first stage takes inputs, the last labels")
+        if self._device.type == "cuda":
+            batch = tuple(_to_device(x, self._device) for x in batch)
         return batch
 
     def _run(self, program: list, training: bool, compute_loss: bool = True, keep_last_output: bool = False) -> list:
@@ -357,7 +381,7 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         flat = total.reshape(-1).tolist()
         if self.dp_world_size > 1:
             flat = [v / self.dp_world_size for v in self._dp.all_reduce_f64(flat, "sum")]
-        return torch.tensor(flat, dtype=torch.float32).reshape(total.shape)
+        return torch.tensor(flat, dtype=torch.float32, device=self._device).reshape(total.shape)
 
     def _reported_loss(self, losses: list, micro: int) -> torch.Tensor:
         """The batch's mean loss, computed on the last stage and broadcast to every stage of the pipeline."""
@@ -367,7 +391,7 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                     raise Zero8ValueError(f"stage {self.stage_id}: the loss of micro-batch {i} is not a scalar tensor")
             loss = self._dp_mean(losses, micro).reshape(())
         else:
-            loss = torch.zeros((), dtype=torch.float32)
+            loss = torch.zeros((), dtype=torch.float32, device=self._device)
         if self.num_stages > 1:
             self._pipe.broadcast_ptr(loss.data_ptr(), 4, self.num_stages - 1)
         return loss
@@ -400,6 +424,16 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             out.append({"boundary": (s, s + 1), "activation_bytes": act["bytes"], "gradient_bytes": grad["bytes"],
                         "bytes": act["bytes"] + grad["bytes"], "fp32_bytes": act["fp32_bytes"] + grad["fp32_bytes"]})
         return out
+
+
+def _to_device(x, device: torch.device):
+    """A micro-batch's inputs or labels on the stage's device: tensors, and tensors in tuples and lists."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        out = [_to_device(v, device) for v in x]
+        return tuple(out) if isinstance(x, tuple) else out
+    return x
 
 
 def _tied_replicas(model: PipelineModule) -> dict:

@@ -267,7 +267,8 @@ class LayerModule(nn.Module):
             if exclude_frozen_params:
                 frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
                 sd = {k: v for k, v in sd.items() if k not in frozen}
-            sd = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+            # CPU copies: a layer file of a GPU run loads anywhere (torch.load needs no GPU), as the engine's.
+            sd = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
             path = self.ckpt_layer_path(save_dir, idx)
             torch_save_atomic(sd, path)
             written.append(path)

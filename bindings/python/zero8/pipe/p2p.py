@@ -5,6 +5,11 @@ the first micro-batch; the micro-batches after it send their bytes only, and a s
 from what was agreed raises before sending anything. Floating tensors optionally travel as int8 blocks with
 one float32 absmax each (zero8.int8_activations), the wire format of the gradients: n codes plus
 4 * ceil(n / block) bytes, 25.05% of fp32 at block 2048.
+
+On a GPU the tensors stay on the stage's device: they are quantized there on torch's current stream, which
+the pipeline communicator is ordered on (its ``stream``), and received into device memory; NCCL moves
+them between GPUs, MPI stages them through host memory. The structure travels as host bytes
+(``send_bytes``, through a device scratch buffer on NCCL).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8ValueError
-from .._tensors import dtype_code
+from .._tensors import cuda_stream, dtype_code, on_device
 
 # Tags on the pipeline communicator, one ordered channel each: the messages of a pair of ranks with the
 # same tag arrive in order, so a batch's structure and then its micro-batches share one.
@@ -97,6 +102,7 @@ class StageLink:
     stages: int
     int8: bool
     wire_block: int
+    device: torch.device = torch.device("cpu")  # where received tensors go: the stage's
     activations: Traffic = field(default_factory=Traffic)  # sent to stage + 1
     gradients: Traffic = field(default_factory=Traffic)    # sent to stage - 1
     _sent: Structure | None = None  # agreed with stage + 1 for this batch
@@ -110,6 +116,12 @@ class StageLink:
     # ---- forward ----
     def send_activations(self, value, micro: int) -> None:
         s = Structure.of(value, f"stage {self.stage} output of micro-batch {micro}")
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for i, t in enumerate(items):
+            if t.device != self.device:
+                raise Zero8ValueError(
+                    f"stage {self.stage}: element {i} of micro-batch {micro}'s output is on {t.device}, the stage "
+                    f"on {self.device}; a stage sends tensors of its own device (move the layer's output there)")
         if self._sent is None:
             self._send_structure(s)
             self._sent = s
@@ -117,7 +129,6 @@ class StageLink:
             raise Zero8ValueError(
                 f"stage {self.stage}: micro-batch {micro}'s output {s.describe()} differs from the batch's first "
                 f"micro-batch {self._sent.describe()}; the micro-batches of one batch must have the same shapes")
-        items = value if isinstance(value, (tuple, list)) else (value,)
         for t in items:
             self._send_tensor(t.detach(), self.stage + 1, TAG_ACTIVATION, self.activations)
 
@@ -141,7 +152,7 @@ class StageLink:
         for m, t in zip(self._received.tensors, items):
             if not m.grad:
                 continue
-            g = t.grad if t.grad is not None else torch.zeros(m.shape, dtype=m.dtype)
+            g = t.grad if t.grad is not None else torch.zeros(m.shape, dtype=m.dtype, device=self.device)
             self._send_tensor(g.to(m.dtype).contiguous(), self.stage - 1, TAG_GRAD, self.gradients)
 
     def recv_grads(self, outputs) -> tuple[list, list]:
@@ -173,9 +184,14 @@ class StageLink:
         if self._quantized(t):
             n = t.numel()
             nb = _C.quant_num_blocks(n, self.wire_block)
-            buf = torch.empty(4 * nb + n, dtype=torch.uint8)  # absmax first: float32-aligned
-            _C.quantize_blockwise(t.data_ptr(), dtype_code(t), n, self.wire_block, _C.MapKind.dynamic_signed,
-                                  buf.data_ptr() + 4 * nb, buf.data_ptr())
+            buf = torch.empty(4 * nb + n, dtype=torch.uint8, device=t.device)  # absmax first: float32-aligned
+            args = (t.data_ptr(), dtype_code(t), n, self.wire_block, _C.MapKind.dynamic_signed,
+                    buf.data_ptr() + 4 * nb, buf.data_ptr())
+            if t.is_cuda:
+                with on_device(t):
+                    _C.quantize_blockwise_cuda(*args, stream=cuda_stream(t))
+            else:
+                _C.quantize_blockwise(*args)
             payload = buf
         else:
             payload = t
@@ -189,14 +205,19 @@ class StageLink:
             traffic.other_bytes += nbytes
 
     def _recv_tensor(self, m: TensorMeta, peer: int, tag: int) -> torch.Tensor:
-        out = torch.empty(m.shape, dtype=m.dtype)
+        out = torch.empty(m.shape, dtype=m.dtype, device=self.device)
         n = out.numel()
         if self.int8 and out.is_floating_point() and n > 0:
             nb = _C.quant_num_blocks(n, self.wire_block)
-            buf = torch.empty(4 * nb + n, dtype=torch.uint8)
+            buf = torch.empty(4 * nb + n, dtype=torch.uint8, device=self.device)
             self.comm.recv_ptr(buf.data_ptr(), buf.numel(), peer, tag)
-            _C.dequantize_blockwise(buf.data_ptr() + 4 * nb, buf.data_ptr(), n, self.wire_block,
-                                    _C.MapKind.dynamic_signed, out.data_ptr(), dtype_code(out))
+            args = (buf.data_ptr() + 4 * nb, buf.data_ptr(), n, self.wire_block, _C.MapKind.dynamic_signed,
+                    out.data_ptr(), dtype_code(out))
+            if out.is_cuda:
+                with on_device(out):
+                    _C.dequantize_blockwise_cuda(*args, stream=cuda_stream(out))
+            else:
+                _C.dequantize_blockwise(*args)
         else:
             self.comm.recv_ptr(out.data_ptr(), n * out.element_size(), peer, tag)
         return out

@@ -364,6 +364,9 @@ void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, vo
                        const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs);
 void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op);
 void broadcast_host(Communicator& c, void* buf, int64_t bytes, int root);
+// Point-to-point like send / recv (the pipeline's message headers).
+void send_host(Communicator& c, const void* buf, int64_t bytes, int peer, int tag = 0);
+void recv_host(Communicator& c, void* buf, int64_t bytes, int peer, int tag = 0);
 template <class T> T all_reduce_host_value(Communicator& c, T v, ReduceOp op) {
   all_reduce_host(c, &v, 1, scalar_type_of<T>(), op);
   return v;
