@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -137,21 +138,55 @@ struct BackgroundWork {
   std::function<void()> wait;
 };
 
+// A wait in progress: `thread` is running `owner`'s wait.
+struct RunningWait {
+  const void* owner;
+  std::thread::id thread;
+};
+
 std::mutex g_background_mu;
+std::condition_variable g_background_cv;   // a RunningWait ended
 std::vector<BackgroundWork> g_background;  // guarded by g_background_mu
-std::atomic<int> g_background_count{0};    // its size, read without the lock on every call
+std::vector<RunningWait> g_running;        // guarded by g_background_mu
+std::atomic<int> g_background_count{0};    // g_background's size, read without the lock on every call
 
 // Before a public call: the background work of other threads is done (see add_background_work). The
 // waits run outside the lock: they may take the communicator's timeout, and they remove their entry.
+// Each wait is looked up again just before it runs and marked running (remove_background_work blocks
+// until other threads' runs of its owner's wait ended), so a wait never runs after its owner removed
+// it and went away.
 void wait_for_background_work() {
   if (g_background_count.load(std::memory_order_acquire) == 0) return;
-  std::vector<std::function<void()>> waits;
+  const std::thread::id me = std::this_thread::get_id();
+  std::vector<const void*> owners;
   {
     std::lock_guard<std::mutex> lk(g_background_mu);
     for (const BackgroundWork& w : g_background)
-      if (w.runner != std::this_thread::get_id()) waits.push_back(w.wait);
+      if (w.runner != me) owners.push_back(w.owner);
   }
-  for (const auto& wait : waits) wait();
+  for (const void* owner : owners) {
+    std::function<void()> wait;
+    {
+      std::lock_guard<std::mutex> lk(g_background_mu);
+      auto it = std::find_if(g_background.begin(), g_background.end(),
+                             [&](const BackgroundWork& w) { return w.owner == owner && w.runner != me; });
+      if (it == g_background.end()) continue;  // removed meanwhile
+      wait = it->wait;
+      g_running.push_back({owner, me});
+    }
+    struct Done {
+      const void* owner;
+      std::thread::id me;
+      ~Done() {
+        std::lock_guard<std::mutex> lk(g_background_mu);
+        auto it = std::find_if(g_running.begin(), g_running.end(),
+                               [&](const RunningWait& r) { return r.owner == owner && r.thread == me; });
+        if (it != g_running.end()) g_running.erase(it);
+        g_background_cv.notify_all();
+      }
+    } done{owner, me};
+    wait();
+  }
 }
 
 // A call's start time: after the background work it waited for, which is not the call's own time.
@@ -175,11 +210,18 @@ void add_background_work(const void* owner, std::thread::id runner, std::functio
 }
 
 void remove_background_work(const void* owner) {
-  std::lock_guard<std::mutex> lk(g_background_mu);
+  std::unique_lock<std::mutex> lk(g_background_mu);
   g_background.erase(std::remove_if(g_background.begin(), g_background.end(),
                                     [&](const BackgroundWork& w) { return w.owner == owner; }),
                      g_background.end());
   g_background_count.store(int(g_background.size()), std::memory_order_release);
+  // Other threads' runs of this owner's wait end before the owner may go away (a wait removing its own
+  // entry does not wait for itself).
+  const std::thread::id me = std::this_thread::get_id();
+  g_background_cv.wait(lk, [&] {
+    return std::none_of(g_running.begin(), g_running.end(),
+                        [&](const RunningWait& r) { return r.owner == owner && r.thread != me; });
+  });
 }
 
 // Around every public call: wait for other threads' background work, refuse a call overlapping

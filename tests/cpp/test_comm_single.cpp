@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
@@ -452,6 +453,34 @@ TEST(CommThreads, CallsFromOtherThreadsWaitForBackgroundWork) {
   c.barrier();
   EXPECT_EQ(waits, 2);
   EXPECT_EQ(c.stats().op(OpKind::barrier).calls, 3u);
+}
+
+// A wait that another thread runs when its owner removes the entry ends before the removal returns, so
+// the owner may go away right after (a sharded optimizer's destructor); a wait may remove its own entry.
+TEST(CommThreads, RemovingBackgroundWorkWaitsForOtherThreadsRunningIt) {
+  GateComm c;
+  std::atomic<bool> alive{true}, started{false}, ran_after_death{false};
+  int owner = 0;
+  add_background_work(&owner, std::thread::id{}, [&] {
+    started = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (!alive) ran_after_death = true;
+  });
+  std::thread caller([&] { c.barrier(); });  // runs the wait
+  while (!started) std::this_thread::yield();
+  remove_background_work(&owner);
+  alive = false;  // the owner is gone
+  caller.join();
+  EXPECT_FALSE(ran_after_death);
+
+  int self_removing = 0, runs = 0;
+  add_background_work(&self_removing, std::thread::id{}, [&] {
+    ++runs;
+    remove_background_work(&self_removing);
+  });
+  c.barrier();
+  c.barrier();
+  EXPECT_EQ(runs, 1);
 }
 
 // Two threads' calls on one communicator must not overlap (MPI needs every rank's collectives in

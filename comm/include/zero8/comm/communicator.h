@@ -174,8 +174,9 @@ struct Topology;
 // Work that thread `runner` does on communicators after the call that started it returned (a sharded
 // optimizer's deferred all-gather, sharded.h): a public call of any communicator in this process from
 // any other thread first runs `wait`, which must block until that work is done and may not call a
-// communicator itself. One entry per owner; remove it once the work is done (wait may run in several
-// threads at once, and after the entry is removed).
+// communicator itself. One entry per owner; remove it once the work is done, and before the owner goes
+// away: remove_background_work returns when no other thread is still running the owner's wait (wait may
+// run in several threads at once, and may itself remove the entry; it never starts after the removal).
 void add_background_work(const void* owner, std::thread::id runner, std::function<void()> wait);
 void remove_background_work(const void* owner);
 
