@@ -125,6 +125,46 @@ def test_auto_means_nccl_for_device_buffers_of_ranks_with_a_gpu_each(monkeypatch
     assert not nccl_by_default()
 
 
+def test_gradients_are_added_inside_the_stream_order():
+    # Stage 2 hands each gradient to the optimizer (grad_add), which adds it on its own CUDA stream: inside the
+    # engine's stream order, after the current stream (autograd's) wrote it and before that stream can reuse
+    # its memory. On the CPU the order does nothing, so whether each add ran inside it is recorded instead.
+    combo = "bf16_stage2_int8"
+    engine, *_ = zero8.initialize(model=ExactGradModel(), config=exact_config(combo, 1))
+    depth, inside = [0], []
+
+    class Order:
+        def __call__(self):
+            return self
+
+        def __enter__(self):
+            depth[0] += 1
+
+        def __exit__(self, *exc):
+            depth[0] -= 1
+            return False
+
+    class Recorder:
+        def __init__(self, opt):
+            self._opt = opt
+
+        def __getattr__(self, name):
+            return getattr(self._opt, name)
+
+        def grad_add(self, *args):
+            inside.append(depth[0] > 0)
+            return self._opt.grad_add(*args)
+
+    opt = engine._opt
+    engine._stream_order, engine._opt = Order(), Recorder(opt)
+    try:
+        exact_train(engine, combo, 0, 1, 0)
+    finally:
+        engine._opt = opt
+    engine.destroy()
+    assert inside and all(inside), inside
+
+
 # ---- on a GPU ----
 
 def _cuda_engine(combo: str, seed: int = 0, device=None):

@@ -337,7 +337,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     # optimizer adds it in fp32 to the bucket that carries it (stage 2) or to its buffer.
                     grad = grad.contiguous()
                     dtype = dtype_code(grad, f"the gradient of {self._param_names[i]}")
-                    self._opt.grad_add(i, grad.data_ptr(), dtype)
+                    # The add runs on the optimizer's stream: after the current one (autograd's) has written
+                    # the gradient, and before that stream may reuse the gradient's memory.
+                    with self._stream_order():
+                        self._opt.grad_add(i, grad.data_ptr(), dtype)
                     param.grad = gv if fp32 else None
                 if counted and not late:
                     self._gradient_arrived(i)
