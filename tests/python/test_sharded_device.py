@@ -81,6 +81,7 @@ def fill(opt, views_of, seed: int) -> None:
         views_of(group)[offset:offset + numel] = (torch.randn(numel, generator=g) * 0.1).to(views_of(group).device)
 
 
+@pytest.mark.cuda  # scripts/gpu_check.sh selects the GPU tests with -m cuda
 @pytest.mark.skipif(not cuda_usable(), reason="needs a CUDA build of zero8 and a GPU")
 def test_device_optimizer_equals_host():
     stream = torch.cuda.Stream()
