@@ -420,8 +420,12 @@ st_pytest() {
   source "$DEPS_ENV"
   [[ -d "$SITE/zero8" ]] || { note "zero8 is not installed (python_build failed)"; return 1; }
   cd "$ROOT" || return 1
+  # Test files side by side where pytest-xdist is there (the GPU image has it): the files that start
+  # mpirun jobs (the engine's, the pipeline's) and the in-process ones then share the stage's time.
+  local parallel=()
+  if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile); fi
   PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/python -m cuda -q -rs -p no:cacheprovider \
-    --continue-on-collection-errors --junitxml="$WORK/results/pytest.xml"
+    "${parallel[@]}" --continue-on-collection-errors --junitxml="$WORK/results/pytest.xml"
   local rc=$?
   ((rc == 5)) && note "no test is marked cuda"
   return $rc
