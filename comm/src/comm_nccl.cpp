@@ -52,11 +52,12 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 class NcclComm final : public Communicator {
  public:
-  NcclComm(std::unique_ptr<MpiComm> host, const std::string& name, int device)
+  // `unusable`: why this rank cannot take part (checked at creation), reported by every rank together.
+  NcclComm(std::unique_ptr<MpiComm> host, const std::string& name, int device, const std::string& unusable = "")
       : Communicator(host->rank(), host->size(), name, host->world_ranks(), host->timeout()),
         host_(std::move(host)),
         device_(device) {
-    init();
+    init(unusable);
   }
 
   ~NcclComm() override {
@@ -289,13 +290,14 @@ class NcclComm final : public Communicator {
   };
   static_assert(sizeof(SetupStatus) == 256, "fixed-size record for the all_gather");
 
-  SetupStatus local_setup(ncclUniqueId* id) {
+  SetupStatus local_setup(ncclUniqueId* id, const std::string& unusable) {
     SetupStatus st;
     auto failed = [&](int32_t kind, const std::string& why) {
       st.failed = kind;
       std::strncpy(st.reason, why.c_str(), sizeof(st.reason) - 1);
       return st;
     };
+    if (!unusable.empty()) return failed(1, unusable);
     cudaError_t e = cudaSetDevice(device_);
     if (e != cudaSuccess)
       return failed(1, "cannot use CUDA device " + std::to_string(device_) + " (" + cudaGetErrorString(e) + ")");
@@ -312,10 +314,10 @@ class NcclComm final : public Communicator {
     return st;
   }
 
-  void init() {
+  void init(const std::string& unusable) {
     ncclUniqueId id;
     std::memset(&id, 0, sizeof(id));
-    const SetupStatus mine = local_setup(&id);
+    const SetupStatus mine = local_setup(&id, unusable);
     std::vector<SetupStatus> all(static_cast<size_t>(size()));
     host_->all_gather(&mine, all.data(), int64_t(sizeof(SetupStatus)));
     for (int p = 0; p < size(); ++p) {
@@ -359,10 +361,18 @@ std::unique_ptr<Communicator> nccl_create() {
     ZERO8_THROW(unsupported, "communicator backend 'nccl': no CUDA device ("
                                  << (rc != cudaSuccess ? cudaGetErrorString(rc) : "0 devices") << ")");
   std::unique_ptr<Communicator> host = mpi_create();
-  // One GPU per rank of a node: the device is the rank's index among the ranks of its node.
+  // One GPU per rank of a node: the device is the rank's index among the ranks of its node. NCCL
+  // refuses two ranks of a communicator on one device, with an error that names neither the ranks nor
+  // the way out; more ranks than devices on a node is reported here instead, by every rank at once.
   const NodeGroups g = node_groups(*host);
+  std::string unusable;
+  if (g.local_size > devices)
+    unusable = std::to_string(g.local_size) + " ranks on this node share " + std::to_string(devices) +
+               " CUDA device(s), and NCCL needs a GPU per rank: start at most " + std::to_string(devices) +
+               " rank(s) per node, or use the 'mpi' backend, which stages device buffers through host memory "
+               "(ranks may share a GPU)";
   std::unique_ptr<MpiComm> mpi(static_cast<MpiComm*>(host.release()));
-  return std::make_unique<NcclComm>(std::move(mpi), "world", g.local_rank % devices);
+  return std::make_unique<NcclComm>(std::move(mpi), "world", g.local_rank % devices, unusable);
 }
 
 }  // namespace zero8::comm::detail

@@ -75,6 +75,29 @@ TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
   }
 }
 
+// More ranks on a node than devices: every rank fails at creation, naming the count and the way out
+// (NCCL's own "duplicate GPU" error names neither).
+TEST(DistNccl, RanksSharingAGpuAreRefusedByName) {
+  if (!no_device_reason().empty()) GTEST_SKIP() << "no CUDA device: covered by DistNccl.WithoutDeviceTheFactorySaysWhy";
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  const comm::NodeGroups nodes = comm::node_groups(world());
+  if (world().all_reduce_value<int32_t>(nodes.local_size > devices ? 1 : 0, ReduceOp::max) == 0)
+    GTEST_SKIP() << "every rank has a GPU of its own: covered by DistNccl.CollectivesOnDeviceBuffers";
+  try {
+    comm::comm_create("nccl");
+    FAIL() << "expected an error with " << nodes.local_size << " ranks on " << devices << " device(s)";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::unsupported);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ranks on this node share " + std::to_string(devices) + " CUDA device(s), and NCCL needs "
+                        "a GPU per rank"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("'mpi' backend"), std::string::npos) << what;
+  }
+}
+
 TEST(DistNccl, CollectivesOnDeviceBuffers) {
   const std::string why = no_device_per_rank_reason();
   if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
