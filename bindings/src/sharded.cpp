@@ -430,6 +430,19 @@ void init_sharded(py::module_& m) {
       .def_property("steps", &ShardedOptimizer::steps, &ShardedOptimizer::set_steps)
       .def_property_readonly("rank", &ShardedOptimizer::rank)
       .def_property_readonly("world", &ShardedOptimizer::world)
+      .def_property_readonly(
+          "wire",
+          [](const ShardedOptimizer& o) {
+            const shard::WirePlan& w = o.wire();
+            py::dict d;
+            d["gradients"] = comm::wire_format_name(w.grads);
+            d["int8_params"] = w.int8_params;
+            d["error_feedback"] = w.error_feedback;
+            return d;
+          },
+          "What the collectives carry over this optimizer's ranks: dict(gradients: \"int8\", \"bf16\" or \"f32\", "
+          "int8_params, error_feedback). The config's wire options, except at one rank, which sends nothing and "
+          "so quantizes nothing (f32, False, False): its gradients and parameters stay exact.")
       .def_property_readonly("config", &ShardedOptimizer::config,
                              "A copy of the config, with the hyperparameters of now (hyper: group 0's; group_hypers: "
                              "every group's).")

@@ -1,9 +1,9 @@
 // The sharded optimizer under mpirun -np K: sharded steps equal one process stepping the averaged
 // gradient (bit-exact with fp32 communication, within the codec's bound with int8), stage 1 equals
 // stage 2, clipping and LAMB/LARS trust ratios agree with the unsharded computation, an overflow
-// on one rank makes every rank skip (also through a step group, the pipeline engine's), and the
-// bucket input (grad_add) and the overlap thread give the bits of the full buffer reduced in the
-// caller's thread.
+// on one rank makes every rank skip (also through a step group, the pipeline engine's), the bucket
+// input (grad_add) and the overlap thread give the bits of the full buffer reduced in the caller's
+// thread, and one rank, which sends nothing, quantizes nothing.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -907,6 +907,65 @@ std::vector<uint8_t> shard_bytes(ShardedOptimizer& opt) {
       out.insert(out.end(), b.begin(), b.end());
     }
   return out;
+}
+
+// The working copy of both groups, as bytes.
+std::vector<uint8_t> working_bytes(ShardedOptimizer& opt) {
+  std::vector<uint8_t> out;
+  for (int g = 0; g < 2; ++g) {
+    const uint8_t* w = static_cast<const uint8_t*>(opt.working(Group(g)));
+    out.insert(out.end(), w, w + opt.layout().groups[g].padded() * dtype_size(opt.config().working_dtype));
+  }
+  return out;
+}
+
+TEST(Sharded, OneRankSendsNothingSoQuantizesNothing) {
+  // One rank has no wire (sharded.h, WirePlan): int8 gradients and int8 parameter sync, with error
+  // feedback and stochastic rounding, give the bits of fp32 communication (working copy, masters,
+  // states) and hold no int8 scratch and no residual. Over several ranks the int8 options hold: other
+  // bits, more scratch, and under half the bytes of fp32 communication (about a quarter).
+  const int n = world().size();
+  for (DType wt : {DType::f32, DType::bf16, DType::f16})
+    for (int stage : {1, 2}) {
+      ShardConfig exact = base_config();
+      exact.working_dtype = wt;
+      exact.stage = stage;
+      ShardConfig q = exact;
+      q.int8_grads = true;
+      q.int8_params = true;
+      q.error_feedback = true;
+      q.stochastic_wire = true;
+      q.wire_seed = 3;
+      SCOPED_TRACE(std::string(dtype_name(wt)) + " model, stage " + std::to_string(stage) + ", " +
+                   std::to_string(n) + " rank(s)");
+      auto a = make(exact);
+      auto b = make(q);
+      uint64_t sent[2];
+      for (int k = 0; k < 2; ++k) {
+        const uint64_t before = world().stats().bytes();
+        train(k == 0 ? *a : *b, 3, 2);
+        sent[k] = world().stats().bytes() - before;
+      }
+      EXPECT_EQ(a->wire().grads, comm::WireFormat::f32);
+      EXPECT_FALSE(a->wire().int8_params);
+      EXPECT_EQ(b->wire().grads, n == 1 ? comm::WireFormat::f32 : comm::WireFormat::int8);
+      EXPECT_EQ(b->wire().int8_params, n > 1);
+      EXPECT_EQ(b->wire().error_feedback, n > 1);
+      expect_replicas_identical(*b);
+      if (n == 1) {
+        EXPECT_TRUE(working_bytes(*b) == working_bytes(*a)) << "the working copy went through int8 at one rank";
+        EXPECT_TRUE(shard_bytes(*b) == shard_bytes(*a)) << "the masters or states differ from fp32 communication's";
+        EXPECT_EQ(b->part_bytes(Group::q8, ShardedOptimizer::Part::residual), 0);
+        EXPECT_EQ(b->memory().buffers, a->memory().buffers) << "int8 scratch or a residual held at one rank";
+        EXPECT_EQ(sent[0], 0u);
+        EXPECT_EQ(sent[1], 0u);
+      } else {
+        EXPECT_FALSE(shard_bytes(*b) == shard_bytes(*a)) << "the int8 gradients changed nothing";
+        EXPECT_GT(b->part_bytes(Group::q8, ShardedOptimizer::Part::residual), 0);
+        EXPECT_GT(b->memory().buffers, a->memory().buffers) << "no int8 sync scratch";
+        EXPECT_LT(2 * sent[1], sent[0]) << "int8 " << sent[1] << " bytes, fp32 " << sent[0];
+      }
+    }
 }
 
 TEST(Sharded, GradAddAndOverlapGiveTheBitsOfTheFullBuffer) {

@@ -60,7 +60,9 @@ def test_checkpoint_copies_of_a_host_optimizer():
     opt = optimizer(config())
     assert opt.part_bytes(0, "codes1") == opt.part_range(0)[1]
     assert opt.part_bytes(0, "state1") == 0 and opt.part_bytes(1, "codes1") == 0
-    assert opt.part_bytes(0, "residual") == 4 * opt.group_padded(0)
+    # error_feedback is on, but one rank quantizes no gradients and keeps no residual (sharded.h, WirePlan).
+    assert opt.part_bytes(0, "residual") == 0 and opt.copy_to_host(0, "residual") == b""
+    assert opt.wire == {"gradients": "f32", "int8_params": False, "error_feedback": False}
     master = opt.copy_to_host(0, "master")
     assert master == bytes(opt.master_values(0))
     changed = bytes((b + 1) % 256 for b in master)

@@ -168,6 +168,18 @@ static std::vector<int64_t> owner_offsets(const GroupLayout& gl, int64_t begin, 
   return off;
 }
 
+// ---- what the collectives carry ----
+
+// The one place that turns the config's wire options into what the step does (sharded.h, WirePlan).
+WirePlan wire_plan(const ShardConfig& cfg, int world) {
+  WirePlan p;
+  if (world <= 1) return p;  // nothing crosses a wire: exact, no int8 scratch, no residual
+  p.grads = cfg.int8_grads ? comm::WireFormat::int8 : cfg.bf16_grads ? comm::WireFormat::bf16 : comm::WireFormat::f32;
+  p.int8_params = cfg.int8_params;
+  p.error_feedback = cfg.error_feedback && cfg.int8_grads;
+  return p;
+}
+
 // ---- memory and streams ----
 
 ShardedOptimizer::Store::Store(MemSpace mem, int64_t bytes, void* stream) : mem_(mem) {
@@ -245,7 +257,11 @@ void ShardedOptimizer::sync_caller(const char* what) {
 
 ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const ShardConfig& cfg,
                                    comm::Communicator& dp)
-    : params_(params), cfg_(cfg), dp_(dp), scaler_(cfg.fp16 ? cfg.loss_scaler : LossScalerConfig{false, 1.0}) {
+    : params_(params),
+      cfg_(cfg),
+      dp_(dp),
+      wire_(wire_plan(cfg, dp.size())),
+      scaler_(cfg.fp16 ? cfg.loss_scaler : LossScalerConfig{false, 1.0}) {
   ZERO8_CHECK_ARG(cfg.memory == MemSpace::host || cfg.memory == MemSpace::device, "memory",
                   "unknown MemSpace " << int(cfg.memory));
   const bool dev = cfg.memory == MemSpace::device;
@@ -304,7 +320,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     states_[g] = std::make_unique<optim::State>(optim::StateLayout(cfg.algo, valid, bits, cfg.layout.state_block),
                                                 cfg.initial_accumulator, quant::MapKind::dynamic_signed,
                                                 quant::MapKind::dynamic_unsigned, mem);
-    if (cfg.error_feedback && cfg.int8_grads) {
+    if (wire_.error_feedback) {
       if (dev)
         residual_device_[g] = Store(mem, gl.padded() * 4, cfg.stream);
       else
@@ -375,8 +391,8 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
       gather_order_.push_back({g, lo, std::min(layout_.groups[g].chunk, lo + gp)});
     }
   }
-  delta_ = Store(mem, cfg.int8_params ? piece / dp.size() * 4 : 0, cfg.stream);
-  full_delta_ = Store(mem, cfg.int8_params ? piece * 4 : 0, cfg.stream);
+  delta_ = Store(mem, wire_.int8_params ? piece / dp.size() * 4 : 0, cfg.stream);
+  full_delta_ = Store(mem, wire_.int8_params ? piece * 4 : 0, cfg.stream);
   seg_offsets_ = Store(mem, 0, cfg.stream);
   seg_trust_ = Store(mem, 0, cfg.stream);
   // The reduction order, the same on every rank: buckets by their first (lowest-index) parameter, last
@@ -702,9 +718,7 @@ void ShardedOptimizer::reduce_bucket(int g, int bi) {
   const float* input = full_input_ ? grad_data(g) + b.begin : slot_data(g, bi, false);
   side_after_caller();
   scratch_.grow(std::max<int64_t>(mine, 1) * 4);
-  const comm::WireOptions opt = wire_options(cfg_.int8_grads ? comm::WireFormat::int8
-                                             : cfg_.bf16_grads ? comm::WireFormat::bf16
-                                                               : comm::WireFormat::f32);
+  const comm::WireOptions opt = wire_options(wire_.grads);
   float* residual = residual_data(g);
   {
     StreamScope scope(*this, w);
@@ -944,7 +958,7 @@ void ShardedOptimizer::fill_step_args(int g, optim::StepArgs& a, float grad_scal
   a.grad = part_grad_[g].data();
   a.grad_dtype = DType::f32;
   states_[g]->bind(a);
-  if (cfg_.int8_params || cfg_.working_dtype == DType::f32) {
+  if (wire_.int8_params || cfg_.working_dtype == DType::f32) {
     // The master is the parameter the kernel updates; param_sync brings it to the working copy.
     a.param = master_[g].data();
     a.param_dtype = DType::f32;
@@ -1101,11 +1115,11 @@ void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<flo
 int64_t ShardedOptimizer::gather_piece(int g) const {
   const GroupLayout& gl = layout_.groups[g];
   if (gl.chunk == 0) return 0;
-  if (cfg_.int8_params && cfg_.stochastic_wire) return gl.chunk;
+  if (wire_.int8_params && cfg_.stochastic_wire) return gl.chunk;
   int64_t want = cfg_.allgather_bucket_size / world();
   // The int8 sync expands every rank's piece to fp32 before adding it (4 bytes per element over the
   // ranks): capped so that this scratch stays small next to the model whatever allgather_bucket_size is.
-  if (cfg_.int8_params) want = std::min<int64_t>(want, kInt8GatherPiece / world());
+  if (wire_.int8_params) want = std::min<int64_t>(want, kInt8GatherPiece / world());
   const int64_t piece = std::max<int64_t>(gl.align, (want + gl.align - 1) / gl.align * gl.align);
   return std::min(piece, gl.chunk);
 }
@@ -1202,7 +1216,7 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
     if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
     // Each piece of the partition is gathered (with overlap: on the optimizer's thread) while the next
     // one is stepped; the gathers run in the same order on every rank (gather_index counts on it).
-    const bool defer = defer_gather && threaded_ && !(cfg_.int8_params && cfg_.stochastic_wire);
+    const bool defer = defer_gather && threaded_ && !(wire_.int8_params && cfg_.stochastic_wire);
     if (defer) {
       std::lock_guard<std::mutex> lk(mu_);
       gather_base_ = gathers_done_;
@@ -1211,7 +1225,7 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
       const int g = gp.group;
       const int64_t lo = gp.lo, hi = gp.hi;
       step_group(g, grad_scale, trust, lo, hi);
-      if (cfg_.int8_params) {
+      if (wire_.int8_params) {
         const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
         post(Phase::gather, [this, g, lo, hi, opt] { param_sync(g, lo, hi, &opt); });
       } else {

@@ -161,9 +161,11 @@ int run(const Options& opt) {
   if (rank == 0) {
     int64_t n = 0;
     for (auto& p : params) n += p.numel();
+    // What the collectives carry (one rank sends nothing, so it quantizes nothing).
+    const zero8::shard::WirePlan& wire = sharded.wire();
     std::printf("zero8 %s, libtorch %s: %d rank(s) on %s, MLP %lld parameters, 8-bit AdamW, ZeRO stage 2, "
-                "int8 gradients, %s parameter sync\n", zero8::version(), TORCH_VERSION, world, comm->backend(),
-                (long long)n, opt.int8_params ? "int8" : "fp32");
+                "%s gradients, %s parameter sync\n", zero8::version(), TORCH_VERSION, world, comm->backend(),
+                (long long)n, zero8::comm::wire_format_name(wire.grads), wire.int8_params ? "int8" : "exact");
     std::printf("step %4d  held-out loss %.4f  accuracy %.3f\n", 0, loss0, acc0);
   }
 

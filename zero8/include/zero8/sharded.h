@@ -1,7 +1,8 @@
 // The ZeRO stage 1/2 sharded optimizer: every rank of a data-parallel group keeps the full working
 // copy of the parameters, the fp32 master and the (8-bit) optimizer state of its own partition only.
 // Gradients are reduce-scattered (as int8 blocks by default), the owner steps its partition, and the
-// updated partitions are all-gathered (in the working dtype, or as int8 blocks of the update delta).
+// updated partitions are all-gathered (in the working dtype, or as int8 blocks of the update delta);
+// one rank sends nothing and so quantizes nothing (WirePlan).
 // The buffers live in host memory or on a CUDA device; one code path serves both (see "Devices" below).
 #pragma once
 
@@ -47,6 +48,7 @@ struct ShardConfig {
   float initial_accumulator = 0.0f;    // adagrad
   int stage = 2;                       // 1: reduce at the accumulation boundary; 2: per bucket in backward
   DType working_dtype = DType::f32;    // dtype of the model's parameters (the working copy)
+  // The wire options apply over more than one rank (WirePlan: one rank sends nothing, exactly).
   bool int8_grads = true;              // gradient reduce-scatter as int8 blocks (else bf16_grads picks)
   bool bf16_grads = false;             // unquantized gradient reduce-scatter in bf16 (else fp32)
   bool int8_params = true;             // parameter all-gather as int8 blocks of the update delta
@@ -73,6 +75,20 @@ struct ShardConfig {
   // gradient input. nullptr: the legacy default stream (torch's default stream). Must be null for host.
   void* stream = nullptr;
 };
+
+// What a step's collectives carry over `world` data-parallel ranks: the config's wire options, except
+// that one rank sends nothing (its reduce-scatter and all-gather are local copies), so it quantizes
+// nothing. Its gradients and parameters stay exact, the bits of fp32 communication, and it holds no
+// int8 sync scratch and no error-feedback residual (a checkpoint it saves has none, as with error
+// feedback off); the masters and the optimizer states are the same either way. The optimizer decides
+// this once (wire_plan at construction, on host and device alike) and every step reads the plan, never
+// the config's int8 options.
+struct WirePlan {
+  comm::WireFormat grads = comm::WireFormat::f32;  // the gradient reduce-scatter
+  bool int8_params = false;     // the all-gather sends int8 blocks of the update; else the working dtype, exact
+  bool error_feedback = false;  // each rank keeps the residual of its int8 gradient blocks
+};
+WirePlan wire_plan(const ShardConfig& cfg, int world);
 
 // Devices (ShardConfig::memory = device). The working copy, the gradient input, the fp32 masters, the
 // optimizer states (codes and scales, or fp32), the reduction buckets, the error-feedback residuals and
@@ -183,6 +199,8 @@ class ShardedOptimizer {
   // The config, with the hyperparameters of now (schedulers change them through hyper(i)): hyper is
   // hyper group 0's, group_hypers every group's (left empty with one group when none was given).
   ShardConfig config() const;
+  // What the collectives carry (WirePlan): the config's wire options over world() ranks.
+  const WirePlan& wire() const { return wire_; }
   comm::Communicator& comm() { return dp_; }
   int rank() const { return dp_.rank(); }
   int world() const { return dp_.size(); }
@@ -274,7 +292,7 @@ class ShardedOptimizer {
   float* master(Group g) { return master_[int(g)].as<float>(); }
   optim::State* state(Group g) { return states_[int(g)].get(); }
   LossScaler& scaler() { return scaler_; }
-  // Error-feedback residual of group g (full padded length; empty when error feedback is off). Host
+  // Error-feedback residual of group g (full padded length; empty when the plan keeps none: WirePlan). Host
   // memory only: Error(invalid_argument) for a device optimizer (copy_to_host(g, Part::residual, ...)).
   std::vector<float>& residual(Group g);
   void set_steps(int64_t s) { steps_ = s; }
@@ -370,6 +388,7 @@ class ShardedOptimizer {
   std::vector<ParamSpec> params_;
   ShardConfig cfg_;
   comm::Communicator& dp_;
+  WirePlan wire_;                                  // wire_plan(cfg_, dp_.size()): what the collectives carry
   comm::Communicator* outer_ = nullptr;            // set_step_group
   Layout layout_;
   LossScaler scaler_;

@@ -249,14 +249,20 @@ LoadResult load(ShardedOptimizer& opt, const std::string& dir, const LoadOptions
     bool same_layout = m.world == opt.world() && m.wire_block == opt.layout().cfg.wire_block;
     for (int g = 0; g < kNumGroups; ++g) same_layout = same_layout && m.groups[g].padded == opt.layout().groups[g].padded();
     s.residual_restore = has_residual && m.error_feedback && same_layout;
+    // The config keeps residuals over several ranks, and this optimizer none: it is a single rank, which
+    // quantizes no gradients (sharded.h, WirePlan).
+    const bool single = !has_residual && shard::wire_plan(cfg, 2).error_feedback;
+    const char* none_kept = "a single rank quantizes no gradients, so it keeps none";
     if (has_residual && !m.error_feedback)
       res.warnings.push_back("the checkpoint holds no error-feedback residuals: they start from zero");
-    else if (has_residual && !same_layout)
+    else if (m.error_feedback && !same_layout && (has_residual || single))
       res.warnings.push_back("error-feedback residuals dropped: saved with " + std::to_string(m.world) + " ranks and wire block " +
                              std::to_string(m.wire_block) + ", loaded with " + std::to_string(opt.world()) + " and " +
-                             std::to_string(opt.layout().cfg.wire_block) + "; they start from zero");
+                             std::to_string(opt.layout().cfg.wire_block) +
+                             (single ? std::string(" (") + none_kept + ")" : std::string("; they start from zero")));
     else if (!has_residual && m.error_feedback)
-      res.warnings.push_back("the checkpoint's error-feedback residuals are not used: error feedback is off");
+      res.warnings.push_back(std::string("the checkpoint's error-feedback residuals are not used: ") +
+                             (single ? none_kept : "error feedback is off"));
     s.working_restore = m.working_dtype == cfg.working_dtype;
     if (!s.working_restore)
       res.warnings.push_back(std::string("the checkpoint's working copy is ") + dtype_name(m.working_dtype) + ", this optimizer's " +

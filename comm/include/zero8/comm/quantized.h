@@ -69,6 +69,7 @@ void bucket_reduce_scatter(Communicator& comm, const float* bucket, int64_t n, c
 // All-gather (collective): this rank's range `part` (offsets[r+1] - offsets[r] values; may be
 // bucket + offsets[r], in place) is encoded, gathered, and every range is decoded into `bucket`
 // (n values) on every rank, this rank's own range included, so all replicas hold identical values.
+// Also at size 1 (the codec's round trip): a caller that wants its values exact there passes f32.
 void bucket_all_gather(Communicator& comm, const float* part, int64_t n, const std::vector<int64_t>& offsets,
                        float* bucket, const WireOptions& opt, WireWorkspace* ws = nullptr);
 
