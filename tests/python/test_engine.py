@@ -36,6 +36,8 @@ from engine_util import (
     FULL8,
     clone_params,
     config,
+    dump_diff,
+    engine_dump,
     fp32_baseline_error,
     global_batch,
     loss_fn,
@@ -1828,12 +1830,37 @@ def test_stats_and_dataloader():
         if i == 3:
             break
     c = engine.comm_stats()
-    assert c["world"] == 1 and c["bytes"] == 0 and c["int8_gradients"]  # one process sends nothing
+    # One process sends nothing, so it quantizes nothing (test_one_rank_int8_communication_is_exact).
+    assert c["world"] == 1 and c["bytes"] == 0 and not c["int8_gradients"] and not c["int8_params"]
     assert "all_to_all_v" in c["ops"] or "all_to_all" in c["ops"] or "reduce_scatter" in c["ops"]
     m = engine.memory_stats()
     assert m["working"] >= 4 * m["params"]
     assert m["total"] == sum(m[k] for k in ("working", "grads", "master", "state", "buffers"))
     assert engine.local_rank == 0 and engine.global_rank == 0 and engine.world_size == 1 and engine.dp_world_size == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_int8_communication_is_exact(stage, dtype, capsys):
+    # One data-parallel rank sends nothing, so it quantizes nothing (sharded.h, WirePlan): the full int8
+    # configuration, with error feedback and stochastic rounding, trains bit for bit as with int8
+    # communication off (8-bit states both), holds no int8 scratch and no residual, and says so.
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    int8 = {**FULL8, "error_feedback": True, "stochastic_rounding": True, "seed": 5}
+    off = {**FULL8, "int8_gradients": False, "int8_params": False}
+    runs = []
+    for z in (int8, off):
+        engine, _, _, _ = engine_for(config(gas=2, stage=stage, zero8=z, bf16={"enabled": dtype == "bf16"}))
+        losses = train_engine(engine, DATA, 4, B, dtype=torch_dtype)
+        runs.append((engine_dump(engine), losses, engine.comm_stats(), engine.memory_stats()))
+        engine.destroy()
+    (d8, l8, c8, m8), (d32, l32, _, m32) = runs
+    assert dump_diff(d8, d32) == [] and l8 == l32
+    assert not c8["int8_gradients"] and not c8["int8_params"] and c8["bytes"] == 0
+    assert m8["buffers"] == m32["buffers"] and d8["parts"][(0, "residual")] == b""
+    out = capsys.readouterr().out
+    assert out.count("one data-parallel rank: nothing on the wire, gradients and parameters exact") == 2, out
+    assert "on the wire: int8" not in out
 
 
 def test_deepspeed_io_takes_deepspeed_arguments():

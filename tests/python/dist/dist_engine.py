@@ -363,6 +363,33 @@ def test_int8_gradient_bytes_are_a_quarter():
     assert s8["bytes_to_peer"][RANK] == 0 and all(b > 0 for r, b in enumerate(s8["bytes_to_peer"]) if r != RANK)
 
 
+def test_int8_wire_between_ranks_none_at_one(capsys):
+    # Over several ranks the full configuration sends int8 gradients and int8 parameter updates: the byte
+    # counters show about a quarter of fp32 communication's, the int8 sync holds its scratch and the startup
+    # line names both. One rank sends nothing, so it rounds nothing: the bits of fp32 communication.
+    e8, m8 = engine_for(config(zero8=FULL8))
+    e32, m32 = engine_for(config(zero8={**FULL8, "int8_gradients": False, "int8_params": False}))
+    train(e8, 3)
+    train(e32, 3)
+    same = params_equal(m8, m32)  # reading every weight waits for the last step's deferred all-gather
+    s8, s32 = e8.comm_stats(), e32.comm_stats()
+    mem8, mem32 = e8.memory_stats(), e32.memory_stats()
+    out = capsys.readouterr().out
+    if N == 1:
+        assert same and not s8["int8_gradients"] and not s8["int8_params"] and mem8["buffers"] == mem32["buffers"]
+        return
+    assert s8["int8_gradients"] and s8["int8_params"] and not s32["int8_gradients"] and not s32["int8_params"]
+    assert not same, "int8 communication changed nothing"
+    assert s8["gradient_bytes"] < 0.3 * s32["gradient_bytes"], (s8["gradient_bytes"], s32["gradient_bytes"])
+    # The parameter all-gather (all_gather_v: int8 updates against fp32 weights; it may run past the step,
+    # into the next forward, so step_bytes need not hold it).
+    g8, g32 = (int(s["ops"]["all_gather_v"]["bytes"]) for s in (s8, s32))
+    assert 0 < g8 < 0.3 * g32, (g8, g32)
+    assert mem8["buffers"] > mem32["buffers"], "no int8 sync scratch"
+    if RANK == 0:
+        assert "gradients on the wire: int8, parameters: int8 updates" in out, out
+
+
 def test_communication_data_type_bf16_halves_gradient_bytes():
     # zero8.int8_gradients off: communication_data_type picks the unquantized wire format, and its default
     # (null) follows the training dtype (bf16 training sends bf16), as DeepSpeed's does.

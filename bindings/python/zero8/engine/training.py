@@ -254,8 +254,19 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         return (f"zero8 engine: {self._optimizer_name} ({self._algo}, {sc.bits}-bit states), ZeRO stage {sc.stage}, "
                 f"{self.dp_world_size} rank(s) on "
                 f"{self._dp.backend}, {self._dtype}, {sum(p.numel() for p in self._params)} parameters, "
-                f"gradients on the wire: {'int8' if sc.int8_grads else 'bf16' if sc.bf16_grads else 'fp32'}"
-                f"{' (stochastic rounding)' if sc.stochastic_wire and sc.int8_grads else ''}")
+                f"{self._wire_summary()}")
+
+    def _wire_summary(self) -> str:
+        """What the data-parallel collectives carry, as the sharded optimizer planned it (``_opt.wire``): one
+        rank sends nothing, so it quantizes nothing."""
+        w = self._opt.wire
+        if self.dp_world_size == 1:
+            return "one data-parallel rank: nothing on the wire, gradients and parameters exact"
+        grads = "fp32" if w["gradients"] == "f32" else w["gradients"]
+        stochastic = self._shard_config.stochastic_wire
+        return (f"gradients on the wire: {grads}{' (stochastic rounding)' if stochastic and grads == 'int8' else ''}, "
+                f"parameters: {'int8 updates' if w['int8_params'] else str(self._dtype).replace('torch.', '')}"
+                f"{' (stochastic rounding)' if stochastic and w['int8_params'] else ''}")
 
     def _bind_params(self) -> None:
         opt = self._opt
@@ -777,11 +788,13 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         ``ops`` {kind: {calls, bytes, seconds, bytes_to_peer}} for the kinds used, ``bytes`` (total),
         ``bytes_to_peer`` (per peer, all kinds), and by phase: ``gradient_bytes`` (reduction during
         backward), ``step_bytes`` (overflow/norm agreement and the parameter all-gather), ``other_bytes``
-        (initial broadcast, checkpoints). ``overlap``: the gradient reductions' and the parameter
-        all-gather's seconds, the seconds the training loop waited for them (``reduce_wait_seconds``,
-        ``gather_wait_seconds``), and the share of the reductions' time hidden behind backward
-        (``reduce_hidden``: 1 - wait / seconds); ``threaded`` says whether they ran on the optimizer's
-        thread (zero_optimization.overlap_comm, several ranks)."""
+        (initial broadcast, checkpoints). ``int8_gradients``, ``int8_params``: whether gradients and parameter
+        updates cross the wire as int8 blocks (never at one data-parallel rank, which sends nothing and so
+        keeps them exact). ``overlap``: the gradient reductions' and the parameter all-gather's seconds, the
+        seconds the training loop waited for them (``reduce_wait_seconds``, ``gather_wait_seconds``), and the
+        share of the reductions' time hidden behind backward (``reduce_hidden``: 1 - wait / seconds);
+        ``threaded`` says whether they ran on the optimizer's thread (zero_optimization.overlap_comm, several
+        ranks)."""
         ops = {k: dict(v) for k, v in self._dp.stats().items() if int(v["calls"]) > 0}
         total = sum(int(v["bytes"]) for v in ops.values())
         peers = [0] * self._dp.size
@@ -792,7 +805,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             "rank": self._dp.rank, "world": self._dp.size, "backend": self._dp.backend, "ops": ops,
             "bytes": total, "bytes_to_peer": peers, "gradient_bytes": self._bytes["gradients"],
             "step_bytes": self._bytes["step"], "other_bytes": total - self._bytes["gradients"] - self._bytes["step"],
-            "int8_gradients": bool(self._shard_config.int8_grads), "int8_params": bool(self._shard_config.int8_params),
+            "int8_gradients": self._opt.wire["gradients"] == "int8", "int8_params": bool(self._opt.wire["int8_params"]),
             "overlap": self._overlap_stats(),
         }
 
