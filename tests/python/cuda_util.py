@@ -6,6 +6,8 @@ busy, and the tolerance of a float result against a float64 reference, tied to t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -69,3 +71,15 @@ def assert_close_to_reference(got: torch.Tensor, cpu: torch.Tensor, ref: torch.T
     bad = err_gpu > bound
     assert not bool(bad.any()), (f"{what}: {int(bad.sum())} elements off by more than 2x the CPU's largest error "
                                  f"({float(err_cpu.max()):.3g}) + 1 ulp; worst {float(err_gpu.max()):.3g}")
+
+
+def dist_world():
+    """For the multi-rank GPU test files (tests/python/dist/dist_*_cuda.py, under mpirun): (backend as the
+    parent test set it in ZERO8_CUDA_BACKEND, "mpi" by default; this rank's GPU, made current; the world
+    communicator over it)."""
+    from zero8.engine import local_device, world_comm
+
+    backend = os.environ.get("ZERO8_CUDA_BACKEND", "mpi")
+    device = local_device()
+    torch.cuda.set_device(device)
+    return backend, device, world_comm(backend, device=device)

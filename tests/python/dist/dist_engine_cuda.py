@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, cuda_util
 
 import zero8  # noqa: E402
-from zero8.engine import local_device, world_comm  # noqa: E402
+from cuda_util import dist_world  # noqa: E402
 from engine_util import (  # noqa: E402
     EXACT_COMBOS,
     ExactGradModel,
@@ -34,10 +34,7 @@ from engine_util import (  # noqa: E402
 )
 
 torch.set_num_threads(1)
-BACKEND = os.environ.get("ZERO8_CUDA_BACKEND", "mpi")
-DEVICE = local_device()
-torch.cuda.set_device(DEVICE)
-WORLD = world_comm(BACKEND, device=DEVICE)
+BACKEND, DEVICE, WORLD = dist_world()
 RANK, N = WORLD.rank, WORLD.size
 OUT = Path(os.environ.get("ZERO8_CUDA_OUT", "."))
 STEPS = 4

@@ -20,21 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, pipe_util
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, pipe_util, cuda_util
 
 import zero8  # noqa: E402
 from zero8.config import load_config  # noqa: E402
-from zero8.engine import local_device, world_comm  # noqa: E402
+from cuda_util import dist_world  # noqa: E402
 from zero8.engine.training import Zero8Engine  # noqa: E402
 from zero8.pipe import LayerModule, PipelineModule  # noqa: E402
 from engine_util import EXACT, FULL8, config, make_data  # noqa: E402
 from pipe_util import lm_layers, lm_loss, make_tokens, micro_batches, mse, regression_layers, train_plain  # noqa: E402
 
 torch.set_num_threads(1)
-BACKEND = os.environ.get("ZERO8_CUDA_BACKEND", "mpi")
-DEVICE = local_device()
-torch.cuda.set_device(DEVICE)
-WORLD = world_comm(BACKEND, device=DEVICE)
+BACKEND, DEVICE, WORLD = dist_world()
 RANK, N = WORLD.rank, WORLD.size
 SHARED = Path(os.environ.get("ZERO8_CUDA_OUT", "."))
 B = 32
@@ -161,29 +158,31 @@ def test_eval_batch_equals_the_plain_engines_loss():
     assert all_true(value.device == DEVICE and float(value) == expected), (RANK, value, expected)
 
 
-def test_gpu_checkpoint_resumes_bit_exactly_on_the_gpu():
-    cfg = config(gas=2, zero8=FULL8)
+@pytest.fixture(scope="module")
+def saved():
+    """A GPU pipeline's checkpoint after 2 steps: (path, its weights then, the next 2 losses and the weights
+    after them, trained on)."""
     path = SHARED / "pipe_ckpt"
-    a = pipeline(regression_layers(), mse, cfg)
+    a = pipeline(regression_layers(), mse, config(gas=2, zero8=FULL8))
     train_pipe(a, DATA, 2)
     a.save_checkpoint(path)
+    at_save = digest(a.module.parameters())
     after = train_pipe(a, DATA, 2, first=2)
-    weights_a = digest(a.module.parameters())
+    return path, at_save, after, digest(a.module.parameters())
+
+
+def test_gpu_checkpoint_resumes_bit_exactly_on_the_gpu(saved):
+    path, _, after, weights_after = saved
     b = pipeline(regression_layers(), mse, config(gas=2, zero8=FULL8))
     b.load_checkpoint(path)
     resumed = train_pipe(b, DATA, 2, first=2)
-    same = resumed == after and digest(b.module.parameters()) == weights_a and b.global_steps == 4
+    same = resumed == after and digest(b.module.parameters()) == weights_after and b.global_steps == 4
     assert all_true(same), (RANK, after, resumed)
 
 
 @on_cpu_too
-def test_gpu_checkpoint_loads_into_the_pipeline_on_the_cpu():
-    cfg = config(gas=2, zero8=FULL8)
-    path = SHARED / "pipe_ckpt_cpu"
-    a = pipeline(regression_layers(), mse, cfg)
-    train_pipe(a, DATA, 2)
-    a.save_checkpoint(path)
-    at_save = digest(a.module.parameters())
+def test_gpu_checkpoint_loads_into_the_pipeline_on_the_cpu(saved):
+    path, at_save, _, _ = saved
     c = pipeline(regression_layers(), mse, config(gas=2, zero8=FULL8), device=CPU)
     c.load_checkpoint(path)
     loaded = digest(c.module.parameters()) == at_save and c.global_steps == 2
