@@ -1,13 +1,16 @@
 """zero8's Python surface on a CUDA GPU against PyTorch, measured side by side in one process (ratios of
 times taken in the same rounds): zero8.optim.AdamW8bit against torch.optim.AdamW(fused=True) at 1e8 and 1e9
 parameters; zero8.nn.Int8Linear (both GEMM modes) forward and forward+backward, and Linear8bitLt forward,
-against a bfloat16 nn.Linear at transformer shapes. Times come from CUDA events after warm-ups (median of
+against a bfloat16 nn.Linear at transformer shapes; and one training step of zero8's engine (one rank, bf16
+model, fp32 master, 8-bit AdamW states) against PyTorch's mixed precision (fp32 model under bf16 autocast,
+AdamW(fused=True)) on a stack of transformer MLP blocks, with the memory each holds. Times come from CUDA events after warm-ups (median of
 the rounds). A zero8 call that raises (not supported on CUDA yet) makes its rows "not available: <error>";
 the others are still measured. Prints a table and, last, one JSON line (also written to --json-out).
 
     python benchmarks/bench_gpu.py                      # everything, about 2 minutes on an H200
     python benchmarks/bench_gpu.py --only optim --optim-numel 1e8
     python benchmarks/bench_gpu.py --only linear --shapes 4096x16384 --tokens 8192
+    python benchmarks/bench_gpu.py --only engine --engine-model 2048x8 --engine-tokens 8192
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 TARGET_OPTIM = {"numel": 10**9, "ratio": 1.5}
 TARGET_LINEAR = {"shape": (4096, 16384), "tokens": 8192, "ratio": 1.3}
 HYPER = dict(lr=1e-4, weight_decay=0.01)
-GROUPS = ("optim", "linear")
+GROUPS = ("optim", "linear", "engine")
 
 
 def count(s: str) -> int:
@@ -56,6 +59,10 @@ def parse_args(argv=None):
                     help="linear layers IN x OUT (default 4096x4096 4096x16384)")
     ap.add_argument("--tokens", type=count, nargs="+", default=[4096, 8192, 16384],
                     help="tokens (rows of the input) per linear call (default 4096 8192 16384)")
+    ap.add_argument("--engine-model", type=shape, default=(2048, 8),
+                    help="the engine comparison's model: WIDTH x BLOCKS of transformer MLP blocks (default 2048x8, "
+                         "268M parameters)")
+    ap.add_argument("--engine-tokens", type=count, default=8192, help="tokens per training step (default 8192)")
     ap.add_argument("--repeat", type=count, default=10, help="timed rounds (default 10; fewer for slow calls)")
     ap.add_argument("--warmup", type=count, default=3, help="untimed calls of each variant first (default 3)")
     ap.add_argument("--max-seconds", type=float, default=300.0,
@@ -250,6 +257,114 @@ def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
     torch.cuda.empty_cache()
 
 
+def mlp_stack(torch, width: int, blocks: int, device, dtype, seed: int = 2):
+    """The engine comparison's model: `blocks` pre-norm MLP blocks of `width` (4x inner), seeded."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(width)
+            self.fc = nn.Linear(width, 4 * width)
+            self.out = nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            return x + self.out(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block() for _ in range(blocks)]).to(device=device, dtype=dtype)
+
+
+def engine_steps(torch, device, width: int, blocks: int, tokens: int) -> dict:
+    """{name: (one training step as a function returning its loss, the peak memory of a step in bytes)}:
+    "torch", PyTorch's mixed precision (fp32 parameters under bf16 autocast, AdamW(fused=True) on a GPU),
+    and "zero8" (or why it is not available), zero8's engine on one rank (bf16 model, bf16 config: fp32
+    master, 8-bit AdamW states). The peak is taken over a step after the first (states made): what torch
+    allocated beyond what was there before the system was built, plus for zero8 its own device buffers
+    (engine.memory_stats()["total"], allocated outside torch). 0 on the CPU."""
+    import zero8
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(tokens, width, device=device, generator=gen)
+    on_gpu = device.type == "cuda"
+
+    def peak_of(step, before: int) -> int:
+        step()  # the first step makes the optimizer states
+        if not on_gpu:
+            step()
+            return 0
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated(device) if on_gpu else 0
+
+    out = {}
+    before = allocated()
+    model = mlp_stack(torch, width, blocks, device, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), fused=on_gpu, **HYPER)
+
+    def torch_step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    out["torch"] = (torch_step, peak_of(torch_step, before))
+
+    def make_zero8():
+        before = allocated()
+        m = mlp_stack(torch, width, blocks, device, torch.bfloat16)
+        cfg = {"train_batch_size": 1, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": HYPER}, "zero_optimization": {"stage": 2},
+               "zero8": {"optim_bits": 8}}
+        engine, *_ = zero8.initialize(model=m, config=cfg)
+        xb = x.to(torch.bfloat16)
+
+        def step():
+            loss = engine(xb).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+
+        return step, peak_of(step, before) + int(engine.memory_stats()["total"])
+
+    made, err = zero8_call("zero8.initialize with a bf16 model on one rank", make_zero8)
+    out["zero8"] = made if made is not None else err
+    return out
+
+
+def bench_engine(b: Bench, width: int, blocks: int, tokens: int):
+    torch = b.torch
+    params = blocks * (2 * 4 * width * width + 7 * width)
+    label = f"{params / 1e6:.0f}M params ({blocks} MLP blocks of {width}), {tokens} tokens"
+    made = engine_steps(torch, torch.device("cuda"), width, blocks, tokens)
+    fns = {"torch": made["torch"][0]}
+    err = made["zero8"] if isinstance(made["zero8"], str) else None
+    if err is None:
+        fns["zero8"] = made["zero8"][0]
+    times = b.time_rounds(fns)
+    b.row("engine", f"PyTorch AMP training step (AdamW fused), {label}", times["torch"] * 1e3, "ms",
+          gb=made["torch"][1] / 1e9)
+    if err is None:
+        b.row("engine", f"zero8 engine training step (bf16, 8-bit AdamW, 1 rank), {label}", times["zero8"] * 1e3, "ms",
+              gb=made["zero8"][1] / 1e9)
+        b.row("engine", f"zero8 engine step speed / PyTorch AMP, {label}", times["torch"] / times["zero8"], "x")
+        b.row("engine", f"zero8 engine peak memory of a step / PyTorch AMP, {label}",
+              made["zero8"][1] / made["torch"][1], "x")
+    else:
+        for figure in ("engine training step", "engine step speed / PyTorch AMP",
+                       "engine peak memory of a step / PyTorch AMP"):
+            b.row("engine", f"zero8 {figure}, {label}", error=err)
+    del fns, made
+    torch.cuda.empty_cache()
+
+
 def emit(result: dict, json_out) -> None:
     line = json.dumps(result)
     print(line)
@@ -283,6 +398,10 @@ def main(argv=None) -> int:
     if "linear" in groups:
         plan += [("linear", f"{i}x{o}, {t} tokens", lambda i=i, o=o, t=t: bench_linear(b, i, o, t))
                  for i, o in args.shapes for t in args.tokens]
+    if "engine" in groups:
+        w, n = args.engine_model
+        plan += [("engine", f"{w}x{n}, {args.engine_tokens} tokens",
+                  lambda: bench_engine(b, w, n, args.engine_tokens))]
     print(f"bench_gpu | zero8 {zero8.__version__} | torch {torch.__version__} | {torch.cuda.get_device_name()} | "
           f"median of {args.repeat} rounds after {args.warmup} warm-ups (CUDA events)", flush=True)
     failed = False

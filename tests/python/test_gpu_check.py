@@ -13,7 +13,9 @@ covers; the whole pipeline is run by hand, as docs/BENCHMARKS.md ("GPU check") s
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -346,9 +348,27 @@ def test_bench_gpu_arguments():
     for args, message in [(["--tokens", "0"], "must be a positive integer, got '0'"),
                           (["--shapes", "4096"], "a shape is IN x OUT"),
                           (["--only", "gemm"], "invalid choice: 'gemm'"),
-                          (["--optim-numel", "1.5"], "must be a positive integer, got '1.5'")]:
+                          (["--optim-numel", "1.5"], "must be a positive integer, got '1.5'"),
+                          (["--engine-model", "2048"], "a shape is IN x OUT"),
+                          (["--engine-tokens", "0"], "must be a positive integer, got '0'")]:
         r = run([sys.executable, str(BENCH), *args])
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+
+
+def test_bench_gpu_engine_comparison_trains_both_systems_on_the_cpu():
+    """The engine comparison's two training steps (PyTorch AMP and zero8's engine), built as bench_gpu builds
+    them, small and on the CPU: both train the same model (the loss falls from the same start)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    made = bench.engine_steps(torch, torch.device("cpu"), 32, 2, 64)
+    assert not isinstance(made["zero8"], str), made["zero8"]
+    for name in ("torch", "zero8"):
+        step = made[name][0]
+        losses = [float(step()) for _ in range(6)]
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], (name, losses)
 
 
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU")
@@ -366,12 +386,13 @@ def test_bench_gpu_small_run_on_device(tmp_path):
     """On a GPU: every comparison of a small run gives its baseline's time, and zero8's rows a figure or the
     reason it is not available; targets are only judged on measured figures."""
     r = run([sys.executable, str(BENCH), "--optim-numel", "300000", "--tensor-numel", "65536", "--shapes", "256x512",
-             "--tokens", "128", "--repeat", "2", "--warmup", "1", "--json-out", str(tmp_path / "b.json")],
+             "--tokens", "128", "--engine-model", "256x2", "--engine-tokens", "128", "--repeat", "2", "--warmup", "1",
+             "--json-out", str(tmp_path / "b.json")],
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    base = [x for x in rows if x["figure"].startswith(("torch AdamW", "bf16 nn.Linear"))]
-    assert len(base) == 3 and all(x["value"] > 0 and x["error"] is None for x in base)
+    base = [x for x in rows if x["figure"].startswith(("torch AdamW", "bf16 nn.Linear", "PyTorch AMP"))]
+    assert len(base) == 4 and all(x["value"] > 0 and x["error"] is None for x in base)
     for x in rows:
         assert (x["value"] is not None) != (x["error"] is not None), x
         assert x["met"] is None or x["value"] is not None
