@@ -833,6 +833,24 @@ bool launched_by_mpi_launcher(int* size) {
   }
   return false;
 }
+
+// A process that no MPI launcher started but whose environment says it is one of several ranks
+// (WORLD_SIZE, as torchrun and DeepSpeed's launcher set it) would make a world of one and train alone,
+// silently disagreeing with its peers: refused, naming the launchers that work. "single" is left alone
+// (asked for by name).
+void check_launched_for(const std::string& backend) {
+  int launched_size = 0;
+  if (launched_by_mpi_launcher(&launched_size)) return;
+  const char* ws = std::getenv("WORLD_SIZE");
+  if (ws == nullptr || std::atoi(ws) <= 1) return;
+  ZERO8_THROW(unsupported, "communicator backend '"
+                               << backend << "': WORLD_SIZE is " << ws
+                               << ", but no MPI launcher started this process (neither OMPI_COMM_WORLD_SIZE nor "
+                                  "PMI_SIZE is set): zero8's ranks connect over MPI, so under torchrun or "
+                                  "DeepSpeed's launcher each would train alone. Start the job with zero8-launch "
+                                  "--num_procs "
+                               << ws << " (DeepSpeed's hostfile and environment variables) or mpirun -np " << ws);
+}
 }  // namespace
 
 bool comm_backend_available(const std::string& backend) {
@@ -852,6 +870,7 @@ std::string comm_auto_backend(MemSpace memory) {
 
 std::unique_ptr<Communicator> comm_create(const std::string& backend) {
   if (backend == "single") return detail::single_create();
+  if (backend == "mpi" || backend == "nccl" || backend == "auto") check_launched_for(backend);
   if (backend == "mpi") {
 #if ZERO8_WITH_MPI
     return detail::mpi_create();

@@ -156,6 +156,33 @@ TEST(CommSingle, FactoryChoicesAndErrors) {
 #endif
 }
 
+// torchrun and DeepSpeed's launcher set WORLD_SIZE but start no MPI: each rank would make a world of one
+// and train alone. Refused by name for the backends that would do so; "single" by name, and WORLD_SIZE 1,
+// still work, and under an MPI launcher WORLD_SIZE is zero8-launch's own.
+TEST(CommSingle, SeveralRanksWithoutAnMpiLauncherAreRefused) {
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  unsetenv("PMI_SIZE");
+  setenv("WORLD_SIZE", "2", 1);
+  for (const char* backend : {"auto", "mpi", "nccl"}) {
+    try {
+      comm_create(backend);
+      ADD_FAILURE() << backend << ": expected an error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << backend;
+      const std::string what = e.what();
+      EXPECT_NE(what.find(std::string("communicator backend '") + backend + "': WORLD_SIZE is 2, but no MPI "
+                                                                            "launcher started this process"),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("zero8-launch --num_procs 2"), std::string::npos) << what;
+    }
+  }
+  EXPECT_STREQ(comm_create("single")->backend(), "single");
+  setenv("WORLD_SIZE", "1", 1);
+  EXPECT_STREQ(comm_create("auto")->backend(), "single");
+  unsetenv("WORLD_SIZE");
+}
+
 TEST(CommSingle, TimeoutFromEnvironment) {
   setenv("ZERO8_COMM_TIMEOUT", "7.5", 1);
   EXPECT_EQ(make_single()->timeout(), 7.5);

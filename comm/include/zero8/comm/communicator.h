@@ -341,6 +341,8 @@ class Communicator {
 // finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI.
 // "auto": "mpi" when started by mpirun (OMPI_COMM_WORLD_SIZE or PMI_SIZE set) and built with MPI,
 // else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
+// "auto", "mpi" and "nccl" in a process that no MPI launcher started but whose WORLD_SIZE is above 1
+// (torchrun, DeepSpeed's launcher) throw Error(unsupported) naming zero8-launch: each rank would be alone.
 std::unique_ptr<Communicator> comm_create(const std::string& backend = "auto");
 bool comm_backend_available(const std::string& backend);  // compiled in (not: usable right now)
 // The backend "auto" stands for, for buffers in `memory`: host memory as comm_create("auto") decides;
