@@ -822,7 +822,8 @@ NodeGroups node_groups(Communicator& world) {
 // ---- factory ----
 
 namespace {
-// Set by mpirun (OpenMPI) or a PMI launcher (MPICH hydra, srun --mpi=pmi2).
+// Set by mpirun (OpenMPI) or a PMI launcher (MPICH hydra, srun --mpi=pmi2); a PMIx launcher (srun
+// --mpi=pmix) sets PMIX_RANK, and the job's size is then SLURM's task count (0: not known).
 bool launched_by_mpi_launcher(int* size) {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
     const char* s = std::getenv(var);
@@ -831,7 +832,17 @@ bool launched_by_mpi_launcher(int* size) {
       return true;
     }
   }
-  return false;
+  const char* pmix = std::getenv("PMIX_RANK");
+  if (pmix == nullptr || *pmix == '\0') return false;
+  *size = 0;
+  for (const char* var : {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}) {
+    const char* s = std::getenv(var);
+    if (s != nullptr && *s != '\0') {
+      *size = std::atoi(s);
+      break;
+    }
+  }
+  return true;
 }
 
 // A process that no MPI launcher started but whose environment says it is one of several ranks

@@ -102,6 +102,13 @@ TEST(CommSingle, AutoBackendByMemory) {
   setenv("PMI_SIZE", "2", 1);
   EXPECT_EQ(comm_auto_backend(MemSpace::device), ZERO8_WITH_NCCL ? "nccl" : "mpi");
   unsetenv("PMI_SIZE");
+  // srun --mpi=pmix: PMIX_RANK, and SLURM's task count as the size.
+  setenv("PMIX_RANK", "0", 1);
+  setenv("SLURM_NTASKS", "2", 1);
+  EXPECT_EQ(comm_auto_backend(MemSpace::host), "mpi");
+  EXPECT_EQ(comm_auto_backend(MemSpace::device), ZERO8_WITH_NCCL ? "nccl" : "mpi");
+  unsetenv("PMIX_RANK");
+  unsetenv("SLURM_NTASKS");
   EXPECT_EQ(comm_create("single")->device(), -1);
 }
 
