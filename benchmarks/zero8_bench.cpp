@@ -871,7 +871,11 @@ int cmd_comm(Options& o) {
     for (const Row& row : rows)
       std::printf("%-26s %16.0f %10.2f %16.0f %10.2f\n", row.name, row.r.reduce_bytes, row.r.reduce_s * 1e3,
                   row.r.sync_bytes, row.r.step_s * 1e3);
-    std::printf("gradient bytes, int8 / fp32: %.4f (target <= 0.255)\n", ratio);
+    if (N == 1)
+      std::printf("one rank: nothing crosses a wire, so no row quantizes or sends anything (the sharded optimizer's "
+                  "WirePlan); run under mpirun -np 2 or more for the wire figures\n");
+    else
+      std::printf("gradient bytes, int8 / fp32: %.4f (target <= 0.255)\n", ratio);
     std::printf("optimizer state on rank 0: %.4f bytes/param (target 2.03/N = %.4f); fp32 master %.4f (4/N = %.4f)\n",
                 rows[1].r.state_per_param, state_target, rows[1].r.master_per_param, master_target);
     std::printf("%s\n", Json()
