@@ -4,7 +4,9 @@
 #   asan  build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer, every ctest test (mpirun ones
 #         included; not the demo training run) and the replay of each fuzz corpus (tests/fuzz/corpus/).
 #   tsan  build-tsan/: ThreadSanitizer over the threaded communicator tests (test_comm_single's
-#         CommThreads, test_liveness).
+#         CommThreads, test_liveness) and, under mpirun on 2 and 3 ranks, the multi-rank communicator and
+#         sharded-optimizer tests (test_dist_comm, test_dist_sharded: the overlap thread and the deferred
+#         all-gather over real MPI; OpenMPI's own code suppressed, tests/sanitize/tsan_mpi.supp).
 #   fuzz  each libFuzzer target of build-asan/ for ZERO8_FUZZ_SECONDS (default 30) from its corpus and
 #         the test data; new inputs go to build-asan/fuzz/corpus/<target>/, crashes to build-asan/fuzz/.
 # Usage: scripts/sanitize.sh [asan] [tsan] [fuzz] (default: all three, in that order). Each part prints
@@ -79,13 +81,23 @@ run_asan() {
 }
 
 run_tsan() {
-  local t0 rc=0 exe log
+  local t0 rc=0 exe log np
+  local -a mpi_exes=()
   t0=$(date +%s)
   mkdir -p "$tsan_dir"
-  # Only the test executables that run threads of the communicator (and the library they link).
+  # Only the test executables that run threads of the communicator (and the library they link); the
+  # mpirun ones where zero8 has MPI (configure found it) and mpirun is there.
   if ! configure "$tsan_dir" thread || ! cmake --build "$tsan_dir" --parallel "$jobs" --target test_comm_single test_liveness; then
     summary "tsan: build failed ($(( $(date +%s) - t0 )) s)"
     return 1
+  fi
+  if command -v mpirun >/dev/null && cmake --build "$tsan_dir" --target help | grep -qw test_dist_sharded; then
+    if cmake --build "$tsan_dir" --parallel "$jobs" --target test_dist_comm test_dist_sharded; then
+      mpi_exes=(test_dist_comm test_dist_sharded)
+    else
+      summary "tsan: build of the mpirun tests failed ($(( $(date +%s) - t0 )) s)"
+      return 1
+    fi
   fi
   # One OpenMP thread: Debian's libomp is not built with TSan, so its barriers would read as races; the
   # threads under test are the communicator's own.
@@ -97,7 +109,21 @@ run_tsan() {
       echo "sanitize: the TSan output of $exe: $log" >&2
     fi
   done
-  summary "tsan: test_comm_single, test_liveness: $( ((rc == 0)) && echo passed || echo FAILED), $(( $(date +%s) - t0 )) s"
+  for exe in "${mpi_exes[@]}"; do
+    for np in 2 3; do
+      log="$tsan_dir/$exe.np$np.log"
+      if ! OMP_NUM_THREADS=1 TSAN_OPTIONS="$TSAN_OPTIONS:suppressions=$supp/tsan_mpi.supp" \
+           mpirun -np "$np" --oversubscribe -x OMP_NUM_THREADS -x TSAN_OPTIONS "$tsan_dir/tests/dist/$exe" \
+           --gtest_brief=1 >"$log" 2>&1; then
+        rc=1
+        tail -40 "$log" >&2
+        echo "sanitize: the TSan output of $exe on $np ranks: $log" >&2
+      fi
+    done
+  done
+  local what="test_comm_single, test_liveness"
+  ((${#mpi_exes[@]} > 0)) && what+=", test_dist_comm and test_dist_sharded on 2 and 3 ranks"
+  summary "tsan: $what: $( ((rc == 0)) && echo passed || echo FAILED), $(( $(date +%s) - t0 )) s"
   return $rc
 }
 
