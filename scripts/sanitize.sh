@@ -112,7 +112,10 @@ run_tsan() {
   for exe in "${mpi_exes[@]}"; do
     for np in 2 3; do
       log="$tsan_dir/$exe.np$np.log"
-      if ! OMP_NUM_THREADS=1 TSAN_OPTIONS="$TSAN_OPTIONS:suppressions=$supp/tsan_mpi.supp" \
+      # ignore_noninstrumented_modules: the interceptors (free, mutexes) that OpenMPI's and PMIx's own
+      # threads call are not checked; a report from PMIx's progress thread while MPI_Finalize dlclose()s
+      # its components deadlocked TSan's report against the loader's lock.
+      if ! OMP_NUM_THREADS=1 TSAN_OPTIONS="$TSAN_OPTIONS:ignore_noninstrumented_modules=1:suppressions=$supp/tsan_mpi.supp" \
            mpirun -np "$np" --oversubscribe -x OMP_NUM_THREADS -x TSAN_OPTIONS "$tsan_dir/tests/dist/$exe" \
            --gtest_brief=1 >"$log" 2>&1; then
         rc=1
