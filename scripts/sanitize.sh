@@ -115,9 +115,10 @@ run_tsan() {
       # ignore_noninstrumented_modules: the interceptors (free, mutexes) that OpenMPI's and PMIx's own
       # threads call are not checked; a report from PMIx's progress thread while MPI_Finalize dlclose()s
       # its components deadlocked TSan's report against the loader's lock.
+      # A time limit too: a hang is a failure to report, never a CI run that waits forever.
       if ! OMP_NUM_THREADS=1 TSAN_OPTIONS="$TSAN_OPTIONS:ignore_noninstrumented_modules=1:suppressions=$supp/tsan_mpi.supp" \
-           mpirun -np "$np" --oversubscribe -x OMP_NUM_THREADS -x TSAN_OPTIONS "$tsan_dir/tests/dist/$exe" \
-           --gtest_brief=1 >"$log" 2>&1; then
+           timeout -k 10 300 mpirun -np "$np" --oversubscribe -x OMP_NUM_THREADS -x TSAN_OPTIONS \
+           "$tsan_dir/tests/dist/$exe" --gtest_brief=1 >"$log" 2>&1; then
         rc=1
         tail -40 "$log" >&2
         echo "sanitize: the TSan output of $exe on $np ranks: $log" >&2
