@@ -267,6 +267,27 @@ def _scales_make_nonnegative(out: torch.Tensor, absmax: torch.Tensor, blocksize:
 # tensors); the Python functions below validate the arguments and name them in errors, then call these.
 
 
+def _quantize_into(A: Tensor, kind: "_C.MapKind", blocksize: int, codes_ptr: int, absmax_ptr: int) -> None:
+    """The codec over a standard map, on A's device: A's codes and one float32 scale per block into the
+    memory at codes_ptr and absmax_ptr (on that device too; CUDA work queued on torch's current stream)."""
+    args = (ptr(A), dtype_code(A), A.numel(), blocksize, kind, codes_ptr, absmax_ptr)
+    if A.is_cuda:
+        with on_device(A):
+            _C.quantize_blockwise_cuda(*args, stream=cuda_stream(A))
+    else:
+        _C.quantize_blockwise(*args)
+
+
+def _dequantize_into(codes_ptr: int, absmax_ptr: int, blocksize: int, kind: "_C.MapKind", out: Tensor) -> None:
+    """The decoding of _quantize_into: out.numel() values into `out` (contiguous), on its device."""
+    args = (codes_ptr, absmax_ptr, out.numel(), blocksize, kind, ptr(out), dtype_code(out))
+    if out.is_cuda:
+        with on_device(out):
+            _C.dequantize_blockwise_cuda(*args, stream=cuda_stream(out))
+    else:
+        _C.dequantize_blockwise(*args)
+
+
 def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int,
                                nonnegative_scales: bool) -> tuple[Tensor, Tensor]:
     """(codes of A's shape, one float32 scale per block), on A's device; nonnegative_scales: the first step
@@ -282,17 +303,12 @@ def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int
             raise Zero8ValueError(f"quantize_blockwise: {problem}. zero8 quantizes to the nearest value of a map "
                                   "of 256 finite values sorted ascending within [-1, 1] (dequantize_blockwise "
                                   "decodes with any 256 values)")
-    if A.is_cuda:
+    if kind is not None:
+        _quantize_into(A, kind, blocksize, ptr(out), ptr(absmax))
+    elif A.is_cuda:
         with on_device(A):
-            if kind is not None:
-                _C.quantize_blockwise_cuda(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax),
-                                           stream=cuda_stream(A))
-            else:
-                _C.quantize_blockwise_table_cuda(ptr(A), dtype_code(A), n, blocksize,
-                                                 ptr(_device_table(values, A.device)), ptr(out), ptr(absmax),
-                                                 stream=cuda_stream(A))
-    elif kind is not None:
-        _C.quantize_blockwise(ptr(A), dtype_code(A), n, blocksize, kind, ptr(out), ptr(absmax))
+            _C.quantize_blockwise_table_cuda(ptr(A), dtype_code(A), n, blocksize, ptr(_device_table(values, A.device)),
+                                             ptr(out), ptr(absmax), stream=cuda_stream(A))
     else:
         _C.quantize_blockwise_values(ptr(A), dtype_code(A), n, blocksize, values, ptr(out), ptr(absmax))
     if nonnegative_scales:
@@ -315,17 +331,12 @@ def _dequantize_blockwise_kernel(A: Tensor, absmax: Tensor, code: Optional[Tenso
         # (the float32 product, then one rounding to dtype).
         scales = absmax.repeat_interleave(blocksize)[:n]
         out.view(-1).copy_(code.to(A.device)[A.reshape(-1).long()] * scales)
+    elif kind is not None:
+        _dequantize_into(ptr(A), ptr(absmax), blocksize, kind, out)
     elif A.is_cuda:
         with on_device(A):
-            if kind is not None:
-                _C.dequantize_blockwise_cuda(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out),
-                                             stream=cuda_stream(A))
-            else:
-                _C.dequantize_blockwise_table_cuda(ptr(A), ptr(absmax), n, blocksize,
-                                                   ptr(_device_table(values, A.device)), ptr(out), dtype_code(out),
-                                                   stream=cuda_stream(A))
-    elif kind is not None:
-        _C.dequantize_blockwise(ptr(A), ptr(absmax), n, blocksize, kind, ptr(out), dtype_code(out))
+            _C.dequantize_blockwise_table_cuda(ptr(A), ptr(absmax), n, blocksize, ptr(_device_table(values, A.device)),
+                                               ptr(out), dtype_code(out), stream=cuda_stream(A))
     else:
         _C.dequantize_blockwise_values(ptr(A), ptr(absmax), n, blocksize, values, ptr(out), dtype_code(out))
     return out

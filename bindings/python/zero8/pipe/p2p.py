@@ -22,7 +22,7 @@ import torch
 
 from .. import _C
 from .._C import Zero8ValueError
-from .._tensors import cuda_stream, dtype_code, on_device
+from ..functional import _dequantize_into, _quantize_into
 
 # Tags on the pipeline communicator, one ordered channel each: the messages of a pair of ranks with the
 # same tag arrive in order, so a batch's structure and then its micro-batches share one.
@@ -185,13 +185,7 @@ class StageLink:
             n = t.numel()
             nb = _C.quant_num_blocks(n, self.wire_block)
             buf = torch.empty(4 * nb + n, dtype=torch.uint8, device=t.device)  # absmax first: float32-aligned
-            args = (t.data_ptr(), dtype_code(t), n, self.wire_block, _C.MapKind.dynamic_signed,
-                    buf.data_ptr() + 4 * nb, buf.data_ptr())
-            if t.is_cuda:
-                with on_device(t):
-                    _C.quantize_blockwise_cuda(*args, stream=cuda_stream(t))
-            else:
-                _C.quantize_blockwise(*args)
+            _quantize_into(t, _C.MapKind.dynamic_signed, self.wire_block, buf.data_ptr() + 4 * nb, buf.data_ptr())
             payload = buf
         else:
             payload = t
@@ -211,13 +205,7 @@ class StageLink:
             nb = _C.quant_num_blocks(n, self.wire_block)
             buf = torch.empty(4 * nb + n, dtype=torch.uint8, device=self.device)
             self.comm.recv_ptr(buf.data_ptr(), buf.numel(), peer, tag)
-            args = (buf.data_ptr() + 4 * nb, buf.data_ptr(), n, self.wire_block, _C.MapKind.dynamic_signed,
-                    out.data_ptr(), dtype_code(out))
-            if out.is_cuda:
-                with on_device(out):
-                    _C.dequantize_blockwise_cuda(*args, stream=cuda_stream(out))
-            else:
-                _C.dequantize_blockwise(*args)
+            _dequantize_into(buf.data_ptr() + 4 * nb, buf.data_ptr(), self.wire_block, _C.MapKind.dynamic_signed, out)
         else:
             self.comm.recv_ptr(out.data_ptr(), n * out.element_size(), peer, tag)
         return out
