@@ -83,3 +83,10 @@ def dist_world():
     device = local_device()
     torch.cuda.set_device(device)
     return backend, device, world_comm(backend, device=device)
+
+
+def backend_config(cfg: dict, backend: str, device: torch.device) -> dict:
+    """cfg with zero8.comm_backend for a model on `device` in those files: `backend` on the GPU, "auto" (the
+    world made already) for a CPU reference beside it."""
+    cfg.setdefault("zero8", {})["comm_backend"] = backend if device.type == "cuda" else "auto"
+    return cfg

@@ -6,6 +6,8 @@ rows for the pipeline engine and for the plain engine over the same layers (engi
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
@@ -63,6 +65,15 @@ def make_tokens(rows: int = 512, seed: int = 3):
     for t in range(2, SEQ + 1):
         seqs[:, t] = (seqs[:, t - 1] * 3 + seqs[:, t - 2] + (torch.rand(rows, generator=g) < 0.1).long()) % VOCAB
     return seqs[:, :-1], seqs[:, 1:]
+
+
+def digest(tensors) -> bytes:
+    """One hash of the tensors' bytes, on any device: equal digests, the same bits (what the multi-rank
+    tests compare between stages and runs)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def micro_batches(data, step: int, batch: int, dp_rank: int, dp: int, gas: int):

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, cuda_util
 
 import zero8  # noqa: E402
-from cuda_util import dist_world  # noqa: E402
+from cuda_util import backend_config, dist_world  # noqa: E402
 from engine_util import (  # noqa: E402
     EXACT_COMBOS,
     ExactGradModel,
@@ -41,8 +41,7 @@ STEPS = 4
 
 
 def engine_on(device, combo: str, seed: int = 0):
-    cfg = exact_config(combo, N)
-    cfg.setdefault("zero8", {})["comm_backend"] = BACKEND if device.type == "cuda" else "auto"
+    cfg = backend_config(exact_config(combo, N), BACKEND, device)
     engine, *_ = zero8.initialize(model=ExactGradModel(seed).to(device), config=cfg)
     return engine
 

@@ -12,7 +12,6 @@ failing rank does not leave the others waiting.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from engine_util import EXACT, FULL8, config, make_data  # noqa: E402
 from pipe_util import (  # noqa: E402
     POISON,
     GradPoison,
+    digest,
     lm_layers,
     lm_loss,
     make_tokens,
@@ -83,13 +83,6 @@ def stage_matches(engine, reference: torch.nn.Module) -> bool:
     ref = reference.state_dict()
     mine = engine.module.state_dict()
     return bool(mine) and all(torch.equal(v, ref[k]) for k, v in mine.items())
-
-
-def digest(tensors) -> bytes:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()
 
 
 @four

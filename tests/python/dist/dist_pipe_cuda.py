@@ -12,7 +12,6 @@ checkpoint resumes bit-exactly on the GPU and, over MPI, loads into the same pip
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -24,11 +23,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, pip
 
 import zero8  # noqa: E402
 from zero8.config import load_config  # noqa: E402
-from cuda_util import dist_world  # noqa: E402
+from cuda_util import backend_config, dist_world  # noqa: E402
 from zero8.engine.training import Zero8Engine  # noqa: E402
 from zero8.pipe import LayerModule, PipelineModule  # noqa: E402
 from engine_util import EXACT, FULL8, config, make_data  # noqa: E402
-from pipe_util import lm_layers, lm_loss, make_tokens, micro_batches, mse, regression_layers, train_plain  # noqa: E402
+from pipe_util import (  # noqa: E402
+    digest,
+    lm_layers,
+    lm_loss,
+    make_tokens,
+    micro_batches,
+    mse,
+    regression_layers,
+    train_plain,
+)
 
 torch.set_num_threads(1)
 BACKEND, DEVICE, WORLD = dist_world()
@@ -53,8 +61,7 @@ def all_true(ok: bool) -> bool:
 
 
 def with_backend(cfg: dict, device=DEVICE) -> dict:
-    cfg.setdefault("zero8", {})["comm_backend"] = BACKEND if device.type == "cuda" else "auto"
-    return cfg
+    return backend_config(cfg, BACKEND, device)
 
 
 def pipeline(layers, loss, cfg: dict, device=DEVICE, **kw):
@@ -84,13 +91,6 @@ def stage_diff(engine, reference: torch.nn.Module) -> float:
     if not mine or any(k not in ref for k in mine):
         return float("inf")
     return max(float((v.float() - ref[k].to(v.device).float()).abs().max()) for k, v in mine.items())
-
-
-def digest(tensors) -> bytes:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()
 
 
 def test_stages_train_on_the_gpu_and_report_the_loss_there():
