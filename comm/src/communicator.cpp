@@ -856,8 +856,8 @@ void check_launched_for(const std::string& backend) {
   if (ws == nullptr || std::atoi(ws) <= 1) return;
   ZERO8_THROW(unsupported, "communicator backend '"
                                << backend << "': WORLD_SIZE is " << ws
-                               << ", but no MPI launcher started this process (neither OMPI_COMM_WORLD_SIZE nor "
-                                  "PMI_SIZE is set): zero8's ranks connect over MPI, so under torchrun or "
+                               << ", but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
+                                  "PMI_SIZE, PMIX_RANK is set): zero8's ranks connect over MPI, so under torchrun or "
                                   "DeepSpeed's launcher each would train alone. Start the job with zero8-launch "
                                   "--num_procs "
                                << ws << " (DeepSpeed's hostfile and environment variables) or mpirun -np " << ws);

@@ -339,7 +339,7 @@ class Communicator {
 
 // Backend factory. "single": one process. "mpi": MPI_COMM_WORLD (initializes MPI if needed and
 // finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI.
-// "auto": "mpi" when started by mpirun (OMPI_COMM_WORLD_SIZE or PMI_SIZE set) and built with MPI,
+// "auto": "mpi" when started by an MPI launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK set) and built with MPI,
 // else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
 // "auto", "mpi" and "nccl" in a process that no MPI launcher started but whose WORLD_SIZE is above 1
 // (torchrun, DeepSpeed's launcher) throw Error(unsupported) naming zero8-launch: each rank would be alone.
