@@ -150,8 +150,8 @@ void init_sharded(py::module_& m) {
       .def_readwrite("allgather_bucket_size", &ShardConfig::allgather_bucket_size,
                      "elements per piece of the parameter all-gather, over all ranks")
       .def_readwrite("overlap", &ShardConfig::overlap,
-                     "stage 2 reductions and the step's all-gather on a thread of the optimizer (host memory, "
-                     "several ranks): zero_optimization.overlap_comm")
+                     "stage 2 reductions (and on the host the step's all-gather) on a thread of the optimizer "
+                     "(several ranks): zero_optimization.overlap_comm")
       .def_readwrite("gradient_clipping", &ShardConfig::gradient_clipping)
       .def_readwrite("fp16", &ShardConfig::fp16, "dynamic loss scaling applies")
       .def_property(
@@ -383,13 +383,16 @@ void init_sharded(py::module_& m) {
             return step_info_dict(info);
           },
           py::arg("defer_gather") = false,
-          "Collective optimizer step: dict(skipped, grad_norm, clip_coef, loss_scale, step). defer_gather (with\n"
-          "the overlap thread): return before the parameter all-gather is done; read a parameter's working copy\n"
+          "Collective optimizer step: dict(skipped, grad_norm, clip_coef, loss_scale, step). defer_gather (where\n"
+          "defers_gather): return before the parameter all-gather is done; read a parameter's working copy\n"
           "only after wait_param(i), write it only after wait_gather().")
       .def("wait_param", &ShardedOptimizer::wait_param, py::arg("param"), py::call_guard<py::gil_scoped_release>(),
            "Deferred all-gather: block until parameter i's working copy holds the last step's update.")
       .def("wait_gather", &ShardedOptimizer::wait_gather, py::call_guard<py::gil_scoped_release>(),
            "Block until the whole deferred all-gather is done (at once when none is pending).")
+      .def_property_readonly("defers_gather", &ShardedOptimizer::defers_gather,
+                             "step(True) returns before the parameter all-gather is done (host memory, the "
+                             "overlap thread, not the int8 sync with stochastic rounding).")
       .def_property_readonly("gather_pending", &ShardedOptimizer::gather_pending,
                              "A deferred all-gather is pending (wait_gather() ends it).")
       .def("set_lr", [](ShardedOptimizer& o, float lr) { o.hyper().lr = lr; }, py::arg("lr"))

@@ -94,6 +94,8 @@ class NcclComm final : public Communicator {
   }
   const char* backend() const override { return "nccl"; }
   MemSpace memory() const override { return MemSpace::device; }
+  // Barriers, the bootstrap and the failure reports go through the MPI communicator.
+  bool calls_from_any_thread() const override { return host_->calls_from_any_thread(); }
   int device() const override { return device_; }
   [[noreturn]] void abort(int exit_code) override {
     if (host_->forked()) std::_Exit(exit_code);  // the NCCL and MPI state are the parent's

@@ -75,9 +75,12 @@ struct Twins {
   ShardConfig cfg;
   std::unique_ptr<ShardedOptimizer> host, dev;
 
-  Twins(const ShardConfig& c, comm::Communicator& dev_comm) : cfg(c) {
+  // dev_overlap: the device optimizer runs the overlap thread (the host one never does here: the two
+  // share the MPI world, which one thread at a time may use).
+  Twins(const ShardConfig& c, comm::Communicator& dev_comm, bool dev_overlap = false) : cfg(c) {
     host = std::make_unique<ShardedOptimizer>(twin_params(), c, world());
     ShardConfig d = c;
+    d.overlap = dev_overlap;
     d.memory = MemSpace::device;
     d.stream = stream.get();
     dev = std::make_unique<ShardedOptimizer>(twin_params(), d, dev_comm);
@@ -288,6 +291,61 @@ TEST(ShardedCuda, GradAddIntoDeviceBucketsEqualsTheHost) {
       expect_same_info(t.host->step(), t.dev->step());
       ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
     }
+  }
+}
+
+// With overlap the device optimizer reduces each bucket on its thread (the caller's thread, as autograd's,
+// only posts it), on the side stream, after the mark recorded when the bucket was posted: the caller keeps
+// writing the next gradients on its stream meanwhile, into fresh bucket buffers and into buffers a
+// reduction cleared. Stage 2 with grad_add (the engine's way) and with the full input; the same bits as the
+// host optimizer reducing in the caller's thread. The host twin finishes each micro-batch first, so the
+// device thread has the MPI world to itself.
+TEST(ShardedCuda, OverlapThreadReducesDeviceBucketsAsTheCaller) {
+  SKIP_WITHOUT_CUDA();
+  if (world().size() < 2) GTEST_SKIP() << "one rank reduces nothing, so runs no thread";
+  for (bool add : {true, false}) {
+    ShardConfig c = twin_config();
+    c.stage = 2;
+    c.int8_grads = true;
+    c.error_feedback = true;
+    c.int8_params = true;
+    SCOPED_TRACE(std::string(add ? "grad_add, " : "full input, ") + config_name(c));
+    Twins t(c, world(), true);
+    ASSERT_TRUE(t.dev->overlap_stats().threaded);
+    ASSERT_FALSE(t.host->overlap_stats().threaded);
+    const int r = world().rank(), n = int(twin_params().size());
+    std::vector<device::Buffer> grads;  // one per parameter: the caller's stream reads each after posting it
+    for (int p = 0; p < n; ++p) grads.emplace_back(std::max<int64_t>(t.host->layout().slots[size_t(p)].numel, 1) * 4, "gradient");
+    std::string diff;
+    for (int s = 0; s < 3; ++s) {
+      for (int m = 0; m < 2; ++m) {
+        std::vector<std::vector<float>> grad(static_cast<size_t>(n));
+        for (int p = n - 1; p >= 0; --p) {
+          const int64_t numel = t.host->layout().slots[size_t(p)].numel;
+          for (int64_t i = 0; i < numel; ++i) grad[size_t(p)].push_back(grad_value(r, s, m, p, i));
+          float* h = t.host->param_grad(p);
+          for (int64_t i = 0; i < numel; ++i) h[i] += grad[size_t(p)][size_t(i)];
+          t.host->grad_ready(p);
+        }
+        t.host->backward_end(m == 1);
+        // As backward: each gradient written on the caller's stream and reported at once, while the
+        // thread reduces the buckets posted before.
+        for (int p = n - 1; p >= 0; --p) {
+          const int64_t numel = int64_t(grad[size_t(p)].size());
+          device::copy(grads[size_t(p)].data(), grad[size_t(p)].data(), numel * 4, t.stream.get(), "gradient upload");
+          if (add)
+            t.dev->grad_add(p, grads[size_t(p)].data(), DType::f32);
+          else
+            vec::add(t.dev->param_grad(p), DType::f32, grads[size_t(p)].data(), DType::f32, numel,
+                     {MemSpace::device, t.stream.get()});
+          t.dev->grad_ready(p);
+        }
+        t.dev->backward_end(m == 1);
+      }
+      expect_same_info(t.host->step(), t.dev->step());
+      ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
+    }
+    EXPECT_GT(t.dev->overlap_stats().reductions, 0);
   }
 }
 

@@ -236,10 +236,12 @@ float* ShardedOptimizer::residual_data(int g) {
   return residual_[g].empty() ? nullptr : residual_[g].data();
 }
 
-void ShardedOptimizer::side_after_caller() {
-  if (!on_device()) return;
-  caller_mark_->record(cfg_.stream);
-  caller_mark_->wait_on(side_->get());
+// Called where bucket order_[pos] is posted (the caller's thread, right after the gradients it carries were
+// written on the caller's stream): the mark its reduction waits for on the side stream, wherever and
+// whenever that runs. Recorded later (on the overlap thread), it would also wait for the backward work
+// enqueued in between.
+void ShardedOptimizer::mark_posted(size_t pos) {
+  if (on_device()) posted_[pos]->record(cfg_.stream);
 }
 
 void ShardedOptimizer::caller_after_side() {
@@ -288,7 +290,6 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
     device::check_stream(cfg.stream, "stream", "ShardedOptimizer");
     device_ = device::current_device("ShardedOptimizer");
     side_ = std::make_unique<device::Stream>("ShardedOptimizer: the reduction stream");
-    caller_mark_ = std::make_unique<device::Event>("ShardedOptimizer: caller stream event");
     side_mark_ = std::make_unique<device::Event>("ShardedOptimizer: reduction stream event");
   }
   check_same_on_every_rank(params, cfg, dp);
@@ -410,12 +411,18 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   for (const auto& k : keyed) order_.push_back(k.second);
   for (int g = 0; g < kNumGroups; ++g) order_pos_[g].assign(buckets_[g].size(), 0);
   for (size_t i = 0; i < order_.size(); ++i) order_pos_[order_[i].first][size_t(order_[i].second)] = i;
+  if (dev)
+    for (size_t i = 0; i < order_.size(); ++i)
+      posted_.push_back(std::make_unique<device::Event>("ShardedOptimizer: a bucket's gradients written"));
   pending_.resize(kNumGroups);
   for (int g = 0; g < kNumGroups; ++g) reset_progress(g);
   // Stage 1 reduces at the boundary: it keeps every gradient until then, in the full buffer.
   if (cfg.stage == 1) make_full_input("ShardedOptimizer");
-  // One rank has nothing to hide (its reductions are local copies); a device has its side stream.
-  threaded_ = cfg.overlap && !dev && dp.size() > 1 && dp.calls_from_any_thread();
+  // One rank has nothing to hide (its reductions are local copies). A device needs the thread as much as
+  // the host: its collectives are on the side stream, but each call blocks until its work is done
+  // (communicator.h), so in the caller's thread backward would enqueue nothing more while a bucket is on
+  // the wire, and the GPU would have no backward work to run beside it.
+  threaded_ = cfg.overlap && dp.size() > 1 && dp.calls_from_any_thread();
   overlap_.threaded = threaded_;
   if (threaded_) worker_ = std::thread([this] { worker_loop(); });
 }
@@ -593,7 +600,8 @@ float* ShardedOptimizer::slot_data(int g, int bi, bool for_caller) {
     }
     slot = slots_[size_t(slot_of_[g][size_t(bi)])].get();
     if (slot->buf.bytes() < need * 4) {
-      slot->buf = Store(cfg_.memory, need * 4, cfg_.stream);  // zeros
+      // Zeros, on the stream that uses it first: the caller's for grad_add, else the reduction's.
+      slot->buf = Store(cfg_.memory, need * 4, for_caller ? cfg_.stream : where_reduce().stream);
       slot->used = 0;
       slot->pending_clear = false;
     }
@@ -705,8 +713,8 @@ comm::WireOptions ShardedOptimizer::wire_options(comm::WireFormat format) {
   return opt;
 }
 
-// On a device, on the side stream: the gradient was written on the caller's stream, which the side
-// stream waits for first. With overlap, on the optimizer's thread.
+// On a device, on the side stream: the gradient was written on the caller's stream, and the side stream
+// waits for the mark recorded there when the bucket was posted. With overlap, on the optimizer's thread.
 void ShardedOptimizer::reduce_bucket(int g, int bi) {
   const Bucket& b = buckets_[g][size_t(bi)];
   const GroupLayout& gl = layout_.groups[g];
@@ -716,7 +724,7 @@ void ShardedOptimizer::reduce_bucket(int g, int bi) {
   const vec::Where w = where_reduce();
   // A bucket that got no gradient on this rank (unused parameters, padding) sends zeros from a slot.
   const float* input = full_input_ ? grad_data(g) + b.begin : slot_data(g, bi, false);
-  side_after_caller();
+  if (on_device()) posted_[order_pos_[g][size_t(bi)]]->wait_on(side_->get());
   scratch_.grow(std::max<int64_t>(mine, 1) * 4);
   const comm::WireOptions opt = wire_options(wire_.grads);
   float* residual = residual_data(g);
@@ -752,6 +760,7 @@ void ShardedOptimizer::reduce_in_order(bool only_ready) {
   for (; next_ < order_.size(); ++next_) {
     const auto [g, bi] = order_[next_];
     if (only_ready && pending_[g][size_t(bi)] > 0) break;
+    mark_posted(next_);
     post(Phase::reduce, [this, g = g, bi = bi] { reduce_bucket(g, bi); });
   }
 }
@@ -809,7 +818,9 @@ void ShardedOptimizer::backward_end(bool boundary) {
 // ---- the thread of "Overlap" ----
 
 void ShardedOptimizer::post(Phase phase, std::function<void()> job) {
-  if (!threaded_) {
+  // A device's all-gather runs on the caller's stream, behind the step's kernels: the thread would let
+  // the caller enqueue the next piece's step sooner, but the GPU would still run them one after the other.
+  if (!threaded_ || (phase == Phase::gather && on_device())) {
     const double t0 = now_s();
     job();
     const double dt = now_s() - t0;
@@ -873,6 +884,15 @@ int64_t ShardedOptimizer::gather_index(int param) const {
 // failed (communicator.h, "Failure": the communicator is unusable after it), and the caller rethrows the
 // error at its next post or drain.
 void ShardedOptimizer::worker_loop() {
+  std::unique_ptr<device::DeviceGuard> device_guard;  // a device optimizer's device: current per thread
+  try {
+    device_guard = std::make_unique<device::DeviceGuard>(device_, "ShardedOptimizer's overlap thread");
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(mu_);
+    failure_ = std::current_exception();
+    done_cv_.notify_all();
+    return;
+  }
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     work_cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
@@ -1178,6 +1198,12 @@ void ShardedOptimizer::sync_working_from_master() {
   initialized_ = true;
 }
 
+// A device's gather runs in the caller's thread (post), so there is nothing to defer. The int8 sync with
+// stochastic rounding is one piece.
+bool ShardedOptimizer::defers_gather() const {
+  return threaded_ && !on_device() && !(wire_.int8_params && cfg_.stochastic_wire);
+}
+
 StepInfo ShardedOptimizer::step(bool defer_gather) {
   wait_gather();
   // Zero masters would overwrite the model's weights with the update from zero (every rank alike).
@@ -1216,7 +1242,7 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
     if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
     // Each piece of the partition is gathered (with overlap: on the optimizer's thread) while the next
     // one is stepped; the gathers run in the same order on every rank (gather_index counts on it).
-    const bool defer = defer_gather && threaded_ && !(wire_.int8_params && cfg_.stochastic_wire);
+    const bool defer = defer_gather && defers_gather();
     if (defer) {
       std::lock_guard<std::mutex> lk(mu_);
       gather_base_ = gathers_done_;

@@ -99,7 +99,8 @@ WirePlan wire_plan(const ShardConfig& cfg, int world);
 // LARS excepted, whose per-tensor norms the device sums in another order (optim_norms_cuda).
 // Streams: the step, init(), the parameter all-gather and the checkpoint copies run on cfg.stream. The
 // gradient reductions (stage 2: per bucket during backward; stage 1: at the boundary) run on a side
-// stream of the optimizer, which first waits for cfg.stream (backward wrote the gradient there); the
+// stream of the optimizer, which first waits for an event recorded on cfg.stream when the bucket was posted
+// (backward wrote its gradients there before grad_ready; with overlap the reduction runs later); the
 // reduced buckets are cleared there too, and cfg.stream waits for the side stream at backward_end, so
 // the next micro-batch's backward and the step see them done; a bucket buffer of grad_add cleared there
 // is waited for on cfg.stream (an event per buffer) before grad_add writes it again. The communicator's stream is set to the
@@ -130,7 +131,7 @@ WirePlan wire_plan(const ShardConfig& cfg, int world);
 // nothing between backwards, at the cost of allocating again); the full buffer (stage 2 only) hands the
 // pages of each reduced bucket back to the operating system (GradBuffer).
 //
-// Overlap (ShardConfig::overlap; host memory, stage 2, more than one rank, and a communicator whose calls
+// Overlap (ShardConfig::overlap; stage 2, more than one rank, and a communicator whose calls
 // may come from another thread: communicator.h, "Threads"). The optimizer runs a thread that takes jobs in
 // the order the caller posts them: grad_ready posts each bucket it completes, in the fixed reduction order,
 // and the caller goes on with its backward; backward_end posts the rest and waits for all. The step posts
@@ -140,10 +141,11 @@ WirePlan wire_plan(const ShardConfig& cfg, int world);
 // grad_ready until backward_end returns (a pipeline's send/recv in backward needs overlap off). A failed
 // collective on the thread (a dead or stuck peer: communicator.h, "Failure") is thrown in the caller by
 // the next grad_ready, backward_end or any other call, with the communicator's message, which names the
-// rank. overlap_stats() says how much of the collectives' time the caller did not wait for. Device
-// optimizers reduce on a side stream instead (below) and ignore overlap.
+// rank. overlap_stats() says how much of the collectives' time the caller did not wait for. A device
+// optimizer's jobs enqueue their work on its side stream (below) and wait for it there, off the caller's
+// thread; its all-gather runs in the caller's thread, on the caller's stream.
 
-// Deferred all-gather (step(true), with the overlap thread; host memory). The step updates every piece
+// Deferred all-gather (step(true), with the overlap thread; host memory: defers_gather()). The step updates every piece
 // of this rank's partition and posts each piece's all-gather to the thread, then returns: the gather of
 // step t runs while the caller starts step t+1's forward. The caller must not read a parameter's working
 // copy before wait_param(param) returned (the engine calls it in a forward pre-hook of each module, for
@@ -257,8 +259,11 @@ class ShardedOptimizer {
   // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does). Throws
   // (before any collective) in the middle of an accumulation: after backward_end(false), or after
   // grad_ready without backward_end (that micro-batch's gradient is not reduced yet).
-  // defer_gather: see "Deferred all-gather"; ignored unless the optimizer runs the overlap thread.
+  // defer_gather: see "Deferred all-gather"; ignored unless defers_gather().
   StepInfo step(bool defer_gather = false);
+  // step(true) returns before the all-gather is done: host memory with the overlap thread, and not the
+  // int8 sync with stochastic rounding.
+  bool defers_gather() const;
   // Deferred all-gather: blocks until parameter `param`'s working copy holds the last step's update (every
   // piece of the gather that writes it is done); returns at once when no gather is pending. Rethrows a
   // failed collective as the other calls do.
@@ -380,7 +385,7 @@ class ShardedOptimizer {
   vec::Where where_reduce() const;  // the reduction side stream
   float* grad_data(int g);           // the full gradient input
   float* residual_data(int g);      // null without error feedback
-  void side_after_caller();         // the side stream waits for the caller's work so far
+  void mark_posted(size_t pos);     // device: bucket order_[pos]'s gradients are written (posted_)
   void caller_after_side();         // and the other way round
   void sync_caller(const char* what);
   void step_args_upload(int g, optim::StepArgs& a, const std::vector<int64_t>& offs, const std::vector<float>& trust);
@@ -417,7 +422,8 @@ class ShardedOptimizer {
   Store seg_offsets_, seg_trust_;                  // device LAMB/LARS: a run's segments and trust ratios
   comm::WireWorkspace wire_ws_;
   std::unique_ptr<device::Stream> side_;           // device: the reduction stream
-  std::unique_ptr<device::Event> caller_mark_, side_mark_;
+  std::unique_ptr<device::Event> side_mark_;      // device: the reductions so far, for the caller's stream
+  std::vector<std::unique_ptr<device::Event>> posted_;  // device, per place in order_: recorded when posted
   std::vector<std::vector<int>> pending_;          // per group, per bucket: parameters not yet ready
   std::vector<bool> done_[kNumGroups];             // per group, per bucket: reduced this micro-batch
   std::vector<Bucket> buckets_[kNumGroups];

@@ -390,13 +390,13 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     f"use_reentrant=False, to avoid it altogether")
 
     def _prepare_deferred_gather(self) -> None:
-        """zero8.overlap_param_gather (with the overlap thread, the default): engine.step() returns with the
+        """zero8.overlap_param_gather (with the overlap thread on the CPU, the default): engine.step() returns with the
         all-gather of the updated partitions still running on the optimizer's thread (the C++ "Deferred
         all-gather"), and each parameter waits for its own piece at its first touch, in a module's forward or
         anywhere else (gather.py), so the gather overlaps the forward and nothing reads a half-updated
         weight. The end of engine's forward and every engine call that reads the weights wait for all of it.
         Off when a trainable parameter is not exactly a torch.nn.Parameter (its class cannot be swapped)."""
-        self._defer_gather = bool(self._cfg.zero8.overlap_param_gather) and bool(self._opt.overlap_stats()["threaded"])
+        self._defer_gather = bool(self._cfg.zero8.overlap_param_gather) and bool(self._opt.defers_gather)
         if not self._defer_gather:
             return
         odd = gather.unguardable(self._params)
@@ -794,7 +794,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         seconds the training loop waited for them (``reduce_wait_seconds``, ``gather_wait_seconds``), and the
         share of the reductions' time hidden behind backward (``reduce_hidden``: 1 - wait / seconds);
         ``threaded`` says whether they ran on the optimizer's thread (zero_optimization.overlap_comm, several
-        ranks)."""
+        ranks; on the CPU and on a GPU)."""
         ops = {k: dict(v) for k, v in self._dp.stats().items() if int(v["calls"]) > 0}
         total = sum(int(v["bytes"]) for v in ops.values())
         peers = [0] * self._dp.size
