@@ -27,7 +27,9 @@ def cuda_unavailable() -> str | None:
 REASON = cuda_unavailable()
 # pytestmark of every CUDA test module: selected by -m cuda, skipped (saying why) where it cannot run.
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
-DEV = torch.device("cuda")
+# With its index: tensors report cuda:0, and torch.device("cuda") == torch.device("cuda", 0) is False, so a
+# bare "cuda" here would fail every device comparison of the tests.
+DEV = torch.device("cuda", 0)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,8 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def busy(stream: torch.cuda.Stream, ms: float = 50.0) -> None:
     """Queue about `ms` milliseconds of GPU spinning on `stream` (torch.cuda._sleep counts clock cycles), so
     work queued after it on that stream runs late, and work on another stream (or with a host wait) shows."""
-    khz = torch.cuda.get_device_properties(torch.cuda.current_device()).clock_rate or 2_000_000  # 0: not reported
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    khz = getattr(props, "clock_rate", 0) or 2_000_000  # 0 or absent: not reported
     cycles = int(max(khz, 1_000_000) * ms)  # at least a 1 GHz clock's worth: spinning longer is harmless
     with torch.cuda.stream(stream):
         torch.cuda._sleep(cycles)

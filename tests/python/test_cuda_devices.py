@@ -97,3 +97,13 @@ def test_mixed_layer_and_input_devices_name_both():
             name = type(layer).__name__
             with pytest.raises(zero8.Zero8ValueError, match=rf"^{name}\.weight is on cuda:0 but input is on cpu"):
                 layer(torch.randn(4, 16))
+
+
+def test_the_cuda_tests_device_equals_their_tensors_devices():
+    # A tensor made on "cuda" reports cuda:0, and torch.device("cuda") != torch.device("cuda", 0): the GPU
+    # tests' DEV (cuda_util) must carry the index, or each of their device comparisons fails.
+    from cuda_util import DEV
+
+    with FakeTensorMode():
+        assert torch.empty(4, device="cuda").device == DEV
+        assert torch.empty(4).to(DEV).device == DEV
