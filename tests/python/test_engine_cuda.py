@@ -181,9 +181,29 @@ def _cpu_run(combo: str, steps: int = STEPS) -> dict:
     return out
 
 
+def test_parameters_are_views_of_the_optimizers_host_buffers():
+    # The host side of the GPU test below: fp32 weights are views of the working buffer; their .grad views
+    # of the gradient buffer in stage 1 only (stage 2 has no full gradient buffer: .grad stays None).
+    for combo, grad_views in (("fp32_stage1_gas2", True), ("fp32_stage2_int8_ef", False)):
+        engine, *_ = zero8.initialize(model=ExactGradModel(), config=exact_config(combo, 1))
+        opt = engine._opt
+        base = {g: torch.frombuffer(opt.working_buffer(g), dtype=torch.uint8).data_ptr() for g in range(2)}
+        for i, p in enumerate(engine._params):
+            g, offset, _ = opt.param_slot(i)
+            assert p.data_ptr() == base[g] + 4 * offset
+            if grad_views:
+                assert p.grad.data_ptr() == torch.frombuffer(opt.grad_buffer(g), dtype=torch.uint8).data_ptr() \
+                    + 4 * offset
+            else:
+                assert p.grad is None
+        exact_train(engine, combo, 0, 2, 0)
+        assert all((p.grad is not None) == grad_views for p in engine._params)
+        engine.destroy()
+
+
 @pytest.mark.cuda
 def test_parameters_are_views_of_the_optimizers_device_buffers():
-    combo = "fp32_stage2_int8_ef"
+    combo = "fp32_stage1_gas2"  # stage 1: .grad is a view of the gradient buffer too (stage 2 has none)
     engine = _cuda_engine(combo)
     opt = engine._opt
     assert engine.device == local_device() and opt.config.memory == "device"
