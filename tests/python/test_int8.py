@@ -492,6 +492,38 @@ def test_int8linear_saves_int8_activations_and_reports_memory():
     assert mem["ratio"] == pytest.approx(0.25 + 1 / 1024, rel=0.2)  # 1 byte + 4/1024 per element vs 4
 
 
+@pytest.mark.parametrize("shape", [(5, 13, 7), (17, 8, 8), (1, 1, 1), (16, 24, 9), (40, 64, 32), (300, 1000, 50),
+                                   (0, 3, 4), (3, 0, 4), (3, 4, 0)])
+def test_gpu_gemm_padding_on_cpu_tensors(shape, monkeypatch):
+    """The GPU int8 GEMMs' padding, run on CPU tensors (they take any device): _ops._int_mm_cuda with
+    torch._int_mm replaced by a check of its CUDA rules (m > 16, k and n nonzero multiples of 8, a row-major and
+    mat2 the transpose of a row-major n x k, the TN form cuBLASLt's int8 kernels take), and _ops._gemm_cuda
+    through _C.int8_gemm (the CPU twin of int8_gemm_cuda, given the same k and n, multiples of 4). Exact
+    products whatever the shape, from contiguous and transposed operands."""
+    from zero8 import _ops
+
+    torch_int_mm = torch._int_mm
+
+    def cuda_rules(a, b):
+        assert a.shape[0] > 16 and a.shape[1] > 0 and a.shape[1] % 8 == 0 and b.shape[1] > 0 and b.shape[1] % 8 == 0, \
+            (tuple(a.shape), tuple(b.shape))
+        assert a.is_contiguous() and b.t().is_contiguous(), (a.stride(), b.stride())
+        return torch_int_mm(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", cuda_rules)
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m + k + n)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    want = a.long() @ b.long().t()
+    for a_, b_ in ((a, b), (a.t().contiguous().t(), b.t().contiguous().t())):
+        got = _ops._int_mm_cuda(a_, b_)
+        assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got.long(), want)
+        if m > 0 and n > 0:
+            got = _ops._gemm_cuda(a_, b_)
+            assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got.long(), want)
+
+
 def test_blockwise_matmul_matches_dequantized_product_and_gemm_backends_agree():
     torch.manual_seed(11)
     a, b = torch.randn(33, 70), torch.randn(21, 70)
