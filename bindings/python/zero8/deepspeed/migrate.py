@@ -101,14 +101,17 @@ def load_into_engine(engine: "Zero8Engine", load_dir: str, tag: str, *, load_mod
     states = staged["states"]
     with torch.no_grad():
         engine.module.load_state_dict(staged["module_sd"], strict=load_module_strict)
-    if not full:
-        opt.init(0)  # masters from the loaded weights
-    else:
-        for g, parts in staged["parts"].items():
-            for part, data in parts.items():
-                opt.copy_from_host(g, part, data)
-        opt.steps = states.step
-        opt.sync_working_from_master()
+    # The optimizer's work on its stream, after the weights' copies on the current one (device.StreamOrder).
+    with engine._stream_order():
+        if not full:
+            opt.init(0)  # masters from the loaded weights
+        else:
+            for g, parts in staged["parts"].items():
+                for part, data in parts.items():
+                    opt.copy_from_host(g, part, data)
+            opt.steps = states.step
+            opt.sync_working_from_master()
+    if full:
         ms = states.model_states
         engine.global_steps = int(ms.get("global_steps", states.step))
         engine.skipped_steps = int(ms.get("skipped_steps", 0))

@@ -182,7 +182,8 @@ class PipelineCheckpoints:
         with torch.no_grad():
             for module, sd in staged["layers"]:
                 module.load_state_dict(sd, strict=strict)
-        self._opt.init(0)  # masters from the loaded weights, everywhere equal
+        with self._stream_order():  # the weights were copied in on the current stream
+            self._opt.init(0)  # masters from the loaded weights, everywhere equal
         if not module_only:
             e = meta["engine"]
             self.global_steps = int(e["global_steps"])
@@ -205,7 +206,8 @@ class PipelineCheckpoints:
         """The tied copies from their owners again, and no replica gradient left from before the load."""
         for acc in self._tied_acc.values():
             acc.zero_()
-        self._sync_tied_weights(everything=True)
+        with self._batch_stream():  # on the engine's stream, where the pipe communicator receives the copies
+            self._sync_tied_weights(everything=True)
 
 
 def _raiser(error: Exception):
