@@ -107,3 +107,26 @@ def test_the_cuda_tests_device_equals_their_tensors_devices():
     with FakeTensorMode():
         assert torch.empty(4, device="cuda").device == DEV
         assert torch.empty(4).to(DEV).device == DEV
+
+
+def test_int8_primitives_name_tensors_on_two_devices():
+    # dequantize_blocks / dequantize_matmul hand raw pointers to a kernel on the first tensor's device: a
+    # tensor elsewhere is refused naming both (a GPU kernel would read a host address), a wrong dtype too.
+    from zero8.nn import linear8bit as l8
+
+    with FakeTensorMode():
+        q = torch.zeros(32, 32, dtype=torch.int8, device="cuda")
+        with pytest.raises(zero8.Zero8ValueError, match=r"^scale is on cpu but q is on cuda:0"):
+            l8.dequantize_blocks(q, torch.ones(1, 1), 32)
+        acc = torch.zeros(4, 8, dtype=torch.int32, device="cuda")
+        rows, cols = torch.ones(4, device="cuda"), torch.ones(8, device="cuda")
+        with pytest.raises(zero8.Zero8ValueError, match=r"^row_scale is on cpu but acc is on cuda:0"):
+            l8.dequantize_matmul(acc, torch.ones(4), cols)
+        with pytest.raises(zero8.Zero8ValueError, match=r"^bias is on cpu but acc is on cuda:0"):
+            l8.dequantize_matmul(acc, rows, cols, bias=torch.zeros(8))
+        with pytest.raises(zero8.Zero8ValueError, match=r"^out is on cpu but acc is on cuda:0"):
+            l8.dequantize_matmul(acc, rows, cols, out=torch.zeros(4, 8), accumulate=True)
+    q, s = l8.quantize_blocks(torch.randn(32, 32), 32)
+    with pytest.raises(zero8.Zero8ValueError, match=r"^scale has dtype torch.float64; expected float32"):
+        l8.dequantize_blocks(q, s.double(), 32)
+    assert torch.equal(l8.dequantize_blocks(q, s, 32), q.float() * s)

@@ -105,6 +105,12 @@ def quantize_blocks(x: Tensor, block: int, stochastic: bool = False):
 
 def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The float tensor of per-block codes: ``q * scale[block of q]``."""
+    # The kernel reads raw pointers on q's device: a scale elsewhere or of another dtype is garbage (on a GPU,
+    # an illegal address that ends the process's CUDA context), not an error.
+    check_same_device(scale, "scale", q, "q")
+    check_device(q, "q")
+    check_dtype(q, "q", torch.int8)
+    check_dtype(scale, "scale", torch.float32)
     return _ops.int8_dequantize_blocks(q, scale, block, dtype)
 
 
@@ -130,7 +136,12 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
     ``out_dtype`` (or added into the float32 ``out`` with ``accumulate``). Scales are indexed
     ``row_scale[(i // row_group) * row_stride]`` (and likewise for columns): groups of the block size
     select one K-slice of a per-block GEMM."""
-    # The kernel reads raw pointers: the dtypes must be right, or its output is garbage, not an error.
+    # The kernel reads raw pointers: the dtypes and devices must be right, or its output is garbage (on a GPU,
+    # an illegal address that ends the process's CUDA context), not an error.
+    for t, name in ((row_scale, "row_scale"), (col_scale, "col_scale"), (add, "add"), (bias, "bias"), (out, "out")):
+        if t is not None:
+            check_same_device(t, name, acc, "acc")
+    check_device(acc, "acc")
     check_dtype(acc, "acc", torch.int32)
     check_dtype(row_scale, "row_scale", torch.float32)
     check_dtype(col_scale, "col_scale", torch.float32)
