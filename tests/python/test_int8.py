@@ -497,7 +497,8 @@ def test_int8linear_saves_int8_activations_and_reports_memory():
 def test_gpu_gemm_padding_on_cpu_tensors(shape, monkeypatch):
     """The GPU int8 GEMMs' padding, run on CPU tensors (they take any device): _ops._int_mm_cuda with
     torch._int_mm replaced by a check of its CUDA rules (m > 16, k and n nonzero multiples of 8, a row-major and
-    mat2 the transpose of a row-major n x k, the TN form cuBLASLt's int8 kernels take), and _ops._gemm_cuda
+    mat2 the transpose of a row-major n x k, the TN form cuBLASLt's int8 kernels take; k and n at least 16, the
+    smallest its own tests run), and _ops._gemm_cuda
     through _C.int8_gemm (the CPU twin of int8_gemm_cuda, given the same k and n, multiples of 4). Exact
     products whatever the shape, from contiguous and transposed operands."""
     from zero8 import _ops
@@ -505,7 +506,7 @@ def test_gpu_gemm_padding_on_cpu_tensors(shape, monkeypatch):
     torch_int_mm = torch._int_mm
 
     def cuda_rules(a, b):
-        assert a.shape[0] > 16 and a.shape[1] > 0 and a.shape[1] % 8 == 0 and b.shape[1] > 0 and b.shape[1] % 8 == 0, \
+        assert a.shape[0] > 16 and a.shape[1] >= 16 and a.shape[1] % 8 == 0 and b.shape[1] >= 16 and b.shape[1] % 8 == 0, \
             (tuple(a.shape), tuple(b.shape))
         assert a.is_contiguous() and b.t().is_contiguous(), (a.stride(), b.stride())
         return torch_int_mm(a, b)

@@ -116,14 +116,14 @@ def _round_up(v: int, m: int) -> int:
 def _int_mm_cuda(a: Tensor, b_t: Tensor) -> Tensor:
     """int32 ``a @ b_t.T`` on a GPU through ``torch._int_mm`` (cuBLASLt), exact: ``a`` (m x k) row-major and
     ``b_t`` (n x k) row-major, the form of ``x @ W.T`` that cuBLASLt's int8 kernels take ("TN"), made so
-    with copies when the operands are views. torch._int_mm needs m > 16 and k, n multiples of 8: other
-    shapes are padded with zero rows and columns, which add nothing to the products, and the result cut
-    back."""
+    with copies when the operands are views. torch._int_mm needs m > 16 and k, n multiples of 8, and its
+    own tests go no lower than 16 for k and n: other shapes are padded with zero rows and columns to those,
+    which add nothing to the products, and the result cut back."""
     m, k = a.shape
     n = b_t.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros((m, n), dtype=torch.int32, device=a.device)
-    mp, kp, np_ = max(m, 17), _round_up(k, 8), _round_up(n, 8)
+    mp, kp, np_ = max(m, 17), max(_round_up(k, 8), 16), max(_round_up(n, 8), 16)
     a, b_t = a.contiguous(), b_t.contiguous()
     if (mp, kp) != (m, k):
         a = torch.nn.functional.pad(a, (0, kp - k, 0, mp - m))
