@@ -389,7 +389,7 @@ st_python_build() {
   # shellcheck disable=SC1090
   source "$DEPS_ENV"
   # Installed into a directory of its own (on PYTHONPATH), not into the interpreter's environment; no
-  # dependency is installed or downloaded (the torch pin of pyproject.toml is not honoured here: the
+  # dependency is installed or downloaded (scripts/constraints.txt's torch pin is not honoured here: the
   # machine's torch is what is tested, and the report names it).
   local defs=() d
   for d in $(cmake_defs ON); do defs+=(-C "cmake.define.${d#-D}"); done

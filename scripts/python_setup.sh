@@ -3,7 +3,7 @@
 # the build tools from PyPI when missing (pybind11, scikit-build-core), then
 # `pip install --no-build-isolation .`: CMake builds the extension incrementally in build/python/<wheel tag>/
 # (about 2 min from clean on 2 cores, seconds when little changed), and torch comes from PyPI only if the
-# version pinned in pyproject.toml (the one place it is pinned) is not installed already.
+# version pinned in scripts/constraints.txt (the one place it is pinned) is not installed already.
 # With --test: `.[test]`, also pyproject.toml's test extra (pytest; bitsandbytes for the interoperability
 # tests of zero8.optim; deepspeed, transformers and accelerate for tests/python/test_deepspeed.py), resolved by
 # pip together with the torch pin.
@@ -43,6 +43,6 @@ flock 9
 
 start=$(date +%s)
 # shellcheck disable=SC2086  # ZERO8_PIP_ARGS is a space-separated list of pip arguments
-"$python" -m pip install --no-build-isolation ${ZERO8_PIP_ARGS:-} "$target"
+"$python" -m pip install --no-build-isolation -c "$root/scripts/constraints.txt" ${ZERO8_PIP_ARGS:-} "$target"
 echo "python_setup: zero8 built and installed in $(( $(date +%s) - start )) s"
 "$python" -W ignore -c 'import zero8; print("python_setup: zero8", zero8.__version__, zero8.build_info())'
