@@ -195,6 +195,16 @@ void init_config_types(py::module_& m) {
       .def_readonly("tag_validation", &CheckpointConfig::tag_validation)
       .def_readonly("load_universal", &CheckpointConfig::load_universal)
       .def_readonly("use_node_local_storage", &CheckpointConfig::use_node_local_storage);
+  py::class_<MonitorOutputConfig>(m, "ConfigMonitorOutput",
+                                  "\"tensorboard\" or \"csv_monitor\": rank 0 writes under output_path/job_name.")
+      .def_readonly("enabled", &MonitorOutputConfig::enabled)
+      .def_readonly("output_path", &MonitorOutputConfig::output_path)
+      .def_readonly("job_name", &MonitorOutputConfig::job_name);
+  py::class_<WandbConfig>(m, "ConfigWandb", "\"wandb\": rank 0's wandb.init(project, group, entity=team).")
+      .def_readonly("enabled", &WandbConfig::enabled)
+      .def_readonly("group", &WandbConfig::group, "None: wandb's default")
+      .def_readonly("team", &WandbConfig::team, "None: wandb's default entity")
+      .def_readonly("project", &WandbConfig::project);
   py::class_<Zero8Config>(m, "ConfigZero8", "\"zero8\"; enabled: the section is present and not disabled.")
       .def_readonly("enabled", &Zero8Config::enabled)
       .def_readonly("state_block_size", &Zero8Config::state_block_size)
@@ -243,6 +253,9 @@ void init_config_types(py::module_& m) {
       .def_readonly("communication_data_type", &Config::communication_data_type)
       .def_readonly("zero", &Config::zero, "\"zero_optimization\"")
       .def_readonly("checkpoint", &Config::checkpoint)
+      .def_readonly("tensorboard", &Config::tensorboard)
+      .def_readonly("csv_monitor", &Config::csv_monitor)
+      .def_readonly("wandb", &Config::wandb)
       .def_readonly("zero8", &Config::zero8)
       .def_readonly("source", &Config::source, "Where the config came from (a path, '<config dict>', ...).")
       .def_readonly("warnings", &Config::warnings, "The parse's messages: '<source>: <key path>: <message>'.")

@@ -555,19 +555,68 @@ TEST(ConfigWarnings, IgnoredFeaturesAndDeepSpeedQuirks) {
   EXPECT_TRUE(has_warning(z, "zero_optimization: the boolean form is deprecated"));
 }
 
-// Enabled monitors and profilers write nothing in zero8: one warning names them all; disabled ones are silent.
+// The monitor and profilers zero8 does not implement warn once, naming the enabled ones; the monitors it
+// writes (tensorboard, csv_monitor, wandb) and disabled ones are silent.
 TEST(ConfigWarnings, EnabledMonitorsWarnOnce) {
   const auto c = parse(R"({"train_batch_size": 8,
     "tensorboard": {"enabled": true, "output_path": "logs/"}, "wandb": {"enabled": true},
     "csv_monitor": {"enabled": false, "output_path": "csv/"}, "flops_profiler": {"enabled": true},
-    "comms_logger": {"enabled": true}})");
+    "comet": {"enabled": false}, "comms_logger": {"enabled": true}})");
   ASSERT_EQ(c.warnings.size(), 1u) << all_warnings(c);
-  EXPECT_EQ(c.warnings[0], "test.json: tensorboard, wandb, flops_profiler, comms_logger: enabled, but zero8 does not "
-                           "implement DeepSpeed's monitors and profilers: it writes nothing for them (nothing lands in "
-                           "their output_path)");
+  EXPECT_EQ(c.warnings[0], "test.json: flops_profiler, comms_logger: enabled, but zero8 does not implement this "
+                           "DeepSpeed monitor or profiler: it writes nothing for it (zero8 writes the tensorboard, "
+                           "csv_monitor and wandb monitors only)");
   const auto off = parse(R"({"train_batch_size": 8, "tensorboard": {"enabled": false}, "wandb": {},
-                             "csv_monitor": {"enabled": false}})");
+                             "csv_monitor": {"enabled": false}, "comet": {"enabled": false}})");
   EXPECT_EQ(off.warnings.size(), 0u) << all_warnings(off);
+}
+
+// The monitors' keys, types and defaults are DeepSpeed's (monitor/config.py); to_json writes them back.
+TEST(ConfigMonitors, DeepSpeedKeysAndDefaults) {
+  const auto d = parse(R"({"train_batch_size": 8})");
+  for (const cfg::MonitorOutputConfig* m : {&d.tensorboard, &d.csv_monitor}) {
+    EXPECT_FALSE(m->enabled);
+    EXPECT_EQ(m->output_path, "");
+    EXPECT_EQ(m->job_name, "DeepSpeedJobName");
+  }
+  EXPECT_FALSE(d.wandb.enabled);
+  EXPECT_FALSE(d.wandb.group.has_value());
+  EXPECT_FALSE(d.wandb.team.has_value());
+  EXPECT_EQ(d.wandb.project, "deepspeed");
+
+  const auto c = parse(R"({"train_batch_size": 8,
+    "tensorboard": {"enabled": true, "output_path": "tb/", "job_name": "bert"},
+    "csv_monitor": {"enabled": true, "job_name": "auto"},
+    "wandb": {"enabled": true, "group": "g", "team": "t", "project": "p"}})");
+  EXPECT_TRUE(c.tensorboard.enabled && c.csv_monitor.enabled && c.wandb.enabled);
+  EXPECT_EQ(c.tensorboard.output_path, "tb/");
+  EXPECT_EQ(c.tensorboard.job_name, "bert");
+  EXPECT_EQ(c.csv_monitor.job_name, "DeepSpeedJobName");  // "auto" takes the default, as DeepSpeed drops it
+  EXPECT_TRUE(has_warning(c, "csv_monitor.job_name: \"auto\" is not resolved here"));
+  EXPECT_EQ(c.wandb.group.value_or(""), "g");
+  EXPECT_EQ(c.wandb.team.value_or(""), "t");
+  EXPECT_EQ(c.wandb.project, "p");
+  const auto back = parse(cfg::to_json(c));
+  EXPECT_TRUE(back == c);
+  EXPECT_TRUE(parse(cfg::to_json(d)) == d);  // unset group and team come back unset
+}
+
+TEST(ConfigMonitors, BadValuesNameTheKey) {
+  auto error = [](const char* body) {
+    return std::string(parse_error(std::string(R"({"train_batch_size": 8, )") + body + "}").what());
+  };
+  EXPECT_EQ(error(R"("tensorboard": {"enabled": "yes"})"),
+            "test.json: tensorboard.enabled: expected a boolean (true or false), got \"yes\"");
+  EXPECT_EQ(error(R"("csv_monitor": {"output_path": 5})"), "test.json: csv_monitor.output_path: expected a string, got 5");
+  EXPECT_EQ(error(R"("wandb": {"team": ["a"]})"), "test.json: wandb.team: expected a string, got [\"a\"]");
+  EXPECT_EQ(error(R"("wandb": "on")"), "test.json: wandb: expected an object, got \"on\"");
+  EXPECT_EQ(error(R"("tensorboard": {"enabled": true, "job_nme": "x"})"),
+            "test.json: tensorboard.job_nme: unknown key; did you mean \"job_name\"? (DeepSpeed's monitor config "
+            "rejects unknown keys too)");
+  // wandb.init's own name for the team is not one of DeepSpeed's keys.
+  EXPECT_EQ(error(R"("wandb": {"entity": "x"})"),
+            "test.json: wandb.entity: unknown key (the keys zero8 reads here: enabled, group, team, project) "
+            "(DeepSpeed's monitor config rejects unknown keys too)");
 }
 
 // ------------------------------------------------------------------------------------------------

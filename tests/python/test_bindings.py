@@ -237,7 +237,7 @@ TYPED_SCHEDULERS = {"WarmupLR": "warmup_lr", "WarmupDecayLR": "warmup_decay_lr",
 
 
 def assert_typed_value(typed, value, path: str) -> None:
-    if isinstance(value, str):  # an enum
+    if isinstance(value, str) and not isinstance(typed, str):  # an enum
         assert typed.name == TYPED_SCHEDULERS.get(value, value.lower()), path
     else:
         assert type(typed) is type(value) and typed == value, path

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -1032,6 +1033,30 @@ void parse_scheduler(Section& top, Config& c) {
   s.finish("(DeepSpeed reads the schedule's settings from scheduler.params only)");
 }
 
+// DeepSpeed's monitor sections (monitor/config.py): pydantic models, so "auto" takes the default and an
+// unknown key is an error there too.
+const char* const kMonitorUnknown = "(DeepSpeed's monitor config rejects unknown keys too)";
+
+void parse_monitor_output(Section& top, const char* key, MonitorOutputConfig& m) {
+  Section s = top.child(key, Auto::use_default);
+  m.enabled = s.get_bool("enabled", false);
+  m.output_path = s.get_str_opt("output_path").value_or("");
+  m.job_name = s.get_str_opt("job_name").value_or("DeepSpeedJobName");
+  s.finish(kMonitorUnknown);
+}
+
+void parse_monitors(Section& top, Config& c) {
+  parse_monitor_output(top, "tensorboard", c.tensorboard);
+  parse_monitor_output(top, "csv_monitor", c.csv_monitor);
+  Section s = top.child("wandb", Auto::use_default);
+  WandbConfig& w = c.wandb;
+  w.enabled = s.get_bool("enabled", false);
+  w.group = s.get_str_opt("group");
+  w.team = s.get_str_opt("team");
+  w.project = s.get_str_opt("project").value_or("deepspeed");
+  s.finish(kMonitorUnknown);
+}
+
 void parse_misc(Section& top, Config& c) {
   c.gradient_clipping = top.get_num("gradient_clipping", 0.0, ge(0.0));
   c.steps_per_print = top.get_int("steps_per_print", 10, 1);
@@ -1083,15 +1108,16 @@ void parse_misc(Section& top, Config& c) {
   for (const char* k : {"sparse_attention", "weight_quantization", "compression_training", "quantize_training"})
     top.warn_if(k, is_non_null, "not implemented by zero8: ignored");
   top.warn_if("sparse_gradients", is_true, "sparse gradients are not implemented: gradients are reduced densely");
-  // Monitors and profilers: an enabled one would write files (or send runs) zero8 never produces, so one
-  // warning names all the enabled ones; disabled ones are silent.
-  std::string monitors;
-  for (const char* k : {"tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger"})
-    if (const json* v = top.raw(k); v && is_enabled_section(*v)) monitors += (monitors.empty() ? "" : ", ") + std::string(k);
-  if (!monitors.empty())
-    warn_at(top.ctx(), monitors,
-            "enabled, but zero8 does not implement DeepSpeed's monitors and profilers: it writes nothing for them "
-            "(nothing lands in their output_path)");
+  parse_monitors(top, c);
+  // The monitor and profilers zero8 does not implement: an enabled one would write files (or send runs) zero8
+  // never produces, so one warning names all the enabled ones; disabled ones are silent.
+  std::string ignored;
+  for (const char* k : {"comet", "flops_profiler", "comms_logger"})
+    if (const json* v = top.raw(k); v && is_enabled_section(*v)) ignored += (ignored.empty() ? "" : ", ") + std::string(k);
+  if (!ignored.empty())
+    warn_at(top.ctx(), ignored,
+            "enabled, but zero8 does not implement this DeepSpeed monitor or profiler: it writes nothing for it "
+            "(zero8 writes the tensorboard, csv_monitor and wandb monitors only)");
   // I/O tuning and other DeepSpeed subsystems: accepted, no effect here.
   for (const char* k : {"memory_breakdown", "dump_state", "dataloader_drop_last", "vocabulary_size", "timers",
                         "zero_force_ds_cpu_optimizer", "disable_allgather", "autotuning", "aio", "nebula",
@@ -1330,6 +1356,14 @@ std::string to_json(const Config& c, int indent) {
   j["checkpoint"] = {{"tag_validation", tag_names[int(c.checkpoint.tag_validation)]},
                      {"load_universal", c.checkpoint.load_universal},
                      {"use_node_local_storage", c.checkpoint.use_node_local_storage}};
+  for (const auto& [key, m] : {std::pair<const char*, const MonitorOutputConfig*>{"tensorboard", &c.tensorboard},
+                                {"csv_monitor", &c.csv_monitor}})
+    j[key] = {{"enabled", m->enabled}, {"output_path", m->output_path}, {"job_name", m->job_name}};
+  const auto opt_str = [](const std::optional<std::string>& v) { return v ? json(*v) : json(nullptr); };
+  j["wandb"] = {{"enabled", c.wandb.enabled},
+                {"group", opt_str(c.wandb.group)},
+                {"team", opt_str(c.wandb.team)},
+                {"project", c.wandb.project}};
   const Zero8Config& q = c.zero8;
   static const char* const backend_names[] = {"auto", "mpi", "single", "nccl"};
   j["zero8"] = {{"enabled", q.enabled},

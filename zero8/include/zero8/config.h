@@ -157,6 +157,24 @@ struct CheckpointConfig {
   auto tie() const { return std::tie(tag_validation, load_universal, use_node_local_storage); }
 };
 
+// "tensorboard" and "csv_monitor" (DeepSpeed's monitor/config.py): the engine's rank 0 writes the training
+// events under output_path/job_name (output_path "" is the working directory, as in DeepSpeed).
+struct MonitorOutputConfig {
+  bool enabled = false;
+  std::string output_path;
+  std::string job_name = "DeepSpeedJobName";
+  auto tie() const { return std::tie(enabled, output_path, job_name); }
+};
+
+// "wandb": the arguments of rank 0's wandb.init (team is its entity); unset group and team are wandb's own.
+struct WandbConfig {
+  bool enabled = false;
+  std::optional<std::string> group;
+  std::optional<std::string> team;
+  std::string project = "deepspeed";
+  auto tie() const { return std::tie(enabled, group, team, project); }
+};
+
 enum class CommBackend : uint8_t { automatic, mpi, single, nccl };  // "auto" | "mpi" | "single" | "nccl"
 
 // "zero8": the 8-bit states and int8 communication. Present => enabled unless "enabled": false.
@@ -203,6 +221,9 @@ struct Config {
   CommDataType communication_data_type = CommDataType::unset;
   ZeroConfig zero;
   CheckpointConfig checkpoint;
+  MonitorOutputConfig tensorboard;
+  MonitorOutputConfig csv_monitor;
+  WandbConfig wandb;
   Zero8Config zero8;
 
   // Not part of the configuration (ignored by ==): where it came from, and the warnings the parse
@@ -213,7 +234,8 @@ struct Config {
   auto tie() const {
     return std::tie(world_size, batch, optimizer, scheduler, fp16, bf16, gradient_clipping, steps_per_print,
                     wall_clock_breakdown, prescale_gradients, gradient_predivide_factor,
-                    zero_allow_untested_optimizer, communication_data_type, zero, checkpoint, zero8);
+                    zero_allow_untested_optimizer, communication_data_type, zero, checkpoint, tensorboard, csv_monitor,
+                    wandb, zero8);
   }
 };
 
@@ -227,6 +249,8 @@ ZERO8_CONFIG_EQ(Fp16Config)
 ZERO8_CONFIG_EQ(Bf16Config)
 ZERO8_CONFIG_EQ(ZeroConfig)
 ZERO8_CONFIG_EQ(CheckpointConfig)
+ZERO8_CONFIG_EQ(MonitorOutputConfig)
+ZERO8_CONFIG_EQ(WandbConfig)
 ZERO8_CONFIG_EQ(Zero8Config)
 ZERO8_CONFIG_EQ(Config)
 #undef ZERO8_CONFIG_EQ
