@@ -486,6 +486,20 @@ def test_checkpoint_resume_is_exact():
         assert ok and e2.global_steps == 8
 
 
+def test_only_rank0_writes_the_monitor():
+    # Each rank names its own job directory: only rank 0's may exist, with one row per step.
+    with shared_checkpoint_dir() as out:
+        engine, _ = engine_for(config(gas=2, csv_monitor={"enabled": True, "output_path": out,
+                                                          "job_name": f"rank{RANK}"}))
+        train(engine, 2)
+        engine.destroy()
+        WORLD.barrier()
+        jobs = sorted(os.listdir(out))
+        with open(os.path.join(out, "rank0", "Train_Samples_lr.csv")) as f:
+            rows = f.read().splitlines()
+    assert jobs == ["rank0"] and rows[0] == "step,lr" and [r.split(",")[0] for r in rows[1:]] == ["32", "64"]
+
+
 def test_to_fp32_of_a_sharded_checkpoint_is_the_whole_state_dict():
     # The trained weights come from every rank's master shard, the frozen layer and the buffers from
     # model_rest.safetensors: a fresh model loads the export strictly and equals the trained one.

@@ -40,6 +40,8 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
     ``eval_batch`` runs forwards only. forward / backward / step of the plain engine raise PipelineError,
     as DeepSpeed's do."""
 
+    _monitor_times = False  # DeepSpeed's pipeline engine writes no elapsed-time events
+
     def __init__(self, model: PipelineModule, config, dp: "_C.Communicator", world: "_C.Communicator",
                  pipe: "_C.Communicator", model_parameters=None, client_optimizer=None, client_lr_scheduler=None):
         if not isinstance(model, PipelineModule):
@@ -226,6 +228,8 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             self.agg_train_loss = self._reported_loss(losses, self.micro_batches)
         self._pipe_timers["batch"] += time.perf_counter() - t0
         self._pipe_timers["batches"] += 1
+        if self.monitor.writes:  # after the step's lr, at the same x, as DeepSpeed's
+            self.monitor.write_events([("Train/Samples/train_loss", float(self.agg_train_loss), self.global_samples)])
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             t = self._pipe_timers
             per_batch = t["batch"] / t["batches"]
@@ -240,7 +244,9 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         micro-batches of data_iter. Returns the mean loss (reduce_output "avg": over the micro-batches and the
         data-parallel ranks; None: the list of the micro-batches' losses, last stage only) on every rank when
         bcast_loss, else on the last stage (None elsewhere); with return_logits, (loss, outputs of the last
-        micro-batch on the last stage, None elsewhere), as DeepSpeed's."""
+        micro-batch on the last stage, None elsewhere), as DeepSpeed's. With a monitor enabled the mean loss
+        is broadcast (and returned) even without bcast_loss, and rank 0 writes it as Train/Samples/eval_loss
+        at x = global_samples, as DeepSpeed's does."""
         self._check_live()
         if reduce_output not in ("avg", None):
             raise Zero8ValueError(f"eval_batch: reduce_output {reduce_output!r} (DeepSpeed's choices: 'avg', None)")
@@ -257,12 +263,14 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                                     compute_loss=compute_loss, keep_last_output=return_logits)
                 if reduce_output is None:
                     result = outputs if self.is_last_stage() else None
-                elif compute_loss and bcast_loss:
+                elif compute_loss and (bcast_loss or self.monitor.enabled):
                     result = self._reported_loss(outputs, micro)
                 else:
                     result = self._dp_mean(outputs, micro) if self.is_last_stage() else None
         finally:
             self.data_iterator = saved
+        if self.monitor.writes and compute_loss and reduce_output is not None:
+            self.monitor.write_events([("Train/Samples/eval_loss", float(result), self.global_samples)])
         if return_logits:
             logits, self._eval_outputs = self._eval_outputs, None
             return result, logits

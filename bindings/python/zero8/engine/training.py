@@ -34,6 +34,7 @@ from .client_optim import (
 from .config_view import comm_timeout_s, working_dtype
 from . import gather
 from .device import StreamOrder, check_device, model_device
+from .monitor import Monitor
 from .optimizer import Zero8Optimizer
 from .params import built_client_optimizer, collect_params, fp32_state, override_hyper_groups
 from .world import engines, local_rank
@@ -67,6 +68,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self.lr_scheduler = None
         self.lr_scheduler = self._lr_scheduler(client_lr_scheduler)
         self._apply_hyper()
+        self.monitor = Monitor(self._cfg, self.global_rank)
         if self.global_rank == 0:
             self._log(self._summary())
 
@@ -113,8 +115,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._dtype = working_dtype(self._cfg)
         self._auto_cast = self._cfg.fp16.enabled and self._cfg.fp16.auto_cast
         # wall_clock_breakdown: seconds spent in forward / backward (of which gradient reduction) / step
-        # since the last progress report, and the micro-batches and steps they cover.
+        # since the last progress report, and the micro-batches and steps they cover; _timers_written: their
+        # values when the monitor last wrote them, so that it writes each step's own.
         self._timers = self._new_timers()
+        self._timers_written = self._new_timers()
         timeout = comm_timeout_s(self._cfg)
         if timeout is not None:
             dp.timeout = timeout
@@ -431,6 +435,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             return
         self._wait_gather()
         self._destroyed = True
+        monitor = self.__dict__.get("monitor")
+        if monitor is not None:
+            monitor.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -706,9 +713,35 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            if self.monitor.writes:
+                self.monitor.write_events(self._step_events())
             if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
                 self._report_progress()
         self.micro_steps += 1
+
+    # DeepSpeed's pipeline engine steps without its plain engine's step(), which writes the elapsed times.
+    _monitor_times = True
+
+    def _step_events(self) -> list:
+        """DeepSpeed's monitor events of an optimizer step (applied or skipped), at x = global_samples after
+        it: the first param group's lr (after the scheduler's step), fp16's loss scale, and with
+        wall_clock_breakdown the step's times in ms, summed over its micro-batches: forward, backward (of
+        which backward_inner, autograd, and backward_allreduce, the reduction at the end of each backward)
+        and the optimizer step."""
+        x = self.global_samples
+        events = [("Train/Samples/lr", self.get_lr()[0], x)]
+        if self.fp16_enabled():
+            events.append(("Train/Samples/loss_scale", self.loss_scale, x))
+        if self._cfg.wall_clock_breakdown and self._monitor_times:
+            now, before = self._timers, self._timers_written
+            ms = {k: 1e3 * (now[k] - before[k]) for k in ("forward", "backward", "reduce", "step")}
+            events += [("Train/Samples/elapsed_time_ms_forward", ms["forward"], x),
+                       ("Train/Samples/elapsed_time_ms_backward", ms["backward"], x),
+                       ("Train/Samples/elapsed_time_ms_backward_inner", ms["backward"] - ms["reduce"], x),
+                       ("Train/Samples/elapsed_time_ms_backward_allreduce", ms["reduce"], x),
+                       ("Train/Samples/elapsed_time_ms_step", ms["step"], x)]
+            self._timers_written = dict(now)
+        return events
 
     def _overflow_message(self, before: dict) -> str:
         """What an fp16 overflow did to the loss scale, worded as DeepSpeed's loss_scaler.py logs it: a static
@@ -740,6 +773,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                 f"optimizer step: {1e3 * t['step'] / t['steps']:.2f} (rank 0, mean over the last {t['steps']} steps)"
             )
         self._timers = self._new_timers()
+        self._timers_written = self._new_timers()
 
     @staticmethod
     def _new_timers() -> dict:
