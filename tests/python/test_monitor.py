@@ -167,6 +167,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")  # an offline test sends nothing anywhere
     inits = []
     real_init = wandb.init
     monkeypatch.setattr(wandb, "init", lambda **kw: inits.append(kw) or real_init(**kw))
