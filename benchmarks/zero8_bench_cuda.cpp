@@ -61,11 +61,18 @@ struct DeviceArray {
   }
 };
 
+// The set-up's fills (cudaMemcpy from pageable memory, cudaMemset) run on the legacy default stream, and
+// neither is complete when it returns (the last DMA of a pageable copy, a device memset may still be in
+// flight); the kernels under test run on a non-blocking stream, which does not wait for the legacy one.
+// So the set-up waits for the device before any of them reads what it wrote.
+void setup_done() { BENCH_CUDA(cudaDeviceSynchronize()); }
+
 // Fills `bytes` of device memory with copies of a host pattern (so no host array of the full size is needed).
 void fill_tiled(void* dst, size_t bytes, const void* pattern, size_t pattern_bytes) {
   for (size_t off = 0; off < bytes; off += pattern_bytes)
     BENCH_CUDA(cudaMemcpy(static_cast<char*>(dst) + off, pattern, std::min(pattern_bytes, bytes - off),
                           cudaMemcpyHostToDevice));
+  setup_done();
 }
 
 struct Stream {
@@ -119,6 +126,7 @@ struct CopyBench {
     for (size_t i = 0; i < pat.size(); ++i) pat[i] = float(i % 1000) * 0.5f;
     fill_tiled(a.p, size_t(n) * 4, pat.data(), pat.size() * 4);
     BENCH_CUDA(cudaMemset(b.p, 0xff, size_t(n) * 4));
+    setup_done();
   }
   std::function<void()> copy() {
     return [this] { BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, size_t(a.n) * 4, cudaMemcpyDeviceToDevice, s)); };
@@ -152,6 +160,7 @@ struct DeviceState {
       BENCH_CUDA(cudaMemset(s1.p, 0, size_t(n) * 4));
       if (layout.num_states == 2) BENCH_CUDA(cudaMemset(s2.p, 0, size_t(n) * 4));
     }
+    setup_done();  // else the first step on the bench's stream may read codes the memset has not written yet
   }
   // StepArgs over this state and the given device parameter and gradient.
   optim::StepArgs args(const optim::Hyper& h, float* param, const float* grad) const {
@@ -187,7 +196,7 @@ void check_step(optim::Algo algo, const optim::Hyper& hyper, int bits, int32_t b
   DeviceArray<float> dp(n), dg(n);
   BENCH_CUDA(cudaMemcpy(dp.p, p.data(), size_t(n) * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(dg.p, g.data(), size_t(n) * 4, cudaMemcpyHostToDevice));
-  DeviceState ds(algo, n, bits, block);
+  DeviceState ds(algo, n, bits, block);  // (waits for the device: the two copies above are done too)
   optim::State hs(optim::StateLayout(algo, n, bits, block));
   optim::Hyper h = hyper;
   h.lr = 1e-2f;  // large enough that every step moves the parameters
