@@ -264,12 +264,15 @@ TEST(CheckpointCuda, CheckpointsLoadAcrossMemoriesAndResumeBitExactly) {
 // *_host calls), and the restored working copy is broadcast by NCCL; the files equal the host run's.
 TEST(CheckpointCuda, OverNcclSavesAndLoadsAsOverMpi) {
   SKIP_WITHOUT_CUDA();
-  device::Stream stream("the caller's stream");  // declared first: it outlives the optimizers, which name it
   int devices = 0;
   cudaGetDeviceCount(&devices);
   if (devices < world().size())
     GTEST_SKIP() << "NCCL needs one GPU per rank: " << world().size() << " ranks, " << devices << " device(s)";
   std::unique_ptr<comm::Communicator> nccl = comm::comm_create("nccl");
+  // After the communicator, which makes the rank's GPU current (local rank r: device r): a stream made
+  // before would belong to device 0, which the device optimizers of ranks r > 0 refuse. Declared before
+  // them: it outlives the optimizers, which name it.
+  device::Stream stream("the caller's stream");
   const Case c = cases().front();
   TempDir host_dir, dev_dir;
   auto host = ckpt_make(c.cfg, world());

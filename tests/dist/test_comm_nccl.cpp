@@ -54,6 +54,9 @@ template <class T> struct DeviceVec {
   explicit DeviceVec(const std::vector<T>& h) : n(h.size()) {
     cudaMalloc(&p, n * sizeof(T) + 1);
     cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+    // A copy from pageable memory returns before its last DMA is done, on the legacy default stream, which
+    // a caller's non-blocking stream does not wait for (OnTheCallersStream): wait for it here.
+    cudaStreamSynchronize(nullptr);
   }
   ~DeviceVec() { cudaFree(p); }
   std::vector<T> host() const {
