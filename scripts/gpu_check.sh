@@ -234,7 +234,7 @@ skip_stage() {  # skip_stage NAME WHY
 gpu_query() {
   command -v nvidia-smi >/dev/null 2>&1 || { echo "nvidia-smi not found"; return 1; }
   local q
-  q=$(nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader 2>&1) ||
+  q=$(nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,compute_mode --format=csv,noheader 2>&1) ||
     { echo "nvidia-smi failed: $(head -c 300 <<<"$q")"; return 1; }
   [[ -n "$q" ]] || { echo "nvidia-smi lists no GPU"; return 1; }
   echo "$q"
@@ -538,12 +538,16 @@ main() {
   if gpu_line=$(gpu_query); then
     HAVE_GPU=1
     gpu_first=$(head -1 <<<"$gpu_line")
-    IFS=',' read -r GPU_NAME GPU_DRIVER GPU_CC GPU_MEM <<<"$gpu_first"
+    IFS=',' read -r GPU_NAME GPU_DRIVER GPU_CC GPU_MEM GPU_MODE <<<"$gpu_first"
     env_set gpu "${GPU_NAME# }"
     env_set gpu_count "$(wc -l <<<"$gpu_line")"
     env_set driver "${GPU_DRIVER# }"
     env_set compute_capability "${GPU_CC# }"
     env_set gpu_memory "${GPU_MEM# }"
+    # The 2-rank tests share the one GPU (MPI staging device buffers): an exclusive compute mode fails them all.
+    env_set compute_mode "${GPU_MODE# }"
+    [[ "${GPU_MODE# }" == "Default" ]] ||
+      echo "gpu_check: compute mode '${GPU_MODE# }': the tests where 2 ranks share the GPU will fail" >&2
     [[ -n "$CUDA_ARCH" ]] || CUDA_ARCH=$(tr -d ' .' <<<"$GPU_CC")
   else
     env_set gpu "none ($gpu_line)"
@@ -625,10 +629,10 @@ main() {
 
   if [[ -n "$DEPS_DIR" ]]; then
     run_stage deps 90 st_deps
-    [[ $STOP_AFTER == deps ]] && finish
   else
     skip_stage deps "no --deps: the system's packages are used"
   fi
+  [[ $STOP_AFTER == deps ]] && finish
   write_report
   if run_stage configure 180 st_configure; then :; fi
   [[ $STOP_AFTER == configure ]] && finish

@@ -396,3 +396,23 @@ def test_bench_gpu_small_run_on_device(tmp_path):
     for x in rows:
         assert (x["value"] is not None) != (x["error"] is not None), x
         assert x["met"] is None or x["value"] is not None
+
+
+def test_check_records_the_compute_mode_and_warns_of_an_exclusive_one(tmp_path):
+    """An exclusive compute mode would fail every test where 2 ranks share the GPU: the check says so at the
+    start and the report's machine table names the mode (a stand-in nvidia-smi; stops after the deps stage)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in\n  *query-gpu*) echo "NVIDIA H200, 580.159.04, 9.0, 143771 MiB, '
+                   'Exclusive_Process" ;;\n  *) echo "GPU 0: NVIDIA H200" ;;\nesac\n')
+    smi.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    r = run(["bash", str(CHECK), "--quick", "--stop-after", "deps", "--out", str(out), "--work", str(tmp_path / "w")],
+            env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "compute mode 'Exclusive_Process': the tests where 2 ranks share the GPU will fail" in r.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["env"]["compute_mode"] == "Exclusive_Process" and rep["env"]["gpu"] == "NVIDIA H200"
+    assert [s["name"] for s in rep["stages"]] == ["gpu", "deps"]  # stopped after deps, nothing built
