@@ -506,7 +506,8 @@ def test_gpu_gemm_padding_on_cpu_tensors(shape, monkeypatch):
     torch_int_mm = torch._int_mm
 
     def cuda_rules(a, b):
-        assert a.shape[0] > 16 and a.shape[1] >= 16 and a.shape[1] % 8 == 0 and b.shape[1] >= 16 and b.shape[1] % 8 == 0, \
+        rows, inner, cols = a.shape[0], a.shape[1], b.shape[1]
+        assert rows > 16 and inner >= 16 and inner % 8 == 0 and cols >= 16 and cols % 8 == 0, \
             (tuple(a.shape), tuple(b.shape))
         assert a.is_contiguous() and b.t().is_contiguous(), (a.stride(), b.stride())
         return torch_int_mm(a, b)

@@ -386,7 +386,7 @@ class ShardedOptimizer {
   float* grad_data(int g);           // the full gradient input
   float* residual_data(int g);      // null without error feedback
   void mark_posted(size_t pos);     // device: bucket order_[pos]'s gradients are written (posted_)
-  void caller_after_side();         // and the other way round
+  void caller_after_side();         // the caller's stream waits for the side stream's work so far
   void sync_caller(const char* what);
   void step_args_upload(int g, optim::StepArgs& a, const std::vector<int64_t>& offs, const std::vector<float>& trust);
 

@@ -18,14 +18,20 @@ def _missing(cfg, key: str, package: str, err: Exception) -> Zero8NotSupportedEr
         f"pip install {package}, or disable {key}")
 
 
+def _log_dir(section) -> str:
+    """output_path/job_name of a "tensorboard" or "csv_monitor" section, made if missing."""
+    path = os.path.join(section.output_path, section.job_name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 class CsvWriter:
     """One file per event name in output_path/job_name: the name with '/' and ' ' as '_', plus ".csv", with a
     header row ("step", the name's last '/' part) before this run's first row of it, as DeepSpeed's csvMonitor
     (which appends to a file a previous run left, header included)."""
 
     def __init__(self, section):
-        self.log_dir = os.path.join(section.output_path, section.job_name)
-        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_dir = _log_dir(section)
         self._started: set[str] = set()
 
     def write(self, events) -> None:
@@ -51,9 +57,7 @@ class TensorBoardWriter:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise _missing(cfg, "tensorboard", "tensorboard", e) from e
-        log_dir = os.path.join(cfg.tensorboard.output_path, cfg.tensorboard.job_name)
-        os.makedirs(log_dir, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.writer = SummaryWriter(log_dir=_log_dir(cfg.tensorboard))
 
     def write(self, events) -> None:
         for name, value, x in events:
