@@ -290,8 +290,9 @@ def _run_procs(cmds: list[list[str]], envs: list[dict], log: Path, timeout: floa
     return rc or next((p.returncode for p in procs if p.returncode), 0)
 
 
-# A DeepSpeed rank on CPU sometimes aborts with this (std::terminate in C++; seen in some runs, more under
-# load; never in a zero8 run): not what the benchmark measures, so such a run gets one more try, which its
+# A DeepSpeed rank on CPU sometimes aborts with this (std::terminate in C++, more under load; never in a
+# zero8 run). Seen at interpreter exit, which the worker now skips (pretrain_example.deepspeed_rank_exit);
+# should it come earlier, it is not what the benchmark measures: such a run gets one more try, which its
 # result records ("retried_after").
 DS_ABORT = "terminate called without an active exception"
 

@@ -1,11 +1,14 @@
 """examples/pretrain_gpt.py loaded as a module, for the benchmarks that train its GPT (bench_memory_limit.py,
 bench_overlap.py, vs_deepspeed_worker.py). They run as scripts (python3 path, mpirun, zero8-launch, torchrun),
 so this directory is first on their sys.path and `from pretrain_example import load_example` finds it.
+Also how their DeepSpeed ranks end (deepspeed_rank_exit).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
@@ -17,3 +20,17 @@ def load_example():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def deepspeed_rank_exit() -> None:
+    """Ends a DeepSpeed worker rank once its result is written. A DeepSpeed rank on CPU sometimes aborts
+    while the interpreter exits ("terminate called without an active exception": a C++ thread still
+    joinable when its owner is destroyed), after its work and its result; its launcher then reports the
+    run as failed. So once every rank is past its write (a barrier), the rank leaves without running
+    those destructors. Not for zero8's ranks: mpirun expects them to reach MPI_Finalize."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
