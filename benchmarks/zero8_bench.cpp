@@ -237,10 +237,11 @@ struct CopyBench {
 
 class Json {
  public:
+  // JSON has no inf or nan: a ratio over a zero timing (or a failed measurement) is written as null.
   Json& num(const std::string& k, double v) {
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.6g", v);
-    add(k, buf);
+    add(k, std::isfinite(v) ? buf : "null");
     return *this;
   }
   Json& integer(const std::string& k, int64_t v) {

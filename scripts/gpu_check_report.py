@@ -203,7 +203,9 @@ def benchmarks(results: Path, stages: dict) -> list:
             error = data["error"]
         else:
             value = data.get(key)
-            if value is None:
+            if key in data and value is None:
+                error = f"not a finite number (zero8-bench writes null for inf or nan; key {key})"
+            elif value is None:
                 error = f"not in the zero8-bench output (key {key})"
         rows.append({"source": f"zero8-bench ({stage})", "figure": label, "value": value, "unit": unit,
                      "target": f"{cmp} {bound}" if cmp else None, "met": met(value, cmp, bound), "error": error})

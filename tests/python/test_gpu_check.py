@@ -192,11 +192,12 @@ def fabricate(work: Path, no_gpu: bool = False) -> None:
     (work / "results" / "ctest.xml").write_text(CTEST_XML)
     (work / "results" / "pytest.xml").write_text(PYTEST_XML)
     (work / "results" / "bench_bandwidth.json").write_text(json.dumps({"bench": "bandwidth", "gbps": 4300.0}) + "\n")
+    # A ratio over a zero timing: zero8-bench writes null (JSON has no inf).
+    (work / "results" / "bench_optimizer_1e8.json").write_text(json.dumps(
+        {"bench": "optimizer", "ns_per_param_8bit": 0.0, "ns_per_param_32bit": 0.008, "speedup_8_vs_32": None,
+         "gbps_effective_8bit": None}) + "\n")
     (work / "results" / "bench_codec.json").write_text(
         json.dumps({"bench": "codec", "gbps": 2800.0, "ratio_to_copy": 0.65}) + "\n")
-    (work / "results" / "bench_optimizer_1e8.json").write_text(json.dumps(
-        {"bench": "optimizer", "ns_per_param_8bit": 0.01, "ns_per_param_32bit": 0.008, "speedup_8_vs_32": 0.8,
-         "gbps_effective_8bit": 1900.0}) + "\n")
     (work / "results" / "bench_python.json").write_text(json.dumps({"bench": "gpu", "rows": [
         {"group": "optim", "figure": "AdamW8bit speed / torch fused AdamW, 1e9 params", "value": 1.62, "unit": "x",
          "target": ">= 1.5", "met": True, "error": None},
@@ -262,6 +263,9 @@ def test_report_states_every_figure_with_its_target(tmp_path):
     opt9 = rows[("zero8-bench (bench_optimizer_1e9)", "8-bit step speed / 32-bit step, 1e9 params")]
     assert opt9["value"] is None and opt9["target"] == ">= 1.5"
     assert opt9["error"] == "not measured: stopped after its limit of 150 s"
+    opt8 = rows[("zero8-bench (bench_optimizer_1e8)", "8-bit step speed / 32-bit step, 1e8 params")]
+    assert opt8["value"] is None and opt8["met"] is None
+    assert opt8["error"].startswith("not a finite number (zero8-bench writes null")
     py = [r for r in rep["benchmarks"] if r["source"] == "bench_gpu.py"]
     assert py[0]["met"] is True and py[1]["error"].startswith("not available: Int8Linear")
     assert "| bench_gpu.py | AdamW8bit speed / torch fused AdamW, 1e9 params | 1.62 | x | >= 1.5 | yes |" in md
