@@ -147,25 +147,41 @@ def bench_optim(b: Bench, numel: int):
 
     made, err = zero8_call("zero8.optim.AdamW8bit on CUDA parameters", make_zero8)
     if made is not None:
-        fns["zero8"] = made[1].step
+        # Each CUDA step kernel in turn on the one optimizer (they give the same bits): "zero8" the block
+        # kernel, "zero8_warp" the warp one (zero8/kernels/optim.h, CudaStepKernel).
+        from zero8 import _C
+
+        def step_with(kernel, opt=made[1]):
+            def f():
+                _C.set_step_kernel_cuda(kernel)
+                opt.step()
+            return f
+
+        kernel_before = _C.step_kernel_cuda()
+        fns["zero8"], fns["zero8_warp"] = step_with("block"), step_with("warp")
     try:
         times = b.time_rounds(fns)
     except Exception as e:  # noqa: BLE001 - zero8's step failing after its first call
         if "zero8" not in fns:
             raise
         err = f"not available: zero8.optim.AdamW8bit.step: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        del fns["zero8"]
+        del fns["zero8"], fns["zero8_warp"]
         times = b.time_rounds(fns)
+    finally:
+        if made is not None:
+            _C.set_step_kernel_cuda(kernel_before)
     target = (">=", TARGET_OPTIM["ratio"]) if numel == TARGET_OPTIM["numel"] else None
     b.row("optim", f"torch AdamW(fused=True) step, {label}", times["torch"] * 1e3, "ms",
           ns_per_param=times["torch"] / numel * 1e9)
-    if "zero8" in times:
-        b.row("optim", f"zero8 AdamW8bit step, {label}", times["zero8"] * 1e3, "ms",
-              ns_per_param=times["zero8"] / numel * 1e9)
-        b.row("optim", f"AdamW8bit speed / torch fused AdamW, {label}", times["torch"] / times["zero8"], "x", target)
-    else:
-        b.row("optim", f"zero8 AdamW8bit step, {label}", error=err)
-        b.row("optim", f"AdamW8bit speed / torch fused AdamW, {label}", unit="x", target=target, error=err)
+    for key, kernel in (("zero8", ""), ("zero8_warp", ", warp kernel")):
+        if key in times:
+            b.row("optim", f"zero8 AdamW8bit step{kernel}, {label}", times[key] * 1e3, "ms",
+                  ns_per_param=times[key] / numel * 1e9)
+            b.row("optim", f"AdamW8bit speed{kernel} / torch fused AdamW, {label}", times["torch"] / times[key], "x",
+                  target)
+        else:
+            b.row("optim", f"zero8 AdamW8bit step{kernel}, {label}", error=err)
+            b.row("optim", f"AdamW8bit speed{kernel} / torch fused AdamW, {label}", unit="x", target=target, error=err)
     del fns, opt_torch, p_torch, grads, made
     torch.cuda.empty_cache()
 

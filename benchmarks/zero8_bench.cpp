@@ -647,7 +647,7 @@ int cmd_optimizer_cuda(Options& o, zero8::optim::Algo algo, int bits) {
   const double state32 = zero8::optim::StateLayout(algo, n, 32, block).bytes_per_param();
   const double moved8 = step_moved_bytes_per_param(algo, state8), moved32 = step_moved_bytes_per_param(algo, state32);
   auto ns = [&](double s) { return s / double(n) * 1e9; };
-  const double ns8 = ns(t.step8), ns32 = ns(t.step32);
+  const double ns8 = ns(t.step8), ns8w = ns(t.step8_warp), ns32 = ns(t.step32);
   const char* name = zero8::optim::algo_name(algo);
   std::printf("%s, numel %lld, float32 params and grads, state block %d; steps checked against the CPU reference\n",
               name, (long long)n, block);
@@ -657,12 +657,16 @@ int cmd_optimizer_cuda(Options& o, zero8::optim::Algo algo, int bits) {
   const struct {
     const char* name;
     double s, state, moved;
-  } rows[] = {{"8-bit", t.step8, state8, moved8}, {"32-bit", t.step32, state32, moved32}};
+  } rows[] = {{"8-bit", t.step8, state8, moved8}, {"8-bit W", t.step8_warp, state8, moved8},
+              {"32-bit", t.step32, state32, moved32}};
   for (const auto& r : rows)
     std::printf("%-8s %10.3f %10.5f %14.4f %14.4f %12.1f %10.5f %9.3f\n", r.name, r.s * 1e3, ns(r.s), r.state,
                 r.moved, r.moved / ns(r.s), r.moved / copy_gbps, ns(r.s) / (r.moved / copy_gbps));
-  const double speedup = t.step32 / t.step8;
-  std::printf("8-bit step: %.3fx the speed of the 32-bit step (%s)\n", speedup, speedup >= 1.0 ? "faster" : "slower");
+  const double speedup = t.step32 / t.step8, speedup_w = t.step32 / t.step8_warp;
+  std::printf("8-bit: the block step kernel; 8-bit W: the warp one (ZERO8_CUDA_STEP_KERNEL; blocks of 64..256 "
+              "elements, else the block kernel)\n");
+  std::printf("8-bit step: %.3fx the speed of the 32-bit step (%s); warp kernel %.3fx (%.3fx the block kernel)\n",
+              speedup, speedup >= 1.0 ? "faster" : "slower", speedup_w, t.step8 / t.step8_warp);
   const bool main8 = bits == 8;
   std::printf("%s\n", Json()
                           .str("bench", "optimizer")
@@ -678,11 +682,15 @@ int cmd_optimizer_cuda(Options& o, zero8::optim::Algo algo, int bits) {
                           .num("ns_per_param_8bit", ns8)
                           .num("ns_per_param_32bit", ns32)
                           .num("speedup_8_vs_32", speedup)
+                          .num("ns_per_param_8bit_warp", ns8w)
+                          .num("speedup_8warp_vs_32", speedup_w)
+                          .num("speedup_warp_vs_block", t.step8 / t.step8_warp)
                           .num("copy_gbps", copy_gbps)
                           .num("moved_bytes_per_param", main8 ? moved8 : moved32)
                           .num("moved_bytes_per_param_8bit", moved8)
                           .num("moved_bytes_per_param_32bit", moved32)
                           .num("gbps_effective_8bit", moved8 / ns8)
+                          .num("gbps_effective_8bit_warp", moved8 / ns8w)
                           .num("gbps_effective_32bit", moved32 / ns32)
                           .num("floor_ns_per_param", (main8 ? moved8 : moved32) / copy_gbps)
                           .num("ratio_to_floor", (main8 ? ns8 : ns32) / ((main8 ? moved8 : moved32) / copy_gbps))

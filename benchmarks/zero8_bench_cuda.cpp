@@ -299,7 +299,14 @@ CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int
                                                     << " is not offered (two phases with a host round trip)");
   optim::hyper_validate(algo, h);
   Stream s;
-  check_step(algo, h, 8, block, s.s);
+  struct Restore {  // the process's kernel setting, as it was
+    optim::CudaStepKernel k = optim::cuda_step_kernel();
+    ~Restore() { optim::set_cuda_step_kernel(k); }
+  } restore;
+  for (optim::CudaStepKernel k : {optim::CudaStepKernel::block, optim::CudaStepKernel::warp}) {
+    optim::set_cuda_step_kernel(k);
+    check_step(algo, h, 8, block, s.s);
+  }
   check_step(algo, h, 32, block, s.s);
   CopyBench cb(n, s.s);
   DeviceArray<float> param(n), grad(n);
@@ -316,16 +323,22 @@ CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int
   DeviceState s8(algo, n, 8, block), s32(algo, n, 32, block);
   optim::Hyper h8 = h, h32 = h;
   h8.step = h32.step = 0;
-  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), [&] {
-                                                                 ++h8.step;
-                                                                 optim::optim_step_cuda(s8.args(h8, param.p, grad.p), s.s);
-                                                               },
-                                                               [&] {
+  // Both 8-bit kernels step the same state in turn: they give the same bits, so each round moves the
+  // same bytes whichever runs.
+  auto step8 = [&](optim::CudaStepKernel k) {
+    return [&, k] {
+      optim::set_cuda_step_kernel(k);
+      ++h8.step;
+      optim::optim_step_cuda(s8.args(h8, param.p, grad.p), s.s);
+    };
+  };
+  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), step8(optim::CudaStepKernel::block),
+                                                               step8(optim::CudaStepKernel::warp), [&] {
                                                                  ++h32.step;
                                                                  optim::optim_step_cuda(s32.args(h32, param.p, grad.p), s.s);
                                                                }});
   cb.verify();
-  return {t[0], t[1], t[2]};
+  return {t[0], t[1], t[2], t[3]};
 }
 
 #endif  // ZERO8_WITH_CUDA

@@ -34,11 +34,13 @@ CudaCodecTimes cuda_bench_codec(const void* x_host, int64_t n_host, int64_t n, i
                                 bool stochastic, int repeat);
 
 struct CudaOptimTimes {
-  double copy = 0, step8 = 0, step32 = 0;  // median seconds
+  double copy = 0, step8 = 0, step8_warp = 0, step32 = 0;  // median seconds
 };
-// One fused step of `algo` over n float32 parameters with 8-bit and with 32-bit states (same parameter
-// and gradient buffers), beside a copy of n floats. Before timing, both steps on a few blocks must equal
-// the CPU reference bit for bit. LAMB and LARS (two phases with a host round trip) are not offered.
+// One fused step of `algo` over n float32 parameters with 8-bit states, by each CUDA step kernel (block,
+// warp: optim::CudaStepKernel; a block size without a warp kernel runs the block one twice), and with
+// 32-bit states (same parameter and gradient buffers), beside a copy of n floats, in the same rounds.
+// Before timing, each step on a few blocks must equal the CPU reference bit for bit. LAMB and LARS (two
+// phases with a host round trip) are not offered. The process's kernel setting is left as it was.
 CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int64_t n, int32_t block, int repeat);
 
 }  // namespace zero8::bench

@@ -1,9 +1,15 @@
-// CUDA fused optimizers: one CUDA block per state block dequantizes the states, applies the element
-// rule of optim_math.h, reduces the block's min/max, requantizes with quant_map.h, and writes the
-// parameter. Same element math as the CPU reference (nvcc --fmad=false), so CPU tests vouch for it.
+// CUDA fused optimizers: each state block's states are dequantized, the element rule of optim_math.h
+// applied, the block's min/max reduced, the states requantized with quant_map.h and the parameter
+// written. Two kernels do it for 8-bit states (CudaStepKernel in optim.h): one CUDA block per state
+// block, or one warp per state block with the maps in shared memory. Same element math as the CPU
+// reference (nvcc --fmad=false), so CPU tests vouch for it.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "device_ptr.h"
 #include "zero8/error.h"
@@ -84,6 +90,25 @@ __device__ void block_encode(const float* x, int per, int64_t lo, int32_t len, c
   if (threadIdx.x == 0) *absmax_out = scale;
 }
 
+// Element i's update from its decoded states s1, s2 (replaced by the new ones): the parameter (and the
+// master) written, 32-bit states stored; 8-bit ones are left to the caller's block encoding.
+__device__ __forceinline__ void step_element(const StepArgs& a, const OptimConsts& c, bool use1, bool use2,
+                                             bool trust_algo, int64_t i, float& s1, float& s2) {
+  float trust = 1.0f;
+  if (trust_algo && a.seg_trust) trust = a.seg_trust[a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, i) : 0];
+  const float g = dtype_load(a.grad, a.grad_dtype, i);
+  const float p0 = a.master ? a.master[i] : static_cast<const float*>(a.param)[i];
+  const float p = optim_update_one(a.algo, c, g, p0, s1, s2, trust);
+  if (a.update_params) {
+    if (a.master) a.master[i] = p;
+    dtype_store(a.param, a.param_dtype, i, p);
+  }
+  if (a.bits != 8) {
+    if (use1) a.state1[i] = s1;
+    if (use2) a.state2[i] = s2;
+  }
+}
+
 __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use2, bool trust_algo) {
   const int64_t b = blockIdx.x;
   const int64_t lo = b * a.block;
@@ -103,24 +128,120 @@ __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use
     float s1 = 0.0f, s2 = 0.0f;
     if (use1) s1 = q8 ? quant::quant_decode_one(a.code1[i], scale1, *a.map1) : a.state1[i];
     if (use2) s2 = q8 ? quant::quant_decode_one(a.code2[i], scale2, *a.map2) : a.state2[i];
-    float trust = 1.0f;
-    if (trust_algo && a.seg_trust) trust = a.seg_trust[a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, i) : 0];
-    const float g = dtype_load(a.grad, a.grad_dtype, i);
-    const float p0 = a.master ? a.master[i] : static_cast<const float*>(a.param)[i];
-    const float p = optim_update_one(a.algo, c, g, p0, s1, s2, trust);
-    if (a.update_params) {
-      if (a.master) a.master[i] = p;
-      dtype_store(a.param, a.param_dtype, i, p);
-    }
-    if (!q8) {
-      if (use1) a.state1[i] = s1;
-      if (use2) a.state2[i] = s2;
-    }
+    step_element(a, c, use1, use2, trust_algo, i, s1, s2);
     s1v[k] = optim_state_finite(s1);  // used by the 8-bit encoding only
     s2v[k] = optim_state_finite(s2);
   }
   if (q8 && use1) block_encode(s1v, per, lo, len, *a.map1, a.code1, a.absmax1 + b);
   if (q8 && use2) block_encode(s2v, per, lo, len, *a.map2, a.code2, a.absmax2 + b);
+}
+
+// ---- The warp kernel (CudaStepKernel::warp) ----
+
+constexpr int kWarpThreads = 256;     // 8 warps per CUDA block, each on its own state blocks
+constexpr int kWarpMaxBlock = 256;    // 8 elements per lane: states stay in registers until encoded (16
+                                      // spill at sm_90)
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// One map in shared memory: what decoding and the accelerated nearest-code search read per element.
+struct SmemMap {
+  float values[256];
+  float thresholds[256];
+  uint32_t lut[quant::kQuantLutBuckets];
+};
+constexpr size_t kWarpSmem = 2 * sizeof(SmemMap);  // both states' maps
+
+// A map's constants, read once from its table in global memory.
+struct WarpMap {
+  const quant::QuantTable* t;  // global: zero_code and the rare keep-sign rule read it
+  const SmemMap* m;
+  uint32_t steps;
+  bool packed;
+};
+
+__device__ void smem_map_load(const quant::QuantTable& t, SmemMap& m) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    m.values[i] = t.values[i];
+    m.thresholds[i] = t.thresholds[i];
+  }
+  for (int i = threadIdx.x; i < int(quant::kQuantLutBuckets); i += blockDim.x) m.lut[i] = t.lut[i];
+}
+
+// Min/max/finite of the warp's values by shuffles, with block_minmax's rules (any order gives the same).
+__device__ __forceinline__ void warp_minmax(float& vmin, float& vmax, int& finite) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float a = __shfl_xor_sync(kFullMask, vmin, off), b = __shfl_xor_sync(kFullMask, vmax, off);
+    if (a < vmin) vmin = a;
+    if (b > vmax) vmax = b;
+  }
+  finite = __all_sync(kFullMask, finite);
+}
+
+// Encode the warp's block of new states x[k] (element lo + lane + 32 k) and write its scale.
+template <int kPer>
+__device__ __forceinline__ void warp_block_encode(const float* x, int lane, int64_t lo, int32_t len,
+                                                  const WarpMap& w, uint8_t* codes, float* absmax_out) {
+  float vmin = 0.0f, vmax = 0.0f;
+  int finite = 1;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (lane + 32 * k >= len) break;
+    const float v = x[k];
+    finite &= (v - v == 0.0f);
+    if (v < vmin) vmin = v;
+    if (v > vmax) vmax = v;
+  }
+  warp_minmax(vmin, vmax, finite);
+  const float scale = finite ? quant::quant_block_scale(vmin, vmax, *w.t) : f32_from_bits(0x7fc00000u);
+  const quant::QuantBlockDivisor d = quant::quant_block_divisor(scale, *w.t);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int32_t j = lane + 32 * k;
+    if (j >= len) break;
+    codes[lo + j] = uint8_t(quant::quant_encode_accel(x[k], d, *w.t, w.m->lut, w.m->thresholds, w.steps, w.packed));
+  }
+  if (lane == 0) *absmax_out = scale;
+}
+
+// 8-bit states, block = 32 kPer elements. Persistent CUDA blocks: each copies the maps to shared memory
+// once, then its warps take state blocks in turn.
+template <int kPer>
+__global__ void __launch_bounds__(kWarpThreads) optim_step_warp_kernel(StepArgs a, OptimConsts c, bool use1,
+                                                                          bool use2, bool trust_algo,
+                                                                          int64_t nblocks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SmemMap* maps = reinterpret_cast<SmemMap*>(smem_raw);
+  if (use1) smem_map_load(*a.map1, maps[0]);
+  if (use2) smem_map_load(*a.map2, maps[1]);
+  __syncthreads();
+  auto warp_map = [&](const quant::QuantTable* t, const SmemMap* m) {
+    return WarpMap{t, m, t ? uint32_t(t->lut_steps) : 0u, t && t->lut_packed != 0};
+  };
+  const WarpMap w1 = warp_map(use1 ? a.map1 : nullptr, &maps[0]), w2 = warp_map(use2 ? a.map2 : nullptr, &maps[1]);
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * (kWarpThreads / 32);
+  for (int64_t b = int64_t(blockIdx.x) * (kWarpThreads / 32) + (threadIdx.x >> 5); b < nblocks; b += warps) {
+    const int64_t lo = b * a.block;
+    const int32_t len = int32_t(a.n - lo < a.block ? a.n - lo : a.block);
+    const float scale1 = use1 ? a.absmax1[b] : 0.0f, scale2 = use2 ? a.absmax2[b] : 0.0f;
+    float s1v[kPer], s2v[kPer];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int32_t j = lane + 32 * k;
+      s1v[k] = s2v[k] = 0.0f;
+      if (j >= len) continue;
+      const int64_t i = lo + j;
+      // quant_decode_one from shared memory
+      float s1 = use1 ? w1.m->values[a.code1[i]] * scale1 : 0.0f;
+      float s2 = use2 ? w2.m->values[a.code2[i]] * scale2 : 0.0f;
+      step_element(a, c, use1, use2, trust_algo, i, s1, s2);
+      s1v[k] = optim_state_finite(s1);
+      s2v[k] = optim_state_finite(s2);
+    }
+    if (use1) warp_block_encode<kPer>(s1v, lane, lo, len, w1, a.code1, a.absmax1 + b);
+    if (use2) warp_block_encode<kPer>(s2v, lane, lo, len, w2, a.code2, a.absmax2 + b);
+  }
 }
 
 // Phase 1: for each piece (segment s within state block b) the block-reduced sums of p^2 and u^2,
@@ -224,16 +345,101 @@ void norms_to_device(const StepArgs& a, const OptimConsts& c, NormSums* out_dev,
   ZERO8_CUDA_CHECK(cudaFreeAsync(parts, st));
 }
 
+// CUDA blocks of optim_step_warp_kernel<kPer> resident on the current device at once (its grid when there
+// is enough work), or 0 where its shared memory does not fit. The opt-in to more than 48 KiB of shared
+// memory is a property of the kernel in each device's context: made once per device, with the count.
+template <int kPer>
+int warp_grid_limit() {
+  static std::atomic<int> cached[64] = {};
+  int dev = 0;
+  ZERO8_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 64) {
+    const int v = cached[dev].load(std::memory_order_relaxed);
+    if (v != 0) return v > 0 ? v : 0;
+  }
+  int per_sm = 0, sms = 0;
+  if (cudaFuncSetAttribute(optim_step_warp_kernel<kPer>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(kWarpSmem)) == cudaSuccess) {
+    ZERO8_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, optim_step_warp_kernel<kPer>,
+                                                                   kWarpThreads, kWarpSmem));
+  } else {
+    (void)cudaGetLastError();  // the device offers less shared memory: the block kernel runs instead
+  }
+  ZERO8_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int v = per_sm * sms;
+  if (dev < 64) cached[dev].store(v > 0 ? v : -1, std::memory_order_relaxed);
+  return v;
+}
+
+template <int kPer>
+bool warp_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, cudaStream_t st) {
+  const int limit = warp_grid_limit<kPer>();
+  if (limit == 0) return false;
+  // At least kWarpMinRounds state blocks per warp: filling a CUDA block's shared memory reads 52 KiB (from
+  // L2), which a smaller share of the range would not repay.
+  constexpr int64_t kWarpMinRounds = 4;
+  const int64_t nblocks = (a.n + a.block - 1) / a.block, per_cta = kWarpMinRounds * (kWarpThreads / 32);
+  const int64_t grid = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, limit);
+  optim_step_warp_kernel<kPer><<<unsigned(grid), kWarpThreads, kWarpSmem, st>>>(
+      a, c, use1, use2, algo_has_trust_ratio(a.algo), nblocks);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+  return true;
+}
+
+// The warp kernel where it applies (8-bit states, blocks of 64..256); false: the caller runs the block one.
+bool step_launch_warp(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, cudaStream_t st) {
+  if (a.bits != 8 || !(use1 || use2)) return false;
+  switch (a.block) {
+    case 64: return warp_launch<2>(a, c, use1, use2, st);
+    case 128: return warp_launch<4>(a, c, use1, use2, st);
+    case kWarpMaxBlock: return warp_launch<8>(a, c, use1, use2, st);
+    default: return false;
+  }
+}
+
 void step_launch(const StepArgs& a, cudaStream_t st) {
   const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
+  if (cuda_step_kernel() == CudaStepKernel::warp && step_launch_warp(a, c, use1, use2, st)) return;
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, use1, use2,
                                                                                algo_has_trust_ratio(a.algo));
   ZERO8_CUDA_CHECK(cudaGetLastError());
 }
 
+// The process-wide CudaStepKernel: -1 until the first use reads ZERO8_CUDA_STEP_KERNEL.
+std::atomic<int>& step_kernel_setting() {
+  static std::atomic<int> k{-1};
+  return k;
+}
+
+CudaStepKernel step_kernel_from_env() {
+  const char* env = std::getenv("ZERO8_CUDA_STEP_KERNEL");
+  return env && *env ? cuda_step_kernel_parse(env, "ZERO8_CUDA_STEP_KERNEL") : CudaStepKernel::block;
+}
+
 }  // namespace
+
+const char* cuda_step_kernel_name(CudaStepKernel k) { return k == CudaStepKernel::warp ? "warp" : "block"; }
+
+CudaStepKernel cuda_step_kernel_parse(const std::string& name, const char* what) {
+  for (CudaStepKernel k : {CudaStepKernel::block, CudaStepKernel::warp})
+    if (name == cuda_step_kernel_name(k)) return k;
+  ZERO8_THROW(invalid_argument, what << "=" << name << " is not one of block, warp");
+}
+
+CudaStepKernel cuda_step_kernel() {
+  std::atomic<int>& k = step_kernel_setting();
+  int v = k.load(std::memory_order_relaxed);
+  if (v < 0) {
+    int unset = -1;
+    k.compare_exchange_strong(unset, int(step_kernel_from_env()));
+    v = k.load(std::memory_order_relaxed);
+  }
+  return CudaStepKernel(v);
+}
+
+void set_cuda_step_kernel(CudaStepKernel k) { step_kernel_setting().store(int(k), std::memory_order_relaxed); }
 
 void optim_step_cuda(const StepArgs& a, void* stream) {
   if (a.n <= 0) return;

@@ -3,11 +3,14 @@
 // sums in another order). Skips with the reason when the build has no CUDA or the machine no GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "zero8/error.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/quant_map.h"
 #include "zero8/optim.h"
@@ -64,117 +67,176 @@ Hyper hyper_for(Algo a) {
   return h;
 }
 
+// The process-wide step kernel for one scope.
+struct StepKernelScope {
+  CudaStepKernel before = cuda_step_kernel();
+  explicit StepKernelScope(CudaStepKernel k) { set_cuda_step_kernel(k); }
+  ~StepKernelScope() { set_cuda_step_kernel(before); }
+};
+
+// Three steps of `algo` on the device and in the CPU reference, compared bit for bit after each. map1:
+// the first state's map (the standard ones, or the signed linear map, which has no exact 0: the warp
+// kernel's division and no-sign-flip path).
+void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
+                                  quant::MapKind map1 = quant::MapKind::dynamic_signed) {
+  const int64_t n = 5 * block + 37;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> nd;
+  std::vector<float> p32(static_cast<size_t>(n)), grad(static_cast<size_t>(n));
+  for (auto& x : p32) x = nd(rng);
+  std::vector<uint16_t> p16(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) p16[size_t(i)] = f32_to_bf16(p32[size_t(i)]);
+  const std::vector<int64_t> segs = {0, 300, n};
+  // Host reference state and device copies.
+  State st(StateLayout(algo, n, bits, block));
+  StepArgs h;
+  st.bind(h);
+  std::vector<uint8_t> c1(size_t(n), bits == 8 ? st.map(1)->zero_code : 0), c2 = c1;
+  std::vector<float> a1(size_t(st.layout().num_blocks()), 0.0f), a2 = a1, s1(size_t(n), 0.0f), s2 = s1;
+  std::vector<float> master = p32;
+  DevBuf<float> d_master(master), d_p32(p32), d_grad(grad), d_a1(a1), d_a2(a2), d_s1(s1), d_s2(s2);
+  DevBuf<uint16_t> d_p16(p16);
+  DevBuf<uint8_t> d_c1(c1), d_c2(c2);
+  DevBuf<int64_t> d_segs(segs);
+  const quant::QuantTable* maps[2] = {&quant::table_get(map1),
+                                      &quant::table_get(quant::MapKind::dynamic_unsigned)};
+  quant::QuantTable* d_maps = nullptr;
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_maps), 2 * sizeof(quant::QuantTable)));
+  CUDA_OK(cudaMemcpy(d_maps, maps[0], sizeof(quant::QuantTable), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_maps + 1, maps[1], sizeof(quant::QuantTable), cudaMemcpyHostToDevice));
+  float* d_trust = nullptr;
+  CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_trust), 2 * sizeof(float)));
+  for (int t = 1; t <= 3; ++t) {
+    for (auto& x : grad) x = 1e-2f * nd(rng);
+    CUDA_OK(cudaMemcpy(d_grad.p, grad.data(), size_t(n) * 4, cudaMemcpyHostToDevice));
+    // CPU reference on host buffers.
+    StepArgs a = h;
+    a.h = hyper_for(algo);
+    a.h.step = t;
+    a.param = pdt == DType::f32 ? static_cast<void*>(p32.data()) : static_cast<void*>(p16.data());
+    a.param_dtype = pdt;
+    a.master = pdt == DType::f32 ? nullptr : master.data();
+    a.grad = grad.data();
+    a.nseg = 2;
+    a.seg_offsets = segs.data();
+    if (bits == 8) {
+      a.code1 = c1.data(); a.absmax1 = a1.data(); a.map1 = maps[0];
+      a.code2 = c2.data(); a.absmax2 = a2.data(); a.map2 = maps[1];
+    } else {
+      a.state1 = s1.data(); a.state2 = s2.data();
+    }
+    if (algo_num_states(algo) == 1) a.code2 = nullptr, a.absmax2 = nullptr, a.map2 = nullptr, a.state2 = nullptr;
+    StepArgs d = a;  // the same on device pointers
+    d.param = pdt == DType::f32 ? static_cast<void*>(d_p32.p) : static_cast<void*>(d_p16.p);
+    d.master = pdt == DType::f32 ? nullptr : d_master.p;
+    d.grad = d_grad.p;
+    d.seg_offsets = d_segs.p;
+    if (bits == 8) {
+      d.code1 = d_c1.p; d.absmax1 = d_a1.p; d.map1 = d_maps;
+      if (a.code2) d.code2 = d_c2.p, d.absmax2 = d_a2.p, d.map2 = d_maps + 1;
+    } else {
+      d.state1 = d_s1.p;
+      if (a.state2) d.state2 = d_s2.p;
+    }
+    float trust[2] = {1.0f, 1.0f};
+    if (algo_has_trust_ratio(algo)) {
+      NormSums want[2], got[2];
+      optim_norms_ref(a, want);
+      optim_norms_cuda(d, got, nullptr);
+      for (int s = 0; s < 2; ++s) {
+        EXPECT_NEAR(got[s].w_sq, want[s].w_sq, 1e-12 * want[s].w_sq);
+        EXPECT_NEAR(got[s].u_sq, want[s].u_sq, 1e-12 * want[s].u_sq);
+        trust[s] = optim_trust_ratio(algo, a.h, want[s]);
+      }
+    }
+    a.seg_trust = trust;
+    CUDA_OK(cudaMemcpy(d_trust, trust, sizeof(trust), cudaMemcpyHostToDevice));
+    d.seg_trust = d_trust;
+    optim_step_ref(a);
+    optim_step_cuda(d, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    auto same = [](const auto& x, const auto& y) {
+      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+    };
+    if (pdt == DType::f32) {
+      ASSERT_TRUE(same(d_p32.get(), p32)) << "parameter, step " << t;
+    } else {
+      ASSERT_TRUE(same(d_p16.get(), p16)) << "bf16 parameter, step " << t;
+      ASSERT_TRUE(same(d_master.get(), master)) << "master, step " << t;
+    }
+    if (bits == 8) {
+      ASSERT_TRUE(same(d_c1.get(), c1) && same(d_a1.get(), a1)) << "state 1, step " << t;
+      if (a.code2) {
+        ASSERT_TRUE(same(d_c2.get(), c2) && same(d_a2.get(), a2)) << "state 2, step " << t;
+      }
+    } else {
+      ASSERT_TRUE(same(d_s1.get(), s1)) << "state 1, step " << t;
+      if (a.state2) {
+        ASSERT_TRUE(same(d_s2.get(), s2)) << "state 2, step " << t;
+      }
+    }
+  }
+  cudaFree(d_maps);
+  cudaFree(d_trust);
+}
+
 TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
   const std::string why = cuda_unavailable();
   if (!why.empty()) GTEST_SKIP() << why;
   const Algo algos[] = {Algo::adam, Algo::adamw, Algo::sgd, Algo::lion, Algo::rmsprop, Algo::adagrad, Algo::lamb, Algo::lars};
-  for (Algo algo : algos) {
-    for (int bits : {8, 32}) {
-      for (DType pdt : {DType::f32, DType::bf16}) {
-        SCOPED_TRACE(std::string(algo_name(algo)) + " bits=" + std::to_string(bits) + " param=" + dtype_name(pdt));
-        const int32_t block = 256;
-        const int64_t n = 5 * block + 37;
-        std::mt19937_64 rng(1);
-        std::normal_distribution<float> nd;
-        std::vector<float> p32(static_cast<size_t>(n)), grad(static_cast<size_t>(n));
-        for (auto& x : p32) x = nd(rng);
-        std::vector<uint16_t> p16(static_cast<size_t>(n));
-        for (int64_t i = 0; i < n; ++i) p16[size_t(i)] = f32_to_bf16(p32[size_t(i)]);
-        const std::vector<int64_t> segs = {0, 300, n};
-        // Host reference state and device copies.
-        State st(StateLayout(algo, n, bits, block));
-        StepArgs h;
-        st.bind(h);
-        std::vector<uint8_t> c1(size_t(n), bits == 8 ? st.map(1)->zero_code : 0), c2 = c1;
-        std::vector<float> a1(size_t(st.layout().num_blocks()), 0.0f), a2 = a1, s1(size_t(n), 0.0f), s2 = s1;
-        std::vector<float> master = p32;
-        DevBuf<float> d_master(master), d_p32(p32), d_grad(grad), d_a1(a1), d_a2(a2), d_s1(s1), d_s2(s2);
-        DevBuf<uint16_t> d_p16(p16);
-        DevBuf<uint8_t> d_c1(c1), d_c2(c2);
-        DevBuf<int64_t> d_segs(segs);
-        const quant::QuantTable* maps[2] = {&quant::table_get(quant::MapKind::dynamic_signed),
-                                            &quant::table_get(quant::MapKind::dynamic_unsigned)};
-        quant::QuantTable* d_maps = nullptr;
-        CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_maps), 2 * sizeof(quant::QuantTable)));
-        CUDA_OK(cudaMemcpy(d_maps, maps[0], sizeof(quant::QuantTable), cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(d_maps + 1, maps[1], sizeof(quant::QuantTable), cudaMemcpyHostToDevice));
-        float* d_trust = nullptr;
-        CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_trust), 2 * sizeof(float)));
-        for (int t = 1; t <= 3; ++t) {
-          for (auto& x : grad) x = 1e-2f * nd(rng);
-          CUDA_OK(cudaMemcpy(d_grad.p, grad.data(), size_t(n) * 4, cudaMemcpyHostToDevice));
-          // CPU reference on host buffers.
-          StepArgs a = h;
-          a.h = hyper_for(algo);
-          a.h.step = t;
-          a.param = pdt == DType::f32 ? static_cast<void*>(p32.data()) : static_cast<void*>(p16.data());
-          a.param_dtype = pdt;
-          a.master = pdt == DType::f32 ? nullptr : master.data();
-          a.grad = grad.data();
-          a.nseg = 2;
-          a.seg_offsets = segs.data();
-          if (bits == 8) {
-            a.code1 = c1.data(); a.absmax1 = a1.data(); a.map1 = maps[0];
-            a.code2 = c2.data(); a.absmax2 = a2.data(); a.map2 = maps[1];
-          } else {
-            a.state1 = s1.data(); a.state2 = s2.data();
-          }
-          if (algo_num_states(algo) == 1) a.code2 = nullptr, a.absmax2 = nullptr, a.map2 = nullptr, a.state2 = nullptr;
-          StepArgs d = a;  // the same on device pointers
-          d.param = pdt == DType::f32 ? static_cast<void*>(d_p32.p) : static_cast<void*>(d_p16.p);
-          d.master = pdt == DType::f32 ? nullptr : d_master.p;
-          d.grad = d_grad.p;
-          d.seg_offsets = d_segs.p;
-          if (bits == 8) {
-            d.code1 = d_c1.p; d.absmax1 = d_a1.p; d.map1 = d_maps;
-            if (a.code2) d.code2 = d_c2.p, d.absmax2 = d_a2.p, d.map2 = d_maps + 1;
-          } else {
-            d.state1 = d_s1.p;
-            if (a.state2) d.state2 = d_s2.p;
-          }
-          float trust[2] = {1.0f, 1.0f};
-          if (algo_has_trust_ratio(algo)) {
-            NormSums want[2], got[2];
-            optim_norms_ref(a, want);
-            optim_norms_cuda(d, got, nullptr);
-            for (int s = 0; s < 2; ++s) {
-              EXPECT_NEAR(got[s].w_sq, want[s].w_sq, 1e-12 * want[s].w_sq);
-              EXPECT_NEAR(got[s].u_sq, want[s].u_sq, 1e-12 * want[s].u_sq);
-              trust[s] = optim_trust_ratio(algo, a.h, want[s]);
-            }
-          }
-          a.seg_trust = trust;
-          CUDA_OK(cudaMemcpy(d_trust, trust, sizeof(trust), cudaMemcpyHostToDevice));
-          d.seg_trust = d_trust;
-          optim_step_ref(a);
-          optim_step_cuda(d, nullptr);
-          CUDA_OK(cudaDeviceSynchronize());
-          auto same = [](const auto& x, const auto& y) {
-            return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
-          };
-          if (pdt == DType::f32) {
-            ASSERT_TRUE(same(d_p32.get(), p32)) << "parameter, step " << t;
-          } else {
-            ASSERT_TRUE(same(d_p16.get(), p16)) << "bf16 parameter, step " << t;
-            ASSERT_TRUE(same(d_master.get(), master)) << "master, step " << t;
-          }
-          if (bits == 8) {
-            ASSERT_TRUE(same(d_c1.get(), c1) && same(d_a1.get(), a1)) << "state 1, step " << t;
-            if (a.code2) {
-              ASSERT_TRUE(same(d_c2.get(), c2) && same(d_a2.get(), a2)) << "state 2, step " << t;
-            }
-          } else {
-            ASSERT_TRUE(same(d_s1.get(), s1)) << "state 1, step " << t;
-            if (a.state2) {
-              ASSERT_TRUE(same(d_s2.get(), s2)) << "state 2, step " << t;
-            }
+  // Both kernels; blocks of one warp's elements, the default, and one the warp kernel leaves to the block one.
+  for (CudaStepKernel kernel : {CudaStepKernel::block, CudaStepKernel::warp}) {
+    const StepKernelScope scope(kernel);
+    for (int32_t block : {64, 256, 1024}) {
+      for (Algo algo : algos) {
+        for (int bits : {8, 32}) {
+          for (DType pdt : {DType::f32, DType::bf16}) {
+            SCOPED_TRACE(std::string(cuda_step_kernel_name(kernel)) + " kernel, block " + std::to_string(block) + ", " +
+                         algo_name(algo) + " bits=" + std::to_string(bits) + " param=" + dtype_name(pdt));
+            expect_step_equals_reference(algo, bits, pdt, block);
+            if (HasFatalFailure()) return;
           }
         }
-        cudaFree(d_maps);
-        cudaFree(d_trust);
       }
     }
+    for (Algo algo : {Algo::adamw, Algo::lion}) {
+      SCOPED_TRACE(std::string(cuda_step_kernel_name(kernel)) + " kernel, signed linear map, " + algo_name(algo));
+      expect_step_equals_reference(algo, 8, DType::f32, 256, quant::MapKind::linear_signed);
+      if (HasFatalFailure()) return;
+    }
   }
+}
+
+// The kernel choice needs no device: its names, the setter, and ZERO8_CUDA_STEP_KERNEL (read at the first
+// use; tests/CMakeLists.txt runs OptimCudaSetting.FromTheEnvironment again with warp and a bad value).
+TEST(OptimCudaSetting, FromTheEnvironment) {
+  const char* env = std::getenv("ZERO8_CUDA_STEP_KERNEL");
+  const std::string v = env ? env : "";
+  if (v.empty() || v == "block") {
+    EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::block);
+  } else if (v == "warp") {
+    EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::warp);
+  } else {
+    try {
+      (void)cuda_step_kernel();
+      FAIL() << "ZERO8_CUDA_STEP_KERNEL=" << v << " was accepted";
+    } catch (const zero8::Error& e) {
+      EXPECT_EQ(e.code(), zero8::ErrorCode::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("ZERO8_CUDA_STEP_KERNEL=" + v + " is not one of block, warp"),
+                std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(OptimCudaSetting, SetAndName) {
+  if (std::getenv("ZERO8_CUDA_STEP_KERNEL")) GTEST_SKIP() << "run with ZERO8_CUDA_STEP_KERNEL set: FromTheEnvironment only";
+  EXPECT_STREQ(cuda_step_kernel_name(CudaStepKernel::block), "block");
+  EXPECT_STREQ(cuda_step_kernel_name(CudaStepKernel::warp), "warp");
+  {
+    const StepKernelScope scope(CudaStepKernel::warp);
+    EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::warp);
+  }
+  EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::block);
 }
 
 #else  // !ZERO8_WITH_CUDA

@@ -358,6 +358,47 @@ TEST(QuantMap, FmaQuotientIsTheDivision) {
   EXPECT_FALSE(table_build(tiny).fma_quotient_ok);
 }
 
+// The CUDA warp step's encode (quant_encode_accel: the accelerator, and the multiply-add quotient where the
+// map has an exact 0) against the full rule, for every standard map and two unusual ones, over block
+// scales of both signs from 2^-70 to 2^127 (and 0, NaN) and elements anywhere in the block's range,
+// at the thresholds and next to them, tiny ones and signed zeros among them.
+TEST(QuantMap, AcceleratedEncodeIsTheFullRule) {
+  std::vector<std::pair<std::string, QuantTable>> tables;
+  for (MapKind kind : kAllMaps) tables.emplace_back(map_kind_name(kind), table_get(kind));
+  std::vector<float> cluster = linspace(-1.0, 0.5, 200), c = linspace(0.5 + 1e-3, 0.6, 56);
+  cluster.insert(cluster.end(), c.begin(), c.end());
+  tables.emplace_back("dense cluster", table_build(cluster));
+  std::vector<float> tiny = linspace(-1.0, 1.0, 256);
+  tiny[127] = -1e-30f;
+  tiny[128] = 1e-30f;
+  tables.emplace_back("values near 0", table_build(tiny));
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (const auto& [name, t] : tables) {
+    std::vector<float> scales = {0.0f, std::numeric_limits<float>::quiet_NaN(), 1.0f, -1.0f, 0x1p-70f, 0x1p127f,
+                                 -0x1p-65f, 0x1.fffffep-65f, 0x1p126f, 0x1.000002p126f};
+    for (int e = -70; e <= 126; e += 7) scales.push_back(std::ldexp(1.0f + 0.5f * (unit(rng) + 1.0f), e) * (e % 2 ? -1.0f : 1.0f));
+    int64_t bad = 0;
+    for (float scale : scales) {
+      const QuantBlockDivisor d = quant_block_divisor(scale, t);
+      std::vector<float> xs = {0.0f, -0.0f, scale, -scale, 1e-45f, -1e-45f, 1e-38f * scale, -1e-38f * scale};
+      for (int i = 0; i < 255; ++i) {
+        for (float n : {t.thresholds[i], std::nextafter(t.thresholds[i], 2.0f), std::nextafter(t.thresholds[i], -2.0f)})
+          xs.push_back(n * scale);
+      }
+      for (int i = 0; i < 2000; ++i) xs.push_back(unit(rng) * std::ldexp(1.0f, -int(rng() % 40)) * scale);
+      for (float x : xs) {
+        if (!(std::fabs(x) <= std::fabs(scale))) continue;  // a block's elements lie within its scale
+        const uint32_t want = quant_encode_one(x, scale, t, false, 0.0f);
+        const uint32_t got = quant_encode_accel(x, d, t, t.lut, t.thresholds, t.lut_steps, t.lut_packed != 0);
+        if (got != want && bad++ < 5)
+          ADD_FAILURE() << name << ": x " << x << " scale " << scale << ": " << got << " vs " << want;
+      }
+    }
+    EXPECT_EQ(bad, 0) << name;
+  }
+}
+
 void expect_values_error(const std::vector<float>& v, const char* what) {
   try {
     table_build(v);

@@ -41,7 +41,8 @@ API = [
     "quant_table_bytes", "quantize_blockwise_cuda", "quantize_blockwise_table_cuda", "dequantize_blockwise_cuda",
     "dequantize_blockwise_table_cuda", "step_tensor_cuda", "int8_quantize_rows_cuda", "int8_quantize_cols_cuda",
     "int8_quantize_blocks_cuda", "int8_dequantize_blocks_cuda", "int8_outlier_columns_cuda",
-    "int8_dequantize_matmul_cuda", "int8_gemm_cuda", "int8_block_matmul_cuda",
+    "int8_dequantize_matmul_cuda", "int8_gemm_cuda", "int8_block_matmul_cuda", "step_kernel_cuda",
+    "set_step_kernel_cuda",
     # communicator
     "Communicator", "comm_create", "comm_backend_available", "topology_split", "node_groups",
     # config
@@ -161,6 +162,26 @@ def test_unsupported_backend_raises_not_supported():
         pytest.skip("this build has NCCL: comm_create('nccl') would try to use a GPU")
     with pytest.raises(zero8.Zero8NotSupportedError, match="NCCL"):
         _C.comm_create("nccl")
+
+
+def test_cuda_step_kernel_setting():
+    """The CUDA 8-bit step's kernel by name (benchmarks time both); no device needed, but a CUDA build."""
+    if not _C.build_info()["cuda"]:
+        for call in (_C.step_kernel_cuda, lambda: _C.set_step_kernel_cuda("warp")):
+            with pytest.raises(zero8.Zero8NotSupportedError, match="not built with CUDA"):
+                call()
+        return
+    before = _C.step_kernel_cuda()
+    try:
+        _C.set_step_kernel_cuda("warp")
+        assert _C.step_kernel_cuda() == "warp"
+        _C.set_step_kernel_cuda("block")
+        assert _C.step_kernel_cuda() == "block"
+        with pytest.raises(zero8.Zero8ValueError, match="kernel=fast is not one of block, warp"):
+            _C.set_step_kernel_cuda("fast")
+        assert _C.step_kernel_cuda() == "block"
+    finally:
+        _C.set_step_kernel_cuda(before)
 
 
 def test_io_error_names_the_file(tmp_path):

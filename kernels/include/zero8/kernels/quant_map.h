@@ -133,23 +133,30 @@ ZERO8_HD bool quant_quotient_fma_ok(float scale, const QuantTable& t) {
 }
 
 // Nearest code of a normalized value n (= x / scale): exact nearest map value, ties to even code.
-ZERO8_HD uint32_t quant_code_nearest(float n, const QuantTable& t) {
+// The binary search over a table's thresholds (quant_code_nearest), wherever they are held.
+ZERO8_HD uint32_t quant_code_search(float n, const float* thresholds) {
   uint32_t c = 0;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (uint32_t step = 128; step > 0; step >>= 1) c += (n > t.thresholds[c + step - 1]) ? step : 0u;
+  for (uint32_t step = 128; step > 0; step >>= 1) c += (n > thresholds[c + step - 1]) ? step : 0u;
   return c;
 }
+ZERO8_HD uint32_t quant_code_nearest(float n, const QuantTable& t) { return quant_code_search(n, t.thresholds); }
 
-// quant_code_nearest through the accelerator, as the SIMD variants compute it (for tests and docs).
-ZERO8_HD uint32_t quant_code_nearest_lut(float n, const QuantTable& t) {
-  if (t.lut_steps == kQuantLutNoSteps) return quant_code_nearest(n, t);
-  const uint32_t e = t.lut[quant_lut_index(n)];
+// quant_code_nearest through the accelerator (a table's lut, thresholds, lut_steps and lut_packed,
+// wherever they are held: the CUDA warp step copies them to shared memory), as the SIMD variants compute
+// it; the same code for every n (tests/cpp/test_quant_map.cpp).
+ZERO8_HD uint32_t quant_code_lut(float n, const uint32_t* lut, const float* thresholds, uint32_t steps, bool packed) {
+  if (steps == kQuantLutNoSteps) return quant_code_search(n, thresholds);
+  const uint32_t e = lut[quant_lut_index(n)];
   uint32_t c = e >> 16;
-  if (t.lut_packed) return c + (n > f32_from_bits((f32_bits(n) & 0xffff0000u) | (e & 0xffffu)) ? 1u : 0u);
-  for (uint32_t s = 0; s < t.lut_steps; ++s) c += n > t.thresholds[c] ? 1u : 0u;
+  if (packed) return c + (n > f32_from_bits((f32_bits(n) & 0xffff0000u) | (e & 0xffffu)) ? 1u : 0u);
+  for (uint32_t s = 0; s < steps; ++s) c += n > thresholds[c] ? 1u : 0u;
   return c;
+}
+ZERO8_HD uint32_t quant_code_nearest_lut(float n, const QuantTable& t) {
+  return quant_code_lut(n, t.lut, t.thresholds, t.lut_steps, t.lut_packed != 0);
 }
 
 // quant_code_nearest through the VBMI cells (t.cells_ok), as the AVX-512 VBMI variant computes it, for
@@ -203,5 +210,36 @@ ZERO8_HD uint32_t quant_encode_one(float x, float scale, const QuantTable& t, bo
 }
 
 ZERO8_HD float quant_decode_one(uint32_t code, float scale, const QuantTable& t) { return t.values[code] * scale; }
+
+// A block's constants for quant_encode_accel, made once per block.
+struct QuantBlockDivisor {
+  float scale = 0.0f, r = 1.0f;
+  bool zero = true;        // scale 0 or NaN: every code is zero_code
+  bool fma = false;        // the quotient by quant_quotient_fma (r = 1 / scale)
+  bool keep_sign = false;  // the no-sign-flip rule can act: the map has no exact 0
+};
+ZERO8_HD QuantBlockDivisor quant_block_divisor(float scale, const QuantTable& t) {
+  QuantBlockDivisor d;
+  d.scale = scale;
+  d.zero = !(scale == scale) || scale == 0.0f;
+  // With an exact 0 in the map the nearest value of a nonzero n is 0 or of n's sign, so the rule never
+  // acts, and the sign of a zero quotient (which the multiply-adds may not reproduce) does not matter.
+  d.keep_sign = !(t.values[t.zero_code] == 0.0f);
+  d.fma = !d.zero && !d.keep_sign && quant_quotient_fma_ok(scale, t);
+  d.r = d.fma ? 1.0f / scale : 1.0f;
+  return d;
+}
+
+// quant_encode_one(x, scale, t, false, 0) through the accelerator (quant_code_lut over t's lut and
+// thresholds, or copies of them: the CUDA warp step reads them from shared memory; steps and packed are
+// t's lut_steps and lut_packed) and, where d.fma, the quotient by multiply-adds: the same code for every
+// x (tests/cpp/test_quant_map.cpp), as the AVX-512 VBMI step encodes.
+ZERO8_HD uint32_t quant_encode_accel(float x, const QuantBlockDivisor& d, const QuantTable& t, const uint32_t* lut,
+                                     const float* thresholds, uint32_t steps, bool packed) {
+  if (d.zero) return t.zero_code;
+  const float n = d.fma ? quant_quotient_fma(x, d.scale, d.r) : x / d.scale;
+  const uint32_t c = quant_code_lut(n, lut, thresholds, steps, packed);
+  return d.keep_sign ? quant_code_keep_sign(c, x, n, t) : c;
+}
 
 }  // namespace zero8::quant
