@@ -655,13 +655,15 @@ main() {
     if ((HAVE_GPU)); then
       run_stage bench_bandwidth 60 "st_bench_cpp bench_bandwidth bandwidth"
       run_stage bench_codec 60 "st_bench_cpp bench_codec codec"
+      # the int8 gradients' wire block (zero8.wire_block_size's default)
+      run_stage bench_codec_2048 60 "st_bench_cpp bench_codec_2048 codec --block 2048"
       run_stage bench_optimizer_1e8 90 "st_bench_cpp bench_optimizer_1e8 optimizer --numel 1e8"
       run_stage bench_optimizer_1e9 150 "st_bench_cpp bench_optimizer_1e9 optimizer --numel 1e9"
       write_report
       run_stage bench_python 200 st_bench_python
       write_report
     else
-      for s in bench_bandwidth bench_codec bench_optimizer_1e8 bench_optimizer_1e9 bench_python; do
+      for s in bench_bandwidth bench_codec bench_codec_2048 bench_optimizer_1e8 bench_optimizer_1e9 bench_python; do
         skip_stage "$s" "no GPU: nothing to measure"
       done
     fi

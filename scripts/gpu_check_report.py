@@ -29,6 +29,8 @@ CPP_FIGURES = [
     ("bench_bandwidth", "gbps", "device-to-device copy", "GB/s", None, None),
     ("bench_codec", "gbps", "quantize + dequantize (block 256, f32)", "GB/s", None, None),
     ("bench_codec", "ratio_to_copy", "quantize + dequantize / copy bandwidth", "x", ">=", 0.70),
+    ("bench_codec_2048", "gbps", "quantize + dequantize (block 2048, the gradients' wire block)", "GB/s", None, None),
+    ("bench_codec_2048", "ratio_to_copy", "quantize + dequantize / copy bandwidth, block 2048", "x", ">=", 0.70),
     ("bench_optimizer_1e8", "ns_per_param_8bit", "8-bit AdamW step, 1e8 params", "ns/param", None, None),
     ("bench_optimizer_1e8", "ns_per_param_32bit", "32-bit AdamW step, 1e8 params", "ns/param", None, None),
     ("bench_optimizer_1e8", "speedup_8_vs_32", "8-bit step speed / 32-bit step, 1e8 params", "x", None, None),
@@ -51,7 +53,8 @@ CPP_FIGURES = [
 LOG_GROUPS = {
     "build.log": ["gpu", "deps", "configure", "build", "python_build"],
     "tests.log": ["ctest_cuda", "pytest_cuda"],
-    "bench.log": ["bench_bandwidth", "bench_codec", "bench_optimizer_1e8", "bench_optimizer_1e9", "bench_python"],
+    "bench.log": ["bench_bandwidth", "bench_codec", "bench_codec_2048", "bench_optimizer_1e8", "bench_optimizer_1e9",
+                  "bench_python"],
     "example.log": ["example"],
 }
 MAX_LOG_BYTES = 4 << 20

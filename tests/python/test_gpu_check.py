@@ -179,7 +179,8 @@ def fabricate(work: Path, no_gpu: bool = False) -> None:
               stage("build", "ok", seconds=80), stage("python_build", "ok", seconds=95),
               stage("ctest_cuda", "failed", rc=8, seconds=40),
               stage("pytest_cuda", "failed", rc=1, seconds=30),
-              stage("bench_bandwidth", "ok"), stage("bench_codec", "ok"), stage("bench_optimizer_1e8", "ok"),
+              stage("bench_bandwidth", "ok"), stage("bench_codec", "ok"), stage("bench_codec_2048", "ok"),
+              stage("bench_optimizer_1e8", "ok"),
               stage("bench_optimizer_1e9", "timeout", rc=124, seconds=150, note="stopped after its limit of 150 s"),
               stage("bench_python", "ok", seconds=100), stage("example", "ok", seconds=60)]
     (work / "results" / "stages.jsonl").write_text("\n".join(stages) + "\n")
@@ -198,6 +199,8 @@ def fabricate(work: Path, no_gpu: bool = False) -> None:
          "gbps_effective_8bit": None}) + "\n")
     (work / "results" / "bench_codec.json").write_text(
         json.dumps({"bench": "codec", "gbps": 2800.0, "ratio_to_copy": 0.65}) + "\n")
+    (work / "results" / "bench_codec_2048.json").write_text(
+        json.dumps({"bench": "codec", "block": 2048, "gbps": 3100.0, "ratio_to_copy": 0.72}) + "\n")
     (work / "results" / "bench_python.json").write_text(json.dumps({"bench": "gpu", "rows": [
         {"group": "optim", "figure": "AdamW8bit speed / torch fused AdamW, 1e9 params", "value": 1.62, "unit": "x",
          "target": ">= 1.5", "met": True, "error": None},
@@ -220,7 +223,7 @@ def make_report(tmp_path: Path, no_gpu: bool = False):
 def test_report_counts_stages_tests_and_logs(tmp_path):
     rep, md, out = make_report(tmp_path)
     assert rep["verdict"] == "failed" and not rep["no_gpu"]
-    assert md.startswith("# zero8 GPU check: FAILED (3 of 13 stages failed)")
+    assert md.startswith("# zero8 GPU check: FAILED (3 of 14 stages failed)")
     status = {s["name"]: s["status"] for s in rep["stages"]}
     assert status["bench_optimizer_1e9"] == "timeout" and status["build"] == "ok"
     tails = {s["name"]: s.get("log_tail") for s in rep["stages"]}
@@ -257,6 +260,8 @@ def test_report_states_every_figure_with_its_target(tmp_path):
     rows = {(r["source"], r["figure"]): r for r in rep["benchmarks"]}
     codec = rows[("zero8-bench (bench_codec)", "quantize + dequantize / copy bandwidth")]
     assert (codec["value"], codec["target"], codec["met"]) == (0.65, ">= 0.7", False)
+    codec2048 = rows[("zero8-bench (bench_codec_2048)", "quantize + dequantize / copy bandwidth, block 2048")]
+    assert (codec2048["value"], codec2048["target"], codec2048["met"]) == (0.72, ">= 0.7", True)
     bw = rows[("zero8-bench (bench_bandwidth)", "device-to-device copy")]
     assert (bw["value"], bw["target"], bw["met"]) == (4300.0, None, None)
     # The 1e9 run timed out: its figures say why they are missing.
