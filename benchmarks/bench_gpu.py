@@ -147,17 +147,17 @@ def bench_optim(b: Bench, numel: int):
 
     made, err = zero8_call("zero8.optim.AdamW8bit on CUDA parameters", make_zero8)
     if made is not None:
-        # Each CUDA step kernel in turn on the one optimizer (they give the same bits): "zero8" the block
-        # kernel, "zero8_warp" the warp one (zero8/kernels/optim.h, CudaStepKernel).
+        # Each form of the CUDA kernels in turn on the one optimizer (they give the same bits): "zero8" the
+        # block kernels, "zero8_warp" the warp ones (zero8/kernels/dispatch.h, CudaQuantKernels).
         from zero8 import _C
 
         def step_with(kernel, opt=made[1]):
             def f():
-                _C.set_step_kernel_cuda(kernel)
+                _C.set_cuda_quant_kernels(kernel)
                 opt.step()
             return f
 
-        kernel_before = _C.step_kernel_cuda()
+        kernel_before = _C.cuda_quant_kernels()
         fns["zero8"], fns["zero8_warp"] = step_with("block"), step_with("warp")
     try:
         times = b.time_rounds(fns)
@@ -169,11 +169,11 @@ def bench_optim(b: Bench, numel: int):
         times = b.time_rounds(fns)
     finally:
         if made is not None:
-            _C.set_step_kernel_cuda(kernel_before)
+            _C.set_cuda_quant_kernels(kernel_before)
     target = (">=", TARGET_OPTIM["ratio"]) if numel == TARGET_OPTIM["numel"] else None
     b.row("optim", f"torch AdamW(fused=True) step, {label}", times["torch"] * 1e3, "ms",
           ns_per_param=times["torch"] / numel * 1e9)
-    for key, kernel in (("zero8", ""), ("zero8_warp", ", warp kernel")):
+    for key, kernel in (("zero8", ""), ("zero8_warp", ", warp kernels")):
         if key in times:
             b.row("optim", f"zero8 AdamW8bit step{kernel}, {label}", times[key] * 1e3, "ms",
                   ns_per_param=times[key] / numel * 1e9)

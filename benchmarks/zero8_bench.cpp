@@ -416,6 +416,8 @@ int cmd_codec_cuda(Options& o) {
   const double copy_gbps = 8.0 * double(n) / t.copy * 1e-9;
   const CodecBytes b(n, block, dtype);
   const double g_q = b.q / t.quantize * 1e-9, g_d = b.d / t.dequantize * 1e-9, g_qd = (b.q + b.d) / t.both * 1e-9;
+  const double w_q = b.q / t.quantize_warp * 1e-9, w_d = b.d / t.dequantize_warp * 1e-9,
+               w_qd = (b.q + b.d) / t.both_warp * 1e-9;
   std::printf("numel %lld, block %d, dtype %s, %s rounding; codes checked against the CPU codec\n", (long long)n,
               block, dtype_short(dtype), stochastic ? "stochastic" : "nearest");
   std::printf("%-26s %12s %10s %10s %12s\n", "kernel", "bytes/elem", "GB/s", "ms", "x copy GB/s");
@@ -423,6 +425,11 @@ int cmd_codec_cuda(Options& o) {
   print_ratio_row("quantize", b.q / double(n), g_q, t.quantize, copy_gbps);
   print_ratio_row("dequantize", b.d / double(n), g_d, t.dequantize, copy_gbps);
   print_ratio_row("quantize + dequantize", (b.q + b.d) / double(n), g_qd, t.both, copy_gbps);
+  print_ratio_row("quantize, warp", b.q / double(n), w_q, t.quantize_warp, copy_gbps);
+  print_ratio_row("dequantize, warp", b.d / double(n), w_d, t.dequantize_warp, copy_gbps);
+  print_ratio_row("quantize+dequantize, warp", (b.q + b.d) / double(n), w_qd, t.both_warp, copy_gbps);
+  std::printf("block: one CUDA block per quantization block; warp: one warp per block, the map in shared memory "
+              "(ZERO8_CUDA_QUANT_KERNELS)\n");
   std::printf("%s\n", Json()
                           .str("bench", "codec")
                           .str("device", "cuda")
@@ -437,6 +444,11 @@ int cmd_codec_cuda(Options& o) {
                           .num("gbps_dequantize", g_d)
                           .num("copy_gbps", copy_gbps)
                           .num("ratio_to_copy", g_qd / copy_gbps)
+                          .num("gbps_warp", w_qd)
+                          .num("gbps_quantize_warp", w_q)
+                          .num("gbps_dequantize_warp", w_d)
+                          .num("ratio_to_copy_warp", w_qd / copy_gbps)
+                          .num("speedup_warp_vs_block", t.both / t.both_warp)
                           .done()
                           .c_str());
   return 0;
@@ -663,7 +675,7 @@ int cmd_optimizer_cuda(Options& o, zero8::optim::Algo algo, int bits) {
     std::printf("%-8s %10.3f %10.5f %14.4f %14.4f %12.1f %10.5f %9.3f\n", r.name, r.s * 1e3, ns(r.s), r.state,
                 r.moved, r.moved / ns(r.s), r.moved / copy_gbps, ns(r.s) / (r.moved / copy_gbps));
   const double speedup = t.step32 / t.step8, speedup_w = t.step32 / t.step8_warp;
-  std::printf("8-bit: the block step kernel; 8-bit W: the warp one (ZERO8_CUDA_STEP_KERNEL; blocks of 64..256 "
+  std::printf("8-bit: the block step kernel; 8-bit W: the warp one (ZERO8_CUDA_QUANT_KERNELS; blocks of 64..256 "
               "elements, else the block kernel)\n");
   std::printf("8-bit step: %.3fx the speed of the 32-bit step (%s); warp kernel %.3fx (%.3fx the block kernel)\n",
               speedup, speedup >= 1.0 ? "faster" : "slower", speedup_w, t.step8 / t.step8_warp);

@@ -9,6 +9,7 @@
 
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
+#include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/quant_map.h"
 #include "zero8/optim.h"
 #include "zero8/quant.h"
@@ -267,11 +268,7 @@ CudaCodecTimes cuda_bench_codec(const void* x_host, int64_t n_host, int64_t n, i
   auto dequantize = [&] {
     quant::dequantize_blockwise_cuda(codes.p, absmax.p, n, block, quant::MapKind::dynamic_signed, y.p, dtype, false, s.s);
   };
-  // The device's codes, scales and decodes of the host pattern against the CPU codec's.
-  quantize();
-  dequantize();
-  BENCH_CUDA(cudaGetLastError());
-  BENCH_CUDA(cudaStreamSynchronize(s.s));
+  // The device's codes, scales and decodes of the host pattern against the CPU codec's, in each form.
   const int64_t hb = quant::quant_num_blocks(n_host, block);
   std::vector<uint8_t> want_codes(static_cast<size_t>(n_host)), want_y(static_cast<size_t>(n_host) * esize);
   std::vector<float> want_absmax(static_cast<size_t>(hb));
@@ -279,18 +276,42 @@ CudaCodecTimes cuda_bench_codec(const void* x_host, int64_t n_host, int64_t n, i
                             want_absmax.data(), opt);
   quant::dequantize_blockwise(want_codes.data(), want_absmax.data(), n_host, block, quant::MapKind::dynamic_signed,
                               want_y.data(), dtype);
-  const std::vector<float> got_absmax = absmax.head(hb);
-  if (codes.head(n_host) != want_codes || std::memcmp(got_absmax.data(), want_absmax.data(), size_t(hb) * 4) != 0)
-    ZERO8_THROW(internal, "the CUDA quantizer's codes or scales differ from the CPU codec's: its time would not count");
-  if (y.head(n_host * int64_t(esize)) != want_y)
-    ZERO8_THROW(internal, "the CUDA dequantizer's output differs from the CPU codec's: its time would not count");
-
-  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), quantize, dequantize, [&] {
-                                                                 quantize();
-                                                                 dequantize();
-                                                               }});
+  const CudaQuantKernelsScope restore(cuda_quant_kernels());  // the setting as it was, afterwards
+  for (CudaQuantKernels k : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
+    set_cuda_quant_kernels(k);
+    BENCH_CUDA(cudaMemsetAsync(codes.p, 0, size_t(n), s.s));
+    BENCH_CUDA(cudaMemsetAsync(y.p, 0, size_t(n) * esize, s.s));
+    quantize();
+    dequantize();
+    BENCH_CUDA(cudaGetLastError());
+    BENCH_CUDA(cudaStreamSynchronize(s.s));
+    const std::vector<float> got_absmax = absmax.head(hb);
+    if (codes.head(n_host) != want_codes || std::memcmp(got_absmax.data(), want_absmax.data(), size_t(hb) * 4) != 0)
+      ZERO8_THROW(internal, "the CUDA quantizer's codes or scales (" << cuda_quant_kernels_name(k)
+                                << " kernels) differ from the CPU codec's: its time would not count");
+    if (y.head(n_host * int64_t(esize)) != want_y)
+      ZERO8_THROW(internal, "the CUDA dequantizer's output (" << cuda_quant_kernels_name(k)
+                                << " kernels) differs from the CPU codec's: its time would not count");
+  }
+  // Each form's three timings, in the same rounds.
+  auto in_form = [](CudaQuantKernels k, std::function<void()> fn) {
+    return [k, fn] {
+      set_cuda_quant_kernels(k);
+      fn();
+    };
+  };
+  auto both = [&] {
+    quantize();
+    dequantize();
+  };
+  std::vector<std::function<void()>> fns = {cb.copy()};
+  for (CudaQuantKernels k : {CudaQuantKernels::block, CudaQuantKernels::warp})
+    for (const std::function<void()>& fn : {std::function<void()>(quantize), std::function<void()>(dequantize),
+                                            std::function<void()>(both)})
+      fns.push_back(in_form(k, fn));
+  const std::vector<double> t = time_interleaved(s.s, repeat, fns);
   cb.verify();
-  return {t[0], t[1], t[2], t[3]};
+  return {t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
 }
 
 CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int64_t n, int32_t block, int repeat) {
@@ -299,12 +320,9 @@ CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int
                                                     << " is not offered (two phases with a host round trip)");
   optim::hyper_validate(algo, h);
   Stream s;
-  struct Restore {  // the process's kernel setting, as it was
-    optim::CudaStepKernel k = optim::cuda_step_kernel();
-    ~Restore() { optim::set_cuda_step_kernel(k); }
-  } restore;
-  for (optim::CudaStepKernel k : {optim::CudaStepKernel::block, optim::CudaStepKernel::warp}) {
-    optim::set_cuda_step_kernel(k);
+  const CudaQuantKernelsScope restore(cuda_quant_kernels());  // the setting as it was, afterwards
+  for (CudaQuantKernels k : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
+    set_cuda_quant_kernels(k);
     check_step(algo, h, 8, block, s.s);
   }
   check_step(algo, h, 32, block, s.s);
@@ -323,17 +341,17 @@ CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int
   DeviceState s8(algo, n, 8, block), s32(algo, n, 32, block);
   optim::Hyper h8 = h, h32 = h;
   h8.step = h32.step = 0;
-  // Both 8-bit kernels step the same state in turn: they give the same bits, so each round moves the
+  // Both forms of the 8-bit kernel step the same state in turn: they give the same bits, so each round moves the
   // same bytes whichever runs.
-  auto step8 = [&](optim::CudaStepKernel k) {
+  auto step8 = [&](CudaQuantKernels k) {
     return [&, k] {
-      optim::set_cuda_step_kernel(k);
+      set_cuda_quant_kernels(k);
       ++h8.step;
       optim::optim_step_cuda(s8.args(h8, param.p, grad.p), s.s);
     };
   };
-  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), step8(optim::CudaStepKernel::block),
-                                                               step8(optim::CudaStepKernel::warp), [&] {
+  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), step8(CudaQuantKernels::block),
+                                                               step8(CudaQuantKernels::warp), [&] {
                                                                  ++h32.step;
                                                                  optim::optim_step_cuda(s32.args(h32, param.p, grad.p), s.s);
                                                                }});

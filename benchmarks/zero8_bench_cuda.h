@@ -25,19 +25,22 @@ CudaDeviceInfo cuda_device_info();
 double cuda_bench_copy(int64_t n, int repeat);
 
 struct CudaCodecTimes {
-  double copy = 0, quantize = 0, dequantize = 0, both = 0;  // median seconds
+  double copy = 0, quantize = 0, dequantize = 0, both = 0;  // median seconds, the block kernels
+  double quantize_warp = 0, dequantize_warp = 0, both_warp = 0;  // the warp kernels (CudaQuantKernels)
 };
 // x: host data of n_host elements of dtype (a whole number of blocks, or all of n), tiled over the n
-// device elements. The device's codes, scales and decodes of the first n_host elements must equal the
-// CPU codec's bit for bit (else Error internal).
+// device elements. In each form of the kernels, the device's codes, scales and decodes of the first n_host
+// elements must equal the CPU codec's bit for bit (else Error internal); both forms are timed in the same
+// rounds (stochastic rounding has no warp quantizer: the block one runs in both). The process's setting is
+// left as it was.
 CudaCodecTimes cuda_bench_codec(const void* x_host, int64_t n_host, int64_t n, int32_t block, DType dtype,
                                 bool stochastic, int repeat);
 
 struct CudaOptimTimes {
   double copy = 0, step8 = 0, step8_warp = 0, step32 = 0;  // median seconds
 };
-// One fused step of `algo` over n float32 parameters with 8-bit states, by each CUDA step kernel (block,
-// warp: optim::CudaStepKernel; a block size without a warp kernel runs the block one twice), and with
+// One fused step of `algo` over n float32 parameters with 8-bit states, by each form of the CUDA kernels
+// (block, warp: CudaQuantKernels; a block size without a warp kernel runs the block one twice), and with
 // 32-bit states (same parameter and gradient buffers), beside a copy of n floats, in the same rounds.
 // Before timing, each step on a few blocks must equal the CPU reference bit for bit. LAMB and LARS (two
 // phases with a host round trip) are not offered. The process's kernel setting is left as it was.

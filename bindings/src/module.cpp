@@ -3,6 +3,8 @@
 // (bindings/python/zero8) is the public surface; this module is its raw-pointer layer.
 #include <pybind11/pybind11.h>
 
+#include <string>
+
 #include "bind.h"
 #include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/hd.h"
@@ -91,6 +93,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("isa_active", &zero8::isa_active, "The CPU variant the kernels run (ZERO8_ISA forces one).");
   m.def("isa_supported", &zero8::isa_supported, py::arg("isa"), "Whether this CPU and build can run `isa`.");
   m.def("isa_best", &zero8::isa_best, "The best supported CPU variant, ignoring ZERO8_ISA.");
+  m.def(
+      "cuda_quant_kernels", [] { return zero8::cuda_quant_kernels_name(zero8::cuda_quant_kernels()); },
+      "The form of the CUDA 8-bit kernels, 'block' or 'warp' (ZERO8_CUDA_QUANT_KERNELS sets it at the start).");
+  m.def(
+      "set_cuda_quant_kernels",
+      [](const std::string& name) {
+        zero8::set_cuda_quant_kernels(zero8::cuda_quant_kernels_parse(name.c_str(), "set_cuda_quant_kernels: name"));
+      },
+      py::arg("name"),
+      "Sets the form of the CUDA 8-bit kernels for this process, 'block' or 'warp': for benchmarks that time "
+      "both (they give the same bits).");
 
   zb::init_errors(m);
   zb::init_codec(m);

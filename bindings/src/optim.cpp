@@ -211,11 +211,6 @@ void init_optim(py::module_& m) {
       "step_tensor on device pointers (one tensor: no segments), queued on `stream` (a cudaStream_t as an int, "
       "torch.cuda.current_stream(device).cuda_stream) with no host sync; LAMB/LARS compute their trust ratio on "
       "the device. The current device must be the tensors'. Same bits as step_tensor. Releases the GIL.");
-  m.def("step_kernel_cuda", &optim::step_kernel_cuda,
-        "The kernel of the CUDA 8-bit step, 'block' or 'warp' (ZERO8_CUDA_STEP_KERNEL sets it at the start).");
-  m.def("set_step_kernel_cuda", &optim::set_step_kernel_cuda, py::arg("name"),
-        "Sets the kernel of the CUDA 8-bit step for this process, 'block' or 'warp': for benchmarks that time "
-        "both (they give the same bits).");
   m.def(
       "state_bytes",
       [](Algo algo, int64_t n, int bits, int32_t block) { return optim::StateLayout(algo, n, bits, block).bytes(); },

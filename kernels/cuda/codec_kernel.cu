@@ -1,19 +1,33 @@
-// CUDA kernels of the block-wise codec: one thread block per quantization block (block-wide min/max,
-// then one code per element), and an element-wise decode. The element math is the ZERO8_HD code the
-// CPU reference runs (built with --fmad=false), so the device produces the same codes and scales.
+// CUDA kernels of the block-wise codec in two forms (CudaQuantKernels, dispatch.h). block: one thread
+// block per quantization block (block-wide min/max, then one code per element), and an element-wise
+// decode. warp: persistent thread blocks holding the map in shared memory, one warp per quantization
+// block (min/max by shuffles, codes by the accelerator), and a decode with four elements in flight per
+// thread. The element math is the ZERO8_HD code the CPU reference runs (built with --fmad=false), so the
+// device produces the same codes and scales in either form.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cub/block/block_reduce.cuh>
 
 #include "device_ptr.h"
+#include "warp_quant.cuh"
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
+#include "zero8/kernels/dispatch.h"
 
 namespace zero8::quant {
 namespace {
 
+using cuda_detail::kWarpThreads;
+using cuda_detail::resident_blocks;
+using cuda_detail::SmemMap;
+using cuda_detail::smem_map_load;
+using cuda_detail::warp_minmax;
+
 constexpr int kEncodeThreads = 256;
 constexpr int kDecodeThreads = 256;
+static_assert(kDecodeThreads == kWarpThreads, "resident_blocks sizes the warp decode's grid for kWarpThreads");
 
 // std::min / std::max as the reference folds them (the accumulator wins ties and NaN). Partial
 // results are +0 or one-signed nonzero values only, so any combination order gives the same value.
@@ -71,6 +85,75 @@ __global__ void __launch_bounds__(kDecodeThreads) quant_decode_kernel(DecodeArgs
   }
 }
 
+// The warp form of the encode (nearest rounding): each warp takes whole quantization blocks in turn,
+// reading a block twice (min/max, then the codes: the second read comes from the caches).
+__global__ void __launch_bounds__(kWarpThreads) quant_encode_warp_kernel(EncodeArgs a, int64_t nblocks) {
+  __shared__ SmemMap m;
+  smem_map_load(*a.table, m);
+  __syncthreads();
+  const QuantTable& t = *a.table;
+  const uint32_t steps = t.lut_steps;
+  const bool packed = t.lut_packed != 0;
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * (kWarpThreads / 32);
+  for (int64_t b = int64_t(blockIdx.x) * (kWarpThreads / 32) + (threadIdx.x >> 5); b < nblocks; b += warps) {
+    const int64_t lo = b * a.block;
+    const int len = int(a.n - lo < a.block ? a.n - lo : a.block);
+    float vmin = 0.0f, vmax = 0.0f;
+    int finite = 1;
+#pragma unroll 8
+    for (int i = lane; i < len; i += 32) {
+      const float x = dtype_load(a.x, a.dtype, lo + i);
+      finite &= (x - x == 0.0f) ? 1 : 0;
+      vmin = MinOp()(vmin, x);
+      vmax = MaxOp()(vmax, x);
+    }
+    warp_minmax(vmin, vmax, finite);
+    const float scale = finite ? quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);
+    if (lane == 0) a.absmax[b] = scale;
+    const QuantBlockDivisor d = quant_block_divisor(scale, t);
+#pragma unroll 8
+    for (int i = lane; i < len; i += 32) {
+      const float x = dtype_load(a.x, a.dtype, lo + i);
+      a.codes[lo + i] = uint8_t(quant_encode_accel(x, d, t, m.lut, m.thresholds, steps, packed));
+    }
+  }
+}
+
+// The warp form of the decode: the map's values in shared memory, four elements in flight per thread
+// (their loads issued before any store), grid-stride.
+__global__ void __launch_bounds__(kDecodeThreads) quant_decode_warp_kernel(DecodeArgs a, int block_shift) {
+  __shared__ float values[256];
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) values[i] = a.table->values[i];
+  __syncthreads();
+  const int64_t stride = int64_t(gridDim.x) * kDecodeThreads;
+  int64_t i = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x;
+  for (; i + 3 * stride < a.n; i += 4 * stride) {
+    uint8_t c[4];
+    float s[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      c[k] = a.codes[i + k * stride];
+      s[k] = a.absmax[(i + k * stride) >> block_shift];
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float v = values[c[k]] * s[k];  // quant_decode_one
+      if (a.accumulate)
+        static_cast<float*>(a.y)[i + k * stride] += v;
+      else
+        dtype_store(a.y, a.dtype, i + k * stride, v);
+    }
+  }
+  for (; i < a.n; i += stride) {
+    const float v = values[a.codes[i]] * a.absmax[i >> block_shift];
+    if (a.accumulate)
+      static_cast<float*>(a.y)[i] += v;
+    else
+      dtype_store(a.y, a.dtype, i, v);
+  }
+}
+
 void check_launch(const char* kernel) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) ZERO8_THROW(internal, kernel << " launch failed: " << cudaGetErrorString(e));
@@ -84,7 +167,20 @@ void quant_encode_cuda(const EncodeArgs& a, void* stream) {
   if (nblocks > 0x7fffffff) ZERO8_THROW(unsupported, "quant_encode_cuda: " << nblocks << " blocks exceed the grid limit");
   cuda_detail::check_device_ptrs("quant_encode_cuda",
                                  {{a.x, "x"}, {a.table, "table"}, {a.codes, "codes"}, {a.absmax, "absmax"}});
-  quant_encode_kernel<<<unsigned(nblocks), kEncodeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (cuda_quant_kernels() == CudaQuantKernels::warp && !a.stochastic) {
+    static std::atomic<int> resident[64] = {};
+    // At least 4 blocks per warp: filling a thread block's shared memory reads 26 KiB (from L2).
+    const int64_t per_cta = 4 * (kWarpThreads / 32);
+    const int64_t grid = std::min<int64_t>((nblocks + per_cta - 1) / per_cta,
+                                           resident_blocks(quant_encode_warp_kernel, 0, resident));
+    if (grid > 0) {
+      quant_encode_warp_kernel<<<unsigned(grid), kWarpThreads, 0, st>>>(a, nblocks);
+      check_launch("quant_encode_warp_kernel");
+      return;
+    }
+  }
+  quant_encode_kernel<<<unsigned(nblocks), kEncodeThreads, 0, st>>>(a);
   check_launch("quant_encode_kernel");
 }
 
@@ -96,7 +192,18 @@ void quant_decode_cuda(const DecodeArgs& a, void* stream) {
   const unsigned grid = unsigned(want < (int64_t(1) << 20) ? want : (int64_t(1) << 20));  // grid-stride beyond
   int shift = 0;
   while ((1 << shift) < a.block) ++shift;
-  quant_decode_kernel<<<grid, kDecodeThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, shift);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (cuda_quant_kernels() == CudaQuantKernels::warp) {
+    static std::atomic<int> resident[64] = {};
+    const int64_t per4 = (a.n + 4 * kDecodeThreads - 1) / (4 * kDecodeThreads);
+    const int64_t wgrid = std::min<int64_t>(per4, resident_blocks(quant_decode_warp_kernel, 0, resident));
+    if (wgrid > 0) {
+      quant_decode_warp_kernel<<<unsigned(wgrid), kDecodeThreads, 0, st>>>(a, shift);
+      check_launch("quant_decode_warp_kernel");
+      return;
+    }
+  }
+  quant_decode_kernel<<<grid, kDecodeThreads, 0, st>>>(a, shift);
   check_launch("quant_decode_kernel");
 }
 

@@ -1,6 +1,6 @@
 // CUDA fused optimizers: each state block's states are dequantized, the element rule of optim_math.h
 // applied, the block's min/max reduced, the states requantized with quant_map.h and the parameter
-// written. Two kernels do it for 8-bit states (CudaStepKernel in optim.h): one CUDA block per state
+// written. Two kernels do it for 8-bit states (CudaQuantKernels in dispatch.h): one CUDA block per state
 // block, or one warp per state block with the maps in shared memory. Same element math as the CPU
 // reference (nvcc --fmad=false), so CPU tests vouch for it.
 #include <cuda_runtime.h>
@@ -8,17 +8,23 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "device_ptr.h"
+#include "warp_quant.cuh"
 #include "zero8/error.h"
+#include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/optim_math.h"
 #include "zero8/kernels/quant_map.h"
 
 namespace zero8::optim {
 namespace {
+
+using cuda_detail::kWarpThreads;
+using cuda_detail::resident_blocks;
+using cuda_detail::SmemMap;
+using cuda_detail::smem_map_load;
+using cuda_detail::warp_minmax;
 
 constexpr int kMaxThreads = 256;
 constexpr int kMaxPerThread = 4096 / kMaxThreads;  // elements per thread at the largest block
@@ -136,19 +142,10 @@ __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use
   if (q8 && use2) block_encode(s2v, per, lo, len, *a.map2, a.code2, a.absmax2 + b);
 }
 
-// ---- The warp kernel (CudaStepKernel::warp) ----
+// ---- The warp kernel (CudaQuantKernels::warp) ----
 
-constexpr int kWarpThreads = 256;     // 8 warps per CUDA block, each on its own state blocks
-constexpr int kWarpMaxBlock = 256;    // 8 elements per lane: states stay in registers until encoded (16
-                                      // spill at sm_90)
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// One map in shared memory: what decoding and the accelerated nearest-code search read per element.
-struct SmemMap {
-  float values[256];
-  float thresholds[256];
-  uint32_t lut[quant::kQuantLutBuckets];
-};
+constexpr int kWarpMaxBlock = 256;  // 8 elements per lane: states stay in registers until encoded (16
+                                    // spill at sm_90)
 constexpr size_t kWarpSmem = 2 * sizeof(SmemMap);  // both states' maps
 
 // A map's constants, read once from its table in global memory.
@@ -158,25 +155,6 @@ struct WarpMap {
   uint32_t steps;
   bool packed;
 };
-
-__device__ void smem_map_load(const quant::QuantTable& t, SmemMap& m) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-    m.values[i] = t.values[i];
-    m.thresholds[i] = t.thresholds[i];
-  }
-  for (int i = threadIdx.x; i < int(quant::kQuantLutBuckets); i += blockDim.x) m.lut[i] = t.lut[i];
-}
-
-// Min/max/finite of the warp's values by shuffles, with block_minmax's rules (any order gives the same).
-__device__ __forceinline__ void warp_minmax(float& vmin, float& vmax, int& finite) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float a = __shfl_xor_sync(kFullMask, vmin, off), b = __shfl_xor_sync(kFullMask, vmax, off);
-    if (a < vmin) vmin = a;
-    if (b > vmax) vmax = b;
-  }
-  finite = __all_sync(kFullMask, finite);
-}
 
 // Encode the warp's block of new states x[k] (element lo + lane + 32 k) and write its scale.
 template <int kPer>
@@ -345,35 +323,10 @@ void norms_to_device(const StepArgs& a, const OptimConsts& c, NormSums* out_dev,
   ZERO8_CUDA_CHECK(cudaFreeAsync(parts, st));
 }
 
-// CUDA blocks of optim_step_warp_kernel<kPer> resident on the current device at once (its grid when there
-// is enough work), or 0 where its shared memory does not fit. The opt-in to more than 48 KiB of shared
-// memory is a property of the kernel in each device's context: made once per device, with the count.
-template <int kPer>
-int warp_grid_limit() {
-  static std::atomic<int> cached[64] = {};
-  int dev = 0;
-  ZERO8_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 64) {
-    const int v = cached[dev].load(std::memory_order_relaxed);
-    if (v != 0) return v > 0 ? v : 0;
-  }
-  int per_sm = 0, sms = 0;
-  if (cudaFuncSetAttribute(optim_step_warp_kernel<kPer>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(kWarpSmem)) == cudaSuccess) {
-    ZERO8_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, optim_step_warp_kernel<kPer>,
-                                                                   kWarpThreads, kWarpSmem));
-  } else {
-    (void)cudaGetLastError();  // the device offers less shared memory: the block kernel runs instead
-  }
-  ZERO8_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int v = per_sm * sms;
-  if (dev < 64) cached[dev].store(v > 0 ? v : -1, std::memory_order_relaxed);
-  return v;
-}
-
 template <int kPer>
 bool warp_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, cudaStream_t st) {
-  const int limit = warp_grid_limit<kPer>();
+  static std::atomic<int> resident[64] = {};
+  const int limit = resident_blocks(optim_step_warp_kernel<kPer>, kWarpSmem, resident);
   if (limit == 0) return false;
   // At least kWarpMinRounds state blocks per warp: filling a CUDA block's shared memory reads 52 KiB (from
   // L2), which a smaller share of the range would not repay.
@@ -400,46 +353,14 @@ bool step_launch_warp(const StepArgs& a, const OptimConsts& c, bool use1, bool u
 void step_launch(const StepArgs& a, cudaStream_t st) {
   const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
-  if (cuda_step_kernel() == CudaStepKernel::warp && step_launch_warp(a, c, use1, use2, st)) return;
+  if (cuda_quant_kernels() == CudaQuantKernels::warp && step_launch_warp(a, c, use1, use2, st)) return;
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, use1, use2,
                                                                                algo_has_trust_ratio(a.algo));
   ZERO8_CUDA_CHECK(cudaGetLastError());
 }
 
-// The process-wide CudaStepKernel: -1 until the first use reads ZERO8_CUDA_STEP_KERNEL.
-std::atomic<int>& step_kernel_setting() {
-  static std::atomic<int> k{-1};
-  return k;
-}
-
-CudaStepKernel step_kernel_from_env() {
-  const char* env = std::getenv("ZERO8_CUDA_STEP_KERNEL");
-  return env && *env ? cuda_step_kernel_parse(env, "ZERO8_CUDA_STEP_KERNEL") : CudaStepKernel::block;
-}
-
 }  // namespace
-
-const char* cuda_step_kernel_name(CudaStepKernel k) { return k == CudaStepKernel::warp ? "warp" : "block"; }
-
-CudaStepKernel cuda_step_kernel_parse(const std::string& name, const char* what) {
-  for (CudaStepKernel k : {CudaStepKernel::block, CudaStepKernel::warp})
-    if (name == cuda_step_kernel_name(k)) return k;
-  ZERO8_THROW(invalid_argument, what << "=" << name << " is not one of block, warp");
-}
-
-CudaStepKernel cuda_step_kernel() {
-  std::atomic<int>& k = step_kernel_setting();
-  int v = k.load(std::memory_order_relaxed);
-  if (v < 0) {
-    int unset = -1;
-    k.compare_exchange_strong(unset, int(step_kernel_from_env()));
-    v = k.load(std::memory_order_relaxed);
-  }
-  return CudaStepKernel(v);
-}
-
-void set_cuda_step_kernel(CudaStepKernel k) { step_kernel_setting().store(int(k), std::memory_order_relaxed); }
 
 void optim_step_cuda(const StepArgs& a, void* stream) {
   if (a.n <= 0) return;

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "zero8/error.h"
@@ -149,6 +150,41 @@ void isa_set_avx512_vbmi(bool on) {
   if (on && !isa_avx512_vbmi_supported())
     ZERO8_THROW(unsupported, "AVX-512 VBMI requested but this CPU/OS or build has no AVX-512 VBMI");
   vbmi_setting().store(on ? 1 : 0, std::memory_order_relaxed);
+}
+
+const char* cuda_quant_kernels_name(CudaQuantKernels k) { return k == CudaQuantKernels::warp ? "warp" : "block"; }
+
+CudaQuantKernels cuda_quant_kernels_parse(const char* name, const char* what) {
+  for (CudaQuantKernels k : {CudaQuantKernels::block, CudaQuantKernels::warp})
+    if (std::strcmp(name, cuda_quant_kernels_name(k)) == 0) return k;
+  ZERO8_THROW(invalid_argument, what << "=" << name << " is not one of block, warp");
+}
+
+namespace {
+
+std::atomic<int>& cuda_quant_kernels_setting() {  // -1: ZERO8_CUDA_QUANT_KERNELS not read yet
+  static std::atomic<int> k{-1};
+  return k;
+}
+
+}  // namespace
+
+CudaQuantKernels cuda_quant_kernels() {
+  std::atomic<int>& k = cuda_quant_kernels_setting();
+  int v = k.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("ZERO8_CUDA_QUANT_KERNELS");
+    const CudaQuantKernels from_env =
+        env && *env ? cuda_quant_kernels_parse(env, "ZERO8_CUDA_QUANT_KERNELS") : CudaQuantKernels::block;
+    int unset = -1;
+    k.compare_exchange_strong(unset, int(from_env));
+    v = k.load(std::memory_order_relaxed);
+  }
+  return CudaQuantKernels(v);
+}
+
+void set_cuda_quant_kernels(CudaQuantKernels k) {
+  cuda_quant_kernels_setting().store(int(k), std::memory_order_relaxed);
 }
 
 }  // namespace zero8

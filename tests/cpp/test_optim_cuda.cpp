@@ -3,14 +3,12 @@
 // sums in another order). Skips with the reason when the build has no CUDA or the machine no GPU.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "zero8/error.h"
+#include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/quant_map.h"
 #include "zero8/optim.h"
@@ -23,6 +21,8 @@ namespace {
 
 using namespace zero8;
 using namespace zero8::optim;
+using zero8::CudaQuantKernels;
+using zero8::CudaQuantKernelsScope;
 
 #if ZERO8_WITH_CUDA
 
@@ -66,13 +66,6 @@ Hyper hyper_for(Algo a) {
   if (a == Algo::adagrad) h.eps = 1e-10f;
   return h;
 }
-
-// The process-wide step kernel for one scope.
-struct StepKernelScope {
-  CudaStepKernel before = cuda_step_kernel();
-  explicit StepKernelScope(CudaStepKernel k) { set_cuda_step_kernel(k); }
-  ~StepKernelScope() { set_cuda_step_kernel(before); }
-};
 
 // Three steps of `algo` on the device and in the CPU reference, compared bit for bit after each. map1:
 // the first state's map (the standard ones, or the signed linear map, which has no exact 0: the warp
@@ -185,13 +178,13 @@ TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
   if (!why.empty()) GTEST_SKIP() << why;
   const Algo algos[] = {Algo::adam, Algo::adamw, Algo::sgd, Algo::lion, Algo::rmsprop, Algo::adagrad, Algo::lamb, Algo::lars};
   // Both kernels; blocks of one warp's elements, the default, and one the warp kernel leaves to the block one.
-  for (CudaStepKernel kernel : {CudaStepKernel::block, CudaStepKernel::warp}) {
-    const StepKernelScope scope(kernel);
+  for (CudaQuantKernels kernel : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
+    const CudaQuantKernelsScope scope(kernel);
     for (int32_t block : {64, 256, 1024}) {
       for (Algo algo : algos) {
         for (int bits : {8, 32}) {
           for (DType pdt : {DType::f32, DType::bf16}) {
-            SCOPED_TRACE(std::string(cuda_step_kernel_name(kernel)) + " kernel, block " + std::to_string(block) + ", " +
+            SCOPED_TRACE(std::string(cuda_quant_kernels_name(kernel)) + " kernel, block " + std::to_string(block) + ", " +
                          algo_name(algo) + " bits=" + std::to_string(bits) + " param=" + dtype_name(pdt));
             expect_step_equals_reference(algo, bits, pdt, block);
             if (HasFatalFailure()) return;
@@ -200,43 +193,11 @@ TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
       }
     }
     for (Algo algo : {Algo::adamw, Algo::lion}) {
-      SCOPED_TRACE(std::string(cuda_step_kernel_name(kernel)) + " kernel, signed linear map, " + algo_name(algo));
+      SCOPED_TRACE(std::string(cuda_quant_kernels_name(kernel)) + " kernel, signed linear map, " + algo_name(algo));
       expect_step_equals_reference(algo, 8, DType::f32, 256, quant::MapKind::linear_signed);
       if (HasFatalFailure()) return;
     }
   }
-}
-
-// The kernel choice needs no device: its names, the setter, and ZERO8_CUDA_STEP_KERNEL (read at the first
-// use; tests/CMakeLists.txt runs OptimCudaSetting.FromTheEnvironment again with warp and a bad value).
-TEST(OptimCudaSetting, FromTheEnvironment) {
-  const char* env = std::getenv("ZERO8_CUDA_STEP_KERNEL");
-  const std::string v = env ? env : "";
-  if (v.empty() || v == "block") {
-    EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::block);
-  } else if (v == "warp") {
-    EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::warp);
-  } else {
-    try {
-      (void)cuda_step_kernel();
-      FAIL() << "ZERO8_CUDA_STEP_KERNEL=" << v << " was accepted";
-    } catch (const zero8::Error& e) {
-      EXPECT_EQ(e.code(), zero8::ErrorCode::invalid_argument);
-      EXPECT_NE(std::string(e.what()).find("ZERO8_CUDA_STEP_KERNEL=" + v + " is not one of block, warp"),
-                std::string::npos) << e.what();
-    }
-  }
-}
-
-TEST(OptimCudaSetting, SetAndName) {
-  if (std::getenv("ZERO8_CUDA_STEP_KERNEL")) GTEST_SKIP() << "run with ZERO8_CUDA_STEP_KERNEL set: FromTheEnvironment only";
-  EXPECT_STREQ(cuda_step_kernel_name(CudaStepKernel::block), "block");
-  EXPECT_STREQ(cuda_step_kernel_name(CudaStepKernel::warp), "warp");
-  {
-    const StepKernelScope scope(CudaStepKernel::warp);
-    EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::warp);
-  }
-  EXPECT_EQ(cuda_step_kernel(), CudaStepKernel::block);
 }
 
 #else  // !ZERO8_WITH_CUDA

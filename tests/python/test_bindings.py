@@ -31,6 +31,7 @@ F32_EPS = 2.0**-24
 API = [
     # build, dispatch, enums
     "version", "build_info", "isa_active", "isa_supported", "DType", "MapKind", "Algo", "Isa",
+    "cuda_quant_kernels", "set_cuda_quant_kernels",
     # maps and codec
     "map_values", "map_dynamic_values", "quantize_blockwise", "quantize_blockwise_values",
     "dequantize_blockwise", "dequantize_blockwise_values", "quant_num_blocks", "quant_bytes",
@@ -41,8 +42,7 @@ API = [
     "quant_table_bytes", "quantize_blockwise_cuda", "quantize_blockwise_table_cuda", "dequantize_blockwise_cuda",
     "dequantize_blockwise_table_cuda", "step_tensor_cuda", "int8_quantize_rows_cuda", "int8_quantize_cols_cuda",
     "int8_quantize_blocks_cuda", "int8_dequantize_blocks_cuda", "int8_outlier_columns_cuda",
-    "int8_dequantize_matmul_cuda", "int8_gemm_cuda", "int8_block_matmul_cuda", "step_kernel_cuda",
-    "set_step_kernel_cuda",
+    "int8_dequantize_matmul_cuda", "int8_gemm_cuda", "int8_block_matmul_cuda",
     # communicator
     "Communicator", "comm_create", "comm_backend_available", "topology_split", "node_groups",
     # config
@@ -164,24 +164,19 @@ def test_unsupported_backend_raises_not_supported():
         _C.comm_create("nccl")
 
 
-def test_cuda_step_kernel_setting():
-    """The CUDA 8-bit step's kernel by name (benchmarks time both); no device needed, but a CUDA build."""
-    if not _C.build_info()["cuda"]:
-        for call in (_C.step_kernel_cuda, lambda: _C.set_step_kernel_cuda("warp")):
-            with pytest.raises(zero8.Zero8NotSupportedError, match="not built with CUDA"):
-                call()
-        return
-    before = _C.step_kernel_cuda()
+def test_cuda_quant_kernels_setting():
+    """The form of the CUDA 8-bit kernels by name (benchmarks time both); a setting in every build."""
+    before = _C.cuda_quant_kernels()
     try:
-        _C.set_step_kernel_cuda("warp")
-        assert _C.step_kernel_cuda() == "warp"
-        _C.set_step_kernel_cuda("block")
-        assert _C.step_kernel_cuda() == "block"
-        with pytest.raises(zero8.Zero8ValueError, match="kernel=fast is not one of block, warp"):
-            _C.set_step_kernel_cuda("fast")
-        assert _C.step_kernel_cuda() == "block"
+        _C.set_cuda_quant_kernels("warp")
+        assert _C.cuda_quant_kernels() == "warp"
+        _C.set_cuda_quant_kernels("block")
+        assert _C.cuda_quant_kernels() == "block"
+        with pytest.raises(zero8.Zero8ValueError, match="name=fast is not one of block, warp"):
+            _C.set_cuda_quant_kernels("fast")
+        assert _C.cuda_quant_kernels() == "block"
     finally:
-        _C.set_step_kernel_cuda(before)
+        _C.set_cuda_quant_kernels(before)
 
 
 def test_io_error_names_the_file(tmp_path):

@@ -396,24 +396,6 @@ void step_tensor_cuda(StepArgs a, void* stream) {
 #endif
 }
 
-std::string step_kernel_cuda() {
-#if ZERO8_WITH_CUDA
-  return cuda_step_kernel_name(cuda_step_kernel());
-#else
-  device::require_cuda("optim::step_kernel_cuda");  // throws: no CUDA in this build
-  return "";
-#endif
-}
-
-void set_step_kernel_cuda(const std::string& name) {
-#if ZERO8_WITH_CUDA
-  set_cuda_step_kernel(cuda_step_kernel_parse(name, "set_step_kernel_cuda: kernel"));
-#else
-  (void)name;
-  device::require_cuda("optim::set_step_kernel_cuda");
-#endif
-}
-
 void step(State& state, const Hyper& h, void* param, DType param_dtype, int64_t param_numel, float* master,
           const void* grad, DType grad_dtype, int64_t grad_numel, int threads) {
   const int64_t n = state.layout().n;

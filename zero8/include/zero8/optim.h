@@ -111,11 +111,6 @@ void step_tensor(StepArgs a, int threads = 0);
 // without CUDA.
 void step_tensor_cuda(StepArgs a, void* stream = nullptr);
 
-// The kernel of the CUDA 8-bit step by name, "block" or "warp" (CudaStepKernel in zero8/kernels/optim.h;
-// ZERO8_CUDA_STEP_KERNEL sets it): for benchmarks that time both. Error(unsupported) without CUDA; an
-// unknown name is Error(invalid_argument).
-std::string step_kernel_cuda();
-void set_step_kernel_cuda(const std::string& name);
 
 // Validation used by the entries above (phase2: the step, which needs seg_trust for LAMB/LARS).
 void args_validate(const StepArgs& a, bool phase2);

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 #include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/hd.h"
@@ -141,23 +140,7 @@ void optim_step_cuda(const StepArgs& a, void* stream);
 // (optim_trust_ratio_of, on the device) -> step, all queued on `stream` with no host sync (a.seg_trust
 // is ignored; temporaries are stream-ordered allocations); the others the step.
 void optim_step_tensor_cuda(const StepArgs& a, void* stream);
-
-// Which kernel optim_step_cuda runs for 8-bit states (32-bit states always take `block`):
-// - block: one CUDA block per state block, the map read from global memory, min/max through shared
-//   memory, the exact binary search and division of quant_encode_one;
-// - warp: one warp per state block (blocks of 64..256 elements; larger ones take `block`), persistent
-//   CUDA blocks holding both maps and their search accelerators in shared memory, min/max by warp
-//   shuffles, the accelerator's code (quant_code_nearest_lut) and, for maps with an exact 0, the
-//   fused-multiply-add quotient: the encoding the CPU's AVX-512 VBMI step uses, the same codes.
-// Both give the CPU reference's bits; `block` stays the default until a GPU has timed them side by
-// side (zero8-bench optimizer --device cuda). The process-wide choice starts from the environment,
-// ZERO8_CUDA_STEP_KERNEL=block|warp (another value: Error invalid_argument at the first step).
-enum class CudaStepKernel : uint8_t { block = 0, warp = 1 };
-const char* cuda_step_kernel_name(CudaStepKernel k);
-// The kernel of a name; another name: Error invalid_argument "<what>=<name> is not one of block, warp".
-CudaStepKernel cuda_step_kernel_parse(const std::string& name, const char* what);
-CudaStepKernel cuda_step_kernel();
-void set_cuda_step_kernel(CudaStepKernel k);
+// 8-bit states take the form of cuda_quant_kernels() (dispatch.h; its warp form for blocks of 64..256).
 #endif
 
 }  // namespace zero8::optim
