@@ -205,6 +205,10 @@ run_stage() {
   else
     status=failed
   fi
+  # A stage that found nothing it could run says so (stage_skip) and is recorded as skipped.
+  if ((rc == 0)) && [[ -e "$WORK/results/$name.skip" ]]; then
+    status=skipped
+  fi
   # A stage may leave a one-line note for the report (e.g. why it failed, or what it skipped).
   if [[ -s "$WORK/results/$name.note" ]]; then
     note="${note:+$note; }$(head -c 600 "$WORK/results/$name.note")"
@@ -244,7 +248,9 @@ gpu_query() {
 # Stage functions (each runs in its own bash; `note` leaves a line for the report)
 
 note() { echo "$*" >>"$WORK/results/${STAGE:?}.note"; echo "note: $*"; }
-export -f note
+# stage_skip WHY: the stage could not run what it is for (it then returns 0): recorded as skipped, with WHY.
+stage_skip() { note "$*"; : >"$WORK/results/${STAGE:?}.skip"; }
+export -f note stage_skip
 
 st_deps() {
   set -uo pipefail
@@ -412,6 +418,39 @@ st_ctest() {
   ctest --test-dir "$BUILD" -L cuda --output-on-failure -j 4 --timeout 300 \
     --output-junit "$WORK/results/ctest.xml" --test-output-size-passed 200000 --test-output-size-failed 1000000
 }
+
+# The CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) under compute-sanitizer's
+# memcheck: an access outside a buffer or shared memory that the bit comparisons might not show. Skipped
+# where there is no compute-sanitizer or it refuses the device (seen on gVisor machines).
+st_memcheck() {
+  set -uo pipefail
+  export STAGE=memcheck
+  # shellcheck disable=SC1090
+  source "$DEPS_ENV"
+  local cs
+  cs=$(command -v compute-sanitizer || true)
+  [[ -z "$cs" && -n "$NVCC" && -x "$(dirname "$NVCC")/compute-sanitizer" ]] && cs="$(dirname "$NVCC")/compute-sanitizer"
+  [[ -n "$cs" ]] || { stage_skip "compute-sanitizer not found"; return 0; }
+  local t exe filter out rc
+  for t in "test_codec_cuda:CodecCuda.*" "test_optim_cuda:OptimCuda.StepEqualsCpuReferenceBitwise"; do
+    exe=${t%%:*} filter=${t#*:}
+    [[ -x "$BUILD/tests/$exe" ]] || { note "$exe was not built"; return 1; }
+    echo "\$ compute-sanitizer --tool memcheck $exe --gtest_filter=$filter"
+    out=$("$cs" --tool memcheck --error-exitcode 7 "$BUILD/tests/$exe" --gtest_filter="$filter" 2>&1)
+    rc=$?
+    echo "$out"
+    if grep -qi "device not supported" <<<"$out"; then
+      stage_skip "compute-sanitizer cannot check this device: $(grep -i -m1 'not supported' <<<"$out" | head -c 200)"
+      return 0
+    fi
+    if grep -q "\[  SKIPPED \]" <<<"$out" && ! grep -q "\[  PASSED  \] [1-9]" <<<"$out"; then
+      note "$exe: its tests skipped under compute-sanitizer"
+      return 1
+    fi
+    ((rc == 0)) || { note "memcheck: $exe --gtest_filter=$filter: exit $rc ($(grep -m1 'ERROR SUMMARY' <<<"$out"))"; return 1; }
+  done
+}
+export -f st_memcheck
 
 st_pytest() {
   set -uo pipefail
@@ -648,6 +687,11 @@ main() {
 
   run_stage ctest_cuda 300 st_ctest
   write_report
+  if ((HAVE_GPU)); then
+    run_stage memcheck 90 st_memcheck
+  else
+    skip_stage memcheck "no GPU: nothing to check"
+  fi
   run_stage pytest_cuda 300 st_pytest
   write_report
 
@@ -676,4 +720,5 @@ main() {
   finish
 }
 
-main "$@"
+# Run when executed; sourced (tests/python/test_gpu_check.py), it only defines the functions.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then main "$@"; fi

@@ -425,3 +425,57 @@ def test_check_records_the_compute_mode_and_warns_of_an_exclusive_one(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert rep["env"]["compute_mode"] == "Exclusive_Process" and rep["env"]["gpu"] == "NVIDIA H200"
     assert [s["name"] for s in rep["stages"]] == ["gpu", "deps"]  # stopped after deps, nothing built
+
+
+FAKE_GTEST = """#!/bin/sh
+echo "[==========] Running 1 test from 1 test suite."
+echo "[  PASSED  ] 1 test."
+"""
+
+
+@pytest.mark.parametrize("case", ["clean", "errors", "device_not_supported", "no_sanitizer"])
+def test_memcheck_stage(tmp_path, case):
+    """The memcheck stage (gpu_check.sh sourced, its run_stage called alone) with stand-ins for the test
+    executables and compute-sanitizer: ok when memcheck is clean, failed with memcheck's summary when it
+    finds errors, skipped with the reason when the sanitizer refuses the device or is missing."""
+    work, build, bin_dir = tmp_path / "w", tmp_path / "w" / "build", tmp_path / "bin"
+    for d in (work / "results", work / "logs", build / "tests", bin_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    for exe in ("test_codec_cuda", "test_optim_cuda"):
+        (build / "tests" / exe).write_text(FAKE_GTEST)
+        (build / "tests" / exe).chmod(0o755)
+    sanitizer = {
+        "clean": 'shift 4; "$@"; echo "========= ERROR SUMMARY: 0 errors"',
+        "errors": 'shift 4; "$@"; echo "========= Invalid __shared__ write of size 4 bytes"; '
+                  'echo "========= ERROR SUMMARY: 2 errors"; exit 7',
+        "device_not_supported": 'echo "========= Error: Device not supported"; exit 1',
+    }
+    if case in sanitizer:  # called as: compute-sanitizer --tool memcheck --error-exitcode 7 EXE --gtest_filter=F
+        (bin_dir / "compute-sanitizer").write_text("#!/bin/sh\n" + sanitizer[case] + "\n")
+        (bin_dir / "compute-sanitizer").chmod(0o755)
+    (work / "deps_env.sh").write_text("")
+    script = f"""
+source {CHECK}
+WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
+STAGES={work}/results/stages.jsonl
+export WORK BUILD DEPS_ENV NVCC
+run_stage memcheck 60 st_memcheck
+"""
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    r = run(["bash", "-c", script], env=env)
+    assert r.stderr == "", r.stderr
+    rec = json.loads((work / "results" / "stages.jsonl").read_text().splitlines()[-1])
+    log = (work / "logs" / "memcheck.log").read_text()
+    if case == "clean":
+        assert r.returncode == 0 and rec["status"] == "ok", (rec, log)
+        assert log.count("$ compute-sanitizer --tool memcheck") == 2
+    elif case == "errors":
+        assert r.returncode != 0 and rec["status"] == "failed", (rec, log)
+        assert "test_codec_cuda --gtest_filter=CodecCuda.*: exit 7 (========= ERROR SUMMARY: 2 errors)" in rec["note"]
+    elif case == "device_not_supported":  # (run_stage's status is 1 for anything but ok)
+        assert rec["status"] == "skipped", (rec, log)
+        assert rec["note"].startswith(
+            "compute-sanitizer cannot check this device: ========= Error: Device not supported")
+    else:
+        assert rec["status"] == "skipped", (rec, log)
+        assert rec["note"] == "compute-sanitizer not found"
