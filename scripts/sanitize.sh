@@ -91,7 +91,9 @@ run_tsan() {
     summary "tsan: build failed ($(( $(date +%s) - t0 )) s)"
     return 1
   fi
-  if command -v mpirun >/dev/null && cmake --build "$tsan_dir" --target help | grep -qw test_dist_sharded; then
+  # grep reads the whole list (no -q): quitting at the first match would end cmake with SIGPIPE, which
+  # pipefail turns into "no such target", and the mpirun tests would be left out without a word.
+  if command -v mpirun >/dev/null && cmake --build "$tsan_dir" --target help | grep -w test_dist_sharded >/dev/null; then
     if cmake --build "$tsan_dir" --parallel "$jobs" --target test_dist_comm test_dist_sharded; then
       mpi_exes=(test_dist_comm test_dist_sharded)
     else
