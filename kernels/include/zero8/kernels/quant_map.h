@@ -145,7 +145,7 @@ ZERO8_HD uint32_t quant_code_search(float n, const float* thresholds) {
 ZERO8_HD uint32_t quant_code_nearest(float n, const QuantTable& t) { return quant_code_search(n, t.thresholds); }
 
 // quant_code_nearest through the accelerator (a table's lut, thresholds, lut_steps and lut_packed,
-// wherever they are held: the CUDA warp step copies them to shared memory), as the SIMD variants compute
+// wherever they are held: the CUDA warp kernels copy them to shared memory), as the SIMD variants compute
 // it; the same code for every n (tests/cpp/test_quant_map.cpp).
 ZERO8_HD uint32_t quant_code_lut(float n, const uint32_t* lut, const float* thresholds, uint32_t steps, bool packed) {
   if (steps == kQuantLutNoSteps) return quant_code_search(n, thresholds);
@@ -231,7 +231,7 @@ ZERO8_HD QuantBlockDivisor quant_block_divisor(float scale, const QuantTable& t)
 }
 
 // quant_encode_one(x, scale, t, false, 0) through the accelerator (quant_code_lut over t's lut and
-// thresholds, or copies of them: the CUDA warp step reads them from shared memory; steps and packed are
+// thresholds, or copies of them: the CUDA warp kernels read them from shared memory; steps and packed are
 // t's lut_steps and lut_packed) and, where d.fma, the quotient by multiply-adds: the same code for every
 // x (tests/cpp/test_quant_map.cpp), as the AVX-512 VBMI step encodes.
 ZERO8_HD uint32_t quant_encode_accel(float x, const QuantBlockDivisor& d, const QuantTable& t, const uint32_t* lut,
