@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "zero8/error.h"
@@ -67,6 +68,15 @@ struct DeviceArray {
 // flight); the kernels under test run on a non-blocking stream, which does not wait for the legacy one.
 // So the set-up waits for the device before any of them reads what it wrote.
 void setup_done() { BENCH_CUDA(cudaDeviceSynchronize()); }
+
+// fn run with the 8-bit kernels in form k (each timed call sets its own: time_interleaved runs the forms
+// in turn).
+std::function<void()> in_form(CudaQuantKernels k, std::function<void()> fn) {
+  return [k, fn = std::move(fn)] {
+    set_cuda_quant_kernels(k);
+    fn();
+  };
+}
 
 // Fills `bytes` of device memory with copies of a host pattern (so no host array of the full size is needed).
 void fill_tiled(void* dst, size_t bytes, const void* pattern, size_t pattern_bytes) {
@@ -294,21 +304,16 @@ CudaCodecTimes cuda_bench_codec(const void* x_host, int64_t n_host, int64_t n, i
                                 << " kernels) differs from the CPU codec's: its time would not count");
   }
   // Each form's three timings, in the same rounds.
-  auto in_form = [](CudaQuantKernels k, std::function<void()> fn) {
-    return [k, fn] {
-      set_cuda_quant_kernels(k);
-      fn();
-    };
-  };
   auto both = [&] {
     quantize();
     dequantize();
   };
   std::vector<std::function<void()>> fns = {cb.copy()};
-  for (CudaQuantKernels k : {CudaQuantKernels::block, CudaQuantKernels::warp})
-    for (const std::function<void()>& fn : {std::function<void()>(quantize), std::function<void()>(dequantize),
-                                            std::function<void()>(both)})
-      fns.push_back(in_form(k, fn));
+  for (CudaQuantKernels k : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
+    fns.push_back(in_form(k, quantize));
+    fns.push_back(in_form(k, dequantize));
+    fns.push_back(in_form(k, both));
+  }
   const std::vector<double> t = time_interleaved(s.s, repeat, fns);
   cb.verify();
   return {t[0], t[1], t[2], t[3], t[4], t[5], t[6]};
@@ -343,15 +348,12 @@ CudaOptimTimes cuda_bench_optimizer(optim::Algo algo, const optim::Hyper& h, int
   h8.step = h32.step = 0;
   // Both forms of the 8-bit kernel step the same state in turn: they give the same bits, so each round moves the
   // same bytes whichever runs.
-  auto step8 = [&](CudaQuantKernels k) {
-    return [&, k] {
-      set_cuda_quant_kernels(k);
-      ++h8.step;
-      optim::optim_step_cuda(s8.args(h8, param.p, grad.p), s.s);
-    };
+  auto step8 = [&] {
+    ++h8.step;
+    optim::optim_step_cuda(s8.args(h8, param.p, grad.p), s.s);
   };
-  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), step8(CudaQuantKernels::block),
-                                                               step8(CudaQuantKernels::warp), [&] {
+  const std::vector<double> t = time_interleaved(s.s, repeat, {cb.copy(), in_form(CudaQuantKernels::block, step8),
+                                                               in_form(CudaQuantKernels::warp, step8), [&] {
                                                                  ++h32.step;
                                                                  optim::optim_step_cuda(s32.args(h32, param.p, grad.p), s.s);
                                                                }});

@@ -11,7 +11,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "device_ptr.h"
-#include "warp_quant.cuh"
+#include "quant_common.cuh"
 #include "zero8/error.h"
 #include "zero8/kernels/codec.h"
 #include "zero8/kernels/dispatch.h"
@@ -72,16 +72,20 @@ __global__ void __launch_bounds__(kEncodeThreads) quant_encode_kernel(EncodeArgs
   }
 }
 
+// Element i of the decode's output: y[i] = v, or y[i] += v (float32) when accumulating.
+__device__ __forceinline__ void decode_store(const DecodeArgs& a, int64_t i, float v) {
+  if (a.accumulate)
+    static_cast<float*>(a.y)[i] += v;
+  else
+    dtype_store(a.y, a.dtype, i, v);
+}
+
 // block_shift = log2(block) (blocks are powers of two).
 __global__ void __launch_bounds__(kDecodeThreads) quant_decode_kernel(DecodeArgs a, int block_shift) {
   const QuantTable& t = *a.table;
   const int64_t stride = int64_t(gridDim.x) * kDecodeThreads;
   for (int64_t i = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x; i < a.n; i += stride) {
-    const float v = quant_decode_one(a.codes[i], a.absmax[i >> block_shift], t);
-    if (a.accumulate)
-      static_cast<float*>(a.y)[i] += v;
-    else
-      dtype_store(a.y, a.dtype, i, v);
+    decode_store(a, i, quant_decode_one(a.codes[i], a.absmax[i >> block_shift], t));
   }
 }
 
@@ -137,21 +141,9 @@ __global__ void __launch_bounds__(kDecodeThreads) quant_decode_warp_kernel(Decod
       s[k] = a.absmax[(i + k * stride) >> block_shift];
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float v = values[c[k]] * s[k];  // quant_decode_one
-      if (a.accumulate)
-        static_cast<float*>(a.y)[i + k * stride] += v;
-      else
-        dtype_store(a.y, a.dtype, i + k * stride, v);
-    }
+    for (int k = 0; k < 4; ++k) decode_store(a, i + k * stride, values[c[k]] * s[k]);  // quant_decode_one
   }
-  for (; i < a.n; i += stride) {
-    const float v = values[a.codes[i]] * a.absmax[i >> block_shift];
-    if (a.accumulate)
-      static_cast<float*>(a.y)[i] += v;
-    else
-      dtype_store(a.y, a.dtype, i, v);
-  }
+  for (; i < a.n; i += stride) decode_store(a, i, values[a.codes[i]] * a.absmax[i >> block_shift]);
 }
 
 void check_launch(const char* kernel) {

@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "device_ptr.h"
-#include "warp_quant.cuh"
+#include "quant_common.cuh"
 #include "zero8/error.h"
 #include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/optim.h"
@@ -28,12 +28,6 @@ using cuda_detail::warp_minmax;
 
 constexpr int kMaxThreads = 256;
 constexpr int kMaxPerThread = 4096 / kMaxThreads;  // elements per thread at the largest block
-
-#define ZERO8_CUDA_CHECK(expr)                                                            \
-  do {                                                                                    \
-    const cudaError_t e_ = (expr);                                                        \
-    if (e_ != cudaSuccess) ZERO8_THROW(internal, "CUDA error in " #expr ": " << cudaGetErrorString(e_)); \
-  } while (0)
 
 // Index of the segment holding element i (seg_offsets sorted, nseg + 1 entries).
 __device__ int64_t segment_of(const int64_t* offs, int64_t nseg, int64_t i) {

@@ -133,18 +133,22 @@ std::atomic<int>& vbmi_setting() {  // -1: not read yet
   return on;
 }
 
-}  // namespace
-
-bool isa_avx512_vbmi() {
-  std::atomic<int>& on = vbmi_setting();
-  int v = on.load(std::memory_order_relaxed);
+// The value of a process-wide setting held in `slot` (-1 until first read): at the first read, what
+// from_env() gives (the first reader's value stands; a setter may replace it at any time).
+template <class F>
+int setting_value(std::atomic<int>& slot, F from_env) {
+  int v = slot.load(std::memory_order_relaxed);
   if (v < 0) {
     int unset = -1;
-    on.compare_exchange_strong(unset, vbmi_default() ? 1 : 0);
-    v = on.load(std::memory_order_relaxed);
+    slot.compare_exchange_strong(unset, from_env());
+    v = slot.load(std::memory_order_relaxed);
   }
-  return v == 1;
+  return v;
 }
+
+}  // namespace
+
+bool isa_avx512_vbmi() { return setting_value(vbmi_setting(), [] { return vbmi_default() ? 1 : 0; }) == 1; }
 
 void isa_set_avx512_vbmi(bool on) {
   if (on && !isa_avx512_vbmi_supported())
@@ -170,17 +174,10 @@ std::atomic<int>& cuda_quant_kernels_setting() {  // -1: ZERO8_CUDA_QUANT_KERNEL
 }  // namespace
 
 CudaQuantKernels cuda_quant_kernels() {
-  std::atomic<int>& k = cuda_quant_kernels_setting();
-  int v = k.load(std::memory_order_relaxed);
-  if (v < 0) {
+  return CudaQuantKernels(setting_value(cuda_quant_kernels_setting(), [] {
     const char* env = std::getenv("ZERO8_CUDA_QUANT_KERNELS");
-    const CudaQuantKernels from_env =
-        env && *env ? cuda_quant_kernels_parse(env, "ZERO8_CUDA_QUANT_KERNELS") : CudaQuantKernels::block;
-    int unset = -1;
-    k.compare_exchange_strong(unset, int(from_env));
-    v = k.load(std::memory_order_relaxed);
-  }
-  return CudaQuantKernels(v);
+    return int(env && *env ? cuda_quant_kernels_parse(env, "ZERO8_CUDA_QUANT_KERNELS") : CudaQuantKernels::block);
+  }));
 }
 
 void set_cuda_quant_kernels(CudaQuantKernels k) {

@@ -111,7 +111,6 @@ void step_tensor(StepArgs a, int threads = 0);
 // without CUDA.
 void step_tensor_cuda(StepArgs a, void* stream = nullptr);
 
-
 // Validation used by the entries above (phase2: the step, which needs seg_trust for LAMB/LARS).
 void args_validate(const StepArgs& a, bool phase2);
 

@@ -1,6 +1,7 @@
-// The pieces the warp form of the CUDA 8-bit kernels shares (CudaQuantKernels::warp, dispatch.h): a map
-// copied to shared memory, the warp's min/max by shuffles, and how many CUDA blocks of a persistent kernel
-// fit on the device. Used by optim_kernel.cu (the step) and codec_kernel.cu (quantize, dequantize).
+// What the CUDA 8-bit kernels share (optim_kernel.cu: the step; codec_kernel.cu: quantize, dequantize):
+// their CUDA error check, and for their warp form (CudaQuantKernels::warp, dispatch.h) a map copied to
+// shared memory, the warp's min/max by shuffles, and how many CUDA blocks of a persistent kernel fit on
+// the device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +12,12 @@
 
 #include "zero8/error.h"
 #include "zero8/kernels/quant_map.h"
+
+#define ZERO8_CUDA_CHECK(expr)                                                                          \
+  do {                                                                                                  \
+    const cudaError_t e_ = (expr);                                                                      \
+    if (e_ != cudaSuccess) ZERO8_THROW(internal, "CUDA error in " #expr ": " << cudaGetErrorString(e_)); \
+  } while (0)
 
 namespace zero8::cuda_detail {
 
@@ -53,8 +60,7 @@ __device__ __forceinline__ void warp_minmax(float& vmin, float& vmax, int& finit
 template <class Kernel>
 int resident_blocks(Kernel* kernel, size_t dyn_smem, std::atomic<int>* cache) {
   int dev = 0;
-  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess)
-    ZERO8_THROW(internal, "cudaGetDevice: " << cudaGetErrorString(e));
+  ZERO8_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 64) {
     const int v = cache[dev].load(std::memory_order_relaxed);
     if (v != 0) return v > 0 ? v : 0;
@@ -64,14 +70,11 @@ int resident_blocks(Kernel* kernel, size_t dyn_smem, std::atomic<int>* cache) {
                     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dyn_smem)) ==
                         cudaSuccess;
   if (fits) {
-    if (const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarpThreads, dyn_smem);
-        e != cudaSuccess)
-      ZERO8_THROW(internal, "cudaOccupancyMaxActiveBlocksPerMultiprocessor: " << cudaGetErrorString(e));
+    ZERO8_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarpThreads, dyn_smem));
   } else {
     (void)cudaGetLastError();  // the device offers less shared memory: the caller runs the block form
   }
-  if (const cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess)
-    ZERO8_THROW(internal, "cudaDeviceGetAttribute: " << cudaGetErrorString(e));
+  ZERO8_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int v = per_sm * sms;
   if (dev < 64) cache[dev].store(v > 0 ? v : -1, std::memory_order_relaxed);
   return v;
