@@ -395,7 +395,10 @@ const QuantTable* table_get_device(MapKind kind) {
   if (t == nullptr) {
     QuantTable* p = nullptr;
     device::check(cudaMalloc(&p, sizeof(QuantTable)), where, "cudaMalloc");
-    const cudaError_t e = cudaMemcpy(p, &host, sizeof(QuantTable), cudaMemcpyHostToDevice);
+    // A copy from pageable memory may return before its DMA lands, and the kernels that read the table run
+    // on the callers' streams, which need not be ordered with the legacy stream: wait for the copy.
+    cudaError_t e = cudaMemcpy(p, &host, sizeof(QuantTable), cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
     if (e != cudaSuccess) cudaFree(p);
     device::check(e, where, "cudaMemcpy");
     t = p;
