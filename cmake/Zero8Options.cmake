@@ -1,13 +1,13 @@
 # Optional backends. Each is AUTO by default (built when found), ON demands it (FATAL_ERROR if
 # absent), OFF skips it. Code that needs a missing backend says "not built with X" at run time.
-set(ZERO8_CUDA AUTO CACHE STRING "CUDA kernels (AUTO, IF_GPU, ON, OFF)")
+set(ZERO8_CUDA AUTO CACHE STRING "CUDA kernels (AUTO, IF_GPU, ON, OFF, SIM)")
 set(ZERO8_NCCL AUTO CACHE STRING "NCCL communicator backend, needs CUDA (AUTO, ON, OFF)")
 set(ZERO8_MPI AUTO CACHE STRING "MPI communicator backend (AUTO, ON, OFF)")
 set(ZERO8_DNNL AUTO CACHE STRING "oneDNN int8 GEMM for the C++ int8 API (AUTO, ON, OFF)")
 set_property(CACHE ZERO8_NCCL ZERO8_MPI ZERO8_DNNL PROPERTY STRINGS AUTO ON OFF)
-set_property(CACHE ZERO8_CUDA PROPERTY STRINGS AUTO IF_GPU ON OFF)
-if(NOT ZERO8_CUDA MATCHES "^(AUTO|IF_GPU|ON|OFF)$")
-  message(FATAL_ERROR "ZERO8_CUDA=${ZERO8_CUDA}: expected AUTO, IF_GPU, ON or OFF")
+set_property(CACHE ZERO8_CUDA PROPERTY STRINGS AUTO IF_GPU ON OFF SIM)
+if(NOT ZERO8_CUDA MATCHES "^(AUTO|IF_GPU|ON|OFF|SIM)$")
+  message(FATAL_ERROR "ZERO8_CUDA=${ZERO8_CUDA}: expected AUTO, IF_GPU, ON, OFF or SIM")
 endif()
 
 find_package(OpenMP REQUIRED COMPONENTS CXX)
@@ -26,7 +26,17 @@ endif()
 # for the GPU it sees (CMAKE_CUDA_ARCHITECTURES native) unless architectures are given; so `pip install .`
 # stays CPU-only, and minutes of nvcc shorter, on machines without a GPU such as CI.
 set(ZERO8_WITH_CUDA 0)
+set(ZERO8_WITH_CUDA_SIM 0)
 set(_zero8_cuda_wanted ${ZERO8_CUDA})
+# SIM: a test build without a GPU or nvcc. The .cu files are compiled as C++ against zero8's CUDA simulator
+# (tests/cudasim: the CUDA runtime and the kernels' CUDA threads run on the CPU), so the CUDA tests run the
+# kernels and the device code paths in CI. Never a build to train with; NCCL is off in it.
+if(ZERO8_CUDA STREQUAL "SIM")
+  set(ZERO8_WITH_CUDA 1)
+  set(ZERO8_WITH_CUDA_SIM 1)
+  set(_zero8_cuda_wanted OFF)
+  find_package(Python3 REQUIRED COMPONENTS Interpreter)  # tests/cudasim/rewrite_cu.py
+endif()
 if(ZERO8_CUDA STREQUAL "IF_GPU")
   unset(_zero8_gpu_probe_run CACHE)  # probe at every configure: the machine may have changed
   try_run(_zero8_gpu_probe_run _zero8_gpu_probe_compiled ${CMAKE_BINARY_DIR}/zero8_gpu_probe
@@ -71,7 +81,7 @@ endif()
 # --- NCCL ---
 set(ZERO8_WITH_NCCL 0)
 if(NOT ZERO8_NCCL STREQUAL "OFF")
-  if(ZERO8_WITH_CUDA)
+  if(ZERO8_WITH_CUDA AND NOT ZERO8_WITH_CUDA_SIM)
     find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
     find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
   endif()

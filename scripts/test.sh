@@ -3,7 +3,7 @@
 # every ctest test (GoogleTest, multi-rank MPI tests, the package and CLI tests), then the Python
 # tests when there are any. Prints a summary and exits non-zero if anything failed.
 # Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS;
-# ZERO8_TEST_SANITIZE=0 skips the sanitizer/fuzz builds. The ASan+UBSan build is a clang build running
+# ZERO8_TEST_SANITIZE=0 skips the sanitizer/fuzz builds, ZERO8_TEST_CUDASIM=0 the CUDA simulator's build. The ASan+UBSan build is a clang build running
 # every ctest test, so the plain clang build runs only without it (ZERO8_TEST_CLANG=1 forces it, 0 skips it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,6 +43,27 @@ ctest_counts() {
   skipped=$(grep -cE 'Test +#[0-9]+: .*\*\*\*Skipped' "$1" || true)
   echo "$(( total - failed - skipped )) $failed $total $skipped"
 }
+# ctest_stage LOG CTEST_ARGS...: ctest into LOG, only failures printed; sets stage_rc (0: all passed) and
+# stage_note ("P passed, F failed of T (S skipped)").
+ctest_stage() {
+  local log=$1 counts p f t k
+  shift
+  stage_rc=0
+  ctest "$@" --output-on-failure -j "${ZERO8_CTEST_JOBS:-2}" >"$log" 2>&1 || stage_rc=$?
+  counts=$(ctest_counts "$log")
+  if [[ -n "$counts" ]]; then
+    read -r p f t k <<<"$counts"
+    stage_note="$p passed, $f failed of $t ($k skipped)"
+    ((f == 0)) || stage_rc=1
+  else
+    stage_rc=1 stage_note="ctest printed no summary (see $log)"
+  fi
+  if ((stage_rc != 0)); then
+    grep -E 'Test +#[0-9]+: .*\*\*\*(Failed|Exception|Timeout)' "$log" >&2 || true
+    echo "test: the test output: $log" >&2
+  fi
+}
+
 counts=$(ctest_counts "$ctest_log")
 if [[ -n "$counts" ]]; then
   read -r ctest_passed ctest_failed ctest_total ctest_skipped <<<"$counts"
@@ -70,22 +91,33 @@ if [[ "${ZERO8_TEST_CLANG:-$clang_default}" != 0 ]]; then
     clang_rc=1 clang_note="build failed"
   else
     # shellcheck disable=SC2086  # as above
-    ctest --test-dir "$clang_dir" --output-on-failure -j "${ZERO8_CTEST_JOBS:-2}" ${ZERO8_CTEST_ARGS:-} \
-      >"$clang_log" 2>&1 || clang_rc=$?
-    counts=$(ctest_counts "$clang_log")
-    if [[ -n "$counts" ]]; then
-      read -r c_passed c_failed c_total c_skipped <<<"$counts"
-      clang_note="$c_passed passed, $c_failed failed of $c_total ($c_skipped skipped)"
-      ((c_failed == 0)) || clang_rc=1
-    else
-      clang_rc=1 clang_note="ctest printed no summary (see $clang_log)"
-    fi
-    if ((clang_rc != 0)); then
-      grep -E 'Test +#[0-9]+: .*\*\*\*(Failed|Exception|Timeout)' "$clang_log" >&2 || true
-      echo "test: the clang build's test output: $clang_log" >&2
-    fi
+    ctest_stage "$clang_log" --test-dir "$clang_dir" ${ZERO8_CTEST_ARGS:-}
+    clang_rc=$stage_rc clang_note=$stage_note
   fi
   clang_note="$clang_note, $(( $(date +%s) - t2 )) s"
+fi
+
+# --- The CUDA tests on zero8's CUDA simulator (ZERO8_TEST_CUDASIM=0 skips them) ---
+# A build with -DZERO8_CUDA=SIM in <build>-cudasim compiles kernels/cuda/*.cu as C++ against tests/cudasim
+# and runs every test labelled cuda (ctest -L cuda): the kernels against the CPU reference in both forms,
+# the device paths of the communicators, the sharded optimizer and checkpoints on 1 and 2 ranks, on the
+# CPU. Not a GPU run (tests/cudasim/README.md says what it shows and what it cannot).
+sim_note="skipped (ZERO8_TEST_CUDASIM=0)" sim_rc=0
+if [[ "${ZERO8_TEST_CUDASIM:-1}" != 0 ]]; then
+  sim_dir="$build_dir-cudasim"
+  sim_log="$sim_dir/ctest.log"
+  t4=$(date +%s)
+  if ! { cmake -S "$root" -B "$sim_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZERO8_CUDA=SIM >"$build_dir/cudasim-build.log" 2>&1 &&
+         cmake --build "$sim_dir" --target cuda_tests --parallel "${ZERO8_JOBS:-$(nproc 2>/dev/null || echo 2)}" \
+           >>"$build_dir/cudasim-build.log" 2>&1; }; then
+    tail -30 "$build_dir/cudasim-build.log" >&2
+    echo "test: FAILED: the CUDA simulator build (log: $build_dir/cudasim-build.log)" >&2
+    sim_rc=1 sim_note="build failed"
+  else
+    ctest_stage "$sim_log" --test-dir "$sim_dir" -L cuda
+    sim_rc=$stage_rc sim_note=$stage_note
+  fi
+  sim_note="$sim_note, $(( $(date +%s) - t4 )) s"
 fi
 
 # --- C++ under sanitizers, and fuzzing (ZERO8_TEST_SANITIZE=0 skips them) ---
@@ -136,6 +168,7 @@ echo "================ zero8 test summary ================"
 echo "setup+build: ${t_build} s; ctest: ${t_ctest} s; total: ${t_total} s"
 echo "C++ (ctest): ${ctest_passed} passed, ${ctest_failed} failed of ${ctest_total} (${ctest_skipped} skipped)"
 echo "C++ (clang): ${clang_note}"
+echo "CUDA (sim):  ${sim_note}"
 for line in "${san_lines[@]}"; do echo "Sanitizers:  $line"; done
 echo "Python:      ${py_passed} passed, ${py_failed} failed, ${py_skipped} skipped (${py_note})"
 echo "===================================================="
@@ -143,6 +176,7 @@ status=0
 if ((ctest_rc != 0 || ctest_failed != 0)); then status=1; fi
 if ((py_rc != 0 || py_failed != 0)); then status=1; fi
 if ((clang_rc != 0)); then status=1; fi
+if ((sim_rc != 0)); then status=1; fi
 if ((san_rc != 0)); then status=1; fi
 echo "total: $(( ctest_passed + py_passed )) passed, $(( ctest_failed + py_failed )) failed, $(( ctest_skipped + py_skipped )) skipped"
 if ((status != 0)); then echo "test: FAILED" >&2; fi

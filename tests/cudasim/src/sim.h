@@ -1,0 +1,36 @@
+// Inside zero8's CUDA simulator: the pieces runtime.cpp, threads.cpp and cublaslt.cpp share.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "cuda_runtime.h"
+
+namespace zero8_cudasim {
+
+// Every runtime entry holds this lock: streams run their work on whichever host thread waits for it.
+std::recursive_mutex& runtime_mutex();
+
+// Reports a CUDA program error that a GPU would leave undefined (a deadlocked barrier, a shuffle with a
+// lane that is not there, a fault) with the kernel, block and thread it happened in, and aborts.
+[[noreturn]] void fatal(const std::string& what);
+
+// Queues `op` on the stream; `what` names it in reports.
+cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op);
+
+// Runs one kernel's grid now (called from a stream's queue, with device memory accessible).
+void run_grid(const char* name, dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
+
+// Where the host thread is inside a kernel, for reports: "kernel K, block (x,y,z), thread (x,y,z)" or "".
+std::string where_in_kernel();
+
+// The element range [p, p + bytes) lies in one device (or managed) allocation.
+bool device_range(const void* p, size_t bytes);
+
+// Sets the calling thread's last error (cudaGetLastError) and returns e.
+cudaError_t set_error(cudaError_t e);
+
+}  // namespace zero8_cudasim

@@ -1,0 +1,200 @@
+// The CUDA simulator's own tests: the warp shuffles and votes give CUDA's results, and what the simulator
+// claims to catch in CUDA code it does catch (a missing barrier, a barrier or shuffle some threads never
+// reach, host code reading device memory, a kernel writing past an allocation, a host read before the
+// stream ran, a stream using another's result without an event, invalid launches).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "test_kernels.h"
+
+namespace {
+
+namespace k = zero8_cudasim_test;
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  explicit Dev(size_t n) { EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess); }
+  ~Dev() { cudaFree(p); }
+  std::vector<T> get(size_t n) const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+TEST(CudaSim, WarpShufflesAndVotesGiveCudasResults) {
+  const int threads = 64;
+  Dev<int> out(6 * threads);
+  k::warp_ops(out.p, threads);
+  const std::vector<int> o = out.get(6 * threads);
+  unsigned ballot = 0;
+  for (int l = 0; l < 32; l += 3) ballot |= 1u << l;
+  for (int t = 0; t < threads; ++t) {
+    const int lane = t & 31, base = t - lane;
+    SCOPED_TRACE(t);
+    EXPECT_EQ(o[6 * t + 0], t ^ 1);
+    EXPECT_EQ(o[6 * t + 1], lane + 4 < 32 ? t + 4 : t);  // beyond the warp: the lane's own value
+    EXPECT_EQ(o[6 * t + 2], base + 3);
+    EXPECT_EQ(unsigned(o[6 * t + 3]), ballot);
+    EXPECT_EQ(o[6 * t + 4], 1 + 2);
+    EXPECT_EQ(o[6 * t + 5], (threads + 4) / 5);
+  }
+}
+
+TEST(CudaSim, SharedMemoryIsFreshGarbageInEveryBlock) {
+  Dev<int> out(3);
+  k::shared_fresh(out.p, 3);
+  EXPECT_EQ(out.get(3), (std::vector<int>{1, 1, 1}));
+}
+
+TEST(CudaSim, AMissingBarrierShowsAsGarbage) {
+  Dev<float> out(256);
+  k::missing_barrier(out.p, true);
+  std::vector<float> v = out.get(256);
+  for (int i = 0; i < 256; ++i) ASSERT_EQ(v[size_t(i)], float(i));
+  k::missing_barrier(out.p, false);
+  v = out.get(256);
+  int garbage = 0;
+  for (float x : v) garbage += std::isnan(x) ? 1 : 0;
+  EXPECT_GE(garbage, 224) << "the warps after thread 0's read before it wrote";
+}
+
+TEST(CudaSimDeathTest, ABarrierAfterExitedThreadsAborts) {
+  EXPECT_DEATH(
+      {
+        k::divergent_barrier();
+        cudaDeviceSynchronize();
+      },
+      "divergent_barrier_kernel, block \\(0,0,0\\).*__syncthreads after some of the block's threads exited");
+}
+
+TEST(CudaSimDeathTest, AShuffleWithAnExitedLaneAborts) {
+  EXPECT_DEATH(
+      {
+        Dev<int> out(32);
+        k::exited_lane(out.p);
+        cudaDeviceSynchronize();
+      },
+      "exited_lane_kernel.*names lane 5, which has exited");
+}
+
+TEST(CudaSimDeathTest, HostCodeReadingDeviceMemoryAborts) {
+  Dev<float> x(16);
+  EXPECT_DEATH({ volatile float v = x.p[3]; (void)v; }, "host code dereferenced device memory");
+}
+
+TEST(CudaSimDeathTest, AKernelWritingPastItsAllocationAborts) {
+  Dev<float> x(10);
+  EXPECT_DEATH(
+      {
+        k::store(x.p, 10, 1.0f, nullptr);
+        cudaDeviceSynchronize();
+      },
+      "store_kernel wrote past the end of the allocation of 40 bytes.*at byte 40");
+  EXPECT_DEATH(
+      {
+        k::store(x.p, 1024, 1.0f, nullptr);
+        cudaDeviceSynchronize();
+      },
+      "kernel store_kernel, block \\(0,0,0\\), thread \\(0,0,0\\): access at .* outside the allocation of 40 bytes");
+}
+
+// Work on a stream runs when the host waits for it: a result read before that is the old one.
+TEST(CudaSim, StreamsRunWhenTheHostWaits) {
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  Dev<float> y(4);
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 4 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(y.p, 0, 4 * sizeof(float), s), cudaSuccess);
+  pinned[2] = -1.0f;
+  k::store(y.p, 2, 7.0f, s);
+  ASSERT_EQ(cudaMemcpyAsync(pinned, y.p, 4 * sizeof(float), cudaMemcpyDeviceToHost, s), cudaSuccess);
+  EXPECT_EQ(pinned[2], -1.0f) << "to pinned memory the copy is asynchronous";
+  cudaEvent_t e = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(e, s), cudaSuccess);
+  EXPECT_EQ(cudaEventQuery(e), cudaErrorNotReady);
+  EXPECT_EQ(cudaEventQuery(e), cudaSuccess);
+  EXPECT_EQ(pinned[2], 7.0f);
+  // To pageable memory the call returns after the copy.
+  k::store(y.p, 1, 5.0f, s);
+  std::vector<float> h(4, -1.0f);
+  ASSERT_EQ(cudaMemcpyAsync(h.data(), y.p, 4 * sizeof(float), cudaMemcpyDeviceToHost, s), cudaSuccess);
+  EXPECT_EQ(h, (std::vector<float>{0.0f, 5.0f, 7.0f, 0.0f}));
+  cudaEventDestroy(e);
+  cudaFreeHost(pinned);
+  cudaStreamDestroy(s);
+}
+
+// Non-blocking streams are ordered only by events: without one, a consumer runs before its producer.
+TEST(CudaSim, AnotherStreamsResultNeedsAnEvent) {
+  cudaStream_t a = nullptr, b = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+  cudaEvent_t made = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&made, cudaEventDisableTiming), cudaSuccess);
+  Dev<float> x(1), y(1);
+  ASSERT_EQ(cudaMemset(x.p, 0, 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(y.p, 0, 4), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (bool with_event : {false, true}) {
+    SCOPED_TRACE(with_event ? "with an event" : "without an event");
+    k::store(x.p, 0, with_event ? 2.0f : 1.0f, a);
+    if (with_event) {
+      ASSERT_EQ(cudaEventRecord(made, a), cudaSuccess);
+      ASSERT_EQ(cudaStreamWaitEvent(b, made, 0), cudaSuccess);
+    }
+    k::copy(y.p, x.p, 1, b);
+    ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+    const float expect = with_event ? 2.0f : 0.0f;  // without: b ran before a's store
+    EXPECT_EQ(y.get(1)[0], expect);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  cudaEventDestroy(made);
+  cudaStreamDestroy(a);
+  cudaStreamDestroy(b);
+}
+
+TEST(CudaSim, InvalidLaunchesAreLaunchErrors) {
+  (void)cudaGetLastError();
+  k::launch_grid(0, 64);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  k::launch_grid(1, 2048);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "reading the error clears it";
+  Dev<int> out(1);
+  EXPECT_EQ(k::dynamic_smem(out.p, 1000, false), cudaSuccess);
+  EXPECT_EQ(out.get(1)[0], 999);
+  EXPECT_EQ(k::dynamic_smem(out.p, 20000, false), cudaErrorInvalidValue) << "80 KB without the kernel's opt-in";
+  EXPECT_EQ(k::dynamic_smem(out.p, 20000, true), cudaSuccess);
+  EXPECT_EQ(out.get(1)[0], 19999);
+}
+
+TEST(CudaSim, PointerKinds) {
+  Dev<float> d(4);
+  float *pinned = nullptr, *managed = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 16), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&managed, 16), cudaSuccess);
+  std::vector<float> pageable(4);
+  cudaPointerAttributes at{};
+  ASSERT_EQ(cudaPointerGetAttributes(&at, d.p + 3), cudaSuccess);
+  EXPECT_EQ(at.type, cudaMemoryTypeDevice);
+  ASSERT_EQ(cudaPointerGetAttributes(&at, pinned), cudaSuccess);
+  EXPECT_EQ(at.type, cudaMemoryTypeHost);
+  ASSERT_EQ(cudaPointerGetAttributes(&at, managed), cudaSuccess);
+  EXPECT_EQ(at.type, cudaMemoryTypeManaged);
+  ASSERT_EQ(cudaPointerGetAttributes(&at, pageable.data()), cudaSuccess);
+  EXPECT_EQ(at.type, cudaMemoryTypeUnregistered);
+  EXPECT_EQ(cudaMemcpy(d.p, pageable.data(), 5 * sizeof(float), cudaMemcpyHostToDevice), cudaErrorInvalidValue)
+      << "past the allocation's end";
+  (void)cudaGetLastError();
+  managed[1] = 3.0f;  // managed memory is the host's too
+  cudaFree(managed);
+  cudaFreeHost(pinned);
+}
+
+}  // namespace
