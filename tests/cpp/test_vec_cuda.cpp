@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "device_test_util.h"
 #include "zero8/comm/communicator.h"
 #include "zero8/comm/quantized.h"
 #include "zero8/error.h"
@@ -27,34 +28,8 @@ namespace {
 
 #if ZERO8_WITH_CUDA
 
-#define SKIP_WITHOUT_CUDA()                                                   \
-  do {                                                                        \
-    if (!device::cuda_unavailable().empty()) GTEST_SKIP() << device::cuda_unavailable(); \
-  } while (0)
-
-// A device copy of a host vector, read back with get() (synchronous).
-template <class T>
-struct Dev {
-  device::Buffer buf;
-  size_t n = 0;
-  explicit Dev(const std::vector<T>& h) : buf(int64_t(h.size() * sizeof(T)) + 8, "test buffer"), n(h.size()) {
-    device::copy(buf.data(), h.data(), int64_t(n * sizeof(T)), nullptr, "test upload");
-    device::synchronize(nullptr, "test upload");
-  }
-  explicit Dev(size_t count) : Dev(std::vector<T>(count)) {}
-  T* p() const { return buf.as<T>(); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    device::copy(h.data(), buf.data(), int64_t(n * sizeof(T)), nullptr, "test download");
-    device::synchronize(nullptr, "test download");
-    return h;
-  }
-};
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
+using test::Dev;
+using test::same_bits;
 
 std::vector<float> sample(int64_t n, uint64_t seed) {
   std::vector<float> x(static_cast<size_t>(n));

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../cpp/device_test_util.h"
 #include "dist_env.h"
 #include "zero8/comm/quantized.h"
 #include "zero8/error.h"
@@ -22,34 +23,8 @@ using comm::Communicator;
 using comm::ReduceOp;
 using comm::ScalarType;
 
-#define SKIP_WITHOUT_CUDA()                                                             \
-  do {                                                                                  \
-    if (!device::cuda_unavailable().empty()) GTEST_SKIP() << device::cuda_unavailable(); \
-  } while (0)
-
-// A device copy of a host vector; get() reads it back (waits for the legacy default stream, which
-// waits for nothing the test leaves in flight: the collectives return with their work done).
-template <class T>
-struct Dev {
-  device::Buffer buf;
-  size_t n;
-  explicit Dev(const std::vector<T>& h) : buf(int64_t(h.size() * sizeof(T)) + 8, "test buffer"), n(h.size()) {
-    device::copy(buf.data(), h.data(), int64_t(n * sizeof(T)), nullptr, "test upload");
-    device::synchronize(nullptr, "test upload");
-  }
-  T* p() const { return buf.as<T>(); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    device::copy(h.data(), buf.data(), int64_t(n * sizeof(T)), nullptr, "test download");
-    device::synchronize(nullptr, "test download");
-    return h;
-  }
-};
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
+using zero8::test::Dev;
+using zero8::test::same_bits;
 
 // Restores the world's stream when a test ends, however it ends.
 struct StreamOf {
