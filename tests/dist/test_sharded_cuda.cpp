@@ -76,9 +76,11 @@ struct Twins {
   std::unique_ptr<ShardedOptimizer> host, dev;
 
   // dev_overlap: the device optimizer runs the overlap thread (the host one never does here: the two
-  // share the MPI world, which one thread at a time may use).
-  Twins(const ShardConfig& c, comm::Communicator& dev_comm, bool dev_overlap = false) : cfg(c) {
-    host = std::make_unique<ShardedOptimizer>(twin_params(), c, world());
+  // share the MPI world, which one thread at a time may use). host_comm: the host twin's (the world's).
+  Twins(const ShardConfig& c, comm::Communicator& dev_comm, bool dev_overlap = false,
+        comm::Communicator* host_comm = nullptr)
+      : cfg(c) {
+    host = std::make_unique<ShardedOptimizer>(twin_params(), c, host_comm ? *host_comm : world());
     ShardConfig d = c;
     d.overlap = dev_overlap;
     d.memory = MemSpace::device;
@@ -374,6 +376,40 @@ TEST(ShardedCuda, DeviceBuffersAndTheirHostCopies) {
   EXPECT_EQ(std::memcmp(m.data(), back.data(), m.size() * 4), 0);
   EXPECT_EQ(t.dev->memory().state, t.host->memory().state);
 }
+
+#if ZERO8_WITH_CUDA_SIM
+// What the CUDA simulator counts (tests/cudasim): the device optimizer's micro-batches and step queue
+// nothing on the legacy default stream (everything goes on the caller's), and a step reads the device from
+// the host once: the gradient norm and overflow verdict. Its communicator is the single-process one, whose
+// device collectives are device copies (MPI's stage through host memory, by design).
+TEST(ShardedCuda, AStepUsesTheCallersStreamAndOneHostRead) {
+  std::unique_ptr<comm::Communicator> single = comm::comm_create("single"), host_single = comm::comm_create("single");
+  for (bool overflow : {false, true}) {
+    ShardConfig c = twin_config();
+    c.gradient_clipping = 0.5;
+    c.int8_params = true;
+    c.error_feedback = true;
+    c.working_dtype = overflow ? DType::f16 : DType::f32;
+    c.fp16 = overflow;
+    SCOPED_TRACE(config_name(c) + (overflow ? ", fp16 with an overflow" : ""));
+    Twins t(c, *single, false, host_single.get());  // the twins' layouts agree: both of one rank
+    t.micro_batch(0, 0, true);
+    t.host->step();
+    t.dev->step();
+    const zero8_cudasim_counts before = zero8_cudasim_get_counts();
+    t.micro_batch(1, 0, false);
+    t.micro_batch(1, 1, true, /*poison=*/overflow);
+    const zero8_cudasim_counts mid = zero8_cudasim_get_counts();
+    t.host->step();
+    const shard::StepInfo info = t.dev->step();
+    const zero8_cudasim_counts after = zero8_cudasim_get_counts();
+    EXPECT_EQ(info.skipped, overflow && world().rank() == world().size() - 1);
+    EXPECT_GT(after.kernels, mid.kernels);
+    EXPECT_EQ(after.ops_legacy_stream, before.ops_legacy_stream) << "work queued on the legacy default stream";
+    EXPECT_EQ(after.copies_to_host - mid.copies_to_host, 1u) << "host reads of the device in one step";
+  }
+}
+#endif
 
 #if ZERO8_WITH_NCCL
 // NCCL needs a GPU per rank: where there are as many as ranks, the device twins run over NCCL too.

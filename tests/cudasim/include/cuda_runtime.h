@@ -80,3 +80,14 @@ template <class T>
 cudaError_t cudaMallocAsync(T** p, size_t bytes, cudaStream_t stream) {
   return cudaMallocAsync(reinterpret_cast<void**>(p), bytes, stream);
 }
+
+// zero8's CUDA simulator only (tests, `#if ZERO8_WITH_CUDA_SIM`): what the program has asked of the device so
+// far, so that a test can check where its work went.
+struct zero8_cudasim_counts {
+  unsigned long long kernels;            // launches
+  unsigned long long ops_legacy_stream;  // kernels, copies and sets queued on the legacy default stream
+  unsigned long long copies_to_host;     // device (or managed) memory to host memory
+  unsigned long long copies_to_device;   // host memory to device (or managed) memory
+  unsigned long long host_waits;         // cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize
+};
+zero8_cudasim_counts zero8_cudasim_get_counts();

@@ -68,6 +68,7 @@ struct State {
   std::map<const void*, int> max_dyn_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
   CUstream_st legacy, per_thread;
   int device_access = 0;  // > 0 while device work runs
+  zero8_cudasim_counts counts{};
   bool context = false;
   State() {
     per_thread.blocking = true;
@@ -317,6 +318,8 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   if (const cudaError_t e = check_copy(dst, src, bytes, kind); e != cudaSuccess) return set_error(e);
   if (bytes == 0) return cudaSuccess;
   const bool dh = is_host(dst), sh = is_host(src);
+  if (dh && !sh) ++st().counts.copies_to_host;
+  if (sh && !dh) ++st().counts.copies_to_device;
   if (dh && sh) {  // host to host: synchronous
     run_until(s, s->queued);
     std::memmove(dst, src, bytes);
@@ -376,6 +379,7 @@ cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()>
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
   g.context = true;
   install_fault_handler();
+  if (s == &g.legacy) ++g.counts.ops_legacy_stream;
   if (s == &g.legacy) {
     for (CUstream_st* o : g.streams)
       if (o != s && o->blocking) order_after(s, o);
@@ -410,6 +414,7 @@ void launch_kernel(const void* kernel, const char* name, dim3 grid, dim3 block, 
     set_error(cudaErrorInvalidResourceHandle);
     return;
   }
+  ++st().counts.kernels;
   enqueue(stream, name, [name, grid, block, smem, body = std::move(body)] { run_grid(name, grid, block, smem, body); });
 }
 
@@ -511,6 +516,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
 
 cudaError_t cudaDeviceSynchronize() {
   Lock l;
+  ++st().counts.host_waits;
   run_all();
   return cudaSuccess;
 }
@@ -615,6 +621,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   Lock l;
+  ++st().counts.host_waits;
   CUstream_st* s = stream_of(stream);
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
   run_until(s, s->queued);
@@ -702,6 +709,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   Lock l;
+  ++st().counts.host_waits;
   if (e == nullptr || !st().events.count(e)) return set_error(cudaErrorInvalidResourceHandle);
   if (e->recorded) run_until(e->stream, e->position);
   return cudaSuccess;
@@ -741,4 +749,9 @@ cudaError_t zero8_cudasim_occupancy(int* blocks, const void* kernel, int block_s
   if (dyn_smem > 0) n = std::min<int>(n, int((228 * 1024) / (dyn_smem + 1024)));
   *blocks = n;
   return cudaSuccess;
+}
+
+zero8_cudasim_counts zero8_cudasim_get_counts() {
+  Lock l;
+  return st().counts;
 }
