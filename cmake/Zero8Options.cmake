@@ -30,7 +30,7 @@ set(ZERO8_WITH_CUDA_SIM 0)
 set(_zero8_cuda_wanted ${ZERO8_CUDA})
 # SIM: a test build without a GPU or nvcc. The .cu files are compiled as C++ against zero8's CUDA simulator
 # (tests/cudasim: the CUDA runtime and the kernels' CUDA threads run on the CPU), so the CUDA tests run the
-# kernels and the device code paths in CI. Never a build to train with; NCCL is off in it.
+# kernels and the device code paths in CI. Never a build to train with.
 if(ZERO8_CUDA STREQUAL "SIM")
   set(ZERO8_WITH_CUDA 1)
   set(ZERO8_WITH_CUDA_SIM 1)
@@ -85,7 +85,11 @@ if(NOT ZERO8_NCCL STREQUAL "OFF")
     find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
     find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
   endif()
-  if(ZERO8_WITH_CUDA AND NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+  if(ZERO8_WITH_CUDA_SIM)  # the simulator's NCCL (tests/cudasim/src/nccl.cpp)
+    set(ZERO8_WITH_NCCL 1)
+    set(NCCL_INCLUDE_DIR ${CMAKE_CURRENT_SOURCE_DIR}/tests/cudasim/include)
+    set(NCCL_LIBRARY zero8_cudasim)
+  elseif(ZERO8_WITH_CUDA AND NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
     set(ZERO8_WITH_NCCL 1)
   elseif(ZERO8_NCCL STREQUAL "ON")
     message(FATAL_ERROR "ZERO8_NCCL=ON but NCCL was not found (needs CUDA: ${ZERO8_WITH_CUDA}, "

@@ -33,6 +33,7 @@
 
 struct CUstream_st {
   std::deque<std::pair<const char*, std::function<void()>>> queue;
+  int device = 0;
   uint64_t queued = 0, done = 0;  // operations ever queued / run
   bool blocking = true;
   bool told_not_ready = false;
@@ -58,6 +59,7 @@ struct Alloc {
   char* map = nullptr;  // the mapping (guard page included)
   size_t map_bytes = 0;
   Kind kind = Kind::device;
+  int device = 0;
 };
 
 struct State {
@@ -83,10 +85,22 @@ State& st() {
 }
 
 thread_local cudaError_t tl_last = cudaSuccess;
+thread_local int tl_device = 0;
 constexpr size_t kSmemDefault = 48 * 1024, kSmemOptin = 227 * 1024;
 constexpr unsigned char kCanary = 0xa5;
 
 size_t page() { return size_t(getpagesize()); }
+
+// Devices of the simulated machine (ZERO8_CUDASIM_DEVICES, default 1): labels on one memory, so that ranks
+// can each have one (NCCL refuses two ranks on a device).
+int devices() {
+  static const int n = [] {
+    const char* v = std::getenv("ZERO8_CUDASIM_DEVICES");
+    const int k = v ? std::atoi(v) : 1;
+    return k >= 1 && k <= 16 ? k : 1;
+  }();
+  return n;
+}
 
 int sms() {
   static const int n = [] {
@@ -148,6 +162,7 @@ cudaError_t map_alloc(void** p, size_t bytes, Kind kind) {
   a.base = map + data - span;
   a.bytes = bytes;
   a.kind = kind;
+  a.device = tl_device;
   std::memset(a.base, kCanary, span);  // fresh device memory is garbage, not zeros; past the end, canaries
   State& s = st();
   s.context = true;
@@ -278,12 +293,12 @@ CUresult drv_ctx_get_current(CUcontext* c) {
   return CUDA_SUCCESS;
 }
 CUresult drv_device_get(CUdevice* d, int ordinal) {
-  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
-  *d = 0;
+  if (ordinal < 0 || ordinal >= devices()) return CUDA_ERROR_INVALID_DEVICE;
+  *d = ordinal;
   return CUDA_SUCCESS;
 }
 CUresult drv_primary_state(CUdevice d, unsigned* flags, int* active) {
-  if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+  if (d < 0 || d >= devices()) return CUDA_ERROR_INVALID_DEVICE;
   *flags = 0;
   *active = st().context ? 1 : 0;
   return CUDA_SUCCESS;
@@ -466,16 +481,17 @@ cudaError_t cudaPeekAtLastError() { return tl_last; }
 
 cudaError_t cudaGetDeviceCount(int* count) {
   if (count == nullptr) return set_error(cudaErrorInvalidValue);
-  *count = 1;
+  *count = devices();
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* device) {
   if (device == nullptr) return set_error(cudaErrorInvalidValue);
-  *device = 0;
+  *device = tl_device;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
-  if (device != 0) return set_error(cudaErrorInvalidDevice);
+  if (device < 0 || device >= devices()) return set_error(cudaErrorInvalidDevice);
+  tl_device = device;
   Lock l;
   st().context = true;
   return cudaSuccess;
@@ -483,7 +499,7 @@ cudaError_t cudaSetDevice(int device) {
 
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
   if (p == nullptr) return set_error(cudaErrorInvalidValue);
-  if (device != 0) return set_error(cudaErrorInvalidDevice);
+  if (device < 0 || device >= devices()) return set_error(cudaErrorInvalidDevice);
   *p = cudaDeviceProp{};
   std::snprintf(p->name, sizeof p->name, "zero8 CUDA simulator (CPU, %d SMs)", sms());
   p->totalGlobalMem = size_t(16) << 30;
@@ -500,7 +516,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   if (value == nullptr) return set_error(cudaErrorInvalidValue);
-  if (device != 0) return set_error(cudaErrorInvalidDevice);
+  if (device < 0 || device >= devices()) return set_error(cudaErrorInvalidDevice);
   switch (attr) {
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = int(kSmemDefault); break;
@@ -577,7 +593,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* p)
   attr->device = -2;
   const Alloc* a = find(p);
   if (a == nullptr) return cudaSuccess;  // cudaMemoryTypeUnregistered
-  attr->device = 0;
+  attr->device = a->device;
   attr->type = a->kind == Kind::device ? cudaMemoryTypeDevice
                : a->kind == Kind::managed ? cudaMemoryTypeManaged
                                           : cudaMemoryTypeHost;
@@ -602,6 +618,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
   Lock l;
   auto* n = new CUstream_st;
   n->blocking = (flags & cudaStreamNonBlocking) == 0;
+  n->device = tl_device;
   st().streams.insert(n);
   st().context = true;
   *s = n;
@@ -655,8 +672,9 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned) {
 cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
   Lock l;
   if (device == nullptr) return set_error(cudaErrorInvalidValue);
-  if (stream_of(stream) == nullptr) return set_error(cudaErrorInvalidResourceHandle);
-  *device = 0;
+  CUstream_st* s = stream_of(stream);
+  if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
+  *device = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread ? tl_device : s->device;
   return cudaSuccess;
 }
 
