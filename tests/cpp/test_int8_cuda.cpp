@@ -21,6 +21,8 @@ namespace {
 using namespace zero8;
 using namespace zero8::int8;
 
+#if ZERO8_WITH_CUDA
+
 using test::Dev;
 using test::same_bits;
 
@@ -311,5 +313,11 @@ TEST(Int8CudaKernels, BlockProductEqualsTheReference) {
         EXPECT_TRUE(same_bits(dout.get(), out));
       }
 }
+
+#else  // !ZERO8_WITH_CUDA
+
+TEST(Int8CudaKernels, NeedCuda) { GTEST_SKIP() << "not built with CUDA: the int8 CUDA kernels are not compiled"; }
+
+#endif
 
 }  // namespace
