@@ -3,8 +3,9 @@
 # every ctest test (GoogleTest, multi-rank MPI tests, the package and CLI tests), then the Python
 # tests when there are any. Prints a summary and exits non-zero if anything failed.
 # Environment: ZERO8_BUILD_DIR (default build/), ZERO8_CTEST_JOBS (default 2), ZERO8_CTEST_ARGS;
-# ZERO8_TEST_SANITIZE=0 skips the sanitizer/fuzz builds, ZERO8_TEST_CUDASIM=0 the CUDA simulator's build. The ASan+UBSan build is a clang build running
-# every ctest test, so the plain clang build runs only without it (ZERO8_TEST_CLANG=1 forces it, 0 skips it).
+# ZERO8_TEST_SANITIZE=0 skips the sanitizer/fuzz builds, ZERO8_TEST_CUDASIM=0 the CUDA simulator's build.
+# The ASan+UBSan build is a clang build running every ctest test, so the plain clang build runs only
+# without it (ZERO8_TEST_CLANG=1 forces it, 0 skips it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${ZERO8_BUILD_DIR:-$root/build}"
@@ -100,8 +101,8 @@ fi
 # --- The CUDA tests on zero8's CUDA simulator (ZERO8_TEST_CUDASIM=0 skips them) ---
 # A build with -DZERO8_CUDA=SIM in <build>-cudasim compiles kernels/cuda/*.cu as C++ against tests/cudasim
 # and runs every test labelled cuda (ctest -L cuda): the kernels against the CPU reference in both forms,
-# the device paths of the communicators, the sharded optimizer and checkpoints on 1 and 2 ranks, on the
-# CPU. Not a GPU run (tests/cudasim/README.md says what it shows and what it cannot).
+# the device paths of the communicators (NCCL's calls on 1 to 3 ranks), the sharded optimizer and
+# checkpoints, on the CPU. Not a GPU run (tests/cudasim/README.md says what it shows and what it cannot).
 sim_note="skipped (ZERO8_TEST_CUDASIM=0)" sim_rc=0
 if [[ "${ZERO8_TEST_CUDASIM:-1}" != 0 ]]; then
   sim_dir="$build_dir-cudasim"

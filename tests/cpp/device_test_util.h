@@ -10,8 +10,8 @@
 
 #include "zero8/kernels/device.h"
 
-#define SKIP_WITHOUT_CUDA()                                                                       \
-  do {                                                                                            \
+#define SKIP_WITHOUT_CUDA()                                                                                \
+  do {                                                                                                     \
     if (!::zero8::device::cuda_unavailable().empty()) GTEST_SKIP() << ::zero8::device::cuda_unavailable(); \
   } while (0)
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "zero8/kernels/device.h"
 #include "device_test_util.h"
+#include "zero8/kernels/device.h"
 #include "zero8/kernels/int8.h"
 
 namespace {
@@ -228,7 +228,8 @@ TEST(Int8CudaKernels, EpilogueEqualsTheReference) {
         a.cols = cols;
         a.out_dtype = dt;
         a.accumulate = accumulate;
-        std::vector<uint8_t> out = accumulate ? stored(prev, DType::f32) : std::vector<uint8_t>(size_t(rows * cols * dtype_size(dt)));
+        std::vector<uint8_t> out =
+            accumulate ? stored(prev, DType::f32) : std::vector<uint8_t>(size_t(rows * cols * dtype_size(dt)));
         a.acc = acc.data();
         a.row_scale = rs.data();
         a.col_scale = cs.data();

@@ -83,7 +83,12 @@ TEST(CudaSimDeathTest, AShuffleWithAnExitedLaneAborts) {
 
 TEST(CudaSimDeathTest, HostCodeReadingDeviceMemoryAborts) {
   Dev<float> x(16);
-  EXPECT_DEATH({ volatile float v = x.p[3]; (void)v; }, "host code dereferenced device memory");
+  EXPECT_DEATH(
+      {
+        volatile float v = x.p[3];
+        (void)v;
+      },
+      "host code dereferenced device memory");
 }
 
 TEST(CudaSimDeathTest, AKernelWritingPastItsAllocationAborts) {

@@ -33,8 +33,8 @@ enum ncclDataType_t {
   ncclFloat64 = 8,
   ncclBfloat16 = 9,
 };
-constexpr ncclDataType_t ncclChar = ncclInt8, ncclInt = ncclInt32, ncclHalf = ncclFloat16,
-                         ncclFloat = ncclFloat32, ncclDouble = ncclFloat64;
+constexpr ncclDataType_t ncclChar = ncclInt8, ncclInt = ncclInt32, ncclHalf = ncclFloat16, ncclFloat = ncclFloat32,
+                         ncclDouble = ncclFloat64;
 enum ncclRedOp_t { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 };
 
 struct ncclUniqueId {

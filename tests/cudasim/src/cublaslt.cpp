@@ -45,9 +45,12 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMa
   if (d == nullptr || buf == nullptr || size != sizeof(cublasOperation_t)) return CUBLAS_STATUS_INVALID_VALUE;
   cublasOperation_t op;
   std::memcpy(&op, buf, sizeof op);
-  if (attr == CUBLASLT_MATMUL_DESC_TRANSA) d->ta = op;
-  else if (attr == CUBLASLT_MATMUL_DESC_TRANSB) d->tb = op;
-  else return CUBLAS_STATUS_INVALID_VALUE;
+  if (attr == CUBLASLT_MATMUL_DESC_TRANSA)
+    d->ta = op;
+  else if (attr == CUBLASLT_MATMUL_DESC_TRANSB)
+    d->tb = op;
+  else
+    return CUBLAS_STATUS_INVALID_VALUE;
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type, uint64_t rows, uint64_t cols,
@@ -79,7 +82,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
       reinterpret_cast<uintptr_t>(b) % 4 != 0)
     return CUBLAS_STATUS_NOT_SUPPORTED;
   std::lock_guard<std::recursive_mutex> lock(zero8_cudasim::runtime_mutex());
-  const size_t a_bytes = size_t(la->ld) * (la->cols - 1) + la->rows, b_bytes = size_t(lb->ld) * (lb->cols - 1) + lb->rows;
+  const size_t a_bytes = size_t(la->ld) * (la->cols - 1) + la->rows,
+               b_bytes = size_t(lb->ld) * (lb->cols - 1) + lb->rows;
   const size_t o_bytes = 4 * (size_t(lo->ld) * (n - 1) + m);
   if (m == 0 || n == 0 || k == 0 || !zero8_cudasim::device_range(a, a_bytes) ||
       !zero8_cudasim::device_range(b, b_bytes) || !zero8_cudasim::device_range(out, o_bytes) ||

@@ -30,9 +30,9 @@
 struct ncclComm {
   std::string prefix;  // /dev/shm/zero8sim-nccl-<id>-
   int rank = 0, nranks = 1;
-  uint64_t seq = 0;                     // collectives called
+  uint64_t seq = 0;                      // collectives called
   std::vector<uint64_t> sent, received;  // messages per peer
-  bool tell_in_progress = false;        // the next ncclCommGetAsyncError says ncclInProgress (non-blocking mode)
+  bool tell_in_progress = false;         // the next ncclCommGetAsyncError says ncclInProgress (non-blocking mode)
   std::string last_error;
 };
 
@@ -150,7 +150,8 @@ std::function<void()> collective(ncclComm* c, const void* mine, size_t bytes, st
     auto name = [&](uint64_t k, int r) { return c->prefix + "c" + std::to_string(k) + "-r" + std::to_string(r); };
     post(name(seq, c->rank), mine, bytes);
     std::vector<std::vector<char>> parts(size_t(c->nranks));
-    for (int r = 0; r < c->nranks; ++r) parts[size_t(r)] = await(name(seq, r), what + " (call " + std::to_string(seq) + ")");
+    for (int r = 0; r < c->nranks; ++r)
+      parts[size_t(r)] = await(name(seq, r), what + " (call " + std::to_string(seq) + ")");
     if (seq >= 2) std::remove(name(seq - 2, c->rank).c_str());
     finish(parts);
   };
@@ -303,8 +304,8 @@ ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t type, int pe
   if (ncclResult_t r = check(comm, buf, bytes, "sendbuff"); r != ncclSuccess) return r;
   if (peer < 0 || peer >= comm->nranks || peer == comm->rank) return fail(comm, ncclInvalidArgument, "bad peer");
   const uint64_t k = comm->sent[size_t(peer)]++;
-  const std::string path = comm->prefix + "p" + std::to_string(comm->rank) + "to" + std::to_string(peer) + "-" +
-                           std::to_string(k);
+  const std::string path =
+      comm->prefix + "p" + std::to_string(comm->rank) + "to" + std::to_string(peer) + "-" + std::to_string(k);
   return submit(comm, {Call::send, s, [path, buf, bytes] { post(path, buf, bytes); }});
 }
 
@@ -313,8 +314,8 @@ ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, nc
   if (ncclResult_t r = check(comm, buf, bytes, "recvbuff"); r != ncclSuccess) return r;
   if (peer < 0 || peer >= comm->nranks || peer == comm->rank) return fail(comm, ncclInvalidArgument, "bad peer");
   const uint64_t k = comm->received[size_t(peer)]++;
-  const std::string path = comm->prefix + "p" + std::to_string(peer) + "to" + std::to_string(comm->rank) + "-" +
-                           std::to_string(k);
+  const std::string path =
+      comm->prefix + "p" + std::to_string(peer) + "to" + std::to_string(comm->rank) + "-" + std::to_string(k);
   return submit(comm, {Call::recv, s, [path, buf, bytes] {
                          const std::vector<char> b = await(path, "ncclRecv");
                          if (b.size() != bytes)
@@ -342,12 +343,13 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recv_count, 
   if (ncclResult_t r = check(comm, recv, bytes, "recvbuff"); r != ncclSuccess) return r;
   if (ncclResult_t r = check(comm, send, bytes * size_t(comm->nranks), "sendbuff"); r != ncclSuccess) return r;
   const size_t me = size_t(comm->rank);
-  return submit(comm, {Call::collective, s,
-                       collective(comm, send, bytes * size_t(comm->nranks), "ncclReduceScatter", [=](const auto& parts) {
-                         std::memcpy(recv, parts[0].data() + me * bytes, bytes);
-                         for (size_t r = 1; r < parts.size(); ++r)
-                           fold(recv, parts[r].data() + me * bytes, recv_count, type, op);
-                       })});
+  return submit(comm,
+                {Call::collective, s,
+                 collective(comm, send, bytes * size_t(comm->nranks), "ncclReduceScatter", [=](const auto& parts) {
+                   std::memcpy(recv, parts[0].data() + me * bytes, bytes);
+                   for (size_t r = 1; r < parts.size(); ++r)
+                     fold(recv, parts[r].data() + me * bytes, recv_count, type, op);
+                 })});
 }
 
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t send_count, ncclDataType_t type, ncclComm_t comm,

@@ -254,12 +254,14 @@ struct Lock {
   }
   const std::string where = where_in_kernel();
   if (!where.empty() && near != nullptr && a == nullptr) {
-    std::snprintf(buf, sizeof buf, "%s: access at %p outside the allocation of %zu bytes at %p (%td bytes from its start)",
+    std::snprintf(buf, sizeof buf,
+                  "%s: access at %p outside the allocation of %zu bytes at %p (%td bytes from its start)",
                   where.c_str(), addr, near->bytes, static_cast<const void*>(near->base),
                   static_cast<const char*>(addr) - near->base);
   } else if (where.empty() && a != nullptr) {
-    std::snprintf(buf, sizeof buf, "host code dereferenced device memory at %p (allocation of %zu bytes at %p): "
-                                   "copy it to the host first",
+    std::snprintf(buf, sizeof buf,
+                  "host code dereferenced device memory at %p (allocation of %zu bytes at %p): "
+                  "copy it to the host first",
                   addr, a->bytes, static_cast<const void*>(a->base));
   } else {
     std::snprintf(buf, sizeof buf, "%s%s%s at %p", where.empty() ? "" : where.c_str(), where.empty() ? "" : ": ",
@@ -343,8 +345,10 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   if (sh && is_pageable(src)) {
     // Staged: the source is read now, the copy to the device runs in stream order.
     if (sync) run_until(s, s->queued);
-    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
-    enqueue(stream, "cudaMemcpy (from pageable host memory)", [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+    auto staged =
+        std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
+    enqueue(stream, "cudaMemcpy (from pageable host memory)",
+            [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
     return cudaSuccess;
   }
   enqueue(stream, "cudaMemcpy", [dst, src, bytes] { std::memmove(dst, src, bytes); });
@@ -594,7 +598,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* p)
   const Alloc* a = find(p);
   if (a == nullptr) return cudaSuccess;  // cudaMemoryTypeUnregistered
   attr->device = a->device;
-  attr->type = a->kind == Kind::device ? cudaMemoryTypeDevice
+  attr->type = a->kind == Kind::device    ? cudaMemoryTypeDevice
                : a->kind == Kind::managed ? cudaMemoryTypeManaged
                                           : cudaMemoryTypeHost;
   attr->devicePointer = const_cast<void*>(p);
@@ -662,7 +666,8 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned) {
   Lock l;
-  if (stream_of(stream) == nullptr || e == nullptr || !st().events.count(e)) return set_error(cudaErrorInvalidResourceHandle);
+  if (stream_of(stream) == nullptr || e == nullptr || !st().events.count(e))
+    return set_error(cudaErrorInvalidResourceHandle);
   if (!e->recorded) return cudaSuccess;  // an event never recorded is complete
   CUstream_st* w = e->stream;
   const uint64_t pos = e->position;
@@ -755,7 +760,8 @@ cudaError_t zero8_cudasim_func_set_attribute(const void* kernel, cudaFuncAttribu
 
 cudaError_t zero8_cudasim_occupancy(int* blocks, const void* kernel, int block_size, size_t dyn_smem) {
   Lock l;
-  if (blocks == nullptr || kernel == nullptr || block_size <= 0 || block_size > 1024) return set_error(cudaErrorInvalidValue);
+  if (blocks == nullptr || kernel == nullptr || block_size <= 0 || block_size > 1024)
+    return set_error(cudaErrorInvalidValue);
   size_t limit = kSmemDefault;
   if (auto it = st().max_dyn_smem.find(kernel); it != st().max_dyn_smem.end()) limit = size_t(it->second);
   if (dyn_smem > limit) {

@@ -69,8 +69,8 @@ struct StackPool {
   char* get(size_t i) {
     while (stacks.size() <= i) {
       const size_t page = size_t(getpagesize());
-      void* m = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                     -1, 0);
+      void* m =
+          mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (m == MAP_FAILED) fatal("cannot map a fiber stack");
       mprotect(m, page, PROT_NONE);
       stacks.push_back(static_cast<char*>(m) + page);
@@ -118,9 +118,7 @@ const char* state_name(State s) {
   s << why << "; the block's threads:";
   State last = State::ready;
   size_t from = 0;
-  auto flush = [&](size_t to) {
-    s << "\n    threads " << from << ".." << to - 1 << ": " << state_name(last);
-  };
+  auto flush = [&](size_t to) { s << "\n    threads " << from << ".." << to - 1 << ": " << state_name(last); };
   for (size_t i = 0; i < e.fibers.size(); ++i) {
     if (i > 0 && e.fibers[i].state != last) {
       flush(i);
