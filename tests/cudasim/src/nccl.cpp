@@ -81,11 +81,7 @@ std::string parts_dir() {
 }
 
 double timeout_s() {
-  static const double t = [] {
-    const char* v = std::getenv("ZERO8_CUDASIM_NCCL_TIMEOUT");
-    const double x = v ? std::atof(v) : 120.0;
-    return x > 0 ? x : 120.0;
-  }();
+  static const double t = zero8_cudasim::env_number("ZERO8_CUDASIM_NCCL_TIMEOUT", 120, 1e-3, 1e6);
   return t;
 }
 

@@ -94,20 +94,12 @@ size_t page() { return size_t(getpagesize()); }
 // Devices of the simulated machine (ZERO8_CUDASIM_DEVICES, default 1): labels on one memory, so that ranks
 // can each have one (NCCL refuses two ranks on a device).
 int devices() {
-  static const int n = [] {
-    const char* v = std::getenv("ZERO8_CUDASIM_DEVICES");
-    const int k = v ? std::atoi(v) : 1;
-    return k >= 1 && k <= 16 ? k : 1;
-  }();
+  static const int n = int(env_number("ZERO8_CUDASIM_DEVICES", 1, 1, 16));
   return n;
 }
 
 int sms() {
-  static const int n = [] {
-    const char* v = std::getenv("ZERO8_CUDASIM_SMS");
-    const int k = v ? std::atoi(v) : 2;
-    return k > 0 ? k : 2;
-  }();
+  static const int n = int(env_number("ZERO8_CUDASIM_SMS", 2, 1, 1024));
   return n;
 }
 
@@ -372,6 +364,14 @@ cudaError_t memset_impl(void* p, int value, size_t bytes, cudaStream_t stream, b
 }  // namespace
 
 std::recursive_mutex& runtime_mutex() { return st().mu; }
+
+double env_number(const char* name, double fallback, double lo, double hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  return end != v && *end == 0 && x >= lo && x <= hi ? x : fallback;
+}
 
 void fatal(const std::string& what) {
   const std::string where = where_in_kernel();

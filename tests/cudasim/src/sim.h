@@ -30,6 +30,9 @@ std::string where_in_kernel();
 // The element range [p, p + bytes) lies in one device (or managed) allocation.
 bool device_range(const void* p, size_t bytes);
 
+// The number in environment variable `name`, or `fallback` when it is unset, not a number or outside [lo, hi].
+double env_number(const char* name, double fallback, double lo, double hi);
+
 // Sets the calling thread's last error (cudaGetLastError) and returns e.
 cudaError_t set_error(cudaError_t e);
 
