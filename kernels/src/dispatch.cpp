@@ -176,7 +176,7 @@ std::atomic<int>& cuda_quant_kernels_setting() {  // -1: ZERO8_CUDA_QUANT_KERNEL
 CudaQuantKernels cuda_quant_kernels() {
   return CudaQuantKernels(setting_value(cuda_quant_kernels_setting(), [] {
     const char* env = std::getenv("ZERO8_CUDA_QUANT_KERNELS");
-    return int(env && *env ? cuda_quant_kernels_parse(env, "ZERO8_CUDA_QUANT_KERNELS") : CudaQuantKernels::block);
+    return int(env && *env ? cuda_quant_kernels_parse(env, "ZERO8_CUDA_QUANT_KERNELS") : CudaQuantKernels::warp);
   }));
 }
 

@@ -16,10 +16,10 @@ using zero8::CudaQuantKernels;
 TEST(CudaQuantKernels, FromTheEnvironment) {
   const char* env = std::getenv("ZERO8_CUDA_QUANT_KERNELS");
   const std::string v = env ? env : "";
-  if (v.empty() || v == "block") {
-    EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::block);
-  } else if (v == "warp") {
+  if (v.empty() || v == "warp") {
     EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::warp);
+  } else if (v == "block") {
+    EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::block);
   } else {
     try {
       (void)zero8::cuda_quant_kernels();
@@ -39,11 +39,11 @@ TEST(CudaQuantKernels, SetParseAndName) {
   EXPECT_STREQ(zero8::cuda_quant_kernels_name(CudaQuantKernels::warp), "warp");
   EXPECT_EQ(zero8::cuda_quant_kernels_parse("warp", "k"), CudaQuantKernels::warp);
   EXPECT_THROW(zero8::cuda_quant_kernels_parse("Warp", "k"), zero8::Error);
-  EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::block);
-  zero8::set_cuda_quant_kernels(CudaQuantKernels::warp);
   EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::warp);
   zero8::set_cuda_quant_kernels(CudaQuantKernels::block);
   EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::block);
+  zero8::set_cuda_quant_kernels(CudaQuantKernels::warp);
+  EXPECT_EQ(zero8::cuda_quant_kernels(), CudaQuantKernels::warp);
 }
 
 }  // namespace

@@ -31,7 +31,8 @@ bool isa_avx512_vnni_supported();  // CPU has AVX-512 (isa_supported) and AVX512
 //   warp per quantization block, min/max by shuffles, each code by the accelerator (quant_encode_accel:
 //   the encoding of the AVX-512 VBMI CPU code), several elements per lane. Where a kernel has no warp
 //   form (an optimizer state block above 256 elements, stochastic rounding), the block one runs.
-// `block` stays the default until a GPU has timed both side by side (zero8-bench --device cuda). Set per
+// `warp` is the default: on an H200 both gave the reference's bits (and compute-sanitizer found nothing),
+// and warp ran the 8-bit AdamW step 3.8x and the codec 2.9x as fast (docs/BENCHMARKS.md, "GPU"). Set per
 // process: ZERO8_CUDA_QUANT_KERNELS=block|warp at start (another value: Error invalid_argument at the
 // first use), set_cuda_quant_kernels while no kernel runs. Builds without CUDA keep the setting unused.
 enum class CudaQuantKernels : unsigned char { block = 0, warp = 1 };
