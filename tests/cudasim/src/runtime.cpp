@@ -91,6 +91,12 @@ constexpr unsigned char kCanary = 0xa5;
 
 size_t page() { return size_t(getpagesize()); }
 
+// ZERO8_CUDASIM_TRACE: every operation printed as it is queued and as it runs.
+bool tracing() {
+  static const bool on = std::getenv("ZERO8_CUDASIM_TRACE") != nullptr;
+  return on;
+}
+
 // Devices of the simulated machine (ZERO8_CUDASIM_DEVICES, default 1): labels on one memory, so that ranks
 // can each have one (NCCL refuses two ranks on a device).
 int devices() {
@@ -217,8 +223,7 @@ void run_until(CUstream_st* s, uint64_t position) {
     auto op = std::move(s->queue.front());
     s->queue.pop_front();
     ++s->done;  // before running: a wait inside may come back to this stream
-    static const bool trace = std::getenv("ZERO8_CUDASIM_TRACE") != nullptr;
-    if (trace) std::fprintf(stderr, "cudasim: %s runs (stream %p)\n", op.first, static_cast<void*>(s));
+    if (tracing()) std::fprintf(stderr, "cudasim: %s runs (stream %p)\n", op.first, static_cast<void*>(s));
     op.second();
     check_canaries(op.first);
   }
@@ -398,15 +403,14 @@ cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()>
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
   g.context = true;
   install_fault_handler();
-  if (s == &g.legacy) ++g.counts.ops_legacy_stream;
   if (s == &g.legacy) {
+    ++g.counts.ops_legacy_stream;
     for (CUstream_st* o : g.streams)
       if (o != s && o->blocking) order_after(s, o);
   } else if (s->blocking) {
     order_after(s, &g.legacy);
   }
-  static const bool trace = std::getenv("ZERO8_CUDASIM_TRACE") != nullptr;
-  if (trace) std::fprintf(stderr, "cudasim: %s queued on stream %p\n", what, static_cast<void*>(s));
+  if (tracing()) std::fprintf(stderr, "cudasim: %s queued on stream %p\n", what, static_cast<void*>(s));
   s->queue.emplace_back(what, std::move(op));
   ++s->queued;
   s->told_not_ready = false;
