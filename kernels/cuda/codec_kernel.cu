@@ -1,9 +1,10 @@
 // CUDA kernels of the block-wise codec in two forms (CudaQuantKernels, dispatch.h). block: one thread
 // block per quantization block (block-wide min/max, then one code per element), and an element-wise
 // decode. warp: persistent thread blocks holding the map in shared memory, one warp per quantization
-// block (min/max by shuffles, codes by the accelerator), and a decode with four elements in flight per
-// thread. The element math is the ZERO8_HD code the CPU reference runs (built with --fmad=false), so the
-// device produces the same codes and scales in either form.
+// block (min/max by shuffles, codes by the accelerator), and a decode of two quads per thread in
+// flight, both in vector accesses where the arrays' alignment allows. The element math is the ZERO8_HD
+// code the CPU reference runs (built with --fmad=false), so the device produces the same codes and scales
+// in either form.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,9 +21,13 @@ namespace zero8::quant {
 namespace {
 
 using cuda_detail::kWarpThreads;
+using cuda_detail::load_codes;
+using cuda_detail::load_vec;
 using cuda_detail::resident_blocks;
 using cuda_detail::SmemMap;
 using cuda_detail::smem_map_load;
+using cuda_detail::store_codes;
+using cuda_detail::store_vec;
 using cuda_detail::warp_minmax;
 
 constexpr int kEncodeThreads = 256;
@@ -90,8 +95,14 @@ __global__ void __launch_bounds__(kDecodeThreads) quant_decode_kernel(DecodeArgs
 }
 
 // The warp form of the encode (nearest rounding): each warp takes whole quantization blocks in turn,
-// reading a block twice (min/max, then the codes: the second read comes from the caches).
-__global__ void __launch_bounds__(kWarpThreads) quant_encode_warp_kernel(EncodeArgs a, int64_t nblocks) {
+// reading a block twice (min/max, then the codes: the second read comes from the caches). `vec`: x and
+// the codes are aligned for vectors of kW elements, and a full block moves in them (lane l the kW
+// elements from kW l on, a warp's width apart), kBatch vectors per lane loaded before their codes are
+// stored; a partial block (the range's last) goes element by element.
+// Four CUDA blocks per SM: at most 64 registers, none spilled (unbounded, ptxas spilled at kW = 2).
+template <int kW>
+__global__ void __launch_bounds__(kWarpThreads, 4) quant_encode_warp_kernel(EncodeArgs a, int64_t nblocks, bool vec) {
+  constexpr int kBatch = 4;
   __shared__ SmemMap m;
   smem_map_load(*a.table, m);
   __syncthreads();
@@ -103,47 +114,97 @@ __global__ void __launch_bounds__(kWarpThreads) quant_encode_warp_kernel(EncodeA
   for (int64_t b = int64_t(blockIdx.x) * (kWarpThreads / 32) + (threadIdx.x >> 5); b < nblocks; b += warps) {
     const int64_t lo = b * a.block;
     const int len = int(a.n - lo < a.block ? a.n - lo : a.block);
+    const bool whole = vec && len == a.block;
     float vmin = 0.0f, vmax = 0.0f;
     int finite = 1;
-#pragma unroll 8
-    for (int i = lane; i < len; i += 32) {
-      const float x = dtype_load(a.x, a.dtype, lo + i);
+    auto fold = [&](float x) {
       finite &= (x - x == 0.0f) ? 1 : 0;
       vmin = MinOp()(vmin, x);
       vmax = MaxOp()(vmax, x);
+    };
+    if (whole) {
+#pragma unroll 4
+      for (int j = lane * kW; j < len; j += 32 * kW) {
+        float x[kW];
+        load_vec<kW>(a.x, a.dtype, lo + j, x);
+#pragma unroll
+        for (int k = 0; k < kW; ++k) fold(x[k]);
+      }
+    } else {
+#pragma unroll 8
+      for (int i = lane; i < len; i += 32) fold(dtype_load(a.x, a.dtype, lo + i));
     }
     warp_minmax(vmin, vmax, finite);
     const float scale = finite ? quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);
     if (lane == 0) a.absmax[b] = scale;
     const QuantBlockDivisor d = quant_block_divisor(scale, t);
+    if (whole) {
+      for (int j0 = lane * kW; j0 < len; j0 += kBatch * 32 * kW) {
+        float x[kBatch][kW];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (j0 + u * 32 * kW < len) load_vec<kW>(a.x, a.dtype, lo + j0 + u * 32 * kW, x[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (j0 + u * 32 * kW >= len) break;
+          uint32_t q[kW];
+#pragma unroll
+          for (int k = 0; k < kW; ++k) q[k] = quant_encode_accel(x[u][k], d, t, m.lut, m.thresholds, steps, packed);
+          store_codes<kW>(a.codes, lo + j0 + u * 32 * kW, q);
+        }
+      }
+    } else {
 #pragma unroll 8
-    for (int i = lane; i < len; i += 32) {
-      const float x = dtype_load(a.x, a.dtype, lo + i);
-      a.codes[lo + i] = uint8_t(quant_encode_accel(x, d, t, m.lut, m.thresholds, steps, packed));
+      for (int i = lane; i < len; i += 32) {
+        const float x = dtype_load(a.x, a.dtype, lo + i);
+        a.codes[lo + i] = uint8_t(quant_encode_accel(x, d, t, m.lut, m.thresholds, steps, packed));
+      }
     }
   }
 }
 
-// The warp form of the decode: the map's values in shared memory, four elements in flight per thread
-// (their loads issued before any store), grid-stride.
-__global__ void __launch_bounds__(kDecodeThreads) quant_decode_warp_kernel(DecodeArgs a, int block_shift) {
+// The warp form of the decode: the map's values in shared memory, grid-stride. `vec`: codes, absmax and y
+// aligned for quads (four consecutive elements, always in one block), each thread two quads in flight
+// (their loads issued before any store), in vector accesses; the last n % 4 elements one by one.
+__global__ void __launch_bounds__(kDecodeThreads) quant_decode_warp_kernel(DecodeArgs a, int block_shift, bool vec) {
   __shared__ float values[256];
   for (int i = threadIdx.x; i < 256; i += blockDim.x) values[i] = a.table->values[i];
   __syncthreads();
   const int64_t stride = int64_t(gridDim.x) * kDecodeThreads;
-  int64_t i = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x;
-  for (; i + 3 * stride < a.n; i += 4 * stride) {
-    uint8_t c[4];
-    float s[4];
+  const int64_t first = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x;
+  if (!vec) {
+    for (int64_t i = first; i < a.n; i += stride) decode_store(a, i, values[a.codes[i]] * a.absmax[i >> block_shift]);
+    return;
+  }
+  const int64_t quads = a.n / 4;
+  for (int64_t q0 = first; q0 < quads; q0 += 2 * stride) {
+    uint32_t c[2][4];
+    float s[2], y[2][4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      c[k] = a.codes[i + k * stride];
-      s[k] = a.absmax[(i + k * stride) >> block_shift];
+    for (int u = 0; u < 2; ++u) {
+      const int64_t q = q0 + u * stride;
+      if (q >= quads) break;
+      load_codes<4>(a.codes, 4 * q, c[u]);
+      s[u] = a.absmax[(4 * q) >> block_shift];
+      if (a.accumulate) load_vec<4>(a.y, DType::f32, 4 * q, y[u]);
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) decode_store(a, i + k * stride, values[c[k]] * s[k]);  // quant_decode_one
+    for (int u = 0; u < 2; ++u) {
+      const int64_t q = q0 + u * stride;
+      if (q >= quads) break;
+      float v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[k] = values[c[u][k]] * s[u];  // quant_decode_one
+        if (a.accumulate) v[k] = y[u][k] + v[k];
+      }
+      store_vec<4>(a.y, a.accumulate ? DType::f32 : a.dtype, 4 * q, v);
+    }
   }
-  for (; i < a.n; i += stride) decode_store(a, i, values[a.codes[i]] * a.absmax[i >> block_shift]);
+  for (int64_t i = 4 * quads + first; i < a.n; i += stride) {
+    decode_store(a, i, values[a.codes[i]] * a.absmax[i >> block_shift]);
+  }
 }
 
 void check_launch(const char* kernel) {
@@ -161,13 +222,22 @@ void quant_encode_cuda(const EncodeArgs& a, void* stream) {
                                  {{a.x, "x"}, {a.table, "table"}, {a.codes, "codes"}, {a.absmax, "absmax"}});
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (cuda_quant_kernels() == CudaQuantKernels::warp && !a.stochastic) {
-    static std::atomic<int> resident[64] = {};
+    // Vectors of 4 elements, 2 for blocks of 64 (a warp's width of vectors fits in every block).
+    const bool four = a.block % (32 * 4) == 0;
+    const int kw = four ? 4 : 2;
+    const bool vec = a.block % (32 * kw) == 0 && cuda_detail::vec_aligned(a.x, size_t(kw) * dtype_size(a.dtype)) &&
+                     cuda_detail::vec_aligned(a.codes, size_t(kw));
+    static std::atomic<int> resident2[64] = {}, resident4[64] = {};
     // At least 4 blocks per warp: filling a thread block's shared memory reads 26 KiB (from L2).
     const int64_t per_cta = 4 * (kWarpThreads / 32);
-    const int64_t grid = std::min<int64_t>((nblocks + per_cta - 1) / per_cta,
-                                           resident_blocks(quant_encode_warp_kernel, 0, resident));
+    const int64_t want = (nblocks + per_cta - 1) / per_cta;
+    const int64_t grid = std::min<int64_t>(want, four ? resident_blocks(quant_encode_warp_kernel<4>, 0, resident4)
+                                                      : resident_blocks(quant_encode_warp_kernel<2>, 0, resident2));
     if (grid > 0) {
-      quant_encode_warp_kernel<<<unsigned(grid), kWarpThreads, 0, st>>>(a, nblocks);
+      if (four)
+        quant_encode_warp_kernel<4><<<unsigned(grid), kWarpThreads, 0, st>>>(a, nblocks, vec);
+      else
+        quant_encode_warp_kernel<2><<<unsigned(grid), kWarpThreads, 0, st>>>(a, nblocks, vec);
       check_launch("quant_encode_warp_kernel");
       return;
     }
@@ -187,10 +257,12 @@ void quant_decode_cuda(const DecodeArgs& a, void* stream) {
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (cuda_quant_kernels() == CudaQuantKernels::warp) {
     static std::atomic<int> resident[64] = {};
-    const int64_t per4 = (a.n + 4 * kDecodeThreads - 1) / (4 * kDecodeThreads);
-    const int64_t wgrid = std::min<int64_t>(per4, resident_blocks(quant_decode_warp_kernel, 0, resident));
+    const bool vec = a.block % 4 == 0 && cuda_detail::vec_aligned(a.codes, 4) &&
+                     cuda_detail::vec_aligned(a.y, 4 * size_t(a.accumulate ? 4 : dtype_size(a.dtype)));
+    const int64_t per8 = (a.n + 8 * kDecodeThreads - 1) / (8 * kDecodeThreads);  // two quads per thread
+    const int64_t wgrid = std::min<int64_t>(per8, resident_blocks(quant_decode_warp_kernel, 0, resident));
     if (wgrid > 0) {
-      quant_decode_warp_kernel<<<unsigned(wgrid), kDecodeThreads, 0, st>>>(a, shift);
+      quant_decode_warp_kernel<<<unsigned(wgrid), kDecodeThreads, 0, st>>>(a, shift, vec);
       check_launch("quant_decode_warp_kernel");
       return;
     }

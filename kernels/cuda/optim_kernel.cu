@@ -21,9 +21,13 @@ namespace zero8::optim {
 namespace {
 
 using cuda_detail::kWarpThreads;
+using cuda_detail::load_codes;
+using cuda_detail::load_vec;
 using cuda_detail::resident_blocks;
 using cuda_detail::SmemMap;
 using cuda_detail::smem_map_load;
+using cuda_detail::store_codes;
+using cuda_detail::store_vec;
 using cuda_detail::warp_minmax;
 
 constexpr int kMaxThreads = 256;
@@ -138,9 +142,20 @@ __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use
 
 // ---- The warp kernel (CudaQuantKernels::warp) ----
 
-constexpr int kWarpMaxBlock = 256;  // 8 elements per lane: states stay in registers until encoded (16
+constexpr int kWarpMaxBlock = 256;  // 8 elements per lane: a block stays in registers until encoded (16
                                     // spill at sm_90)
 constexpr size_t kWarpSmem = 2 * sizeof(SmemMap);  // both states' maps
+
+// Which elements a lane holds: kW (up to 4) consecutive ones per vector, kPer / kW vectors a warp's width
+// apart, so that a whole block with aligned arrays moves in vector accesses of whole lines per warp.
+// For each lane the element index grows with k, so a partial block's lanes hold a prefix of their k.
+template <int kPer>
+struct WarpElems {
+  static constexpr int kW = kPer < 4 ? kPer : 4;
+  static constexpr int kVecs = kPer / kW;
+  __device__ static int32_t at(int lane, int k) { return (k / kW) * 32 * kW + lane * kW + k % kW; }
+  __device__ static int32_t vec(int lane, int v) { return v * 32 * kW + lane * kW; }
+};
 
 // A map's constants, read once from its table in global memory.
 struct WarpMap {
@@ -150,15 +165,17 @@ struct WarpMap {
   bool packed;
 };
 
-// Encode the warp's block of new states x[k] (element lo + lane + 32 k) and write its scale.
+// Encode the warp's block of new states x[k] (element lo + WarpElems::at(lane, k)) and write its scale;
+// `whole`: a full block in vector stores.
 template <int kPer>
-__device__ __forceinline__ void warp_block_encode(const float* x, int lane, int64_t lo, int32_t len,
+__device__ __forceinline__ void warp_block_encode(const float* x, int lane, int64_t lo, int32_t len, bool whole,
                                                   const WarpMap& w, uint8_t* codes, float* absmax_out) {
+  using E = WarpElems<kPer>;
   float vmin = 0.0f, vmax = 0.0f;
   int finite = 1;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
-    if (lane + 32 * k >= len) break;
+    if (!whole && E::at(lane, k) >= len) break;
     const float v = x[k];
     finite &= (v - v == 0.0f);
     if (v < vmin) vmin = v;
@@ -167,21 +184,36 @@ __device__ __forceinline__ void warp_block_encode(const float* x, int lane, int6
   warp_minmax(vmin, vmax, finite);
   const float scale = finite ? quant::quant_block_scale(vmin, vmax, *w.t) : f32_from_bits(0x7fc00000u);
   const quant::QuantBlockDivisor d = quant::quant_block_divisor(scale, *w.t);
+  uint32_t q[kPer];
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int32_t j = lane + 32 * k;
-    if (j >= len) break;
-    codes[lo + j] = uint8_t(quant::quant_encode_accel(x[k], d, *w.t, w.m->lut, w.m->thresholds, w.steps, w.packed));
+  for (int k = 0; k < kPer; ++k)
+    q[k] = quant::quant_encode_accel(x[k], d, *w.t, w.m->lut, w.m->thresholds, w.steps, w.packed);
+  if (whole) {
+#pragma unroll
+    for (int v = 0; v < E::kVecs; ++v) store_codes<E::kW>(codes, lo + E::vec(lane, v), q + v * E::kW);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int32_t j = E::at(lane, k);
+      if (j >= len) break;
+      codes[lo + j] = uint8_t(q[k]);
+    }
   }
   if (lane == 0) *absmax_out = scale;
 }
 
 // 8-bit states, block = 32 kPer elements. Persistent CUDA blocks: each copies the maps to shared memory
-// once, then its warps take state blocks in turn.
+// once, then its warps take state blocks in turn. Per block every load is issued before the first store
+// (the update runs in registers), so a warp has its whole block in flight rather than one element at a
+// time (the arrays may alias for all the compiler knows, which would order each load after the previous
+// element's stores). `vec`: the arrays are aligned for WarpElems' vectors (partial blocks go element-wise).
+// Three CUDA blocks per SM (of 8 warps, 256 elements of each array in flight per warp): ptxas then keeps the
+// step in at most 85 registers without a spill, where left to itself it spilled around the division's slow
+// path at kPer = 4 (which the build refuses, CMakeLists.txt of kernels/).
 template <int kPer>
-__global__ void __launch_bounds__(kWarpThreads) optim_step_warp_kernel(StepArgs a, OptimConsts c, bool use1,
-                                                                          bool use2, bool trust_algo,
-                                                                          int64_t nblocks) {
+__global__ void __launch_bounds__(kWarpThreads, 3) optim_step_warp_kernel(StepArgs a, OptimConsts c, bool use1, bool use2,
+                                                                       bool trust_algo, int64_t nblocks, bool vec) {
+  using E = WarpElems<kPer>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SmemMap* maps = reinterpret_cast<SmemMap*>(smem_raw);
   if (use1) smem_map_load(*a.map1, maps[0]);
@@ -193,26 +225,73 @@ __global__ void __launch_bounds__(kWarpThreads) optim_step_warp_kernel(StepArgs 
   const WarpMap w1 = warp_map(use1 ? a.map1 : nullptr, &maps[0]), w2 = warp_map(use2 ? a.map2 : nullptr, &maps[1]);
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (kWarpThreads / 32);
+  const float* p_in = a.master ? a.master : static_cast<const float*>(a.param);  // fp32 without a master
   for (int64_t b = int64_t(blockIdx.x) * (kWarpThreads / 32) + (threadIdx.x >> 5); b < nblocks; b += warps) {
     const int64_t lo = b * a.block;
     const int32_t len = int32_t(a.n - lo < a.block ? a.n - lo : a.block);
+    const bool whole = vec && len == a.block;
     const float scale1 = use1 ? a.absmax1[b] : 0.0f, scale2 = use2 ? a.absmax2[b] : 0.0f;
+    // 1. The block's loads.
+    uint32_t c1[kPer], c2[kPer];
+    float g[kPer], p[kPer];
+    if (whole) {
+#pragma unroll
+      for (int v = 0; v < E::kVecs; ++v) {
+        const int64_t i = lo + E::vec(lane, v);
+        if (use1) load_codes<E::kW>(a.code1, i, c1 + v * E::kW);
+        if (use2) load_codes<E::kW>(a.code2, i, c2 + v * E::kW);
+        load_vec<E::kW>(a.grad, a.grad_dtype, i, g + v * E::kW);
+        load_vec<E::kW>(p_in, DType::f32, i, p + v * E::kW);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int32_t j = E::at(lane, k);
+        c1[k] = c2[k] = 0;
+        g[k] = p[k] = 0.0f;
+        if (j >= len) continue;
+        if (use1) c1[k] = a.code1[lo + j];
+        if (use2) c2[k] = a.code2[lo + j];
+        g[k] = dtype_load(a.grad, a.grad_dtype, lo + j);
+        p[k] = p_in[lo + j];
+      }
+    }
+    // 2. The update (quant_decode_one from shared memory, then the element rule).
     float s1v[kPer], s2v[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      const int32_t j = lane + 32 * k;
+      const int32_t j = E::at(lane, k);
       s1v[k] = s2v[k] = 0.0f;
-      if (j >= len) continue;
-      const int64_t i = lo + j;
-      // quant_decode_one from shared memory
-      float s1 = use1 ? w1.m->values[a.code1[i]] * scale1 : 0.0f;
-      float s2 = use2 ? w2.m->values[a.code2[i]] * scale2 : 0.0f;
-      step_element(a, c, use1, use2, trust_algo, i, s1, s2);
+      if (!whole && j >= len) continue;
+      float s1 = use1 ? w1.m->values[c1[k]] * scale1 : 0.0f;
+      float s2 = use2 ? w2.m->values[c2[k]] * scale2 : 0.0f;
+      float trust = 1.0f;
+      if (trust_algo && a.seg_trust) trust = a.seg_trust[a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, lo + j) : 0];
+      p[k] = optim_update_one(a.algo, c, g[k], p[k], s1, s2, trust);
       s1v[k] = optim_state_finite(s1);
       s2v[k] = optim_state_finite(s2);
     }
-    if (use1) warp_block_encode<kPer>(s1v, lane, lo, len, w1, a.code1, a.absmax1 + b);
-    if (use2) warp_block_encode<kPer>(s2v, lane, lo, len, w2, a.code2, a.absmax2 + b);
+    // 3. The parameters, then 4. the states.
+    if (a.update_params) {
+      if (whole) {
+#pragma unroll
+        for (int v = 0; v < E::kVecs; ++v) {
+          const int64_t i = lo + E::vec(lane, v);
+          if (a.master) store_vec<E::kW>(a.master, DType::f32, i, p + v * E::kW);
+          store_vec<E::kW>(a.param, a.param_dtype, i, p + v * E::kW);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const int32_t j = E::at(lane, k);
+          if (j >= len) break;
+          if (a.master) a.master[lo + j] = p[k];
+          dtype_store(a.param, a.param_dtype, lo + j, p[k]);
+        }
+      }
+    }
+    if (use1) warp_block_encode<kPer>(s1v, lane, lo, len, whole, w1, a.code1, a.absmax1 + b);
+    if (use2) warp_block_encode<kPer>(s2v, lane, lo, len, whole, w2, a.code2, a.absmax2 + b);
   }
 }
 
@@ -327,8 +406,13 @@ bool warp_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, 
   constexpr int64_t kWarpMinRounds = 4;
   const int64_t nblocks = (a.n + a.block - 1) / a.block, per_cta = kWarpMinRounds * (kWarpThreads / 32);
   const int64_t grid = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, limit);
+  constexpr int kW = kPer < 4 ? kPer : 4;  // WarpElems<kPer>::kW
+  const bool vec = cuda_detail::vec_aligned(a.code1, kW) && cuda_detail::vec_aligned(a.code2, kW) &&
+                   cuda_detail::vec_aligned(a.grad, size_t(kW) * dtype_size(a.grad_dtype)) &&
+                   cuda_detail::vec_aligned(a.param, size_t(kW) * dtype_size(a.param_dtype)) &&
+                   cuda_detail::vec_aligned(a.master, size_t(kW) * 4);
   optim_step_warp_kernel<kPer><<<unsigned(grid), kWarpThreads, kWarpSmem, st>>>(
-      a, c, use1, use2, algo_has_trust_ratio(a.algo), nblocks);
+      a, c, use1, use2, algo_has_trust_ratio(a.algo), nblocks, vec);
   ZERO8_CUDA_CHECK(cudaGetLastError());
   return true;
 }

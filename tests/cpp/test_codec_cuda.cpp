@@ -3,6 +3,7 @@
 // entry points' behaviour without a device is checked wherever it can be.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -93,39 +94,47 @@ TEST_F(CodecCuda, EncodeMatchesCpuReference) {
       for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
         for (int32_t block : {64, 256, 2048, 4096}) {
           for (bool stochastic : {false, true}) {
-            const int64_t n = 9 * int64_t(block) + 37;
-            const std::vector<float> xf = make_input(n, block, uint64_t(block) + uint64_t(dt));
-            const std::vector<uint16_t> xh = to_dtype(xf, dt);
-            const void* host_x = dt == DType::f32 ? static_cast<const void*>(xf.data()) : xh.data();
-            const int64_t nb = quant_num_blocks(n, block);
-            QuantizeOptions opt;
-            opt.stochastic = stochastic;
-            opt.seed = 42;
-            opt.index_base = 1000;
-            // CPU reference
-            std::vector<uint8_t> codes(static_cast<size_t>(n));
-            std::vector<float> scales(static_cast<size_t>(nb));
-            EncodeArgs a;
-            a.x = host_x;
-            a.dtype = dt;
-            a.n = n;
-            a.block = block;
-            a.table = &table_get(kind);
-            a.codes = codes.data();
-            a.absmax = scales.data();
-            a.stochastic = stochastic;
-            a.seed = opt.seed;
-            a.index_base = opt.index_base;
-            quant_encode_ref(a);
-            // device
-            DeviceBuffer dx(size_t(n) * size_t(dtype_size(dt)), host_x), dc(static_cast<size_t>(n)), ds(size_t(nb) * 4);
-            quantize_blockwise_cuda(dx.p, dt, n, block, kind, static_cast<uint8_t*>(dc.p), static_cast<float*>(ds.p),
-                                    opt);
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-            EXPECT_EQ(dc.get<uint8_t>(static_cast<size_t>(n)), codes) << dtype_name(dt) << " block " << block;
-            const std::vector<float> got = ds.get<float>(static_cast<size_t>(nb));
-            EXPECT_EQ(0, std::memcmp(got.data(), scales.data(), size_t(nb) * 4))
-                << dtype_name(dt) << " block " << block;
+            for (int offset : {0, 1}) {  // 1: the arrays off the warp kernel's vector alignment
+              if (offset == 1 && (stochastic || form != CudaQuantKernels::warp)) continue;
+              const int64_t n = 9 * int64_t(block) + 37;
+              const std::vector<float> xf = make_input(n, block, uint64_t(block) + uint64_t(dt));
+              const std::vector<uint16_t> xh = to_dtype(xf, dt);
+              const void* host_x = dt == DType::f32 ? static_cast<const void*>(xf.data()) : xh.data();
+              const int64_t nb = quant_num_blocks(n, block);
+              QuantizeOptions opt;
+              opt.stochastic = stochastic;
+              opt.seed = 42;
+              opt.index_base = 1000;
+              // CPU reference
+              std::vector<uint8_t> codes(static_cast<size_t>(n));
+              std::vector<float> scales(static_cast<size_t>(nb));
+              EncodeArgs a;
+              a.x = host_x;
+              a.dtype = dt;
+              a.n = n;
+              a.block = block;
+              a.table = &table_get(kind);
+              a.codes = codes.data();
+              a.absmax = scales.data();
+              a.stochastic = stochastic;
+              a.seed = opt.seed;
+              a.index_base = opt.index_base;
+              quant_encode_ref(a);
+              // device
+              const size_t esize = size_t(dtype_size(dt)), off = size_t(offset);
+              DeviceBuffer dx((size_t(n) + off) * esize), dc(size_t(n) + off), ds(size_t(nb) * 4);
+              char* x_dev = static_cast<char*>(dx.p) + off * esize;
+              ASSERT_EQ(cudaMemcpy(x_dev, host_x, size_t(n) * esize, cudaMemcpyHostToDevice), cudaSuccess);
+              quantize_blockwise_cuda(x_dev, dt, n, block, kind, static_cast<uint8_t*>(dc.p) + off,
+                                      static_cast<float*>(ds.p), opt);
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              std::vector<uint8_t> got_codes = dc.get<uint8_t>(size_t(n) + off);
+              got_codes.erase(got_codes.begin(), got_codes.begin() + std::ptrdiff_t(off));
+              EXPECT_EQ(got_codes, codes) << dtype_name(dt) << " block " << block << " offset " << offset;
+              const std::vector<float> got = ds.get<float>(static_cast<size_t>(nb));
+              EXPECT_EQ(0, std::memcmp(got.data(), scales.data(), size_t(nb) * 4))
+                  << dtype_name(dt) << " block " << block << " offset " << offset;
+            }
           }
         }
       }
@@ -145,31 +154,41 @@ TEST_F(CodecCuda, DecodeMatchesCpuReference) {
   for (auto& c : codes) c = uint8_t(rng());
   for (auto& s : scales) s = float(int64_t(rng() % 2000) - 1000) * 1e-2f;
   for (auto& b : base) b = float(int64_t(rng() % 2000) - 1000) * 1e-3f;
-  DeviceBuffer dc(size_t(n), codes.data()), ds(size_t(nb) * 4, scales.data());
+  DeviceBuffer ds(size_t(nb) * 4, scales.data());
   for (CudaQuantKernels form : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
     const CudaQuantKernelsScope scope(form);
     SCOPED_TRACE(std::string(cuda_quant_kernels_name(form)) + " kernels");
     for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
       for (bool accumulate : {false, true}) {
-        if (accumulate && dt != DType::f32) continue;
-        const size_t bytes = size_t(n) * size_t(dtype_size(dt));
-        std::vector<uint8_t> want(bytes);
-        if (accumulate) std::memcpy(want.data(), base.data(), bytes);
-        DeviceBuffer dy(bytes, accumulate ? base.data() : nullptr);
-        DecodeArgs a;
-        a.codes = codes.data();
-        a.absmax = scales.data();
-        a.n = n;
-        a.block = block;
-        a.table = &t;
-        a.y = want.data();
-        a.dtype = dt;
-        a.accumulate = accumulate;
-        quant_decode_ref(a);
-        dequantize_blockwise_cuda(static_cast<const uint8_t*>(dc.p), static_cast<const float*>(ds.p), n, block,
-                                  MapKind::dynamic_signed, dy.p, dt, accumulate);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        EXPECT_EQ(dy.get<uint8_t>(bytes), want) << dtype_name(dt) << " accumulate " << accumulate;
+        for (int offset : {0, 1}) {  // 1: codes and output off the warp kernel's vector alignment
+          if (accumulate && dt != DType::f32) continue;
+          const size_t esize = size_t(dtype_size(dt)), off = size_t(offset), bytes = size_t(n) * esize;
+          std::vector<uint8_t> want(bytes);
+          if (accumulate) std::memcpy(want.data(), base.data(), bytes);
+          DeviceBuffer dc(size_t(n) + off), dy_all(bytes + off * esize);
+          ASSERT_EQ(cudaMemcpy(static_cast<char*>(dc.p) + off, codes.data(), size_t(n), cudaMemcpyHostToDevice),
+                    cudaSuccess);
+          char* y_dev = static_cast<char*>(dy_all.p) + off * esize;
+          if (accumulate) {
+            ASSERT_EQ(cudaMemcpy(y_dev, base.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+          }
+          DecodeArgs a;
+          a.codes = codes.data();
+          a.absmax = scales.data();
+          a.n = n;
+          a.block = block;
+          a.table = &t;
+          a.y = want.data();
+          a.dtype = dt;
+          a.accumulate = accumulate;
+          quant_decode_ref(a);
+          dequantize_blockwise_cuda(static_cast<const uint8_t*>(dc.p) + off, static_cast<const float*>(ds.p), n, block,
+                                    MapKind::dynamic_signed, y_dev, dt, accumulate);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          std::vector<uint8_t> got = dy_all.get<uint8_t>(bytes + off * esize);
+          got.erase(got.begin(), got.begin() + std::ptrdiff_t(off * esize));
+          EXPECT_EQ(got, want) << dtype_name(dt) << " accumulate " << accumulate << " offset " << offset;
+        }
       }
     }
   }

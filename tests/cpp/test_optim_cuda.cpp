@@ -3,9 +3,11 @@
 // sums in another order). Skips with the reason when the build has no CUDA or the machine no GPU.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "zero8/kernels/dispatch.h"
@@ -69,9 +71,15 @@ Hyper hyper_for(Algo a) {
 
 // Three steps of `algo` on the device and in the CPU reference, compared bit for bit after each. map1:
 // the first state's map (the standard ones, or the signed linear map, which has no exact 0: the warp
-// kernel's division and no-sign-flip path).
-void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
-                                  quant::MapKind map1 = quant::MapKind::dynamic_signed) {
+// kernel's division and no-sign-flip path); gdt: the gradients' dtype; offset: every device array starts
+// that many elements into its allocation (1: unaligned for the warp kernel's vectors, its element path).
+struct StepCase {
+  quant::MapKind map1 = quant::MapKind::dynamic_signed;
+  DType gdt = DType::f32;
+  int offset = 0;
+};
+void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block, const StepCase& sc = {}) {
+  const quant::MapKind map1 = sc.map1;
   const int64_t n = 5 * block + 37;
   std::mt19937_64 rng(1);
   std::normal_distribution<float> nd;
@@ -87,9 +95,23 @@ void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
   std::vector<uint8_t> c1(size_t(n), bits == 8 ? st.map(1)->zero_code : 0), c2 = c1;
   std::vector<float> a1(size_t(st.layout().num_blocks()), 0.0f), a2 = a1, s1(size_t(n), 0.0f), s2 = s1;
   std::vector<float> master = p32;
-  DevBuf<float> d_master(master), d_p32(p32), d_grad(grad), d_a1(a1), d_a2(a2), d_s1(s1), d_s2(s2);
-  DevBuf<uint16_t> d_p16(p16);
-  DevBuf<uint8_t> d_c1(c1), d_c2(c2);
+  // Device copies with sc.offset elements in front (the arrays the kernels see start after them).
+  const size_t off = size_t(sc.offset);
+  auto padded = [off](const auto& v) {
+    auto out = v;
+    out.insert(out.begin(), off, typename std::decay_t<decltype(v)>::value_type{});
+    return out;
+  };
+  auto unpadded = [off](auto v) {
+    v.erase(v.begin(), v.begin() + std::ptrdiff_t(off));
+    return v;
+  };
+  std::vector<uint16_t> g16(static_cast<size_t>(n));
+  DevBuf<float> d_master(padded(master)), d_p32(padded(p32)), d_grad(padded(grad)), d_s1(padded(s1)),
+      d_s2(padded(s2));
+  DevBuf<float> d_a1(a1), d_a2(a2);
+  DevBuf<uint16_t> d_p16(padded(p16)), d_g16(padded(g16));
+  DevBuf<uint8_t> d_c1(padded(c1)), d_c2(padded(c2));
   DevBuf<int64_t> d_segs(segs);
   const quant::QuantTable* maps[2] = {&quant::table_get(map1),
                                       &quant::table_get(quant::MapKind::dynamic_unsigned)};
@@ -101,7 +123,11 @@ void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
   CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d_trust), 2 * sizeof(float)));
   for (int t = 1; t <= 3; ++t) {
     for (auto& x : grad) x = 1e-2f * nd(rng);
-    CUDA_OK(cudaMemcpy(d_grad.p, grad.data(), size_t(n) * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_grad.p + off, grad.data(), size_t(n) * 4, cudaMemcpyHostToDevice));
+    if (sc.gdt != DType::f32) {
+      for (int64_t i = 0; i < n; ++i) dtype_store(g16.data(), sc.gdt, i, grad[size_t(i)]);
+      CUDA_OK(cudaMemcpy(d_g16.p + off, g16.data(), size_t(n) * 2, cudaMemcpyHostToDevice));
+    }
     // CPU reference on host buffers.
     StepArgs a = h;
     a.h = hyper_for(algo);
@@ -109,7 +135,8 @@ void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
     a.param = pdt == DType::f32 ? static_cast<void*>(p32.data()) : static_cast<void*>(p16.data());
     a.param_dtype = pdt;
     a.master = pdt == DType::f32 ? nullptr : master.data();
-    a.grad = grad.data();
+    a.grad = sc.gdt == DType::f32 ? static_cast<const void*>(grad.data()) : g16.data();
+    a.grad_dtype = sc.gdt;
     a.nseg = 2;
     a.seg_offsets = segs.data();
     if (bits == 8) {
@@ -120,16 +147,16 @@ void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
     }
     if (algo_num_states(algo) == 1) a.code2 = nullptr, a.absmax2 = nullptr, a.map2 = nullptr, a.state2 = nullptr;
     StepArgs d = a;  // the same on device pointers
-    d.param = pdt == DType::f32 ? static_cast<void*>(d_p32.p) : static_cast<void*>(d_p16.p);
-    d.master = pdt == DType::f32 ? nullptr : d_master.p;
-    d.grad = d_grad.p;
+    d.param = pdt == DType::f32 ? static_cast<void*>(d_p32.p + off) : static_cast<void*>(d_p16.p + off);
+    d.master = pdt == DType::f32 ? nullptr : d_master.p + off;
+    d.grad = sc.gdt == DType::f32 ? static_cast<const void*>(d_grad.p + off) : d_g16.p + off;
     d.seg_offsets = d_segs.p;
     if (bits == 8) {
-      d.code1 = d_c1.p; d.absmax1 = d_a1.p; d.map1 = d_maps;
-      if (a.code2) d.code2 = d_c2.p, d.absmax2 = d_a2.p, d.map2 = d_maps + 1;
+      d.code1 = d_c1.p + off; d.absmax1 = d_a1.p; d.map1 = d_maps;
+      if (a.code2) d.code2 = d_c2.p + off, d.absmax2 = d_a2.p, d.map2 = d_maps + 1;
     } else {
-      d.state1 = d_s1.p;
-      if (a.state2) d.state2 = d_s2.p;
+      d.state1 = d_s1.p + off;
+      if (a.state2) d.state2 = d_s2.p + off;
     }
     float trust[2] = {1.0f, 1.0f};
     if (algo_has_trust_ratio(algo)) {
@@ -152,20 +179,20 @@ void expect_step_equals_reference(Algo algo, int bits, DType pdt, int32_t block,
       return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
     };
     if (pdt == DType::f32) {
-      ASSERT_TRUE(same(d_p32.get(), p32)) << "parameter, step " << t;
+      ASSERT_TRUE(same(unpadded(d_p32.get()), p32)) << "parameter, step " << t;
     } else {
-      ASSERT_TRUE(same(d_p16.get(), p16)) << "bf16 parameter, step " << t;
-      ASSERT_TRUE(same(d_master.get(), master)) << "master, step " << t;
+      ASSERT_TRUE(same(unpadded(d_p16.get()), p16)) << "bf16 parameter, step " << t;
+      ASSERT_TRUE(same(unpadded(d_master.get()), master)) << "master, step " << t;
     }
     if (bits == 8) {
-      ASSERT_TRUE(same(d_c1.get(), c1) && same(d_a1.get(), a1)) << "state 1, step " << t;
+      ASSERT_TRUE(same(unpadded(d_c1.get()), c1) && same(d_a1.get(), a1)) << "state 1, step " << t;
       if (a.code2) {
-        ASSERT_TRUE(same(d_c2.get(), c2) && same(d_a2.get(), a2)) << "state 2, step " << t;
+        ASSERT_TRUE(same(unpadded(d_c2.get()), c2) && same(d_a2.get(), a2)) << "state 2, step " << t;
       }
     } else {
-      ASSERT_TRUE(same(d_s1.get(), s1)) << "state 1, step " << t;
+      ASSERT_TRUE(same(unpadded(d_s1.get()), s1)) << "state 1, step " << t;
       if (a.state2) {
-        ASSERT_TRUE(same(d_s2.get(), s2)) << "state 2, step " << t;
+        ASSERT_TRUE(same(unpadded(d_s2.get()), s2)) << "state 2, step " << t;
       }
     }
   }
@@ -194,8 +221,27 @@ TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
     }
     for (Algo algo : {Algo::adamw, Algo::lion}) {
       SCOPED_TRACE(std::string(cuda_quant_kernels_name(kernel)) + " kernel, signed linear map, " + algo_name(algo));
-      expect_step_equals_reference(algo, 8, DType::f32, 256, quant::MapKind::linear_signed);
+      StepCase sc;
+      sc.map1 = quant::MapKind::linear_signed;
+      expect_step_equals_reference(algo, 8, DType::f32, 256, sc);
       if (HasFatalFailure()) return;
+    }
+    // The warp kernel's vector widths (2 and 4 elements per access), 16-bit gradients and parameters in
+    // vectors, and arrays one element off alignment (its element-wise path for whole blocks).
+    for (int32_t block : {64, 128, 256}) {
+      for (DType gdt : {DType::f32, DType::bf16, DType::f16}) {
+        for (int offset : {0, 1}) {
+          for (Algo algo : {Algo::adamw, Algo::lion}) {
+            SCOPED_TRACE(std::string(cuda_quant_kernels_name(kernel)) + " kernel, block " + std::to_string(block) +
+                         ", grad " + dtype_name(gdt) + ", offset " + std::to_string(offset) + ", " + algo_name(algo));
+            StepCase sc;
+            sc.gdt = gdt;
+            sc.offset = offset;
+            expect_step_equals_reference(algo, 8, algo == Algo::adamw ? DType::bf16 : DType::f32, block, sc);
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
     }
   }
 }

@@ -10,6 +10,14 @@
 struct uint3 {
   unsigned x, y, z;
 };
+// The vector types the kernels load and store, with CUDA's alignment: the simulator's build checks every
+// access through them (-fsanitize=alignment, tests/cudasim/CMakeLists.txt), where a GPU would fault.
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
