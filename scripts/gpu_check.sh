@@ -305,13 +305,17 @@ st_deps() {
     return 1
   fi
   # Relocation: OpenMPI finds its components, help files and config (/etc/openmpi, which sets the
-  # transports Debian excludes) under OPAL_DESTDIR; PMIx its plugins by path; hwloc loads no plugins
-  # from the system (they would not match this hwloc).
+  # transports Debian excludes) under OPAL_DESTDIR; PMIx likewise under PMIX_DESTDIR, and its plugins by
+  # path, since PMIx 4 searches its built-in plugin folder first and the shipped pmix-mca-params.conf names
+  # it again: a machine with its own PMIx has other plugins there, built for another PMIx (on the first
+  # GPU machine they failed to load, "undefined symbol pmix_output_info", and ranks under mpirun crashed in
+  # MPI_Init). hwloc loads no plugins from the system (they would not match this hwloc).
   cat >"$DEPS_ENV" <<EOF
 export PATH="$p/usr/bin:\$PATH"
 export LD_LIBRARY_PATH="$lib:$lib/openmpi/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export CMAKE_PREFIX_PATH="$p/usr\${CMAKE_PREFIX_PATH:+:\$CMAKE_PREFIX_PATH}"
 export OPAL_DESTDIR="$p"
+export PMIX_DESTDIR="$p"
 export PMIX_MCA_mca_base_component_path="$lib/pmix2/lib/pmix"
 export HWLOC_PLUGINS_PATH="$p/hwloc-plugins-none"
 EOF
@@ -463,6 +467,8 @@ st_pytest() {
   # mpirun jobs (the engine's, the pipeline's) and the in-process ones then share the stage's time.
   local parallel=()
   if "$PY" -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile); fi
+  # A rank that crashes (the tests start some under mpirun) prints its Python stack to its stderr.
+  export PYTHONFAULTHANDLER=1
   PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest tests/python -m cuda -q -rs -p no:cacheprovider \
     "${parallel[@]}" --continue-on-collection-errors --junitxml="$WORK/results/pytest.xml"
   local rc=$?
