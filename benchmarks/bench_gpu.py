@@ -248,6 +248,22 @@ def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
     else:
         errs["lt"] = err
 
+    # The yardstick: the layer's three products alone, torch._int_mm (cuBLASLt's int8 kernels, what the layers
+    # call) against bf16 torch.mm at the same shapes (forward X W^T; backward dY W and dY^T X). No int8 layer
+    # can beat bf16 by more than this ratio; the layers add the quantization and the scaling around it.
+    w16 = lin.weight.detach()
+    qx = torch.randint(-127, 128, (tokens, fin), dtype=torch.int8, device="cuda", generator=gen)
+    qw = torch.randint(-127, 128, (fout, fin), dtype=torch.int8, device="cuda", generator=gen)
+    qg = torch.randint(-127, 128, (tokens, fout), dtype=torch.int8, device="cuda", generator=gen)
+    qw_t, qg_t, qx_t = qw.t().contiguous(), qg.t().contiguous(), qx.t().contiguous()  # the TN form for each
+    gemms = {"bf16": lambda: (x @ w16.t(), gy @ w16, gy.t() @ x),
+             "int8": lambda: (torch._int_mm(qx, qw.t()), torch._int_mm(qg, qw_t.t()), torch._int_mm(qg_t, qx_t.t()))}
+    t_gemm = b.time_rounds(gemms)
+    b.row("linear", f"int8 GEMMs speed / bf16 GEMMs (torch._int_mm vs torch.mm, the three products of forward+"
+          f"backward: the bound on Int8Linear's forward+backward), {label}", t_gemm["bf16"] / t_gemm["int8"], "x",
+          ms=t_gemm["int8"] * 1e3, bf16_ms=t_gemm["bf16"] * 1e3)
+    del gemms, qx, qw, qg, qw_t, qg_t, qx_t
+
     t_fwd, t_train = b.time_rounds(fns_fwd), b.time_rounds(fns_train)
     is_target = (fin, fout) == TARGET_LINEAR["shape"] and tokens == TARGET_LINEAR["tokens"]
     target = (">=", TARGET_LINEAR["ratio"]) if is_target else None
