@@ -1,8 +1,10 @@
 // CUDA kernels of the int8 linear layers: row-wise, column-wise and per-block absmax quantization
 // (nearest or stochastic), per-block dequantization, outlier-column detection and the GEMM epilogue,
 // with the element rules of zero8/kernels/int8.h (built with --fmad=false, so they round as the CPU
-// reference), plus the int8 GEMM through cuBLASLt (int32 accumulation). Compiled in CI; no GPU has run
-// them yet (docs/INT8.md).
+// reference), plus the int8 GEMM through cuBLASLt (int32 accumulation). They are memory-bound: where
+// rows are whole vectors of four elements and the arrays aligned, they move them in vector accesses
+// (quant_common.cuh), and they index rows and columns on the grid's two axes rather than dividing each
+// element's flat index.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -11,6 +13,7 @@
 #include <utility>
 
 #include "device_ptr.h"
+#include "quant_common.cuh"
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
 
@@ -19,6 +22,12 @@ namespace {
 
 using cuda_detail::check_device_ptr;
 using cuda_detail::check_device_ptrs;
+using cuda_detail::ld_words;
+using cuda_detail::load_codes;
+using cuda_detail::load_vec;
+using cuda_detail::store_codes;
+using cuda_detail::store_vec;
+using cuda_detail::vec_aligned;
 
 constexpr int kThreads = 256;
 
@@ -47,20 +56,43 @@ __device__ int8_t quant_elem(float x, float s, bool stochastic, uint64_t seed, u
   return stochastic ? int8_quant_stochastic(x, s, rng_uniform(seed, index)) : int8_quant_nearest(x, s);
 }
 
-// One CUDA block per row.
+// One CUDA block per row. kW = 4: the row in vectors of four elements (cols % 4 == 0, x and q aligned).
+template <int kW>
 __global__ void row_quant_kernel(RowQuantArgs a) {
   const int64_t r = blockIdx.x;
   const int64_t base = r * a.cols;
+  auto masked = [&](int64_t c) { return a.col_mask && a.col_mask[c]; };
   uint32_t bits = 0;
-  for (int64_t c = threadIdx.x; c < a.cols; c += blockDim.x)
-    if (!a.col_mask || !a.col_mask[c]) bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, base + c)));
+  for (int64_t c = int64_t(threadIdx.x) * kW; c < a.cols; c += int64_t(blockDim.x) * kW) {
+    float x[kW];
+    if constexpr (kW == 1) {
+      x[0] = dtype_load(a.x, a.dtype, base + c);
+    } else {
+      load_vec<kW>(a.x, a.dtype, base + c, x);
+    }
+#pragma unroll
+    for (int k = 0; k < kW; ++k)
+      if (!masked(c + k)) bits = max(bits, int8_abs_bits(x[k]));
+  }
   const float s = int8_scale_from_bits(block_max_u32(bits));
   if (threadIdx.x == 0) a.scale[r] = s;
-  for (int64_t c = threadIdx.x; c < a.cols; c += blockDim.x) {
+  for (int64_t c = int64_t(threadIdx.x) * kW; c < a.cols; c += int64_t(blockDim.x) * kW) {
     const int64_t i = base + c;
-    a.q[i] = (a.col_mask && a.col_mask[c])
-                 ? int8_t(0)
-                 : quant_elem(dtype_load(a.x, a.dtype, i), s, a.stochastic, a.seed, a.index_base + uint64_t(i));
+    float x[kW];
+    if constexpr (kW == 1) {
+      x[0] = dtype_load(a.x, a.dtype, i);
+    } else {
+      load_vec<kW>(a.x, a.dtype, i, x);
+    }
+    uint32_t q[kW];
+#pragma unroll
+    for (int k = 0; k < kW; ++k)
+      q[k] = masked(c + k) ? 0u : uint8_t(quant_elem(x[k], s, a.stochastic, a.seed, a.index_base + uint64_t(i + k)));
+    if constexpr (kW == 1) {
+      a.q[i] = int8_t(q[0]);
+    } else {
+      store_codes<kW>(reinterpret_cast<uint8_t*>(a.q), i, q);
+    }
   }
 }
 
@@ -69,54 +101,81 @@ __global__ void block_quant_kernel(BlockQuantArgs a, int64_t nbc) {
   const int64_t br = blockIdx.y, bc = blockIdx.x;
   const int64_t r0 = br * a.block_rows, c0 = bc * a.block_cols;
   const int64_t h = min(int64_t(a.block_rows), a.rows - r0), w = min(int64_t(a.block_cols), a.cols - c0);
+  // A tile's offsets fit in 32 bits (h * w <= block_rows * block_cols), whose division is far cheaper.
+  const int hw = int(h * w), wi = int(w);
   uint32_t bits = 0;
-  for (int64_t t = threadIdx.x; t < h * w; t += blockDim.x)
-    bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, (r0 + t / w) * a.cols + c0 + t % w)));
+  for (int t = threadIdx.x; t < hw; t += blockDim.x) {
+    const int tr = t / wi;
+    bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, (r0 + tr) * a.cols + c0 + (t - tr * wi))));
+  }
   const float s = int8_scale_from_bits(block_max_u32(bits));
   if (threadIdx.x == 0) a.scale[br * nbc + bc] = s;
-  for (int64_t t = threadIdx.x; t < h * w; t += blockDim.x) {
-    const int64_t i = (r0 + t / w) * a.cols + c0 + t % w;
+  for (int t = threadIdx.x; t < hw; t += blockDim.x) {
+    const int tr = t / wi;
+    const int64_t i = (r0 + tr) * a.cols + c0 + (t - tr * wi);
     a.q[i] = quant_elem(dtype_load(a.x, a.dtype, i), s, a.stochastic, a.seed, a.index_base + uint64_t(i));
   }
 }
 
-// One CUDA block per kColTile consecutive columns: its threads are kColTile x kColRows, lane tx walks
-// column c0 + tx down the rows (consecutive lanes read consecutive addresses), the rows' partial maxima
-// meet in shared memory.
-constexpr int kColTile = 32, kColRows = 8;
-__global__ void col_quant_kernel(ColQuantArgs a, int64_t ld) {
+// Column-wise in two passes over chunks of kColChunk rows, so that even a few columns give the device
+// enough CUDA blocks (one per kColTile columns x chunk): the first folds each column's largest magnitude
+// into bits[c] with atomicMax (an integer maximum: the same whatever the order), the second quantizes with
+// the column's scale, which the first chunk's block also stores. Threads are kColTile x kColRows: lane tx
+// walks column c0 + tx down the chunk's rows (consecutive lanes read consecutive addresses).
+constexpr int kColTile = 32, kColRows = 8, kColChunk = 256;
+__global__ void col_max_kernel(ColQuantArgs a, int64_t ld, uint32_t* bits_out) {
   __shared__ uint32_t part[kColRows][kColTile];
-  __shared__ float col_scale[kColTile];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c = int64_t(blockIdx.x) * kColTile + tx;
   uint32_t bits = 0;
-  if (c < a.cols)
-    for (int64_t r = ty; r < a.rows; r += kColRows)
-      bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
+  if (c < a.cols) {
+    for (int64_t r0 = int64_t(blockIdx.y) * kColChunk; r0 < a.rows; r0 += int64_t(gridDim.y) * kColChunk) {
+      const int64_t r1 = min(a.rows, r0 + kColChunk);
+      for (int64_t r = r0 + ty; r < r1; r += kColRows) bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
+    }
+  }
   part[ty][tx] = bits;
   __syncthreads();
-  if (ty == 0) {
+  if (ty == 0 && c < a.cols) {
     for (int k = 1; k < kColRows; ++k) bits = max(bits, part[k][tx]);
-    const float s = int8_scale_from_bits(bits);
-    col_scale[tx] = s;
-    if (c < a.cols) a.scale[c] = s;
+    atomicMax(bits_out + c, bits);
   }
-  __syncthreads();
+}
+__global__ void col_quant_kernel(ColQuantArgs a, int64_t ld, const uint32_t* col_bits) {
+  const int64_t c = int64_t(blockIdx.x) * kColTile + threadIdx.x;
   if (c >= a.cols) return;
-  const float s = col_scale[tx];
-  for (int64_t r = ty; r < a.rows; r += kColRows) {
-    const int64_t i = r * ld + c;
-    a.q[i] = quant_elem(dtype_load(a.x, a.dtype, i), s, a.stochastic, a.seed, a.index_base + uint64_t(i));
+  const float s = int8_scale_from_bits(col_bits[c]);
+  if (blockIdx.y == 0 && threadIdx.y == 0) a.scale[c] = s;
+  for (int64_t r0 = int64_t(blockIdx.y) * kColChunk; r0 < a.rows; r0 += int64_t(gridDim.y) * kColChunk) {
+    const int64_t r1 = min(a.rows, r0 + kColChunk);
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColRows) {
+      const int64_t i = r * ld + c;
+      a.q[i] = quant_elem(dtype_load(a.x, a.dtype, i), s, a.stochastic, a.seed, a.index_base + uint64_t(i));
+    }
   }
 }
 
-// y = q * its tile's scale, one rounding to dtype (int8_block_dequant_ref's rule).
+// y = q * its tile's scale, one rounding to dtype (int8_block_dequant_ref's rule). Rows go to the grid's
+// y (striding past its limit), each thread kW consecutive columns (kW = 4: cols and block_cols multiples of
+// 4, q and y aligned; a tile's columns then come in whole quads), with no division per element.
+template <int kW>
 __global__ void block_dequant_kernel(BlockDequantArgs a, int64_t nbc) {
-  const int64_t n = a.rows * a.cols;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / a.cols, c = e % a.cols;
-    const float s = a.scale[(r / a.block_rows) * nbc + c / a.block_cols];
-    dtype_store(a.y, a.dtype, e, float(a.q[e]) * s);
+  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kW;
+  if (c >= a.cols) return;
+  const int64_t bc = c / a.block_cols;
+  for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
+    const float s = a.scale[(r / a.block_rows) * nbc + bc];
+    const int64_t e = r * a.cols + c;
+    if constexpr (kW == 1) {
+      dtype_store(a.y, a.dtype, e, float(a.q[e]) * s);
+    } else {
+      uint32_t q[kW];
+      load_codes<kW>(reinterpret_cast<const uint8_t*>(a.q), e, q);
+      float y[kW];
+#pragma unroll
+      for (int k = 0; k < kW; ++k) y[k] = float(int8_t(q[k])) * s;
+      store_vec<kW>(a.y, a.dtype, e, y);
+    }
   }
 }
 
@@ -127,20 +186,61 @@ __global__ void col_outliers_kernel(OutlierArgs a) {
     if (fabsf(dtype_load(a.x, a.dtype, i)) >= a.threshold) a.mask[i % a.cols] = 1;
 }
 
+// Rows on the grid's y (striding past its limit), each thread kW consecutive columns (kW = 4: cols a
+// multiple of 4, col_group 1 or a multiple of 4, the arrays aligned), so the scales' indices take no
+// division per element.
+template <int kW>
 __global__ void epilogue_kernel(EpilogueArgs a) {
-  const int64_t n = a.rows * a.cols;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i = e / a.cols, j = e % a.cols;
-    float v = int8_dequant_one(a.acc[e], a.row_scale[(i / a.row_group) * a.row_stride],
-                               a.col_scale[(j / a.col_group) * a.col_stride]);
-    if (a.add) v = v + a.add[e];
-    if (a.bias) v = v + a.bias[j];
-    if (a.accumulate) v = static_cast<const float*>(a.out)[e] + v;
-    dtype_store(a.out, a.out_dtype, e, v);
+  const int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kW;
+  if (j >= a.cols) return;
+  // With groups of several columns the thread's columns lie in one group (col_group % kW == 0).
+  const float group_scale = a.col_scale[(a.col_group == 1 ? j : j / a.col_group) * a.col_stride];
+  float cs[kW], bias[kW] = {};
+#pragma unroll
+  for (int k = 0; k < kW; ++k) {
+    cs[k] = a.col_group == 1 ? a.col_scale[(j + k) * a.col_stride] : group_scale;
+    if (a.bias) bias[k] = a.bias[j + k];
+  }
+  for (int64_t i = blockIdx.y; i < a.rows; i += gridDim.y) {
+    const float rs = a.row_scale[(i / a.row_group) * a.row_stride];
+    const int64_t e = i * a.cols + j;
+    float v[kW], add[kW] = {}, prev[kW] = {};
+    int32_t acc[kW];
+    if constexpr (kW == 1) {
+      acc[0] = a.acc[e];
+      if (a.add) add[0] = a.add[e];
+      if (a.accumulate) prev[0] = static_cast<const float*>(a.out)[e];
+    } else {
+      uint32_t w[kW];
+      ld_words<4 * kW>(a.acc + e, w);
+#pragma unroll
+      for (int k = 0; k < kW; ++k) acc[k] = int32_t(w[k]);
+      if (a.add) load_vec<kW>(a.add, DType::f32, e, add);
+      if (a.accumulate) load_vec<kW>(a.out, DType::f32, e, prev);
+    }
+#pragma unroll
+    for (int k = 0; k < kW; ++k) {
+      v[k] = int8_dequant_one(acc[k], rs, cs[k]);
+      if (a.add) v[k] = v[k] + add[k];
+      if (a.bias) v[k] = v[k] + bias[k];
+      if (a.accumulate) v[k] = prev[k] + v[k];
+    }
+    if constexpr (kW == 1) {
+      dtype_store(a.out, a.out_dtype, e, v[0]);
+    } else {
+      store_vec<kW>(a.out, a.out_dtype, e, v);
+    }
   }
 }
 
 int grid_for(int64_t n) { return int(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)); }
+
+// The grid of the row x column-group kernels (rows > 0, cols > 0): a thread per group of kW columns on x,
+// rows on y up to its limit (the kernels stride past it).
+dim3 rows_by_column_groups(int64_t rows, int64_t cols, int kw) {
+  const int64_t groups = (cols + kw - 1) / kw;
+  return dim3{unsigned((groups + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(rows, 65535)), 1u};
+}
 
 cublasLtHandle_t lt_handle() {
   static std::once_flag once;
@@ -171,7 +271,11 @@ void int8_row_quant_cuda(const RowQuantArgs& a, void* stream) {
     ZERO8_THROW(unsupported, "int8_row_quant_cuda: rows = " << a.rows << " exceeds the launch grid (one CUDA block per "
                                                              "row, at most " << kMaxGridX << ")");
   check_device_ptrs("int8_row_quant_cuda", {{a.x, "x"}, {a.col_mask, "col_mask"}, {a.q, "q"}, {a.scale, "scale"}});
-  row_quant_kernel<<<unsigned(a.rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (a.cols % 4 == 0 && vec_aligned(a.x, 4 * size_t(dtype_size(a.dtype))) && vec_aligned(a.q, 4))
+    row_quant_kernel<4><<<unsigned(a.rows), kThreads, 0, st>>>(a);
+  else
+    row_quant_kernel<1><<<unsigned(a.rows), kThreads, 0, st>>>(a);
   cuda_check(cudaGetLastError(), "int8_row_quant_cuda");
 }
 
@@ -195,15 +299,30 @@ void int8_col_quant_cuda(const ColQuantArgs& a, void* stream) {
   if (tiles > kMaxGridX)
     ZERO8_THROW(unsupported, "int8_col_quant_cuda: cols = " << a.cols << " exceeds the launch grid");
   check_device_ptrs("int8_col_quant_cuda", {{a.x, "x"}, {a.q, "q"}, {a.scale, "scale"}});
-  const dim3 block{unsigned(kColTile), unsigned(kColRows), 1u};
-  col_quant_kernel<<<unsigned(tiles), block, 0, static_cast<cudaStream_t>(stream)>>>(a, a.ld > 0 ? a.ld : a.cols);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t chunks = std::min<int64_t>(std::max<int64_t>((a.rows + kColChunk - 1) / kColChunk, 1), kMaxGridY);
+  const dim3 grid{unsigned(tiles), unsigned(chunks), 1u}, block{unsigned(kColTile), unsigned(kColRows), 1u};
+  const int64_t ld = a.ld > 0 ? a.ld : a.cols;
+  uint32_t* bits = nullptr;  // each column's largest magnitude (as bits), a stream-ordered scratch
+  cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&bits), size_t(a.cols) * sizeof(uint32_t), st),
+             "int8_col_quant_cuda (scratch)");
+  cuda_check(cudaMemsetAsync(bits, 0, size_t(a.cols) * sizeof(uint32_t), st), "int8_col_quant_cuda (scratch)");
+  col_max_kernel<<<grid, block, 0, st>>>(a, ld, bits);
+  col_quant_kernel<<<grid, block, 0, st>>>(a, ld, bits);
+  cuda_check(cudaFreeAsync(bits, st), "int8_col_quant_cuda (scratch)");
   cuda_check(cudaGetLastError(), "int8_col_quant_cuda");
 }
 
 void int8_block_dequant_cuda(const BlockDequantArgs& a, void* stream) {
   check_device_ptrs("int8_block_dequant_cuda", {{a.q, "q"}, {a.scale, "scale"}, {a.y, "y"}});
   const int64_t nbc = (a.cols + a.block_cols - 1) / a.block_cols;
-  block_dequant_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
+  const bool four = a.cols % 4 == 0 && a.block_cols % 4 == 0 && vec_aligned(a.q, 4) &&
+                    vec_aligned(a.y, 4 * size_t(dtype_size(a.dtype)));
+  const dim3 grid = rows_by_column_groups(a.rows, a.cols, four ? 4 : 1);
+  if (four)
+    block_dequant_kernel<4><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
+  else
+    block_dequant_kernel<1><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a, nbc);
   cuda_check(cudaGetLastError(), "int8_block_dequant_cuda");
 }
 
@@ -218,7 +337,13 @@ void int8_col_outliers_cuda(const OutlierArgs& a, void* stream) {
 void int8_epilogue_cuda(const EpilogueArgs& a, void* stream) {
   check_device_ptrs("int8_epilogue_cuda", {{a.acc, "acc"}, {a.row_scale, "row_scale"}, {a.col_scale, "col_scale"},
                                            {a.add, "add"}, {a.bias, "bias"}, {a.out, "out"}});
-  epilogue_kernel<<<grid_for(a.rows * a.cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  const bool four = a.cols % 4 == 0 && (a.col_group == 1 || a.col_group % 4 == 0) && vec_aligned(a.acc, 16) &&
+                    vec_aligned(a.add, 16) && vec_aligned(a.out, 4 * size_t(dtype_size(a.out_dtype)));
+  const dim3 grid = rows_by_column_groups(a.rows, a.cols, four ? 4 : 1);
+  if (four)
+    epilogue_kernel<4><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  else
+    epilogue_kernel<1><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   cuda_check(cudaGetLastError(), "int8_epilogue_cuda");
 }
 

@@ -83,72 +83,75 @@ std::vector<float> scales(int64_t n, uint64_t seed) {
 
 TEST(Int8CudaKernels, RowQuantEqualsTheReference) {
   SKIP_WITHOUT_CUDA();
-  const int64_t rows = 37, cols = 300;
-  std::vector<uint8_t> mask(size_t(cols), 0);
-  for (int64_t c = 0; c < cols; c += 17) mask[size_t(c)] = 1;
-  for (DType dt : {DType::f32, DType::bf16})
-    for (bool masked : {false, true})
-      for (bool stochastic : {false, true}) {
-        SCOPED_TRACE(std::string(dtype_name(dt)) + (masked ? " masked" : "") + (stochastic ? " stochastic" : ""));
-        const std::vector<uint8_t> x = stored(sample(rows * cols, 1), dt);
-        RowQuantArgs a;
-        a.dtype = dt;
-        a.rows = rows;
-        a.cols = cols;
-        a.stochastic = stochastic;
-        a.seed = 7;
-        a.index_base = 100;
-        std::vector<int8_t> q(size_t(rows * cols));
-        std::vector<float> s(static_cast<size_t>(rows));
-        a.x = x.data();
-        a.col_mask = masked ? mask.data() : nullptr;
-        a.q = q.data();
-        a.scale = s.data();
-        int8_row_quant_ref(a);
-        Dev<uint8_t> dx(x), dmask(mask);
-        Dev<int8_t> dq(std::vector<int8_t>(q.size()));
-        Dev<float> ds(std::vector<float>(s.size()));
-        a.x = dx.p();
-        a.col_mask = masked ? dmask.p() : nullptr;
-        a.q = dq.p();
-        a.scale = ds.p();
-        int8_row_quant_cuda(a, nullptr);
-        EXPECT_TRUE(same_bits(dq.get(), q));
-        EXPECT_TRUE(same_outputs(ds.get(), s));
-      }
+  const int64_t rows = 37;
+  for (int64_t cols : {300, 301})  // rows in vectors of four elements, and one by one
+    for (DType dt : {DType::f32, DType::bf16})
+      for (bool masked : {false, true})
+        for (bool stochastic : {false, true}) {
+          SCOPED_TRACE(std::to_string(cols) + " columns, " + dtype_name(dt) + (masked ? " masked" : "") +
+                       (stochastic ? " stochastic" : ""));
+          std::vector<uint8_t> mask(size_t(cols), 0);
+          for (int64_t c = 0; c < cols; c += 17) mask[size_t(c)] = 1;
+          const std::vector<uint8_t> x = stored(sample(rows * cols, 1), dt);
+          RowQuantArgs a;
+          a.dtype = dt;
+          a.rows = rows;
+          a.cols = cols;
+          a.stochastic = stochastic;
+          a.seed = 7;
+          a.index_base = 100;
+          std::vector<int8_t> q(size_t(rows * cols));
+          std::vector<float> s(static_cast<size_t>(rows));
+          a.x = x.data();
+          a.col_mask = masked ? mask.data() : nullptr;
+          a.q = q.data();
+          a.scale = s.data();
+          int8_row_quant_ref(a);
+          Dev<uint8_t> dx(x), dmask(mask);
+          Dev<int8_t> dq(std::vector<int8_t>(q.size()));
+          Dev<float> ds(std::vector<float>(s.size()));
+          a.x = dx.p();
+          a.col_mask = masked ? dmask.p() : nullptr;
+          a.q = dq.p();
+          a.scale = ds.p();
+          int8_row_quant_cuda(a, nullptr);
+          EXPECT_TRUE(same_bits(dq.get(), q));
+          EXPECT_TRUE(same_outputs(ds.get(), s));
+        }
 }
 
 TEST(Int8CudaKernels, ColQuantEqualsTheReference) {
   SKIP_WITHOUT_CUDA();
-  const int64_t rows = 37, cols = 70;
-  for (int64_t ld : {int64_t(0), int64_t(80)})
-    for (bool stochastic : {false, true}) {
-      SCOPED_TRACE("ld " + std::to_string(ld) + (stochastic ? " stochastic" : ""));
-      const int64_t stride = ld > 0 ? ld : cols;
-      const std::vector<uint8_t> x = stored(sample(rows * stride, 2), DType::bf16);
-      ColQuantArgs a;
-      a.dtype = DType::bf16;
-      a.rows = rows;
-      a.cols = cols;
-      a.ld = ld;
-      a.stochastic = stochastic;
-      a.seed = 3;
-      std::vector<int8_t> q(size_t(rows * stride), 0);
-      std::vector<float> s(static_cast<size_t>(cols));
-      a.x = x.data();
-      a.q = q.data();
-      a.scale = s.data();
-      int8_col_quant_ref(a);
-      Dev<uint8_t> dx(x);
-      Dev<int8_t> dq(std::vector<int8_t>(q.size(), 0));
-      Dev<float> ds(std::vector<float>(s.size()));
-      a.x = dx.p();
-      a.q = dq.p();
-      a.scale = ds.p();
-      int8_col_quant_cuda(a, nullptr);
-      EXPECT_TRUE(same_bits(dq.get(), q));
-      EXPECT_TRUE(same_outputs(ds.get(), s));
-    }
+  const int64_t cols = 70;
+  for (int64_t rows : {37, 600})  // one chunk of rows, and three (the column maxima meet across them)
+    for (int64_t ld : {int64_t(0), int64_t(80)})
+      for (bool stochastic : {false, true}) {
+        SCOPED_TRACE(std::to_string(rows) + " rows, ld " + std::to_string(ld) + (stochastic ? " stochastic" : ""));
+        const int64_t stride = ld > 0 ? ld : cols;
+        const std::vector<uint8_t> x = stored(sample(rows * stride, 2), DType::bf16);
+        ColQuantArgs a;
+        a.dtype = DType::bf16;
+        a.rows = rows;
+        a.cols = cols;
+        a.ld = ld;
+        a.stochastic = stochastic;
+        a.seed = 3;
+        std::vector<int8_t> q(size_t(rows * stride), 0);
+        std::vector<float> s(static_cast<size_t>(cols));
+        a.x = x.data();
+        a.q = q.data();
+        a.scale = s.data();
+        int8_col_quant_ref(a);
+        Dev<uint8_t> dx(x);
+        Dev<int8_t> dq(std::vector<int8_t>(q.size(), 0));
+        Dev<float> ds(std::vector<float>(s.size()));
+        a.x = dx.p();
+        a.q = dq.p();
+        a.scale = ds.p();
+        int8_col_quant_cuda(a, nullptr);
+        EXPECT_TRUE(same_bits(dq.get(), q));
+        EXPECT_TRUE(same_outputs(ds.get(), s));
+      }
 }
 
 TEST(Int8CudaKernels, BlockQuantAndDequantEqualTheReference) {
@@ -233,44 +236,51 @@ TEST(Int8CudaKernels, OutlierColumnsEqualTheReference) {
 
 TEST(Int8CudaKernels, EpilogueEqualsTheReference) {
   SKIP_WITHOUT_CUDA();
-  const int64_t rows = 45, cols = 70;
-  std::mt19937_64 rng(8);
-  std::uniform_int_distribution<int32_t> d(-2000000, 2000000);
-  std::vector<int32_t> acc(size_t(rows * cols));
-  for (int32_t& v : acc) v = d(rng);
-  const std::vector<float> rs = scales(rows, 9), cs = scales(cols, 10), add = sample(rows * cols, 11),
-                           bias = sample(cols, 12), prev = sample(rows * cols, 13);
-  for (DType dt : {DType::f32, DType::bf16})
-    for (bool extras : {false, true})
-      for (bool accumulate : {false, true}) {
-        if (accumulate && dt != DType::f32) continue;  // accumulating needs a float32 output
-        SCOPED_TRACE(std::string(dtype_name(dt)) + (extras ? " add+bias" : "") + (accumulate ? " accumulate" : ""));
-        EpilogueArgs a;
-        a.rows = rows;
-        a.cols = cols;
-        a.out_dtype = dt;
-        a.accumulate = accumulate;
-        std::vector<uint8_t> out =
-            accumulate ? stored(prev, DType::f32) : std::vector<uint8_t>(size_t(rows * cols * dtype_size(dt)));
-        a.acc = acc.data();
-        a.row_scale = rs.data();
-        a.col_scale = cs.data();
-        a.add = extras ? add.data() : nullptr;
-        a.bias = extras ? bias.data() : nullptr;
-        Dev<uint8_t> dout(out);
-        a.out = out.data();
-        int8_epilogue_ref(a);
-        Dev<int32_t> dacc(acc);
-        Dev<float> drs(rs), dcs(cs), dadd(add), dbias(bias);
-        a.acc = dacc.p();
-        a.row_scale = drs.p();
-        a.col_scale = dcs.p();
-        a.add = extras ? dadd.p() : nullptr;
-        a.bias = extras ? dbias.p() : nullptr;
-        a.out = dout.p();
-        int8_epilogue_cuda(a, nullptr);
-        EXPECT_TRUE(same_outputs(dout.get(), out, dt));
-      }
+  const int64_t rows = 45;
+  // Columns one by one (70) and in vectors of four (72), with a scale per column or per group of 8 (one
+  // K-slice of a per-block product).
+  for (int64_t cols : {70, 72})
+    for (int64_t col_group : {1, 8}) {
+      std::mt19937_64 rng(8);
+      std::uniform_int_distribution<int32_t> d(-2000000, 2000000);
+      std::vector<int32_t> acc(size_t(rows * cols));
+      for (int32_t& v : acc) v = d(rng);
+      const std::vector<float> rs = scales(rows, 9), cs = scales(cols, 10), add = sample(rows * cols, 11),
+                               bias = sample(cols, 12), prev = sample(rows * cols, 13);
+      for (DType dt : {DType::f32, DType::bf16})
+        for (bool extras : {false, true})
+          for (bool accumulate : {false, true}) {
+            if (accumulate && dt != DType::f32) continue;  // accumulating needs a float32 output
+            SCOPED_TRACE(std::to_string(cols) + " columns, groups of " + std::to_string(col_group) + ", " +
+                         dtype_name(dt) + (extras ? " add+bias" : "") + (accumulate ? " accumulate" : ""));
+            EpilogueArgs a;
+            a.rows = rows;
+            a.cols = cols;
+            a.col_group = col_group;
+            a.out_dtype = dt;
+            a.accumulate = accumulate;
+            std::vector<uint8_t> out =
+                accumulate ? stored(prev, DType::f32) : std::vector<uint8_t>(size_t(rows * cols * dtype_size(dt)));
+            a.acc = acc.data();
+            a.row_scale = rs.data();
+            a.col_scale = cs.data();
+            a.add = extras ? add.data() : nullptr;
+            a.bias = extras ? bias.data() : nullptr;
+            Dev<uint8_t> dout(out);
+            a.out = out.data();
+            int8_epilogue_ref(a);
+            Dev<int32_t> dacc(acc);
+            Dev<float> drs(rs), dcs(cs), dadd(add), dbias(bias);
+            a.acc = dacc.p();
+            a.row_scale = drs.p();
+            a.col_scale = dcs.p();
+            a.add = extras ? dadd.p() : nullptr;
+            a.bias = extras ? dbias.p() : nullptr;
+            a.out = dout.p();
+            int8_epilogue_cuda(a, nullptr);
+            EXPECT_TRUE(same_outputs(dout.get(), out, dt));
+          }
+    }
 }
 
 TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
