@@ -10,6 +10,7 @@ the CPU's own error plus one ulp. Marked `cuda`; skipped, saying why, without a 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -134,6 +135,17 @@ def _layer_pair(make):
     layer = make()
     layer_d = copy.deepcopy(layer).to(DEV)
     return layer, layer_d
+
+
+def test_int8linear_exact_on_a_gpu_warns_once_and_fast_does_not(monkeypatch):
+    monkeypatch.setattr(Int8Linear, "_warned_exact_on_gpu", False)
+    x = torch.randn(40, 64, device=DEV)
+    with pytest.warns(UserWarning, match="gemm='fast'"):
+        Int8Linear(64, 32, device=DEV)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a second exact layer nor a fast one warns
+        Int8Linear(64, 32, device=DEV)(x)
+        Int8Linear(64, 32, gemm="fast", device=DEV)(x)
 
 
 @pytest.mark.parametrize("gemm", ["exact", "fast"])

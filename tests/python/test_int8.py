@@ -409,6 +409,15 @@ def test_int8linear_exact_forward_is_the_per_block_definition(block):
     assert ((y - y64).abs() <= bound).all()
 
 
+def test_int8linear_exact_on_the_cpu_does_not_warn():
+    # Only on a GPU is the exact kernel the slow one (a warning there: test_cuda_int8.py).
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = Int8Linear(64, 32)(torch.randn(40, 64))
+    assert y.shape == (40, 32)
+
+
 def test_int8linear_fast_forward_error_within_vectorwise_bound():
     torch.manual_seed(8)
     mtok, k, n = 64, 128, 96
