@@ -456,6 +456,38 @@ st_memcheck() {
 }
 export -f st_memcheck
 
+# Nsight Compute on the 8-bit kernels' warp form (the step and the codec; the bench's checks against the
+# CPU run too): per kernel its DRAM throughput against the device's peak, its achieved occupancy and what
+# limits it, so that a run that misses a bandwidth target also says why. One launch of each kernel after
+# two warm-ups; skipped where there is no ncu or it cannot profile this device (no access to the
+# performance counters: ERR_NVGPUCTRPERM).
+st_profile() {
+  set -uo pipefail
+  export STAGE=profile
+  # shellcheck disable=SC1090
+  source "$DEPS_ENV"
+  local ncu bench="$BUILD/benchmarks/zero8-bench" out rc args
+  ncu=$(command -v ncu || true)
+  [[ -z "$ncu" && -n "$NVCC" && -x "$(dirname "$NVCC")/ncu" ]] && ncu="$(dirname "$NVCC")/ncu"
+  [[ -n "$ncu" ]] || { stage_skip "ncu (Nsight Compute) not found"; return 0; }
+  [[ -x "$bench" ]] || { note "zero8-bench was not built"; return 1; }
+  local kernels='regex:optim_step_warp_kernel|quant_encode_warp_kernel|quant_decode_warp_kernel'
+  for args in "optimizer --numel 1e8 --repeat 3" "codec --numel 1e8 --repeat 3"; do
+    echo "\$ ncu --kernel-name '$kernels' --launch-skip 2 --launch-count 2 zero8-bench $args --device cuda"
+    # shellcheck disable=SC2086  # args is a list of zero8-bench arguments
+    out=$("$ncu" --kernel-name "$kernels" --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis "$bench" $args --device cuda 2>&1)
+    rc=$?
+    echo "$out"
+    if grep -q "ERR_NVGPUCTRPERM\|not supported on this device\|No kernels were profiled" <<<"$out"; then
+      stage_skip "ncu cannot profile here: $(grep -m1 'ERR_NVGPUCTRPERM\|not supported\|No kernels' <<<"$out" | head -c 200)"
+      return 0
+    fi
+    ((rc == 0)) || { note "ncu zero8-bench $args: exit $rc"; return 1; }
+  done
+}
+export -f st_profile
+
 st_pytest() {
   set -uo pipefail
   export STAGE=pytest_cuda
@@ -707,8 +739,9 @@ main() {
       write_report
       run_stage bench_python 200 st_bench_python
       write_report
+      run_stage profile 90 st_profile
     else
-      for s in bench_bandwidth bench_codec bench_codec_2048 bench_optimizer_1e8 bench_optimizer_1e9 bench_python; do
+      for s in bench_bandwidth bench_codec bench_codec_2048 bench_optimizer_1e8 bench_optimizer_1e9 bench_python profile; do
         skip_stage "$s" "no GPU: nothing to measure"
       done
     fi

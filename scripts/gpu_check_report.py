@@ -58,7 +58,7 @@ LOG_GROUPS = {
     "build.log": ["gpu", "deps", "configure", "build", "python_build"],
     "tests.log": ["ctest_cuda", "memcheck", "pytest_cuda"],
     "bench.log": ["bench_bandwidth", "bench_codec", "bench_codec_2048", "bench_optimizer_1e8", "bench_optimizer_1e9",
-                  "bench_python"],
+                  "bench_python", "profile"],
     "example.log": ["example"],
 }
 MAX_LOG_BYTES = 4 << 20

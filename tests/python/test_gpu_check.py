@@ -479,3 +479,46 @@ run_stage memcheck 60 st_memcheck
     else:
         assert rec["status"] == "skipped", (rec, log)
         assert rec["note"] == "compute-sanitizer not found"
+
+
+@pytest.mark.parametrize("case", ["profiled", "no_counter_access", "no_ncu"])
+def test_profile_stage(tmp_path, case):
+    """The profile stage (Nsight Compute on the warp kernels) with stand-ins for zero8-bench and ncu: ok with
+    both benchmark commands profiled, skipped with the reason when ncu may not read the counters or is
+    missing."""
+    work, build, bin_dir = tmp_path / "w", tmp_path / "w" / "build", tmp_path / "bin"
+    for d in (work / "results", work / "logs", build / "benchmarks", bin_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    (build / "benchmarks" / "zero8-bench").write_text('#!/bin/sh\necho "bench $*"\n')
+    (build / "benchmarks" / "zero8-bench").chmod(0o755)
+    ncu = {  # called as: ncu --kernel-name K --launch-skip 2 --launch-count 2 --section S (x4) BENCH ARGS...
+        "profiled": 'shift 14; echo "  optim_step_warp_kernel  DRAM Throughput 80 %"; "$@"',
+        "no_counter_access": 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"; exit 1',
+    }
+    if case in ncu:
+        (bin_dir / "ncu").write_text("#!/bin/sh\n" + ncu[case] + "\n")
+        (bin_dir / "ncu").chmod(0o755)
+    (work / "deps_env.sh").write_text("")
+    script = f"""
+source {CHECK}
+WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
+STAGES={work}/results/stages.jsonl
+export WORK BUILD DEPS_ENV NVCC
+run_stage profile 60 st_profile
+"""
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    r = run(["bash", "-c", script], env=env)
+    assert r.stderr == "", r.stderr
+    rec = json.loads((work / "results" / "stages.jsonl").read_text().splitlines()[-1])
+    log = (work / "logs" / "profile.log").read_text()
+    if case == "profiled":
+        assert r.returncode == 0 and rec["status"] == "ok", (rec, log)
+        assert "bench optimizer --numel 1e8 --repeat 3 --device cuda" in log
+        assert "bench codec --numel 1e8 --repeat 3 --device cuda" in log
+        assert log.count("DRAM Throughput") == 2
+    elif case == "no_counter_access":
+        assert rec["status"] == "skipped", (rec, log)
+        assert rec["note"].startswith("ncu cannot profile here: ==ERROR== ERR_NVGPUCTRPERM")
+    else:
+        assert rec["status"] == "skipped", (rec, log)
+        assert rec["note"] == "ncu (Nsight Compute) not found"
