@@ -427,10 +427,36 @@ def test_check_records_the_compute_mode_and_warns_of_an_exclusive_one(tmp_path):
     assert [s["name"] for s in rep["stages"]] == ["gpu", "deps"]  # stopped after deps, nothing built
 
 
-FAKE_GTEST = """#!/bin/sh
-echo "[==========] Running 1 test from 1 test suite."
+FAKE_GTEST = """echo "[==========] Running 1 test from 1 test suite."
 echo "[  PASSED  ] 1 test."
 """
+
+
+def run_stage_alone(tmp_path, stage: str, fn: str, tools: dict, files: dict):
+    """Runs one stage of gpu_check.sh (sourced: its run_stage called alone) in tmp_path/w with stand-ins:
+    `tools` ({name: shell body}) on a PATH of their own, `files` ({path under the build folder: shell
+    body}) as executables. Returns (exit code, the stage's record, its log)."""
+    work, build, bin_dir = tmp_path / "w", tmp_path / "w" / "build", tmp_path / "bin"
+    for d in (work / "results", work / "logs", bin_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    for path, body in [(bin_dir / name, body) for name, body in tools.items()] + \
+            [(build / rel, body) for rel, body in files.items()]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n" + body + "\n")
+        path.chmod(0o755)
+    (work / "deps_env.sh").write_text("")
+    script = f"""
+source {CHECK}
+WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
+STAGES={work}/results/stages.jsonl
+export WORK BUILD DEPS_ENV NVCC
+run_stage {stage} 60 {fn}
+"""
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    r = run(["bash", "-c", script], env=env)
+    assert r.stderr == "", r.stderr
+    rec = json.loads((work / "results" / "stages.jsonl").read_text().splitlines()[-1])
+    return r.returncode, rec, (work / "logs" / f"{stage}.log").read_text()
 
 
 @pytest.mark.parametrize("case", ["clean", "errors", "device_not_supported", "no_sanitizer"])
@@ -438,39 +464,21 @@ def test_memcheck_stage(tmp_path, case):
     """The memcheck stage (gpu_check.sh sourced, its run_stage called alone) with stand-ins for the test
     executables and compute-sanitizer: ok when memcheck is clean, failed with memcheck's summary when it
     finds errors, skipped with the reason when the sanitizer refuses the device or is missing."""
-    work, build, bin_dir = tmp_path / "w", tmp_path / "w" / "build", tmp_path / "bin"
-    for d in (work / "results", work / "logs", build / "tests", bin_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    for exe in ("test_codec_cuda", "test_optim_cuda"):
-        (build / "tests" / exe).write_text(FAKE_GTEST)
-        (build / "tests" / exe).chmod(0o755)
     sanitizer = {
         "clean": 'shift 4; "$@"; echo "========= ERROR SUMMARY: 0 errors"',
         "errors": 'shift 4; "$@"; echo "========= Invalid __shared__ write of size 4 bytes"; '
                   'echo "========= ERROR SUMMARY: 2 errors"; exit 7',
         "device_not_supported": 'echo "========= Error: Device not supported"; exit 1',
     }
-    if case in sanitizer:  # called as: compute-sanitizer --tool memcheck --error-exitcode 7 EXE --gtest_filter=F
-        (bin_dir / "compute-sanitizer").write_text("#!/bin/sh\n" + sanitizer[case] + "\n")
-        (bin_dir / "compute-sanitizer").chmod(0o755)
-    (work / "deps_env.sh").write_text("")
-    script = f"""
-source {CHECK}
-WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
-STAGES={work}/results/stages.jsonl
-export WORK BUILD DEPS_ENV NVCC
-run_stage memcheck 60 st_memcheck
-"""
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
-    r = run(["bash", "-c", script], env=env)
-    assert r.stderr == "", r.stderr
-    rec = json.loads((work / "results" / "stages.jsonl").read_text().splitlines()[-1])
-    log = (work / "logs" / "memcheck.log").read_text()
+    # called as: compute-sanitizer --tool memcheck --error-exitcode 7 EXE --gtest_filter=F
+    tools = {"compute-sanitizer": sanitizer[case]} if case in sanitizer else {}
+    tests = {f"tests/{exe}": FAKE_GTEST for exe in ("test_codec_cuda", "test_optim_cuda")}
+    rc, rec, log = run_stage_alone(tmp_path, "memcheck", "st_memcheck", tools, tests)
     if case == "clean":
-        assert r.returncode == 0 and rec["status"] == "ok", (rec, log)
+        assert rc == 0 and rec["status"] == "ok", (rec, log)
         assert log.count("$ compute-sanitizer --tool memcheck") == 2
     elif case == "errors":
-        assert r.returncode != 0 and rec["status"] == "failed", (rec, log)
+        assert rc != 0 and rec["status"] == "failed", (rec, log)
         assert "test_codec_cuda --gtest_filter=CodecCuda.*: exit 7 (========= ERROR SUMMARY: 2 errors)" in rec["note"]
     elif case == "device_not_supported":  # (run_stage's status is 1 for anything but ok)
         assert rec["status"] == "skipped", (rec, log)
@@ -486,33 +494,15 @@ def test_profile_stage(tmp_path, case):
     """The profile stage (Nsight Compute on the warp kernels) with stand-ins for zero8-bench and ncu: ok with
     both benchmark commands profiled, skipped with the reason when ncu may not read the counters or is
     missing."""
-    work, build, bin_dir = tmp_path / "w", tmp_path / "w" / "build", tmp_path / "bin"
-    for d in (work / "results", work / "logs", build / "benchmarks", bin_dir):
-        d.mkdir(parents=True, exist_ok=True)
-    (build / "benchmarks" / "zero8-bench").write_text('#!/bin/sh\necho "bench $*"\n')
-    (build / "benchmarks" / "zero8-bench").chmod(0o755)
     ncu = {  # called as: ncu --kernel-name K --launch-skip 2 --launch-count 2 --section S (x4) BENCH ARGS...
         "profiled": 'shift 14; echo "  optim_step_warp_kernel  DRAM Throughput 80 %"; "$@"',
         "no_counter_access": 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"; exit 1',
     }
-    if case in ncu:
-        (bin_dir / "ncu").write_text("#!/bin/sh\n" + ncu[case] + "\n")
-        (bin_dir / "ncu").chmod(0o755)
-    (work / "deps_env.sh").write_text("")
-    script = f"""
-source {CHECK}
-WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
-STAGES={work}/results/stages.jsonl
-export WORK BUILD DEPS_ENV NVCC
-run_stage profile 60 st_profile
-"""
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
-    r = run(["bash", "-c", script], env=env)
-    assert r.stderr == "", r.stderr
-    rec = json.loads((work / "results" / "stages.jsonl").read_text().splitlines()[-1])
-    log = (work / "logs" / "profile.log").read_text()
+    tools = {"ncu": ncu[case]} if case in ncu else {}
+    rc, rec, log = run_stage_alone(tmp_path, "profile", "st_profile", tools,
+                                   {"benchmarks/zero8-bench": 'echo "bench $*"'})
     if case == "profiled":
-        assert r.returncode == 0 and rec["status"] == "ok", (rec, log)
+        assert rc == 0 and rec["status"] == "ok", (rec, log)
         assert "bench optimizer --numel 1e8 --repeat 3 --device cuda" in log
         assert "bench codec --numel 1e8 --repeat 3 --device cuda" in log
         assert log.count("DRAM Throughput") == 2
