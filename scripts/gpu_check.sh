@@ -59,8 +59,8 @@ usage: scripts/gpu_check.sh --prepare DIR
   --jobs N        build parallelism (default: nproc).
   --stop-after S  stop after the stage deps, configure or build (CI checks the packaging half this way).
 
-Environment: PYTHON (default python3, the interpreter with torch), ZERO8_COMMIT (the commit to report where
-the tree has no .git, as on a copied working tree).
+Environment: PYTHON (default python3, the interpreter with torch), ZERO8_COMMIT (the commit to report, for
+a copied working tree; without it, the tree's .git says).
 Exit status: 0 all stages passed, 1 a stage failed, 2 bad arguments or no GPU (without --no-gpu-ok).
 EOF
 }
@@ -636,10 +636,14 @@ main() {
   env_set cuda_arch "$CUDA_ARCH"
   env_set host "$(hostname 2>/dev/null || echo unknown), $(nproc) cores, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo 2>/dev/null)"
   env_set date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  if commit=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null); then
+  # ZERO8_COMMIT first: a copied working tree may carry a .git that is not the tree's (the first GPU run's
+  # report named an older commit "+ uncommitted changes").
+  if [[ -n "${ZERO8_COMMIT:-}" ]]; then
+    commit="$ZERO8_COMMIT (ZERO8_COMMIT)"
+  elif commit=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null); then
     [[ -z "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ]] || commit+=" + uncommitted changes"
   else
-    commit="${ZERO8_COMMIT:-unknown (no .git here; set ZERO8_COMMIT)}"
+    commit="unknown (no .git here; set ZERO8_COMMIT)"
   fi
   env_set commit "$commit"
   env_set deps "${DEPS_DIR:-system packages}$([[ -f "$DEPS_DIR/manifest.txt" ]] && sed -n 's/^prepared_commit=/, prepared at /p' "$DEPS_DIR/manifest.txt")"
