@@ -23,6 +23,7 @@ namespace {
 using cuda_detail::kWarpThreads;
 using cuda_detail::load_codes;
 using cuda_detail::load_vec;
+using cuda_detail::minmax_fold;
 using cuda_detail::resident_blocks;
 using cuda_detail::SmemMap;
 using cuda_detail::smem_map_load;
@@ -55,10 +56,7 @@ __global__ void __launch_bounds__(kEncodeThreads) quant_encode_kernel(EncodeArgs
   float vmin = 0.0f, vmax = 0.0f;
   int finite = 1;
   for (int i = threadIdx.x; i < len; i += kEncodeThreads) {
-    const float x = dtype_load(a.x, a.dtype, lo + i);
-    finite &= (x - x == 0.0f) ? 1 : 0;
-    vmin = MinOp()(vmin, x);
-    vmax = MaxOp()(vmax, x);
+    minmax_fold(dtype_load(a.x, a.dtype, lo + i), vmin, vmax, finite);
   }
   finite = __syncthreads_and(finite);
   const float bmin = Reduce(tmp_min).Reduce(vmin, MinOp());
@@ -117,22 +115,17 @@ __global__ void __launch_bounds__(kWarpThreads, 4) quant_encode_warp_kernel(Enco
     const bool whole = vec && len == a.block;
     float vmin = 0.0f, vmax = 0.0f;
     int finite = 1;
-    auto fold = [&](float x) {
-      finite &= (x - x == 0.0f) ? 1 : 0;
-      vmin = MinOp()(vmin, x);
-      vmax = MaxOp()(vmax, x);
-    };
     if (whole) {
 #pragma unroll 4
       for (int j = lane * kW; j < len; j += 32 * kW) {
         float x[kW];
         load_vec<kW>(a.x, a.dtype, lo + j, x);
 #pragma unroll
-        for (int k = 0; k < kW; ++k) fold(x[k]);
+        for (int k = 0; k < kW; ++k) minmax_fold(x[k], vmin, vmax, finite);
       }
     } else {
 #pragma unroll 8
-      for (int i = lane; i < len; i += 32) fold(dtype_load(a.x, a.dtype, lo + i));
+      for (int i = lane; i < len; i += 32) minmax_fold(dtype_load(a.x, a.dtype, lo + i), vmin, vmax, finite);
     }
     warp_minmax(vmin, vmax, finite);
     const float scale = finite ? quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);

@@ -23,6 +23,7 @@ namespace {
 using cuda_detail::kWarpThreads;
 using cuda_detail::load_codes;
 using cuda_detail::load_vec;
+using cuda_detail::minmax_fold;
 using cuda_detail::resident_blocks;
 using cuda_detail::SmemMap;
 using cuda_detail::smem_map_load;
@@ -78,10 +79,7 @@ __device__ void block_encode(const float* x, int per, int64_t lo, int32_t len, c
   for (int k = 0; k < kMaxPerThread; ++k) {
     const int32_t j = int32_t(threadIdx.x) + k * int32_t(blockDim.x);
     if (k >= per || j >= len) break;
-    const float v = x[k];
-    finite &= (v - v == 0.0f);
-    if (v < vmin) vmin = v;
-    if (v > vmax) vmax = v;
+    minmax_fold(x[k], vmin, vmax, finite);
   }
   block_minmax(vmin, vmax, finite);
   const float scale = finite ? quant::quant_block_scale(vmin, vmax, t) : f32_from_bits(0x7fc00000u);
@@ -176,10 +174,7 @@ __device__ __forceinline__ void warp_block_encode(const float* x, int lane, int6
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     if (!whole && E::at(lane, k) >= len) break;
-    const float v = x[k];
-    finite &= (v - v == 0.0f);
-    if (v < vmin) vmin = v;
-    if (v > vmax) vmax = v;
+    minmax_fold(x[k], vmin, vmax, finite);
   }
   warp_minmax(vmin, vmax, finite);
   const float scale = finite ? quant::quant_block_scale(vmin, vmax, *w.t) : f32_from_bits(0x7fc00000u);

@@ -41,6 +41,13 @@ __device__ inline void smem_map_load(const quant::QuantTable& t, SmemMap& m) {
   for (int i = threadIdx.x; i < int(quant::kQuantLutBuckets); i += blockDim.x) m.lut[i] = t.lut[i];
 }
 
+// One value folded into a block's running min, max and finite flag, with the references' rules (below).
+__device__ __forceinline__ void minmax_fold(float v, float& vmin, float& vmax, int& finite) {
+  finite &= (v - v == 0.0f) ? 1 : 0;
+  if (v < vmin) vmin = v;
+  if (v > vmax) vmax = v;
+}
+
 // Min/max/finite over the warp's lanes, with the references' rules: accumulators start at +0 and take a
 // value only when it is strictly smaller (larger), so partial results are +0 or of one sign and any order
 // of combination gives the same answer. Every lane gets the result.
