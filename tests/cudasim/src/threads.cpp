@@ -1,15 +1,16 @@
-// zero8's CUDA simulator: a kernel's CUDA threads. Each block's threads are fibers (ucontext) on the host
-// thread that runs the stream; a fiber runs until it reaches a barrier (__syncthreads, a warp shuffle or
-// vote), and the scheduler releases a barrier once every thread it waits for has reached it. The order in
-// which the fibers run alternates between rounds and blocks (first to last, last to first), so a kernel
-// that reads shared memory another thread writes without a barrier between them sees the stale value in
-// one of the orders. Undefined behaviour that a GPU would hang on or hide (a barrier some threads never
+// zero8's CUDA simulator: a kernel's CUDA threads. Each block's threads are fibers on the host thread that
+// runs the stream (each with its own stack); a fiber runs until it reaches a barrier (__syncthreads, a warp
+// shuffle or vote), and the scheduler releases a barrier once every thread it waits for has reached it. The
+// order in which the fibers run alternates between rounds and blocks (first to last, last to first), so a
+// kernel that reads shared memory another thread writes without a barrier between them sees the stale value
+// in one of the orders. Undefined behaviour that a GPU would hang on or hide (a barrier some threads never
 // reach, a shuffle naming an absent lane, lanes that disagree on a mask) is reported and aborts.
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,8 +27,81 @@ namespace {
 constexpr size_t kStackBytes = 256 * 1024;
 enum class State { ready, block_barrier, warp_barrier, done };
 
+// A fiber's saved execution context: context_make sets it to start `entry` on a stack, context_switch saves
+// the running one into `from` and resumes `to`.
+#if defined(__x86_64__)
+// swapcontext saves and restores the signal mask, a system call each time, and a kernel's fibers switch at
+// every barrier: that made the simulator's CUDA tests spend most of their time in the kernel. This switch
+// keeps what the System V ABI says a call preserves (rbx, rbp, r12-r15, MXCSR's and the x87 control word's
+// control bits) on the stack it leaves and stores that stack's pointer.
+extern "C" void zero8_cudasim_switch(void** from_sp, void* to_sp);
+asm(R"(
+  .text
+  .globl zero8_cudasim_switch
+  .type zero8_cudasim_switch, @function
+zero8_cudasim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size zero8_cudasim_switch, .-zero8_cudasim_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+
+// The new stack as zero8_cudasim_switch leaves one, so that the first switch to it "returns" into entry
+// with the stack aligned as after a call (entry never returns: a fiber's last act is a switch away).
+void context_make(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  uint64_t* p = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15));
+  *--p = 0;                                  // entry's return address
+  *--p = reinterpret_cast<uint64_t>(entry);  // where the first switch returns to
+  for (int i = 0; i < 6; ++i) *--p = 0;      // rbp, rbx, r12-r15
+  uint32_t mxcsr = 0;
+  uint16_t fpucw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  uint64_t control = 0;
+  std::memcpy(&control, &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char*>(&control) + 4, &fpucw, 2);
+  *--p = control;
+  c.sp = p;
+}
+void context_switch(Context& from, Context& to) { zero8_cudasim_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc{};
+};
+void context_make(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+void context_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 struct Fiber {
-  ucontext_t ctx{};
+  Context ctx;
   char* stack = nullptr;
   uint3 tid{};
   int lane = 0, warp = 0;
@@ -52,7 +126,7 @@ struct Exec {
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
   Fiber* cur = nullptr;
-  ucontext_t sched{};
+  Context sched;
   const std::function<void()>* body = nullptr;
   unsigned bar_gen = 0;
   int bar_result[2] = {0, 0};
@@ -89,12 +163,12 @@ void fiber_entry() {
   Exec& e = *tl_exec;
   (*e.body)();
   e.cur->state = State::done;
-  swapcontext(&e.cur->ctx, &e.sched);
+  context_switch(e.cur->ctx, e.sched);  // never resumed
 }
 
 void yield() {
   Exec& e = *tl_exec;
-  swapcontext(&e.cur->ctx, &e.sched);
+  context_switch(e.cur->ctx, e.sched);
 }
 
 std::string describe(const uint3& v) {
@@ -186,11 +260,7 @@ void run_block(Exec& e, bool reverse_first) {
     Fiber& f = e.fibers[i];
     f.state = State::ready;
     f.stack = tl_stacks.get(i);
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = kStackBytes;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_entry, 0);
+    context_make(f.ctx, f.stack, kStackBytes, fiber_entry);
   }
   for (Warp& w : e.warps) w = Warp{};
   e.bar_gen = 0;
@@ -206,7 +276,7 @@ void run_block(Exec& e, bool reverse_first) {
           Fiber& f = e.fibers[reverse ? hi - 1 - (j - lo) : j];
           if (f.state != State::ready) continue;
           e.cur = &f;
-          swapcontext(&e.sched, &f.ctx);
+          context_switch(e.sched, f.ctx);
           progress = true;
         }
         e.cur = nullptr;
