@@ -251,7 +251,15 @@ __global__ void __launch_bounds__(kWarpThreads, 3) optim_step_warp_kernel(StepAr
         p[k] = p_in[lo + j];
       }
     }
-    // 2. The update (quant_decode_one from shared memory, then the element rule).
+    // 2. The update (quant_decode_one from shared memory, then the element rule). LAMB's and LARS's trust
+    // ratio is per segment: one lookup for a block inside one segment (the usual case), else per element.
+    bool one_segment = true;
+    float block_trust = 1.0f;
+    if (trust_algo && a.seg_trust) {
+      const int64_t s0 = a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, lo) : 0;
+      one_segment = a.nseg <= 0 || segment_of(a.seg_offsets, a.nseg, lo + len - 1) == s0;
+      block_trust = a.seg_trust[s0];
+    }
     float s1v[kPer], s2v[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -260,8 +268,7 @@ __global__ void __launch_bounds__(kWarpThreads, 3) optim_step_warp_kernel(StepAr
       if (!whole && j >= len) continue;
       float s1 = use1 ? w1.m->values[c1[k]] * scale1 : 0.0f;
       float s2 = use2 ? w2.m->values[c2[k]] * scale2 : 0.0f;
-      float trust = 1.0f;
-      if (trust_algo && a.seg_trust) trust = a.seg_trust[a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, lo + j) : 0];
+      const float trust = one_segment ? block_trust : a.seg_trust[segment_of(a.seg_offsets, a.nseg, lo + j)];
       p[k] = optim_update_one(a.algo, c, g[k], p[k], s1, s2, trust);
       s1v[k] = optim_state_finite(s1);
       s2v[k] = optim_state_finite(s2);
