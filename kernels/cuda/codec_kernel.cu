@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kWarpThreads, 4) quant_encode_warp_kernel(Enco
   }
 }
 
-// The warp form of the decode: the map's values in shared memory, grid-stride. `vec`: codes, absmax and y
+// The warp form of the decode: the map's values in shared memory, grid-stride. `vec`: the codes and y
 // aligned for quads (four consecutive elements, always in one block), each thread two quads in flight
 // (their loads issued before any store), in vector accesses; the last n % 4 elements one by one.
 __global__ void __launch_bounds__(kDecodeThreads) quant_decode_warp_kernel(DecodeArgs a, int block_shift, bool vec) {
