@@ -65,11 +65,7 @@ __global__ void row_quant_kernel(RowQuantArgs a) {
   uint32_t bits = 0;
   for (int64_t c = int64_t(threadIdx.x) * kW; c < a.cols; c += int64_t(blockDim.x) * kW) {
     float x[kW];
-    if constexpr (kW == 1) {
-      x[0] = dtype_load(a.x, a.dtype, base + c);
-    } else {
-      load_vec<kW>(a.x, a.dtype, base + c, x);
-    }
+    load_vec<kW>(a.x, a.dtype, base + c, x);
 #pragma unroll
     for (int k = 0; k < kW; ++k)
       if (!masked(c + k)) bits = max(bits, int8_abs_bits(x[k]));
@@ -79,20 +75,12 @@ __global__ void row_quant_kernel(RowQuantArgs a) {
   for (int64_t c = int64_t(threadIdx.x) * kW; c < a.cols; c += int64_t(blockDim.x) * kW) {
     const int64_t i = base + c;
     float x[kW];
-    if constexpr (kW == 1) {
-      x[0] = dtype_load(a.x, a.dtype, i);
-    } else {
-      load_vec<kW>(a.x, a.dtype, i, x);
-    }
+    load_vec<kW>(a.x, a.dtype, i, x);
     uint32_t q[kW];
 #pragma unroll
     for (int k = 0; k < kW; ++k)
       q[k] = masked(c + k) ? 0u : uint8_t(quant_elem(x[k], s, a.stochastic, a.seed, a.index_base + uint64_t(i + k)));
-    if constexpr (kW == 1) {
-      a.q[i] = int8_t(q[0]);
-    } else {
-      store_codes<kW>(reinterpret_cast<uint8_t*>(a.q), i, q);
-    }
+    store_codes<kW>(reinterpret_cast<uint8_t*>(a.q), i, q);
   }
 }
 
@@ -131,7 +119,8 @@ __global__ void col_max_kernel(ColQuantArgs a, int64_t ld, uint32_t* bits_out) {
   if (c < a.cols) {
     for (int64_t r0 = int64_t(blockIdx.y) * kColChunk; r0 < a.rows; r0 += int64_t(gridDim.y) * kColChunk) {
       const int64_t r1 = min(a.rows, r0 + kColChunk);
-      for (int64_t r = r0 + ty; r < r1; r += kColRows) bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
+      for (int64_t r = r0 + ty; r < r1; r += kColRows)
+        bits = max(bits, int8_abs_bits(dtype_load(a.x, a.dtype, r * ld + c)));
     }
   }
   part[ty][tx] = bits;
@@ -166,16 +155,12 @@ __global__ void block_dequant_kernel(BlockDequantArgs a, int64_t nbc) {
   for (int64_t r = blockIdx.y; r < a.rows; r += gridDim.y) {
     const float s = a.scale[(r / a.block_rows) * nbc + bc];
     const int64_t e = r * a.cols + c;
-    if constexpr (kW == 1) {
-      dtype_store(a.y, a.dtype, e, float(a.q[e]) * s);
-    } else {
-      uint32_t q[kW];
-      load_codes<kW>(reinterpret_cast<const uint8_t*>(a.q), e, q);
-      float y[kW];
+    uint32_t q[kW];
+    load_codes<kW>(reinterpret_cast<const uint8_t*>(a.q), e, q);
+    float y[kW];
 #pragma unroll
-      for (int k = 0; k < kW; ++k) y[k] = float(int8_t(q[k])) * s;
-      store_vec<kW>(a.y, a.dtype, e, y);
-    }
+    for (int k = 0; k < kW; ++k) y[k] = float(int8_t(q[k])) * s;
+    store_vec<kW>(a.y, a.dtype, e, y);
   }
 }
 
@@ -205,31 +190,18 @@ __global__ void epilogue_kernel(EpilogueArgs a) {
     const float rs = a.row_scale[(i / a.row_group) * a.row_stride];
     const int64_t e = i * a.cols + j;
     float v[kW], add[kW] = {}, prev[kW] = {};
-    int32_t acc[kW];
-    if constexpr (kW == 1) {
-      acc[0] = a.acc[e];
-      if (a.add) add[0] = a.add[e];
-      if (a.accumulate) prev[0] = static_cast<const float*>(a.out)[e];
-    } else {
-      uint32_t w[kW];
-      ld_words<4 * kW>(a.acc + e, w);
-#pragma unroll
-      for (int k = 0; k < kW; ++k) acc[k] = int32_t(w[k]);
-      if (a.add) load_vec<kW>(a.add, DType::f32, e, add);
-      if (a.accumulate) load_vec<kW>(a.out, DType::f32, e, prev);
-    }
+    uint32_t acc[kW];
+    ld_words<4 * kW>(a.acc + e, acc);
+    if (a.add) load_vec<kW>(a.add, DType::f32, e, add);
+    if (a.accumulate) load_vec<kW>(a.out, DType::f32, e, prev);
 #pragma unroll
     for (int k = 0; k < kW; ++k) {
-      v[k] = int8_dequant_one(acc[k], rs, cs[k]);
+      v[k] = int8_dequant_one(int32_t(acc[k]), rs, cs[k]);
       if (a.add) v[k] = v[k] + add[k];
       if (a.bias) v[k] = v[k] + bias[k];
       if (a.accumulate) v[k] = prev[k] + v[k];
     }
-    if constexpr (kW == 1) {
-      dtype_store(a.out, a.out_dtype, e, v[0]);
-    } else {
-      store_vec<kW>(a.out, a.out_dtype, e, v);
-    }
+    store_vec<kW>(a.out, a.out_dtype, e, v);
   }
 }
 

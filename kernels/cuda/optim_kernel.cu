@@ -206,8 +206,9 @@ __device__ __forceinline__ void warp_block_encode(const float* x, int lane, int6
 // step in at most 85 registers without a spill, where left to itself it spilled around the division's slow
 // path at kPer = 4 (which the build refuses, CMakeLists.txt of kernels/).
 template <int kPer>
-__global__ void __launch_bounds__(kWarpThreads, 3) optim_step_warp_kernel(StepArgs a, OptimConsts c, bool use1, bool use2,
-                                                                       bool trust_algo, int64_t nblocks, bool vec) {
+__global__ void __launch_bounds__(kWarpThreads, 3)
+    optim_step_warp_kernel(StepArgs a, OptimConsts c, bool use1, bool use2, bool trust_algo, int64_t nblocks,
+                           bool vec) {
   using E = WarpElems<kPer>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   SmemMap* maps = reinterpret_cast<SmemMap*>(smem_raw);
@@ -408,7 +409,7 @@ bool warp_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, 
   constexpr int64_t kWarpMinRounds = 4;
   const int64_t nblocks = (a.n + a.block - 1) / a.block, per_cta = kWarpMinRounds * (kWarpThreads / 32);
   const int64_t grid = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, limit);
-  constexpr int kW = kPer < 4 ? kPer : 4;  // WarpElems<kPer>::kW
+  constexpr int kW = WarpElems<kPer>::kW;
   const bool vec = cuda_detail::vec_aligned(a.code1, kW) && cuda_detail::vec_aligned(a.code2, kW) &&
                    cuda_detail::vec_aligned(a.grad, size_t(kW) * dtype_size(a.grad_dtype)) &&
                    cuda_detail::vec_aligned(a.param, size_t(kW) * dtype_size(a.param_dtype)) &&

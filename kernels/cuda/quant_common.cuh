@@ -61,16 +61,17 @@ __device__ __forceinline__ void warp_minmax(float& vmin, float& vmax, int& finit
   finite = __all_sync(kFullMask, finite);
 }
 
-// ---- Vector access: kW consecutive elements (kW = 2 or 4) in one load or store instruction ----
+// ---- Vector access: kW consecutive elements (kW = 1, 2 or 4) in one load or store instruction ----
 // A warp whose lanes take kW consecutive elements each moves whole 128-byte lines per instruction and has
 // kW times fewer memory instructions in flight for the same bytes: what lets a memory-bound kernel reach
 // the device's bandwidth. Each address must be aligned to the access's size (vec_aligned for the arrays'
 // bases; the kernels start vectors at multiples of kW elements).
 
-// kBytes (2, 4, 8 or 16) at p as little-endian 32-bit words (2 bytes: the low half of w[0]).
+// kBytes (1, 2, 4, 8 or 16) at p as little-endian 32-bit words (1 or 2 bytes: the low bits of w[0]).
 template <int kBytes>
 __device__ __forceinline__ void ld_words(const void* p, uint32_t* w) {
-  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "one load of 2, 4, 8 or 16 bytes");
+  static_assert(kBytes == 1 || kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16,
+                "one load of 1, 2, 4, 8 or 16 bytes");
   if constexpr (kBytes == 16) {
     const uint4 v = *static_cast<const uint4*>(p);
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
@@ -79,21 +80,26 @@ __device__ __forceinline__ void ld_words(const void* p, uint32_t* w) {
     w[0] = v.x, w[1] = v.y;
   } else if constexpr (kBytes == 4) {
     w[0] = *static_cast<const uint32_t*>(p);
-  } else {
+  } else if constexpr (kBytes == 2) {
     w[0] = *static_cast<const uint16_t*>(p);
+  } else {
+    w[0] = *static_cast<const uint8_t*>(p);
   }
 }
 template <int kBytes>
 __device__ __forceinline__ void st_words(void* p, const uint32_t* w) {
-  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "one store of 2, 4, 8 or 16 bytes");
+  static_assert(kBytes == 1 || kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16,
+                "one store of 1, 2, 4, 8 or 16 bytes");
   if constexpr (kBytes == 16) {
     *static_cast<uint4*>(p) = uint4{w[0], w[1], w[2], w[3]};
   } else if constexpr (kBytes == 8) {
     *static_cast<uint2*>(p) = uint2{w[0], w[1]};
   } else if constexpr (kBytes == 4) {
     *static_cast<uint32_t*>(p) = w[0];
-  } else {
+  } else if constexpr (kBytes == 2) {
     *static_cast<uint16_t*>(p) = uint16_t(w[0]);
+  } else {
+    *static_cast<uint8_t*>(p) = uint8_t(w[0]);
   }
 }
 

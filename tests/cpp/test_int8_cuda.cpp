@@ -157,7 +157,8 @@ TEST(Int8CudaKernels, ColQuantEqualsTheReference) {
 TEST(Int8CudaKernels, BlockQuantAndDequantEqualTheReference) {
   SKIP_WITHOUT_CUDA();
   const int64_t rows = 70, cols = 100;
-  for (auto [br, bc] : {std::pair<int32_t, int32_t>{32, 32}, {64, 16}})
+  // Blocks of 32 x 32 and 64 x 16, and blocks of 64 x 10, whose dequantization goes one column at a time.
+  for (auto [br, bc] : {std::pair<int32_t, int32_t>{32, 32}, {64, 16}, {64, 10}})
     for (bool stochastic : {false, true}) {
       SCOPED_TRACE(std::to_string(br) + "x" + std::to_string(bc) + (stochastic ? " stochastic" : ""));
       const std::vector<uint8_t> x = stored(sample(rows * cols, 4), DType::f32);
