@@ -6,8 +6,10 @@
 // in one of the orders. Undefined behaviour that a GPU would hang on or hide (a barrier some threads never
 // reach, a shuffle naming an absent lane, lanes that disagree on a mask) is reported and aborts.
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
