@@ -423,6 +423,16 @@ st_ctest() {
     --output-junit "$WORK/results/ctest.xml" --test-output-size-passed 200000 --test-output-size-failed 1000000
 }
 
+# cuda_tool NAME: the path of a CUDA toolkit program (compute-sanitizer, ncu) on PATH or beside nvcc; empty
+# when there is none.
+cuda_tool() {
+  local t
+  t=$(command -v "$1" || true)
+  [[ -z "$t" && -n "$NVCC" && -x "$(dirname "$NVCC")/$1" ]] && t="$(dirname "$NVCC")/$1"
+  echo "$t"
+}
+export -f cuda_tool
+
 # The CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) under compute-sanitizer's
 # memcheck: an access outside a buffer or shared memory that the bit comparisons might not show. Skipped
 # where there is no compute-sanitizer or it refuses the device (seen on gVisor machines).
@@ -432,8 +442,7 @@ st_memcheck() {
   # shellcheck disable=SC1090
   source "$DEPS_ENV"
   local cs
-  cs=$(command -v compute-sanitizer || true)
-  [[ -z "$cs" && -n "$NVCC" && -x "$(dirname "$NVCC")/compute-sanitizer" ]] && cs="$(dirname "$NVCC")/compute-sanitizer"
+  cs=$(cuda_tool compute-sanitizer)
   [[ -n "$cs" ]] || { stage_skip "compute-sanitizer not found"; return 0; }
   local t exe filter out rc
   for t in "test_codec_cuda:CodecCuda.*" "test_optim_cuda:OptimCuda.StepEqualsCpuReferenceBitwise"; do
@@ -458,8 +467,8 @@ export -f st_memcheck
 
 # Nsight Compute on the 8-bit kernels' warp form (the step and the codec; the bench's checks against the
 # CPU run too): per kernel its DRAM throughput against the device's peak, its achieved occupancy and what
-# limits it, so that a run that misses a bandwidth target also says why. One launch of each kernel after
-# two warm-ups; skipped where there is no ncu or it cannot profile this device (no access to the
+# limits it, so that a run that misses a bandwidth target also says why. Two launches under each
+# benchmark command, after two warm-ups; skipped where there is no ncu or it cannot profile this device (no access to the
 # performance counters: ERR_NVGPUCTRPERM).
 st_profile() {
   set -uo pipefail
@@ -467,8 +476,8 @@ st_profile() {
   # shellcheck disable=SC1090
   source "$DEPS_ENV"
   local ncu bench="$BUILD/benchmarks/zero8-bench" out rc args
-  ncu=$(command -v ncu || true)
-  [[ -z "$ncu" && -n "$NVCC" && -x "$(dirname "$NVCC")/ncu" ]] && ncu="$(dirname "$NVCC")/ncu"
+  local refused='ERR_NVGPUCTRPERM\|not supported on this device\|No kernels were profiled'
+  ncu=$(cuda_tool ncu)
   [[ -n "$ncu" ]] || { stage_skip "ncu (Nsight Compute) not found"; return 0; }
   [[ -x "$bench" ]] || { note "zero8-bench was not built"; return 1; }
   local kernels='regex:optim_step_warp_kernel|quant_encode_warp_kernel|quant_decode_warp_kernel'
@@ -479,8 +488,8 @@ st_profile() {
       --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis "$bench" $args --device cuda 2>&1)
     rc=$?
     echo "$out"
-    if grep -q "ERR_NVGPUCTRPERM\|not supported on this device\|No kernels were profiled" <<<"$out"; then
-      stage_skip "ncu cannot profile here: $(grep -m1 'ERR_NVGPUCTRPERM\|not supported\|No kernels' <<<"$out" | head -c 200)"
+    if grep -q "$refused" <<<"$out"; then
+      stage_skip "ncu cannot profile here: $(grep -m1 "$refused" <<<"$out" | head -c 200)"
       return 0
     fi
     ((rc == 0)) || { note "ncu zero8-bench $args: exit $rc"; return 1; }
