@@ -124,10 +124,15 @@ class Corpus:
     def __init__(self, max_bytes: int, val_fraction: float = 0.05):
         root = Path(sysconfig.get_paths()["stdlib"])
         files = []
-        for p in root.rglob("*.py"):
-            rel = p.relative_to(root).as_posix()
-            if not _CORPUS_SKIP.intersection(rel.split("/")[:-1]) and p.is_file():
-                files.append((hashlib.sha256(rel.encode()).hexdigest(), rel, p))
+        # The skipped folders are pruned, not walked: site-packages alone (torch...) holds far more files
+        # than the standard library.
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = [d for d in subfolders if d not in _CORPUS_SKIP]
+            for name in names:
+                p = Path(folder, name)
+                if name.endswith(".py") and p.is_file():
+                    rel = p.relative_to(root).as_posix()
+                    files.append((hashlib.sha256(rel.encode()).hexdigest(), rel, p))
         files.sort()
         if not files:
             raise RuntimeError(f"no *.py files under the standard library at {root}")
@@ -528,8 +533,13 @@ def main(argv=None) -> int:
     except zero8.Zero8ValueError as e:
         raise SystemExit(f"--pipeline-stages {args.pipeline_stages}: {e}") from None
     model = model.to(device)
-    with torch.device("meta"):  # the whole model's size, whatever this rank builds
-        n_params = sum(p.numel() for p in LayerModule(layers).parameters())
+    if pipelined:
+        # The whole model's size, whatever this rank builds. On the meta device: no memory, but the first
+        # meta build imports torch's meta kernels (seconds), so only where this rank holds a part.
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in LayerModule(layers).parameters())
+    else:
+        n_params = sum(p.numel() for p in model.parameters())
     # The engine gets the config as a dict (with this script's overrides), so its warnings and errors start
     # with "<config dict>": they are given the file's name instead, as docs/CONFIG.md shows them.
     def named(msg: str) -> str:
