@@ -4,7 +4,7 @@ against it and the torch package's libtorch, runs it under `mpirun -np 2`, and c
 (held-out loss below half its initial value) and that both replicas ended with identical weights.
 
 A pytest test rather than a ctest one: it needs the torch package, which scripts/python_setup.sh installs
-after ctest has run. Cost here: about 15 s to configure, 30-90 s to compile (libtorch's headers), a few
+after ctest has run. Cost here: about 15 s to configure, 15-45 s to compile (libtorch's headers), a few
 seconds to run.
 """
 

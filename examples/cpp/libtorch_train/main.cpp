@@ -5,7 +5,11 @@
 // into the bucket that carries it, no full-size gradient buffer) and reports it ready, so full buckets
 // are reduced while backward is still running.
 // Exit status 0 when the held-out loss fell below half its initial value, 1 otherwise.
-#include <torch/torch.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/utils.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <cmath>
