@@ -14,7 +14,6 @@ CPU; the pretraining example runs with --device cuda.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +34,7 @@ from engine_util import (
     exact_config,
     exact_train,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-DIST = Path(__file__).resolve().parent / "dist" / "dist_engine_cuda.py"
+from mpirun_util import ROOT, pytest_under_mpirun
 STEPS = 4  # as dist_engine_cuda.py
 _LAUNCHER_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
@@ -281,33 +278,10 @@ def test_gpu_checkpoint_resumes_on_the_gpu_and_loads_on_the_cpu(tmp_path):
 
 def _run_dist(np: int, backend: str, tmp_path: Path, extra_env: dict | None = None) -> None:
     """dist_engine_cuda.py under mpirun -np np with ZERO8_CUDA_BACKEND=backend; every rank must pass every test."""
-    if not zero8.build_info()["mpi"]:
-        pytest.skip("zero8 was built without MPI: no multi-rank backend")
-    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
-    if mpirun is None:
-        pytest.skip("mpirun not found")
-    results = tmp_path / "results"
-    results.mkdir()
-    env = dict(os.environ)
-    env.update({
-        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive",
-        "ZERO8_COMM_TIMEOUT": "120", "ZERO8_CUDA_BACKEND": backend, "ZERO8_CUDA_OUT": str(tmp_path),
-        "ZERO8_DIST_RESULTS": str(results), **(extra_env or {}),
-    })
-    cmd = [mpirun, "-np", str(np), "--oversubscribe", sys.executable, "-m", "pytest", "-q", "--color=no",
-           "-p", "no:cacheprovider", "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST)]
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"mpirun -np {np} ({backend}) did not finish in 240 s:\n{(e.stdout or '')[-4000:]}")
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, f"mpirun -np {np} ({backend}) exited with {r.returncode}:\n{out[-6000:]}"
-    for rank in range(np):
-        f = results / f"rank{rank}.txt"
-        assert f.is_file(), f"rank {rank} left no result:\n{out[-6000:]}"
-        status, collected, failed = (int(v) for v in f.read_text().split())
-        assert (status, failed) == (0, 0) and collected >= len(EXACT_COMBOS) + 2, (rank, out[-6000:])
+    collected = pytest_under_mpirun(np, "dist_engine_cuda.py", tmp_path / "results", timeout=240,
+                                    ZERO8_COMM_TIMEOUT=120, ZERO8_CUDA_BACKEND=backend, ZERO8_CUDA_OUT=tmp_path,
+                                    **(extra_env or {}))
+    assert collected >= len(EXACT_COMBOS) + 2, collected
 
 
 @pytest.mark.cuda

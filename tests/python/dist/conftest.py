@@ -1,6 +1,6 @@
-"""For the multi-rank runs of dist_engine.py: each rank writes its pytest outcome to
+"""For the multi-rank runs of the tests here: each rank writes its pytest outcome to
 $ZERO8_DIST_RESULTS/rank<R>.txt ("<exit status> <tests collected> <tests failed>"), which
-test_engine_dist.py reads instead of parsing the ranks' interleaved output."""
+mpirun_util.py reads instead of parsing the ranks' interleaved output."""
 
 from __future__ import annotations
 

@@ -1,0 +1,73 @@
+"""Runs a pytest file of tests/python/dist/ on several ranks under mpirun, as real processes, and checks that
+every rank ran the same tests and passed them all (used by test_engine_dist.py, test_engine_cuda.py and
+test_pipe_dist.py). Each rank writes its outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py),
+which is read instead of the ranks' interleaved output.
+
+The ranks share this machine's cores (--oversubscribe) with one kernel thread each, and a communicator
+timeout turns a rank that failed and skipped a collective into an error on the others instead of a wait.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import zero8
+
+ROOT = Path(__file__).resolve().parents[2]
+DIST = Path(__file__).resolve().parent / "dist"
+
+
+def mpirun_or_skip() -> str:
+    """mpirun's path; the calling test skips, with the reason, where there is no multi-rank backend."""
+    if not zero8.build_info()["mpi"]:
+        pytest.skip("zero8 was built without MPI: no multi-rank backend")
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        pytest.skip("mpirun not found (scripts/setup.sh installs OpenMPI)")
+    return mpirun
+
+
+def mpi_env(**extra) -> dict:
+    """The environment of a job: OpenMPI allowed as root and oversubscribed, one passive kernel thread per
+    rank, a 60 s communicator timeout; extra (values made str) added or replacing."""
+    env = dict(os.environ)
+    env.update({
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive",
+        "ZERO8_COMM_TIMEOUT": "60",
+    })
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def pytest_under_mpirun(np: int, script: str, results: Path, timeout: float = 300, **env) -> int:
+    """Runs dist/<script> under `mpirun -np np` with mpi_env(**env) and ZERO8_DIST_RESULTS=results; fails the
+    test unless the job exits 0 and every rank collected the same tests and passed them. Returns how many
+    tests each rank collected."""
+    results.mkdir(parents=True, exist_ok=True)
+    # Not the pytest plugins of other packages (hypothesis' alone takes 0.8 s to import, in every rank).
+    cmd = [mpirun_or_skip(), "-np", str(np), "--oversubscribe", sys.executable, "-m", "pytest", "-q", "--color=no",
+           "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio",
+           "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / script)]
+    what = f"mpirun -np {np} {script}"
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ZERO8_DIST_RESULTS=results, **env), capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"{what} did not finish in {timeout:g} s:\n{out[-4000:]}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{what} exited with {r.returncode}:\n{out[-6000:]}"
+    outcomes = {}
+    for rank in range(np):
+        f = results / f"rank{rank}.txt"
+        assert f.is_file(), f"{what}: rank {rank} left no result:\n{out[-6000:]}"
+        outcomes[rank] = tuple(int(v) for v in f.read_text().split())  # exit status, collected, failed
+    assert all(o == (0, outcomes[0][1], 0) for o in outcomes.values()), (outcomes, out[-6000:])
+    return outcomes[0][1]
