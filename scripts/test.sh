@@ -123,7 +123,7 @@ fi
 
 # --- C++ under sanitizers, and fuzzing (ZERO8_TEST_SANITIZE=0 skips them) ---
 # scripts/sanitize.sh: ASan+UBSan over every ctest test and the fuzz corpora, TSan over the threaded
-# communicator tests, then each fuzz target for ZERO8_FUZZ_SECONDS (default 30); clang builds without
+# communicator tests, then each fuzz target for ZERO8_FUZZ_SECONDS (default 20); clang builds without
 # CUDA in <build>-asan and <build>-tsan. Only failures are printed here (logs in those directories).
 san_lines=("skipped (ZERO8_TEST_SANITIZE=0)") san_rc=0
 if [[ "${ZERO8_TEST_SANITIZE:-1}" != 0 ]]; then
