@@ -35,6 +35,7 @@ from engine_util import (
     exact_train,
 )
 from mpirun_util import ROOT, pytest_under_mpirun
+
 STEPS = 4  # as dist_engine_cuda.py
 _LAUNCHER_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import zero8
+from mpirun_util import mpi_env, mpirun_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
@@ -40,30 +39,14 @@ TIMEOUT = 240
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env.update({
-        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        "OMPI_MCA_rmaps_base_oversubscribe": "1",
-        # One thread everywhere: with more, torch's reductions (the reported mean loss) may split their
-        # sums differently in a 1-process and a 2-process run.
-        "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive", "ZERO8_COMM_TIMEOUT": "60",
-        "PYTHONWARNINGS": "ignore::UserWarning",
-    })
-    return env
-
-
-def _mpirun() -> str:
-    if not zero8.build_info()["mpi"]:
-        pytest.skip("zero8 was built without MPI: no multi-rank backend")
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("mpirun not found (scripts/setup.sh installs OpenMPI)")
-    return mpirun
+    # One thread everywhere (mpi_env's OMP_NUM_THREADS=1): with more, torch's reductions (the reported mean
+    # loss) may split their sums differently in a 1-process and a 2-process run.
+    return mpi_env(PYTHONWARNINGS="ignore::UserWarning")
 
 
 def _cmd(np: int, out_dir: Path, *extra: str) -> list[str]:
     py = [sys.executable, str(EXAMPLE), *TINY, "--out_dir", str(out_dir), *extra]
-    return py if np == 1 else [_mpirun(), "-np", str(np), "--oversubscribe", *py]
+    return py if np == 1 else [mpirun_or_skip(), "-np", str(np), "--oversubscribe", *py]
 
 
 def _run(np: int, out_dir: Path, *extra: str) -> str:
