@@ -468,8 +468,8 @@ export -f st_memcheck
 # Nsight Compute on the 8-bit kernels' warp form (the step and the codec; the bench's checks against the
 # CPU run too): per kernel its DRAM throughput against the device's peak, its achieved occupancy and what
 # limits it, so that a run that misses a bandwidth target also says why. Two launches under each
-# benchmark command, after two warm-ups; skipped where there is no ncu or it cannot profile this device (no access to the
-# performance counters: ERR_NVGPUCTRPERM).
+# benchmark command, after two warm-ups; skipped where there is no ncu or it cannot profile this device
+# (no access to the performance counters: ERR_NVGPUCTRPERM).
 st_profile() {
   set -uo pipefail
   export STAGE=profile
