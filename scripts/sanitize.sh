@@ -4,9 +4,10 @@
 #   asan  build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer, every ctest test (mpirun ones
 #         included; not the demo training run) and the replay of each fuzz corpus (tests/fuzz/corpus/).
 #   tsan  build-tsan/: ThreadSanitizer over the threaded communicator tests (test_comm_single's
-#         CommThreads, test_liveness) and, under mpirun on 2 and 3 ranks, the multi-rank communicator and
-#         sharded-optimizer tests (test_dist_comm, test_dist_sharded: the overlap thread and the deferred
-#         all-gather over real MPI; OpenMPI's own code suppressed, tests/sanitize/tsan_mpi.supp).
+#         CommThreads, test_liveness, test_comm_tcp whose ranks are threads of one process) and, under
+#         mpirun on 2 and 3 ranks, the multi-rank communicator and sharded-optimizer tests (test_dist_comm,
+#         test_dist_sharded: the overlap thread and the deferred all-gather over real MPI; OpenMPI's own
+#         code suppressed, tests/sanitize/tsan_mpi.supp).
 #   fuzz  each libFuzzer target of build-asan/ for ZERO8_FUZZ_SECONDS (default 20) from its corpus and
 #         the test data; new inputs go to build-asan/fuzz/corpus/<target>/, crashes to build-asan/fuzz/.
 # Usage: scripts/sanitize.sh [asan] [tsan] [fuzz] (default: all three, in that order). Each part prints
@@ -93,7 +94,8 @@ run_tsan() {
   mkdir -p "$tsan_dir"
   # Only the test executables that run threads of the communicator (and the library they link); the
   # mpirun ones where zero8 has MPI (configure found it) and mpirun is there.
-  if ! configure "$tsan_dir" thread || ! cmake --build "$tsan_dir" --parallel "$jobs" --target test_comm_single test_liveness; then
+  if ! configure "$tsan_dir" thread ||
+    ! cmake --build "$tsan_dir" --parallel "$jobs" --target test_comm_single test_liveness test_comm_tcp; then
     summary "tsan: build failed ($(( $(date +%s) - t0 )) s)"
     return 1
   fi
@@ -109,7 +111,7 @@ run_tsan() {
   fi
   # One OpenMP thread: Debian's libomp is not built with TSan, so its barriers would read as races; the
   # threads under test are the communicator's own.
-  for exe in test_comm_single test_liveness; do
+  for exe in test_comm_single test_liveness test_comm_tcp; do
     log="$tsan_dir/$exe.log"
     if ! OMP_NUM_THREADS=1 "$tsan_dir/tests/$exe" --gtest_brief=1 >"$log" 2>&1; then
       rc=1
@@ -133,7 +135,7 @@ run_tsan() {
       fi
     done
   done
-  local what="test_comm_single, test_liveness"
+  local what="test_comm_single, test_liveness, test_comm_tcp"
   ((${#mpi_exes[@]} > 0)) && what+=", test_dist_comm and test_dist_sharded on 2 and 3 ranks"
   summary "tsan: $what: $( ((rc == 0)) && echo passed || echo FAILED), $(( $(date +%s) - t0 )) s"
   return $rc

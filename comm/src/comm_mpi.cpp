@@ -640,14 +640,9 @@ std::unique_ptr<MpiComm> MpiComm::split_mpi(int color, int key, const std::strin
   MPI_Comm child = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split(mpi_comm(kind), color < 0 ? MPI_UNDEFINED : color, key, &child), kind, "MPI_Comm_split");
   if (color < 0) return nullptr;
-  std::vector<int> members;
-  for (int p = 0; p < n; ++p)
-    if (all[size_t(2 * p)] == color) members.push_back(p);
   // MPI orders a split's ranks by (key, old rank); so do we.
-  std::stable_sort(members.begin(), members.end(),
-                   [&](int a, int b) { return all[size_t(2 * a + 1)] < all[size_t(2 * b + 1)]; });
   std::vector<int> wr;
-  for (int p : members) wr.push_back(world_rank(p));
+  for (int p : split_members(all, color)) wr.push_back(world_rank(p));
   MPI_Comm_set_errhandler(child, MPI_ERRORS_RETURN);
   // Keyed by the collective number, which every member agrees on (seq() also counts send/recv).
   const uint64_t id = rng_mix(rng_mix(id_, collective_seq()), uint64_t(color));

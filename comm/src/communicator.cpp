@@ -819,6 +819,19 @@ NodeGroups node_groups(Communicator& world) {
   return g;
 }
 
+// ---- what the backends share ----
+
+namespace detail {
+std::vector<int> split_members(const std::vector<int32_t>& pairs, int color) {
+  std::vector<int> members;
+  for (size_t p = 0; 2 * p < pairs.size(); ++p)
+    if (pairs[2 * p] == color) members.push_back(int(p));
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return pairs[size_t(2 * a + 1)] < pairs[size_t(2 * b + 1)]; });
+  return members;
+}
+}  // namespace detail
+
 // ---- factory ----
 
 namespace {
@@ -857,15 +870,16 @@ void check_launched_for(const std::string& backend) {
   ZERO8_THROW(unsupported, "communicator backend '"
                                << backend << "': WORLD_SIZE is " << ws
                                << ", but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
-                                  "PMI_SIZE, PMIX_RANK is set): zero8's ranks connect over MPI, so under torchrun or "
-                                  "DeepSpeed's launcher each would train alone. Start the job with zero8-launch "
-                                  "--num_procs "
-                               << ws << " (DeepSpeed's hostfile and environment variables) or mpirun -np " << ws);
+                                  "PMI_SIZE, PMIX_RANK is set), and each rank would train alone. Under torchrun or "
+                                  "DeepSpeed's launcher use the 'tcp' backend (zero8.initialize makes it for "
+                                  "\"comm_backend\": \"auto\" or \"tcp\"; in C++ tcp_create), or start the job with "
+                                  "zero8-launch --num_procs "
+                               << ws << " or mpirun -np " << ws << " for MPI (and NCCL between GPUs)");
 }
 }  // namespace
 
 bool comm_backend_available(const std::string& backend) {
-  if (backend == "single" || backend == "auto") return true;
+  if (backend == "single" || backend == "auto" || backend == "tcp") return true;
   if (backend == "mpi") return ZERO8_WITH_MPI != 0;
   if (backend == "nccl") return ZERO8_WITH_NCCL != 0;
   return false;
@@ -881,6 +895,10 @@ std::string comm_auto_backend(MemSpace memory) {
 
 std::unique_ptr<Communicator> comm_create(const std::string& backend) {
   if (backend == "single") return detail::single_create();
+  if (backend == "tcp")
+    ZERO8_THROW(unsupported, "communicator backend 'tcp': it needs a rendezvous (every rank's address), so it is "
+                             "made by zero8.initialize under torchrun or DeepSpeed's launcher (through "
+                             "torch.distributed's store), or in C++ by tcp_create(rank, size, exchange)");
   if (backend == "mpi" || backend == "nccl" || backend == "auto") check_launched_for(backend);
   if (backend == "mpi") {
 #if ZERO8_WITH_MPI
@@ -912,7 +930,7 @@ std::unique_ptr<Communicator> comm_create(const std::string& backend) {
 #endif
   }
   ZERO8_THROW(invalid_argument, "invalid argument 'backend': unknown communicator backend '"
-                                    << backend << "' (expected auto, single, mpi or nccl)");
+                                    << backend << "' (expected auto, single, mpi, nccl or tcp)");
 }
 
 }  // namespace zero8::comm

@@ -5,20 +5,18 @@
 // call}, then the text).
 //
 // A partitioned link or a dead host closes nothing, so no EOF arrives: every mesh socket has TCP
-// keepalive and TCP_USER_TIMEOUT set (set_common_options) so that the kernel ends a connection whose
-// peer host has not answered for ZERO8_COMM_LINK_TIMEOUT seconds; the watcher's recv() then fails
-// with ETIMEDOUT (or EHOSTUNREACH...; or sees an EOF after a silence no working link has, see run())
-// and the peer is reported lost, which fails every waiting collective at once, on both sides of the
-// partition. No heartbeat of our own: the kernel answers keepalive probes for a process that is
-// stopped (SIGSTOP, a debugger) or busy for hours, so only a dead link or host counts, never a slow
-// rank (ZERO8_COMM_TIMEOUT bounds those).
+// keepalive and TCP_USER_TIMEOUT set (socket_set_link_options, sockets.cpp) so that the kernel ends a
+// connection whose peer host has not answered for ZERO8_COMM_LINK_TIMEOUT seconds; the watcher's
+// recv() then fails with ETIMEDOUT (or EHOSTUNREACH...; or sees an EOF after a silence no working link
+// has, see run()) and the peer is reported lost, which fails every waiting collective at once, on both
+// sides of the partition. No heartbeat of our own: the kernel answers keepalive probes for a process
+// that is stopped (SIGSTOP, a debugger) or busy for hours, so only a dead link or host counts, never a
+// slow rank (ZERO8_COMM_TIMEOUT bounds those).
 #include "liveness.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/socket.h>
@@ -31,10 +29,10 @@
 #include <cstring>
 #include <exception>
 #include <iomanip>
-#include <random>
 #include <sstream>
 
 #include "comm_env.h"
+#include "sockets.h"
 #include "zero8/error.h"
 
 namespace zero8::comm::detail {
@@ -47,9 +45,7 @@ constexpr uint32_t kMaxFrame = 1u << 20;
 // The longest a frame's send may block (a peer that stopped reading: see FrameSender).
 constexpr double kSendSeconds = 2.0;
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return socket_now(); }
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -72,143 +68,6 @@ struct HelloFrame {
   uint32_t pad;
 };
 static_assert(sizeof(HelloFrame) == 24, "HelloFrame crosses the wire");
-
-// The address to listen on: ZERO8_COMM_IFADDR, else what the hostname resolves to, else loopback.
-uint32_t resolve_listen_address(const std::string& ifaddr, std::string* text) {
-  in_addr a{};
-  if (!ifaddr.empty()) {
-    if (inet_pton(AF_INET, ifaddr.c_str(), &a) != 1)
-      ZERO8_THROW(invalid_argument, "invalid argument 'ZERO8_COMM_IFADDR': '" << ifaddr << "' is not an IPv4 address");
-  } else {
-    a.s_addr = htonl(INADDR_LOOPBACK);
-    addrinfo hints{};
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    if (getaddrinfo(host_name().c_str(), nullptr, &hints, &res) == 0 && res != nullptr) {
-      a = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
-      freeaddrinfo(res);
-    }
-  }
-  char buf[INET_ADDRSTRLEN] = {0};
-  inet_ntop(AF_INET, &a, buf, sizeof(buf));
-  *text = buf;
-  return a.s_addr;
-}
-
-// Keepalive of a mesh connection (see set_common_options): probes from `idle` s of silence on, `count`
-// of them `interval` apart, idle + count * interval = the link timeout.
-struct Keepalive {
-  int count, interval, idle;
-};
-Keepalive keepalive_for(int link_timeout_s) {
-  const int count = link_timeout_s >= 4 ? 3 : 1;
-  const int interval = std::max(1, link_timeout_s / 6);
-  return {count, interval, link_timeout_s - count * interval};
-}
-
-void set_common_options(int fd, int link_timeout_s) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // No send timeout here: every send (write_until) is bounded by its own deadline, so that a peer
-  // that stops reading (SIGSTOP) never blocks us for long.
-  // A silent peer host is detected within link_timeout_s (see the top of this file). The mesh is idle
-  // but for rare frames, so keepalive does the detecting: probes from idle seconds on, `count` of
-  // them `interval` apart, idle + count * interval = link_timeout_s. TCP_USER_TIMEOUT bounds the same
-  // time for a frame sent but not acknowledged, and makes the kernel end a keepalive-probed connection
-  // after it too. The peer's kernel acknowledges for it, so a stopped process is never timed out
-  // (unless it leaves its receive buffer full for that long: the mesh's few small frames never fill it).
-  const Keepalive k = keepalive_for(link_timeout_s);
-  const unsigned user_timeout_ms = unsigned(link_timeout_s) * 1000u;
-  struct Option {
-    int level, name;
-    const void* value;
-    socklen_t size;
-    const char* text;
-  };
-  const Option options[] = {
-      {SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one), "SO_KEEPALIVE"},
-      {IPPROTO_TCP, TCP_KEEPIDLE, &k.idle, sizeof(k.idle), "TCP_KEEPIDLE"},
-      {IPPROTO_TCP, TCP_KEEPINTVL, &k.interval, sizeof(k.interval), "TCP_KEEPINTVL"},
-      {IPPROTO_TCP, TCP_KEEPCNT, &k.count, sizeof(k.count), "TCP_KEEPCNT"},
-      {IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms), "TCP_USER_TIMEOUT"},
-  };
-  for (const Option& o : options)
-    if (setsockopt(fd, o.level, o.name, o.value, o.size) != 0)
-      ZERO8_THROW(comm, "liveness: setsockopt(" << o.text << ") failed: " << errno_text()
-                                                << " (needed to detect a lost link within ZERO8_COMM_LINK_TIMEOUT="
-                                                << link_timeout_s << " s)");
-}
-
-// The errors of a connection the kernel ended because the peer's host stopped answering (keepalive or
-// TCP_USER_TIMEOUT: ETIMEDOUT, or the last ICMP error it got meanwhile), as opposed to a close or reset.
-bool is_link_error(int err) {
-  return err == ETIMEDOUT || err == EHOSTUNREACH || err == ENETUNREACH || err == EHOSTDOWN || err == ENETDOWN;
-}
-
-// Whether the peer's kernel has been silent for longer than it ever is on a working link: an idle mesh
-// connection is probed after `idle` s and answered within a round trip, so nothing for idle + interval/2
-// means unanswered probes. A connection that ends (EOF or a reset) after such a silence ended with the
-// link, not with a process that died on a working one. Two ways this happens without recv() getting
-// the kernel's ETIMEDOUT: the kernel reports it once, to the first call on the socket, and a frame
-// sent from another thread a moment earlier (a status query, every few seconds in a waiting
-// collective) takes it; or the partition healed after the peer's kernel had given up on the
-// connection but before ours did, and it answered our next segment with a reset. Either way the
-// silence has lasted at least until a kernel's timeout: the link timeout, more than this bound.
-bool silent_for_too_long(int fd, int link_timeout_s) {
-  tcp_info info{};
-  socklen_t size = sizeof(info);
-  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &size) != 0) return false;
-  const Keepalive k = keepalive_for(link_timeout_s);
-  return info.tcpi_last_ack_recv >= unsigned(k.idle) * 1000u + unsigned(k.interval) * 500u;
-}
-
-// Wait until fd is ready for `events` or the deadline passes; false on timeout.
-bool poll_one(int fd, short events, double deadline) {
-  for (;;) {
-    const double left = deadline - now_s();
-    if (left <= 0) return false;
-    pollfd p{fd, events, 0};
-    const int r = poll(&p, 1, int(left * 1000) + 1);
-    if (r > 0) return true;
-    if (r < 0 && errno != EINTR) return false;
-  }
-}
-
-bool read_exact(int fd, void* buf, size_t n, double deadline) {
-  char* p = static_cast<char*>(buf);
-  while (n > 0) {
-    if (!poll_one(fd, POLLIN, deadline)) return false;
-    const ssize_t k = recv(fd, p, n, 0);
-    if (k == 0) return false;
-    if (k < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return false;
-    }
-    p += k;
-    n -= size_t(k);
-  }
-  return true;
-}
-
-// Writes [p, p + n) until done or the deadline: the count written (short on timeout), -1 if the
-// connection failed. MSG_DONTWAIT and poll() bound the whole write, not each send() call.
-ssize_t write_until(int fd, const char* p, size_t n, double deadline) {
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t k = ::send(fd, p + done, n - done, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (k > 0) {
-      done += size_t(k);
-    } else if (k < 0 && errno == EINTR) {
-      continue;
-    } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      if (!poll_one(fd, POLLOUT, deadline)) break;
-    } else {
-      return -1;
-    }
-  }
-  return ssize_t(done);
-}
 
 template <class T> void put(std::string& s, const T& v) { s.append(reinterpret_cast<const char*>(&v), sizeof(T)); }
 template <class T> T get(const char* p) {
@@ -248,7 +107,7 @@ void atfork_child() {
 bool FrameSender::send(int fd, const std::string& frame, double timeout_s) {
   const double deadline = now_s() + timeout_s;
   if (!unsent_.empty()) {
-    const ssize_t k = write_until(fd, unsent_.data(), unsent_.size(), deadline);
+    const ssize_t k = socket_write_until(fd, unsent_.data(), unsent_.size(), deadline);
     if (k < 0) {
       unsent_.clear();  // the connection is gone: the watcher sees it end
       return false;
@@ -256,7 +115,7 @@ bool FrameSender::send(int fd, const std::string& frame, double timeout_s) {
     unsent_.erase(0, size_t(k));
     if (!unsent_.empty()) return false;  // still stuck: drop this frame whole
   }
-  const ssize_t k = write_until(fd, frame.data(), frame.size(), deadline);
+  const ssize_t k = socket_write_until(fd, frame.data(), frame.size(), deadline);
   if (k < 0) return false;
   unsent_.assign(frame, size_t(k), std::string::npos);
   return true;
@@ -288,38 +147,17 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   } catch (...) {
     env_error = std::current_exception();
   }
-  std::string ip_text;
-  const uint32_t ip = resolve_listen_address(ifaddr, &ip_text);
-  const int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (lfd < 0) ZERO8_THROW(comm, "liveness: socket() failed: " << errno_text());
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{lfd};
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = ip;
-  sa.sin_port = 0;
   // A rank that cannot listen still joins the address exchange (with port 0), so every rank
   // fails at once with the reason instead of waiting for its connection until the timeout.
   std::string listen_error;
-  if (bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-    const std::string why = errno_text();
-    // The hostname may resolve to an address this host (container) does not have: loopback still
-    // serves every single-node job; a multi-node job then reports the address it cannot reach.
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (!ifaddr.empty() || bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0)
-      listen_error = "cannot listen on " + ip_text +
-                     (ifaddr.empty() ? " (the hostname's address; set ZERO8_COMM_IFADDR to this host's address): "
-                                     : " (ZERO8_COMM_IFADDR: is it an address of this host?): ") +
-                     why;
-    else
-      ip_text = "127.0.0.1";
-  }
-  if (listen_error.empty() && listen(lfd, size_ + 16) != 0) listen_error = "listen() failed: " + errno_text();
-  socklen_t len = sizeof(sa);
-  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
-  address_ = ip_text + ":" + std::to_string(ntohs(sa.sin_port));
+  sockaddr_in sa{};
+  const int lfd = socket_listen(ifaddr, size_ + 16, &address_, &sa, &listen_error);
+  struct Closer {
+    int fd;
+    ~Closer() {
+      if (fd >= 0) close(fd);
+    }
+  } closer{lfd};
 
   AddressRecord mine{};
   mine.magic = kMagic;
@@ -329,8 +167,7 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   mine.bad_env = env_error ? 1 : 0;
   mine.rank = rank_;
   std::snprintf(mine.host, sizeof(mine.host), "%s", host_name().c_str());
-  std::random_device rd;
-  mine.token = (uint64_t(rd()) << 32) ^ uint64_t(rd()) ^ uint64_t(getpid()) ^ uint64_t(now_s() * 1e9);
+  mine.token = socket_random_token();
   std::vector<AddressRecord> all(static_cast<size_t>(size_));
   all_gather(&mine, all.data(), sizeof(AddressRecord));
   if (env_error) std::rethrow_exception(env_error);
@@ -352,35 +189,23 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   // Connect to every lower rank: completes against its listen backlog even before it accepts,
   // so the order cannot deadlock.
   for (int r = 0; r < rank_; ++r) {
-    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) ZERO8_THROW(comm, "liveness: socket() failed (raise 'ulimit -n'?): " << errno_text());
-    peers_[size_t(r)].fd = fd;
     sockaddr_in to{};
     to.sin_family = AF_INET;
     to.sin_addr.s_addr = all[size_t(r)].ipv4;
     to.sin_port = all[size_t(r)].port;
-    const int fl = fcntl(fd, F_GETFL);
-    fcntl(fd, F_SETFL, fl | O_NONBLOCK);
-    int rc = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to));
-    if (rc != 0 && errno == EINPROGRESS) {
-      if (!poll_one(fd, POLLOUT, deadline))
-        ZERO8_THROW(comm, "liveness: connecting to rank " << r << " timed out after " << timeout_s << " s");
-      int err = 0;
-      socklen_t el = sizeof(err);
-      getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
-      rc = err == 0 ? 0 : -1;
-      errno = err;
-    }
-    if (rc != 0) {
+    const int fd = socket_connect(to, deadline);
+    if (fd < 0 && errno == ETIMEDOUT)
+      ZERO8_THROW(comm, "liveness: connecting to rank " << r << " timed out after " << timeout_s << " s");
+    if (fd < 0) {
       char b[INET_ADDRSTRLEN] = {0};
       inet_ntop(AF_INET, &to.sin_addr, b, sizeof(b));
       ZERO8_THROW(comm, "liveness: cannot connect to rank " << r << " at " << b << ":" << ntohs(to.sin_port) << ": "
                                                             << errno_text() << " (set ZERO8_COMM_IFADDR?)");
     }
-    fcntl(fd, F_SETFL, fl);
-    set_common_options(fd, link_timeout_s_);
+    peers_[size_t(r)].fd = fd;
+    socket_set_link_options(fd, link_timeout_s_, true, "liveness");
     HelloFrame h{kHello, 16, token, rank_, 0};
-    const ssize_t sent = write_until(fd, reinterpret_cast<const char*>(&h), sizeof(h), now_s() + kSendSeconds);
+    const ssize_t sent = socket_write_until(fd, reinterpret_cast<const char*>(&h), sizeof(h), now_s() + kSendSeconds);
     if (sent != ssize_t(sizeof(h)))
       ZERO8_THROW(comm, "liveness: hello to rank " << r << " failed: "
                                                    << (sent < 0 ? errno_text() : "not sent within " + seconds_text(kSendSeconds)));
@@ -388,7 +213,7 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   // Accept every higher rank.
   int expected = size_ - 1 - rank_;
   while (expected > 0) {
-    if (!poll_one(lfd, POLLIN, deadline)) {
+    if (!socket_poll(lfd, POLLIN, deadline)) {
       std::ostringstream missing;
       for (int r = rank_ + 1; r < size_; ++r)
         if (peers_[size_t(r)].fd < 0) missing << " " << r;
@@ -398,13 +223,13 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
     const int fd = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
     HelloFrame h{};
-    if (!read_exact(fd, &h, sizeof(h), deadline) || h.type != kHello || h.len != 16 || h.token != token ||
+    if (!socket_read_exact(fd, &h, sizeof(h), deadline) || h.type != kHello || h.len != 16 || h.token != token ||
         h.rank <= rank_ || h.rank >= size_ || peers_[size_t(h.rank)].fd >= 0) {
       close(fd);  // not one of ours (or a duplicate): ignore it
       continue;
     }
     peers_[size_t(h.rank)].fd = fd;
-    set_common_options(fd, link_timeout_s_);
+    socket_set_link_options(fd, link_timeout_s_, true, "liveness");
     --expected;
   }
 }
@@ -467,7 +292,7 @@ void Liveness::run() {
       const ssize_t k = recv(f.fd, buf.data(), buf.size(), 0);
       if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       const bool link_error =
-          k <= 0 && ((k < 0 && is_link_error(errno)) || silent_for_too_long(f.fd, link_timeout_s_));
+          k <= 0 && ((k < 0 && socket_link_error(errno)) || socket_silent_for_too_long(f.fd, link_timeout_s_));
       bool ok = k > 0;
       if (ok) {
         p.inbuf.insert(p.inbuf.end(), buf.data(), buf.data() + k);

@@ -37,11 +37,12 @@ namespace zero8::comm {
 //   before the others call it, so a broadcast swapped with the next collective can complete. (MPI
 //   collectives carry no sizes to compare; checking every call would cost an extra exchange.)
 // * Memory: buffers belong to the caller and must stay valid for the call. memory() says which memory
-//   the backend moves itself: host (single, MPI) or device (NCCL). Send and receive buffers must not
-//   overlap, except where an op says "in place".
+//   the backend moves itself: host (single, MPI, tcp) or device (NCCL). Send and receive buffers must
+//   not overlap, except where an op says "in place".
 //   Device buffers on a host backend: the single backend copies them itself (cudaMemcpyAsync); the MPI
-//   backend stages them through page-locked host memory (cudaMallocHost, one scratch per communicator,
-//   reused): the device inputs are copied out, MPI runs on the copies, the results are copied back.
+//   and tcp backends stage them through page-locked host memory (cudaMallocHost, one scratch per
+//   communicator, reused): the device inputs are copied out, the transport runs on the copies, the
+//   results are copied back.
 //   Each pointer is looked at (cudaPointerGetAttributes: device and managed memory are staged, host
 //   memory, pageable or page-locked, is used as it is), so host buffers keep their direct path and cost
 //   (no query at all in a build without CUDA, a process without a device, or one without a CUDA
@@ -75,13 +76,15 @@ namespace zero8::comm {
 //   thread runs after the caller's step returned) is the one exception the library arranges itself:
 //   every public call of any communicator from another thread first waits for it, so the training
 //   loop's own collectives (a loss all-reduce) never run beside it.
-// * fork(): a child process cannot use its parent's MPI communicators: every call there throws
+// * fork(): a child process cannot use its parent's MPI or tcp communicators: every call there throws
 //   Error(comm) ("this communicator belongs to process 1234 and cannot be used after fork()"),
-//   and the child writes nothing to the parent's connections (see "MPI backend" below). Destroying
-//   them there (a normal exit) leaves MPI alone, and abort() ends the child only (_Exit).
+//   and the child writes nothing to the parent's connections (see "MPI backend" below; the tcp
+//   backend's child closes its copies of the sockets the same way). Destroying them there (a normal
+//   exit) leaves MPI and the connections alone, and abort() ends the child only (_Exit).
 // * Determinism: reductions of floating values are identical on every rank. The single and MPI
 //   backends compute sums as a left fold in rank order, ((x0 + x1) + x2) + ..., so results are
-//   reproducible and equal a serial reference; NCCL sums in its own (fixed) ring order.
+//   reproducible and equal a serial reference; the tcp backend uses the same folds (bit-identical to
+//   MPI's); NCCL sums in its own (fixed) ring order.
 // * Failure: no call waits forever. If a peer process dies, a peer reports that it gave up, a member
 //   shut down normally (destroyed its last communicator) without joining the call (MPI backend: a
 //   second later), or the call exceeds timeout() seconds, EVERY surviving rank gets
@@ -121,8 +124,9 @@ namespace zero8::comm {
 
 // Environment (read by comm_env.cpp, the one place these are parsed):
 //   ZERO8_COMM_TIMEOUT  seconds before a collective gives up (default 600; per communicator: set_timeout)
-//   ZERO8_COMM_IFADDR   IPv4 address of this host for the MPI backend's liveness connections
-//                       (default: the address the hostname resolves to, else 127.0.0.1)
+//   ZERO8_COMM_IFADDR   IPv4 address of this host for the MPI backend's liveness connections and the
+//                       tcp backend's connections (default: the address the hostname resolves to,
+//                       else 127.0.0.1)
 //   ZERO8_COMM_NODE     node name used to form node groups (default: the hostname)
 
 enum class ReduceOp : uint8_t { sum = 0, max = 1, min = 2 };
@@ -190,7 +194,7 @@ class Communicator {
   int size() const { return size_; }
   const std::string& name() const { return name_; }  // "world", "dp[stage 1]", ... (set at split)
   virtual std::string description() const = 0;      // backend, name, rank, size, host
-  virtual const char* backend() const = 0;           // "single", "mpi", "nccl"
+  virtual const char* backend() const = 0;           // "single", "mpi", "nccl", "tcp"
   virtual MemSpace memory() const = 0;
   // Whether calls may come from another thread than the one that made the communicator, one thread at
   // a time (see "Threads" above).
@@ -341,10 +345,35 @@ class Communicator {
 // finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI.
 // "auto": "mpi" when started by an MPI launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK set) and built with MPI,
 // else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
+// "tcp" needs a rendezvous, so it is made by tcp_create below (zero8.initialize does it under torchrun):
+// comm_create("tcp") throws Error(unsupported) saying so.
 // "auto", "mpi" and "nccl" in a process that no MPI launcher started but whose WORLD_SIZE is above 1
 // (torchrun, DeepSpeed's launcher) throw Error(unsupported) naming zero8-launch: each rank would be alone.
 std::unique_ptr<Communicator> comm_create(const std::string& backend = "auto");
 bool comm_backend_available(const std::string& backend);  // compiled in (not: usable right now)
+
+// "tcp": every pair of ranks connected by TCP, for processes that no MPI launcher started (torchrun,
+// DeepSpeed's launcher). Each rank listens (ZERO8_COMM_IFADDR or the default address, any free port),
+// then `exchange` is called once with this rank's contact string and must return every rank's string in
+// rank order (the same list on every rank): zero8's Python layer does it through torch.distributed's
+// store. Every rank then connects to the ranks below it and accepts the ones above, within
+// ZERO8_COMM_TIMEOUT seconds; the handshake carries rank 0's random job token, so a stale address that
+// now belongs to another job is refused, naming it. A rank that cannot listen (a bad ZERO8_COMM_IFADDR)
+// publishes why, and every rank's tcp_create throws it. Host memory, like MPI (device buffers staged);
+// calls from any thread (one at a time); reductions bit-identical to the MPI backend's.
+// Failures (the contract above): a peer's connection that ends without its "bye" (sent when its last
+// communicator of the world is destroyed normally) fails the calls of every communicator of the world
+// at once, naming it ("rank 2 (10.0.0.3:40123) closed its connection (the process died or gave up)");
+// a peer that did say bye fails only the calls that wait on it ("has shut down its communicators"); a
+// rank whose call fails (a timeout names the peers not heard from) tells the others why ("gave up: ...")
+// and shuts its connections down, so peers blocked on it fail at once; a peer whose host stops
+// answering is reported lost after ZERO8_COMM_LINK_TIMEOUT seconds of TCP silence (keepalive), or at
+// the timeout while data to it is in flight. Sizes that do not match across ranks (a recv of the wrong
+// size, all_to_all_v chunks that disagree) and ranks calling different collectives at the same place
+// fail at once, naming both sides. Errors of `exchange` propagate unchanged.
+using AddressExchange = std::function<std::vector<std::string>(const std::string& mine)>;
+std::unique_ptr<Communicator> tcp_create(int rank, int size, const AddressExchange& exchange);
+
 // The backend "auto" stands for, for buffers in `memory`: host memory as comm_create("auto") decides;
 // device memory "nccl" instead of "mpi" when the MPI launcher started several processes and zero8 was
 // built with NCCL (one rank per GPU), else the same ("single" and "mpi" stage device buffers).
