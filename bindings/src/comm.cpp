@@ -220,6 +220,33 @@ void init_comm(py::module_& m) {
       py::arg("backend") = "auto",
       "A world communicator: 'single', 'mpi', 'nccl' or 'auto' (mpi under mpirun when built with MPI, else "
       "single). A backend this build lacks raises Zero8NotSupportedError.");
+  m.def(
+      "comm_create_tcp",
+      [](int rank, int size, py::function exchange) {
+        // The exchange is Python (torch.distributed's store), called on this thread while the connections
+        // are made without the GIL.
+        comm::AddressExchange call = [&exchange, size](const std::string& mine) {
+          py::gil_scoped_acquire hold;
+          try {
+            return exchange(mine).cast<std::vector<std::string>>();
+          } catch (const py::error_already_set& e) {
+            throw error_from_python(e);
+          } catch (const py::cast_error&) {
+            ZERO8_THROW(invalid_argument, "comm_create_tcp: the exchange must return a list of " << size
+                                              << " strings (every rank's contact string, in rank order)");
+          }
+        };
+        std::unique_ptr<Communicator> c;
+        {
+          py::gil_scoped_release release;
+          c = comm::tcp_create(rank, size, call);
+        }
+        return CommPtr(std::move(c));
+      },
+      py::arg("rank"), py::arg("size"), py::arg("exchange"),
+      "A 'tcp' world communicator (every pair of ranks connected over TCP) for processes that no MPI launcher "
+      "started: `exchange(mine)` is called once with this rank's contact string and returns every rank's, in "
+      "rank order (zero8.engine.world_comm does it through torch.distributed's store).");
   m.def("comm_backend_available", &comm::comm_backend_available, py::arg("backend"),
         "Whether the backend is compiled in (not: usable right now).");
   m.def(

@@ -100,7 +100,8 @@ void init_config_types(py::module_& m) {
       .value("auto", CommBackend::automatic)
       .value("mpi", CommBackend::mpi)
       .value("single", CommBackend::single)
-      .value("nccl", CommBackend::nccl);
+      .value("nccl", CommBackend::nccl)
+      .value("tcp", CommBackend::tcp);
 
   py::class_<BatchConfig>(m, "ConfigBatch", "The batch triple, resolved for the data-parallel size.")
       .def_readonly("train_batch_size", &BatchConfig::train_batch_size)

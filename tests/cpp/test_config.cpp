@@ -686,9 +686,12 @@ TEST(ConfigZero8, CommBackendChoices) {
   for (const char* v : {"nccl", "NCCL"})
     EXPECT_EQ(parse(std::string(R"({"train_batch_size": 8, "zero8": {"comm_backend": ")") + v + "\"}}").zero8.comm_backend,
               cfg::CommBackend::nccl);
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_backend": "tcp"}})").zero8.comm_backend,
+            cfg::CommBackend::tcp);
   const std::string m = parse_error(R"({"train_batch_size": 8, "zero8": {"comm_backend": "gloo"}})").what();
   EXPECT_NE(m.find("test.json: zero8.comm_backend"), std::string::npos) << m;
   EXPECT_NE(m.find("nccl"), std::string::npos) << m;
+  EXPECT_NE(m.find("tcp"), std::string::npos) << m;
 }
 
 TEST(ConfigOptimizer, PerTypeDefaults) {

@@ -1,6 +1,6 @@
-"""Runs a pytest file of tests/python/dist/ on several ranks under mpirun, as real processes, and checks that
-every rank ran the same tests and passed them all (used by test_engine_dist.py, test_engine_cuda.py and
-test_pipe_dist.py). Each rank writes its outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py),
+"""Runs a pytest file of tests/python/dist/ on several ranks under mpirun (or torchrun), as real processes, and
+checks that every rank ran the same tests and passed them all (used by test_engine_dist.py,
+test_engine_cuda.py and test_pipe_dist.py). Each rank writes its outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py),
 which is read instead of the ranks' interleaved output.
 
 The ranks share this machine's cores (--oversubscribe) with one kernel thread each, and a communicator
@@ -46,19 +46,37 @@ def mpi_env(**extra) -> dict:
     return env
 
 
-def pytest_under_mpirun(np: int, script: str, results: Path, timeout: float = 300, **env) -> int:
-    """Runs dist/<script> under `mpirun -np np` with mpi_env(**env) and ZERO8_DIST_RESULTS=results; fails the
-    test unless the job exits 0 and every rank collected the same tests and passed them. Returns how many
-    tests each rank collected."""
+def torchrun_env(**extra) -> dict:
+    """mpi_env(**extra) without what marks a process as started by an MPI launcher (as under torchrun, whose
+    workers zero8 connects with its tcp backend)."""
+    return {k: v for k, v in mpi_env(**extra).items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
+
+
+def torchrun_cmd(np: int, *options: str) -> list[str]:
+    """torchrun on this machine with np workers, its rendezvous on a free local port (--standalone), and
+    its other options before the script's."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(np), *options]
+
+
+def pytest_under_launcher(np: int, script: str, results: Path, timeout: float = 300, launcher: str = "mpirun",
+                        **env) -> int:
+    """Runs dist/<script> on np ranks, under `mpirun -np np` with mpi_env(**env) (or, with launcher="torchrun",
+    under torchrun with torchrun_env(**env)) and ZERO8_DIST_RESULTS=results; fails the test unless the job
+    exits 0 and every rank collected the same tests and passed them. Returns how many tests each rank
+    collected."""
     results.mkdir(parents=True, exist_ok=True)
     # Not the pytest plugins of other packages (hypothesis' alone takes 0.8 s to import, in every rank).
-    cmd = [mpirun_or_skip(), "-np", str(np), "--oversubscribe", sys.executable, "-m", "pytest", "-q", "--color=no",
-           "-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio",
-           "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / script)]
-    what = f"mpirun -np {np} {script}"
+    pytest_args = ["-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                   "-p", "no:anyio", "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / script)]
+    if launcher == "torchrun":
+        cmd = torchrun_cmd(np) + pytest_args  # torchrun's own -m: run pytest as a module
+        job_env = torchrun_env(ZERO8_DIST_RESULTS=results, **env)
+    else:
+        cmd = [mpirun_or_skip(), "-np", str(np), "--oversubscribe", sys.executable] + pytest_args
+        job_env = mpi_env(ZERO8_DIST_RESULTS=results, **env)
+    what = f"{launcher} -np {np} {script}"
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ZERO8_DIST_RESULTS=results, **env), capture_output=True,
-                           text=True, timeout=timeout)
+        r = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{what} did not finish in {timeout:g} s:\n{out[-4000:]}")

@@ -34,7 +34,7 @@ from engine_util import (
     exact_config,
     exact_train,
 )
-from mpirun_util import ROOT, pytest_under_mpirun
+from mpirun_util import ROOT, pytest_under_launcher
 
 STEPS = 4  # as dist_engine_cuda.py
 _LAUNCHER_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
@@ -279,7 +279,7 @@ def test_gpu_checkpoint_resumes_on_the_gpu_and_loads_on_the_cpu(tmp_path):
 
 def _run_dist(np: int, backend: str, tmp_path: Path, extra_env: dict | None = None) -> None:
     """dist_engine_cuda.py under mpirun -np np with ZERO8_CUDA_BACKEND=backend; every rank must pass every test."""
-    collected = pytest_under_mpirun(np, "dist_engine_cuda.py", tmp_path / "results", timeout=240,
+    collected = pytest_under_launcher(np, "dist_engine_cuda.py", tmp_path / "results", timeout=240,
                                     ZERO8_COMM_TIMEOUT=120, ZERO8_CUDA_BACKEND=backend, ZERO8_CUDA_OUT=tmp_path,
                                     **(extra_env or {}))
     assert collected >= len(EXACT_COMBOS) + 2, collected

@@ -1,5 +1,5 @@
-"""Runs the multi-rank engine tests (tests/python/dist/dist_engine.py) under mpirun with 2 and 4 ranks
-as real processes, and checks that every rank passed every test (mpirun_util.py: how).
+"""Runs the multi-rank engine tests (tests/python/dist/dist_engine.py) under mpirun with 2 and 4 ranks and
+under torchrun with 2 (the tcp backend), as real processes, and checks that every rank passed every test (mpirun_util.py: how).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_util import make_data, reference
-from mpirun_util import pytest_under_mpirun
+from mpirun_util import pytest_under_launcher
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,10 @@ def reference_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("np", [2, 4])
-def test_engine_under_mpirun(np, reference_file, tmp_path):
-    collected = pytest_under_mpirun(np, "dist_engine.py", tmp_path, ZERO8_ENGINE_REF=reference_file)
+@pytest.mark.parametrize("launcher, np", [("mpirun", 2), ("mpirun", 4), ("torchrun", 2)])
+def test_engine_on_ranks(launcher, np, reference_file, tmp_path):
+    """The same tests under torchrun run over the tcp backend (no MPI), and give the same bits: the
+    reductions fold in rank order on both."""
+    collected = pytest_under_launcher(np, "dist_engine.py", tmp_path, launcher=launcher,
+                                      ZERO8_ENGINE_REF=reference_file)
     assert collected >= 10, collected

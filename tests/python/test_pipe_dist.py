@@ -1,6 +1,6 @@
-"""Runs the multi-rank pipeline tests as real processes under mpirun (mpirun_util.py: how they run and
-report): tests/python/dist/dist_pipe.py on 4 ranks (2 and 4 stages), then on 2 ranks (the 4-rank run's
-checkpoint at another data-parallel size), a rank killed mid-schedule (dist/pipe_die.py), and on GPUs
+"""Runs the multi-rank pipeline tests as real processes under mpirun and torchrun (mpirun_util.py: how they
+run and report): tests/python/dist/dist_pipe.py on 4 ranks (2 and 4 stages), then on 2 ranks (the 4-rank
+run's checkpoint at another data-parallel size), a rank killed mid-schedule (dist/pipe_die.py), and on GPUs
 (marked cuda) dist/dist_pipe_cuda.py: 2 stages on one GPU over MPI, and on two over NCCL.
 """
 
@@ -15,15 +15,18 @@ import pytest
 import torch
 
 import zero8
-from mpirun_util import DIST, ROOT, mpi_env, mpirun_or_skip, pytest_under_mpirun
+from mpirun_util import DIST, ROOT, mpi_env, mpirun_or_skip, pytest_under_launcher, torchrun_cmd, torchrun_env
 
 
-def test_pipeline_under_mpirun(tmp_path):
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_pipeline_on_ranks(tmp_path, launcher):
+    """4 ranks, then 2 resuming the 4-rank run's checkpoint; under torchrun the stages' messages and the
+    data-parallel reductions go over the tcp backend."""
     shared = tmp_path / "shared"
-    collected = pytest_under_mpirun(4, "dist_pipe.py", tmp_path / "np4", ZERO8_PIPE_SHARED=shared)
+    collected = pytest_under_launcher(4, "dist_pipe.py", tmp_path / "np4", launcher=launcher, ZERO8_PIPE_SHARED=shared)
     assert collected >= 14
     assert (shared / "latest").read_text() == "global_step3"
-    pytest_under_mpirun(2, "dist_pipe.py", tmp_path / "np2", ZERO8_PIPE_SHARED=shared)
+    pytest_under_launcher(2, "dist_pipe.py", tmp_path / "np2", launcher=launcher, ZERO8_PIPE_SHARED=shared)
 
 
 @pytest.mark.cuda
@@ -35,16 +38,23 @@ def test_pipeline_on_gpus_under_mpirun(tmp_path, backend):
         if torch.cuda.device_count() < 2:
             pytest.skip(f"NCCL needs a GPU per rank: 2 stages need 2 GPUs, this machine has "
                         f"{torch.cuda.device_count()} (the mpi case runs both stages on one)")
-    collected = pytest_under_mpirun(2, "dist_pipe_cuda.py", tmp_path / "results", ZERO8_CUDA_BACKEND=backend,
+    collected = pytest_under_launcher(2, "dist_pipe_cuda.py", tmp_path / "results", ZERO8_CUDA_BACKEND=backend,
                                     ZERO8_CUDA_OUT=tmp_path)
     assert collected >= 8
 
 
-def test_a_rank_dying_mid_schedule_fails_every_rank_naming_it(tmp_path):
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_a_rank_dying_mid_schedule_fails_every_rank_naming_it(tmp_path, launcher):
+    """Under torchrun (the tcp backend) the agent checks its workers only every 5 s here, so that it does not
+    end the survivors before they report."""
     t0 = time.monotonic()
-    cmd = [mpirun_or_skip(), "-np", "4", "--oversubscribe", sys.executable, str(DIST / "pipe_die.py")]
-    r = subprocess.run(cmd, cwd=ROOT, env=mpi_env(ZERO8_PIPE_DIE_OUT=tmp_path), capture_output=True, text=True,
-                       timeout=240)
+    if launcher == "torchrun":
+        cmd = torchrun_cmd(4, "--monitor-interval", "5") + [str(DIST / "pipe_die.py")]
+        env = torchrun_env(ZERO8_PIPE_DIE_OUT=tmp_path)
+    else:
+        cmd = [mpirun_or_skip(), "-np", "4", "--oversubscribe", sys.executable, str(DIST / "pipe_die.py")]
+        env = mpi_env(ZERO8_PIPE_DIE_OUT=tmp_path)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     took = time.monotonic() - t0
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-4000:]

@@ -1188,7 +1188,7 @@ void parse_zero8(Section& top, Config& c) {
     }
   }
   // "nccl" needs a model on a GPU, which the engine checks (the config does not know where the model is).
-  z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl"}, true));
+  z.comm_backend = CommBackend(s.get_choice("comm_backend", 0, {"auto", "mpi", "single", "nccl", "tcp"}, true));
   z.comm_timeout_s = s.get_num("comm_timeout_s", 600.0, f64(gt(0.0)));
   Section ck = s.child("checkpoint", Auto::reject);
   z.checkpoint_keep_last = ck.get_int("keep_last", 0, 0);
@@ -1365,7 +1365,7 @@ std::string to_json(const Config& c, int indent) {
                 {"team", opt_str(c.wandb.team)},
                 {"project", c.wandb.project}};
   const Zero8Config& q = c.zero8;
-  static const char* const backend_names[] = {"auto", "mpi", "single", "nccl"};
+  static const char* const backend_names[] = {"auto", "mpi", "single", "nccl", "tcp"};
   j["zero8"] = {{"enabled", q.enabled},
                 {"state_block_size", q.state_block_size},
                 {"wire_block_size", q.wire_block_size},

@@ -12,5 +12,5 @@ def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("ZERO8_DIST_RESULTS")
     if not out:
         return
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", os.environ.get("RANK", "0")))
     Path(out, f"rank{rank}.txt").write_text(f"{int(exitstatus)} {session.testscollected} {session.testsfailed}\n")

@@ -94,7 +94,9 @@ def baseline():
 
 
 def test_world():
-    assert N == int(os.environ.get("OMPI_COMM_WORLD_SIZE", N)) and N >= 1
+    """The launcher's world, over the backend it implies: MPI under mpirun, TCP under torchrun."""
+    assert N == int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", N))) and N >= 1
+    assert WORLD.backend == ("mpi" if "OMPI_COMM_WORLD_SIZE" in os.environ else "tcp"), WORLD.backend
 
 
 def test_rank0_weights_and_buffers_everywhere(capsys):

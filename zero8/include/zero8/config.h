@@ -175,7 +175,7 @@ struct WandbConfig {
   auto tie() const { return std::tie(enabled, group, team, project); }
 };
 
-enum class CommBackend : uint8_t { automatic, mpi, single, nccl };  // "auto" | "mpi" | "single" | "nccl"
+enum class CommBackend : uint8_t { automatic, mpi, single, nccl, tcp };  // "auto" | "mpi" | "single" | "nccl" | "tcp"
 
 // "zero8": the 8-bit states and int8 communication. Present => enabled unless "enabled": false.
 struct Zero8Config {

@@ -39,7 +39,8 @@ def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distrib
                      timeout=None, init_method=None, dist_init_required=None, config=None, rank: int = -1,
                      world_size: int = -1) -> "_C.Communicator":
     """For scripts that call ``deepspeed.init_distributed()`` before ``initialize``: creates (or returns)
-    this process's world communicator (MPI under mpirun or zero8-launch, else one process; with
+    this process's world communicator (MPI under mpirun or zero8-launch, TCP under torchrun or DeepSpeed's
+    launcher, else one process; with
     ``dist_backend="nccl"`` and a GPU, the world of models on GPUs: NCCL where every local rank has a GPU
     of its own, see world_comm). zero8 does not start a torch.distributed process group, so the other
     arguments are accepted and ignored; use ``engine.global_rank`` / ``engine.world_size`` (or this
@@ -78,7 +79,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
       engine (``train_batch`` / ``eval_batch``, docs/PIPELINE.md), each stage's optimizer sharded over
       the stage's data-parallel ranks, and the config's batch sizes count those ranks.
 
-    Processes: under mpirun every rank runs this (MPI backend, chosen automatically; no
+    Processes: under mpirun every rank runs this (MPI backend, chosen automatically; under torchrun or
+    DeepSpeed's launcher the tcp backend, docs/LAUNCH.md; no
     torch.distributed process group is needed: ``distributed_port`` and ``dist_init_required`` are
     accepted and ignored). Not supported: ``mpu``/``mesh_param`` (tensor parallelism; pipeline
     parallelism comes from a PipelineModule). ZeRO stage 0 runs as stage 1 (same arithmetic, states

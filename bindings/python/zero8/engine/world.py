@@ -10,7 +10,9 @@ import gc
 import os
 import sys
 import threading
+import warnings
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -46,16 +48,25 @@ def _shutdown() -> None:
 
 
 def world_comm(backend: str = "auto", device=None) -> "_C.Communicator":
-    """The process's world communicator ('auto': MPI under mpirun, single-process otherwise; for a model on
-    a CUDA ``device``, NCCL instead of MPI where nccl_by_default), created on first use. Asking later for
-    another backend than the one made is an error; 'auto' takes the one made, whichever it is."""
+    """The process's world communicator, created on first use. 'auto': MPI under an MPI launcher (mpirun,
+    zero8-launch, srun), and for a model on a CUDA ``device`` NCCL instead where nccl_by_default; TCP
+    (tcp_world) under a launcher without MPI (torchrun, DeepSpeed's launcher); else a single process.
+    Asking later for another backend than the one made is an error; 'auto' takes the one made, whichever
+    it is."""
     with _world_lock:
         comm = _world.get("comm")
         if comm is None:
             made = backend
-            if backend == "auto" and getattr(device, "type", None) == "cuda" and nccl_by_default():
+            if backend == "auto" and env_launched_size() > 1:
+                made = "tcp"
+            elif backend == "auto" and getattr(device, "type", None) == "cuda" and nccl_by_default():
                 made = "nccl"
-            comm = _C.comm_create(made)
+            comm = tcp_world() if made == "tcp" else _C.comm_create(made)
+            if made == "tcp" and getattr(device, "type", None) == "cuda" and comm.rank == 0:
+                warnings.warn(
+                    "zero8: this job was started without MPI (torchrun or DeepSpeed's launcher), so its ranks "
+                    "talk over TCP and the model's device buffers go through host memory; for NCCL between "
+                    "GPUs start it with zero8-launch (or mpirun, srun)", stacklevel=3)
             _world["comm"] = comm
             atexit.register(_shutdown)
             _world["backend"] = backend
@@ -65,6 +76,72 @@ def world_comm(backend: str = "auto", device=None) -> "_C.Communicator":
                 f"'{comm.backend}' world communicator"
             )
         return comm
+
+
+def env_launched_size() -> int:
+    """WORLD_SIZE where a launcher without MPI started this process (torchrun and DeepSpeed's launcher set
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT); 0 where an MPI launcher started it or none did."""
+    if _C.comm_auto_backend("host") != "single":
+        return 0
+    size = os.environ.get("WORLD_SIZE", "").strip()
+    return int(size) if size.isdigit() else 0
+
+
+def tcp_world() -> "_C.Communicator":
+    """The 'tcp' world: every pair of ranks connected over TCP (each listening on ZERO8_COMM_IFADDR, else the
+    address of its route to MASTER_ADDR, else the backend's default), their addresses exchanged through
+    torch.distributed's store: the default process group's where the script made one
+    (``torch.distributed.init_process_group``), else the one ``env://`` names (MASTER_ADDR:MASTER_PORT;
+    under torchrun its agent's). No process group is made. Waits for the other ranks as long as a
+    collective may (ZERO8_COMM_TIMEOUT, default 600 s)."""
+    import torch.distributed as dist
+
+    env = {k: os.environ.get(k, "").strip() for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    missing = [k for k, v in env.items() if not v]
+    if missing:
+        raise Zero8ValueError(
+            f"zero8.comm_backend 'tcp': {', '.join(missing)} not set; the tcp backend is for jobs that torchrun "
+            f"or DeepSpeed's launcher starts (they set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT); under "
+            f"mpirun or zero8-launch use 'auto'")
+    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    timeout = _C.comm_create("single").timeout  # what a new communicator gets (ZERO8_COMM_TIMEOUT)
+    if not os.environ.get("ZERO8_COMM_IFADDR"):
+        # Listen where the other hosts reach this one: the address of the route to MASTER_ADDR (the host
+        # name's address, the backend's default, is loopback on many machines: 127.0.1.1 on Debian).
+        from zero8_launch.netinfo import pick_comm_ifaddr
+
+        addr, _ = pick_comm_ifaddr("", None, env["MASTER_ADDR"])
+        if addr is not None:
+            os.environ["ZERO8_COMM_IFADDR"] = addr
+    if dist.is_available() and dist.is_initialized():
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        rendezvous = dist.rendezvous("env://", rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+        try:
+            store = next(rendezvous)[0]
+        except (RuntimeError, ValueError) as e:  # torch's DistStoreError is a RuntimeError
+            raise _C.Zero8CommError(f"zero8: rank {rank} of {size}: the rendezvous at {where} (MASTER_ADDR:"
+                                    f"MASTER_PORT) did not complete within {timeout:g} s: {e}") from e
+        finally:
+            rendezvous.close()
+    # torchrun's agent keeps its store across the restarts of its workers (--max-restarts): each attempt
+    # has keys of its own, so a restarted rank never reads the addresses of the previous attempt.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"zero8/world/{attempt}/", store)
+
+    def exchange(mine: str) -> list[str]:
+        store.set(str(rank), mine)
+        try:
+            return [store.get(str(r)).decode() for r in range(size)]
+        except RuntimeError as e:
+            raise _C.Zero8CommError(f"zero8: rank {rank} of {size}: not every rank published its address in the "
+                                    f"rendezvous store within {timeout:g} s ({e})") from e
+
+    # Every peer connects to rank 0 only after its own exchange, so once this returns no rank reads the
+    # store any more, and rank 0 may drop it (DeepSpeed's launcher has rank 0 serve it on MASTER_PORT,
+    # where the script may start its own process group later).
+    return _C.comm_create_tcp(rank, size, exchange)
 
 
 def nccl_by_default() -> bool:

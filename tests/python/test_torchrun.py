@@ -1,0 +1,107 @@
+"""Jobs started without MPI, by torchrun (DeepSpeed's launcher sets the same variables): zero8 connects their
+ranks with its tcp backend, through torch.distributed's rendezvous store. The training gives the bits of
+the same job under mpirun; a rank whose peers never come fails after the communicator timeout naming the
+rendezvous; a group that torchrun restarts connects again; the MPI backend says what to use instead.
+(The engine's and the pipeline's multi-rank tests under torchrun, a rank dying among them:
+test_engine_dist.py, test_pipe_dist.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpirun_util import DIST, ROOT, mpi_env, mpirun_or_skip, torchrun_cmd, torchrun_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, env, timeout=240):
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return r, r.stdout + r.stderr
+
+
+def test_torchrun_gives_the_bits_of_mpirun(tmp_path):
+    """The full 8-bit engine (int8 gradients and updates, reductions overlapping backward) on 2 ranks: under
+    torchrun over TCP the same losses and weights, bit for bit, as under mpirun over MPI."""
+    mpirun = mpirun_or_skip()
+    script = str(DIST / "train_digest.py")
+    r, out = _run([mpirun, "-np", "2", "--oversubscribe", sys.executable, script, "mpirun"],
+                  mpi_env(ZERO8_DIGEST_OUT=tmp_path))
+    assert r.returncode == 0, out[-4000:]
+    r, out = _run(torchrun_cmd(2) + [script, "torchrun"], torchrun_env(ZERO8_DIGEST_OUT=tmp_path))
+    assert r.returncode == 0, out[-4000:]
+    mpi, tcp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("mpirun", "torchrun"))
+    assert (mpi["backend"], tcp["backend"], mpi["size"], tcp["size"]) == ("mpi", "tcp", 2, 2)
+    assert mpi["replicas_equal"] and tcp["replicas_equal"]
+    assert tcp["losses"] == mpi["losses"] and tcp["digest"] == mpi["digest"]
+    first, last = sum(tcp["losses"][:5]), sum(tcp["losses"][-5:])
+    assert last < 0.8 * first, tcp["losses"]  # it trained
+
+
+_INIT = ("import torch, zero8\n"
+         "zero8.initialize(model=torch.nn.Linear(2, 2), config={'train_batch_size': 2, "
+         "'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}}, 'zero8': {'comm_backend': '%s'}})\n")
+
+
+def _one_rank_of_two(tmp_path, rank: int, backend: str = "auto", timeout_s: int = 3):
+    """Rank `rank` of a job of 2 as torchrun would start it, whose other rank never comes."""
+    script = tmp_path / "train.py"
+    script.write_text(_INIT % backend)
+    env = torchrun_env(WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(),
+                       ZERO8_COMM_TIMEOUT=timeout_s)
+    t0 = time.monotonic()
+    r, out = _run([sys.executable, str(script)], env, timeout=120)
+    return r, out, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_whose_peer_never_comes_fails_after_the_timeout(tmp_path, rank):
+    """Rank 0 serves the store on MASTER_PORT and waits for rank 1; rank 1 waits for the store. Either gives
+    up after ZERO8_COMM_TIMEOUT (3 s here) with a Zero8CommError naming the rendezvous."""
+    r, out, took = _one_rank_of_two(tmp_path, rank)
+    assert r.returncode != 0 and "Zero8CommError" in out, out[-3000:]
+    assert f"rank {rank} of 2: the rendezvous at 127.0.0.1:" in out and "did not complete within 3 s" in out, \
+        out[-3000:]
+    assert took < 60, took
+
+
+def test_the_mpi_backend_under_torchrun_names_what_works(tmp_path):
+    r, out, _ = _one_rank_of_two(tmp_path, 1, "mpi")
+    assert r.returncode != 0, out[-3000:]
+    assert "no MPI launcher started this process" in out and "'tcp'" in out, out[-3000:]
+
+
+_RESTARTED = """
+import os, sys
+from pathlib import Path
+import torch
+from zero8.engine import world_comm
+world = world_comm()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+total = world.all_reduce_f64([float(world.rank + 1)], "sum")[0]
+if attempt == 0 and world.rank == 1:
+    sys.exit(3)  # the whole group restarts
+Path(sys.argv[1], f"rank{world.rank}.attempt{attempt}").write_text(f"{world.backend} {world.size} {total}")
+"""
+
+
+def test_a_group_restarted_by_torchrun_connects_again(tmp_path):
+    """torchrun --max-restarts 1: rank 1 fails in the first attempt, the agent restarts both workers, and
+    the second attempt's world forms from its own addresses (the agent's store keeps the first's)."""
+    script = tmp_path / "restarted.py"
+    script.write_text(_RESTARTED)
+    r, out = _run(torchrun_cmd(2, "--max-restarts", "1", "--monitor-interval", "0.2") + [str(script), str(tmp_path)],
+                  torchrun_env(ZERO8_COMM_TIMEOUT=30))
+    assert r.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.attempt1").read_text() == "tcp 2 3.0", out[-4000:]
