@@ -49,10 +49,12 @@ const char* const kUsage =
     "      and the copy bandwidth: ns per parameter, state bytes per parameter, and the bandwidth\n"
     "      floor (bytes moved per parameter / copy GB/s; also / in-place GB/s). For adamw also a\n"
     "      yardstick: the same step with linear int8 codes (no map lookups), timed in the same rounds.\n"
-    "  comm [--numel N] [--steps S] [--wire-block B] [--threads T]   (under mpirun -np K)\n"
+    "  comm [--numel N] [--steps S] [--wire-block B] [--threads T] [--backend auto|tcp|both]   (under mpirun -np K)\n"
     "      the sharded AdamW 8-bit optimizer's traffic per rank and step: gradient reduce-scatter as\n"
     "      fp32 vs int8 blocks (bytes_ratio), parameter all-gather as bf16 vs int8 deltas, the slowest\n"
     "      rank's time of each, and the optimizer-state and master bytes per parameter on a rank.\n"
+    "      --backend tcp: over the tcp backend (as under torchrun), its addresses exchanged over MPI;\n"
+    "      both: each row over MPI, then over tcp, and the time ratios.\n"
     "  help\n"
     "\n"
     "--device cuda runs bandwidth (a device-to-device copy), codec and optimizer (8-bit beside 32-bit\n"
@@ -863,61 +865,97 @@ CommRun comm_run(zero8::comm::Communicator& world, int64_t n, int steps, bool in
   return r;
 }
 
+// The tcp backend's world over the same processes: its contact strings exchanged over `host` (MPI here;
+// zero8's Python layer uses torch.distributed's store under torchrun).
+std::unique_ptr<zero8::comm::Communicator> tcp_world_over(zero8::comm::Communicator& host) {
+  return zero8::comm::tcp_create(host.rank(), host.size(), [&host](const std::string& mine) {
+    constexpr size_t kLen = 1024;
+    std::vector<char> all(kLen * size_t(host.size())), own(kLen, '\0');
+    std::memcpy(own.data(), mine.data(), std::min(mine.size(), kLen - 1));
+    host.all_gather(own.data(), all.data(), int64_t(kLen));
+    std::vector<std::string> out;
+    for (int r = 0; r < host.size(); ++r) out.emplace_back(all.data() + kLen * size_t(r));
+    return out;
+  });
+}
+
 int cmd_comm(Options& o) {
   using namespace zero8;
   const int64_t n = o.count("numel", 20000000, 1, int64_t(1) << 34);
   const int steps = int(o.count("steps", 5, 1, 1000));
   const int32_t wire = int32_t(o.count("wire-block", 2048, 64, 4096));
   const int threads = threads_option(o);
+  const std::string backend = o.str("backend", "auto");
+  if (backend != "auto" && backend != "tcp" && backend != "both")
+    throw UsageError{"--backend must be auto, tcp or both, got '" + backend + "'"};
   o.check_all_used();
-  auto world = comm::comm_create("auto");
-  const int N = world->size();
-  if (world->rank() == 0)
+  // The launcher's world (MPI under mpirun), and for tcp / both the same processes over the tcp backend,
+  // its contacts exchanged over the launcher's world. Both: each row runs on one, then the other.
+  std::vector<std::unique_ptr<comm::Communicator>> worlds;
+  worlds.push_back(comm::comm_create("auto"));
+  if (backend != "auto") worlds.push_back(tcp_world_over(*worlds[0]));
+  if (backend == "tcp") worlds.erase(worlds.begin());  // the tcp world keeps no reference to its host
+  comm::Communicator& world = *worlds[0];
+  const int N = world.size();
+  std::string names;
+  for (const auto& w : worlds) names += std::string(names.empty() ? "" : " vs ") + w->backend();
+  if (world.rank() == 0)
     std::printf("zero8-bench comm | zero8 %s | %s | %d ranks (%s) | %d threads per rank | %lld params, AdamW "
                 "8-bit, bf16 working copy | median of %d steps after 1 warm-up\n",
-                zero8::version(), cpu_model().c_str(), N, world->backend(), threads, static_cast<long long>(n), steps);
+                zero8::version(), cpu_model().c_str(), N, names.c_str(), threads, static_cast<long long>(n), steps);
   struct Row {
     const char* name;
     bool g8, p8;
-    CommRun r;
+    CommRun r[2];
   } rows[] = {{"fp32 grads, bf16 params", false, false, {}},
               {"int8 grads, bf16 params", true, false, {}},
               {"int8 grads, int8 params", true, true, {}}};
-  for (Row& row : rows) row.r = comm_run(*world, n, steps, row.g8, row.p8, wire, threads);
-  const double ratio = rows[0].r.reduce_bytes > 0 ? rows[1].r.reduce_bytes / rows[0].r.reduce_bytes : 0.0;
+  for (Row& row : rows)
+    for (size_t w = 0; w < worlds.size(); ++w) row.r[w] = comm_run(*worlds[w], n, steps, row.g8, row.p8, wire, threads);
+  const double ratio = rows[0].r[0].reduce_bytes > 0 ? rows[1].r[0].reduce_bytes / rows[0].r[0].reduce_bytes : 0.0;
   const double state_target = (2.0 + 8.0 / 256.0) / N, master_target = 4.0 / N;
-  if (world->rank() == 0) {
-    std::printf("%-26s %16s %10s %16s %10s\n", "configuration", "grad bytes/rank", "reduce ms", "param bytes/rank",
-                "step ms");
+  if (world.rank() == 0) {
+    std::printf("%-26s %-8s %16s %10s %16s %10s\n", "configuration", "backend", "grad bytes/rank", "reduce ms",
+                "param bytes/rank", "step ms");
     for (const Row& row : rows)
-      std::printf("%-26s %16.0f %10.2f %16.0f %10.2f\n", row.name, row.r.reduce_bytes, row.r.reduce_s * 1e3,
-                  row.r.sync_bytes, row.r.step_s * 1e3);
+      for (size_t w = 0; w < worlds.size(); ++w)
+        std::printf("%-26s %-8s %16.0f %10.2f %16.0f %10.2f\n", row.name, worlds[w]->backend(), row.r[w].reduce_bytes,
+                    row.r[w].reduce_s * 1e3, row.r[w].sync_bytes, row.r[w].step_s * 1e3);
     if (N == 1)
       std::printf("one rank: nothing crosses a wire, so no row quantizes or sends anything (the sharded optimizer's "
                   "WirePlan); run under mpirun -np 2 or more for the wire figures\n");
     else
       std::printf("gradient bytes, int8 / fp32: %.4f (target <= 0.255)\n", ratio);
+    if (worlds.size() == 2)
+      std::printf("time over %s / over %s: reduce (int8 grads) %.2f, step with int8 sync %.2f\n", worlds[1]->backend(),
+                  worlds[0]->backend(), rows[1].r[1].reduce_s / rows[1].r[0].reduce_s,
+                  rows[2].r[1].step_s / rows[2].r[0].step_s);
     std::printf("optimizer state on rank 0: %.4f bytes/param (target 2.03/N = %.4f); fp32 master %.4f (4/N = %.4f)\n",
-                rows[1].r.state_per_param, state_target, rows[1].r.master_per_param, master_target);
-    std::printf("%s\n", Json()
-                            .str("bench", "comm")
-                            .integer("world", N)
-                            .integer("numel", n)
-                            .integer("wire_block", wire)
-                            .num("grad_bytes_fp32", rows[0].r.reduce_bytes)
-                            .num("grad_bytes_int8", rows[1].r.reduce_bytes)
-                            .num("bytes_ratio", ratio)
-                            .num("reduce_ms_fp32", rows[0].r.reduce_s * 1e3)
-                            .num("reduce_ms_int8", rows[1].r.reduce_s * 1e3)
-                            .num("param_bytes_bf16", rows[1].r.sync_bytes)
-                            .num("param_bytes_int8", rows[2].r.sync_bytes)
-                            .num("step_ms_bf16_sync", rows[1].r.step_s * 1e3)
-                            .num("step_ms_int8_sync", rows[2].r.step_s * 1e3)
-                            .num("state_bytes_per_param", rows[1].r.state_per_param)
-                            .num("state_bytes_per_param_target", state_target)
-                            .num("master_bytes_per_param", rows[1].r.master_per_param)
-                            .done()
-                            .c_str());
+                rows[1].r[0].state_per_param, state_target, rows[1].r[0].master_per_param, master_target);
+    Json json;
+    json.str("bench", "comm")
+        .str("backend", world.backend())
+        .integer("world", N)
+        .integer("numel", n)
+        .integer("wire_block", wire)
+        .num("grad_bytes_fp32", rows[0].r[0].reduce_bytes)
+        .num("grad_bytes_int8", rows[1].r[0].reduce_bytes)
+        .num("bytes_ratio", ratio)
+        .num("reduce_ms_fp32", rows[0].r[0].reduce_s * 1e3)
+        .num("reduce_ms_int8", rows[1].r[0].reduce_s * 1e3)
+        .num("param_bytes_bf16", rows[1].r[0].sync_bytes)
+        .num("param_bytes_int8", rows[2].r[0].sync_bytes)
+        .num("step_ms_bf16_sync", rows[1].r[0].step_s * 1e3)
+        .num("step_ms_int8_sync", rows[2].r[0].step_s * 1e3)
+        .num("state_bytes_per_param", rows[1].r[0].state_per_param)
+        .num("state_bytes_per_param_target", state_target)
+        .num("master_bytes_per_param", rows[1].r[0].master_per_param);
+    if (worlds.size() == 2)
+      json.num("reduce_ms_fp32_tcp", rows[0].r[1].reduce_s * 1e3)
+          .num("reduce_ms_int8_tcp", rows[1].r[1].reduce_s * 1e3)
+          .num("step_ms_bf16_sync_tcp", rows[1].r[1].step_s * 1e3)
+          .num("step_ms_int8_sync_tcp", rows[2].r[1].step_s * 1e3);
+    std::printf("%s\n", json.done().c_str());
   }
   return 0;
 }

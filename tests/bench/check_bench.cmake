@@ -1,6 +1,6 @@
 # cmake -P helper for the zero8-bench CLI tests. BENCH: the binary; ARGS: its arguments (a list).
 # Success mode: exit 0 and the last line is a JSON object holding each of KEYS as a number > 0, and
-# each "key=value" of EQUALS with exactly that numeric value.
+# each "key=value" of EQUALS with exactly that value (a number, or a string).
 # EXPECT_HELP mode: exit 0, the usage text on stdout, nothing on stderr.
 # EXPECT_FAIL mode: a non-zero exit, "usage:" on stderr, and a first line "zero8-bench: ..." that matches
 # MESSAGE (a regular expression).
@@ -46,7 +46,7 @@ foreach(pair ${EQUALS})
   list(GET kv 0 key)
   list(GET kv 1 want)
   string(JSON value ERROR_VARIABLE jerr GET "${last}" ${key})
-  if(jerr OR NOT value EQUAL want)
+  if(jerr OR NOT (value EQUAL want OR value STREQUAL want))
     message(FATAL_ERROR "key '${key}' should be ${want}, got '${value}' ${jerr}:\n${last}")
   endif()
 endforeach()
