@@ -466,7 +466,7 @@ class Processes {
 bool exited_with(int status, int code) { return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == code; }
 
 // A rank that dies (_Exit, no destructors: the kernel closes its sockets) fails the survivors' pending and
-// next calls within a second, naming it, whichever communicator they are in.
+// next calls at once (a bound of 3 s, for loaded machines), naming it, whichever communicator they are in.
 TEST(CommTcpProcesses, DeathFailsEverySurvivorNamingIt) {
   Processes ps;
   const std::vector<int> st = ps.run(3, [&](int r, std::unique_ptr<Communicator>& c) {
@@ -486,7 +486,7 @@ TEST(CommTcpProcesses, DeathFailsEverySurvivorNamingIt) {
   for (int r : {0, 1}) {
     EXPECT_TRUE(exited_with(st[size_t(r)], 0)) << "rank " << r << ": " << st[size_t(r)] << " " << ps.text(r);
     EXPECT_EQ(ps.shared->code[r], int(ErrorCode::comm)) << ps.text(r);
-    EXPECT_LT(ps.shared->seconds[r], 1.0) << ps.text(r);
+    EXPECT_LT(ps.shared->seconds[r], 3.0) << ps.text(r);  // the death itself, not the 20 s timeout
   }
   EXPECT_NE(ps.text(0).find("all_reduce #3 on 'world' (rank 0 of 3): rank 2 ("), std::string::npos) << ps.text(0);
   EXPECT_NE(ps.text(0).find("closed its connection (the process died or gave up)"), std::string::npos) << ps.text(0);
@@ -513,7 +513,7 @@ TEST(CommTcpProcesses, NormalShutdownIsReportedAsSuch) {
   EXPECT_NE(ps.text(0).find("all_reduce #2 on 'world' (rank 0 of 2): rank 1 ("), std::string::npos) << ps.text(0);
   EXPECT_NE(ps.text(0).find("has shut down its communicators (it ended without joining this call)"), std::string::npos)
       << ps.text(0);
-  EXPECT_LT(ps.shared->seconds[0], 1.0);
+  EXPECT_LT(ps.shared->seconds[0], 3.0);  // at once, not at the 20 s timeout
 }
 
 // A fork()ed child of a rank (a data-loader worker) cannot use the world: its calls throw, write nothing
