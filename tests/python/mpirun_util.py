@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,13 @@ def mpi_env(**extra) -> dict:
     })
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now (for a launcher's --master_port or MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_env(**extra) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -26,6 +25,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="the DeepSpeed tests need th
 pytest.importorskip("transformers", reason="the DeepSpeed tests need the test extra (pip install .[test])")
 
 import zero8  # noqa: E402
+from mpirun_util import free_port  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
 STEPS, SAVE_AT = 8, 4  # the worker's
@@ -38,16 +38,10 @@ LOSS_BOUND_BF16 = 5e-3
 BYTES_8BIT = 2 + 2 * 4 / 256
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp, nproc: int, out: str, *scenarios: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(_free_port()), WORKER, "--dir", str(tmp), "--out", out, *scenarios]
+           "127.0.0.1", "--master_port", str(free_port()), WORKER, "--dir", str(tmp), "--out", out, *scenarios]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")

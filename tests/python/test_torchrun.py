@@ -9,20 +9,13 @@ test_engine_dist.py, test_pipe_dist.py.)
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from mpirun_util import DIST, ROOT, mpi_env, mpirun_or_skip, torchrun_cmd, torchrun_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mpirun_util import DIST, ROOT, free_port, mpi_env, mpirun_or_skip, torchrun_cmd, torchrun_env
 
 
 def _run(cmd, env, timeout=240):
@@ -57,7 +50,7 @@ def _one_rank_of_two(tmp_path, rank: int, backend: str = "auto", timeout_s: int 
     """Rank `rank` of a job of 2 as torchrun would start it, whose other rank never comes."""
     script = tmp_path / "train.py"
     script.write_text(_INIT % backend)
-    env = torchrun_env(WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(),
+    env = torchrun_env(WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
                        ZERO8_COMM_TIMEOUT=timeout_s)
     t0 = time.monotonic()
     r, out = _run([sys.executable, str(script)], env, timeout=120)
