@@ -867,18 +867,6 @@ CommRun comm_run(zero8::comm::Communicator& world, int64_t n, int steps, bool in
 
 // The tcp backend's world over the same processes: its contact strings exchanged over `host` (MPI here;
 // zero8's Python layer uses torch.distributed's store under torchrun).
-std::unique_ptr<zero8::comm::Communicator> tcp_world_over(zero8::comm::Communicator& host) {
-  return zero8::comm::tcp_create(host.rank(), host.size(), [&host](const std::string& mine) {
-    constexpr size_t kLen = 1024;
-    std::vector<char> all(kLen * size_t(host.size())), own(kLen, '\0');
-    std::memcpy(own.data(), mine.data(), std::min(mine.size(), kLen - 1));
-    host.all_gather(own.data(), all.data(), int64_t(kLen));
-    std::vector<std::string> out;
-    for (int r = 0; r < host.size(); ++r) out.emplace_back(all.data() + kLen * size_t(r));
-    return out;
-  });
-}
-
 int cmd_comm(Options& o) {
   using namespace zero8;
   const int64_t n = o.count("numel", 20000000, 1, int64_t(1) << 34);
@@ -893,7 +881,7 @@ int cmd_comm(Options& o) {
   // its contacts exchanged over the launcher's world. Both: each row runs on one, then the other.
   std::vector<std::unique_ptr<comm::Communicator>> worlds;
   worlds.push_back(comm::comm_create("auto"));
-  if (backend != "auto") worlds.push_back(tcp_world_over(*worlds[0]));
+  if (backend != "auto") worlds.push_back(comm::tcp_create(*worlds[0]));
   if (backend == "tcp") worlds.erase(worlds.begin());  // the tcp world keeps no reference to its host
   comm::Communicator& world = *worlds[0];
   const int N = world.size();

@@ -222,7 +222,7 @@ void init_comm(py::module_& m) {
       "single). A backend this build lacks raises Zero8NotSupportedError.");
   m.def(
       "comm_create_tcp",
-      [](int rank, int size, py::function exchange) {
+      [](int rank, int size, py::function exchange, bool nccl) {
         // The exchange is Python (torch.distributed's store), called on this thread while the connections
         // are made without the GIL.
         comm::AddressExchange call = [&exchange, size](const std::string& mine) {
@@ -240,13 +240,15 @@ void init_comm(py::module_& m) {
         {
           py::gil_scoped_release release;
           c = comm::tcp_create(rank, size, call);
+          if (nccl) c = comm::nccl_create_over(std::move(c));
         }
         return CommPtr(std::move(c));
       },
-      py::arg("rank"), py::arg("size"), py::arg("exchange"),
+      py::arg("rank"), py::arg("size"), py::arg("exchange"), py::arg("nccl") = false,
       "A 'tcp' world communicator (every pair of ranks connected over TCP) for processes that no MPI launcher "
       "started: `exchange(mine)` is called once with this rank's contact string and returns every rank's, in "
-      "rank order (zero8.engine.world_comm does it through torch.distributed's store).");
+      "rank order (zero8.engine.world_comm does it through torch.distributed's store). nccl=True: an 'nccl' "
+      "world bootstrapped over it (C++ nccl_create_over), on the rank's GPU among its node's.");
   m.def("comm_backend_available", &comm::comm_backend_available, py::arg("backend"),
         "Whether the backend is compiled in (not: usable right now).");
   m.def(

@@ -433,7 +433,7 @@ MpiWorld::~MpiWorld() {
 
 MpiComm::MpiComm(std::shared_ptr<MpiWorld> world, MPI_Comm comm, std::string name, std::vector<int> world_ranks,
                  uint64_t id, double timeout_s)
-    : Communicator(comm_rank_of(comm), comm_size_of(comm), std::move(name), std::move(world_ranks), timeout_s),
+    : HostComm(comm_rank_of(comm), comm_size_of(comm), std::move(name), std::move(world_ranks), timeout_s),
       world_(std::move(world)),
       comm_(comm),
       id_(id) {
@@ -626,19 +626,16 @@ void MpiComm::do_recv(void* buf, int64_t bytes, int peer, int tag) {
 }
 
 std::unique_ptr<Communicator> MpiComm::do_split(int color, int key, const std::string& name) {
-  return split_mpi(color, key, name, OpKind::split);
-}
-
-std::unique_ptr<MpiComm> MpiComm::split_mpi(int color, int key, const std::string& name, OpKind kind) {
   const int n = size();
   // A polled all-gather first: a dead or absent member fails here, not inside MPI_Comm_split.
   int32_t mine[2] = {color, key};
   std::vector<int32_t> all(static_cast<size_t>(2 * n));
   std::vector<int64_t> rb(size_t(n), 8), rd(static_cast<size_t>(n));
   for (int p = 0; p < n; ++p) rd[size_t(p)] = 8 * p;
-  do_all_gather_v(mine, 8, all.data(), rb.data(), rd.data(), kind);
+  do_all_gather_v(mine, 8, all.data(), rb.data(), rd.data(), OpKind::split);
   MPI_Comm child = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split(mpi_comm(kind), color < 0 ? MPI_UNDEFINED : color, key, &child), kind, "MPI_Comm_split");
+  check_mpi(MPI_Comm_split(mpi_comm(OpKind::split), color < 0 ? MPI_UNDEFINED : color, key, &child), OpKind::split,
+            "MPI_Comm_split");
   if (color < 0) return nullptr;
   // MPI orders a split's ranks by (key, old rank); so do we.
   std::vector<int> wr;
@@ -649,6 +646,23 @@ std::unique_ptr<MpiComm> MpiComm::split_mpi(int color, int key, const std::strin
   auto c = std::make_unique<MpiComm>(world_, child, name, wr, id, timeout());
   ZERO8_ASSERT(c->world_rank(c->rank()) == world_rank(rank()));
   return c;
+}
+
+WaitSpec MpiComm::device_spec(const DeviceCall& call) const {
+  WaitSpec s = wait_spec(call.kind, call.p2p_peer);
+  s.label = call.label;
+  s.call = call.call;
+  s.seq = call.seq;
+  s.comm_id = call.comm_id;
+  return s;
+}
+
+void MpiComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
+  mpi_wait(*world_, device_spec(call), done);
+}
+
+void MpiComm::fail_call(const DeviceCall& call, const std::string& cause) {
+  mpi_fail(*world_, device_spec(call), cause);
 }
 
 std::unique_ptr<Communicator> mpi_create() {

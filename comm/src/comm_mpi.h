@@ -1,5 +1,5 @@
-// MPI backend internals, shared with the NCCL backend (which bootstraps, splits and watches its
-// peers through an MPI communicator). Every MPI call that waits on other ranks is nonblocking and
+// MPI backend internals: the MPI communicator is also a HostComm (backends.h), which the NCCL backend
+// can bootstrap, split and watch its peers through. Every MPI call that waits on other ranks is nonblocking and
 // polled against a deadline and the liveness mesh, so no call can hang (see comm_mpi.cpp).
 #pragma once
 
@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "backends.h"
 #include "liveness.h"
 #include "zero8/comm/communicator.h"
 
@@ -67,7 +68,7 @@ struct WaitSpec {
 void mpi_wait(MpiWorld& w, const WaitSpec& spec, const std::function<bool()>& done);
 [[noreturn]] void mpi_fail(MpiWorld& w, const WaitSpec& spec, const std::string& cause);
 
-class MpiComm final : public Communicator {
+class MpiComm final : public HostComm {
  public:
   MpiComm(std::shared_ptr<MpiWorld> world, MPI_Comm comm, std::string name, std::vector<int> world_ranks,
           uint64_t id, double timeout_s);
@@ -84,10 +85,14 @@ class MpiComm final : public Communicator {
   MPI_Comm mpi_comm() const { return comm_; }  // send/recv (and the parent of the per-op duplicates)
   // The MPI communicator a collective of this kind runs on: its own duplicate of comm_ per logical op.
   MPI_Comm mpi_comm(OpKind kind) const;
-  uint64_t id() const { return id_; }
   WaitSpec wait_spec(OpKind kind, int p2p_peer = -1) const;
-  // Split for another backend (NCCL): the MPI child plus its membership; nullptr when color < 0.
-  std::unique_ptr<MpiComm> split_mpi(int color, int key, const std::string& name, OpKind kind);
+
+  // HostComm: the device calls wait in mpi_wait, watched by the liveness mesh like MPI's own.
+  uint64_t id() const override { return id_; }
+  void watch(const DeviceCall& call, const std::function<bool()>& done) override;
+  [[noreturn]] void fail_call(const DeviceCall& call, const std::string& cause) override;
+  bool forked() const override { return world_->forked(); }
+  void check_not_forked(const std::string& label) const override { world_->live->check_not_forked(label); }
 
   void set_failed(const std::string& reason) override;
   bool failed() const override { return !world_->failure.empty(); }
@@ -95,9 +100,6 @@ class MpiComm final : public Communicator {
   void check_process(OpKind kind) const override {
     if (forked()) check_not_forked(op_label(kind));
   }
-  bool forked() const { return world_->forked(); }
-  // Throws the fork error for the call `label` (of this or a communicator built on it) in a forked child.
-  void check_not_forked(const std::string& label) const { world_->live->check_not_forked(label); }
 
  protected:
   void do_all_to_all_v(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,
@@ -112,6 +114,7 @@ class MpiComm final : public Communicator {
 
  private:
   void wait_requests(std::vector<MPI_Request>& reqs, OpKind kind, int p2p_peer = -1);
+  WaitSpec device_spec(const DeviceCall& call) const;
   void check_mpi(int rc, OpKind kind, const char* call);
 
   std::shared_ptr<MpiWorld> world_;

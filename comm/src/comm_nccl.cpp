@@ -1,31 +1,31 @@
 // NCCL backend: collectives on device buffers, enqueued on the caller's stream (set_stream) or, without
-// one, on a stream of the communicator ordered after the legacy default stream. Bootstrapped over
-// MPI (rank 0's ncclUniqueId is broadcast by an MPI communicator, which also carries splits and the
-// liveness mesh); no TCP rendezvous. Communicators are created non-blocking (config.blocking = 0)
-// and every call waits by polling ncclCommGetAsyncError + cudaStreamQuery against the deadline and
-// the peers' liveness; on failure the NCCL communicator is aborted (ncclCommAbort) before throwing.
-// Every call waits on an event recorded after its work, so work that other threads queue on the same
-// stream later does not delay it. Set-up (device, stream, rank 0's unique id) is agreed on in one
-// all_gather first, so a failure on any rank fails every rank at once, naming it. Nothing here has run
-// on a GPU yet; CI runs it against the CUDA simulator's NCCL (tests/cudasim) on 1 to 3 ranks.
-// Built only with NCCL; without MPI as well, comm_create("nccl") says so.
-#include "backends.h"
-#include "zero8/error.h"
-
-#if ZERO8_WITH_MPI
-
+// one, on a stream of the communicator ordered after the legacy default stream. Bootstrapped over a host
+// communicator of the same ranks (backends.h, HostComm): MPI under an MPI launcher (comm_create), the tcp
+// backend under torchrun (nccl_create_over). The host broadcasts rank 0's ncclUniqueId, carries splits
+// and barriers, and watches the peers while NCCL calls wait. Communicators are created non-blocking
+// (config.blocking = 0) and every call waits by polling ncclCommGetAsyncError + cudaStreamQuery against
+// the deadline and the peers; on failure the NCCL communicator is aborted (ncclCommAbort) before
+// throwing. Every call waits on an event recorded after its work, so work that other threads queue on
+// the same stream later does not delay it. Set-up (device, stream, rank 0's unique id) is agreed on in
+// one all_gather first, so a failure on any rank fails every rank at once, naming it. CI runs it against
+// the CUDA simulator's NCCL (tests/cudasim) on 1 to 3 ranks, over both hosts.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "backends.h"
 #include "comm_env.h"
+#include "zero8/error.h"
+#if ZERO8_WITH_MPI
 #include "comm_mpi.h"
+#endif
 
 namespace zero8::comm::detail {
 namespace {
@@ -53,7 +53,7 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 class NcclComm final : public Communicator {
  public:
   // `unusable`: why this rank cannot take part (checked at creation), reported by every rank together.
-  NcclComm(std::unique_ptr<MpiComm> host, const std::string& name, int device, const std::string& unusable = "")
+  NcclComm(std::unique_ptr<HostComm> host, const std::string& name, int device, const std::string& unusable = "")
       : Communicator(host->rank(), host->size(), name, host->world_ranks(), host->timeout()),
         host_(std::move(host)),
         device_(device) {
@@ -94,13 +94,14 @@ class NcclComm final : public Communicator {
   }
   const char* backend() const override { return "nccl"; }
   MemSpace memory() const override { return MemSpace::device; }
-  // Barriers, the bootstrap and the failure reports go through the MPI communicator.
+  // Barriers, the bootstrap and the failure reports go through the host communicator.
   bool calls_from_any_thread() const override { return host_->calls_from_any_thread(); }
   int device() const override { return device_; }
   [[noreturn]] void abort(int exit_code) override {
-    if (host_->forked()) std::_Exit(exit_code);  // the NCCL and MPI state are the parent's
+    if (host_->forked()) std::_Exit(exit_code);  // the NCCL and host state are the parent's
     if (nccl_ != nullptr) ncclCommAbort(nccl_);
     host_->abort(exit_code);
+    std::abort();  // not reached: GCC does not take [[noreturn]] from a virtual call
   }
 
   void set_failed(const std::string& reason) override { host_->set_failed(reason); }
@@ -174,7 +175,7 @@ class NcclComm final : public Communicator {
   }
 
   std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override {
-    std::unique_ptr<MpiComm> child = host_->split_mpi(color, key, name, OpKind::split);
+    std::unique_ptr<HostComm> child = host_->split_host(color, key, name);
     if (!child) return nullptr;
     return std::make_unique<NcclComm>(std::move(child), name, device_);
   }
@@ -215,19 +216,22 @@ class NcclComm final : public Communicator {
   }
 
  private:
-  WaitSpec spec(OpKind kind, int p2p_peer = -1) const {
-    WaitSpec s = host_->wait_spec(kind, p2p_peer);
-    s.label = op_label(kind);
-    s.call = op_call(kind);
-    s.seq = collective_seq();
-    s.comm_id = host_->id() ^ 0x6e63636cull;  // "nccl": distinct from the bootstrap communicator's calls
-    return s;
+  HostComm::DeviceCall call(OpKind kind, int p2p_peer = -1) const {
+    HostComm::DeviceCall c;
+    c.kind = kind;
+    c.label = op_label(kind);
+    c.call = op_call(kind);
+    c.seq = collective_seq();
+    c.comm_id = host_->id() ^ 0x6e63636cull;  // "nccl": distinct from the bootstrap communicator's calls
+    c.p2p_peer = p2p_peer;
+    return c;
   }
 
   [[noreturn]] void fail(OpKind kind, const std::string& cause, int p2p_peer = -1) {
     if (nccl_ != nullptr) ncclCommAbort(nccl_);
     nccl_ = nullptr;
-    mpi_fail(host_->world(), spec(kind, p2p_peer), cause);
+    host_->fail_call(call(kind, p2p_peer), cause);
+    std::abort();  // not reached (as in abort())
   }
 
   void nccl_check(ncclResult_t rc, OpKind kind, const char* call) {
@@ -254,10 +258,9 @@ class NcclComm final : public Communicator {
   // Until the communicator has issued everything (non-blocking mode) and the call's work on `st` is
   // done (an event recorded after it: later work on a shared caller's stream does not count).
   void wait(OpKind kind, cudaStream_t st, int p2p_peer = -1) {
-    const WaitSpec s = spec(kind, p2p_peer);
     bool recorded = false;
     try {
-      mpi_wait(host_->world(), s, [&] {
+      host_->watch(call(kind, p2p_peer), [&] {
         ncclResult_t rc = ncclSuccess;
         ncclCommGetAsyncError(nccl_, &rc);
         if (rc != ncclSuccess && rc != ncclInProgress)
@@ -345,7 +348,7 @@ class NcclComm final : public Communicator {
     wait(OpKind::split, stream_);
   }
 
-  std::unique_ptr<MpiComm> host_;
+  std::unique_ptr<HostComm> host_;
   ncclComm_t nccl_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream before each call without a stream
@@ -353,39 +356,48 @@ class NcclComm final : public Communicator {
   int device_ = 0;
 };
 
-}  // namespace
-
-std::unique_ptr<Communicator> nccl_create() {
-  // Check for a device before any collective, so every rank of a GPU-less job fails the same way.
+// Checked before any collective, so every rank of a GPU-less job fails the same way.
+void check_device_present() {
   int devices = 0;
   const cudaError_t rc = cudaGetDeviceCount(&devices);
   if (rc != cudaSuccess || devices == 0)
     ZERO8_THROW(unsupported, "communicator backend 'nccl': no CUDA device ("
                                  << (rc != cudaSuccess ? cudaGetErrorString(rc) : "0 devices") << ")");
-  std::unique_ptr<Communicator> host = mpi_create();
-  // One GPU per rank of a node: the device is the rank's index among the ranks of its node. NCCL
-  // refuses two ranks of a communicator on one device, with an error that names neither the ranks nor
-  // the way out; more ranks than devices on a node is reported here instead, by every rank at once.
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<HostComm> host) {
+  check_device_present();
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  // The rank's device: its index among the ranks of its node. NCCL refuses two ranks of a communicator on
+  // one device, with an error that names neither the ranks nor the way out; more ranks than devices on a
+  // node is reported here instead (as `unusable`), by every rank at once.
   const NodeGroups g = node_groups(*host);
   std::string unusable;
   if (g.local_size > devices)
     unusable = std::to_string(g.local_size) + " ranks on this node share " + std::to_string(devices) +
                " CUDA device(s), and NCCL needs a GPU per rank: start at most " + std::to_string(devices) +
-               " rank(s) per node, or use the 'mpi' backend, which stages device buffers through host memory "
-               "(ranks may share a GPU)";
-  std::unique_ptr<MpiComm> mpi(static_cast<MpiComm*>(host.release()));
-  return std::make_unique<NcclComm>(std::move(mpi), "world", g.local_rank % devices, unusable);
+               " rank(s) per node, or use the '" + host->backend() +
+               "' backend, which stages device buffers through host memory (ranks may share a GPU)";
+  const std::string name = host->name();
+  return std::make_unique<NcclComm>(std::move(host), name, g.local_rank % devices, unusable);
 }
 
-}  // namespace zero8::comm::detail
-
-#else  // NCCL without MPI
-
-namespace zero8::comm::detail {
+#if ZERO8_WITH_MPI
 std::unique_ptr<Communicator> nccl_create() {
-  ZERO8_THROW(unsupported, "communicator backend 'nccl': zero8 was built with NCCL but without MPI, which the "
-                           "NCCL backend needs to bootstrap (configure with -DZERO8_MPI=ON)");
+  check_device_present();
+  std::unique_ptr<Communicator> host = mpi_create();
+  return nccl_create_over(std::unique_ptr<HostComm>(static_cast<MpiComm*>(host.release())));
 }
-}  // namespace zero8::comm::detail
-
+#else
+std::unique_ptr<Communicator> nccl_create() {
+  ZERO8_THROW(unsupported,
+              "communicator backend 'nccl': zero8 was built with NCCL but without MPI, which "
+              "comm_create(\"nccl\") bootstraps over (configure with -DZERO8_MPI=ON); under torchrun "
+              "zero8.initialize bootstraps NCCL over the tcp backend (nccl_create_over)");
+}
 #endif
+
+}  // namespace zero8::comm::detail

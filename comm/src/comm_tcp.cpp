@@ -88,6 +88,9 @@ static_assert(sizeof(Hello) == 32, "Hello crosses the wire");
 constexpr double kHelloSeconds = 5.0;
 // How much of one peer's socket is read or written before the loop turns to the others.
 constexpr int64_t kSliceBytes = int64_t(1) << 22;
+// How long a device call waits for a member that has shut down (said BYE): its side of the call may be
+// done, since NCCL completes each rank's part on its own.
+constexpr double kByeGraceSeconds = 1.0;
 // After a peer gave up or a frame did not fit, how long the connections are watched for a death to name
 // instead (the root cause: a survivor's GIVEUP can arrive before the dead rank's EOF).
 constexpr double kCauseGraceSeconds = 0.02;
@@ -139,7 +142,7 @@ struct Exchange {
   int pending = 0;  // transfers not finished
   // Why a frame matched to a receive does not fit it (its size, the call it was sent for), "" if it does.
   std::function<std::string(const Transfer& t, const FrameHeader& h)> fit;
-  // The first frame that did not fit: the call fails, unless a death is the cause to name (check_peers).
+  // The first frame that did not fit: the call fails, unless a death is the cause to name (peer_failure).
   std::string unfit;
 
   void send(int peer, const void* data, int64_t bytes) {
@@ -719,13 +722,11 @@ void TcpWorld::write_peer(int r, Exchange& x) {
 
 // ---- the communicator ----
 
-class TcpComm final : public Communicator {
+class TcpComm final : public detail::HostComm {
  public:
   TcpComm(std::shared_ptr<TcpWorld> world, int rank, int size, std::string name, std::vector<int> world_ranks,
           uint64_t id, double timeout_s)
-      : Communicator(rank, size, std::move(name), std::move(world_ranks), timeout_s),
-        world_(std::move(world)),
-        id_(id) {}
+      : HostComm(rank, size, std::move(name), std::move(world_ranks), timeout_s), world_(std::move(world)), id_(id) {}
 
   std::string description() const override {
     return "tcp communicator '" + name() + "' (rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
@@ -738,6 +739,29 @@ class TcpComm final : public Communicator {
     std::_Exit(exit_code);
   }
 
+  // HostComm: a device call's wait reads every connection as the tcp calls do.
+  uint64_t id() const override { return id_; }
+  void watch(const DeviceCall& call, const std::function<bool()>& done) override;
+  [[noreturn]] void fail_call(const DeviceCall& call, const std::string& cause) override {
+    std::lock_guard<std::mutex> io(world_->io_mu);
+    fail_with(call.label + ": " + cause);
+  }
+  bool forked() const override { return world_->forked(); }
+  void check_not_forked(const std::string& label) const override {
+    if (!world_->forked()) return;
+    ZERO8_THROW(comm, label << ": this communicator belongs to process " << world_->owner_pid()
+                            << " and cannot be used after fork() (this is its child, process " << getpid()
+                            << "): its connections stay with the parent; communicate from the parent process only");
+  }
+
+  void set_failed(const std::string& reason) override {
+    std::lock_guard<std::mutex> io(world_->io_mu);
+    world_->fail(reason);
+  }
+  bool failed() const override { return world_->failed(); }
+  std::string failure() const override { return world_->failure(); }
+  void check_process(OpKind kind) const override { check_not_forked(op_label(kind)); }
+
  protected:
   void do_all_to_all_v(const void* send, const int64_t* send_bytes, const int64_t* send_displs, void* recv,
                        const int64_t* recv_bytes, const int64_t* recv_displs, OpKind kind) override;
@@ -749,20 +773,6 @@ class TcpComm final : public Communicator {
   void do_recv(void* buf, int64_t bytes, int peer, int tag) override;
   std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override;
 
-  void set_failed(const std::string& reason) override {
-    std::lock_guard<std::mutex> io(world_->io_mu);
-    world_->fail(reason);
-  }
-  bool failed() const override { return world_->failed(); }
-  std::string failure() const override { return world_->failure(); }
-  void check_process(OpKind kind) const override {
-    if (!world_->forked()) return;
-    ZERO8_THROW(comm, op_label(kind) << ": this communicator belongs to process " << world_->owner_pid()
-                                     << " and cannot be used after fork() (this is its child, process " << getpid()
-                                     << "): its connections stay with the parent; communicate from the parent "
-                                        "process only");
-  }
-
  private:
   Exchange exchange(OpKind kind, int tag = -1) const;
   // Runs x to completion: every send written, every receive filled. Throws Error(comm) (after failing
@@ -770,8 +780,12 @@ class TcpComm final : public Communicator {
   // timeout() passes.
   void run(Exchange& x);
   std::string check_fit(const Exchange& x, const Transfer& t, const FrameHeader& h) const;
-  void check_peers(Exchange& x);
-  [[noreturn]] void fail_call(const Exchange& x, const std::string& cause);
+  // Reads every connection that has data (waiting up to wait_s for one; 0: not at all). The caller holds io_mu.
+  void read_ready(Exchange& x, double wait_s);
+  // Why x must fail, "" if nothing says so: a peer anywhere in the world died, a frame did not fit, a peer
+  // gave up, or a peer in `waits_on` has shut down. The caller holds io_mu.
+  std::string peer_failure(Exchange& x, const std::function<bool(int world_rank)>& waits_on);
+  [[noreturn]] void fail_with(const std::string& msg);  // the caller holds io_mu
   std::string peer_name(int world_rank) const;
 
   std::shared_ptr<TcpWorld> world_;
@@ -802,8 +816,7 @@ std::string TcpComm::peer_name(int world_rank) const {
   return "rank " + std::to_string(r) + " (world rank " + std::to_string(world_rank) + ", " + address + ")";
 }
 
-void TcpComm::fail_call(const Exchange& x, const std::string& cause) {
-  const std::string msg = op_label(x.kind) + ": " + cause;
+void TcpComm::fail_with(const std::string& msg) {
   world_->fail(msg);
   ZERO8_THROW(comm, msg);
 }
@@ -824,10 +837,24 @@ std::string TcpComm::check_fit(const Exchange& x, const Transfer& t, const Frame
   return os.str();
 }
 
-// Fails the call if a peer anywhere in the world died, a frame did not fit, a peer gave up, or a peer
-// this call still waits on has shut down normally: a death first (the root cause), then what this rank
-// saw itself, then what others saw.
-void TcpComm::check_peers(Exchange& x) {
+void TcpComm::read_ready(Exchange& x, double wait_s) {
+  TcpWorld& w = *world_;
+  std::vector<pollfd> fds;
+  std::vector<int> who;
+  for (int r = 0; r < w.size(); ++r)
+    if (r != w.rank() && !w.peer(r).closed) {
+      fds.push_back({w.peer(r).fd, POLLIN, 0});
+      who.push_back(r);
+    }
+  if (fds.empty()) return;
+  const timespec ts{time_t(wait_s), long((wait_s - double(time_t(wait_s))) * 1e9)};
+  if (ppoll(fds.data(), nfds_t(fds.size()), &ts, nullptr) <= 0) return;
+  for (size_t i = 0; i < fds.size(); ++i)
+    if (fds[i].revents != 0) w.read_peer(who[i], x);
+}
+
+// A death first (the root cause), then what this rank saw itself, then what others saw.
+std::string TcpComm::peer_failure(Exchange& x, const std::function<bool(int world_rank)>& waits_on) {
   TcpWorld& w = *world_;
   auto any = [&](bool Peer::*flag) {
     for (int r = 0; r < w.size(); ++r)
@@ -838,20 +865,7 @@ void TcpComm::check_peers(Exchange& x) {
     // A survivor's GIVEUP, or a frame of the call a dead rank was in, may arrive before the dead rank's
     // EOF: look for the death, to name it.
     const double until = socket_now() + kCauseGraceSeconds;
-    std::vector<pollfd> fds;
-    std::vector<int> who;
-    while (!any(&Peer::died) && socket_now() < until) {
-      fds.clear();
-      who.clear();
-      for (int r = 0; r < w.size(); ++r)
-        if (r != w.rank() && !w.peer(r).closed) {
-          fds.push_back({w.peer(r).fd, POLLIN, 0});
-          who.push_back(r);
-        }
-      if (fds.empty() || poll(fds.data(), nfds_t(fds.size()), int((until - socket_now()) * 1000) + 1) <= 0) break;
-      for (size_t i = 0; i < fds.size(); ++i)
-        if (fds[i].revents != 0) w.read_peer(who[i], x);
-    }
+    while (!any(&Peer::died) && socket_now() < until) read_ready(x, std::max(until - socket_now(), 0.0));
   }
   std::ostringstream cause;
   int n = 0;
@@ -867,21 +881,16 @@ void TcpComm::check_peers(Exchange& x) {
     else
       cause << peer_name(r) << " closed its connection (the process died or gave up)";
   }
-  if (n > 0) fail_call(x, cause.str());
-  if (!x.unfit.empty()) fail_call(x, x.unfit);
+  if (n > 0) return cause.str();
+  if (!x.unfit.empty()) return x.unfit;
   for (int r = 0; r < w.size(); ++r)
-    if (r != w.rank() && w.peer(r).gave_up) fail_call(x, peer_name(r) + " gave up: " + w.peer(r).reason);
-  auto waits_on = [&](int r) {
-    for (const std::vector<Transfer>* ts : {&x.sends, &x.recvs})
-      for (const Transfer& t : *ts)
-        if (t.peer == r && !t.finished) return true;
-    return false;
-  };
+    if (r != w.rank() && w.peer(r).gave_up) return peer_name(r) + " gave up: " + w.peer(r).reason;
   for (int r = 0; r < w.size(); ++r) {
     const Peer& p = w.peer(r);
     if (r != w.rank() && (p.finished || p.closed) && waits_on(r))
-      fail_call(x, peer_name(r) + " has shut down its communicators (it ended without joining this call)");
+      return peer_name(r) + " has shut down its communicators (it ended without joining this call)";
   }
+  return "";
 }
 
 void TcpComm::run(Exchange& x) {
@@ -914,10 +923,16 @@ void TcpComm::run(Exchange& x) {
     if (spin) sched_yield();
     const int wait_ms = done || spin ? 0 : int(std::min(std::max(left, 0.0) * 1000.0 + 1.0, double(INT_MAX)));
     const int ready = fds.empty() ? 0 : poll(fds.data(), nfds_t(fds.size()), wait_ms);
-    if (ready < 0 && errno != EINTR) fail_call(x, "poll() failed: " + errno_text(errno));
+    if (ready < 0 && errno != EINTR) fail_with(op_label(x.kind) + ": poll() failed: " + errno_text(errno));
     for (size_t i = 0; ready > 0 && i < fds.size(); ++i)
       if (fds[i].revents & (POLLIN | POLLERR | POLLHUP)) w.read_peer(who[i], x);
-    check_peers(x);
+    const std::string failure = peer_failure(x, [&x](int r) {
+      for (const std::vector<Transfer>* ts : {&x.sends, &x.recvs})
+        for (const Transfer& t : *ts)
+          if (t.peer == r && !t.finished) return true;
+      return false;
+    });
+    if (!failure.empty()) fail_with(op_label(x.kind) + ": " + failure);
     if (x.pending == 0) return;
     if (socket_now() < deadline) continue;
     std::ostringstream cause;
@@ -927,7 +942,63 @@ void TcpComm::run(Exchange& x) {
       if (!t.finished) cause << (silent++ ? ", " : "; not heard from: ") << peer_name(t.peer);
     for (const Transfer& t : x.sends)
       if (!t.finished) cause << (stalled++ ? ", " : "; not taking this rank's data: ") << peer_name(t.peer);
-    fail_call(x, cause.str());
+    fail_with(op_label(x.kind) + ": " + cause.str());
+  }
+}
+
+// A device call (NCCL) completes on its own: done() says when. Meanwhile every connection is read as a
+// tcp call reads it (frames for other calls are queued for them), so a death or a GIVEUP anywhere in the
+// world fails it at once. The sleeps between polls of done() are poll()s on the connections, so they end
+// when anything arrives; io_mu is held only to read, so other threads' tcp calls go on meanwhile.
+void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
+  TcpWorld& w = *world_;
+  Exchange x = exchange(call.kind);  // nothing to send or receive
+  std::vector<int> members;          // the world ranks the call waits on
+  for (int r = 0; r < size(); ++r)
+    if (r != rank() && (call.p2p_peer < 0 || r == call.p2p_peer)) members.push_back(world_rank(r));
+  const double t0 = socket_now(), deadline = t0 + timeout();
+  double bye_since = -1.0;
+  int bye_rank = -1;
+  std::vector<pollfd> fds;
+  for (int iter = 0;; ++iter) {
+    {
+      std::lock_guard<std::mutex> io(w.io_mu);
+      read_ready(x, 0.0);
+      const std::string failure = peer_failure(x, [](int) { return false; });
+      if (!failure.empty()) fail_with(call.label + ": " + failure);
+      for (int r : members)
+        if (bye_rank < 0 && (w.peer(r).finished || w.peer(r).closed)) {
+          bye_rank = r;
+          bye_since = socket_now();
+        }
+      fds.clear();
+      for (int r = 0; r < w.size(); ++r)
+        if (r != w.rank() && !w.peer(r).closed) fds.push_back({w.peer(r).fd, POLLIN, 0});
+    }
+    if (done()) return;
+    const double now = socket_now(), waited = now - t0;
+    if (bye_rank >= 0 && now - bye_since >= kByeGraceSeconds) {
+      std::lock_guard<std::mutex> io(w.io_mu);
+      fail_with(call.label + ": " + peer_name(bye_rank) +
+                " has shut down its communicators (it ended without joining this call)");
+    }
+    if (now >= deadline) {
+      std::lock_guard<std::mutex> io(w.io_mu);
+      std::ostringstream cause;
+      cause << call.label << ": timed out after " << fixed1(waited) << " s (timeout " << timeout()
+            << " s); every peer's connection is open (a rank that has not joined this call, or a device that stopped)";
+      fail_with(cause.str());
+    }
+    // As the MPI backend's waits: spin, then yield (ranks may outnumber cores), then sleep 50 us, and
+    // after 0.1 s 1 ms, so that a long wait costs no CPU.
+    if (iter < 16) continue;
+    if (waited < 2e-3 || fds.empty()) {
+      sched_yield();
+      continue;
+    }
+    const double s = waited < 0.1 ? 5e-5 : 1e-3;
+    const timespec ts{0, long(s * 1e9)};
+    (void)ppoll(fds.data(), nfds_t(fds.size()), &ts, nullptr);
   }
 }
 
@@ -1016,6 +1087,27 @@ std::unique_ptr<Communicator> TcpComm::do_split(int color, int key, const std::s
 }
 
 }  // namespace
+
+std::unique_ptr<Communicator> tcp_create(Communicator& rendezvous) {
+  check_host_memory(rendezvous, "rendezvous", "tcp_create");
+  Communicator& c = rendezvous;
+  return tcp_create(c.rank(), c.size(), [&c](const std::string& mine) {
+    const int n = c.size();
+    std::vector<int64_t> bytes(static_cast<size_t>(n)), displs(static_cast<size_t>(n));
+    const int64_t own = int64_t(mine.size());
+    c.all_gather(&own, bytes.data(), sizeof(own));
+    int64_t total = 0;
+    for (int r = 0; r < n; ++r) {
+      displs[size_t(r)] = total;
+      total += bytes[size_t(r)];
+    }
+    std::string all(size_t(total), '\0');
+    c.all_gather_v(mine.data(), own, all.data(), bytes, displs);
+    std::vector<std::string> out;
+    for (int r = 0; r < n; ++r) out.push_back(all.substr(size_t(displs[size_t(r)]), size_t(bytes[size_t(r)])));
+    return out;
+  });
+}
 
 std::unique_ptr<Communicator> tcp_create(int rank, int size, const AddressExchange& exchange) {
   ZERO8_CHECK_ARG(size >= 1, "size", "must be >= 1, got " << size);

@@ -867,14 +867,15 @@ void check_launched_for(const std::string& backend) {
   if (launched_by_mpi_launcher(&launched_size)) return;
   const char* ws = std::getenv("WORLD_SIZE");
   if (ws == nullptr || std::atoi(ws) <= 1) return;
-  ZERO8_THROW(unsupported, "communicator backend '"
-                               << backend << "': WORLD_SIZE is " << ws
-                               << ", but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
-                                  "PMI_SIZE, PMIX_RANK is set), and each rank would train alone. Under torchrun or "
-                                  "DeepSpeed's launcher use the 'tcp' backend (zero8.initialize makes it for "
-                                  "\"comm_backend\": \"auto\" or \"tcp\"; in C++ tcp_create), or start the job with "
-                                  "zero8-launch --num_procs "
-                               << ws << " or mpirun -np " << ws << " for MPI (and NCCL between GPUs)");
+  ZERO8_THROW(
+      unsupported, "communicator backend '"
+                       << backend << "': WORLD_SIZE is " << ws
+                       << ", but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
+                          "PMI_SIZE, PMIX_RANK is set), and each rank would train alone. Under torchrun or "
+                          "DeepSpeed's launcher use the 'tcp' backend (zero8.initialize makes it for "
+                          "\"comm_backend\": \"auto\" or \"tcp\", and NCCL over it for a model on GPUs; in "
+                          "C++ tcp_create and nccl_create_over), or start the job with zero8-launch --num_procs "
+                       << ws << " or mpirun -np " << ws << " for MPI");
 }
 }  // namespace
 
@@ -912,8 +913,9 @@ std::unique_ptr<Communicator> comm_create(const std::string& backend) {
 #if ZERO8_WITH_NCCL
     return detail::nccl_create();
 #else
-    ZERO8_THROW(unsupported, "communicator backend 'nccl': zero8 was not built with NCCL (needs CUDA, NCCL "
-                             "and MPI; configure with -DZERO8_NCCL=ON -DZERO8_MPI=ON)");
+    ZERO8_THROW(unsupported,
+                "communicator backend 'nccl': zero8 was not built with NCCL (needs CUDA and NCCL; "
+                "configure with -DZERO8_NCCL=ON)");
 #endif
   }
   if (backend == "auto") {
@@ -931,6 +933,21 @@ std::unique_ptr<Communicator> comm_create(const std::string& backend) {
   }
   ZERO8_THROW(invalid_argument, "invalid argument 'backend': unknown communicator backend '"
                                     << backend << "' (expected auto, single, mpi, nccl or tcp)");
+}
+
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> host) {
+  ZERO8_CHECK_ARG(host != nullptr, "host", "null (pass the world communicator NCCL is to bootstrap over)");
+  auto* h = dynamic_cast<detail::HostComm*>(host.get());
+  ZERO8_CHECK_ARG(h != nullptr, "host",
+                  host->description() << " cannot bootstrap NCCL: pass a communicator of the 'tcp' or 'mpi' backend");
+#if ZERO8_WITH_NCCL
+  host.release();
+  return detail::nccl_create_over(std::unique_ptr<detail::HostComm>(h));
+#else
+  ZERO8_THROW(unsupported,
+              "nccl_create_over: zero8 was not built with NCCL (needs CUDA and NCCL; configure with "
+              "-DZERO8_NCCL=ON)");
+#endif
 }
 
 }  // namespace zero8::comm

@@ -26,6 +26,14 @@
 //               gradient, computes 0.3 s, and gets the thread's error from backward_end (or grad_ready).
 //   overlap_stall: the same, but rank 1 sleeps 3 s outside any call (timeout 2 s): rank 0's thread
 //               times out naming it, and rank 1's thread then fails with rank 0's reason.
+//   nccl_tcp_kill: NCCL bootstrapped over a tcp world of the same ranks (as zero8.initialize makes it
+//               under torchrun); rank 1 kills itself before the 3rd all_reduce on NCCL: rank 0, waiting
+//               in NCCL, must see the tcp connection close at once and name rank 1.
+//   nccl_tcp_stall: the same, but rank 1 sleeps 3 s (timeout 2 s): rank 0 times out in NCCL's
+//               all_reduce, and rank 1's next call fails with rank 0's reason (GIVEUP over tcp).
+//   nccl_mpi_kill, nccl_mpi_stall: the same with NCCL bootstrapped over MPI (comm_create("nccl")),
+//               watched by the MPI backend's liveness mesh.
+//   The nccl_* modes need a device per rank: registered for the CUDA simulator's build.
 #include <signal.h>
 #include <unistd.h>
 
@@ -41,6 +49,7 @@
 #include "zero8/comm/communicator.h"
 #include "zero8/comm/quantized.h"
 #include "zero8/error.h"
+#include "zero8/kernels/device.h"
 #include "zero8/sharded.h"
 
 namespace {
@@ -211,6 +220,18 @@ int main(int argc, char** argv) {
       if (me == 0) usleep(300000);  // the rest of the backward's computation
       opt.backward_end(true);
       opt.step();
+    } else if (mode.rfind("nccl_", 0) == 0) {
+      const bool tcp = mode.rfind("nccl_tcp_", 0) == 0;
+      std::unique_ptr<Communicator> nccl = tcp ? nccl_create_over(tcp_create(*world)) : comm_create("nccl");
+      zero8::device::Buffer buf(4000, "comm_fault's buffer");
+      for (int i = 0; i < 6; ++i) {
+        if (i == 2 && me == 1) {
+          if (mode.size() > 5 && mode.compare(mode.size() - 5, 5, "_kill") == 0) raise(SIGKILL);
+          sleep(3);
+        }
+        t_op = now_s();
+        nccl->all_reduce(buf.data(), buf.data(), 1000, ScalarType::f32, ReduceOp::sum);
+      }
     } else {
       std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
       return 2;

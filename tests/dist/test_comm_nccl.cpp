@@ -1,7 +1,9 @@
 // NCCL backend under mpirun: collectives on device buffers checked against the obvious answer, on the
-// backend's own stream and on a caller's stream, host pointers refused by name, and the bucket
-// collectives equal to their host runs. Needs a CUDA device per rank; without one the tests skip (and
-// the factory's error is checked).
+// backend's own stream and on a caller's stream, host pointers refused by name, splits, and the bucket
+// collectives equal to their host runs. Every test runs twice: NCCL bootstrapped over MPI
+// (comm_create("nccl")) and over a tcp world of the same processes (nccl_create_over, as zero8.initialize
+// makes it under torchrun). Needs a CUDA device per rank; without one the tests skip (and the factory's
+// error is checked).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -48,6 +50,15 @@ void expect_nccl_buckets_equal_host(Communicator& nccl);  // test_comm_cuda.cpp
 
 namespace {
 
+// NCCL over the test's host: "mpi" (comm_create) or "tcp" (a tcp world of the same ranks, its addresses
+// exchanged over MPI).
+std::unique_ptr<Communicator> make_nccl(const std::string& host) {
+  if (host == "mpi") return comm::comm_create("nccl");
+  return comm::nccl_create_over(comm::tcp_create(world()));
+}
+
+class DistNccl : public ::testing::TestWithParam<std::string> {};
+
 template <class T> struct DeviceVec {
   T* p = nullptr;
   size_t n = 0;
@@ -66,11 +77,11 @@ template <class T> struct DeviceVec {
   }
 };
 
-TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
+TEST_P(DistNccl, WithoutDeviceTheFactorySaysWhy) {
   const std::string why = no_device_reason();
   if (why.empty()) GTEST_SKIP() << "a CUDA device is present: covered by DistNccl.CollectivesOnDeviceBuffers";
   try {
-    comm::comm_create("nccl");
+    make_nccl(GetParam());
     FAIL() << "expected an error without a CUDA device";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::unsupported);
@@ -80,7 +91,7 @@ TEST(DistNccl, WithoutDeviceTheFactorySaysWhy) {
 
 // More ranks on a node than devices: every rank fails at creation, naming the count and the way out
 // (NCCL's own "duplicate GPU" error names neither).
-TEST(DistNccl, RanksSharingAGpuAreRefusedByName) {
+TEST_P(DistNccl, RanksSharingAGpuAreRefusedByName) {
   if (!no_device_reason().empty()) GTEST_SKIP() << "no CUDA device: covered by DistNccl.WithoutDeviceTheFactorySaysWhy";
   int devices = 0;
   cudaGetDeviceCount(&devices);
@@ -88,7 +99,7 @@ TEST(DistNccl, RanksSharingAGpuAreRefusedByName) {
   if (world().all_reduce_value<int32_t>(nodes.local_size > devices ? 1 : 0, ReduceOp::max) == 0)
     GTEST_SKIP() << "every rank has a GPU of its own: covered by DistNccl.CollectivesOnDeviceBuffers";
   try {
-    comm::comm_create("nccl");
+    make_nccl(GetParam());
     FAIL() << "expected an error with " << nodes.local_size << " ranks on " << devices << " device(s)";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::unsupported);
@@ -97,14 +108,14 @@ TEST(DistNccl, RanksSharingAGpuAreRefusedByName) {
                         "a GPU per rank"),
               std::string::npos)
         << what;
-    EXPECT_NE(what.find("'mpi' backend"), std::string::npos) << what;
+    EXPECT_NE(what.find("'" + GetParam() + "' backend"), std::string::npos) << what;
   }
 }
 
-TEST(DistNccl, CollectivesOnDeviceBuffers) {
+TEST_P(DistNccl, CollectivesOnDeviceBuffers) {
   const std::string why = no_device_per_rank_reason();
   if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
-  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
   const int n = c->size(), me = c->rank();
   ASSERT_EQ(c->memory(), comm::MemSpace::device);
   ASSERT_EQ(n, world().size());
@@ -159,10 +170,10 @@ TEST(DistNccl, CollectivesOnDeviceBuffers) {
 
 // Host buffers on NCCL through the *_host calls (device scratch), as the sharded optimizer and the
 // checkpoints pass their control data; and the device the backend chose, the rank's among its node's.
-TEST(DistNccl, HostBuffersGoThroughDeviceScratch) {
+TEST_P(DistNccl, HostBuffersGoThroughDeviceScratch) {
   const std::string why = no_device_per_rank_reason();
   if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
-  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
   const int n = c->size(), me = c->rank();
   int devices = 0;
   cudaGetDeviceCount(&devices);
@@ -200,10 +211,10 @@ TEST(DistNccl, HostBuffersGoThroughDeviceScratch) {
 
 // On a caller's (non-default) stream: the work is ordered after what the stream already holds (here a
 // copy the test queues there without waiting) and complete when the call returns.
-TEST(DistNccl, OnTheCallersStream) {
+TEST_P(DistNccl, OnTheCallersStream) {
   const std::string why = no_device_per_rank_reason();
   if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
-  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
   cudaStream_t s = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   c->set_stream(s);
@@ -240,10 +251,10 @@ TEST(DistNccl, OnTheCallersStream) {
   cudaStreamDestroy(s);
 }
 
-TEST(DistNccl, BucketCollectivesEqualTheHost) {
+TEST_P(DistNccl, BucketCollectivesEqualTheHost) {
   const std::string why = no_device_per_rank_reason();
   if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
-  std::unique_ptr<Communicator> c = comm::comm_create("nccl");
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
   cudaStream_t s = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
   c->set_stream(s);
@@ -251,6 +262,41 @@ TEST(DistNccl, BucketCollectivesEqualTheHost) {
   c->set_stream(nullptr);
   cudaStreamDestroy(s);
 }
+
+// Splits carry over: the children bootstrap their own NCCL communicators over the host's children, and
+// ranks outside a color get none.
+TEST_P(DistNccl, SplitsMakeNcclChildren) {
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
+  const int n = c->size(), me = c->rank();
+  // Even and odd ranks; the last rank of three or more sits out.
+  const bool out = n >= 3 && me == n - 1;
+  std::unique_ptr<Communicator> half = c->split(out ? Communicator::kNoColor : me % 2, -me, "half");
+  if (out) {
+    EXPECT_EQ(half, nullptr);
+  } else {
+    ASSERT_NE(half, nullptr);
+    EXPECT_STREQ(half->backend(), "nccl");
+    EXPECT_EQ(half->device(), c->device());
+    int members = 0, sum = 0;
+    for (int p = 0; p < n; ++p)
+      if (p % 2 == me % 2 && !(n >= 3 && p == n - 1)) {
+        ++members;
+        sum += p;
+      }
+    ASSERT_EQ(half->size(), members);
+    std::vector<int32_t> v(33, me);
+    DeviceVec<int32_t> dv(v);
+    half->all_reduce(dv.p, dv.p, 33, comm::ScalarType::i32, ReduceOp::sum);
+    for (int32_t y : dv.host()) ASSERT_EQ(y, sum);
+    half->barrier();
+  }
+  c->barrier();
+}
+
+std::string host_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+INSTANTIATE_TEST_SUITE_P(Host, DistNccl, ::testing::Values("mpi", "tcp"), host_name);
 
 }  // namespace
 }  // namespace zero8::test

@@ -412,23 +412,27 @@ TEST(ShardedCuda, AStepUsesTheCallersStreamAndOneHostRead) {
 #endif
 
 #if ZERO8_WITH_NCCL
-// NCCL needs a GPU per rank: where there are as many as ranks, the device twins run over NCCL too.
+// NCCL needs a GPU per rank: where there are as many as ranks, the device twins run over NCCL too,
+// bootstrapped over MPI and over a tcp world of the same ranks (as under torchrun).
 TEST(ShardedCuda, OverNcclEqualsTheHost) {
   SKIP_WITHOUT_CUDA();
   int devices = 0;
   cudaGetDeviceCount(&devices);
   if (devices < world().size())
     GTEST_SKIP() << "NCCL needs one GPU per rank: " << world().size() << " ranks, " << devices << " device(s)";
-  std::unique_ptr<comm::Communicator> nccl = comm::comm_create("nccl");
-  for (int stage : {1, 2}) {
-    ShardConfig c = twin_config();
-    c.stage = stage;
-    c.int8_params = stage == 2;
-    c.error_feedback = stage == 2;
-    SCOPED_TRACE(config_name(c));
-    // Clipping off: the step does not use the norm, which NCCL sums in its ring's order.
-    run_twins(c, *nccl, 2, 2, world().size() <= 2);
-    if (HasFatalFailure()) return;
+  for (const std::string host : {"mpi", "tcp"}) {
+    std::unique_ptr<comm::Communicator> nccl =
+        host == "mpi" ? comm::comm_create("nccl") : comm::nccl_create_over(comm::tcp_create(world()));
+    for (int stage : {1, 2}) {
+      ShardConfig c = twin_config();
+      c.stage = stage;
+      c.int8_params = stage == 2;
+      c.error_feedback = stage == 2;
+      SCOPED_TRACE("NCCL over " + host + ", " + config_name(c));
+      // Clipping off: the step does not use the norm, which NCCL sums in its ring's order.
+      run_twins(c, *nccl, 2, 2, world().size() <= 2);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 #endif

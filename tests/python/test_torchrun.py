@@ -9,11 +9,14 @@ test_engine_dist.py, test_pipe_dist.py.)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
+import torch
 
 from mpirun_util import DIST, ROOT, free_port, mpi_env, mpirun_or_skip, torchrun_cmd, torchrun_env
 
@@ -98,3 +101,105 @@ def test_a_group_restarted_by_torchrun_connects_again(tmp_path):
     assert r.returncode == 0, out[-4000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.attempt1").read_text() == "tcp 2 3.0", out[-4000:]
+
+
+class _FakeComm:
+    def __init__(self, backend: str):
+        self.backend, self.rank, self.size = backend, 0, 2
+
+
+@pytest.fixture
+def torchrun_world(monkeypatch):
+    """world_comm's choice under torchrun (WORLD_SIZE 2, no MPI launcher) on a machine whose GPUs, local
+    ranks and NCCL the test sets: returns set_up(gpus, local_ranks, nccl_built) and the tcp_world calls."""
+    from zero8.engine import world
+
+    for k in [k for k in os.environ if k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))]:
+        monkeypatch.delenv(k)
+    for k in ("LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(world, "_world", {})  # this process's own world stays as it is
+    calls = []
+
+    def fake_tcp_world(nccl=False):
+        calls.append(nccl)
+        return _FakeComm("nccl" if nccl else "tcp")
+
+    monkeypatch.setattr(world, "tcp_world", fake_tcp_world)
+
+    def set_up(gpus: int, local_ranks: int, nccl_built: bool = True):
+        monkeypatch.setattr(world.torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+        real = world._C
+        fake = type("FakeC", (), {})()
+        fake.comm_backend_available = lambda b: nccl_built if b == "nccl" else real.comm_backend_available(b)
+        fake.comm_auto_backend = real.comm_auto_backend
+        monkeypatch.setattr(world, "_C", fake)
+        world._world.clear()
+        calls.clear()
+
+    return world, set_up, calls
+
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("gpus,local_ranks,nccl_built,backend,device,want,warning", [
+    (2, 2, True, "auto", GPU, True, None),  # a GPU per rank: NCCL over tcp
+    (1, 2, True, "auto", GPU, False, "2 ranks on this node share 1 GPU(s)"),
+    (2, 2, False, "auto", GPU, False, "built without NCCL"),
+    (2, 2, True, "auto", None, False, None),  # a CPU model: tcp, nothing to say
+    (2, 2, True, "tcp", GPU, False, '"comm_backend": "tcp" asks for it'),
+    (1, 2, True, "nccl", GPU, True, None),  # by name: NCCL's own creation refuses ranks sharing a GPU
+])
+def test_torchrun_world_choice(torchrun_world, gpus, local_ranks, nccl_built, backend, device, want, warning):
+    """Under torchrun "auto" makes NCCL over tcp for a GPU model where each local rank has a GPU of its own
+    and zero8 has NCCL, else tcp, warning why the device buffers go through host memory."""
+    world, set_up, calls = torchrun_world
+    set_up(gpus, local_ranks, nccl_built)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm = world.world_comm(backend, device=device)
+    assert calls == [want] and comm.backend == ("nccl" if want else "tcp")
+    said = [str(w.message) for w in caught if "zero8" in str(w.message)]
+    if warning is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and warning in said[0] and "host memory over TCP" in said[0], said
+
+
+_NCCL_STEP = """
+import os, torch, zero8
+from zero8.engine import world_comm
+rank = int(os.environ["LOCAL_RANK"])
+model = torch.nn.Linear(64, 64).cuda(rank % torch.cuda.device_count())
+engine, *_ = zero8.initialize(model=model, config={"train_batch_size": 4, "optimizer": {"type": "AdamW",
+    "params": {"lr": 1e-3}}, "zero8": {"comm_backend": "nccl"}})
+x = torch.randn(2, 64, device=model.weight.device)
+loss = engine(x).square().mean()
+engine.backward(loss)
+engine.step()
+print(f"rank {engine.global_rank}: {world_comm().backend} {world_comm().size} ok", flush=True)
+"""
+
+
+@pytest.mark.cuda
+def test_nccl_under_torchrun(tmp_path):
+    """On a GPU machine: "comm_backend": "nccl" under torchrun on 2 ranks bootstraps NCCL over tcp and steps
+    where each rank has a GPU; where the two share one, every rank fails at creation naming the count and
+    the way out (the tcp backend), not NCCL's own "duplicate GPU" error."""
+    import zero8
+
+    if not torch.cuda.is_available() or not zero8.build_info()["nccl"]:
+        pytest.skip("needs a GPU and a zero8 built with NCCL")
+    script = tmp_path / "step.py"
+    script.write_text(_NCCL_STEP)
+    r, out = _run(torchrun_cmd(2) + [str(script)], torchrun_env(ZERO8_COMM_TIMEOUT=60))
+    if torch.cuda.device_count() >= 2:
+        assert r.returncode == 0, out[-4000:]
+        assert "rank 0: nccl 2 ok" in out and "rank 1: nccl 2 ok" in out, out[-4000:]
+    else:
+        assert r.returncode != 0, out[-4000:]
+        assert "2 ranks on this node share 1 CUDA device(s), and NCCL needs a GPU per rank" in out, out[-4000:]
+        assert "use the 'tcp' backend" in out, out[-4000:]

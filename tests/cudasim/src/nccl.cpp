@@ -6,13 +6,17 @@
 // computes its result itself, folding the ranks in rank order. A send is a file per (sender, receiver,
 // count of messages between them), which the receiver deletes. Calls between ncclGroupStart and
 // ncclGroupEnd run together: sends first, then collectives in call order, then receives, so a group's
-// exchange cannot wait on itself. A rank that waits more than ZERO8_CUDASIM_NCCL_TIMEOUT seconds (default 120)
-// for a peer's part aborts, naming the call. Like NCCL, two ranks on one device are refused at init.
+// exchange cannot wait on itself. A call whose peer's part is not there yet stays queued and its stream
+// not ready (as a GPU's NCCL kernel spins), so the host's polling waits run, and a dead peer is seen by
+// zero8's own watch; ncclCommAbort cancels the calls still queued. A rank that waits more than
+// ZERO8_CUDASIM_NCCL_TIMEOUT seconds (default 120) for a peer's part aborts, naming the call. Like NCCL,
+// two ranks on one device are refused at init.
 #include <dirent.h>
 #include <nccl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +38,8 @@ struct ncclComm {
   std::vector<uint64_t> sent, received;  // messages per peer
   bool tell_in_progress = false;         // the next ncclCommGetAsyncError says ncclInProgress (non-blocking mode)
   std::string last_error;
+  // Set by ncclCommAbort / ncclCommDestroy: the calls still queued end without effect.
+  std::shared_ptr<std::atomic<bool>> ended = std::make_shared<std::atomic<bool>>(false);
 };
 
 namespace {
@@ -43,7 +49,7 @@ thread_local std::string tl_error;
 struct Call {
   enum Kind { send, recv, collective } kind;
   cudaStream_t stream;
-  std::function<void()> run;
+  std::function<bool()> run;  // false: a peer's part is not there yet (run again later)
 };
 thread_local int tl_group_depth = 0;
 thread_local std::vector<Call> tl_group;
@@ -95,19 +101,40 @@ void post(const std::string& path, const void* data, size_t bytes) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) zero8_cudasim::fatal("NCCL: cannot rename " + tmp);
 }
 
-// The bytes of a peer's part once it is there.
+// How long a call has waited for a peer's part: the simulator's own bound on a hang.
+struct Waiting {
+  bool started = false;
+  std::chrono::steady_clock::time_point since;
+};
+
+// Reads a peer's part into *out if it is there (true); else false, or aborts after timeout_s() of waiting.
+bool arrived(const std::string& path, std::vector<char>* out, const std::string& what, Waiting* w) {
+  std::ifstream f(path, std::ios::binary);
+  if (f) {
+    out->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    return true;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (!w->started) {
+    w->started = true;
+    w->since = now;
+  } else if (now - w->since > std::chrono::duration<double>(timeout_s())) {
+    zero8_cudasim::fatal("NCCL: " + what + ": no part from a peer after " + std::to_string(timeout_s()) + " s (" +
+                         path + ")");
+  }
+  return false;
+}
+
+// The bytes of a peer's part once it is there (blocking: the set-up).
 std::vector<char> await(const std::string& path, const std::string& what) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s());
+  Waiting w;
+  std::vector<char> out;
   auto pause = std::chrono::microseconds(20);
-  for (;;) {
-    std::ifstream f(path, std::ios::binary);
-    if (f) return std::vector<char>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-    if (std::chrono::steady_clock::now() > until)
-      zero8_cudasim::fatal("NCCL: " + what + ": no part from a peer after " + std::to_string(timeout_s()) + " s (" +
-                           path + ")");
+  while (!arrived(path, &out, what, &w)) {
     std::this_thread::sleep_for(pause);
     if (pause < std::chrono::milliseconds(2)) pause *= 2;
   }
+  return out;
 }
 
 template <class T>
@@ -136,20 +163,36 @@ void fold(void* acc, const void* x, size_t count, ncclDataType_t t, ncclRedOp_t 
   }
 }
 
-// One collective, run in stream order: this rank's part posted, every rank's read (in rank order), then
-// `finish` computes this rank's result from them. The part of call seq - 2 is removed: every rank has
-// read it once it has posted seq - 1, which it did before this one.
-std::function<void()> collective(ncclComm* c, const void* mine, size_t bytes, std::string what,
+// One collective, run in stream order: this rank's part posted, every rank's read (in rank order; until a
+// part is there the call waits, returning false), then `finish` computes this rank's result from them. The
+// part of call seq - 2 is removed: every rank has read it once it has posted seq - 1, which it did before
+// this one.
+std::function<bool()> collective(ncclComm* c, const void* mine, size_t bytes, std::string what,
                                  std::function<void(const std::vector<std::vector<char>>&)> finish) {
   const uint64_t seq = c->seq++;
-  return [c, mine, bytes, seq, what = std::move(what), finish = std::move(finish)] {
-    auto name = [&](uint64_t k, int r) { return c->prefix + "c" + std::to_string(k) + "-r" + std::to_string(r); };
-    post(name(seq, c->rank), mine, bytes);
-    std::vector<std::vector<char>> parts(size_t(c->nranks));
-    for (int r = 0; r < c->nranks; ++r)
-      parts[size_t(r)] = await(name(seq, r), what + " (call " + std::to_string(seq) + ")");
-    if (seq >= 2) std::remove(name(seq - 2, c->rank).c_str());
-    finish(parts);
+  struct Progress {
+    bool posted = false;
+    int got = 0;
+    std::vector<std::vector<char>> parts;
+    Waiting waiting;
+  };
+  auto at = std::make_shared<Progress>();
+  return [prefix = c->prefix, rank = c->rank, nranks = c->nranks, ended = c->ended, at, mine, bytes, seq,
+          what = std::move(what), finish = std::move(finish)] {
+    if (*ended) return true;
+    auto name = [&](uint64_t k, int r) { return prefix + "c" + std::to_string(k) + "-r" + std::to_string(r); };
+    if (!at->posted) {
+      post(name(seq, rank), mine, bytes);
+      at->posted = true;
+      at->parts.resize(size_t(nranks));
+    }
+    for (; at->got < nranks; ++at->got)
+      if (!arrived(name(seq, at->got), &at->parts[size_t(at->got)], what + " (call " + std::to_string(seq) + ")",
+                   &at->waiting))
+        return false;
+    if (seq >= 2) std::remove(name(seq - 2, rank).c_str());
+    finish(at->parts);
+    return true;
   };
 }
 
@@ -158,7 +201,7 @@ ncclResult_t submit(ncclComm* c, Call call) {
     tl_group.push_back(std::move(call));
     return ncclSuccess;
   }
-  const cudaError_t e = zero8_cudasim::enqueue(call.stream, "nccl", std::move(call.run));
+  const cudaError_t e = zero8_cudasim::enqueue_waiting(call.stream, "nccl", std::move(call.run));
   return e == cudaSuccess ? ncclSuccess : fail(c, ncclUnhandledCudaError, "invalid stream");
 }
 
@@ -263,6 +306,7 @@ void leave(const std::string& prefix, int rank, int nranks) {
 
 ncclResult_t destroy(ncclComm_t comm) {
   if (comm == nullptr) return fail(nullptr, ncclInvalidArgument, "null communicator");
+  *comm->ended = true;
   leave(comm->prefix, comm->rank, comm->nranks);
   delete comm;
   return ncclSuccess;
@@ -286,11 +330,17 @@ ncclResult_t ncclGroupEnd() {
   const cudaStream_t st = calls.front().stream;
   for (const Call& c : calls)
     if (c.stream != st) return fail(nullptr, ncclInvalidUsage, "a group's calls on different streams (not simulated)");
+  // The group's calls in that order, each once it has finished; the group waits where one waits.
   auto all = std::make_shared<std::vector<Call>>(std::move(calls));
-  const cudaError_t e = zero8_cudasim::enqueue(st, "nccl group", [all] {
+  auto finished = std::make_shared<std::vector<bool>>(all->size(), false);
+  const cudaError_t e = zero8_cudasim::enqueue_waiting(st, "nccl group", [all, finished] {
     for (Call::Kind k : {Call::send, Call::collective, Call::recv})
-      for (Call& c : *all)
-        if (c.kind == k) c.run();
+      for (size_t i = 0; i < all->size(); ++i) {
+        if ((*all)[i].kind != k || (*finished)[i]) continue;
+        if (!(*all)[i].run()) return false;
+        (*finished)[i] = true;
+      }
+    return true;
   });
   return e == cudaSuccess ? ncclSuccess : fail(nullptr, ncclUnhandledCudaError, "invalid stream");
 }
@@ -302,7 +352,10 @@ ncclResult_t ncclSend(const void* buf, size_t count, ncclDataType_t type, int pe
   const uint64_t k = comm->sent[size_t(peer)]++;
   const std::string path =
       comm->prefix + "p" + std::to_string(comm->rank) + "to" + std::to_string(peer) + "-" + std::to_string(k);
-  return submit(comm, {Call::send, s, [path, buf, bytes] { post(path, buf, bytes); }});
+  return submit(comm, {Call::send, s, [path, buf, bytes, ended = comm->ended] {
+                         if (!*ended) post(path, buf, bytes);
+                         return true;
+                       }});
 }
 
 ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm, cudaStream_t s) {
@@ -312,13 +365,17 @@ ncclResult_t ncclRecv(void* buf, size_t count, ncclDataType_t type, int peer, nc
   const uint64_t k = comm->received[size_t(peer)]++;
   const std::string path =
       comm->prefix + "p" + std::to_string(peer) + "to" + std::to_string(comm->rank) + "-" + std::to_string(k);
-  return submit(comm, {Call::recv, s, [path, buf, bytes] {
-                         const std::vector<char> b = await(path, "ncclRecv");
+  auto waiting = std::make_shared<Waiting>();
+  return submit(comm, {Call::recv, s, [path, buf, bytes, ended = comm->ended, waiting] {
+                         if (*ended) return true;
+                         std::vector<char> b;
+                         if (!arrived(path, &b, "ncclRecv", waiting.get())) return false;
                          if (b.size() != bytes)
                            zero8_cudasim::fatal("NCCL: ncclRecv of " + std::to_string(bytes) + " bytes got a send of " +
                                                 std::to_string(b.size()));
                          std::memcpy(buf, b.data(), bytes);
                          std::remove(path.c_str());
+                         return true;
                        }});
 }
 

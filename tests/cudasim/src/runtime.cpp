@@ -26,13 +26,15 @@
 #include <memory>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "cuda.h"
 #include "sim.h"
 
 struct CUstream_st {
-  std::deque<std::pair<const char*, std::function<void()>>> queue;
+  // Operations return false while they wait for another process (a peer's NCCL part): see run_until.
+  std::deque<std::pair<const char*, std::function<bool()>>> queue;
   int device = 0;
   uint64_t queued = 0, done = 0;  // operations ever queued / run
   bool blocking = true;
@@ -189,13 +191,13 @@ CUstream_st* stream_of(cudaStream_t s) {
 
 bool pending(const CUstream_st* s) { return s->done < s->queued; }
 
-void run_until(CUstream_st* s, uint64_t position);
+bool run_until(CUstream_st* s, uint64_t position);
 
 // Work queued on s waits for the work now queued on w.
 void order_after(CUstream_st* s, CUstream_st* w) {
   if (!pending(w)) return;
   const uint64_t pos = w->queued;
-  s->queue.emplace_back("implicit wait (legacy default stream)", [w, pos] { run_until(w, pos); });
+  s->queue.emplace_back("implicit wait (legacy default stream)", [w, pos] { return run_until(w, pos); });
   ++s->queued;
 }
 
@@ -216,22 +218,39 @@ void check_canaries(const char* op) {
   }
 }
 
-void run_until(CUstream_st* s, uint64_t position) {
-  if (s->done >= position || s->queue.empty()) return;
+// Runs s's work up to `position` as far as it goes now. An operation that waits for another process (a
+// peer's NCCL part: it returns false) stays first in the queue, and the stream stops there: false. So a
+// query answers "not ready" while a peer is missing, as on a GPU, where the NCCL kernel spins.
+bool run_until(CUstream_st* s, uint64_t position) {
+  if (s->done >= position || s->queue.empty()) return true;
   DeviceAccess access;
   while (s->done < position && !s->queue.empty()) {
     auto op = std::move(s->queue.front());
     s->queue.pop_front();
     ++s->done;  // before running: a wait inside may come back to this stream
     if (tracing()) std::fprintf(stderr, "cudasim: %s runs (stream %p)\n", op.first, static_cast<void*>(s));
-    op.second();
+    if (!op.second()) {
+      --s->done;
+      s->queue.push_front(std::move(op));
+      return false;
+    }
     check_canaries(op.first);
+  }
+  return true;
+}
+
+// run_until for a host that blocks (a synchronize, a synchronous copy): waits for other processes.
+void run_until_done(CUstream_st* s, uint64_t position) {
+  auto pause = std::chrono::microseconds(20);
+  while (!run_until(s, position)) {
+    std::this_thread::sleep_for(pause);
+    if (pause < std::chrono::milliseconds(2)) pause *= 2;
   }
 }
 
 void run_all() {
   State& g = st();
-  for (CUstream_st* s : std::vector<CUstream_st*>(g.streams.begin(), g.streams.end())) run_until(s, s->queued);
+  for (CUstream_st* s : std::vector<CUstream_st*>(g.streams.begin(), g.streams.end())) run_until_done(s, s->queued);
 }
 
 struct Lock {
@@ -335,13 +354,13 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   if (dh && !sh) ++st().counts.copies_to_host;
   if (sh && !dh) ++st().counts.copies_to_device;
   if (dh && sh) {  // host to host: synchronous
-    run_until(s, s->queued);
+    run_until_done(s, s->queued);
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   }
   if (sh && is_pageable(src)) {
     // Staged: the source is read now, the copy to the device runs in stream order.
-    if (sync) run_until(s, s->queued);
+    if (sync) run_until_done(s, s->queued);
     auto staged =
         std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
     enqueue(stream, "cudaMemcpy (from pageable host memory)",
@@ -351,7 +370,7 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   enqueue(stream, "cudaMemcpy", [dst, src, bytes] { std::memmove(dst, src, bytes); });
   // To host memory the call returns after the copy (pageable always; pinned when synchronous); from pinned
   // host memory a synchronous copy waits too.
-  if ((dh && (sync || is_pageable(dst))) || (sync && sh)) run_until(s, s->queued);
+  if ((dh && (sync || is_pageable(dst))) || (sync && sh)) run_until_done(s, s->queued);
   return cudaSuccess;
 }
 
@@ -362,7 +381,7 @@ cudaError_t memset_impl(void* p, int value, size_t bytes, cudaStream_t stream, b
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
   if (!device_range(p, bytes)) return set_error(cudaErrorInvalidValue);
   enqueue(stream, "cudaMemset", [p, value, bytes] { std::memset(p, value, bytes); });
-  if (sync && find(p)->kind == Kind::pinned) run_until(s, s->queued);
+  if (sync && find(p)->kind == Kind::pinned) run_until_done(s, s->queued);
   return cudaSuccess;
 }
 
@@ -397,6 +416,13 @@ bool device_range(const void* p, size_t bytes) {
 }
 
 cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op) {
+  return enqueue_waiting(stream, what, [op = std::move(op)] {
+    op();
+    return true;
+  });
+}
+
+cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function<bool()> op) {
   Lock l;
   State& g = st();
   CUstream_st* s = stream_of(stream);
@@ -638,7 +664,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   Lock l;
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread || !st().streams.count(s))
     return set_error(cudaErrorInvalidResourceHandle);
-  run_until(s, s->queued);  // its queued work still runs
+  run_until_done(s, s->queued);  // its queued work still runs
   st().streams.erase(s);
   delete s;
   return cudaSuccess;
@@ -649,7 +675,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   ++st().counts.host_waits;
   CUstream_st* s = stream_of(stream);
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
-  run_until(s, s->queued);
+  run_until_done(s, s->queued);
   return cudaSuccess;
 }
 
@@ -664,8 +690,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
     s->told_not_ready = true;
     return cudaErrorNotReady;
   }
-  run_until(s, s->queued);
-  return cudaSuccess;
+  return run_until(s, s->queued) ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned) {
@@ -675,7 +700,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned) {
   if (!e->recorded) return cudaSuccess;  // an event never recorded is complete
   CUstream_st* w = e->stream;
   const uint64_t pos = e->position;
-  return enqueue(stream, "cudaStreamWaitEvent", [w, pos] { run_until(w, pos); });
+  return enqueue_waiting(stream, "cudaStreamWaitEvent", [w, pos] { return run_until(w, pos); });
 }
 
 cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
@@ -730,15 +755,14 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
     e->told_not_ready = true;
     return cudaErrorNotReady;
   }
-  run_until(e->stream, e->position);
-  return cudaSuccess;
+  return run_until(e->stream, e->position) ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   Lock l;
   ++st().counts.host_waits;
   if (e == nullptr || !st().events.count(e)) return set_error(cudaErrorInvalidResourceHandle);
-  if (e->recorded) run_until(e->stream, e->position);
+  if (e->recorded) run_until_done(e->stream, e->position);
   return cudaSuccess;
 }
 

@@ -20,6 +20,10 @@ std::recursive_mutex& runtime_mutex();
 
 // Queues `op` on the stream; `what` names it in reports.
 cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op);
+// The same for an operation that may have to wait for another process (a peer's NCCL part): it returns
+// false while it does, and runs again at the stream's next query or wait (never at once in a loop: the
+// host that blocks sleeps between tries), until it returns true.
+cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function<bool()> op);
 
 // Runs one kernel's grid now (called from a stream's queue, with device memory accessible).
 void run_grid(const char* name, dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);

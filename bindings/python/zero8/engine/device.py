@@ -86,8 +86,8 @@ def check_nccl_device(comm: "_C.Communicator", device: torch.device) -> None:
         raise Zero8ValueError(
             f"the model is on {device}, but this rank's NCCL communicator works on cuda:{comm.device} (its rank "
             f"among the ranks of its node, modulo the visible devices): put the model there "
-            f"(model.to(zero8.engine.local_device())), or use \"comm_backend\": \"mpi\", which stages device "
-            f"buffers through host memory")
+            f"(model.to(zero8.engine.local_device())), or use \"comm_backend\": \"mpi\" (\"tcp\" under torchrun), "
+            f"which stages device buffers through host memory")
 
 
 class StreamOrder:

@@ -48,25 +48,30 @@ def _shutdown() -> None:
 
 
 def world_comm(backend: str = "auto", device=None) -> "_C.Communicator":
-    """The process's world communicator, created on first use. 'auto': MPI under an MPI launcher (mpirun,
-    zero8-launch, srun), and for a model on a CUDA ``device`` NCCL instead where nccl_by_default; TCP
-    (tcp_world) under a launcher without MPI (torchrun, DeepSpeed's launcher); else a single process.
-    Asking later for another backend than the one made is an error; 'auto' takes the one made, whichever
-    it is."""
+    """The process's world communicator, created on first use. 'auto': under an MPI launcher (mpirun,
+    zero8-launch, srun) MPI, and for a model on a CUDA ``device`` NCCL instead where nccl_by_default; under a
+    launcher without MPI (torchrun, DeepSpeed's launcher) TCP (tcp_world), with NCCL bootstrapped over it for
+    a model on a GPU where nccl_by_default; else a single process. 'nccl' by name under such a launcher is
+    NCCL over TCP too. Asking later for another backend than the one made is an error; 'auto' takes the one
+    made, whichever it is."""
     with _world_lock:
         comm = _world.get("comm")
         if comm is None:
+            cuda = getattr(device, "type", None) == "cuda"
+            launched = env_launched_size() > 1
             made = backend
-            if backend == "auto" and env_launched_size() > 1:
-                made = "tcp"
-            elif backend == "auto" and getattr(device, "type", None) == "cuda" and nccl_by_default():
+            if backend == "auto" and cuda and nccl_by_default():
                 made = "nccl"
-            comm = tcp_world() if made == "tcp" else _C.comm_create(made)
-            if made == "tcp" and getattr(device, "type", None) == "cuda" and comm.rank == 0:
-                warnings.warn(
-                    "zero8: this job was started without MPI (torchrun or DeepSpeed's launcher), so its ranks "
-                    "talk over TCP and the model's device buffers go through host memory; for NCCL between "
-                    "GPUs start it with zero8-launch (or mpirun, srun)", stacklevel=3)
+            elif backend == "auto" and launched:
+                made = "tcp"
+            if launched and made in ("tcp", "nccl"):
+                comm = tcp_world(nccl=made == "nccl")
+            else:
+                comm = _C.comm_create(made)
+            if comm.backend == "tcp" and cuda and comm.rank == 0:
+                why = why_not_nccl() or '"comm_backend": "tcp" asks for it ("auto" makes NCCL over TCP)'
+                warnings.warn(f"zero8: the model's device buffers go through host memory over TCP, not NCCL: {why}",
+                              stacklevel=3)
             _world["comm"] = comm
             atexit.register(_shutdown)
             _world["backend"] = backend
@@ -87,13 +92,15 @@ def env_launched_size() -> int:
     return int(size) if size.isdigit() else 0
 
 
-def tcp_world() -> "_C.Communicator":
+def tcp_world(nccl: bool = False) -> "_C.Communicator":
     """The 'tcp' world: every pair of ranks connected over TCP (each listening on ZERO8_COMM_IFADDR, else the
     address of its route to MASTER_ADDR, else the backend's default), their addresses exchanged through
     torch.distributed's store: the default process group's where the script made one
     (``torch.distributed.init_process_group``), else the one ``env://`` names (MASTER_ADDR:MASTER_PORT;
     under torchrun its agent's). No process group is made. Waits for the other ranks as long as a
-    collective may (ZERO8_COMM_TIMEOUT, default 600 s)."""
+    collective may (ZERO8_COMM_TIMEOUT, default 600 s). ``nccl``: the 'nccl' world bootstrapped over it
+    (rank 0's NCCL id, splits and barriers go over TCP, and its connections watch the peers while NCCL
+    calls wait)."""
     import torch.distributed as dist
 
     env = {k: os.environ.get(k, "").strip() for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -141,22 +148,33 @@ def tcp_world() -> "_C.Communicator":
     # Every peer connects to rank 0 only after its own exchange, so once this returns no rank reads the
     # store any more, and rank 0 may drop it (DeepSpeed's launcher has rank 0 serve it on MASTER_PORT,
     # where the script may start its own process group later).
-    return _C.comm_create_tcp(rank, size, exchange)
+    return _C.comm_create_tcp(rank, size, exchange, nccl=nccl)
 
 
 def nccl_by_default() -> bool:
-    """Whether 'auto' means NCCL for a model on a GPU: the launcher started several processes, zero8 has
-    NCCL (``_C.comm_auto_backend("device")``), and each process of this node can have a GPU of its own
-    (NCCL refuses two ranks on one; over MPI they may share it)."""
-    if _C.comm_auto_backend("device") != "nccl":
-        return False
+    """Whether 'auto' means NCCL for a model on a GPU: several processes (an MPI launcher's, or torchrun's and
+    DeepSpeed's launcher's, whose NCCL is bootstrapped over TCP), zero8 has NCCL, and each process of this
+    node can have a GPU of its own (NCCL refuses two ranks on one; over MPI or TCP they may share it)."""
+    return not why_not_nccl()
+
+
+def why_not_nccl() -> str:
+    """Why 'auto' does not mean NCCL for a model on a GPU ("" where it does)."""
+    if not _C.comm_backend_available("nccl"):
+        return "zero8 was built without NCCL"
+    if env_launched_size() <= 1 and _C.comm_auto_backend("device") != "nccl":
+        return "one process, or a launcher that started none"
     size = launcher_local_size()
-    return size is None or size <= torch.cuda.device_count()
+    if size is not None and size > torch.cuda.device_count():
+        return (f"{size} ranks on this node share {torch.cuda.device_count()} GPU(s), and NCCL needs a GPU per "
+                f"rank")
+    return ""
 
 
 def launcher_local_size() -> int | None:
     """The number of processes on this node, as the launcher set it; None when none did."""
-    for var in ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+    for var in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                "SLURM_NTASKS_PER_NODE"):
         v = os.environ.get(var, "").strip()
         if v.isdigit() and int(v) > 0:
             return int(v)

@@ -342,7 +342,8 @@ class Communicator {
 };
 
 // Backend factory. "single": one process. "mpi": MPI_COMM_WORLD (initializes MPI if needed and
-// finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI.
+// finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI
+// (under torchrun, nccl_create_over a tcp world instead).
 // "auto": "mpi" when started by an MPI launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK set) and built with MPI,
 // else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
 // "tcp" needs a rendezvous, so it is made by tcp_create below (zero8.initialize does it under torchrun):
@@ -373,6 +374,19 @@ bool comm_backend_available(const std::string& backend);  // compiled in (not: u
 // fail at once, naming both sides. Errors of `exchange` propagate unchanged.
 using AddressExchange = std::function<std::vector<std::string>(const std::string& mine)>;
 std::unique_ptr<Communicator> tcp_create(int rank, int size, const AddressExchange& exchange);
+// A tcp world of the ranks of `rendezvous` (a host-memory communicator: "mpi", say), the contact strings
+// exchanged by its all_gather; collective over it. For tests and benchmarks of the tcp backend under mpirun.
+std::unique_ptr<Communicator> tcp_create(Communicator& rendezvous);
+
+// "nccl" for the ranks of `host`, which it bootstraps over and keeps: a world of the "tcp" backend (how
+// zero8.initialize makes NCCL under torchrun) or of "mpi" (comm_create("nccl") does that), or a
+// communicator split from one. Rank 0's ncclUniqueId, splits and barriers go through `host`, and while
+// an NCCL call waits, host's connections are watched: a peer that dies or gives up anywhere in the world
+// fails the call at once, naming it, and a rank whose call fails tells the others through them. The
+// device is the rank's index among the ranks of its node (ZERO8_COMM_NODE, else the host name), as
+// comm_create("nccl") chooses it; ranks that outnumber a node's devices all fail at creation, naming the
+// count. Error(unsupported) without NCCL or a CUDA device; Error(invalid_argument) for another host.
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> host);
 
 // The backend "auto" stands for, for buffers in `memory`: host memory as comm_create("auto") decides;
 // device memory "nccl" instead of "mpi" when the MPI launcher started several processes and zero8 was
