@@ -49,22 +49,29 @@ _INIT = ("import torch, zero8\n"
          "'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}}, 'zero8': {'comm_backend': '%s'}})\n")
 
 
-def _one_rank_of_two(tmp_path, rank: int, backend: str = "auto", timeout_s: int = 3):
-    """Rank `rank` of a job of 2 as torchrun would start it, whose other rank never comes."""
+def _one_rank_of_two(tmp_path, rank: int, backend: str = "auto", timeout_s: int = 3, in_config: bool = False):
+    """Rank `rank` of a job of 2 as torchrun would start it, whose other rank never comes; its timeout set
+    by ZERO8_COMM_TIMEOUT, or by zero8.comm_timeout_s (in_config)."""
     script = tmp_path / "train.py"
-    script.write_text(_INIT % backend)
-    env = torchrun_env(WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-                       ZERO8_COMM_TIMEOUT=timeout_s)
+    init = _INIT % backend
+    if in_config:
+        init = init.replace("'comm_backend'", f"'comm_timeout_s': {timeout_s}, 'comm_backend'")
+    script.write_text(init)
+    env = torchrun_env(WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    env.pop("ZERO8_COMM_TIMEOUT", None)
+    if not in_config:
+        env["ZERO8_COMM_TIMEOUT"] = str(timeout_s)
     t0 = time.monotonic()
     r, out = _run([sys.executable, str(script)], env, timeout=120)
     return r, out, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_whose_peer_never_comes_fails_after_the_timeout(tmp_path, rank):
+@pytest.mark.parametrize("rank,in_config", [(0, False), (1, False), (1, True)])
+def test_a_rank_whose_peer_never_comes_fails_after_the_timeout(tmp_path, rank, in_config):
     """Rank 0 serves the store on MASTER_PORT and waits for rank 1; rank 1 waits for the store. Either gives
-    up after ZERO8_COMM_TIMEOUT (3 s here) with a Zero8CommError naming the rendezvous."""
-    r, out, took = _one_rank_of_two(tmp_path, rank)
+    up after ZERO8_COMM_TIMEOUT, or the config's zero8.comm_timeout_s (3 s here), with a Zero8CommError
+    naming the rendezvous."""
+    r, out, took = _one_rank_of_two(tmp_path, rank, in_config=in_config)
     assert r.returncode != 0 and "Zero8CommError" in out, out[-3000:]
     assert f"rank {rank} of 2: the rendezvous at 127.0.0.1:" in out and "did not complete within 3 s" in out, \
         out[-3000:]
@@ -122,7 +129,7 @@ def torchrun_world(monkeypatch):
     monkeypatch.setattr(world, "_world", {})  # this process's own world stays as it is
     calls = []
 
-    def fake_tcp_world(nccl=False):
+    def fake_tcp_world(nccl=False, timeout_s=None):
         calls.append(nccl)
         return _FakeComm("nccl" if nccl else "tcp")
 

@@ -38,6 +38,18 @@ def requested_backend(config: Any) -> str:
     return backend if isinstance(backend, str) else "auto"
 
 
+def requested_timeout(config: Any) -> float | None:
+    """zero8.comm_timeout_s as written, for the rendezvous of a world made before the parse (under torchrun);
+    None where ZERO8_COMM_TIMEOUT is set (it wins) or the value is not a positive number (the parser names
+    it later)."""
+    if os.environ.get(COMM_TIMEOUT_ENV) is not None:
+        return None
+    value = raw_value(config, "zero8", "comm_timeout_s", default=None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return None
+    return float(value)
+
+
 def dataloader_drop_last(config: Any) -> bool:
     """DeepSpeed's dataloader_drop_last as written: the C++ parser accepts the key without modelling it
     (it is no business of the optimizer), so the typed view has no field for it."""

@@ -12,7 +12,7 @@ import torch
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
 from ..config import load_config
-from .config_view import dataloader_drop_last, requested_backend
+from .config_view import dataloader_drop_last, requested_backend, requested_timeout
 from .device import check_nccl_device, comm_backend, local_device, model_device
 from .pipeline import PipelineEngine
 from .training import Zero8Engine
@@ -116,7 +116,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     backend = comm_backend(requested_backend(config), device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's set-up and the optimizer's buffers use the current device
-    world = world_comm(backend, device)
+    world = world_comm(backend, device, timeout_s=requested_timeout(config))
     if device.type == "cuda":
         check_nccl_device(world, device)
         torch.cuda.set_device(device)

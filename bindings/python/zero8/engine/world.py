@@ -47,13 +47,14 @@ def _shutdown() -> None:
     gc.collect()
 
 
-def world_comm(backend: str = "auto", device=None) -> "_C.Communicator":
+def world_comm(backend: str = "auto", device=None, timeout_s: float | None = None) -> "_C.Communicator":
     """The process's world communicator, created on first use. 'auto': under an MPI launcher (mpirun,
     zero8-launch, srun) MPI, and for a model on a CUDA ``device`` NCCL instead where nccl_by_default; under a
     launcher without MPI (torchrun, DeepSpeed's launcher) TCP (tcp_world), with NCCL bootstrapped over it for
     a model on a GPU where nccl_by_default; else a single process. 'nccl' by name under such a launcher is
-    NCCL over TCP too. Asking later for another backend than the one made is an error; 'auto' takes the one
-    made, whichever it is."""
+    NCCL over TCP too. ``timeout_s`` bounds the TCP rendezvous (zero8.comm_timeout_s; default the
+    communicator timeout, ZERO8_COMM_TIMEOUT or 600 s). Asking later for another backend than the one made
+    is an error; 'auto' takes the one made, whichever it is."""
     with _world_lock:
         comm = _world.get("comm")
         if comm is None:
@@ -65,7 +66,7 @@ def world_comm(backend: str = "auto", device=None) -> "_C.Communicator":
             elif backend == "auto" and launched:
                 made = "tcp"
             if launched and made in ("tcp", "nccl"):
-                comm = tcp_world(nccl=made == "nccl")
+                comm = tcp_world(nccl=made == "nccl", timeout_s=timeout_s)
             else:
                 comm = _C.comm_create(made)
             if comm.backend == "tcp" and cuda and comm.rank == 0:
@@ -92,13 +93,13 @@ def env_launched_size() -> int:
     return int(size) if size.isdigit() else 0
 
 
-def tcp_world(nccl: bool = False) -> "_C.Communicator":
+def tcp_world(nccl: bool = False, timeout_s: float | None = None) -> "_C.Communicator":
     """The 'tcp' world: every pair of ranks connected over TCP (each listening on ZERO8_COMM_IFADDR, else the
     address of its route to MASTER_ADDR, else the backend's default), their addresses exchanged through
     torch.distributed's store: the default process group's where the script made one
     (``torch.distributed.init_process_group``), else the one ``env://`` names (MASTER_ADDR:MASTER_PORT;
-    under torchrun its agent's). No process group is made. Waits for the other ranks as long as a
-    collective may (ZERO8_COMM_TIMEOUT, default 600 s). ``nccl``: the 'nccl' world bootstrapped over it
+    under torchrun its agent's). No process group is made. Waits for the other ranks ``timeout_s``, by
+    default as long as a collective may (ZERO8_COMM_TIMEOUT, default 600 s). ``nccl``: the 'nccl' world bootstrapped over it
     (rank 0's NCCL id, splits and barriers go over TCP, and its connections watch the peers while NCCL
     calls wait)."""
     import torch.distributed as dist
@@ -111,7 +112,8 @@ def tcp_world(nccl: bool = False) -> "_C.Communicator":
             f"or DeepSpeed's launcher starts (they set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT); under "
             f"mpirun or zero8-launch use 'auto'")
     rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    timeout = _C.comm_create("single").timeout  # what a new communicator gets (ZERO8_COMM_TIMEOUT)
+    # What a new communicator gets (ZERO8_COMM_TIMEOUT, parsed in C++ only), unless the config says.
+    timeout = timeout_s if timeout_s is not None else _C.comm_create("single").timeout
     if not os.environ.get("ZERO8_COMM_IFADDR"):
         # Listen where the other hosts reach this one: the address of the route to MASTER_ADDR (the host
         # name's address, the backend's default, is loopback on many machines: 127.0.1.1 on Debian).
