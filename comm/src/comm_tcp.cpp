@@ -245,6 +245,9 @@ class TcpWorld {
   void write_peer(int r, Exchange& x);
   // Gives receive t the first queued frame of x's channel from its peer, if one has arrived.
   void take_queued(Exchange& x, Transfer& t);
+  // The open connections to poll, for input (and for output where x still sends to the peer), and the
+  // world rank of each.
+  void poll_set(const Exchange* x, std::vector<pollfd>* fds, std::vector<int>* who) const;
 
   void forget_after_fork();
   void shut_down_for_abort();
@@ -683,6 +686,17 @@ void TcpWorld::take_queued(Exchange& x, Transfer& t) {
   }
 }
 
+void TcpWorld::poll_set(const Exchange* x, std::vector<pollfd>* fds, std::vector<int>* who) const {
+  fds->clear();
+  who->clear();
+  for (int r = 0; r < size_; ++r) {
+    const Peer& p = peers_[size_t(r)];
+    if (r == rank_ || p.closed) continue;
+    fds->push_back({p.fd, short(POLLIN | (x != nullptr && x->sending_to(r) ? POLLOUT : 0)), 0});
+    who->push_back(r);
+  }
+}
+
 void TcpWorld::write_peer(int r, Exchange& x) {
   Peer& p = peers_[size_t(r)];
   int64_t budget = kSliceBytes;
@@ -841,11 +855,7 @@ void TcpComm::read_ready(Exchange& x, double wait_s) {
   TcpWorld& w = *world_;
   std::vector<pollfd> fds;
   std::vector<int> who;
-  for (int r = 0; r < w.size(); ++r)
-    if (r != w.rank() && !w.peer(r).closed) {
-      fds.push_back({w.peer(r).fd, POLLIN, 0});
-      who.push_back(r);
-    }
+  w.poll_set(nullptr, &fds, &who);
   if (fds.empty()) return;
   const timespec ts{time_t(wait_s), long((wait_s - double(time_t(wait_s))) * 1e9)};
   if (ppoll(fds.data(), nfds_t(fds.size()), &ts, nullptr) <= 0) return;
@@ -908,14 +918,7 @@ void TcpComm::run(Exchange& x) {
     // Every connection is polled, at least once per call, even when nothing is left to wait for:
     // a death anywhere fails every later call.
     const bool done = x.pending == 0;
-    fds.clear();
-    who.clear();
-    for (int r = 0; r < w.size(); ++r) {
-      const Peer& p = w.peer(r);
-      if (r == w.rank() || p.closed) continue;
-      fds.push_back({p.fd, short(POLLIN | (x.sending_to(r) ? POLLOUT : 0)), 0});
-      who.push_back(r);
-    }
+    w.poll_set(&x, &fds, &who);
     const double now = socket_now(), left = deadline - now;
     // A short spin first: a small message's answer takes microseconds, less than a sleeping thread takes
     // to wake up (ranks may outnumber cores, hence the yield).
@@ -960,6 +963,7 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
   double bye_since = -1.0;
   int bye_rank = -1;
   std::vector<pollfd> fds;
+  std::vector<int> who;
   for (int iter = 0;; ++iter) {
     {
       std::lock_guard<std::mutex> io(w.io_mu);
@@ -971,9 +975,7 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
           bye_rank = r;
           bye_since = socket_now();
         }
-      fds.clear();
-      for (int r = 0; r < w.size(); ++r)
-        if (r != w.rank() && !w.peer(r).closed) fds.push_back({w.peer(r).fd, POLLIN, 0});
+      w.poll_set(nullptr, &fds, &who);
     }
     if (done()) return;
     const double now = socket_now(), waited = now - t0;
