@@ -99,9 +99,9 @@ def tcp_world(nccl: bool = False, timeout_s: float | None = None) -> "_C.Communi
     torch.distributed's store: the default process group's where the script made one
     (``torch.distributed.init_process_group``), else the one ``env://`` names (MASTER_ADDR:MASTER_PORT;
     under torchrun its agent's). No process group is made. Waits for the other ranks ``timeout_s``, by
-    default as long as a collective may (ZERO8_COMM_TIMEOUT, default 600 s). ``nccl``: the 'nccl' world bootstrapped over it
-    (rank 0's NCCL id, splits and barriers go over TCP, and its connections watch the peers while NCCL
-    calls wait)."""
+    default as long as a collective may (ZERO8_COMM_TIMEOUT, default 600 s). ``nccl``: the 'nccl' world
+    bootstrapped over it (rank 0's NCCL id, splits and barriers go over TCP, and its connections watch the
+    peers while NCCL calls wait)."""
     import torch.distributed as dist
 
     env = {k: os.environ.get(k, "").strip() for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
