@@ -163,6 +163,26 @@ TEST(CommSingle, FactoryChoicesAndErrors) {
 #endif
 }
 
+// NCCL is bootstrapped over a tcp or MPI world only: another host (or none) is refused by name, before
+// anything else (a device, NCCL itself) is looked at.
+TEST(CommSingle, NcclOverAnotherHostIsRefused) {
+  for (bool null_host : {true, false}) {
+    try {
+      nccl_create_over(null_host ? nullptr : comm_create("single"));
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+      const std::string what = e.what();
+      EXPECT_NE(what.find("invalid argument 'host'"), std::string::npos) << what;
+      EXPECT_NE(what.find(null_host ? "null" : "single-process communicator 'world' (rank 0 of 1"), std::string::npos)
+          << what;
+      const std::string why =
+          null_host ? "" : "cannot bootstrap NCCL: pass a communicator of the 'tcp' or 'mpi' backend";
+      EXPECT_NE(what.find(why), std::string::npos) << what;
+    }
+  }
+}
+
 // torchrun and DeepSpeed's launcher set WORLD_SIZE but start no MPI: each rank would make a world of one
 // and train alone. Refused by name for the backends that would do so; "single" by name, and WORLD_SIZE 1,
 // still work, and under an MPI launcher WORLD_SIZE is zero8-launch's own.
