@@ -168,6 +168,13 @@ struct Exchange {
       if (t.peer == peer && !t.finished) return true;
     return false;
   }
+  // A send to or a receive from `peer` is not finished.
+  bool waiting_on(int peer) const {
+    if (sending_to(peer)) return true;
+    for (const Transfer& t : recvs)
+      if (t.peer == peer && !t.finished) return true;
+    return false;
+  }
 };
 
 // Where the payload being read from a peer goes.
@@ -801,6 +808,10 @@ class TcpComm final : public detail::HostComm {
   std::string peer_failure(Exchange& x, const std::function<bool(int world_rank)>& waits_on);
   [[noreturn]] void fail_with(const std::string& msg);  // the caller holds io_mu
   std::string peer_name(int world_rank) const;
+  // Why a call that still waits on a peer which said BYE fails.
+  std::string shut_down_cause(int world_rank) const {
+    return peer_name(world_rank) + " has shut down its communicators (it ended without joining this call)";
+  }
 
   std::shared_ptr<TcpWorld> world_;
   uint64_t id_;
@@ -897,8 +908,7 @@ std::string TcpComm::peer_failure(Exchange& x, const std::function<bool(int worl
     if (r != w.rank() && w.peer(r).gave_up) return peer_name(r) + " gave up: " + w.peer(r).reason;
   for (int r = 0; r < w.size(); ++r) {
     const Peer& p = w.peer(r);
-    if (r != w.rank() && (p.finished || p.closed) && waits_on(r))
-      return peer_name(r) + " has shut down its communicators (it ended without joining this call)";
+    if (r != w.rank() && (p.finished || p.closed) && waits_on(r)) return shut_down_cause(r);
   }
   return "";
 }
@@ -929,12 +939,7 @@ void TcpComm::run(Exchange& x) {
     if (ready < 0 && errno != EINTR) fail_with(op_label(x.kind) + ": poll() failed: " + errno_text(errno));
     for (size_t i = 0; ready > 0 && i < fds.size(); ++i)
       if (fds[i].revents & (POLLIN | POLLERR | POLLHUP)) w.read_peer(who[i], x);
-    const std::string failure = peer_failure(x, [&x](int r) {
-      for (const std::vector<Transfer>* ts : {&x.sends, &x.recvs})
-        for (const Transfer& t : *ts)
-          if (t.peer == r && !t.finished) return true;
-      return false;
-    });
+    const std::string failure = peer_failure(x, [&x](int r) { return x.waiting_on(r); });
     if (!failure.empty()) fail_with(op_label(x.kind) + ": " + failure);
     if (x.pending == 0) return;
     if (socket_now() < deadline) continue;
@@ -981,8 +986,7 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
     const double now = socket_now(), waited = now - t0;
     if (bye_rank >= 0 && now - bye_since >= kByeGraceSeconds) {
       std::lock_guard<std::mutex> io(w.io_mu);
-      fail_with(call.label + ": " + peer_name(bye_rank) +
-                " has shut down its communicators (it ended without joining this call)");
+      fail_with(call.label + ": " + shut_down_cause(bye_rank));
     }
     if (now >= deadline) {
       std::lock_guard<std::mutex> io(w.io_mu);

@@ -879,6 +879,10 @@ void check_launched_for(const std::string& backend) {
 }
 }  // namespace
 
+#if !ZERO8_WITH_NCCL
+constexpr const char* kNoNccl = "zero8 was not built with NCCL (needs CUDA and NCCL; configure with -DZERO8_NCCL=ON)";
+#endif
+
 bool comm_backend_available(const std::string& backend) {
   if (backend == "single" || backend == "auto" || backend == "tcp") return true;
   if (backend == "mpi") return ZERO8_WITH_MPI != 0;
@@ -913,9 +917,7 @@ std::unique_ptr<Communicator> comm_create(const std::string& backend) {
 #if ZERO8_WITH_NCCL
     return detail::nccl_create();
 #else
-    ZERO8_THROW(unsupported,
-                "communicator backend 'nccl': zero8 was not built with NCCL (needs CUDA and NCCL; "
-                "configure with -DZERO8_NCCL=ON)");
+    ZERO8_THROW(unsupported, "communicator backend 'nccl': " << kNoNccl);
 #endif
   }
   if (backend == "auto") {
@@ -944,9 +946,7 @@ std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> hos
   host.release();
   return detail::nccl_create_over(std::unique_ptr<detail::HostComm>(h));
 #else
-  ZERO8_THROW(unsupported,
-              "nccl_create_over: zero8 was not built with NCCL (needs CUDA and NCCL; configure with "
-              "-DZERO8_NCCL=ON)");
+  ZERO8_THROW(unsupported, "nccl_create_over: " << kNoNccl);
 #endif
 }
 

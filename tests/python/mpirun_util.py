@@ -54,10 +54,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What marks a process as started by an MPI launcher (zero8's comm_auto_backend reads these).
+MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD", "PMI_", "PMIX_")
+
+
 def torchrun_env(**extra) -> dict:
     """mpi_env(**extra) without what marks a process as started by an MPI launcher (as under torchrun, whose
     workers zero8 connects with its tcp backend)."""
-    return {k: v for k, v in mpi_env(**extra).items() if not k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))}
+    return {k: v for k, v in mpi_env(**extra).items() if not k.startswith(MPI_LAUNCHER_VARS)}
 
 
 def torchrun_cmd(np: int, *options: str) -> list[str]:

@@ -18,7 +18,8 @@ import warnings
 import pytest
 import torch
 
-from mpirun_util import DIST, ROOT, free_port, mpi_env, mpirun_or_skip, torchrun_cmd, torchrun_env
+from mpirun_util import (DIST, MPI_LAUNCHER_VARS, ROOT, free_port, mpi_env, mpirun_or_skip, torchrun_cmd,
+                         torchrun_env)
 
 
 def _run(cmd, env, timeout=240):
@@ -121,7 +122,7 @@ def torchrun_world(monkeypatch):
     ranks and NCCL the test sets: returns set_up(gpus, local_ranks, nccl_built) and the tcp_world calls."""
     from zero8.engine import world
 
-    for k in [k for k in os.environ if k.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_"))]:
+    for k in [k for k in os.environ if k.startswith(MPI_LAUNCHER_VARS)]:
         monkeypatch.delenv(k)
     for k in ("LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(k, raising=False)
