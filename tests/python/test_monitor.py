@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -136,22 +137,35 @@ def test_tensorboard_events_read_back(tmp_path):
     engine.destroy()
 
 
-def wandb_history(path: str) -> list[dict]:
+def wandb_history(path: str, wait_s: float = 60.0) -> list[dict]:
     """The history rows of an offline run's .wandb file: wandb's record log (a 7-byte file header, then
     LevelDB-style fragments of 32 KiB blocks, each behind a checksum, length and type) of Record protobufs;
-    wandb itself has no reader for it."""
+    wandb itself has no reader for it. wandb's service process writes the file: run.finish() can return
+    before it has (seen on a loaded machine), so this reads until the run's exit record, its last, is there."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows, ended = _wandb_records(path)
+        if ended or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+def _wandb_records(path: str) -> tuple[list[dict], bool]:
+    """(the history rows, whether the exit record was read) of the file as it is now."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
     with open(path, "rb") as f:
         data = f.read()
-    block, pos, part, rows = 32768, 7, b"", []
+    block, pos, part, rows, ended = 32768, 7, b"", [], False
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
         _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + n > len(data):  # still being written
+            break
         part, pos = part + data[pos + 7:pos + 7 + n], pos + 7 + n
         if kind in (1, 4):  # a whole record, or its last fragment
             r = wandb_internal_pb2.Record()
@@ -159,7 +173,8 @@ def wandb_history(path: str) -> list[dict]:
             part = b""
             if r.WhichOneof("record_type") == "history":
                 rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
-    return rows
+            ended = ended or r.WhichOneof("record_type") == "exit"
+    return rows, ended
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch):
