@@ -9,7 +9,8 @@
 #         test_dist_sharded: the overlap thread and the deferred all-gather over real MPI; OpenMPI's own
 #         code suppressed, tests/sanitize/tsan_mpi.supp).
 #   fuzz  each libFuzzer target of build-asan/ for ZERO8_FUZZ_SECONDS (default 20) from its corpus and
-#         the test data; new inputs go to build-asan/fuzz/corpus/<target>/, crashes to build-asan/fuzz/.
+#         the test data, ZERO8_CTEST_JOBS of them at a time; new inputs go to build-asan/fuzz/corpus/<target>/,
+#         crashes to build-asan/fuzz/.
 # Usage: scripts/sanitize.sh [asan] [tsan] [fuzz] (default: all three, in that order). Each part prints
 # one summary line "sanitize: <part>: ..." (also appended to $ZERO8_SANITIZE_SUMMARY when set) and the
 # script exits non-zero if any part failed. Environment: ZERO8_BUILD_DIR (the build dirs are
@@ -153,17 +154,26 @@ run_fuzz() {
   fi
   cmake --build "$asan_dir" --parallel "$jobs" --target fuzz_config fuzz_manifest fuzz_safetensors fuzz_shard \
     fuzz_dequant >/dev/null || { summary "fuzz: build failed"; return 1; }
-  for name in fuzz_config fuzz_manifest fuzz_safetensors fuzz_shard fuzz_dequant; do
+  local -a names=(fuzz_config fuzz_manifest fuzz_safetensors fuzz_shard fuzz_dequant)
+  # $jobs targets at a time (a libFuzzer process is one thread); each writes its exit status next to its log.
+  for name in "${names[@]}"; do
     exe="$asan_dir/tests/fuzz/$name"
     work="$asan_dir/fuzz/corpus/$name"
     log="$asan_dir/fuzz/$name.log"
     mkdir -p "$work"
+    rm -f "$log.rc"
     mapfile -t dirs <"$asan_dir/tests/fuzz/$name.dirs"
     dict=()
     case "$name" in fuzz_config | fuzz_manifest | fuzz_safetensors) dict=(-dict="$root/tests/fuzz/json.dict") ;; esac
+    while (($(jobs -rp | wc -l) >= jobs)); do wait -n || true; done
     # -timeout: an input that takes 10 s is a finding too (a hang); the first directory takes new inputs.
-    if "$exe" "${dict[@]}" -max_total_time="$fuzz_seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-        -artifact_prefix="$asan_dir/fuzz/$name-" "$work" "${dirs[@]}" >"$log" 2>&1; then
+    { "$exe" "${dict[@]}" -max_total_time="$fuzz_seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+        -artifact_prefix="$asan_dir/fuzz/$name-" "$work" "${dirs[@]}" >"$log" 2>&1; echo $? >"$log.rc"; } &
+  done
+  wait
+  for name in "${names[@]}"; do
+    log="$asan_dir/fuzz/$name.log"
+    if [[ "$(cat "$log.rc" 2>/dev/null)" == 0 ]]; then
       results+=("$name $(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$') runs")
     else
       rc=1

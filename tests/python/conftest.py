@@ -51,7 +51,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked cuda skip, with the reason, where there is no CUDA device or zero8 has no CUDA kernels."""
+    """Files marked slow (minutes of multi-rank runs) come first, each file's tests in their order: parallel
+    workers (scripts/test.sh: pytest-xdist, whole files) then start the longest early rather than finish on one
+    alone. Tests marked cuda skip, with the reason, where there is no CUDA device or zero8 has no CUDA kernels."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items:
         return

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "bench_vs_deepspeed.py"
 NETNS = ROOT / "scripts" / "netns_cluster.sh"

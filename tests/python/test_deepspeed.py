@@ -27,6 +27,8 @@ pytest.importorskip("transformers", reason="the DeepSpeed tests need the test ex
 import zero8  # noqa: E402
 from mpirun_util import free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 WORKER = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
 STEPS, SAVE_AT = 8, 4  # the worker's
 # AdamW8bit against torch's AdamW from the same weights and data: the mean loss of the 8 steps agrees within

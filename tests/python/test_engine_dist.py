@@ -10,6 +10,8 @@ import torch
 from engine_util import make_data, reference
 from mpirun_util import pytest_under_launcher
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 
 @pytest.fixture(scope="module")
 def reference_file(tmp_path_factory):

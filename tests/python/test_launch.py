@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "launch"))
 from launch_util import (RANK_ENV, TRAIN_JOB, env_lines, installed_problem, job_env, launch,  # noqa: E402
                          launch_cmd, mpirun)
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 # The tests run against the installed launcher (as users run it); a missing or stale install fails
 # every test with the reinstall command instead of testing old code.
 _problem = installed_problem()

@@ -21,6 +21,8 @@ import pytest
 
 import zero8
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "examples" / "cpp" / "libtorch_train"
 

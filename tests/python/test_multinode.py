@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "launch"))
 from launch_util import (RANK_ENV, ROOT, TRAIN_JOB, env_lines, established_tcp, installed_problem,  # noqa: E402
                          job_env, launch_cmd, mpirun)
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 NETNS = ROOT / "scripts" / "netns_cluster.sh"
 NET = "10.208.0.0/24"
 HOSTS = ("10.208.0.1", "10.208.0.2")      # z8h0, z8h1 (netns_cluster.sh's defaults)

@@ -17,6 +17,8 @@ import torch
 import zero8
 from mpirun_util import DIST, ROOT, mpi_env, mpirun_or_skip, pytest_under_launcher, torchrun_cmd, torchrun_env
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 
 @pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
 def test_pipeline_on_ranks(tmp_path, launcher):

@@ -26,6 +26,8 @@ import torch
 
 from mpirun_util import mpi_env, mpirun_or_skip
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 CONFIG = ROOT / "examples" / "configs" / "gpt_fp32_adamw.json"

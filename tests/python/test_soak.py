@@ -17,6 +17,8 @@ import zero8
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_kill_resume  # noqa: E402
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 KILLS, STEPS, SAVE_INTERVAL = 3, 40, 5
 
 

@@ -21,6 +21,8 @@ import torch
 from mpirun_util import (DIST, MPI_LAUNCHER_VARS, ROOT, free_port, mpi_env, mpirun_or_skip, torchrun_cmd,
                          torchrun_env)
 
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
 
 def _run(cmd, env, timeout=240):
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
