@@ -160,11 +160,13 @@ if ((${#py_tests[@]} > 0)); then
   else
     # Whole files on ZERO8_PYTEST_WORKERS workers (pytest-xdist; default: the cores, at most 4): a file's
     # tests share its module fixtures (some train a model first) and run in order on one worker, as alone.
+    # Files in collection order, where conftest.py puts the slow ones first (xdist's own order, most tests
+    # first, left the longest files to run alone at the end).
     workers="${ZERO8_PYTEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}"
     ((workers <= 4)) || workers=4
     xdist=()
     if ((workers > 1)) && python3 -c 'import xdist' >/dev/null 2>&1; then
-      xdist=(-n "$workers" --dist loadfile)
+      xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
     fi
     python3 -m pytest -q "${xdist[@]}" "$root/tests/python" 2>&1 | tee "$py_log" || py_rc=$?
     # pytest's closing line, e.g. "1 failed, 116 passed, 2 skipped in 5.19s"
