@@ -13,6 +13,11 @@
 // connection, which is how a death anywhere in the world fails calls on every communicator: the kernel
 // closes a killed process's sockets, so its peers see EOF at once.
 //
+// A lost host (a network partition, a host that went down) closes nothing. Keepalive ends an idle
+// connection after ZERO8_COMM_LINK_TIMEOUT; one with this rank's data in flight (or waiting on a shut
+// receive window) is watched by the calls themselves: check_links() reads each connection's TCP_INFO a
+// few times a second and takes a peer whose host has answered nothing for that long as lost.
+//
 // Ending: the last communicator of a world destroyed normally sends BYE on every connection, so peers
 // tell a rank that shut down from one that died (EOF without BYE). A rank whose call fails sends
 // GIVEUP (its reason) where its stream is at a frame boundary and shuts its sockets down: peers blocked
@@ -30,7 +35,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -94,6 +98,10 @@ constexpr double kByeGraceSeconds = 1.0;
 // After a peer gave up or a frame did not fit, how long the connections are watched for a death to name
 // instead (the root cause: a survivor's GIVEUP can arrive before the dead rank's EOF).
 constexpr double kCauseGraceSeconds = 0.02;
+// How often a waiting call looks for connections whose outgoing data went unanswered (check_links), and
+// how long a connection must stay so before its peer counts as lost: longer than any round trip of a
+// working link, so that a window probe caught between its send and its answer does not count.
+constexpr double kLinkCheckSeconds = 0.25, kUnansweredHoldSeconds = 1.0;
 // How long a call polls without sleeping before it waits in poll().
 constexpr double kSpinSeconds = 50e-6;
 // The first word of a contact string (what each rank hands to the exchange).
@@ -202,8 +210,9 @@ struct Peer {
   std::string reason;
   bool closed = false;     // its connection ended (EOF, a reset, a failed send)
   bool died = false;       // closed without BYE or GIVEUP
-  bool lost = false;       // died because its host stopped answering (keepalive)
+  bool lost = false;       // died because its host stopped answering (keepalive, check_links)
   bool malformed = false;  // sent something that is not a frame
+  double unanswered_since = -1.0;  // check_links saw the connection's data unanswered since then
 };
 
 class TcpWorld;
@@ -255,6 +264,10 @@ class TcpWorld {
   // The open connections to poll, for input (and for output where x still sends to the peer), and the
   // world rank of each.
   void poll_set(const Exchange* x, std::vector<pollfd>* fds, std::vector<int>* who) const;
+  // At most every kLinkCheckSeconds: closes, as lost, the connections whose peer host has not answered
+  // this rank's data or window probes for the link timeout (detail::socket_unanswered), seen so for
+  // kUnansweredHoldSeconds. The caller holds io_mu.
+  void check_links();
 
   void forget_after_fork();
   void shut_down_for_abort();
@@ -275,6 +288,7 @@ class TcpWorld {
   double timeout_s_ = 600.0;
   int link_timeout_s_ = 60;
   int slot_ = -1;  // in g_worlds
+  double next_link_check_ = 0.0;  // guarded by io_mu
   std::atomic<bool> forked_{false};
   mutable std::mutex state_mu_;  // failure_: read by every call, of any thread, before it starts
   std::string failure_;
@@ -574,6 +588,23 @@ void TcpWorld::close_peer(int r, int err) {
   if ((p.finished || p.gave_up) && !mid_frame && !p.malformed) return;
   p.died = true;
   p.lost = (err != 0 && detail::socket_link_error(err)) || detail::socket_silent_for_too_long(p.fd, link_timeout_s_);
+}
+
+void TcpWorld::check_links() {
+  const double now = socket_now();
+  if (now < next_link_check_) return;
+  next_link_check_ = now + kLinkCheckSeconds;
+  for (int r = 0; r < size_; ++r) {
+    Peer& p = peers_[size_t(r)];
+    if (r == rank_ || p.closed) continue;
+    if (!detail::socket_unanswered(p.fd, link_timeout_s_)) {
+      p.unanswered_since = -1.0;
+    } else if (p.unanswered_since < 0) {
+      p.unanswered_since = now;
+    } else if (now - p.unanswered_since >= kUnansweredHoldSeconds) {
+      close_peer(r, ETIMEDOUT);
+    }
+  }
 }
 
 void TcpWorld::read_peer(int r, Exchange& x) {
@@ -934,11 +965,13 @@ void TcpComm::run(Exchange& x) {
     // to wake up (ranks may outnumber cores, hence the yield).
     const bool spin = !done && now - t0 < kSpinSeconds;
     if (spin) sched_yield();
-    const int wait_ms = done || spin ? 0 : int(std::min(std::max(left, 0.0) * 1000.0 + 1.0, double(INT_MAX)));
+    // The wait ends at least every kLinkCheckSeconds, for check_links.
+    const int wait_ms = done || spin ? 0 : int(std::min(std::max(left, 0.0), kLinkCheckSeconds) * 1000.0 + 1.0);
     const int ready = fds.empty() ? 0 : poll(fds.data(), nfds_t(fds.size()), wait_ms);
     if (ready < 0 && errno != EINTR) fail_with(op_label(x.kind) + ": poll() failed: " + errno_text(errno));
     for (size_t i = 0; ready > 0 && i < fds.size(); ++i)
       if (fds[i].revents & (POLLIN | POLLERR | POLLHUP)) w.read_peer(who[i], x);
+    if (!done) w.check_links();
     const std::string failure = peer_failure(x, [&x](int r) { return x.waiting_on(r); });
     if (!failure.empty()) fail_with(op_label(x.kind) + ": " + failure);
     if (x.pending == 0) return;
@@ -973,6 +1006,7 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
     {
       std::lock_guard<std::mutex> io(w.io_mu);
       read_ready(x, 0.0);
+      w.check_links();
       const std::string failure = peer_failure(x, [](int) { return false; });
       if (!failure.empty()) fail_with(call.label + ": " + failure);
       for (int r : members)

@@ -191,6 +191,13 @@ bool socket_silent_for_too_long(int fd, int link_timeout_s) {
   return info.tcpi_last_ack_recv >= unsigned(k.idle) * 1000u + unsigned(k.interval) * 500u;
 }
 
+bool socket_unanswered(int fd, int link_timeout_s) {
+  tcp_info info{};
+  socklen_t size = sizeof(info);
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &size) != 0) return false;
+  return (info.tcpi_unacked > 0 || info.tcpi_probes >= 2) && info.tcpi_last_ack_recv >= unsigned(link_timeout_s) * 1000u;
+}
+
 bool socket_poll(int fd, short events, double deadline) {
   for (;;) {
     const double left = deadline - socket_now();

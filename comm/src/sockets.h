@@ -41,6 +41,18 @@ bool socket_link_error(int err);
 // keepalive settings: a connection that ends after such a silence ended with the link (see liveness.cpp).
 bool socket_silent_for_too_long(int fd, int link_timeout_s);
 
+// Whether the peer's host has left this connection's outgoing data unanswered for link_timeout_s
+// seconds: data sent and not acknowledged, or two zero-window probes in a row not answered, and no
+// acknowledgement since. What keepalive does not see (it only probes a connection with nothing in
+// flight), read from TCP_INFO instead of set as TCP_USER_TIMEOUT, which also ends a connection to a
+// live peer that leaves its receive window shut (see socket_set_link_options): such a peer's kernel
+// answers the window probes, which back off to minutes apart, so the time since its last answer says
+// nothing; the count of unanswered probes does (tcpi_probes, reset by each answer). One probe may
+// wait: a receiver rate-limits its answers to probes it cannot take (tcp_invalid_ratelimit, 0.5 s).
+// The caller must also see the state last (see check_links in comm_tcp.cpp): a probe is unanswered
+// for a round trip after it is sent.
+bool socket_unanswered(int fd, int link_timeout_s);
+
 // Waits until fd is ready for `events` or the deadline passes; false on timeout or a poll error.
 bool socket_poll(int fd, short events, double deadline);
 // Reads exactly n bytes before the deadline; false on timeout, EOF or an error.

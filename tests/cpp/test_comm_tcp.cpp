@@ -2,7 +2,8 @@
 // by tcp_create over an in-memory exchange, on 1 to 4 ranks: every op against the obvious answer (sums
 // bit for bit equal to a serial left fold), the byte counters' formulas, splits, large transfers both
 // ways at once; mismatched sizes and collectives, a timeout; and, with ranks as fork()ed processes, a
-// death, a normal shutdown and a forked child of a rank.
+// death, a normal shutdown, a forked child of a rank, and a live peer that leaves its receive window shut
+// for longer than the link timeout (not a lost host; tests/python/test_multinode.py cuts real links).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -591,6 +592,35 @@ TEST(CommTcpProcesses, ForkedChildDoesNotHideItsParentsDeath) {
   EXPECT_NE(ps.text(0).find("rank 1 ("), std::string::npos) << ps.text(0);
   EXPECT_NE(ps.text(0).find("closed its connection"), std::string::npos) << ps.text(0);
   EXPECT_LT(ps.shared->seconds[0], 1.0) << ps.text(0);
+}
+
+// A live peer that does not read for five link timeouts (busy computing) leaves this rank's send blocked
+// on a shut receive window, its acknowledgements seconds apart (window probes back off: 3 s and more
+// between answers after the first 6 s): not a lost host. The transfer completes, whole, once it reads.
+TEST(CommTcpProcesses, PeerThatLeavesItsWindowShutIsNotLost) {
+  setenv("ZERO8_COMM_LINK_TIMEOUT", "2", 1);
+  Processes ps;
+  constexpr int64_t kBytes = int64_t(64) << 20;  // far more than loopback's socket buffers hold
+  const std::vector<int> st = ps.run(2, [&](int r, std::unique_ptr<Communicator>& c) {
+    std::vector<uint8_t> data(size_t(kBytes), 0);
+    if (r == 0) {
+      for (size_t i = 0; i < data.size(); ++i) data[i] = uint8_t(i * 2654435761u >> 24);
+      ps.record(r, [&] { c->send(data.data(), kBytes, 1, 5); });
+    } else {
+      std::this_thread::sleep_for(std::chrono::seconds(10));
+      ps.record(r, [&] { c->recv(data.data(), kBytes, 0, 5); });
+      for (size_t i = 0; i < data.size(); ++i)
+        if (data[i] != uint8_t(i * 2654435761u >> 24)) return 1;
+    }
+    c->barrier();
+    return 0;
+  });
+  unsetenv("ZERO8_COMM_LINK_TIMEOUT");
+  for (int r : {0, 1}) {
+    EXPECT_TRUE(exited_with(st[size_t(r)], 0)) << "rank " << r << ": " << st[size_t(r)] << " " << ps.text(r);
+    EXPECT_EQ(ps.text(r), "no error");
+  }
+  EXPECT_GT(ps.shared->seconds[0], 9.0);  // the send waited on the sleeping peer
 }
 
 }  // namespace

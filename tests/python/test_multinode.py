@@ -7,7 +7,9 @@ same world size does; and that killing one host's ranks mid-run ends the job pro
 naming them, after which the job resumes from its last checkpoint and continues exactly as an
 uninterrupted run; and that a network partition mid-run (the veth set down) fails every rank on both
 hosts within seconds (ZERO8_COMM_LINK_TIMEOUT), naming the ranks it lost, even when a status query
-sent meanwhile took the kernel's error (watchers held still with ptrace). Needs root (network namespaces); skips with the reason where they cannot be made.
+sent meanwhile took the kernel's error (watchers held still with ptrace); and that the tcp backend
+(torchrun's) names such a partition as promptly while its data is in flight (namespaces of its own, behind
+a bridge). Needs root (network namespaces); skips with the reason where they cannot be made.
 
 The scenarios run a Workload: tests/python/launch/train_job.py (an MLP through zero8.initialize), and
 the pretraining example once its hook below (pretrain_workload) is filled in.
@@ -696,6 +698,42 @@ def test_partition_healed_between_the_two_kernels_timeouts_is_named(tmp_path):
             return
         logs.append(report["log"])
     pytest.skip(f"the outage never ended between the two kernels' timeouts in 3 attempts: {logs}")
+
+@pytest.mark.parametrize("scenario", ["in_flight", "shut_window"])
+def test_tcp_backend_names_a_partition_with_data_in_flight(scenario, tmp_path):
+    """The tcp backend (torchrun's) across a partition: tests/python/launch/tcp_partition.py puts one rank
+    on each of two network namespaces behind a third playing the switch, and the switch ends both ports
+    mid-transfer (ZERO8_COMM_LINK_TIMEOUT=2, ZERO8_COMM_TIMEOUT=60). Keepalive only probes a connection with
+    nothing in flight, so these used to wait for the 60 s timeout. in_flight: both ranks all-reducing 16 MB
+    name the lost rank within the link timeout and a second. shut_window: rank 0's 64 MB send waits on the
+    window of rank 1, which sleeps 12 s: rank 0 sees its window probes go unanswered (they back off, so a
+    few seconds later), and rank 1, when it wakes to receive, finds the connection ended by keepalive."""
+    problem = installed_problem()
+    if problem:
+        pytest.skip(problem)
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and the 'ip' command (network namespaces)")
+    r = subprocess.run([sys.executable, str(ROOT / "tests/python/launch/tcp_partition.py"), scenario, str(tmp_path)],
+                       env=job_env(), capture_output=True, text=True, timeout=240)
+    assert (tmp_path / "report.json").exists(), r.stdout + r.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    logs = {q: (tmp_path / f"rank{q}.log").read_text(errors="replace")[-3000:] for q in (0, 1)}
+    if report.get("setup_error"):
+        pytest.skip(f"cannot make the network namespaces here: {report['setup_error']}")
+    assert report["cut"] is not None, (report, logs)
+    # A loaded 2-core machine: the link timeout (2 s) and the check's second, with room to spare; window
+    # probes back off (0.2 s doubling), so the shut window's next unanswered pair comes a few seconds later.
+    bound = {"in_flight": {0: 15, 1: 15}, "shut_window": {0: 25, 1: 40}}[scenario]
+    for q in (0, 1):
+        f = tmp_path / f"rank{q}.json"
+        assert f.exists(), (q, report, logs[q])
+        result = json.loads(f.read_text())
+        lost = (rf"lost contact with rank {1 - q} \({re.escape('10.214.0.' + str(2 - q))}:\d+\), host \S+: no TCP "
+                rf"answer for 2 s \(network partition, or its host is down\)")
+        assert re.search(lost, result["error"]), (q, result["error"], logs[q])
+        after = result["time"] - report["cut"]
+        assert 0 < after < bound[q], f"rank {q} failed {after:.1f} s after the partition: {result['error']}"
+
 
 @pytest.mark.parametrize("value", ["1", "60s", "40000"])
 def test_link_timeout_is_checked(value, tmp_path):
