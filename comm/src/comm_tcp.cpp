@@ -41,6 +41,7 @@
 #include <exception>
 #include <functional>
 #include <iomanip>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -213,6 +214,10 @@ struct Peer {
   bool lost = false;       // died because its host stopped answering (keepalive, check_links)
   bool malformed = false;  // sent something that is not a frame
   double unanswered_since = -1.0;  // check_links saw the connection's data unanswered since then
+  // The last data frame's header and when it arrived (-1: none yet): a timeout says what a silent peer
+  // last sent, as this backend cannot ask it what it is doing.
+  FrameHeader last{};
+  double last_at = -1.0;
 };
 
 class TcpWorld;
@@ -237,6 +242,13 @@ class TcpWorld {
   int size() const { return size_; }
   const std::string& address() const { return address_; }
   int owner_pid() const { return owner_pid_; }
+  // The names of this world's communicators by id (the ids are equal on all members), for messages.
+  void name_comm(uint64_t id, const std::string& name) {
+    std::lock_guard<std::mutex> lk(state_mu_);
+    comm_names_[id] = name;
+  }
+  // What peer r last sent: "its last frame came 3.2 s ago, from all_reduce #40 on 'world'".
+  std::string last_frame_text(int r) const;
   double timeout() const { return timeout_s_; }
   int link_timeout() const { return link_timeout_s_; }
   bool forked() const { return forked_.load(std::memory_order_acquire); }
@@ -292,6 +304,7 @@ class TcpWorld {
   std::atomic<bool> forked_{false};
   mutable std::mutex state_mu_;  // failure_: read by every call, of any thread, before it starts
   std::string failure_;
+  std::map<uint64_t, std::string> comm_names_;  // guarded by state_mu_
 };
 
 void atfork_child() {
@@ -590,6 +603,21 @@ void TcpWorld::close_peer(int r, int err) {
   p.lost = (err != 0 && detail::socket_link_error(err)) || detail::socket_silent_for_too_long(p.fd, link_timeout_s_);
 }
 
+std::string TcpWorld::last_frame_text(int r) const {
+  const Peer& p = peers_[size_t(r)];
+  if (p.last_at < 0) return "nothing received from it yet";
+  const FrameHeader& h = p.last;
+  std::ostringstream os;
+  os << "its last frame came " << fixed1(socket_now() - p.last_at) << " s ago, from ";
+  os << (h.kind < kOpKinds ? op_kind_name(OpKind(h.kind)) : "op " + std::to_string(h.kind)) << " #" << h.call;
+  if (h.tag != kCollective) os << " (tag " << h.tag << ")";
+  std::lock_guard<std::mutex> lk(state_mu_);
+  const auto it = comm_names_.find(h.comm_id);
+  os << " on "
+     << (it == comm_names_.end() ? std::string("a communicator this rank no longer has") : "'" + it->second + "'");
+  return os.str();
+}
+
 void TcpWorld::check_links() {
   const double now = socket_now();
   if (now < next_link_check_) return;
@@ -649,6 +677,10 @@ void TcpWorld::header_done(int r, Exchange& x) {
   if (h.type == kBye) {
     p.finished = true;
     return;
+  }
+  if (h.type == kData) {
+    p.last = h;
+    p.last_at = socket_now();
   }
   if (h.type == kGiveUp) {
     p.sink = Sink::reason;
@@ -778,7 +810,9 @@ class TcpComm final : public detail::HostComm {
  public:
   TcpComm(std::shared_ptr<TcpWorld> world, int rank, int size, std::string name, std::vector<int> world_ranks,
           uint64_t id, double timeout_s)
-      : HostComm(rank, size, std::move(name), std::move(world_ranks), timeout_s), world_(std::move(world)), id_(id) {}
+      : HostComm(rank, size, std::move(name), std::move(world_ranks), timeout_s), world_(std::move(world)), id_(id) {
+    world_->name_comm(id_, this->name());
+  }
 
   std::string description() const override {
     return "tcp communicator '" + name() + "' (rank " + std::to_string(rank()) + " of " + std::to_string(size()) +
@@ -978,11 +1012,18 @@ void TcpComm::run(Exchange& x) {
     if (socket_now() < deadline) continue;
     std::ostringstream cause;
     cause << "timed out after " << fixed1(socket_now() - t0) << " s (timeout " << timeout() << " s)";
+    // Each peer named once with what it last sent (a rank stuck before this call shows an earlier one).
+    std::vector<int> described;
+    auto name = [&](int r) {
+      if (std::find(described.begin(), described.end(), r) != described.end()) return peer_name(r);
+      described.push_back(r);
+      return peer_name(r) + " [" + w.last_frame_text(r) + "]";
+    };
     int silent = 0, stalled = 0;
     for (const Transfer& t : x.recvs)
-      if (!t.finished) cause << (silent++ ? ", " : "; not heard from: ") << peer_name(t.peer);
+      if (!t.finished) cause << (silent++ ? ", " : "; not heard from: ") << name(t.peer);
     for (const Transfer& t : x.sends)
-      if (!t.finished) cause << (stalled++ ? ", " : "; not taking this rank's data: ") << peer_name(t.peer);
+      if (!t.finished) cause << (stalled++ ? ", " : "; not taking this rank's data: ") << name(t.peer);
     fail_with(op_label(x.kind) + ": " + cause.str());
   }
 }

@@ -349,17 +349,19 @@ TEST(CommTcp, MismatchesFailAtOnceNamingBothSides) {
   });
 }
 
-// One rank never calls: the other's call times out within timeout() (+ slack) naming it, and the silent
-// rank's late call fails with that reason.
+// One rank does not make the second call: the other's call times out within timeout() (+ slack) naming it
+// and what it last sent, and the silent rank's late call fails with that reason.
 TEST(CommTcp, TimeoutNamesThePeerNotHeardFrom) {
   std::atomic<bool> timed_out{false};
   run_ranks(2, [&](Communicator& c) {
     c.set_timeout(1);
+    EXPECT_EQ(c.all_reduce_value<int32_t>(1, ReduceOp::sum), 2);
     if (c.rank() == 0) {
       const double t0 = now_s();
       expect_comm_error(
           [&] { c.all_reduce_value<int32_t>(1, ReduceOp::sum); },
-          {"all_reduce #1 on 'world' (rank 0 of 2): timed out after", "(timeout 1 s)", "not heard from: rank 1 ("});
+          {"all_reduce #2 on 'world' (rank 0 of 2): timed out after", "(timeout 1 s)", "not heard from: rank 1 (",
+           ") [its last frame came ", " s ago, from all_reduce #1 on 'world']"});
       const double took = now_s() - t0;
       EXPECT_GE(took, 0.9);
       EXPECT_LT(took, 3.0);
@@ -367,7 +369,7 @@ TEST(CommTcp, TimeoutNamesThePeerNotHeardFrom) {
     } else {
       while (!timed_out) std::this_thread::sleep_for(std::chrono::milliseconds(5));
       expect_comm_error([&] { c.all_reduce_value<int32_t>(1, ReduceOp::sum); },
-                        {"all_reduce #1 on 'world' (rank 1 of 2): rank 0 (", "gave up: all_reduce #1"});
+                        {"all_reduce #2 on 'world' (rank 1 of 2): rank 0 (", "gave up: all_reduce #2"});
     }
   });
 }
