@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import zero8
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +24,7 @@ DIST = Path(__file__).resolve().parent / "dist"
 
 def mpirun_or_skip() -> str:
     """mpirun's path; the calling test skips, with the reason, where there is no multi-rank backend."""
+    import pytest  # here, not at the top: soak_kill_resume.py, also a script, imports mpi_env
     if not zero8.build_info()["mpi"]:
         pytest.skip("zero8 was built without MPI: no multi-rank backend")
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
@@ -76,6 +75,8 @@ def pytest_under_launcher(np: int, script: str, results: Path, timeout: float = 
     under torchrun with torchrun_env(**env)) and ZERO8_DIST_RESULTS=results; fails the test unless the job
     exits 0 and every rank collected the same tests and passed them. Returns how many tests each rank
     collected."""
+    import pytest
+
     results.mkdir(parents=True, exist_ok=True)
     # Not the pytest plugins of other packages (hypothesis' alone takes 0.8 s to import, in every rank).
     pytest_args = ["-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from mpirun_util import mpi_env
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 # Staging directories of a save in progress (zero8/include/zero8/checkpoint_format.h, kTmpPrefix).
@@ -44,11 +46,7 @@ def model_args(steps: int, save_interval: int) -> list[str]:
 
 
 def job_env() -> dict:
-    env = dict(os.environ)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive",
-                "ZERO8_COMM_TIMEOUT": "60", "PYTHONWARNINGS": "ignore::UserWarning"})
-    return env
+    return mpi_env(PYTHONWARNINGS="ignore::UserWarning")
 
 
 def job_cmd(out_dir: Path, args: list[str]) -> list[str]:
