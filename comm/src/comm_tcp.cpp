@@ -18,6 +18,12 @@
 // receive window) is watched by the calls themselves: check_links() reads each connection's TCP_INFO a
 // few times a second and takes a peer whose host has answered nothing for that long as lost.
 //
+// What a silent peer is doing: each world also has a liveness mesh (liveness.h, as the MPI backend's),
+// whose watcher thread answers status queries while its rank computes or waits. Every call records
+// itself there (op_begin/op_end), and a call that times out asks the peers it waits on, so the error
+// says which rank never reached the call and what it does instead. The mesh's own death and partition
+// events are not used: the data connections show those first.
+//
 // Ending: the last communicator of a world destroyed normally sends BYE on every connection, so peers
 // tell a rank that shut down from one that died (EOF without BYE). A rank whose call fails sends
 // GIVEUP (its reason) where its stream is at a frame boundary and shuts its sockets down: peers blocked
@@ -49,6 +55,7 @@
 
 #include "backends.h"
 #include "comm_env.h"
+#include "liveness.h"
 #include "sockets.h"
 #include "zero8/comm/communicator.h"
 #include "zero8/error.h"
@@ -107,8 +114,12 @@ constexpr double kLinkCheckSeconds = 0.25, kUnansweredHoldSeconds = 1.0;
 constexpr double kSpinSeconds = 50e-6;
 // The first word of a contact string (what each rank hands to the exchange).
 constexpr const char* kContactMagic = "zero8-tcp/1";
-// The world communicator's id; a child's is mixed from its parent's (do_split).
-constexpr uint64_t kWorldId = 1;
+// The world communicator's id; a child's is mixed from its parent's (do_split). The liveness mesh's
+// address exchange runs on a communicator of its own, so the world's calls are numbered from 1.
+constexpr uint64_t kWorldId = 1, kMeshSetupId = 2;
+// How long a timed-out call waits for its peers' answers to a status query (their watcher threads answer
+// in microseconds; only a stopped or overloaded process is slower).
+constexpr double kQueryMaxSeconds = 2.0;
 
 std::string errno_text(int err) { return std::strerror(err); }
 
@@ -285,6 +296,8 @@ class TcpWorld {
   void shut_down_for_abort();
 
   std::mutex io_mu;  // the connections and everything in peers_: held by the call using them
+  // The status side channel (set up by tcp_create once the connections are made; null before).
+  std::unique_ptr<detail::Liveness> live;
 
  private:
   void connect_peer(int r, uint64_t token, double deadline);
@@ -804,6 +817,26 @@ void TcpWorld::write_peer(int r, Exchange& x) {
   }
 }
 
+// Records a call in the world's liveness mesh, for the peers' status queries, while it lasts (as failed
+// when an exception ends it). live is null while the mesh itself is being set up.
+class MeshRecord {
+ public:
+  MeshRecord(detail::Liveness* live, uint64_t comm_id, uint64_t seq, const std::string& op, const std::string& call,
+             const std::string& label)
+      : live_(live), exceptions_(std::uncaught_exceptions()) {
+    if (live_) live_->op_begin(comm_id, seq, op, call, label);
+  }
+  ~MeshRecord() {
+    if (live_) live_->op_end(std::uncaught_exceptions() > exceptions_);
+  }
+  MeshRecord(const MeshRecord&) = delete;
+  MeshRecord& operator=(const MeshRecord&) = delete;
+
+ private:
+  detail::Liveness* live_;
+  int exceptions_;
+};
+
 // ---- the communicator ----
 
 class TcpComm final : public detail::HostComm {
@@ -873,6 +906,10 @@ class TcpComm final : public detail::HostComm {
   std::string peer_failure(Exchange& x, const std::function<bool(int world_rank)>& waits_on);
   [[noreturn]] void fail_with(const std::string& msg);  // the caller holds io_mu
   std::string peer_name(int world_rank) const;
+  // What each of `world_ranks` is doing, asked over the liveness mesh (the caller holds io_mu): by world
+  // rank, its state and the text for a timeout: "in barrier #3 on 'pair' (rank 1 of 2) for 600.1 s",
+  // "not in a communication call for ...", or, without an answer, what it last sent.
+  std::map<int, std::pair<detail::Liveness::PeerState, std::string>> ask(const std::vector<int>& world_ranks) const;
   // Why a call that still waits on a peer which said BYE fails.
   std::string shut_down_cause(int world_rank) const {
     return peer_name(world_rank) + " has shut down its communicators (it ended without joining this call)";
@@ -904,6 +941,28 @@ std::string TcpComm::peer_name(int world_rank) const {
   const int r = int(it - world_ranks().begin());
   if (r == world_rank) return "rank " + std::to_string(r) + " (" + address + ")";
   return "rank " + std::to_string(r) + " (world rank " + std::to_string(world_rank) + ", " + address + ")";
+}
+
+std::map<int, std::pair<detail::Liveness::PeerState, std::string>> TcpComm::ask(
+    const std::vector<int>& world_ranks) const {
+  TcpWorld& w = *world_;
+  std::map<int, std::pair<detail::Liveness::PeerState, std::string>> out;
+  std::vector<detail::Liveness::PeerState> states;
+  const double wait_s = std::min(kQueryMaxSeconds, std::max(0.2, timeout() * 0.1));
+  if (w.live) states = w.live->query(world_ranks, wait_s);
+  for (int r : world_ranks) {
+    detail::Liveness::PeerState st;
+    for (const detail::Liveness::PeerState& s : states)
+      if (s.rank == r) st = s;
+    std::string text;
+    if (st.answered)
+      text = st.text;
+    else
+      text = (w.live ? "no answer to a status query within " + fixed1(wait_s) + " s; " : std::string()) +
+             w.last_frame_text(r);
+    out[r] = {st, text};
+  }
+  return out;
 }
 
 void TcpComm::fail_with(const std::string& msg) {
@@ -981,6 +1040,8 @@ std::string TcpComm::peer_failure(Exchange& x, const std::function<bool(int worl
 void TcpComm::run(Exchange& x) {
   TcpWorld& w = *world_;
   std::lock_guard<std::mutex> io(w.io_mu);
+  const MeshRecord record(w.live.get(), id_, x.seq, x.tag == kCollective ? op_kind_name(x.kind) : "", op_call(x.kind),
+                          op_label(x.kind));
   const double t0 = socket_now(), deadline = t0 + timeout();
   x.fit = [&](const Transfer& t, const FrameHeader& h) { return check_fit(x, t, h); };
   for (Transfer& t : x.recvs)
@@ -1012,12 +1073,19 @@ void TcpComm::run(Exchange& x) {
     if (socket_now() < deadline) continue;
     std::ostringstream cause;
     cause << "timed out after " << fixed1(socket_now() - t0) << " s (timeout " << timeout() << " s)";
-    // Each peer named once with what it last sent (a rank stuck before this call shows an earlier one).
+    // Each peer named once with what it is doing (a rank stuck before this call: "not in a communication
+    // call ...", or in another one).
+    std::vector<int> waited_on;
+    for (const std::vector<Transfer>* list : {&x.recvs, &x.sends})
+      for (const Transfer& t : *list)
+        if (!t.finished && std::find(waited_on.begin(), waited_on.end(), t.peer) == waited_on.end())
+          waited_on.push_back(t.peer);
+    const auto states = ask(waited_on);
     std::vector<int> described;
     auto name = [&](int r) {
       if (std::find(described.begin(), described.end(), r) != described.end()) return peer_name(r);
       described.push_back(r);
-      return peer_name(r) + " [" + w.last_frame_text(r) + "]";
+      return peer_name(r) + " [" + states.at(r).second + "]";
     };
     int silent = 0, stalled = 0;
     for (const Transfer& t : x.recvs)
@@ -1038,6 +1106,8 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
   std::vector<int> members;          // the world ranks the call waits on
   for (int r = 0; r < size(); ++r)
     if (r != rank() && (call.p2p_peer < 0 || r == call.p2p_peer)) members.push_back(world_rank(r));
+  const MeshRecord record(w.live.get(), call.comm_id, call.seq, call.p2p_peer < 0 ? op_kind_name(call.kind) : "",
+                          call.call, call.label);
   const double t0 = socket_now(), deadline = t0 + timeout();
   double bye_since = -1.0;
   int bye_rank = -1;
@@ -1066,8 +1136,21 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
     if (now >= deadline) {
       std::lock_guard<std::mutex> io(w.io_mu);
       std::ostringstream cause;
-      cause << call.label << ": timed out after " << fixed1(waited) << " s (timeout " << timeout()
-            << " s); every peer's connection is open (a rank that has not joined this call, or a device that stopped)";
+      cause << call.label << ": timed out after " << fixed1(waited) << " s (timeout " << timeout() << " s)";
+      // The members asked what they are doing: those in this very call (the device's part is what waits)
+      // apart from those elsewhere (the ranks that never reached it).
+      std::ostringstream missing, with_us;
+      int n_missing = 0, n_with = 0;
+      for (const auto& [r, state] : ask(members)) {
+        const detail::Liveness::PeerState& st = state.first;
+        if (call.p2p_peer < 0 && st.answered && st.comm_id == call.comm_id && st.seq == call.seq)
+          with_us << (n_with++ ? ", " : "") << peer_name(r);
+        else
+          missing << (n_missing++ ? "; " : "") << peer_name(r) << " [" << state.second << "]";
+      }
+      if (n_missing > 0) cause << "; not heard from: " << missing.str();
+      if (n_with > 0) cause << "; reached this call too: " << with_us.str();
+      if (n_missing == 0) cause << "; every peer is in this call (a device that stopped, or its transport stalled?)";
       fail_with(cause.str());
     }
     // As the MPI backend's waits: spin, then yield (ranks may outnumber cores), then sleep 50 us, and
@@ -1198,6 +1281,12 @@ std::unique_ptr<Communicator> tcp_create(int rank, int size, const AddressExchan
   world->setup(exchange);
   std::vector<int> identity(size_t(size), 0);
   std::iota(identity.begin(), identity.end(), 0);
+  {
+    TcpComm setup(world, rank, size, "liveness setup", identity, kMeshSetupId, world->timeout());
+    world->live = std::make_unique<detail::Liveness>(
+        rank, size, detail::env_comm_ifaddr(), world->timeout(),
+        [&setup](const void* mine, void* all, size_t bytes) { setup.all_gather(mine, all, int64_t(bytes)); });
+  }
   return std::make_unique<TcpComm>(world, rank, size, "world", std::move(identity), kWorldId, world->timeout());
 }
 

@@ -96,10 +96,13 @@ std::string seconds_text(double s) {
   return os.str();
 }
 
-// The process's mesh (one per MPI world), for the fork handler.
-std::atomic<Liveness*> g_live{nullptr};
+// The process's meshes (one per MPI world and one per tcp world), for the fork handler: lock-free, as a
+// fork()ed child may not take a lock that another thread of the parent held at fork().
+constexpr int kMaxMeshes = 256;
+std::atomic<Liveness*> g_meshes[kMaxMeshes];
 void atfork_child() {
-  if (Liveness* l = g_live.load()) l->forget_after_fork();
+  for (std::atomic<Liveness*>& slot : g_meshes)
+    if (Liveness* l = slot.load()) l->forget_after_fork();
 }
 
 }  // namespace
@@ -133,10 +136,21 @@ Liveness::Liveness(int rank, int size, const std::string& ifaddr, double timeout
     close(wake_[1]);
     throw;
   }
-  thread_ = std::make_unique<std::thread>([this] { run(); });
+  // Registered before the thread starts, so that a failure leaves nothing running.
+  for (int i = 0; i < kMaxMeshes && slot_ < 0; ++i) {
+    Liveness* none = nullptr;
+    if (g_meshes[i].compare_exchange_strong(none, this)) slot_ = i;
+  }
+  if (slot_ < 0) {
+    for (Peer& p : peers_)
+      if (p.fd >= 0) close(p.fd);
+    close(wake_[0]);
+    close(wake_[1]);
+    ZERO8_THROW(unsupported, "liveness: more than " << kMaxMeshes << " communicator worlds alive in one process");
+  }
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &atfork_child); });
-  g_live.store(this);
+  thread_ = std::make_unique<std::thread>([this] { run(); });
 }
 
 void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGather& all_gather) {
@@ -237,7 +251,7 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
 Liveness::~Liveness() {
   if (forked_) return;
   Liveness* self = this;
-  g_live.compare_exchange_strong(self, nullptr);
+  g_meshes[slot_].compare_exchange_strong(self, nullptr);
   if (!gave_up_)
     for (int r = 0; r < size_; ++r)
       if (r != rank_) send_frame(r, kBye, std::string());

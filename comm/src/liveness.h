@@ -1,10 +1,10 @@
-// Peer liveness for multi-process backends: one TCP connection between every pair of ranks, watched
-// by a background thread. A process that dies (even by SIGKILL) has its sockets closed by the kernel,
-// so its peers see EOF at once; a rank that gives up tells the others why; and on a timeout a rank
-// can ask every peer what it is doing, to name the ranks it is waiting for. A peer whose host stops
-// answering at the TCP level (a network partition, a host that went down) closes nothing:
-// TCP keepalive and TCP_USER_TIMEOUT end such a connection after ZERO8_COMM_LINK_TIMEOUT seconds,
-// and the peer is then reported lost. A stopped or busy process is not lost: its kernel answers.
+// Peer liveness for multi-process backends (MPI; tcp for its status queries): one TCP connection
+// between every pair of ranks, watched by a background thread. A process that dies (even by SIGKILL) has its sockets
+// closed by the kernel, so its peers see EOF at once; a rank that gives up tells the others why; and on a timeout a
+// rank can ask every peer what it is doing, to name the ranks it is waiting for. A peer whose host stops answering at
+// the TCP level (a network partition, a host that went down) closes nothing: TCP keepalive and TCP_USER_TIMEOUT end
+// such a connection after ZERO8_COMM_LINK_TIMEOUT seconds, and the peer is then reported lost. A stopped or busy
+// process is not lost: its kernel answers.
 #pragma once
 
 #include <atomic>
@@ -148,6 +148,7 @@ class Liveness {
   int wake_[2] = {-1, -1};
   std::unique_ptr<std::thread> thread_;  // released (never joined) in a forked child
   bool forked_ = false;  // set in a fork()ed child (the only thread there)
+  int slot_ = -1;        // in the process's table of meshes (for the fork handler)
   int owner_pid_ = 0;    // the process that created the mesh
   std::atomic<bool> alarm_{false};
   std::atomic<bool> stopping_{false};

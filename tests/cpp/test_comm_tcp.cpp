@@ -350,7 +350,7 @@ TEST(CommTcp, MismatchesFailAtOnceNamingBothSides) {
 }
 
 // One rank does not make the second call: the other's call times out within timeout() (+ slack) naming it
-// and what it last sent, and the silent rank's late call fails with that reason.
+// and what it does (asked over the liveness mesh), and the silent rank's late call fails with that reason.
 TEST(CommTcp, TimeoutNamesThePeerNotHeardFrom) {
   std::atomic<bool> timed_out{false};
   run_ranks(2, [&](Communicator& c) {
@@ -361,7 +361,7 @@ TEST(CommTcp, TimeoutNamesThePeerNotHeardFrom) {
       expect_comm_error(
           [&] { c.all_reduce_value<int32_t>(1, ReduceOp::sum); },
           {"all_reduce #2 on 'world' (rank 0 of 2): timed out after", "(timeout 1 s)", "not heard from: rank 1 (",
-           ") [its last frame came ", " s ago, from all_reduce #1 on 'world']"});
+           ") [not in a communication call for ", " s (last: all_reduce #1 on 'world' (rank 1 of 2))]"});
       const double took = now_s() - t0;
       EXPECT_GE(took, 0.9);
       EXPECT_LT(took, 3.0);
@@ -384,6 +384,7 @@ struct Shared {
   char text[kRanks][2048];  // the error a rank caught ("" if none)
   double seconds[kRanks];   // how long its failing call took
   int code[kRanks];         // the error's code
+  int pid[kRanks];          // each rank's process id
 };
 
 class Processes {
@@ -407,6 +408,7 @@ class Processes {
         try {
           std::unique_ptr<Communicator> c =
               tcp_create(r, n, [&](const std::string& mine) { return exchange(r, n, mine); });
+          shared->pid[r] = int(getpid());
           c->set_timeout(20);
           c->barrier();
           code = fn(r, c);
@@ -594,6 +596,36 @@ TEST(CommTcpProcesses, ForkedChildDoesNotHideItsParentsDeath) {
   EXPECT_NE(ps.text(0).find("rank 1 ("), std::string::npos) << ps.text(0);
   EXPECT_NE(ps.text(0).find("closed its connection"), std::string::npos) << ps.text(0);
   EXPECT_LT(ps.shared->seconds[0], 1.0) << ps.text(0);
+}
+
+// A peer waiting in another call is named with that call; one that is stopped (SIGSTOP: its watcher
+// thread cannot answer either) with what it last sent. Both fail with the other's reason once they go on.
+TEST(CommTcpProcesses, TimeoutNamesWhatEachSilentPeerDoes) {
+  Processes ps;
+  const std::vector<int> st = ps.run(3, [&](int r, std::unique_ptr<Communicator>& c) {
+    if (r == 0) {
+      c->set_timeout(1);
+      ps.record(r, [&] { c->all_reduce_value<int32_t>(1, ReduceOp::sum); });
+      kill(ps.shared->pid[2], SIGCONT);
+    } else if (r == 1) {
+      char byte = 0;
+      ps.record(r, [&] { c->recv(&byte, 1, 2, 7); });  // rank 2 never sends it
+    } else {
+      raise(SIGSTOP);
+      ps.record(r, [&] { c->all_reduce_value<int32_t>(1, ReduceOp::sum); });
+    }
+    return 0;
+  });
+  for (int r : {0, 1, 2}) EXPECT_TRUE(exited_with(st[size_t(r)], 0)) << "rank " << r << ": " << ps.text(r);
+  const std::string t0 = ps.text(0);
+  EXPECT_NE(t0.find("all_reduce #2 on 'world' (rank 0 of 3): timed out after"), std::string::npos) << t0;
+  EXPECT_NE(t0.find(") [in recv #2 on 'world' (rank 1 of 3) for "), std::string::npos) << t0;
+  EXPECT_NE(t0.find(") [no answer to a status query within 0.2 s; its last frame came "), std::string::npos) << t0;
+  EXPECT_NE(t0.find(" s ago, from barrier #1 on 'world']"), std::string::npos) << t0;
+  for (int r : {1, 2})
+    EXPECT_NE(ps.text(r).find("rank 0 (127.0.0.1:"), std::string::npos) << "rank " << r << ": " << ps.text(r);
+  EXPECT_NE(ps.text(1).find("gave up: all_reduce #2 on 'world' (rank 0 of 3): timed out"), std::string::npos)
+      << ps.text(1);
 }
 
 // A live peer that does not read for five link timeouts (busy computing) leaves this rank's send blocked
