@@ -636,15 +636,20 @@ TEST(CommTcpProcesses, PeerThatLeavesItsWindowShutIsNotLost) {
   Processes ps;
   constexpr int64_t kBytes = int64_t(64) << 20;  // far more than loopback's socket buffers hold
   const std::vector<int> st = ps.run(2, [&](int r, std::unique_ptr<Communicator>& c) {
-    std::vector<uint8_t> data(size_t(kBytes), 0);
+    // Filled in words (fast under sanitizers), before the barrier: rank 1's sleep must start when rank 0's
+    // send does.
+    std::vector<uint64_t> data(size_t(kBytes) / 8, 0);
+    auto word = [](size_t i) { return uint64_t(i) * 0x9e3779b97f4a7c15ull; };
+    if (r == 0)
+      for (size_t i = 0; i < data.size(); ++i) data[i] = word(i);
+    c->barrier();
     if (r == 0) {
-      for (size_t i = 0; i < data.size(); ++i) data[i] = uint8_t(i * 2654435761u >> 24);
       ps.record(r, [&] { c->send(data.data(), kBytes, 1, 5); });
     } else {
       std::this_thread::sleep_for(std::chrono::seconds(10));
       ps.record(r, [&] { c->recv(data.data(), kBytes, 0, 5); });
       for (size_t i = 0; i < data.size(); ++i)
-        if (data[i] != uint8_t(i * 2654435761u >> 24)) return 1;
+        if (data[i] != word(i)) return 1;
     }
     c->barrier();
     return 0;
