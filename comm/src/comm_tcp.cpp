@@ -821,10 +821,17 @@ void TcpWorld::write_peer(int r, Exchange& x) {
 // when an exception ends it). live is null while the mesh itself is being set up.
 class MeshRecord {
  public:
-  MeshRecord(detail::Liveness* live, uint64_t comm_id, uint64_t seq, const std::string& op, const std::string& call,
-             const std::string& label)
+  // A tcp call, by its parts (named only if a peer asks: the call may take microseconds).
+  MeshRecord(detail::Liveness* live, uint64_t comm_id, uint64_t seq, OpKind kind, uint64_t call_no,
+             const std::string& comm_name, int rank, int size)
       : live_(live), exceptions_(std::uncaught_exceptions()) {
-    if (live_) live_->op_begin(comm_id, seq, op, call, label);
+    if (live_) live_->op_begin_parts(comm_id, seq, op_kind_name(kind), call_no, comm_name, rank, size);
+  }
+  // A device call, named by the device communicator.
+  MeshRecord(detail::Liveness* live, const detail::HostComm::DeviceCall& call)
+      : live_(live), exceptions_(std::uncaught_exceptions()) {
+    if (live_)
+      live_->op_begin(call.comm_id, call.seq, call.p2p_peer < 0 ? op_kind_name(call.kind) : "", call.call, call.label);
   }
   ~MeshRecord() {
     if (live_) live_->op_end(std::uncaught_exceptions() > exceptions_);
@@ -1040,8 +1047,7 @@ std::string TcpComm::peer_failure(Exchange& x, const std::function<bool(int worl
 void TcpComm::run(Exchange& x) {
   TcpWorld& w = *world_;
   std::lock_guard<std::mutex> io(w.io_mu);
-  const MeshRecord record(w.live.get(), id_, x.seq, x.tag == kCollective ? op_kind_name(x.kind) : "", op_call(x.kind),
-                          op_label(x.kind));
+  const MeshRecord record(w.live.get(), id_, x.seq, x.kind, seq(), name(), rank(), size());
   const double t0 = socket_now(), deadline = t0 + timeout();
   x.fit = [&](const Transfer& t, const FrameHeader& h) { return check_fit(x, t, h); };
   for (Transfer& t : x.recvs)
@@ -1106,8 +1112,7 @@ void TcpComm::watch(const DeviceCall& call, const std::function<bool()>& done) {
   std::vector<int> members;          // the world ranks the call waits on
   for (int r = 0; r < size(); ++r)
     if (r != rank() && (call.p2p_peer < 0 || r == call.p2p_peer)) members.push_back(world_rank(r));
-  const MeshRecord record(w.live.get(), call.comm_id, call.seq, call.p2p_peer < 0 ? op_kind_name(call.kind) : "",
-                          call.call, call.label);
+  const MeshRecord record(w.live.get(), call);
   const double t0 = socket_now(), deadline = t0 + timeout();
   double bye_since = -1.0;
   int bye_rank = -1;

@@ -377,6 +377,7 @@ bool Liveness::handle_frame(int peer, uint32_t type, const char* payload, uint32
       std::string reply;
       {
         std::lock_guard<std::mutex> lk(mu_);
+        name_parts_locked();
         put(reply, id);
         put(reply, uint8_t(in_op_ ? 1 : 0));
         put(reply, op_comm_);
@@ -446,6 +447,7 @@ void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, c
   op_failed_ = false;
   op_comm_ = comm_id;
   op_seq_ = seq;
+  parts_.pending = false;
   op_name_ = op;
   op_call_ = call;
   op_label_ = label;
@@ -454,6 +456,30 @@ void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, c
   if (op.empty() || (!recent_.empty() && recent_.back().comm_id == comm_id && recent_.back().seq == seq)) return;
   if (recent_.size() == kRecentCalls) recent_.erase(recent_.begin());
   recent_.push_back(CallRecord{comm_id, seq, op, call});
+}
+
+void Liveness::op_begin_parts(uint64_t comm_id, uint64_t seq, const char* op, uint64_t call_no,
+                              const std::string& comm_name, int rank, int size) {
+  std::lock_guard<std::mutex> lk(mu_);
+  in_op_ = true;
+  op_failed_ = false;
+  op_comm_ = comm_id;
+  op_seq_ = seq;
+  parts_.pending = true;
+  parts_.op = op;
+  parts_.call_no = call_no;
+  parts_.comm_name = comm_name;  // reuses its capacity: no allocation once the names have been seen
+  parts_.rank = rank;
+  parts_.size = size;
+  op_since_ = now_s();
+}
+
+void Liveness::name_parts_locked() {
+  if (!parts_.pending) return;
+  parts_.pending = false;
+  op_name_ = parts_.op;
+  op_call_ = op_name_ + " #" + std::to_string(parts_.call_no) + " on '" + parts_.comm_name + "'";
+  op_label_ = op_call_ + " (rank " + std::to_string(parts_.rank) + " of " + std::to_string(parts_.size) + ")";
 }
 
 std::vector<Liveness::CallRecord> Liveness::recent_calls() const {

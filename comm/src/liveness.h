@@ -60,6 +60,11 @@ class Liveness {
   void op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, const std::string& call,
                 const std::string& label);
   void op_end(bool failed);
+  // op_begin for a caller whose calls take microseconds (the tcp backend): the call by its parts, its
+  // names ("all_reduce #3 on 'world'", and with " (rank 1 of 4)") made only when a peer asks. op must be
+  // a static string (op_kind_name's). Not kept in recent_calls() (the tcp backend compares calls itself).
+  void op_begin_parts(uint64_t comm_id, uint64_t seq, const char* op, uint64_t call_no, const std::string& comm_name,
+                      int rank, int size);
 
   // This rank's latest calls with an op (oldest first, at most kRecentCalls): comparing them with a
   // peer's shows mismatched collectives even after one side's call has completed (MPI matched the
@@ -162,6 +167,15 @@ class Liveness {
   bool op_failed_ = false;
   uint64_t op_comm_ = 0, op_seq_ = 0;
   std::string op_name_, op_call_, op_label_;
+  // The parts of an op_begin_parts call, named into op_name_/op_call_/op_label_ when a peer asks.
+  struct OpParts {
+    bool pending = false;
+    const char* op = "";
+    uint64_t call_no = 0;
+    std::string comm_name;
+    int rank = 0, size = 0;
+  } parts_;
+  void name_parts_locked();
   std::vector<CallRecord> recent_;
   double op_since_ = 0.0;
   uint64_t next_query_ = 1;
