@@ -443,15 +443,10 @@ std::string Liveness::state_text_locked(double now) const {
 void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, const std::string& call,
                         const std::string& label) {
   std::lock_guard<std::mutex> lk(mu_);
-  in_op_ = true;
-  op_failed_ = false;
-  op_comm_ = comm_id;
-  op_seq_ = seq;
-  parts_.pending = false;
+  begin_locked(comm_id, seq, false);
   op_name_ = op;
   op_call_ = call;
   op_label_ = label;
-  op_since_ = now_s();
   // A call made of several waits (all_reduce: an all-to-all, then an all-gather) is one record.
   if (op.empty() || (!recent_.empty() && recent_.back().comm_id == comm_id && recent_.back().seq == seq)) return;
   if (recent_.size() == kRecentCalls) recent_.erase(recent_.begin());
@@ -461,16 +456,20 @@ void Liveness::op_begin(uint64_t comm_id, uint64_t seq, const std::string& op, c
 void Liveness::op_begin_parts(uint64_t comm_id, uint64_t seq, const char* op, uint64_t call_no,
                               const std::string& comm_name, int rank, int size) {
   std::lock_guard<std::mutex> lk(mu_);
-  in_op_ = true;
-  op_failed_ = false;
-  op_comm_ = comm_id;
-  op_seq_ = seq;
-  parts_.pending = true;
+  begin_locked(comm_id, seq, true);
   parts_.op = op;
   parts_.call_no = call_no;
   parts_.comm_name = comm_name;  // reuses its capacity: no allocation once the names have been seen
   parts_.rank = rank;
   parts_.size = size;
+}
+
+void Liveness::begin_locked(uint64_t comm_id, uint64_t seq, bool by_parts) {
+  in_op_ = true;
+  op_failed_ = false;
+  op_comm_ = comm_id;
+  op_seq_ = seq;
+  parts_.pending = by_parts;
   op_since_ = now_s();
 }
 

@@ -176,6 +176,7 @@ class Liveness {
     int rank = 0, size = 0;
   } parts_;
   void name_parts_locked();
+  void begin_locked(uint64_t comm_id, uint64_t seq, bool by_parts);  // what both op_begins record
   std::vector<CallRecord> recent_;
   double op_since_ = 0.0;
   uint64_t next_query_ = 1;
