@@ -1088,16 +1088,16 @@ void TcpComm::run(Exchange& x) {
           waited_on.push_back(t.peer);
     const auto states = ask(waited_on);
     std::vector<int> described;
-    auto name = [&](int r) {
+    auto describe = [&](int r) {
       if (std::find(described.begin(), described.end(), r) != described.end()) return peer_name(r);
       described.push_back(r);
       return peer_name(r) + " [" + states.at(r).second + "]";
     };
     int silent = 0, stalled = 0;
     for (const Transfer& t : x.recvs)
-      if (!t.finished) cause << (silent++ ? ", " : "; not heard from: ") << name(t.peer);
+      if (!t.finished) cause << (silent++ ? ", " : "; not heard from: ") << describe(t.peer);
     for (const Transfer& t : x.sends)
-      if (!t.finished) cause << (stalled++ ? ", " : "; not taking this rank's data: ") << name(t.peer);
+      if (!t.finished) cause << (stalled++ ? ", " : "; not taking this rank's data: ") << describe(t.peer);
     fail_with(op_label(x.kind) + ": " + cause.str());
   }
 }
