@@ -136,6 +136,11 @@ OpKind op_family(OpKind k) {
   return k;
 }
 
+// The operation a frame's header names, in messages ("all_reduce"; "op 200" for a kind this build lacks).
+std::string frame_op_name(const FrameHeader& h) {
+  return h.kind < kOpKinds ? op_kind_name(OpKind(h.kind)) : "op " + std::to_string(h.kind);
+}
+
 // A data frame that arrived before a call asked for it (not zero-filled first: it can be hundreds of MB).
 struct Message {
   FrameHeader header{};
@@ -225,8 +230,8 @@ struct Peer {
   bool lost = false;       // died because its host stopped answering (keepalive, check_links)
   bool malformed = false;  // sent something that is not a frame
   double unanswered_since = -1.0;  // check_links saw the connection's data unanswered since then
-  // The last data frame's header and when it arrived (-1: none yet): a timeout says what a silent peer
-  // last sent, as this backend cannot ask it what it is doing.
+  // The last data frame's header and when it arrived (-1: none yet): what a timeout says of a peer that
+  // does not answer the liveness mesh's status query (a stopped process).
   FrameHeader last{};
   double last_at = -1.0;
 };
@@ -622,7 +627,7 @@ std::string TcpWorld::last_frame_text(int r) const {
   const FrameHeader& h = p.last;
   std::ostringstream os;
   os << "its last frame came " << fixed1(socket_now() - p.last_at) << " s ago, from ";
-  os << (h.kind < kOpKinds ? op_kind_name(OpKind(h.kind)) : "op " + std::to_string(h.kind)) << " #" << h.call;
+  os << frame_op_name(h) << " #" << h.call;
   if (h.tag != kCollective) os << " (tag " << h.tag << ")";
   std::lock_guard<std::mutex> lk(state_mu_);
   const auto it = comm_names_.find(h.comm_id);
@@ -980,7 +985,7 @@ void TcpComm::fail_with(const std::string& msg) {
 std::string TcpComm::check_fit(const Exchange& x, const Transfer& t, const FrameHeader& h) const {
   if (x.tag == kCollective &&
       (h.seq != x.seq || h.kind >= kOpKinds || op_family(OpKind(h.kind)) != op_family(x.kind))) {
-    const std::string op = h.kind < kOpKinds ? op_kind_name(OpKind(h.kind)) : "op " + std::to_string(h.kind);
+    const std::string op = frame_op_name(h);
     return "mismatched collectives: this rank called " + op_call(x.kind) + ", " + peer_name(t.peer) + " called " + op +
            " #" + std::to_string(h.call) + " on '" + name() + "'";
   }

@@ -129,24 +129,19 @@ Liveness::Liveness(int rank, int size, const std::string& ifaddr, double timeout
   if (pipe2(wake_, O_CLOEXEC) != 0) ZERO8_THROW(comm, "liveness: pipe() failed: " << errno_text());
   try {
     setup(ifaddr, timeout_s, all_gather);
+    // Registered before the thread starts, so that a failure leaves nothing running.
+    for (int i = 0; i < kMaxMeshes && slot_ < 0; ++i) {
+      Liveness* none = nullptr;
+      if (g_meshes[i].compare_exchange_strong(none, this)) slot_ = i;
+    }
+    if (slot_ < 0)
+      ZERO8_THROW(unsupported, "liveness: more than " << kMaxMeshes << " communicator worlds alive in one process");
   } catch (...) {
     for (Peer& p : peers_)
       if (p.fd >= 0) close(p.fd);
     close(wake_[0]);
     close(wake_[1]);
     throw;
-  }
-  // Registered before the thread starts, so that a failure leaves nothing running.
-  for (int i = 0; i < kMaxMeshes && slot_ < 0; ++i) {
-    Liveness* none = nullptr;
-    if (g_meshes[i].compare_exchange_strong(none, this)) slot_ = i;
-  }
-  if (slot_ < 0) {
-    for (Peer& p : peers_)
-      if (p.fd >= 0) close(p.fd);
-    close(wake_[0]);
-    close(wake_[1]);
-    ZERO8_THROW(unsupported, "liveness: more than " << kMaxMeshes << " communicator worlds alive in one process");
   }
   static std::once_flag once;
   std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &atfork_child); });

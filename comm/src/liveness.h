@@ -1,10 +1,11 @@
 // Peer liveness for multi-process backends (MPI; tcp for its status queries): one TCP connection
-// between every pair of ranks, watched by a background thread. A process that dies (even by SIGKILL) has its sockets
-// closed by the kernel, so its peers see EOF at once; a rank that gives up tells the others why; and on a timeout a
-// rank can ask every peer what it is doing, to name the ranks it is waiting for. A peer whose host stops answering at
-// the TCP level (a network partition, a host that went down) closes nothing: TCP keepalive and TCP_USER_TIMEOUT end
-// such a connection after ZERO8_COMM_LINK_TIMEOUT seconds, and the peer is then reported lost. A stopped or busy
-// process is not lost: its kernel answers.
+// between every pair of ranks, watched by a background thread. A process that dies (even by SIGKILL)
+// has its sockets closed by the kernel, so its peers see EOF at once; a rank that gives up tells the
+// others why; and on a timeout a rank can ask every peer what it is doing, to name the ranks it is
+// waiting for. A peer whose host stops answering at the TCP level (a network partition, a host that
+// went down) closes nothing: TCP keepalive and TCP_USER_TIMEOUT end such a connection after
+// ZERO8_COMM_LINK_TIMEOUT seconds, and the peer is then reported lost. A stopped or busy process is
+// not lost: its kernel answers.
 #pragma once
 
 #include <atomic>
