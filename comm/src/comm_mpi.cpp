@@ -176,7 +176,7 @@ std::string timeout_cause(MpiWorld& w, const WaitSpec& s, double waited) {
   os << "timed out after " << fixed1(waited) << " s (timeout " << s.timeout_s << " s)";
   if (!w.live) return os.str();
   const std::vector<int> ask = call_members(s);
-  const double wait_s = std::min(2.0, std::max(0.2, s.timeout_s * 0.1));
+  const double wait_s = Liveness::query_wait(s.timeout_s);
   std::ostringstream missing, with_us;
   int n_missing = 0, n_with = 0;
   for (const Liveness::PeerState& st : w.live->query(ask, wait_s)) {
@@ -262,8 +262,10 @@ struct ByteUnit {
 };
 
 // After a failure, how long the last communicator's destruction waits for the other ranks to give
-// up too (bounded: a stalled peer never will), and the extra time it leaves them to print.
-constexpr double kLingerSeconds = 2.0;
+// up too (bounded: a stalled peer never will), and the extra time it leaves them to print. Long
+// enough for a rank that stalled just past the timeout (a slow file write, a loaded host) to come
+// back, find our reason and print its own side before mpirun ends the job.
+constexpr double kLingerSeconds = 5.0;
 constexpr double kLingerGraceSeconds = 0.2;
 
 // A wait looks this often for members that said "bye" (an atomic load unless one has).

@@ -117,9 +117,6 @@ constexpr const char* kContactMagic = "zero8-tcp/1";
 // The world communicator's id; a child's is mixed from its parent's (do_split). The liveness mesh's
 // address exchange runs on a communicator of its own, so the world's calls are numbered from 1.
 constexpr uint64_t kWorldId = 1, kMeshSetupId = 2;
-// How long a timed-out call waits for its peers' answers to a status query (their watcher threads answer
-// in microseconds; only a stopped or overloaded process is slower).
-constexpr double kQueryMaxSeconds = 2.0;
 
 std::string errno_text(int err) { return std::strerror(err); }
 
@@ -960,7 +957,7 @@ std::map<int, std::pair<detail::Liveness::PeerState, std::string>> TcpComm::ask(
   TcpWorld& w = *world_;
   std::map<int, std::pair<detail::Liveness::PeerState, std::string>> out;
   std::vector<detail::Liveness::PeerState> states;
-  const double wait_s = std::min(kQueryMaxSeconds, std::max(0.2, timeout() * 0.1));
+  const double wait_s = detail::Liveness::query_wait(timeout());
   if (w.live) states = w.live->query(world_ranks, wait_s);
   for (int r : world_ranks) {
     detail::Liveness::PeerState st;

@@ -8,6 +8,7 @@
 // not lost: its kernel answers.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -112,6 +113,10 @@ class Liveness {
     std::string text;  // "in all_reduce #3 on 'world' (rank 1 of 4) for 2.0 s" / "not in a ..."
   };
   std::vector<PeerState> query(const std::vector<int>& ranks, double wait_s);
+  // How long a call that timed out after timeout_s waits for those answers: a tenth of it, within
+  // [0.5 s, 2 s]. Watcher threads answer in microseconds, but on a host whose cores are all busy
+  // (data-loader workers, a sanitizer build) a few hundred milliseconds can pass before one runs.
+  static double query_wait(double timeout_s) { return std::min(2.0, std::max(0.5, timeout_s * 0.1)); }
 
   // This rank gives up: every live peer gets `reason`; no "bye" will be sent.
   void give_up(const std::string& reason);

@@ -287,8 +287,8 @@ TEST(CommTcp, SplitsNestedOptOutAndInterleavedCalls) {
 
 // 64 MB each way at once, more than the sockets buffer: the poll loop must read while it writes.
 TEST(CommTcp, LargeAllToAllBothWaysDoesNotDeadlock) {
-  const int64_t bytes = int64_t(64) << 20;
-  run_ranks(2, [bytes](Communicator& c) {
+  constexpr int64_t bytes = int64_t(64) << 20;
+  run_ranks(2, [](Communicator& c) {
     const int me = c.rank(), other = 1 - me;
     const int64_t words = bytes / 8;
     std::vector<uint64_t> send(static_cast<size_t>(words)), recv(size_t(words), 0);
@@ -620,7 +620,7 @@ TEST(CommTcpProcesses, TimeoutNamesWhatEachSilentPeerDoes) {
   const std::string t0 = ps.text(0);
   EXPECT_NE(t0.find("all_reduce #2 on 'world' (rank 0 of 3): timed out after"), std::string::npos) << t0;
   EXPECT_NE(t0.find(") [in recv #2 on 'world' (rank 1 of 3) for "), std::string::npos) << t0;
-  EXPECT_NE(t0.find(") [no answer to a status query within 0.2 s; its last frame came "), std::string::npos) << t0;
+  EXPECT_NE(t0.find(") [no answer to a status query within 0.5 s; its last frame came "), std::string::npos) << t0;
   EXPECT_NE(t0.find(" s ago, from barrier #1 on 'world']"), std::string::npos) << t0;
   for (int r : {1, 2})
     EXPECT_NE(ps.text(r).find("rank 0 (127.0.0.1:"), std::string::npos) << "rank " << r << ": " << ps.text(r);

@@ -24,8 +24,9 @@
 //   overlap_kill: a sharded optimizer with overlap (its thread reduces the buckets during backward):
 //               after one clean step, rank 1 dies at the start of a backward; rank 0 reports every
 //               gradient, computes 50 ms, and gets the thread's error from backward_end (or grad_ready).
-//   overlap_stall: the same, but rank 1 sleeps 3 s outside any call (timeout 2 s): rank 0's thread
-//               times out naming it, and rank 1's thread then fails with rank 0's reason.
+//   overlap_stall: the same, but rank 1 sleeps 4 s outside any call (timeout 2 s): rank 0's thread
+//               times out naming it, and rank 1's thread then fails with rank 0's reason (rank 0
+//               lingers 5 s after giving up: 2 s of margin on either side under load).
 //   nccl_tcp_kill: NCCL bootstrapped over a tcp world of the same ranks (as zero8.initialize makes it
 //               under torchrun); rank 1 kills itself before the 3rd all_reduce on NCCL: rank 0, waiting
 //               in NCCL, must see the tcp connection close at once and name rank 1.
@@ -214,7 +215,7 @@ int main(int argc, char** argv) {
       opt.backward_end(true);
       opt.step();
       if (me == 1 && mode == "overlap_kill") raise(SIGKILL);
-      if (me == 1) usleep(3000000);
+      if (me == 1) usleep(4000000);
       t_op = now_s();
       backward();
       // The rest of the backward's computation, during which the thread meets the death. Short: mpirun
