@@ -46,17 +46,28 @@ def parse_args(argv=None):
     ap.add_argument("--sequential", action="store_true",
                     help="time each optimizer alone even when all fit in memory together")
     ap.add_argument("--only", nargs="+", choices=ALL_OPTIMIZERS, default=None, help="a subset of optimizers")
+    ap.add_argument("--tensor_numel", type=float, default=None,
+                    help="parameters of this many elements each (1-D; the last one takes the rest) instead of "
+                         "4096-row matrices: with small ones, the cost of each tensor's step beside the "
+                         "arithmetic (Python, launches) shows")
     args = ap.parse_args(argv)
     if args.sizes is None:
         args.sizes = [1e7] if args.quick else [1e7, 3e7, 1e8, 2e8]
     args.sizes = [int(s) for s in args.sizes]
-    if args.threads < 1 or args.repeat < 1 or args.warmup < 1 or any(s < 1 for s in args.sizes):
-        ap.error("--threads, --repeat, --warmup and --sizes must be >= 1 (a warm-up step creates the states)")
+    if args.tensor_numel is not None:
+        args.tensor_numel = int(args.tensor_numel)
+    if (args.threads < 1 or args.repeat < 1 or args.warmup < 1 or any(s < 1 for s in args.sizes)
+            or (args.tensor_numel is not None and args.tensor_numel < 1)):
+        ap.error("--threads, --repeat, --warmup, --sizes and --tensor_numel must be >= 1 (a warm-up step creates "
+                 "the states)")
     return args
 
 
-def shapes_for(total: int):
-    """4096 x 4096 matrices, then one 4096 x k matrix and a 1-D tail, adding up to exactly `total`."""
+def shapes_for(total: int, tensor_numel: int | None = None):
+    """4096 x 4096 matrices, then one 4096 x k matrix and a 1-D tail, adding up to exactly `total`; with
+    tensor_numel, 1-D tensors of that many elements and a tail."""
+    if tensor_numel is not None:
+        return [(tensor_numel,)] * (total // tensor_numel) + ([(total % tensor_numel,)] if total % tensor_numel else [])
     shapes = []
     left = total
     while left >= ROWS * MAX_COLS:
@@ -199,7 +210,7 @@ def main(argv=None) -> int:
     print(f"optimizer step on CPU, float32 params, threads {args.threads}, warm-up {args.warmup}, "
           f"median of {args.repeat} steps (budget {args.budget:.0f} s); load average {load_before}", flush=True)
     for total in args.sizes:
-        shapes = shapes_for(total)
+        shapes = shapes_for(total, args.tensor_numel)
         gen = torch.Generator().manual_seed(0)
         base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
         grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
@@ -267,7 +278,8 @@ def main(argv=None) -> int:
     load_after = loadavg()
     print(f"load average after: {load_after}")
     print(json.dumps(dict(bench="optim_step", threads=args.threads, warmup=args.warmup, repeat=args.repeat,
-                          budget_s=args.budget, sizes=args.sizes, torch=torch.__version__,
+                          budget_s=args.budget, sizes=args.sizes, tensor_numel=args.tensor_numel,
+                          torch=torch.__version__,
                           load_before=load_before, load_after=load_after, results=results)))
     return 0
 

@@ -1890,3 +1890,119 @@ def test_stable_embedding_gets_fp32_optimizer_state():
     del emb, opt, out
     gc.collect()
     assert ref() is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planned steps: a parameter's steps after its first reuse what that step checked (Optimizer8bit._Plan)
+
+def _checked_only(opt):
+    """Make every step of `opt` take the fully checked path, as before plans existed."""
+    inner = opt.step
+
+    def step(*args, **kwargs):
+        opt._plans.clear()
+        return inner(*args, **kwargs)
+    opt.step = step
+    return opt
+
+
+def _count_checked(opt):
+    """Count opt's calls of the checked per-parameter step (_step_param) in a list it returns."""
+    calls = []
+    inner = opt._step_param
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return inner(*args, **kwargs)
+    opt._step_param = counted
+    return calls
+
+
+def _pair(make, dtype, shapes=((64, 48), (48,), (300,))):
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    ps = [[torch.nn.Parameter(t.clone()) for t in init] for _ in range(2)]
+    return ps, make(ps[0]), _checked_only(make(ps[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("make", [
+    lambda ps: zo.AdamW8bit(ps, lr=1e-2, min_8bit_size=0),
+    lambda ps: zo.AdamW(ps, lr=1e-2),
+    lambda ps: zo.Lion8bit(ps, lr=1e-3, min_8bit_size=0),
+    lambda ps: zo.SGD8bit(ps, lr=1e-2, momentum=0.9, min_8bit_size=0),
+], ids=["adamw8", "adamw32", "lion8", "sgd8"])
+def test_planned_steps_equal_fully_checked_steps_bit_for_bit(make, dtype):
+    """The same parameters, gradients and hyperparameter changes (the learning rate every step, a
+    per-parameter override from step 3) through planned steps and through fully checked ones: the same bits
+    in every parameter and state, and the planned optimizer checks each parameter in full once."""
+    (pa, pb), oa, ob = _pair(make, dtype)
+    checked = _count_checked(oa)
+    g = torch.Generator().manual_seed(4)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in pa]
+        for ps, opt in ((pa, oa), (pb, ob)):
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+            opt.param_groups[0]["lr"] *= 0.9
+            if step == 3:
+                opt.override_config(ps[2], lr=1e-4)
+            opt.step()
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b), f"step {step}"
+            for key, t in oa.state[a].items():
+                u = ob.state[b][key]
+                assert torch.equal(t, u) if isinstance(t, torch.Tensor) else t == u, (step, key)
+    assert len(checked) == len(pa), "each parameter is checked in full on its first step only"
+
+
+def test_a_planned_step_sees_a_replaced_state_tensor_and_a_rebound_parameter():
+    """What a plan took from a parameter and its state is looked at again at each step: a state tensor
+    replaced in the state dict is the one the next step updates (the old one is left alone), and a parameter
+    rebound to a strided view of its own storage (same pointer and size) is stepped through a contiguous
+    copy, as a fully checked step would."""
+    (pa, pb), oa, ob = _pair(lambda ps: zo.AdamW8bit(ps, lr=1e-2, min_8bit_size=0), torch.float32)
+    g = torch.Generator().manual_seed(5)
+
+    def step_both():
+        grads = [torch.randn(p.shape, generator=g) for p in pa]
+        for ps, opt in ((pa, oa), (pb, ob)):
+            for p, gr in zip(ps, grads):
+                p.grad = gr.clone()
+            opt.step()
+    step_both()
+    step_both()
+    old = oa.state[pa[0]]["state1"]
+    for opt, p in ((oa, pa[0]), (ob, pb[0])):
+        opt.state[p]["state1"] = opt.state[p]["state1"].clone()
+    kept = old.clone()
+    step_both()
+    assert torch.equal(old, kept), "the replaced state tensor was written"
+    for p in (pa[0], pb[0]):
+        p.data = p.data.reshape(48, 64).t()  # a column-major view of the same storage: same pointer and size
+    step_both()
+    assert not pa[0].is_contiguous()
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+        assert torch.equal(oa.state[a]["state1"], ob.state[b]["state1"])
+
+
+@pytest.mark.parametrize("how", ["sparse", "reshaped"])
+def test_a_bad_gradient_after_planned_steps_raises_as_on_the_first_step(how):
+    """A gradient a planned step cannot take sends the step to the full checks, which name it: a sparse one,
+    or one whose parameter was reshaped through .data since (same storage and size: the plan still holds)."""
+    (pa, _), oa, _ = _pair(lambda ps: zo.AdamW8bit(ps, lr=1e-2, min_8bit_size=0), torch.float32)
+    for _ in range(2):
+        for p in pa:
+            p.grad = torch.ones_like(p)
+        oa.step()
+    before = pa[0].detach().clone()
+    if how == "sparse":
+        pa[0].grad = torch.ones_like(pa[0]).to_sparse()
+        match = r"param_groups\[0\]\['params'\]\[0\] \(shape \(64, 48\)\) has a sparse gradient"
+    else:
+        pa[0].data = pa[0].data.reshape(-1)
+        match = r"param_groups\[0\]\['params'\]\[0\]\.grad has shape \(64, 48\); the parameter has \(3072,\)"
+    with pytest.raises(ValueError, match=match):
+        oa.step()
+    assert torch.equal(pa[0].detach().reshape(before.shape), before)

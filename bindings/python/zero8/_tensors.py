@@ -69,6 +69,12 @@ def dtype_code(t: torch.Tensor, name: str = "tensor") -> "_C.DType":
     return code
 
 
+def float_code(dtype: torch.dtype):
+    """The zero8 DType of torch dtype float32, bfloat16 or float16, else None: dtype_code without its checks
+    and messages, for a hot loop whose caller takes the checked path when it gets None."""
+    return _CODES.get(dtype)
+
+
 def torch_dtype(code) -> torch.dtype:
     """The torch dtype of a zero8 DType."""
     return _TORCH[int(code)]

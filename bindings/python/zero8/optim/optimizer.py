@@ -51,6 +51,13 @@ The states live on the parameter's device (``load_state_dict`` places them there
 a state dict saved on a GPU loads on the CPU and back), and a CUDA step runs the same fused kernel, with
 the same bits, on torch's current stream without waiting for the GPU (LAMB and LARS included).
 
+What a step checks: a parameter's first step checks it, its gradient and its states in full and keeps
+the kernel's arguments (a ``_Plan``). Its later steps check the gradient (dense, contiguous, on the
+parameter's device, of its shape and a float dtype) and that the parameter's storage, dtype and size and
+its state tensors are still those the plan was made from; anything else (a rebound ``p.data``, a
+strided or resized parameter, replaced or loaded states, a bad gradient) takes the full checks again,
+which name what is wrong. For a model of many small tensors that halves the Python time per tensor.
+
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
 gets a master too (its config's ``master_weights``).
@@ -77,7 +84,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
 from .._tensors import (FLOAT_DTYPES, check_device, check_not_dtensor, check_same_device, cuda_stream, dtype_code,
-                        on_device)
+                        float_code, on_device)
 from . import _algos
 from .partition import PartitionedStates
 
@@ -144,6 +151,33 @@ def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
 
 
 _STATE_TENSORS = ("state1", "state2", "absmax1", "absmax2", "master")
+
+
+class _Plan:
+    """What a parameter's checked step (Optimizer8bit._step_param) established, for the steps after it: the
+    kernel's arguments but the gradient and the step's hyperparameters, and what they were derived from (the
+    parameter's storage, dtype and size, its state dict and state tensors). _step_planned uses it while all
+    of that is unchanged: a step then costs the gradient's checks and the kernel call, not every check of
+    the parameter and its states again (a model of many small tensors spends most of its step there)."""
+    __slots__ = ("param", "ptr", "dtype", "numel", "cuda", "device", "state", "tensors", "args", "master")
+
+    def __init__(self, p: torch.Tensor, state: Dict[str, Any], args: "_C.StepArgs", master) -> None:
+        self.param = p
+        self.ptr = p.data_ptr()
+        self.dtype = p.dtype
+        self.numel = p.numel()
+        self.cuda = p.is_cuda
+        self.device = p.device
+        self.state = state
+        self.tensors = tuple(state.get(k) for k in _STATE_TENSORS)
+        self.args = args
+        self.master = master  # a 16-bit parameter's float32 master: its bits are compared at each step
+
+    def holds(self, p: torch.Tensor, state: Optional[Dict[str, Any]]) -> bool:
+        """Whether p and its state are still what the plan was made from."""
+        return (self.param is p and state is self.state and p.data_ptr() == self.ptr and p.dtype is self.dtype
+                and p.is_cuda is self.cuda and p.numel() == self.numel and p.is_contiguous()
+                and all(state.get(k) is t for k, t in zip(_STATE_TENSORS, self.tensors)))
 
 
 def _check_state_device(state: Dict[str, Any], p: torch.Tensor, name: str) -> None:
@@ -657,6 +691,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                          "unified-memory states)")
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
         self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master, bits), see _step_param
+        self._plans: Dict[int, _Plan] = {}  # id of a parameter -> its _Plan, see _step_planned
         super().__init__(params, defaults)
         self._record_model_params()  # DeepSpeed may replace them by flat partitions (zero8.optim.partition)
 
@@ -682,6 +717,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             self._record_model_params()
         if not hasattr(self, "_synced"):  # a copy or unpickled optimizer: its first step compares in full
             self._synced = {}
+        self._plans = {}  # new states (a load, a copy): each parameter's next step is checked in full
         if not hasattr(self, "master_weights"):  # pickled before the knob existed
             self.master_weights = True
 
@@ -840,12 +876,18 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         self._adopt_torch_states()
         for gi, group in enumerate(self.param_groups):  # values changed since construction (a scheduler...)
             self._check_hyper(group, f" (param_groups[{gi}])")
+        partitions = getattr(self, "_partitions", {})
+        streams: Dict[torch.device, int] = {}  # torch's current stream per CUDA device, read once per step
         for gi, group in enumerate(self.param_groups):
             group_hyper = None
+            given = self._model_params_of(group)  # (the group's parameters as given, their ids)
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if self._is_partition(p, group):
+                # _is_partition, with its common answer (a parameter of the model) found without the call
+                if id(p) in partitions or (given is not None and id(p) not in given[1]
+                                           and self._is_partition(p, group)):
                     self._step_partition(p, group, gi)
                     continue
                 over = mng.config_for(p) if check_global else None
@@ -856,8 +898,53 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                     if group_hyper is None:
                         group_hyper = self._hyper(self._config(group, p, {}))
                     hyper = group_hyper
-                self._step_param(p, group, over, hyper, gi, pi)
+                if not self._step_planned(p, grad, hyper, streams):
+                    self._step_param(p, group, over, hyper, gi, pi)
         return loss
+
+    def _step_planned(self, p: torch.Tensor, grad: torch.Tensor, hyper, streams: Dict[torch.device, int]) -> bool:
+        """p's step by its _Plan, when it has one that still holds and the gradient passes _step_param's checks
+        (dense, contiguous, on p's device, p's shape, a float dtype); else False, with nothing done, and
+        _step_param checks and steps in full (and raises, naming what is wrong)."""
+        plan = self._plans.get(id(p))
+        if plan is None:
+            return False
+        state = self.state.get(p)
+        code = float_code(grad.dtype)
+        if (code is None or grad.layout is not torch.strided or not plan.holds(p, state)
+                or grad.device != plan.device or grad.shape != p.shape or not grad.is_contiguous()):
+            return False
+        if plan.master is not None:
+            self._check_synced(p, plan.master, p)
+        state["step"] += 1
+        hyper.step = state["step"]
+        a = plan.args
+        a.h = hyper
+        a.grad = grad.data_ptr()
+        a.grad_dtype = code
+        if plan.cuda:
+            stream = streams.get(plan.device)
+            if stream is None:
+                stream = streams[plan.device] = cuda_stream(p)
+            with on_device(p):
+                _C.step_tensor_cuda(a, stream)
+        else:
+            _C.step_tensor(a)
+        if plan.master is not None:
+            self._synced[id(p)] = _synced(p, plan.master, p)
+        return True
+
+    def _check_synced(self, p: torch.Tensor, master: torch.Tensor, work: torch.Tensor) -> None:
+        """Re-seeds 16-bit p's master where p was changed outside the optimizer since it last left p (a step,
+        or load_state_dict): through p itself bumps torch's version; rebinding p.data moves the pointer; in
+        place through p.data shows only in the bits. (A record's master is held, so an id reused by a new
+        parameter never matches.) A GPU parameter's bits are not compared: reading them would make the host
+        wait for the GPU at every step, so an in-place edit through p.data goes unseen there (edit under
+        no_grad instead)."""
+        rec = self._synced.get(id(p))
+        if (rec is None or rec[0] != p._version or rec[1] != p.data_ptr() or rec[2] is not master
+                or (rec[3] is not None and _snapshot(work) != rec[3])):
+            _reseed_master(p, master)
 
     def _step_param(self, p: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int, pi: int) -> None:
         name = f"param_groups[{gi}]['params'][{pi}]{_named(group, pi)}"
@@ -903,15 +990,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         if n == 0:
             return
         if master is not None and not fresh:
-            # Changed outside the optimizer since it last left p (a step, or load_state_dict)? Through p itself
-            # bumps torch's version; rebinding p.data moves the pointer; in place through p.data shows only in
-            # the bits. (A record's master is held, so an id reused by a new parameter never matches.)
-            # A GPU parameter's bits are not compared: reading them would make the host wait for the GPU at
-            # every step, so an in-place edit through p.data goes unseen there (edit under no_grad instead).
-            rec = self._synced.get(id(p))
-            if (rec is None or rec[0] != p._version or rec[1] != p.data_ptr() or rec[2] is not master
-                    or (rec[3] is not None and _snapshot(work) != rec[3])):
-                _reseed_master(p, master)
+            self._check_synced(p, master, work)
         hyper.step = state["step"]
         a = _C.StepArgs()
         a.algo = self.algo
@@ -951,6 +1030,10 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             p.data.copy_(work)
         if master is not None:  # the kernel writes through the pointer: torch's version is not bumped
             self._synced[id(p)] = _synced(p, master, work)
+        if not strided and (master is not None or p.dtype == torch.float32):  # no per-step copy in `a`
+            self._plans[id(p)] = _Plan(p, state, a, master)
+        else:
+            self._plans.pop(id(p), None)
 
     @staticmethod
     def _state_block(state: Dict[str, Any], n: int) -> int:
