@@ -63,7 +63,7 @@ def ptr(t: torch.Tensor) -> int:
 def dtype_code(t: torch.Tensor, name: str = "tensor") -> "_C.DType":
     """The zero8 DType of a float32/bfloat16/float16 tensor; Zero8ValueError naming `name` otherwise."""
     _check_is_tensor(t, name)
-    code = _CODES.get(t.dtype)
+    code = float_code(t.dtype)
     if code is None:
         raise Zero8ValueError(f"{name} has dtype {t.dtype}; zero8 kernels take float32, bfloat16 or float16")
     return code

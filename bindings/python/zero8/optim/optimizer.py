@@ -876,18 +876,15 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         self._adopt_torch_states()
         for gi, group in enumerate(self.param_groups):  # values changed since construction (a scheduler...)
             self._check_hyper(group, f" (param_groups[{gi}])")
-        partitions = getattr(self, "_partitions", {})
         streams: Dict[torch.device, int] = {}  # torch's current stream per CUDA device, read once per step
         for gi, group in enumerate(self.param_groups):
             group_hyper = None
-            given = self._model_params_of(group)  # (the group's parameters as given, their ids)
+            is_partition = self._partition_test(group)
             for pi, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
                     continue
-                # _is_partition, with its common answer (a parameter of the model) found without the call
-                if id(p) in partitions or (given is not None and id(p) not in given[1]
-                                           and self._is_partition(p, group)):
+                if is_partition(p):
                     self._step_partition(p, group, gi)
                     continue
                 over = mng.config_for(p) if check_global else None

@@ -39,7 +39,7 @@ Devices: a partition on a GPU steps with the CUDA kernels on torch's current str
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -188,12 +188,17 @@ class PartitionedStates:
     def _is_partition(self, p: torch.Tensor, group: dict) -> bool:
         """Whether p is DeepSpeed's flat partition of `group`: not one of the group's own parameters, while
         those carry DeepSpeed's mapping."""
-        if id(p) in getattr(self, "_partitions", {}):
-            return True
+        return self._partition_test(group)(p)
+
+    def _partition_test(self, group: dict) -> Callable[[torch.Tensor], bool]:
+        """_is_partition for the tensors of one group, its lookups made once (step() asks it of every
+        parameter at every step)."""
+        partitions = getattr(self, "_partitions", {})  # filled in place as partitions are first stepped
         own = self._model_params_of(group)
-        if own is None or id(p) in own[1]:
-            return False
-        return any(hasattr(q, "_hp_mapping") for q in own[0])
+        if own is None:
+            return lambda p: id(p) in partitions
+        params, ids = own
+        return lambda p: id(p) in partitions or (id(p) not in ids and any(hasattr(q, "_hp_mapping") for q in params))
 
     def _partition(self, p: torch.Tensor, group: dict, gi: int) -> _Partition:
         """The segments of partition p (made once: DeepSpeed's mapping and the parameters' configs are read
