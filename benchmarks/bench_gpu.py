@@ -258,11 +258,34 @@ def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
     qw_t, qg_t, qx_t = qw.t().contiguous(), qg.t().contiguous(), qx.t().contiguous()  # the TN form for each
     gemms = {"bf16": lambda: (x @ w16.t(), gy @ w16, gy.t() @ x),
              "int8": lambda: (torch._int_mm(qx, qw.t()), torch._int_mm(qg, qw_t.t()), torch._int_mm(qg_t, qx_t.t()))}
+    # The same three products as Int8Linear(exact) runs them: zero8's per-block kernel with one scale per
+    # 32 x 32 tile of each operand (the layer's quantization passes left out).
+    from zero8 import _C
+    from zero8.nn.int8_linear import blockwise_int8_matmul
+    blk = 32
+
+    def tile_scales(rows, cols):
+        return torch.rand(-(-rows // blk), -(-cols // blk), device="cuda", generator=gen) * 0.01 + 1e-3
+    sx, sw, sg = tile_scales(tokens, fin), tile_scales(fout, fin), tile_scales(tokens, fout)
+
+    def per_block():
+        return (blockwise_int8_matmul(qx, sx, qw, sw, blk), blockwise_int8_matmul(qg, sg, qw.t(), sw.t(), blk),
+                blockwise_int8_matmul(qg.t(), sg.t(), qx.t(), sx.t(), blk))
+    _, block_err = zero8_call("blockwise_int8_matmul on CUDA", per_block)
+    if block_err is None:
+        gemms["block"] = per_block
     t_gemm = b.time_rounds(gemms)
     b.row("linear", f"int8 GEMMs speed / bf16 GEMMs (torch._int_mm vs torch.mm, the three products of forward+"
           f"backward: the bound on Int8Linear's forward+backward), {label}", t_gemm["bf16"] / t_gemm["int8"], "x",
           ms=t_gemm["int8"] * 1e3, bf16_ms=t_gemm["bf16"] * 1e3)
-    del gemms, qx, qw, qg, qw_t, qg_t, qx_t
+    kernel = zero8_call("the CUDA per-block kernel's name", lambda: _C.int8_block_matmul_cuda_backend(blk))[0]
+    figure = (f"per-block int8 products speed / bf16 GEMMs (zero8's kernel ({kernel}), block {blk}, the three "
+              f"products of Int8Linear(exact) without its quantization), {label}")
+    if block_err is None:
+        b.row("linear", figure, t_gemm["bf16"] / t_gemm["block"], "x", ms=t_gemm["block"] * 1e3)
+    else:
+        b.row("linear", figure, unit="x", error=block_err)
+    del gemms, qx, qw, qg, qw_t, qg_t, qx_t, sx, sw, sg
 
     t_fwd, t_train = b.time_rounds(fns_fwd), b.time_rounds(fns_train)
     is_target = (fin, fout) == TARGET_LINEAR["shape"] and tokens == TARGET_LINEAR["tokens"]

@@ -433,8 +433,9 @@ cuda_tool() {
 }
 export -f cuda_tool
 
-# The CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) under compute-sanitizer's
-# memcheck: an access outside a buffer or shared memory that the bit comparisons might not show. Skipped
+# The CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) and the per-block int8
+# product's (both kernels) under compute-sanitizer's memcheck: an access outside a buffer or shared memory
+# that the bit comparisons might not show. Skipped
 # where there is no compute-sanitizer or it refuses the device (seen on gVisor machines).
 st_memcheck() {
   set -uo pipefail
@@ -445,7 +446,8 @@ st_memcheck() {
   cs=$(cuda_tool compute-sanitizer)
   [[ -n "$cs" ]] || { stage_skip "compute-sanitizer not found"; return 0; }
   local t exe filter out rc
-  for t in "test_codec_cuda:CodecCuda.*" "test_optim_cuda:OptimCuda.StepEqualsCpuReferenceBitwise"; do
+  for t in "test_codec_cuda:CodecCuda.*" "test_optim_cuda:OptimCuda.StepEqualsCpuReferenceBitwise" \
+    "test_int8_cuda:Int8CudaKernels.BlockProductEqualsTheReference"; do
     exe=${t%%:*} filter=${t#*:}
     [[ -x "$BUILD/tests/$exe" ]] || { note "$exe was not built"; return 1; }
     echo "\$ compute-sanitizer --tool memcheck $exe --gtest_filter=$filter"

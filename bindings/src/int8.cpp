@@ -133,6 +133,9 @@ void init_int8(py::module_& m) {
       "made it for the operand as stored. Releases the GIL.");
   m.def("int8_block_matmul_backend", &int8::int8_block_matmul_backend,
         "What int8_block_matmul runs: 'avx512-vnni' or 'reference'.");
+  m.def("int8_block_matmul_cuda_backend", &int8::int8_block_matmul_cuda_backend, py::arg("block"),
+        "What int8_block_matmul_cuda runs for this block: 'wmma' (tensor cores; blocks that are multiples of 16) "
+        "or 'tiled'. Raises when zero8 was built without CUDA.");
 
   // CUDA: device pointers, the same arguments as the CPU entries (no thread count) plus `stream`, a
   // cudaStream_t as an int (torch.cuda.current_stream(device).cuda_stream); the kernels are queued on it

@@ -1,9 +1,16 @@
-// CUDA kernel of the per-block (Jetfire) int8 product (BlockGemmArgs in zero8/kernels/int8.h): each CUDA
-// block computes a 32 x 32 output tile; per reduction slice its threads form exact int32 dot products from
-// shared-memory tiles, then accumulate them with int8_block_accumulate (ZERO8_HD, built with --fmad=false)
-// in slice order, so the result is bit for bit the CPU reference's. A plain tiled kernel, not tuned (no
-// dp4a or tensor cores). Compiled in CI; no GPU has run it yet (docs/INT8.md).
+// CUDA kernels of the per-block (Jetfire) int8 product (BlockGemmArgs in zero8/kernels/int8.h). Per output
+// element the int32 dot product of each block-wide reduction slice is exact, and the slices are accumulated
+// with int8_block_accumulate (ZERO8_HD, built with --fmad=false) in ascending order, so either kernel gives
+// the CPU reference's bits.
+// - The tensor-core kernel (blocks that are multiples of 16): 128 x 128 output tiles, each of 8 warps
+//   holding 64 x 32 of them in wmma int32 fragments; the operands go through shared memory in 16 x 16
+//   tiles, double-buffered, and at the end of every slice each fragment's int32 sums are scaled into
+//   float32 accumulators in registers, as Jetfire's kernel does (one tile product per slice, dequantized).
+// - A plain tiled kernel for other blocks (32 x 32 output tile per CUDA block, int32 sums on CUDA cores).
 #include <cuda_runtime.h>
+#include <mma.h>
+
+#include <type_traits>
 
 #include "device_ptr.h"
 #include "zero8/error.h"
@@ -66,17 +73,216 @@ __global__ void block_gemm_kernel(BlockGemmArgs g, int64_t nmb, int64_t nnb, int
   }
 }
 
+// ---- the tensor-core kernel ----
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kTcTile = 128;                   // output tile side (rows and columns)
+constexpr int kTcThreads = 256;                // 8 warps: 2 along the rows x 4 along the columns
+constexpr int kFragsM = 4, kFragsN = 2;        // a warp's 64 x 32 outputs in 16 x 16 fragments
+constexpr int kTiles16 = kTcTile / 16;         // 16 x 16 operand tiles along an operand's outer axis
+constexpr int kFragBytes = 256;                // one 16 x 16 int8 tile
+constexpr int kChunk = 64;                     // reduction values per shared-memory stage
+constexpr int kKT = kChunk / 16;               // 16-wide k-tiles per stage
+constexpr int kChunkBytes = kChunk * kTcTile;  // one operand's stage
+constexpr int kVecsPerThread = kChunkBytes / 16 / kTcThreads;
+
+// One operand as the kernel reads it: the row-major matrix it is stored as. Its reduction axis is the
+// contiguous one (kContig: A stored m x k, B stored n x k) or not (A stored k x m, B stored k x n).
+struct TcOperand {
+  const int8_t* p;
+  int64_t ld;     // elements between stored rows
+  int64_t outer;  // extent of the non-reduction axis (m for A, n for B)
+  bool vec;       // p and ld allow 16-byte loads
+};
+
+// The 16 bytes of vector v of the stage [kc, kc + kChunk) of the tile starting at e0 (outer axis), zero
+// beyond the matrix; *tile_off is where they go in the stage's shared memory: kKT x kTiles16 tiles of
+// 16 x 16 bytes, tile (kt, eb) at (kt * kTiles16 + eb) * 256, each a 16-byte vector of the stored matrix
+// per row (so a tile is row- or column-major as the operand is stored, ldm 16, every tile 256-byte aligned).
+template <bool kContig>
+__device__ __forceinline__ uint4 tc_load(const TcOperand& o, int64_t k, int64_t e0, int64_t kc, int v, int* tile_off) {
+  int64_t row, col;  // of the stored matrix
+  bool full;
+  if (kContig) {  // rows along the outer axis, 16 reduction values per vector
+    const int e = v / kKT, kt = v % kKT;
+    row = e0 + e;
+    col = kc + 16 * kt;
+    full = row < o.outer && col + 16 <= k;
+    *tile_off = (kt * kTiles16 + e / 16) * kFragBytes + (e % 16) * 16;
+  } else {  // rows along the reduction axis, 16 outer values per vector
+    const int q = v / kTiles16, eb = v % kTiles16;
+    row = kc + q;
+    col = e0 + 16 * eb;
+    full = row < k && col + 16 <= o.outer;
+    *tile_off = ((q / 16) * kTiles16 + eb) * kFragBytes + (q % 16) * 16;
+  }
+  const int64_t rows = kContig ? o.outer : k, cols = kContig ? k : o.outer;
+  if (full && o.vec) return *reinterpret_cast<const uint4*>(o.p + row * o.ld + col);
+  uint32_t w[4] = {0, 0, 0, 0};
+  if (row < rows)
+    for (int t = 0; t < 16; ++t)
+      if (col + t < cols) w[t / 4] |= uint32_t(uint8_t(o.p[row * o.ld + col + t])) << (8 * (t % 4));
+  return uint4{w[0], w[1], w[2], w[3]};
+}
+
+// The fragment layouts of those tiles. A (i, k): row-major when k is contiguous; B (k, j): column-major then.
+template <bool kContig>
+using ALayout = typename std::conditional<kContig, wmma::row_major, wmma::col_major>::type;
+template <bool kContig>
+using BLayout = typename std::conditional<kContig, wmma::col_major, wmma::row_major>::type;
+
+template <bool kAContig, bool kBContig>
+__global__ void __launch_bounds__(kTcThreads, 1)
+    block_gemm_tc_kernel(BlockGemmArgs g, TcOperand oa, TcOperand ob, int64_t nmb, int64_t nnb, int64_t nkb) {
+  // [stage buffer][operand: A, B][bytes]; at the end, each warp's 16 x 16 int32 for the way out.
+  __shared__ __align__(128) signed char tiles[2][2][kChunkBytes];
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int wm = warp / 4, wn = warp % 4;
+  const int64_t i0 = int64_t(blockIdx.y) * kTcTile, j0 = int64_t(blockIdx.x) * kTcTile;
+  const int64_t nchunks = (g.k + kChunk - 1) / kChunk;
+
+  uint4 va[kVecsPerThread], vb[kVecsPerThread];
+  int offa[kVecsPerThread], offb[kVecsPerThread];
+  auto stage = [&](int64_t kc) {  // the global loads of stage kc, into registers
+#pragma unroll
+    for (int r = 0; r < kVecsPerThread; ++r) {
+      va[r] = tc_load<kAContig>(oa, g.k, i0, kc, tid + r * kTcThreads, &offa[r]);
+      vb[r] = tc_load<kBContig>(ob, g.k, j0, kc, tid + r * kTcThreads, &offb[r]);
+    }
+  };
+  auto put = [&](int buf) {
+#pragma unroll
+    for (int r = 0; r < kVecsPerThread; ++r) {
+      *reinterpret_cast<uint4*>(&tiles[buf][0][offa[r]]) = va[r];
+      *reinterpret_cast<uint4*>(&tiles[buf][1][offb[r]]) = vb[r];
+    }
+  };
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, int> dot[kFragsM][kFragsN];
+  float acc[kFragsM][kFragsN][8];
+#pragma unroll
+  for (int fi = 0; fi < kFragsM; ++fi)
+#pragma unroll
+    for (int fj = 0; fj < kFragsN; ++fj) {
+      wmma::fill_fragment(dot[fi][fj], 0);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) acc[fi][fj][t] = 0.0f;
+    }
+  if (nchunks > 0) {
+    stage(0);
+    put(0);
+  }
+  __syncthreads();
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const int buf = int(ch & 1);
+    if (ch + 1 < nchunks) stage((ch + 1) * kChunk);  // in flight during this stage's products
+#pragma unroll
+    for (int kt = 0; kt < kKT; ++kt) {
+      const int64_t kend = ch * kChunk + 16 * (kt + 1);
+      if (kend - 16 >= g.k) break;  // past the reduction (the same for every thread)
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, ALayout<kAContig>> fa[kFragsM];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, BLayout<kBContig>> fb[kFragsN];
+#pragma unroll
+      for (int fi = 0; fi < kFragsM; ++fi)
+        wmma::load_matrix_sync(fa[fi], &tiles[buf][0][(kt * kTiles16 + wm * kFragsM + fi) * kFragBytes], 16);
+#pragma unroll
+      for (int fj = 0; fj < kFragsN; ++fj)
+        wmma::load_matrix_sync(fb[fj], &tiles[buf][1][(kt * kTiles16 + wn * kFragsN + fj) * kFragBytes], 16);
+#pragma unroll
+      for (int fi = 0; fi < kFragsM; ++fi)
+#pragma unroll
+        for (int fj = 0; fj < kFragsN; ++fj) wmma::mma_sync(dot[fi][fj], fa[fi], fb[fj], dot[fi][fj]);
+      // A slice ends (block is a multiple of 16; the last one may be partial): its exact sums, scaled into
+      // the accumulators. A fragment lies in one row block and one column block: one scale pair.
+      if (kend % g.block != 0 && kend < g.k) continue;
+      const int64_t s = (kend - 1) / g.block;
+#pragma unroll
+      for (int fi = 0; fi < kFragsM; ++fi)
+#pragma unroll
+        for (int fj = 0; fj < kFragsN; ++fj) {
+          const int64_t r0 = i0 + wm * 64 + fi * 16, c0 = j0 + wn * 32 + fj * 16;
+          if (r0 < g.m && c0 < g.n) {
+            const int64_t ib = r0 / g.block, jb = c0 / g.block;
+            const float sa = g.a_trans ? g.a_scale[s * nmb + ib] : g.a_scale[ib * nkb + s];
+            const float sb = g.b_trans ? g.b_scale[jb * nkb + s] : g.b_scale[s * nnb + jb];
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+              acc[fi][fj][t] = int8_block_accumulate(acc[fi][fj][t], dot[fi][fj].x[t], sa, sb);
+          }
+          wmma::fill_fragment(dot[fi][fj], 0);
+        }
+    }
+    if (ch + 1 < nchunks) put(buf ^ 1);  // the warps read that buffer in the previous stage, before its barrier
+    __syncthreads();
+  }
+  // Out: a fragment's element order is the hardware's, so the float32 results travel as the bits of an
+  // int32 fragment through a 16 x 16 tile of the warp's in shared memory (the stages are done), then to the
+  // output in rows, bias added.
+  int* ot = reinterpret_cast<int*>(&tiles[0][0][0]) + warp * 256;
+#pragma unroll
+  for (int fi = 0; fi < kFragsM; ++fi)
+#pragma unroll
+    for (int fj = 0; fj < kFragsN; ++fj) {
+      const int64_t r0 = i0 + wm * 64 + fi * 16, c0 = j0 + wn * 32 + fj * 16;
+      if (r0 >= g.m || c0 >= g.n) continue;  // the same for the whole warp
+      wmma::fragment<wmma::accumulator, 16, 16, 16, int> bits;
+#pragma unroll
+      for (int t = 0; t < 8; ++t) bits.x[t] = __float_as_int(acc[fi][fj][t]);
+      wmma::store_matrix_sync(ot, bits, 16, wmma::mem_row_major);
+      __syncwarp();
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int idx = lane * 8 + e;
+        const int64_t i = r0 + idx / 16, j = c0 + idx % 16;
+        if (i >= g.m || j >= g.n) continue;
+        float v = __int_as_float(ot[idx]);
+        if (g.bias) v = v + g.bias[j];
+        dtype_store(g.out, g.out_dtype, i * g.n + j, v);
+      }
+      __syncwarp();
+    }
+}
+
+void launch_tc(const BlockGemmArgs& a, int64_t nmb, int64_t nnb, int64_t nkb, cudaStream_t st) {
+  auto operand = [](const int8_t* p, int64_t ld, int64_t outer) {
+    return TcOperand{p, ld, outer, reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % 16 == 0};
+  };
+  const TcOperand oa = operand(a.a, a.a_trans ? a.m : a.k, a.m), ob = operand(a.b, a.b_trans ? a.k : a.n, a.n);
+  const dim3 grid{unsigned((a.n + kTcTile - 1) / kTcTile), unsigned((a.m + kTcTile - 1) / kTcTile), 1u};
+  const bool a_contig = !a.a_trans, b_contig = a.b_trans;
+  if (a_contig && b_contig)
+    block_gemm_tc_kernel<true, true><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+  else if (a_contig)
+    block_gemm_tc_kernel<true, false><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+  else if (b_contig)
+    block_gemm_tc_kernel<false, true><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+  else
+    block_gemm_tc_kernel<false, false><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+}
+
+bool uses_tensor_cores(int32_t block) { return block % 16 == 0; }
+
 }  // namespace
+
+const char* int8_block_gemm_cuda_variant(int32_t block) { return uses_tensor_cores(block) ? "wmma" : "tiled"; }
 
 void int8_block_gemm_cuda(const BlockGemmArgs& a, void* stream) {
   const int64_t bs = a.block, nmb = (a.m + bs - 1) / bs, nnb = (a.n + bs - 1) / bs, nkb = (a.k + bs - 1) / bs;
-  const int64_t tiles_m = (a.m + kTile - 1) / kTile, tiles_n = (a.n + kTile - 1) / kTile;
+  const bool tc = uses_tensor_cores(a.block);
+  const int64_t tile = tc ? kTcTile : kTile;
+  const int64_t tiles_m = (a.m + tile - 1) / tile, tiles_n = (a.n + tile - 1) / tile;
   if (tiles_m > 65535 || tiles_n > 2147483647)
     ZERO8_THROW(unsupported, "int8_block_gemm_cuda: " << a.m << " x " << a.n << " outputs exceed the launch grid");
   cuda_detail::check_device_ptrs("int8_block_gemm_cuda", {{a.a, "a"}, {a.a_scale, "a_scale"}, {a.b, "b"},
                                                            {a.b_scale, "b_scale"}, {a.bias, "bias"}, {a.out, "out"}});
-  const dim3 grid{unsigned(tiles_n), unsigned(tiles_m), 1u}, block{unsigned(kTile), unsigned(kThreadRows), 1u};
-  block_gemm_kernel<<<grid, block, 0, static_cast<cudaStream_t>(stream)>>>(a, nmb, nnb, nkb);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (tc) {
+    launch_tc(a, nmb, nnb, nkb, st);
+  } else {
+    const dim3 grid{unsigned(tiles_n), unsigned(tiles_m), 1u}, block{unsigned(kTile), unsigned(kThreadRows), 1u};
+    block_gemm_kernel<<<grid, block, 0, st>>>(a, nmb, nnb, nkb);
+  }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) ZERO8_THROW(internal, "int8_block_gemm_cuda: " << cudaGetErrorString(e));
 }

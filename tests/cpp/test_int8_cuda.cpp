@@ -307,45 +307,76 @@ TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
   EXPECT_TRUE(same_bits(dc.get(), c));
 }
 
-TEST(Int8CudaKernels, BlockProductEqualsTheReference) {
-  SKIP_WITHOUT_CUDA();
-  const int64_t m = 70, n = 50, k = 100;
-  const int32_t block = 32;
+// int8_block_gemm_cuda against the reference for one shape and block, every storage order of A and B.
+void check_block_product(int64_t m, int64_t n, int64_t k, int32_t block, DType dt, bool with_bias, bool nan_scale) {
   const int64_t mb = (m + block - 1) / block, nb = (n + block - 1) / block, kb = (k + block - 1) / block;
   const std::vector<int8_t> a = codes(m * k, 16), b = codes(n * k, 17);
-  const std::vector<float> as = scales(mb * kb, 18), bs = scales(nb * kb, 19), bias = sample(n, 20);
+  std::vector<float> as = scales(mb * kb, 18), bs = scales(nb * kb, 19);
+  if (nan_scale) as[as.size() / 2] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> bias = sample(n, 20);
   for (bool a_trans : {false, true})
-    for (bool b_trans : {true, false})
-      for (DType dt : {DType::f32, DType::bf16}) {
-        SCOPED_TRACE(std::string(a_trans ? "A^T " : "A ") + (b_trans ? "B^T " : "B ") + dtype_name(dt));
-        BlockGemmArgs g;
-        g.a_trans = a_trans;
-        g.b_trans = b_trans;
-        g.m = m;
-        g.n = n;
-        g.k = k;
-        g.block = block;
-        g.out_dtype = dt;
-        std::vector<uint8_t> out(size_t(m * n * dtype_size(dt)));
-        g.a = a.data();
-        g.a_scale = as.data();
-        g.b = b.data();
-        g.b_scale = bs.data();
-        g.bias = bias.data();
-        g.out = out.data();
-        int8_block_gemm_ref(g);
-        Dev<int8_t> da(a), db(b);
-        Dev<float> das(as), dbs(bs), dbias(bias);
-        Dev<uint8_t> dout(std::vector<uint8_t>(out.size()));
-        g.a = da.p();
-        g.a_scale = das.p();
-        g.b = db.p();
-        g.b_scale = dbs.p();
-        g.bias = dbias.p();
-        g.out = dout.p();
-        int8_block_gemm_cuda(g, nullptr);
-        EXPECT_TRUE(same_outputs(dout.get(), out, dt));
-      }
+    for (bool b_trans : {true, false}) {
+      SCOPED_TRACE(std::string(a_trans ? "A^T " : "A ") + (b_trans ? "B^T " : "B ") + dtype_name(dt));
+      BlockGemmArgs g;
+      g.a_trans = a_trans;
+      g.b_trans = b_trans;
+      g.m = m;
+      g.n = n;
+      g.k = k;
+      g.block = block;
+      g.out_dtype = dt;
+      std::vector<uint8_t> out(size_t(m * n * dtype_size(dt)));
+      g.a = a.data();
+      g.a_scale = as.data();
+      g.b = b.data();
+      g.b_scale = bs.data();
+      g.bias = with_bias ? bias.data() : nullptr;
+      g.out = out.data();
+      int8_block_gemm_ref(g);
+      Dev<int8_t> da(a), db(b);
+      Dev<float> das(as), dbs(bs), dbias(bias);
+      Dev<uint8_t> dout(std::vector<uint8_t>(out.size()));
+      g.a = da.p();
+      g.a_scale = das.p();
+      g.b = db.p();
+      g.b_scale = dbs.p();
+      g.bias = with_bias ? dbias.p() : nullptr;
+      g.out = dout.p();
+      int8_block_gemm_cuda(g, nullptr);
+      EXPECT_TRUE(same_outputs(dout.get(), out, dt));
+    }
+}
+
+TEST(Int8CudaKernels, BlockProductEqualsTheReference) {
+  SKIP_WITHOUT_CUDA();
+  // The tensor-core kernel (blocks that are multiples of 16): leading dimensions that take its 16-byte loads
+  // and ones that do not (byte loads), more than one 128 x 128 output tile with partial edge tiles, a
+  // reduction shorter than a block or ending inside one, slices of 16 (block 48) and of 32, a NaN tile scale,
+  // no bias; then the tiled kernel (blocks 20 and 3).
+  struct Case {
+    int64_t m, n, k;
+    int32_t block;
+    DType dt;
+    bool bias, nan_scale;
+  };
+  const Case cases[] = {
+      {70, 50, 100, 32, DType::f32, true, false},  {70, 50, 100, 32, DType::bf16, true, false},
+      {144, 160, 96, 32, DType::f32, true, true},  {260, 136, 64, 16, DType::f16, false, false},
+      {48, 272, 192, 64, DType::f32, true, false}, {130, 129, 256, 128, DType::bf16, true, false},
+      {96, 112, 144, 48, DType::f32, false, true}, {33, 17, 20, 32, DType::f32, true, false},
+      {100, 70, 90, 64, DType::f32, true, false},  {20, 140, 50, 128, DType::f32, true, false},
+      {70, 50, 100, 20, DType::f32, true, false},  {40, 36, 50, 3, DType::bf16, true, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.n) + " x " + std::to_string(c.k) + ", block " +
+                 std::to_string(c.block) + " (" + int8_block_gemm_cuda_variant(c.block) + ")");
+    check_block_product(c.m, c.n, c.k, c.block, c.dt, c.bias, c.nan_scale);
+  }
+}
+
+TEST(Int8CudaKernels, BlockProductUsesTensorCoresForBlocksOfSixteens) {
+  for (int32_t block : {16, 32, 48, 64, 128, 256}) EXPECT_STREQ(int8_block_gemm_cuda_variant(block), "wmma") << block;
+  for (int32_t block : {1, 3, 8, 20, 33}) EXPECT_STREQ(int8_block_gemm_cuda_variant(block), "tiled") << block;
 }
 
 #else  // !ZERO8_WITH_CUDA

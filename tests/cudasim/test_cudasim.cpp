@@ -62,6 +62,47 @@ TEST(CudaSim, AMissingBarrierShowsAsGarbage) {
   EXPECT_GE(garbage, 224) << "the warps after thread 0's read before it wrote";
 }
 
+// wmma's 16 x 16 x 16 int8 product: C + A B in int32 for every layout of the operands and of C's store.
+TEST(CudaSim, WarpMatrixProductsAreExact) {
+  std::vector<signed char> a(256), b(256);
+  std::vector<int> c(256);
+  for (int i = 0; i < 256; ++i) {
+    a[size_t(i)] = static_cast<signed char>((i * 37) % 255 - 127);
+    b[size_t(i)] = static_cast<signed char>((i * 91 + 5) % 255 - 127);
+    c[size_t(i)] = i * 1000 - 7;
+  }
+  Dev<signed char> da(256), db(256);
+  Dev<int> dc(256);
+  ASSERT_EQ(cudaMemcpy(da.p, a.data(), 256, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(db.p, b.data(), 256, cudaMemcpyHostToDevice), cudaSuccess);
+  for (int form = 0; form < 8; ++form) {
+    const bool a_col = form & 1, b_col = form & 2, c_col = form & 4;
+    SCOPED_TRACE(form);
+    ASSERT_EQ(cudaMemcpy(dc.p, c.data(), 256 * sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+    k::wmma(dc.p, da.p, db.p, a_col, b_col, 0, c_col);
+    const std::vector<int> got = dc.get(256);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        int want = c[size_t(i * 16 + j)];
+        for (int q = 0; q < 16; ++q)
+          want += int(a[size_t(a_col ? q * 16 + i : i * 16 + q)]) * int(b[size_t(b_col ? j * 16 + q : q * 16 + j)]);
+        ASSERT_EQ(got[size_t(c_col ? j * 16 + i : i * 16 + j)], want) << i << "," << j;
+      }
+  }
+}
+
+TEST(CudaSimDeathTest, AMisalignedWarpMatrixPointerAborts) {
+  EXPECT_DEATH(
+      {
+        Dev<signed char> a(512);
+        Dev<signed char> b(256);
+        Dev<int> c(256);
+        k::wmma(c.p, a.p, b.p, false, false, 16, false);
+        cudaDeviceSynchronize();
+      },
+      "wmma_kernel.*load_matrix_sync: the pointer is not 256-bit aligned");
+}
+
 TEST(CudaSimDeathTest, ABarrierAfterExitedThreadsAborts) {
   EXPECT_DEATH(
       {

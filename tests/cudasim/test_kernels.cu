@@ -1,6 +1,7 @@
 // Kernels of the CUDA simulator's own tests (tests/cudasim/test_cudasim.cpp): small CUDA programs, correct and
 // broken, whose outcome on a GPU is known, compiled by the same rewrite as kernels/cuda/*.cu.
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include "test_kernels.h"
 
@@ -65,8 +66,30 @@ __global__ void dynamic_smem_kernel(int* out, int n) {
   if (threadIdx.x == 0) out[0] = s[n - 1];
 }
 
+// One warp: c (16 x 16 int32, row-major; stored back column-major when c_col) += a x b, each operand 16 x 16
+// bytes read with the layout of its fragment, a from a + a_offset (to give it a misaligned pointer).
+template <class LA, class LB>
+__global__ void wmma_kernel(int* c, const signed char* a, const signed char* b, int a_offset, int c_col) {
+  namespace w = nvcuda::wmma;
+  w::fragment<w::matrix_a, 16, 16, 16, signed char, LA> fa;
+  w::fragment<w::matrix_b, 16, 16, 16, signed char, LB> fb;
+  w::fragment<w::accumulator, 16, 16, 16, int> fc;
+  w::load_matrix_sync(fa, a + a_offset, 16);
+  w::load_matrix_sync(fb, b, 16);
+  w::load_matrix_sync(fc, c, 16, w::mem_row_major);
+  w::mma_sync(fc, fa, fb, fc);
+  w::store_matrix_sync(c, fc, 16, c_col ? w::mem_col_major : w::mem_row_major);
+}
+
 }  // namespace
 
+void wmma(int* c, const signed char* a, const signed char* b, bool a_col, bool b_col, int a_offset, bool c_col) {
+  namespace w = nvcuda::wmma;
+  if (!a_col && !b_col) wmma_kernel<w::row_major, w::row_major><<<1, 32>>>(c, a, b, a_offset, c_col);
+  if (!a_col && b_col) wmma_kernel<w::row_major, w::col_major><<<1, 32>>>(c, a, b, a_offset, c_col);
+  if (a_col && !b_col) wmma_kernel<w::col_major, w::row_major><<<1, 32>>>(c, a, b, a_offset, c_col);
+  if (a_col && b_col) wmma_kernel<w::col_major, w::col_major><<<1, 32>>>(c, a, b, a_offset, c_col);
+}
 void warp_ops(int* out, int threads) { warp_ops_kernel<<<1, threads>>>(out); }
 void shared_fresh(int* out, int blocks) { shared_fresh_kernel<<<blocks, 64>>>(out); }
 void missing_barrier(float* out, bool barrier) { missing_barrier_kernel<<<1, 256>>>(out, barrier ? 1 : 0); }

@@ -107,12 +107,14 @@ def test_int8_gemms_are_exact(shape):
     assert torch.equal(_ops.int8_gemm(ad, bd.t().contiguous(), False).cpu().long(), want)
 
 
-@pytest.mark.parametrize("block", [32, 16, 20])
-def test_blockwise_matmul_matches_the_cpu(block):
-    x, w = matrix(70, 96, seed=3), matrix(50, 96, seed=4)
+# Blocks of 16s take the tensor-core kernel (several 128 x 128 output tiles in the last case), 20 the tiled one.
+@pytest.mark.parametrize("block,m,n,k", [(32, 70, 50, 96), (16, 70, 50, 96), (20, 70, 50, 96), (64, 300, 260, 192)])
+def test_blockwise_matmul_matches_the_cpu(block, m, n, k):
+    assert _C.int8_block_matmul_cuda_backend(block) == ("wmma" if block % 16 == 0 else "tiled")
+    x, w = matrix(m, k, seed=3), matrix(n, k, seed=4)
     qa, sa = l8.quantize_blocks(x, block)
     qb, sb = l8.quantize_blocks(w, block)
-    bias = torch.randn(50, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
     dev = [t.to(DEV) for t in (qa, sa, qb, sb, bias)]
     for out_dtype in DTYPES:
         want = blockwise_int8_matmul(qa, sa, qb, sb, block, out_dtype, bias)
@@ -120,7 +122,7 @@ def test_blockwise_matmul_matches_the_cpu(block):
         assert_same_bits(got, want, f"per-block product as {out_dtype}")
     # Transposed operands as a linear layer's backward passes them (stored the other way round, no copies):
     # dX = dY W and dW = dY^T X.
-    qg, sg = l8.quantize_blocks(matrix(70, 50, seed=6), block)
+    qg, sg = l8.quantize_blocks(matrix(m, n, seed=6), block)
     qgd, sgd = qg.to(DEV), sg.to(DEV)
     want = blockwise_int8_matmul(qg, sg, qb.t(), sb.t(), block)
     got = blockwise_int8_matmul(qgd, sgd, dev[2].t(), dev[3].t(), block)
@@ -137,15 +139,19 @@ def _layer_pair(make):
     return layer, layer_d
 
 
-def test_int8linear_exact_on_a_gpu_warns_once_and_fast_does_not(monkeypatch):
+def test_int8linear_exact_warns_once_where_its_block_takes_the_plain_kernel(monkeypatch):
     monkeypatch.setattr(Int8Linear, "_warned_exact_on_gpu", False)
     x = torch.randn(40, 64, device=DEV)
-    with pytest.warns(UserWarning, match="gemm='fast'"):
-        Int8Linear(64, 32, device=DEV)(x)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # neither a second exact layer nor a fast one warns
+        warnings.simplefilter("error")  # blocks of 16s take the tensor-core kernel; fast mode never warns
         Int8Linear(64, 32, device=DEV)(x)
-        Int8Linear(64, 32, gemm="fast", device=DEV)(x)
+        Int8Linear(64, 32, block_size=16, device=DEV)(x)
+        Int8Linear(64, 32, block_size=20, gemm="fast", device=DEV)(x)
+    with pytest.warns(UserWarning, match="block_size=20.*gemm='fast'"):
+        Int8Linear(64, 32, block_size=20, device=DEV)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        Int8Linear(64, 32, block_size=20, device=DEV)(x)
 
 
 @pytest.mark.parametrize("gemm", ["exact", "fast"])

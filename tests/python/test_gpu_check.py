@@ -472,11 +472,11 @@ def test_memcheck_stage(tmp_path, case):
     }
     # called as: compute-sanitizer --tool memcheck --error-exitcode 7 EXE --gtest_filter=F
     tools = {"compute-sanitizer": sanitizer[case]} if case in sanitizer else {}
-    tests = {f"tests/{exe}": FAKE_GTEST for exe in ("test_codec_cuda", "test_optim_cuda")}
+    tests = {f"tests/{exe}": FAKE_GTEST for exe in ("test_codec_cuda", "test_optim_cuda", "test_int8_cuda")}
     rc, rec, log = run_stage_alone(tmp_path, "memcheck", "st_memcheck", tools, tests)
     if case == "clean":
         assert rc == 0 and rec["status"] == "ok", (rec, log)
-        assert log.count("$ compute-sanitizer --tool memcheck") == 2
+        assert log.count("$ compute-sanitizer --tool memcheck") == 3
     elif case == "errors":
         assert rc != 0 and rec["status"] == "failed", (rec, log)
         assert "test_codec_cuda --gtest_filter=CodecCuda.*: exit 7 (========= ERROR SUMMARY: 2 errors)" in rec["note"]

@@ -591,6 +591,11 @@ def test_blockwise_matmul_fused_equals_per_slice_definition_bit_for_bit(block):
 
 def test_blockwise_matmul_backend_and_bad_arguments():
     assert _C.int8_block_matmul_backend() in ("avx512-vnni", "reference")
+    if zero8.build_info()["cuda"]:  # which CUDA kernel a block takes, whether or not a GPU is present
+        assert [_C.int8_block_matmul_cuda_backend(b) for b in (32, 16, 48, 20, 3)] == ["wmma"] * 3 + ["tiled"] * 2
+    else:
+        with pytest.raises(zero8.Zero8NotSupportedError, match="not built with CUDA"):
+            _C.int8_block_matmul_cuda_backend(32)
     qa, sa = l8.quantize_blocks(torch.randn(40, 50), 32)
     qb, sb = l8.quantize_blocks(torch.randn(30, 50), 32)
     assert blockwise_int8_matmul(qa, sa, qb, sb, 32).shape == (40, 30)

@@ -374,6 +374,15 @@ void int8_block_matmul(const BlockGemmArgs& args, int threads) {
 
 std::string int8_block_matmul_backend() { return int8_block_gemm_variant(isa_active()); }
 
+std::string int8_block_matmul_cuda_backend(int32_t block) {
+#if ZERO8_WITH_CUDA
+  return int8_block_gemm_cuda_variant(block);
+#else
+  (void)block;
+  cuda_unsupported();
+#endif
+}
+
 // ---- CUDA ----
 
 void int8_quantize_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, int8_t* q, float* scale,

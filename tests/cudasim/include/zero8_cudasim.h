@@ -39,7 +39,7 @@ unsigned char* dynamic_smem();
 void* shared_storage(const char* key, size_t bytes);
 template <class T>
 T& shared_var(const char* key) {
-  static_assert(alignof(T) <= alignof(std::max_align_t), "shared variables are aligned to max_align_t");
+  static_assert(alignof(T) <= 128, "shared variables are aligned to 128 bytes");
   return *static_cast<T*>(shared_storage(key, sizeof(T)));
 }
 
@@ -172,6 +172,8 @@ T atomicMin(T* p, T v) {
 
 inline float __uint_as_float(unsigned u) { return ::zero8_cudasim::from_slot<float>(u); }
 inline unsigned __float_as_uint(float x) { return unsigned(::zero8_cudasim::to_slot(x)); }
+inline float __int_as_float(int i) { return ::zero8_cudasim::from_slot<float>(uint32_t(i)); }
+inline int __float_as_int(float x) { return int(uint32_t(::zero8_cudasim::to_slot(x))); }
 template <class T>
 T __ldg(const T* p) {
   return *p;

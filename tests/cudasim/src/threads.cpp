@@ -112,6 +112,11 @@ struct Fiber {
   unsigned bar_gen = 0, warp_gen = 0;
 };
 
+// Storage of shared memory: 128-byte aligned, more than any access needs (wmma's 256-bit pointers).
+struct alignas(128) SmemChunk {
+  unsigned char bytes[128];
+};
+
 struct Warp {
   unsigned gen = 0, arrived = 0, mask = 0;
   unsigned took_part[2] = {0, 0};
@@ -123,8 +128,8 @@ struct Exec {
   const char* name = "";
   dim3 grid, block;
   uint3 block_idx{};
-  std::vector<unsigned char> smem;
-  std::map<const char*, std::vector<std::max_align_t>> shared;  // __shared__ variables of the running block
+  std::vector<SmemChunk> smem;
+  std::map<const char*, std::vector<SmemChunk>> shared;  // __shared__ variables of the running block
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
   Fiber* cur = nullptr;
@@ -320,7 +325,8 @@ void run_grid(const char* name, dim3 grid, dim3 block, size_t smem, const std::f
       for (unsigned x = 0; x < grid.x; ++x) {
         e.block_idx = uint3{x, y, z};
         // Dynamic shared memory starts as garbage on a GPU: NaN bytes here, so a read before a write shows.
-        e.smem.assign(smem, 0xff);
+        e.smem.assign((smem + sizeof(SmemChunk) - 1) / sizeof(SmemChunk), SmemChunk{});
+        if (!e.smem.empty()) std::memset(e.smem.data(), 0xff, e.smem.size() * sizeof(SmemChunk));
         e.shared.clear();
         run_block(e, (count++ & 1) == 0);  // last warp first in the first block: thread 0 often writes for all
       }
@@ -339,14 +345,14 @@ const uint3& thread_idx() { return exec().cur->tid; }
 const uint3& block_idx() { return exec().block_idx; }
 const dim3& block_dim() { return exec().block; }
 const dim3& grid_dim() { return exec().grid; }
-unsigned char* dynamic_smem() { return exec().smem.data(); }
+unsigned char* dynamic_smem() { return exec().smem.empty() ? nullptr : exec().smem.front().bytes; }
 int lane_id() { return exec().cur->lane; }
 
 void* shared_storage(const char* key, size_t bytes) {
   auto& v = exec().shared[key];
   if (v.empty()) {
-    v.resize((bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
-    std::memset(v.data(), 0xff, v.size() * sizeof(std::max_align_t));
+    v.resize((bytes + sizeof(SmemChunk) - 1) / sizeof(SmemChunk));
+    std::memset(v.data(), 0xff, v.size() * sizeof(SmemChunk));
   }
   return v.data();
 }
@@ -392,6 +398,8 @@ uint64_t sync_warp_exchange(unsigned mask, uint64_t value, unsigned* gen_out) {
   *gen_out = f.warp_gen;
   return value;
 }
+
+void wmma_fatal(const std::string& what) { fatal(what); }
 
 uint64_t shfl_value(unsigned mask, unsigned gen, int src) {
   Exec& e = exec();

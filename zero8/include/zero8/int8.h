@@ -63,6 +63,9 @@ std::string int8_gemm_backend();
 void int8_block_matmul(const BlockGemmArgs& args, int threads = 0);
 // "avx512-vnni" or "reference": what int8_block_matmul runs.
 std::string int8_block_matmul_backend();
+// What int8_block_matmul_cuda runs for this block: "wmma" (tensor cores, blocks that are multiples of 16)
+// or "tiled" (CUDA cores). Throws ErrorCode::unsupported when zero8 was built without CUDA.
+std::string int8_block_matmul_cuda_backend(int32_t block);
 
 // CUDA (device pointers, queued on `stream`, a cudaStream_t or null). Throw ErrorCode::unsupported
 // when zero8 was built without CUDA.

@@ -176,7 +176,7 @@ class Int8Linear(torch.nn.Module):
     ``activation_memory()`` reports what the loaded layer would keep) and a real input raises.
     """
 
-    _warned_exact_on_gpu = False  # once per process: the exact GEMM's speed on a GPU (forward)
+    _warned_exact_on_gpu = False  # once per process: the plain per-block kernel's speed on a GPU (forward)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
                  gemm: str = "exact", device=None, dtype=None) -> None:
@@ -246,12 +246,14 @@ class Int8Linear(torch.nn.Module):
         if meta:  # shapes only (the layer has no data): the float product on meta tensors
             y = _float_linear(x, self.weight, self.bias)
         else:
-            if self.gemm == "exact" and x.is_cuda and not Int8Linear._warned_exact_on_gpu:
+            if (self.gemm == "exact" and x.is_cuda and self.block_size % 16 != 0
+                    and not Int8Linear._warned_exact_on_gpu):
                 Int8Linear._warned_exact_on_gpu = True
-                warnings.warn("Int8Linear(gemm='exact') on a GPU runs zero8's plain per-block kernel, which has no "
-                              "tensor-core path: on an H200 its forward+backward took about 130x as long as a bf16 "
-                              "nn.Linear's. gemm='fast' multiplies on the int8 tensor cores (torch._int_mm); "
-                              "docs/INT8.md compares the two.", stacklevel=2)
+                warnings.warn(f"Int8Linear(gemm='exact', block_size={self.block_size}) on a GPU runs zero8's plain "
+                              "per-block kernel on CUDA cores (the tensor-core kernel takes blocks that are "
+                              "multiples of 16): on an H200 it took about 130x as long as a bf16 nn.Linear. Use a "
+                              "block_size of 16, 32, 64 or 128, or gemm='fast' (torch._int_mm); docs/INT8.md "
+                              "compares them.", stacklevel=2)
             y = _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact")
         # What forward kept for backward: int8 codes of x plus one float32 scale per block (from the shapes,
         # so that torch.compile needs no side effect inside the autograd.Function).

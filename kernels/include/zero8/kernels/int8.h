@@ -239,6 +239,9 @@ void int8_gemm_cublaslt(const GemmArgs& a, void* stream);
 // Per-block product on device pointers (kernels/cuda/int8_blockwise.cu), same contract and rounding as
 // int8_block_gemm_ref.
 void int8_block_gemm_cuda(const BlockGemmArgs& a, void* stream);
+// Which kernel int8_block_gemm_cuda runs for this block: "wmma" (tensor cores; blocks that are multiples of
+// 16) or "tiled" (CUDA cores).
+const char* int8_block_gemm_cuda_variant(int32_t block);
 #endif
 
 }  // namespace zero8::int8
