@@ -86,6 +86,15 @@ constexpr int kChunk = 64;                     // reduction values per shared-me
 constexpr int kKT = kChunk / 16;               // 16-wide k-tiles per stage
 constexpr int kChunkBytes = kChunk * kTcTile;  // one operand's stage
 constexpr int kVecsPerThread = kChunkBytes / 16 / kTcThreads;
+// Every slice's int32 sums must become float32 (exactly: |sum| < 2^24), one per output and slice, which at a
+// 32-wide slice is more CUDA-core work than the tensor cores' own; the CUDA C++ Programming Guide's table of
+// arithmetic instruction throughput lists type conversions at a fraction of the rate of a float32 add. So
+// each slice's accumulation starts at kBias, the bits of 1.5 * 2^23: for |sum| < 2^22 the int32 result is
+// then the float 1.5 * 2^23 + sum (the mantissa's low bits hold it), and one exact float subtraction gives
+// float(sum). |sum| <= 127 * 127 * block < 2^22 needs block <= 256; larger blocks start at 0 and convert.
+constexpr int32_t kBias = 0x4B400000;
+constexpr float kBiasValue = 12582912.0f;  // 1.5 * 2^23
+constexpr int32_t kBiasMaxBlock = 256;
 
 // One operand as the kernel reads it: the row-major matrix it is stored as. Its reduction axis is the
 // contiguous one (kContig: A stored m x k, B stored n x k) or not (A stored k x m, B stored k x n).
@@ -159,16 +168,35 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     }
   };
 
-  wmma::fragment<wmma::accumulator, 16, 16, 16, int> dot[kFragsM][kFragsN];
+  // Slices and scales without a division in the loop: k-tiles per slice, and per fragment row (column) the
+  // offset of its row (column) block's scales, to which slice s adds s times the scales' stride along k.
+  // Fragments past the matrix's edge read the last block's scales (their results are never stored), so
+  // the scale loads need no branch.
+  const int tiles_per_slice = int(g.block / 16);
+  const int64_t ktiles = (g.k + 15) / 16, sa_step = g.a_trans ? nmb : 1, sb_step = g.b_trans ? 1 : nnb;
+  int64_t sa_base[kFragsM], sb_base[kFragsN];
+#pragma unroll
+  for (int fi = 0; fi < kFragsM; ++fi) {
+    const int64_t ib = min((i0 + wm * 64 + fi * 16) / g.block, nmb - 1);
+    sa_base[fi] = g.a_trans ? ib : ib * nkb;
+  }
+#pragma unroll
+  for (int fj = 0; fj < kFragsN; ++fj) {
+    const int64_t jb = min((j0 + wn * 32 + fj * 16) / g.block, nnb - 1);
+    sb_base[fj] = g.b_trans ? jb * nkb : jb;
+  }
+  int tile_in_slice = 0;
+  int64_t slice = 0;
+  const bool biased = g.block <= kBiasMaxBlock;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, int> start, dot[kFragsM][kFragsN];
+  wmma::fill_fragment(start, biased ? kBias : 0);  // where each slice's sums start
   float acc[kFragsM][kFragsN][8];
 #pragma unroll
   for (int fi = 0; fi < kFragsM; ++fi)
 #pragma unroll
-    for (int fj = 0; fj < kFragsN; ++fj) {
-      wmma::fill_fragment(dot[fi][fj], 0);
+    for (int fj = 0; fj < kFragsN; ++fj)
 #pragma unroll
       for (int t = 0; t < 8; ++t) acc[fi][fj][t] = 0.0f;
-    }
   if (nchunks > 0) {
     stage(0);
     put(0);
@@ -179,8 +207,8 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     if (ch + 1 < nchunks) stage((ch + 1) * kChunk);  // in flight during this stage's products
 #pragma unroll
     for (int kt = 0; kt < kKT; ++kt) {
-      const int64_t kend = ch * kChunk + 16 * (kt + 1);
-      if (kend - 16 >= g.k) break;  // past the reduction (the same for every thread)
+      const int64_t ktile = ch * kKT + kt;
+      if (ktile >= ktiles) break;  // past the reduction (the same for every thread)
       wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, ALayout<kAContig>> fa[kFragsM];
       wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, BLayout<kBContig>> fb[kFragsN];
 #pragma unroll
@@ -189,29 +217,44 @@ __global__ void __launch_bounds__(kTcThreads, 1)
 #pragma unroll
       for (int fj = 0; fj < kFragsN; ++fj)
         wmma::load_matrix_sync(fb[fj], &tiles[buf][1][(kt * kTiles16 + wn * kFragsN + fj) * kFragBytes], 16);
+      if (tile_in_slice == 0) {  // a slice's first k-tile (the same for the whole CUDA block)
 #pragma unroll
-      for (int fi = 0; fi < kFragsM; ++fi)
+        for (int fi = 0; fi < kFragsM; ++fi)
 #pragma unroll
-        for (int fj = 0; fj < kFragsN; ++fj) wmma::mma_sync(dot[fi][fj], fa[fi], fb[fj], dot[fi][fj]);
+          for (int fj = 0; fj < kFragsN; ++fj) wmma::mma_sync(dot[fi][fj], fa[fi], fb[fj], start);
+      } else {
+#pragma unroll
+        for (int fi = 0; fi < kFragsM; ++fi)
+#pragma unroll
+          for (int fj = 0; fj < kFragsN; ++fj) wmma::mma_sync(dot[fi][fj], fa[fi], fb[fj], dot[fi][fj]);
+      }
       // A slice ends (block is a multiple of 16; the last one may be partial): its exact sums, scaled into
-      // the accumulators. A fragment lies in one row block and one column block: one scale pair.
-      if (kend % g.block != 0 && kend < g.k) continue;
-      const int64_t s = (kend - 1) / g.block;
+      // the accumulators (the next slice starts from `start`). A fragment lies in one row block and one
+      // column block: one scale pair.
+      if (++tile_in_slice < tiles_per_slice && ktile + 1 < ktiles) continue;
+      float sa[kFragsM], sb[kFragsN];
+#pragma unroll
+      for (int fi = 0; fi < kFragsM; ++fi) sa[fi] = g.a_scale[sa_base[fi] + slice * sa_step];
+#pragma unroll
+      for (int fj = 0; fj < kFragsN; ++fj) sb[fj] = g.b_scale[sb_base[fj] + slice * sb_step];
 #pragma unroll
       for (int fi = 0; fi < kFragsM; ++fi)
 #pragma unroll
         for (int fj = 0; fj < kFragsN; ++fj) {
-          const int64_t r0 = i0 + wm * 64 + fi * 16, c0 = j0 + wn * 32 + fj * 16;
-          if (r0 < g.m && c0 < g.n) {
-            const int64_t ib = r0 / g.block, jb = c0 / g.block;
-            const float sa = g.a_trans ? g.a_scale[s * nmb + ib] : g.a_scale[ib * nkb + s];
-            const float sb = g.b_trans ? g.b_scale[jb * nkb + s] : g.b_scale[s * nnb + jb];
+          const float scale = sa[fi] * sb[fj];
+          if (biased) {
 #pragma unroll
             for (int t = 0; t < 8; ++t)
-              acc[fi][fj][t] = int8_block_accumulate(acc[fi][fj][t], dot[fi][fj].x[t], sa, sb);
+              acc[fi][fj][t] =
+                  int8_block_accumulate_f(acc[fi][fj][t], __int_as_float(dot[fi][fj].x[t]) - kBiasValue, scale);
+          } else {
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+              acc[fi][fj][t] = int8_block_accumulate_f(acc[fi][fj][t], float(dot[fi][fj].x[t]), scale);
           }
-          wmma::fill_fragment(dot[fi][fj], 0);
         }
+      tile_in_slice = 0;
+      ++slice;
     }
     if (ch + 1 < nchunks) put(buf ^ 1);  // the warps read that buffer in the previous stage, before its barrier
     __syncthreads();

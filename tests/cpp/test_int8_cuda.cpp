@@ -5,6 +5,7 @@
 // Without a device (or a CUDA build) they skip and say why (tests/cpp/test_int8.cpp has the refusals).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -308,9 +309,16 @@ TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
 }
 
 // int8_block_gemm_cuda against the reference for one shape and block, every storage order of A and B.
-void check_block_product(int64_t m, int64_t n, int64_t k, int32_t block, DType dt, bool with_bias, bool nan_scale) {
+// extreme: every code of A 127, B's -127 in its first half of rows (as stored) and 127 after, so that slice
+// sums reach +-127 * 127 * block.
+void check_block_product(int64_t m, int64_t n, int64_t k, int32_t block, DType dt, bool with_bias, bool nan_scale,
+                         bool extreme) {
   const int64_t mb = (m + block - 1) / block, nb = (n + block - 1) / block, kb = (k + block - 1) / block;
-  const std::vector<int8_t> a = codes(m * k, 16), b = codes(n * k, 17);
+  std::vector<int8_t> a = codes(m * k, 16), b = codes(n * k, 17);
+  if (extreme) {
+    std::fill(a.begin(), a.end(), int8_t(127));
+    for (size_t i = 0; i < b.size(); ++i) b[i] = i < b.size() / 2 ? int8_t(-127) : int8_t(127);
+  }
   std::vector<float> as = scales(mb * kb, 18), bs = scales(nb * kb, 19);
   if (nan_scale) as[as.size() / 2] = std::numeric_limits<float>::quiet_NaN();
   const std::vector<float> bias = sample(n, 20);
@@ -352,25 +360,28 @@ TEST(Int8CudaKernels, BlockProductEqualsTheReference) {
   // The tensor-core kernel (blocks that are multiples of 16): leading dimensions that take its 16-byte loads
   // and ones that do not (byte loads), more than one 128 x 128 output tile with partial edge tiles, a
   // reduction shorter than a block or ending inside one, slices of 16 (block 48) and of 32, a NaN tile scale,
-  // no bias; then the tiled kernel (blocks 20 and 3).
+  // no bias, slice sums at their largest with blocks of 256 (the largest whose sums leave the tensor cores
+  // biased) and 320 (converted); then the tiled kernel (blocks 20 and 3).
   struct Case {
     int64_t m, n, k;
     int32_t block;
     DType dt;
-    bool bias, nan_scale;
+    bool bias, nan_scale, extreme = false;
   };
   const Case cases[] = {
-      {70, 50, 100, 32, DType::f32, true, false},  {70, 50, 100, 32, DType::bf16, true, false},
-      {144, 160, 96, 32, DType::f32, true, true},  {260, 136, 64, 16, DType::f16, false, false},
-      {48, 272, 192, 64, DType::f32, true, false}, {130, 129, 256, 128, DType::bf16, true, false},
-      {96, 112, 144, 48, DType::f32, false, true}, {33, 17, 20, 32, DType::f32, true, false},
-      {100, 70, 90, 64, DType::f32, true, false},  {20, 140, 50, 128, DType::f32, true, false},
-      {70, 50, 100, 20, DType::f32, true, false},  {40, 36, 50, 3, DType::bf16, true, true},
+      {70, 50, 100, 32, DType::f32, true, false},         {70, 50, 100, 32, DType::bf16, true, false},
+      {144, 160, 96, 32, DType::f32, true, true},         {260, 136, 64, 16, DType::f16, false, false},
+      {48, 272, 192, 64, DType::f32, true, false},        {130, 129, 256, 128, DType::bf16, true, false},
+      {96, 112, 144, 48, DType::f32, false, true},        {33, 17, 20, 32, DType::f32, true, false},
+      {100, 70, 90, 64, DType::f32, true, false},         {20, 140, 50, 128, DType::f32, true, false},
+      {64, 48, 512, 256, DType::f32, false, false, true}, {40, 150, 700, 320, DType::f32, true, false, true},
+      {40, 150, 700, 320, DType::f32, true, true},        {70, 50, 100, 20, DType::f32, true, false},
+      {40, 36, 50, 3, DType::bf16, true, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.n) + " x " + std::to_string(c.k) + ", block " +
                  std::to_string(c.block) + " (" + int8_block_gemm_cuda_variant(c.block) + ")");
-    check_block_product(c.m, c.n, c.k, c.block, c.dt, c.bias, c.nan_scale);
+    check_block_product(c.m, c.n, c.k, c.block, c.dt, c.bias, c.nan_scale, c.extreme);
   }
 }
 

@@ -66,6 +66,9 @@ ZERO8_HD float int8_dequant_one(int32_t acc, float row_scale, float col_scale) {
 ZERO8_HD float int8_block_accumulate(float acc, int32_t dot, float row_scale, float col_scale) {
   return acc + int8_dequant_one(dot, row_scale, col_scale);
 }
+// The same with float(dot) and row_scale * col_scale already formed (a kernel that converts the dot product
+// another exact way, or scales many with one pair): the same operations, so the same bits.
+ZERO8_HD float int8_block_accumulate_f(float acc, float dot, float scale_product) { return acc + dot * scale_product; }
 
 // ---- kernel arguments (plain structs of raw pointers; row-major, contiguous) ----
 
