@@ -1,8 +1,9 @@
 // CUDA fused optimizers: each state block's states are dequantized, the element rule of optim_math.h
 // applied, the block's min/max reduced, the states requantized with quant_map.h and the parameter
 // written. Two kernels do it for 8-bit states (CudaQuantKernels in dispatch.h): one CUDA block per state
-// block, or one warp per state block with the maps in shared memory. Same element math as the CPU
-// reference (nvcc --fmad=false), so CPU tests vouch for it.
+// block, or one warp per state block with the maps in shared memory; 32-bit states take a plain
+// grid-stride kernel over vectors. Same element math as the CPU reference (nvcc --fmad=false), so CPU
+// tests vouch for it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -298,6 +299,67 @@ __global__ void __launch_bounds__(kWarpThreads, 3)
   }
 }
 
+// ---- 32-bit states ----
+
+constexpr int kStep32Threads = 256;
+constexpr int kStep32W = 4;  // elements per vector access
+
+// 32-bit states: no blocks to reduce, so plain grid-stride over vectors of kStep32W elements, each thread's
+// loads all issued before its stores (the arrays may alias for all the compiler knows, which would order
+// each element's loads after the previous one's stores). Per thread 4 elements of up to 4 arrays in flight:
+// an H200 needs tens of KiB of loads in flight per SM to stream (quant_common.cuh), which one element per
+// thread of the block kernel did not give. `vec`: every array is aligned for the vectors; the elements after
+// the last whole vector (all of them when not vec) go one per thread through step_element.
+__global__ void __launch_bounds__(kStep32Threads)
+    optim_step32_kernel(StepArgs a, OptimConsts c, bool use1, bool use2, bool trust_algo, bool vec) {
+  constexpr int kW = kStep32W;
+  const int64_t nvec = vec ? a.n / kW : 0, stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const float* p_in = a.master ? a.master : static_cast<const float*>(a.param);  // fp32 without a master
+  for (int64_t v = first; v < nvec; v += stride) {
+    const int64_t i = v * kW;
+    float g[kW], p[kW], s1[kW] = {}, s2[kW] = {};
+    load_vec<kW>(a.grad, a.grad_dtype, i, g);
+    load_vec<kW>(p_in, DType::f32, i, p);
+    if (use1) load_vec<kW>(a.state1, DType::f32, i, s1);
+    if (use2) load_vec<kW>(a.state2, DType::f32, i, s2);
+    bool one_segment = true;
+    float trust = 1.0f;
+    if (trust_algo && a.seg_trust) {
+      const int64_t s0 = a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, i) : 0;
+      one_segment = a.nseg <= 0 || segment_of(a.seg_offsets, a.nseg, i + kW - 1) == s0;
+      trust = a.seg_trust[s0];
+    }
+#pragma unroll
+    for (int k = 0; k < kW; ++k) {
+      const float tr = one_segment ? trust : a.seg_trust[segment_of(a.seg_offsets, a.nseg, i + k)];
+      p[k] = optim_update_one(a.algo, c, g[k], p[k], s1[k], s2[k], tr);
+    }
+    if (a.update_params) {
+      if (a.master) store_vec<kW>(a.master, DType::f32, i, p);
+      store_vec<kW>(a.param, a.param_dtype, i, p);
+    }
+    if (use1) store_vec<kW>(a.state1, DType::f32, i, s1);
+    if (use2) store_vec<kW>(a.state2, DType::f32, i, s2);
+  }
+  for (int64_t i = nvec * kW + first; i < a.n; i += stride) {
+    float s1 = use1 ? a.state1[i] : 0.0f, s2 = use2 ? a.state2[i] : 0.0f;
+    step_element(a, c, use1, use2, trust_algo, i, s1, s2);
+  }
+}
+
+void step32_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, cudaStream_t st) {
+  constexpr size_t kW = kStep32W;
+  const bool vec = cuda_detail::vec_aligned(a.grad, kW * dtype_size(a.grad_dtype)) &&
+                   cuda_detail::vec_aligned(a.param, kW * dtype_size(a.param_dtype)) &&
+                   cuda_detail::vec_aligned(a.master, kW * 4) && cuda_detail::vec_aligned(a.state1, kW * 4) &&
+                   cuda_detail::vec_aligned(a.state2, kW * 4);
+  const int64_t work = vec ? a.n / int64_t(kW) + a.n % int64_t(kW) : a.n;  // vectors, then the rest
+  const int64_t grid = std::min<int64_t>((work + kStep32Threads - 1) / kStep32Threads, int64_t(1) << 20);
+  optim_step32_kernel<<<unsigned(grid), kStep32Threads, 0, st>>>(a, c, use1, use2, algo_has_trust_ratio(a.algo), vec);
+  ZERO8_CUDA_CHECK(cudaGetLastError());
+}
+
 // Phase 1: for each piece (segment s within state block b) the block-reduced sums of p^2 and u^2,
 // stored at parts[b + s] (b + s is distinct for every piece since both only grow along the range).
 __global__ void optim_norms_kernel(StepArgs a, OptimConsts c, double* parts) {
@@ -434,6 +496,7 @@ bool step_launch_warp(const StepArgs& a, const OptimConsts& c, bool use1, bool u
 void step_launch(const StepArgs& a, cudaStream_t st) {
   const OptimConsts c = optim_consts(a.algo, a.h, a.bits);
   const bool use1 = optim_uses_state(a.algo, a.h, 1), use2 = optim_uses_state(a.algo, a.h, 2);
+  if (a.bits != 8) return step32_launch(a, c, use1, use2, st);
   if (cuda_quant_kernels() == CudaQuantKernels::warp && step_launch_warp(a, c, use1, use2, st)) return;
   const int64_t nblocks = (a.n + a.block - 1) / a.block;
   optim_step_kernel<<<unsigned(nblocks), threads_for_block(a.block), 0, st>>>(a, c, use1, use2,

@@ -226,19 +226,23 @@ TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
       expect_step_equals_reference(algo, 8, DType::f32, 256, sc);
       if (HasFatalFailure()) return;
     }
-    // The warp kernel's vector widths (2 and 4 elements per access), 16-bit gradients and parameters in
-    // vectors, and arrays one element off alignment (its element-wise path for whole blocks).
+    // The warp kernel's vector widths (2 and 4 elements per access), the 32-bit kernel's vectors, 16-bit
+    // gradients and parameters in vectors, and arrays one element off alignment (the kernels' element-wise
+    // paths).
     for (int32_t block : {64, 128, 256}) {
       for (DType gdt : {DType::f32, DType::bf16, DType::f16}) {
         for (int offset : {0, 1}) {
           for (Algo algo : {Algo::adamw, Algo::lion}) {
-            SCOPED_TRACE(std::string(cuda_quant_kernels_name(kernel)) + " kernel, block " + std::to_string(block) +
-                         ", grad " + dtype_name(gdt) + ", offset " + std::to_string(offset) + ", " + algo_name(algo));
-            StepCase sc;
-            sc.gdt = gdt;
-            sc.offset = offset;
-            expect_step_equals_reference(algo, 8, algo == Algo::adamw ? DType::bf16 : DType::f32, block, sc);
-            if (HasFatalFailure()) return;
+            for (int bits : {8, 32}) {
+              SCOPED_TRACE(std::string(cuda_quant_kernels_name(kernel)) + " kernel, block " + std::to_string(block) +
+                           ", grad " + dtype_name(gdt) + ", offset " + std::to_string(offset) + ", " + algo_name(algo) +
+                           " bits=" + std::to_string(bits));
+              StepCase sc;
+              sc.gdt = gdt;
+              sc.offset = offset;
+              expect_step_equals_reference(algo, bits, algo == Algo::adamw ? DType::bf16 : DType::f32, block, sc);
+              if (HasFatalFailure()) return;
+            }
           }
         }
       }
