@@ -4,13 +4,12 @@
 // the CPU reference's bits.
 // - The tensor-core kernel (blocks that are multiples of 16): 128 x 128 output tiles, each of 8 warps
 //   holding 64 x 32 of them in wmma int32 fragments; the operands go through shared memory in 16 x 16
-//   tiles, double-buffered, and at the end of every slice each fragment's int32 sums are scaled into
-//   float32 accumulators in registers, as Jetfire's kernel does (one tile product per slice, dequantized).
+//   tiles, double-buffered, transposed on the way where stored so, and at the end of every slice each
+//   fragment's int32 sums are scaled into float32 accumulators in registers, as Jetfire's kernel does (one
+//   tile product per slice, dequantized).
 // - A plain tiled kernel for other blocks (32 x 32 output tile per CUDA block, int32 sums on CUDA cores).
 #include <cuda_runtime.h>
 #include <mma.h>
-
-#include <type_traits>
 
 #include "device_ptr.h"
 #include "zero8/error.h"
@@ -81,11 +80,14 @@ constexpr int kTcTile = 128;                   // output tile side (rows and col
 constexpr int kTcThreads = 256;                // 8 warps: 2 along the rows x 4 along the columns
 constexpr int kFragsM = 4, kFragsN = 2;        // a warp's 64 x 32 outputs in 16 x 16 fragments
 constexpr int kTiles16 = kTcTile / 16;         // 16 x 16 operand tiles along an operand's outer axis
-constexpr int kFragBytes = 256;                // one 16 x 16 int8 tile
 constexpr int kChunk = 64;                     // reduction values per shared-memory stage
 constexpr int kKT = kChunk / 16;               // 16-wide k-tiles per stage
-constexpr int kChunkBytes = kChunk * kTcTile;  // one operand's stage
-constexpr int kVecsPerThread = kChunkBytes / 16 / kTcThreads;
+constexpr int kVecsPerThread = kChunk * kTcTile / 16 / kTcThreads;
+// A 16 x 16 int8 tile is 256 bytes; they sit 288 apart (32-byte aligned, as wmma's pointers must be), so
+// that the byte stores of a transposed operand (below) from one warp's lanes, 8 tiles apart, fall in 4 banks
+// 2 ways instead of 1 bank 8 ways.
+constexpr int kTileStride = 288;
+constexpr int kStageBytes = kKT * kTiles16 * kTileStride;  // one operand's stage
 // Every slice's int32 sums must become float32 (exactly: |sum| < 2^24), one per output and slice, which at a
 // 32-wide slice is more CUDA-core work than the tensor cores' own; the CUDA C++ Programming Guide's table of
 // arithmetic instruction throughput lists type conversions at a fraction of the rate of a float32 add. So
@@ -106,9 +108,12 @@ struct TcOperand {
 };
 
 // The 16 bytes of vector v of the stage [kc, kc + kChunk) of the tile starting at e0 (outer axis), zero
-// beyond the matrix; *tile_off is where they go in the stage's shared memory: kKT x kTiles16 tiles of
-// 16 x 16 bytes, tile (kt, eb) at (kt * kTiles16 + eb) * 256, each a 16-byte vector of the stored matrix
-// per row (so a tile is row- or column-major as the operand is stored, ldm 16, every tile 256-byte aligned).
+// beyond the matrix, and where they go in the stage's shared memory (tc_put): kKT x kTiles16 tiles of
+// 16 x 16 bytes, tile (kt, eb) at (kt * kTiles16 + eb) * kTileStride, each holding 16 outer indices' 16
+// reduction values in rows of 16 bytes (ldm 16): A's fragments load row-major and B's column-major, the
+// forms the tensor cores take (ldmatrix); read the other way, the fragments load byte by byte. With the
+// reduction axis contiguous (kContig) a vector is such a row; otherwise it holds 16 outer indices at one
+// reduction index and goes in as a column, byte by byte: *tile_off is the row's start, or the column's.
 template <bool kContig>
 __device__ __forceinline__ uint4 tc_load(const TcOperand& o, int64_t k, int64_t e0, int64_t kc, int v, int* tile_off) {
   int64_t row, col;  // of the stored matrix
@@ -118,13 +123,13 @@ __device__ __forceinline__ uint4 tc_load(const TcOperand& o, int64_t k, int64_t 
     row = e0 + e;
     col = kc + 16 * kt;
     full = row < o.outer && col + 16 <= k;
-    *tile_off = (kt * kTiles16 + e / 16) * kFragBytes + (e % 16) * 16;
+    *tile_off = (kt * kTiles16 + e / 16) * kTileStride + (e % 16) * 16;
   } else {  // rows along the reduction axis, 16 outer values per vector
     const int q = v / kTiles16, eb = v % kTiles16;
     row = kc + q;
     col = e0 + 16 * eb;
     full = row < k && col + 16 <= o.outer;
-    *tile_off = ((q / 16) * kTiles16 + eb) * kFragBytes + (q % 16) * 16;
+    *tile_off = ((q / 16) * kTiles16 + eb) * kTileStride + q % 16;
   }
   const int64_t rows = kContig ? o.outer : k, cols = kContig ? k : o.outer;
   if (full && o.vec) return *reinterpret_cast<const uint4*>(o.p + row * o.ld + col);
@@ -135,17 +140,23 @@ __device__ __forceinline__ uint4 tc_load(const TcOperand& o, int64_t k, int64_t 
   return uint4{w[0], w[1], w[2], w[3]};
 }
 
-// The fragment layouts of those tiles. A (i, k): row-major when k is contiguous; B (k, j): column-major then.
+// Vector w into the stage at off (from tc_load): one 16-byte store, or 16 byte stores down a column.
 template <bool kContig>
-using ALayout = typename std::conditional<kContig, wmma::row_major, wmma::col_major>::type;
-template <bool kContig>
-using BLayout = typename std::conditional<kContig, wmma::col_major, wmma::row_major>::type;
+__device__ __forceinline__ void tc_put(signed char* stage, int off, uint4 w) {
+  if (kContig) {
+    *reinterpret_cast<uint4*>(stage + off) = w;
+  } else {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int t = 0; t < 16; ++t) stage[off + 16 * t] = static_cast<signed char>(words[t / 4] >> (8 * (t % 4)));
+  }
+}
 
 template <bool kAContig, bool kBContig>
 __global__ void __launch_bounds__(kTcThreads, 1)
     block_gemm_tc_kernel(BlockGemmArgs g, TcOperand oa, TcOperand ob, int64_t nmb, int64_t nnb, int64_t nkb) {
   // [stage buffer][operand: A, B][bytes]; at the end, each warp's 16 x 16 int32 for the way out.
-  __shared__ __align__(128) signed char tiles[2][2][kChunkBytes];
+  __shared__ __align__(128) signed char tiles[2][2][kStageBytes];
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int wm = warp / 4, wn = warp % 4;
   const int64_t i0 = int64_t(blockIdx.y) * kTcTile, j0 = int64_t(blockIdx.x) * kTcTile;
@@ -163,8 +174,8 @@ __global__ void __launch_bounds__(kTcThreads, 1)
   auto put = [&](int buf) {
 #pragma unroll
     for (int r = 0; r < kVecsPerThread; ++r) {
-      *reinterpret_cast<uint4*>(&tiles[buf][0][offa[r]]) = va[r];
-      *reinterpret_cast<uint4*>(&tiles[buf][1][offb[r]]) = vb[r];
+      tc_put<kAContig>(tiles[buf][0], offa[r], va[r]);
+      tc_put<kBContig>(tiles[buf][1], offb[r], vb[r]);
     }
   };
 
@@ -209,14 +220,14 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     for (int kt = 0; kt < kKT; ++kt) {
       const int64_t ktile = ch * kKT + kt;
       if (ktile >= ktiles) break;  // past the reduction (the same for every thread)
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, ALayout<kAContig>> fa[kFragsM];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, BLayout<kBContig>> fb[kFragsN];
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, signed char, wmma::row_major> fa[kFragsM];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, signed char, wmma::col_major> fb[kFragsN];
 #pragma unroll
       for (int fi = 0; fi < kFragsM; ++fi)
-        wmma::load_matrix_sync(fa[fi], &tiles[buf][0][(kt * kTiles16 + wm * kFragsM + fi) * kFragBytes], 16);
+        wmma::load_matrix_sync(fa[fi], &tiles[buf][0][(kt * kTiles16 + wm * kFragsM + fi) * kTileStride], 16);
 #pragma unroll
       for (int fj = 0; fj < kFragsN; ++fj)
-        wmma::load_matrix_sync(fb[fj], &tiles[buf][1][(kt * kTiles16 + wn * kFragsN + fj) * kFragBytes], 16);
+        wmma::load_matrix_sync(fb[fj], &tiles[buf][1][(kt * kTiles16 + wn * kFragsN + fj) * kTileStride], 16);
       if (tile_in_slice == 0) {  // a slice's first k-tile (the same for the whole CUDA block)
 #pragma unroll
         for (int fi = 0; fi < kFragsM; ++fi)
