@@ -46,6 +46,16 @@ __device__ int64_t segment_of(const int64_t* offs, int64_t nseg, int64_t i) {
   return lo;
 }
 
+// LAMB's and LARS's trust ratio is per segment: for elements lo..hi, the ratio when they lie in one segment
+// (the usual case; one = true), else one = false and the caller looks each element's up. 1 without ratios.
+__device__ __forceinline__ float range_trust(const StepArgs& a, bool trust_algo, int64_t lo, int64_t hi, bool& one) {
+  one = true;
+  if (!trust_algo || !a.seg_trust) return 1.0f;
+  const int64_t s0 = a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, lo) : 0;
+  one = a.nseg <= 0 || segment_of(a.seg_offsets, a.nseg, hi) == s0;
+  return a.seg_trust[s0];
+}
+
 // Block-wide min/max/finite of the threads' values, combined as the reference does: accumulators
 // start at +0 and a value replaces one only when strictly smaller (larger), so partial results are
 // +0 or of one sign and any combination order gives the reference's answer.
@@ -253,15 +263,9 @@ __global__ void __launch_bounds__(kWarpThreads, 3)
         p[k] = p_in[lo + j];
       }
     }
-    // 2. The update (quant_decode_one from shared memory, then the element rule). LAMB's and LARS's trust
-    // ratio is per segment: one lookup for a block inside one segment (the usual case), else per element.
-    bool one_segment = true;
-    float block_trust = 1.0f;
-    if (trust_algo && a.seg_trust) {
-      const int64_t s0 = a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, lo) : 0;
-      one_segment = a.nseg <= 0 || segment_of(a.seg_offsets, a.nseg, lo + len - 1) == s0;
-      block_trust = a.seg_trust[s0];
-    }
+    // 2. The update (quant_decode_one from shared memory, then the element rule).
+    bool one_segment;
+    const float block_trust = range_trust(a, trust_algo, lo, lo + len - 1, one_segment);
     float s1v[kPer], s2v[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -323,13 +327,8 @@ __global__ void __launch_bounds__(kStep32Threads)
     load_vec<kW>(p_in, DType::f32, i, p);
     if (use1) load_vec<kW>(a.state1, DType::f32, i, s1);
     if (use2) load_vec<kW>(a.state2, DType::f32, i, s2);
-    bool one_segment = true;
-    float trust = 1.0f;
-    if (trust_algo && a.seg_trust) {
-      const int64_t s0 = a.nseg > 0 ? segment_of(a.seg_offsets, a.nseg, i) : 0;
-      one_segment = a.nseg <= 0 || segment_of(a.seg_offsets, a.nseg, i + kW - 1) == s0;
-      trust = a.seg_trust[s0];
-    }
+    bool one_segment;
+    const float trust = range_trust(a, trust_algo, i, i + kW - 1, one_segment);
 #pragma unroll
     for (int k = 0; k < kW; ++k) {
       const float tr = one_segment ? trust : a.seg_trust[segment_of(a.seg_offsets, a.nseg, i + k)];
