@@ -432,10 +432,11 @@ echo "[  PASSED  ] 1 test."
 """
 
 
-def run_stage_alone(tmp_path, stage: str, fn: str, tools: dict, files: dict):
+def run_stage_alone(tmp_path, stage: str, fn: str, tools: dict, files: dict, exports: dict = None):
     """Runs one stage of gpu_check.sh (sourced: its run_stage called alone) in tmp_path/w with stand-ins:
     `tools` ({name: shell body}) on a PATH of their own, `files` ({path under the build folder: shell
-    body}) as executables. Returns (exit code, the stage's record, its log)."""
+    body}) as executables, `exports` ({variable: value}) set for it. Returns (exit code, the stage's record,
+    its log)."""
     work, build, bin_dir = tmp_path / "w", tmp_path / "w" / "build", tmp_path / "bin"
     for d in (work / "results", work / "logs", bin_dir):
         d.mkdir(parents=True, exist_ok=True)
@@ -450,7 +451,7 @@ source {CHECK}
 WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
 STAGES={work}/results/stages.jsonl
 export WORK BUILD DEPS_ENV NVCC
-run_stage {stage} 60 {fn}
+{"".join(f"export {k}={v}{chr(10)}" for k, v in (exports or {}).items())}run_stage {stage} 60 {fn}
 """
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
     r = run(["bash", "-c", script], env=env)
@@ -491,21 +492,29 @@ def test_memcheck_stage(tmp_path, case):
 
 @pytest.mark.parametrize("case", ["profiled", "no_counter_access", "no_ncu"])
 def test_profile_stage(tmp_path, case):
-    """The profile stage (Nsight Compute on the warp kernels) with stand-ins for zero8-bench and ncu: ok with
-    both benchmark commands profiled, skipped with the reason when ncu may not read the counters or is
-    missing."""
-    ncu = {  # called as: ncu --kernel-name K --launch-skip 2 --launch-count 2 --section S (x4) BENCH ARGS...
+    """The profile stage (Nsight Compute on the warp kernels and the int8 product) with stand-ins for
+    zero8-bench, python and ncu: ok with both benchmark commands and bench_gpu.py profiled, skipped with the
+    reason when ncu may not read the counters or is missing."""
+    ncu = {  # called as: ncu --kernel-name K --launch-skip 2 --launch-count 2 --section S (x4) BENCH ARGS...,
+        # or ncu --kernel-name K --launch-count 4 --section S (x5) PYTHON bench_gpu.py ARGS...
         "profiled": 'shift 14; echo "  optim_step_warp_kernel  DRAM Throughput 80 %"; "$@"',
         "no_counter_access": 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"; exit 1',
     }
     tools = {"ncu": ncu[case]} if case in ncu else {}
+    tools["python-stand-in"] = 'echo "python $*"'
+    # zero8 installed (SITE/zero8) and a python stand-in, for the int8 product's profile under bench_gpu.py.
+    site, py = tmp_path / "site", tmp_path / "bin" / "python-stand-in"
+    (site / "zero8").mkdir(parents=True)
     rc, rec, log = run_stage_alone(tmp_path, "profile", "st_profile", tools,
-                                   {"benchmarks/zero8-bench": 'echo "bench $*"'})
+                                   {"benchmarks/zero8-bench": 'echo "bench $*"'},
+                                   {"SITE": site, "PY": py, "ROOT": ROOT})
     if case == "profiled":
         assert rc == 0 and rec["status"] == "ok", (rec, log)
         assert "bench optimizer --numel 1e8 --repeat 3 --device cuda" in log
         assert "bench codec --numel 1e8 --repeat 3 --device cuda" in log
-        assert log.count("DRAM Throughput") == 2
+        assert (f"python {ROOT}/benchmarks/bench_gpu.py --only linear --shapes 4096x16384 --tokens 8192 --repeat 1 "
+                "--warmup 1") in log
+        assert log.count("DRAM Throughput") == 3
     elif case == "no_counter_access":
         assert rec["status"] == "skipped", (rec, log)
         assert rec["note"].startswith("ncu cannot profile here: ==ERROR== ERR_NVGPUCTRPERM")
