@@ -1,6 +1,7 @@
 """zero8's Python surface on a CUDA GPU against PyTorch, measured side by side in one process (ratios of
 times taken in the same rounds): zero8.optim.AdamW8bit against torch.optim.AdamW(fused=True) at 1e8 and 1e9
-parameters; zero8.nn.Int8Linear (both GEMM modes) forward and forward+backward, and Linear8bitLt forward,
+parameters; zero8.nn.Int8Linear (both GEMM modes, the exact one at blocks 32 and 128) forward and
+forward+backward, the three per-block int8 products of a layer alone, and Linear8bitLt forward,
 against a bfloat16 nn.Linear at transformer shapes; and one training step of zero8's engine (one rank, bf16
 model, fp32 master, 8-bit AdamW states) against PyTorch's mixed precision (fp32 model under bf16 autocast,
 AdamW(fused=True)) on a stack of transformer MLP blocks, with the memory each holds. Times come from CUDA events after warm-ups (median of
@@ -25,6 +26,9 @@ import time
 # largest layer of a 1-2B-parameter transformer's MLP.
 TARGET_OPTIM = {"numel": 10**9, "ratio": 1.5}
 TARGET_LINEAR = {"shape": (4096, 16384), "tokens": 8192, "ratio": 1.3}
+# Int8Linear's variants (gemm, block_size): the default, the exact product at a block whose per-slice scaling
+# no longer bounds it on Hopper (docs/INT8.md, "GPU"), and the vector-wise GEMM.
+LINEAR_VARIANTS = (("exact", 32), ("exact", 128), ("fast", 32))
 HYPER = dict(lr=1e-4, weight_decay=0.01)
 GROUPS = ("optim", "linear", "engine")
 
@@ -186,6 +190,10 @@ def bench_optim(b: Bench, numel: int):
     torch.cuda.empty_cache()
 
 
+def linear_key(mode: str, block: int) -> str:
+    return f"int8_{mode}" if block == 32 else f"int8_{mode}{block}"
+
+
 def rel_err(torch, y, ref) -> float:
     return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
@@ -218,9 +226,9 @@ def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
     with torch.no_grad():
         ref = lin(x)
     fns_fwd, fns_train, errs = {"bf16": fwd(lin)}, {"bf16": fwd_bwd(lin)}, {}
-    for mode in ("exact", "fast"):
-        def make(mode=mode):
-            m = Int8Linear(fin, fout, gemm=mode, device="cuda")
+    for mode, blk in LINEAR_VARIANTS:
+        def make(mode=mode, blk=blk):
+            m = Int8Linear(fin, fout, gemm=mode, block_size=blk, device="cuda")
             with torch.no_grad():
                 m.weight.copy_(lin.weight.float())
                 m.bias.copy_(lin.bias.float())
@@ -229,11 +237,11 @@ def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
             if not e < 0.1:
                 raise RuntimeError(f"output differs from nn.Linear's by {e:.3g} (relative)")
             return m
-        m, err = zero8_call(f"Int8Linear(gemm='{mode}') on CUDA", make)
+        m, err = zero8_call(f"Int8Linear(gemm='{mode}', block_size={blk}) on CUDA", make)
         if m is not None:
-            fns_fwd[f"int8_{mode}"], fns_train[f"int8_{mode}"] = fwd(m), fwd_bwd(m)
+            fns_fwd[linear_key(mode, blk)], fns_train[linear_key(mode, blk)] = fwd(m), fwd_bwd(m)
         else:
-            errs[f"int8_{mode}"] = err
+            errs[linear_key(mode, blk)] = err
 
     def make_lt():
         m = Linear8bitLt.from_linear(lin, threshold=0.0)
@@ -292,16 +300,17 @@ def bench_linear(b: Bench, fin: int, fout: int, tokens: int):
     target = (">=", TARGET_LINEAR["ratio"]) if is_target else None
     b.row("linear", f"bf16 nn.Linear forward, {label}", t_fwd["bf16"] * 1e3, "ms")
     b.row("linear", f"bf16 nn.Linear forward+backward, {label}", t_train["bf16"] * 1e3, "ms")
-    for mode in ("exact", "fast"):
-        k = f"int8_{mode}"
+    for mode, blk in LINEAR_VARIANTS:
+        k = linear_key(mode, blk)
+        name = f"Int8Linear({mode})" if blk == 32 else f"Int8Linear({mode}, block {blk})"
         if k in t_fwd:
-            b.row("linear", f"Int8Linear({mode}) forward speed / bf16 nn.Linear, {label}", t_fwd["bf16"] / t_fwd[k], "x",
+            b.row("linear", f"{name} forward speed / bf16 nn.Linear, {label}", t_fwd["bf16"] / t_fwd[k], "x",
                   ms=t_fwd[k] * 1e3)
-            b.row("linear", f"Int8Linear({mode}) forward+backward speed / bf16 nn.Linear, {label}",
+            b.row("linear", f"{name} forward+backward speed / bf16 nn.Linear, {label}",
                   t_train["bf16"] / t_train[k], "x", target, ms=t_train[k] * 1e3)
         else:
-            b.row("linear", f"Int8Linear({mode}) forward speed / bf16 nn.Linear, {label}", unit="x", error=errs[k])
-            b.row("linear", f"Int8Linear({mode}) forward+backward speed / bf16 nn.Linear, {label}", unit="x",
+            b.row("linear", f"{name} forward speed / bf16 nn.Linear, {label}", unit="x", error=errs[k])
+            b.row("linear", f"{name} forward+backward speed / bf16 nn.Linear, {label}", unit="x",
                   target=target, error=errs[k])
     if "lt" in t_fwd:
         b.row("linear", f"Linear8bitLt forward speed / bf16 nn.Linear, {label}", t_fwd["bf16"] / t_fwd["lt"], "x",

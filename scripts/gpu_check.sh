@@ -496,16 +496,17 @@ st_profile() {
     fi
     ((rc == 0)) || { note "ncu zero8-bench $args: exit $rc"; return 1; }
   done
-  # The tensor-core per-block int8 product (Int8Linear's exact mode), its first four launches under
-  # bench_gpu.py at the target shape: the forward's storage order and both backward ones. Pipe use and warp
-  # stalls say whether the CUDA-core scaling, the tensor cores or the memory latency bound it.
+  # The tensor-core per-block int8 product (Int8Linear's exact mode), its first five launches under
+  # bench_gpu.py at the target shape (the layers' forwards at blocks 32 and 128, then a layer's three
+  # products at block 32: the forward's storage order and both backward ones). Pipe use and warp stalls say
+  # whether the CUDA-core scaling, the tensor cores or the memory latency bound it.
   if [[ ! -d "${SITE:-}/zero8" ]]; then
     echo "zero8 is not installed (python_build failed): the int8 product is not profiled"
     return 0
   fi
-  echo "\$ ncu --kernel-name regex:block_gemm_tc_kernel --launch-count 4 bench_gpu.py --only linear ..."
+  echo "\$ ncu --kernel-name regex:block_gemm_tc_kernel --launch-count 5 bench_gpu.py --only linear ..."
   out=$(PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$ncu" --kernel-name regex:block_gemm_tc_kernel \
-    --launch-count 4 --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
+    --launch-count 5 --section SpeedOfLight --section Occupancy --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section MemoryWorkloadAnalysis "$PY" "$ROOT/benchmarks/bench_gpu.py" \
     --only linear --shapes 4096x16384 --tokens 8192 --repeat 1 --warmup 1 2>&1)
   rc=$?

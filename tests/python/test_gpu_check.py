@@ -496,7 +496,7 @@ def test_profile_stage(tmp_path, case):
     zero8-bench, python and ncu: ok with both benchmark commands and bench_gpu.py profiled, skipped with the
     reason when ncu may not read the counters or is missing."""
     ncu = {  # called as: ncu --kernel-name K --launch-skip 2 --launch-count 2 --section S (x4) BENCH ARGS...,
-        # or ncu --kernel-name K --launch-count 4 --section S (x5) PYTHON bench_gpu.py ARGS...
+        # or ncu --kernel-name K --launch-count 5 --section S (x5) PYTHON bench_gpu.py ARGS...
         "profiled": 'shift 14; echo "  optim_step_warp_kernel  DRAM Throughput 80 %"; "$@"',
         "no_counter_access": 'echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"; exit 1',
     }
