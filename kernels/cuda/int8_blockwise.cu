@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 #include <mma.h>
 
+#include <algorithm>
+
 #include "device_ptr.h"
 #include "zero8/error.h"
 #include "zero8/kernels/int8.h"
@@ -88,6 +90,11 @@ constexpr int kVecsPerThread = kChunk * kTcTile / 16 / kTcThreads;
 // 2 ways instead of 1 bank 8 ways.
 constexpr int kTileStride = 288;
 constexpr int kStageBytes = kKT * kTiles16 * kTileStride;  // one operand's stage
+// Output tiles in groups of kGroupRows row panels: consecutive CUDA blocks walk down a group's rows before
+// moving one column panel on, so the blocks resident at once share a few panels of A and of B in L2
+// instead of all reading one row panel and every column panel (B read again from DRAM for each row panel
+// once A and B exceed L2, which at a layer's shapes they do).
+constexpr int kGroupRows = 8;
 // Every slice's int32 sums must become float32 (exactly: |sum| < 2^24), one per output and slice, which at a
 // 32-wide slice is more CUDA-core work than the tensor cores' own; the CUDA C++ Programming Guide's table of
 // arithmetic instruction throughput lists type conversions at a fraction of the rate of a float32 add. So
@@ -106,6 +113,17 @@ struct TcOperand {
   int64_t outer;  // extent of the non-reduction axis (m for A, n for B)
   bool vec;       // p and ld allow 16-byte loads
 };
+
+// 16 bytes from (row, col) of a rows x cols matrix, one by one, zero past its edges: the vectors of edge tiles
+// and of matrices whose rows are not 16-byte aligned. Not inlined: inlined, its 16 addresses per vector were
+// hoisted out of the stage loop, and the kernel spilled.
+__device__ __noinline__ uint4 tc_load_bytes(const TcOperand& o, int64_t row, int64_t col, int64_t rows, int64_t cols) {
+  uint32_t w[4] = {0, 0, 0, 0};
+  if (row < rows)
+    for (int t = 0; t < 16; ++t)
+      if (col + t < cols) w[t / 4] |= uint32_t(uint8_t(o.p[row * o.ld + col + t])) << (8 * (t % 4));
+  return uint4{w[0], w[1], w[2], w[3]};
+}
 
 // The 16 bytes of vector v of the stage [kc, kc + kChunk) of the tile starting at e0 (outer axis), zero
 // beyond the matrix, and where they go in the stage's shared memory (tc_put): kKT x kTiles16 tiles of
@@ -131,13 +149,8 @@ __device__ __forceinline__ uint4 tc_load(const TcOperand& o, int64_t k, int64_t 
     full = row < k && col + 16 <= o.outer;
     *tile_off = ((q / 16) * kTiles16 + eb) * kTileStride + q % 16;
   }
-  const int64_t rows = kContig ? o.outer : k, cols = kContig ? k : o.outer;
   if (full && o.vec) return *reinterpret_cast<const uint4*>(o.p + row * o.ld + col);
-  uint32_t w[4] = {0, 0, 0, 0};
-  if (row < rows)
-    for (int t = 0; t < 16; ++t)
-      if (col + t < cols) w[t / 4] |= uint32_t(uint8_t(o.p[row * o.ld + col + t])) << (8 * (t % 4));
-  return uint4{w[0], w[1], w[2], w[3]};
+  return tc_load_bytes(o, row, col, kContig ? o.outer : k, kContig ? k : o.outer);
 }
 
 // Vector w into the stage at off (from tc_load): one 16-byte store, or 16 byte stores down a column.
@@ -154,12 +167,17 @@ __device__ __forceinline__ void tc_put(signed char* stage, int off, uint4 w) {
 
 template <bool kAContig, bool kBContig>
 __global__ void __launch_bounds__(kTcThreads, 1)
-    block_gemm_tc_kernel(BlockGemmArgs g, TcOperand oa, TcOperand ob, int64_t nmb, int64_t nnb, int64_t nkb) {
+    block_gemm_tc_kernel(BlockGemmArgs g, TcOperand oa, TcOperand ob, int64_t nmb, int64_t nnb, int64_t nkb,
+                         int tiles_m, int tiles_n) {
   // [stage buffer][operand: A, B][bytes]; at the end, each warp's 16 x 16 int32 for the way out.
   __shared__ __align__(128) signed char tiles[2][2][kStageBytes];
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int wm = warp / 4, wn = warp % 4;
-  const int64_t i0 = int64_t(blockIdx.y) * kTcTile, j0 = int64_t(blockIdx.x) * kTcTile;
+  // (32-bit: the launcher keeps the tile count below 2^31.)
+  const int pid = int(blockIdx.x), per_group = kGroupRows * tiles_n, first_row = pid / per_group * kGroupRows;
+  const int group_rows = min(tiles_m - first_row, kGroupRows), in_group = pid % per_group;
+  const int64_t i0 = int64_t(first_row + in_group % group_rows) * kTcTile;
+  const int64_t j0 = int64_t(in_group / group_rows) * kTcTile;
   const int64_t nchunks = (g.k + kChunk - 1) / kChunk;
 
   uint4 va[kVecsPerThread], vb[kVecsPerThread];
@@ -180,24 +198,25 @@ __global__ void __launch_bounds__(kTcThreads, 1)
   };
 
   // Slices and scales without a division in the loop: k-tiles per slice, and per fragment row (column) the
-  // offset of its row (column) block's scales, to which slice s adds s times the scales' stride along k.
+  // offset of its row (column) block's scales, to which slice s adds s times the scales' stride along k
+  // (32-bit: the launcher keeps each scale matrix below 2^31 entries; registers are this kernel's limit).
   // Fragments past the matrix's edge read the last block's scales (their results are never stored), so
   // the scale loads need no branch.
   const int tiles_per_slice = int(g.block / 16);
-  const int64_t ktiles = (g.k + 15) / 16, sa_step = g.a_trans ? nmb : 1, sb_step = g.b_trans ? 1 : nnb;
-  int64_t sa_base[kFragsM], sb_base[kFragsN];
+  const int64_t ktiles = (g.k + 15) / 16;
+  const int sa_step = int(g.a_trans ? nmb : 1), sb_step = int(g.b_trans ? 1 : nnb);
+  int sa_base[kFragsM], sb_base[kFragsN];
 #pragma unroll
   for (int fi = 0; fi < kFragsM; ++fi) {
     const int64_t ib = min((i0 + wm * 64 + fi * 16) / g.block, nmb - 1);
-    sa_base[fi] = g.a_trans ? ib : ib * nkb;
+    sa_base[fi] = int(g.a_trans ? ib : ib * nkb);
   }
 #pragma unroll
   for (int fj = 0; fj < kFragsN; ++fj) {
     const int64_t jb = min((j0 + wn * 32 + fj * 16) / g.block, nnb - 1);
-    sb_base[fj] = g.b_trans ? jb * nkb : jb;
+    sb_base[fj] = int(g.b_trans ? jb * nkb : jb);
   }
-  int tile_in_slice = 0;
-  int64_t slice = 0;
+  int tile_in_slice = 0, slice = 0;
   const bool biased = g.block <= kBiasMaxBlock;
   wmma::fragment<wmma::accumulator, 16, 16, 16, int> start, dot[kFragsM][kFragsN];
   wmma::fill_fragment(start, biased ? kBias : 0);  // where each slice's sums start
@@ -303,16 +322,17 @@ void launch_tc(const BlockGemmArgs& a, int64_t nmb, int64_t nnb, int64_t nkb, cu
     return TcOperand{p, ld, outer, reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % 16 == 0};
   };
   const TcOperand oa = operand(a.a, a.a_trans ? a.m : a.k, a.m), ob = operand(a.b, a.b_trans ? a.k : a.n, a.n);
-  const dim3 grid{unsigned((a.n + kTcTile - 1) / kTcTile), unsigned((a.m + kTcTile - 1) / kTcTile), 1u};
+  const int tm = int((a.m + kTcTile - 1) / kTcTile), tn = int((a.n + kTcTile - 1) / kTcTile);
+  const unsigned grid = unsigned(tm) * unsigned(tn);  // one dimension: the kernel orders the tiles (kGroupRows)
   const bool a_contig = !a.a_trans, b_contig = a.b_trans;
   if (a_contig && b_contig)
-    block_gemm_tc_kernel<true, true><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+    block_gemm_tc_kernel<true, true><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb, tm, tn);
   else if (a_contig)
-    block_gemm_tc_kernel<true, false><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+    block_gemm_tc_kernel<true, false><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb, tm, tn);
   else if (b_contig)
-    block_gemm_tc_kernel<false, true><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+    block_gemm_tc_kernel<false, true><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb, tm, tn);
   else
-    block_gemm_tc_kernel<false, false><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb);
+    block_gemm_tc_kernel<false, false><<<grid, kTcThreads, 0, st>>>(a, oa, ob, nmb, nnb, nkb, tm, tn);
 }
 
 bool uses_tensor_cores(int32_t block) { return block % 16 == 0; }
@@ -326,8 +346,10 @@ void int8_block_gemm_cuda(const BlockGemmArgs& a, void* stream) {
   const bool tc = uses_tensor_cores(a.block);
   const int64_t tile = tc ? kTcTile : kTile;
   const int64_t tiles_m = (a.m + tile - 1) / tile, tiles_n = (a.n + tile - 1) / tile;
-  if (tiles_m > 65535 || tiles_n > 2147483647)
+  if (tc ? tiles_m * tiles_n > 2147483647 : tiles_m > 65535 || tiles_n > 2147483647)
     ZERO8_THROW(unsupported, "int8_block_gemm_cuda: " << a.m << " x " << a.n << " outputs exceed the launch grid");
+  if (tc && std::max(nmb, nnb) * nkb > 2147483647)  // the kernel's 32-bit scale offsets (A or B of > 2^39 bytes)
+    ZERO8_THROW(unsupported, "int8_block_gemm_cuda: " << std::max(nmb, nnb) * nkb << " scales per operand exceed 2^31");
   cuda_detail::check_device_ptrs("int8_block_gemm_cuda", {{a.a, "a"}, {a.a_scale, "a_scale"}, {a.b, "b"},
                                                            {a.b_scale, "b_scale"}, {a.bias, "bias"}, {a.out, "out"}});
   const cudaStream_t st = static_cast<cudaStream_t>(stream);

@@ -359,9 +359,9 @@ TEST(Int8CudaKernels, BlockProductEqualsTheReference) {
   SKIP_WITHOUT_CUDA();
   // The tensor-core kernel (blocks that are multiples of 16): leading dimensions that take its 16-byte loads
   // and ones that do not (byte loads), more than one 128 x 128 output tile with partial edge tiles, a
-  // reduction shorter than a block or ending inside one, slices of 16 (block 48) and of 32, a NaN tile scale,
-  // no bias, slice sums at their largest with blocks of 256 (the largest whose sums leave the tensor cores
-  // biased) and 320 (converted); then the tiled kernel (blocks 20 and 3).
+  // reduction shorter than a block or ending inside one, a full and a partial group of 8 row panels, slices of 16
+  // (block 48) and of 32, a NaN tile scale, no bias, slice sums at their largest with blocks of 256 (the largest whose
+  // sums leave the tensor cores biased) and 320 (converted); then the tiled kernel (blocks 20 and 3).
   struct Case {
     int64_t m, n, k;
     int32_t block;
@@ -375,8 +375,8 @@ TEST(Int8CudaKernels, BlockProductEqualsTheReference) {
       {96, 112, 144, 48, DType::f32, false, true},        {33, 17, 20, 32, DType::f32, true, false},
       {100, 70, 90, 64, DType::f32, true, false},         {20, 140, 50, 128, DType::f32, true, false},
       {64, 48, 512, 256, DType::f32, false, false, true}, {40, 150, 700, 320, DType::f32, true, false, true},
-      {40, 150, 700, 320, DType::f32, true, true},        {70, 50, 100, 20, DType::f32, true, false},
-      {40, 36, 50, 3, DType::bf16, true, true},
+      {40, 150, 700, 320, DType::f32, true, true},        {1100, 140, 32, 32, DType::bf16, true, false},
+      {70, 50, 100, 20, DType::f32, true, false},         {40, 36, 50, 3, DType::bf16, true, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(std::to_string(c.m) + " x " + std::to_string(c.n) + " x " + std::to_string(c.k) + ", block " +
