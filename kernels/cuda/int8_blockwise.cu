@@ -317,12 +317,11 @@ __global__ void __launch_bounds__(kTcThreads, 1)
     }
 }
 
-void launch_tc(const BlockGemmArgs& a, int64_t nmb, int64_t nnb, int64_t nkb, cudaStream_t st) {
+void launch_tc(const BlockGemmArgs& a, int64_t nmb, int64_t nnb, int64_t nkb, int tm, int tn, cudaStream_t st) {
   auto operand = [](const int8_t* p, int64_t ld, int64_t outer) {
     return TcOperand{p, ld, outer, reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % 16 == 0};
   };
   const TcOperand oa = operand(a.a, a.a_trans ? a.m : a.k, a.m), ob = operand(a.b, a.b_trans ? a.k : a.n, a.n);
-  const int tm = int((a.m + kTcTile - 1) / kTcTile), tn = int((a.n + kTcTile - 1) / kTcTile);
   const unsigned grid = unsigned(tm) * unsigned(tn);  // one dimension: the kernel orders the tiles (kGroupRows)
   const bool a_contig = !a.a_trans, b_contig = a.b_trans;
   if (a_contig && b_contig)
@@ -354,7 +353,7 @@ void int8_block_gemm_cuda(const BlockGemmArgs& a, void* stream) {
                                                            {a.b_scale, "b_scale"}, {a.bias, "bias"}, {a.out, "out"}});
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (tc) {
-    launch_tc(a, nmb, nnb, nkb, st);
+    launch_tc(a, nmb, nnb, nkb, int(tiles_m), int(tiles_n), st);
   } else {
     const dim3 grid{unsigned(tiles_n), unsigned(tiles_m), 1u}, block{unsigned(kTile), unsigned(kThreadRows), 1u};
     block_gemm_kernel<<<grid, block, 0, st>>>(a, nmb, nnb, nkb);

@@ -122,14 +122,14 @@ __device__ __forceinline__ void step_element(const StepArgs& a, const OptimConst
   }
 }
 
+// 8-bit states (32-bit ones take optim_step32_kernel).
 __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use2, bool trust_algo) {
   const int64_t b = blockIdx.x;
   const int64_t lo = b * a.block;
   const int32_t len = int32_t(a.n - lo < a.block ? a.n - lo : a.block);
   const int per = (a.block + int(blockDim.x) - 1) / int(blockDim.x);
-  const bool q8 = a.bits == 8;
-  const float scale1 = (q8 && use1) ? a.absmax1[b] : 0.0f;
-  const float scale2 = (q8 && use2) ? a.absmax2[b] : 0.0f;
+  const float scale1 = use1 ? a.absmax1[b] : 0.0f;
+  const float scale2 = use2 ? a.absmax2[b] : 0.0f;
   // New states stay in registers until the block's scale is known (fully unrolled: no local memory).
   float s1v[kMaxPerThread], s2v[kMaxPerThread];
 #pragma unroll
@@ -139,14 +139,14 @@ __global__ void optim_step_kernel(StepArgs a, OptimConsts c, bool use1, bool use
     if (k >= per || j >= len) continue;
     const int64_t i = lo + j;
     float s1 = 0.0f, s2 = 0.0f;
-    if (use1) s1 = q8 ? quant::quant_decode_one(a.code1[i], scale1, *a.map1) : a.state1[i];
-    if (use2) s2 = q8 ? quant::quant_decode_one(a.code2[i], scale2, *a.map2) : a.state2[i];
+    if (use1) s1 = quant::quant_decode_one(a.code1[i], scale1, *a.map1);
+    if (use2) s2 = quant::quant_decode_one(a.code2[i], scale2, *a.map2);
     step_element(a, c, use1, use2, trust_algo, i, s1, s2);
-    s1v[k] = optim_state_finite(s1);  // used by the 8-bit encoding only
+    s1v[k] = optim_state_finite(s1);
     s2v[k] = optim_state_finite(s2);
   }
-  if (q8 && use1) block_encode(s1v, per, lo, len, *a.map1, a.code1, a.absmax1 + b);
-  if (q8 && use2) block_encode(s2v, per, lo, len, *a.map2, a.code2, a.absmax2 + b);
+  if (use1) block_encode(s1v, per, lo, len, *a.map1, a.code1, a.absmax1 + b);
+  if (use2) block_encode(s2v, per, lo, len, *a.map2, a.code2, a.absmax2 + b);
 }
 
 // ---- The warp kernel (CudaQuantKernels::warp) ----
@@ -303,6 +303,14 @@ __global__ void __launch_bounds__(kWarpThreads, 3)
   }
 }
 
+// Whether the gradient, parameter and master (those of them given) are aligned for kW-element vectors, as the
+// warp and 32-bit kernels access them; each kernel adds its states' arrays.
+bool step_arrays_aligned(const StepArgs& a, size_t kW) {
+  return cuda_detail::vec_aligned(a.grad, kW * dtype_size(a.grad_dtype)) &&
+         cuda_detail::vec_aligned(a.param, kW * dtype_size(a.param_dtype)) &&
+         cuda_detail::vec_aligned(a.master, kW * 4);
+}
+
 // ---- 32-bit states ----
 
 constexpr int kStep32Threads = 256;
@@ -349,9 +357,7 @@ __global__ void __launch_bounds__(kStep32Threads)
 
 void step32_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, cudaStream_t st) {
   constexpr size_t kW = kStep32W;
-  const bool vec = cuda_detail::vec_aligned(a.grad, kW * dtype_size(a.grad_dtype)) &&
-                   cuda_detail::vec_aligned(a.param, kW * dtype_size(a.param_dtype)) &&
-                   cuda_detail::vec_aligned(a.master, kW * 4) && cuda_detail::vec_aligned(a.state1, kW * 4) &&
+  const bool vec = step_arrays_aligned(a, kW) && cuda_detail::vec_aligned(a.state1, kW * 4) &&
                    cuda_detail::vec_aligned(a.state2, kW * 4);
   const int64_t work = vec ? a.n / int64_t(kW) + a.n % int64_t(kW) : a.n;  // vectors, then the rest
   const int64_t grid = std::min<int64_t>((work + kStep32Threads - 1) / kStep32Threads, int64_t(1) << 20);
@@ -471,10 +477,8 @@ bool warp_launch(const StepArgs& a, const OptimConsts& c, bool use1, bool use2, 
   const int64_t nblocks = (a.n + a.block - 1) / a.block, per_cta = kWarpMinRounds * (kWarpThreads / 32);
   const int64_t grid = std::min<int64_t>((nblocks + per_cta - 1) / per_cta, limit);
   constexpr int kW = WarpElems<kPer>::kW;
-  const bool vec = cuda_detail::vec_aligned(a.code1, kW) && cuda_detail::vec_aligned(a.code2, kW) &&
-                   cuda_detail::vec_aligned(a.grad, size_t(kW) * dtype_size(a.grad_dtype)) &&
-                   cuda_detail::vec_aligned(a.param, size_t(kW) * dtype_size(a.param_dtype)) &&
-                   cuda_detail::vec_aligned(a.master, size_t(kW) * 4);
+  const bool vec =
+      step_arrays_aligned(a, kW) && cuda_detail::vec_aligned(a.code1, kW) && cuda_detail::vec_aligned(a.code2, kW);
   optim_step_warp_kernel<kPer><<<unsigned(grid), kWarpThreads, kWarpSmem, st>>>(
       a, c, use1, use2, algo_has_trust_ratio(a.algo), nblocks, vec);
   ZERO8_CUDA_CHECK(cudaGetLastError());
