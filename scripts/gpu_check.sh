@@ -435,8 +435,8 @@ export -f cuda_tool
 
 # The CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) and the per-block int8
 # product's (both kernels) under compute-sanitizer's memcheck: an access outside a buffer or shared memory
-# that the bit comparisons might not show. Skipped
-# where there is no compute-sanitizer or it refuses the device (seen on gVisor machines).
+# that the bit comparisons might not show. Skipped where there is no compute-sanitizer or it refuses the
+# device (seen on gVisor machines).
 st_memcheck() {
   set -uo pipefail
   export STAGE=memcheck

@@ -117,6 +117,12 @@ struct alignas(128) SmemChunk {
   unsigned char bytes[128];
 };
 
+// v as `bytes` of fresh shared memory: garbage on a GPU, NaN bytes here, so a read before a write shows.
+void fresh_smem(std::vector<SmemChunk>& v, size_t bytes) {
+  v.assign((bytes + sizeof(SmemChunk) - 1) / sizeof(SmemChunk), SmemChunk{});
+  if (!v.empty()) std::memset(v.data(), 0xff, v.size() * sizeof(SmemChunk));
+}
+
 struct Warp {
   unsigned gen = 0, arrived = 0, mask = 0;
   unsigned took_part[2] = {0, 0};
@@ -324,9 +330,7 @@ void run_grid(const char* name, dim3 grid, dim3 block, size_t smem, const std::f
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {
         e.block_idx = uint3{x, y, z};
-        // Dynamic shared memory starts as garbage on a GPU: NaN bytes here, so a read before a write shows.
-        e.smem.assign((smem + sizeof(SmemChunk) - 1) / sizeof(SmemChunk), SmemChunk{});
-        if (!e.smem.empty()) std::memset(e.smem.data(), 0xff, e.smem.size() * sizeof(SmemChunk));
+        fresh_smem(e.smem, smem);
         e.shared.clear();
         run_block(e, (count++ & 1) == 0);  // last warp first in the first block: thread 0 often writes for all
       }
@@ -350,10 +354,7 @@ int lane_id() { return exec().cur->lane; }
 
 void* shared_storage(const char* key, size_t bytes) {
   auto& v = exec().shared[key];
-  if (v.empty()) {
-    v.resize((bytes + sizeof(SmemChunk) - 1) / sizeof(SmemChunk));
-    std::memset(v.data(), 0xff, v.size() * sizeof(SmemChunk));
-  }
+  if (v.empty()) fresh_smem(v, bytes);
   return v.data();
 }
 

@@ -246,6 +246,7 @@ class Int8Linear(torch.nn.Module):
         if meta:  # shapes only (the layer has no data): the float product on meta tensors
             y = _float_linear(x, self.weight, self.bias)
         else:
+            # (int8_block_matmul_cuda_backend's rule, here as arithmetic that torch.compile can trace.)
             if (self.gemm == "exact" and x.is_cuda and self.block_size % 16 != 0
                     and not Int8Linear._warned_exact_on_gpu):
                 Int8Linear._warned_exact_on_gpu = True
