@@ -596,6 +596,9 @@ def test_blockwise_matmul_backend_and_bad_arguments():
     else:
         with pytest.raises(zero8.Zero8NotSupportedError, match="not built with CUDA"):
             _C.int8_block_matmul_cuda_backend(32)
+    for bad in (0, -16, 65537):
+        with pytest.raises(zero8.Zero8ValueError, match=rf"'block'.*must be in 1\.\.65536, got {bad}"):
+            _C.int8_block_matmul_cuda_backend(bad)
     qa, sa = l8.quantize_blocks(torch.randn(40, 50), 32)
     qb, sb = l8.quantize_blocks(torch.randn(30, 50), 32)
     assert blockwise_int8_matmul(qa, sa, qb, sb, 32).shape == (40, 30)

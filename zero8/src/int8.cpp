@@ -375,10 +375,11 @@ void int8_block_matmul(const BlockGemmArgs& args, int threads) {
 std::string int8_block_matmul_backend() { return int8_block_gemm_variant(isa_active()); }
 
 std::string int8_block_matmul_cuda_backend(int32_t block) {
+  // The blocks int8_block_matmul_cuda takes (check_block_gemm).
+  ZERO8_CHECK_ARG(block >= 1 && block <= 65536, "block", "must be in 1..65536, got " << block);
 #if ZERO8_WITH_CUDA
   return int8_block_gemm_cuda_variant(block);
 #else
-  (void)block;
   cuda_unsupported();
 #endif
 }
