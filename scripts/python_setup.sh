@@ -31,6 +31,12 @@ missing=()
 # The pretraining example's progress bar and loss plot (examples/pretrain_gpt.py).
 "$python" -c 'import tqdm' 2>/dev/null || missing+=("tqdm")
 "$python" -c 'import matplotlib' 2>/dev/null || missing+=("matplotlib")
+# The test extra's deepspeed is a source distribution, built here without isolation: setuptools before 70.1
+# (Python 3.11's bundled 65.5, for one) has no bdist_wheel of its own and needs the wheel package for it.
+if [[ "$target" != "$root" ]]; then
+  "$python" -c 'import setuptools.command.bdist_wheel' 2>/dev/null || "$python" -c 'import wheel' 2>/dev/null ||
+    missing+=("wheel")
+fi
 if ((${#missing[@]} > 0)); then
   echo "python_setup: installing from PyPI: ${missing[*]}"
   "$python" -m pip install "${missing[@]}"
