@@ -387,12 +387,13 @@ void init_sharded(py::module_& m) {
           "defers_gather): return before the parameter all-gather is done; read a parameter's working copy\n"
           "only after wait_param(i), write it only after wait_gather().")
       .def("wait_param", &ShardedOptimizer::wait_param, py::arg("param"), py::call_guard<py::gil_scoped_release>(),
-           "Deferred all-gather: block until parameter i's working copy holds the last step's update.")
+           "Deferred all-gather: block until parameter i's working copy holds the last step's update (device\n"
+           "memory: for the work queued on the optimizer's stream from now on).")
       .def("wait_gather", &ShardedOptimizer::wait_gather, py::call_guard<py::gil_scoped_release>(),
            "Block until the whole deferred all-gather is done (at once when none is pending).")
       .def_property_readonly("defers_gather", &ShardedOptimizer::defers_gather,
-                             "step(True) returns before the parameter all-gather is done (host memory, the "
-                             "overlap thread, not the int8 sync with stochastic rounding).")
+                             "step(True) returns before the parameter all-gather is done (the overlap "
+                             "thread, not the int8 sync with stochastic rounding).")
       .def_property_readonly("gather_pending", &ShardedOptimizer::gather_pending,
                              "A deferred all-gather is pending (wait_gather() ends it).")
       .def("set_lr", [](ShardedOptimizer& o, float lr) { o.hyper().lr = lr; }, py::arg("lr"))

@@ -97,7 +97,8 @@ struct Twins {
   }
 
   // One micro-batch: each rank's gradient added to the input (on the caller's stream for the device), the
-  // parameters reported in reverse order, backward_end.
+  // parameters reported in reverse order, backward_end; the host twin's whole micro-batch first, so that a
+  // device optimizer's thread has the MPI world to itself while it reduces.
   void micro_batch(int step, int micro, bool last, bool poison = false) {
     const int r = world().rank();
     for (int g = 0; g < shard::kNumGroups; ++g) {
@@ -116,11 +117,9 @@ struct Twins {
       vec::add(dev->grad_input(Group(g)), DType::f32, upload.data(), DType::f32, int64_t(grad.size()),
                {MemSpace::device, stream.get()});
     }
-    for (int p = int(twin_params().size()) - 1; p >= 0; --p) {
-      host->grad_ready(p);
-      dev->grad_ready(p);
-    }
+    for (int p = int(twin_params().size()) - 1; p >= 0; --p) host->grad_ready(p);
     host->backward_end(last);
+    for (int p = int(twin_params().size()) - 1; p >= 0; --p) dev->grad_ready(p);
     dev->backward_end(last);
   }
 
@@ -348,6 +347,61 @@ TEST(ShardedCuda, OverlapThreadReducesDeviceBucketsAsTheCaller) {
       ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
     }
     EXPECT_GT(t.dev->overlap_stats().reductions, 0);
+  }
+}
+
+// The step's all-gather on a device with the optimizer's thread: each piece runs on the side stream after the
+// event its piece's step recorded on the caller's stream. Deferred (step(true), as the engine's
+// zero8.overlap_param_gather), the step returns with the pieces still queued; wait_param(p) makes the
+// caller's stream wait for the pieces holding p, wait_gather() for all of them, and step(false) does so
+// before it returns. The weights are read as a caller would, by a copy queued on the caller's stream
+// (copy_to_host orders itself), and the simulator runs a stream's work only when something waits for it,
+// so any missing wait reads old weights. Over several pieces per group, with the int8 sync and the exact
+// gather, in three rounds: parameters settled one by one in forward order (one of them never), the whole
+// gather waited for, and a step that does not defer; then every part matches the host twin's bits.
+TEST(ShardedCuda, DeviceGatherOnTheSideStreamEqualsTheHost) {
+  SKIP_WITHOUT_CUDA();
+  if (world().size() < 2) GTEST_SKIP() << "one rank gathers nothing, so runs no thread";
+  for (bool int8_params : {true, false}) {
+    ShardConfig c = twin_config();
+    c.stage = 2;
+    c.int8_grads = true;
+    c.int8_params = int8_params;
+    c.error_feedback = int8_params;
+    c.allgather_bucket_size = 4096;  // several pieces per group
+    SCOPED_TRACE(config_name(c));
+    Twins t(c, world(), true);
+    ASSERT_TRUE(t.dev->defers_gather());
+    const int n = int(twin_params().size());
+    auto expect_working = [&](int p, const char* when) {
+      const int64_t bytes = t.host->layout().slots[size_t(p)].numel * dtype_size(c.working_dtype);
+      std::vector<uint8_t> got(static_cast<size_t>(bytes));
+      device::copy(got.data(), t.dev->param_working(p), bytes, t.stream.get(), "working copy of a parameter");
+      device::synchronize(t.stream.get(), "working copy of a parameter");
+      EXPECT_EQ(std::memcmp(got.data(), t.host->param_working(p), size_t(bytes)), 0)
+          << "parameter " << twin_params()[size_t(p)].name << " " << when;
+    };
+    std::string diff;
+    for (int s = 0; s < 3; ++s) {
+      t.micro_batch(s, 0, true);
+      const int64_t gathers = t.dev->overlap_stats().gathers;
+      const shard::StepInfo h = t.host->step();  // first: its collectives would wait for the device's gather
+      expect_same_info(h, t.dev->step(/*defer_gather=*/s < 2));
+      ASSERT_EQ(t.dev->gather_pending(), s < 2);
+      if (s == 0) {
+        for (int p = 0; p < n; ++p)
+          if (p != 2) {
+            t.dev->wait_param(p);
+            expect_working(p, "after wait_param");
+          }
+      } else {
+        if (s == 1) t.dev->wait_gather();
+        for (int p = 0; p < n; ++p) expect_working(p, s == 1 ? "after wait_gather" : "after step(false)");
+      }
+      ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
+      EXPECT_FALSE(t.dev->gather_pending());
+      EXPECT_GT(t.dev->overlap_stats().gathers, gathers + 2);
+    }
   }
 }
 

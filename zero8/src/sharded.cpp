@@ -424,6 +424,11 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   // the wire, and the GPU would have no backward work to run beside it.
   threaded_ = cfg.overlap && dp.size() > 1 && dp.calls_from_any_thread();
   overlap_.threaded = threaded_;
+  if (dev && threaded_)
+    for (size_t i = 0; i < gather_order_.size(); ++i) {
+      stepped_.push_back(std::make_unique<device::Event>("ShardedOptimizer: a gather piece's masters stepped"));
+      gathered_.push_back(std::make_unique<device::Event>("ShardedOptimizer: a gather piece's all-gather done"));
+    }
   if (threaded_) worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -818,9 +823,7 @@ void ShardedOptimizer::backward_end(bool boundary) {
 // ---- the thread of "Overlap" ----
 
 void ShardedOptimizer::post(Phase phase, std::function<void()> job) {
-  // A device's all-gather runs on the caller's stream, behind the step's kernels: the thread would let
-  // the caller enqueue the next piece's step sooner, but the GPU would still run them one after the other.
-  if (!threaded_ || (phase == Phase::gather && on_device())) {
+  if (!threaded_) {
     const double t0 = now_s();
     job();
     const double dt = now_s() - t0;
@@ -849,6 +852,7 @@ void ShardedOptimizer::drain(Phase phase) {
 void ShardedOptimizer::wait_gather() {
   if (!deferred_) return;
   drain(Phase::gather);
+  caller_after_side();  // a device's last pieces were added into the working copy on the side stream
   if (deferred_.exchange(false)) comm::remove_background_work(this);
 }
 
@@ -863,6 +867,9 @@ void ShardedOptimizer::wait_param(int param) {
   done_cv_.wait(lk, [&] { return failure_ || gathers_done_ > gather_base_ + need; });
   count_job(Phase::gather, 0, 0.0, now_s() - t0);
   if (failure_) std::rethrow_exception(failure_);
+  lk.unlock();
+  // The job has queued the piece's last kernels on the side stream: the caller's stream runs after them.
+  if (on_device()) gathered_[size_t(need)]->wait_on(cfg_.stream);
 }
 
 // The index, in the step's order of gather pieces (gather_order_), of the last piece that writes parameter
@@ -1147,13 +1154,12 @@ int64_t ShardedOptimizer::gather_piece(int g) const {
 // The all-gather of [lo, hi) of every rank's partition of group g (offsets from each partition's start,
 // whole alignment units), after this rank stepped its own: the same bytes, and the same int8 blocks, as
 // one gather of the whole partitions.
-void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi, const comm::WireOptions* int8) {
+void ShardedOptimizer::param_sync(int g, int64_t lo, int64_t hi, const comm::WireOptions* int8, const vec::Where& w) {
   const GroupLayout& gl = layout_.groups[g];
   if (gl.padded() == 0 || lo >= hi) return;
   const int esize = dtype_size(cfg_.working_dtype);
   const int r = rank();
   const int64_t valid = gl.part_valid(r), n = hi - lo, mine_valid = std::clamp<int64_t>(valid - lo, 0, n);
-  const vec::Where w = where_step();
   StreamScope scope(*this, w);
   uint8_t* working = working_[g].as<uint8_t>();
   if (int8 == nullptr) {
@@ -1193,16 +1199,13 @@ void ShardedOptimizer::sync_working_from_master() {
     const int64_t b = gl.part_begin(rank()), valid = gl.part_valid(rank());
     vec::convert(working_[g].as<uint8_t>() + b * dtype_size(cfg_.working_dtype), cfg_.working_dtype,
                  master_[g].data(), DType::f32, valid, where_step());
-    param_sync(g, 0, gl.chunk, nullptr);  // an exact gather: the masters are the truth after a load
+    param_sync(g, 0, gl.chunk, nullptr, where_step());  // an exact gather: the masters are the truth after a load
   }
   initialized_ = true;
 }
 
-// A device's gather runs in the caller's thread (post), so there is nothing to defer. The int8 sync with
-// stochastic rounding is one piece.
-bool ShardedOptimizer::defers_gather() const {
-  return threaded_ && !on_device() && !(wire_.int8_params && cfg_.stochastic_wire);
-}
+// The int8 sync with stochastic rounding is one piece: nothing to overlap.
+bool ShardedOptimizer::defers_gather() const { return threaded_ && !(wire_.int8_params && cfg_.stochastic_wire); }
 
 StepInfo ShardedOptimizer::step(bool defer_gather) {
   wait_gather();
@@ -1241,28 +1244,41 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
     std::vector<float> trust;
     if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
     // Each piece of the partition is gathered (with overlap: on the optimizer's thread) while the next
-    // one is stepped; the gathers run in the same order on every rank (gather_index counts on it).
+    // one is stepped; the gathers run in the same order on every rank (gather_index counts on it). On a
+    // device with the thread, a piece's gather runs on the side stream after the event its step recorded
+    // on the caller's stream, so the GPU runs it beside the next pieces' steps (and, deferred, beside the
+    // next forward); each piece records its own end (wait_param), and the caller's stream waits for the
+    // side stream before the working copy is read as a whole (below, or wait_gather).
     const bool defer = defer_gather && defers_gather();
     if (defer) {
       std::lock_guard<std::mutex> lk(mu_);
       gather_base_ = gathers_done_;
     }
-    for (const GatherPiece& gp : gather_order_) {
-      const int g = gp.group;
-      const int64_t lo = gp.lo, hi = gp.hi;
+    const bool side = on_device() && threaded_;
+    for (size_t k = 0; k < gather_order_.size(); ++k) {
+      const int g = gather_order_[k].group;
+      const int64_t lo = gather_order_[k].lo, hi = gather_order_[k].hi;
       step_group(g, grad_scale, trust, lo, hi);
-      if (wire_.int8_params) {
-        const comm::WireOptions opt = wire_options(comm::WireFormat::int8);
-        post(Phase::gather, [this, g, lo, hi, opt] { param_sync(g, lo, hi, &opt); });
-      } else {
-        post(Phase::gather, [this, g, lo, hi] { param_sync(g, lo, hi, nullptr); });
-      }
+      if (side) stepped_[k]->record(cfg_.stream);
+      const bool int8 = wire_.int8_params;
+      const comm::WireOptions opt = int8 ? wire_options(comm::WireFormat::int8) : comm::WireOptions{};
+      post(Phase::gather, [this, g, lo, hi, opt, int8, side, k] {
+        const comm::WireOptions* o = int8 ? &opt : nullptr;
+        if (!side) {
+          param_sync(g, lo, hi, o, where_step());
+          return;
+        }
+        stepped_[k]->wait_on(side_->get());
+        param_sync(g, lo, hi, o, where_reduce());
+        gathered_[k]->record(side_->get());
+      });
     }
     if (defer) {
       deferred_ = true;
       comm::add_background_work(this, worker_.get_id(), [this] { wait_gather(); });
     } else {
       drain(Phase::gather);
+      caller_after_side();
     }
     ++steps_;
     scaler_.update(false);

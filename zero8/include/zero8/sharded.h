@@ -97,14 +97,16 @@ WirePlan wire_plan(const ShardConfig& cfg, int world);
 // kernels (the codec, optim_step_cuda, the vec.h operations), so a device optimizer and a host one fed
 // the same gradients hold the same bits (codes, scales, masters, working copy) after every step; LAMB and
 // LARS excepted, whose per-tensor norms the device sums in another order (optim_norms_cuda).
-// Streams: the step, init(), the parameter all-gather and the checkpoint copies run on cfg.stream. The
-// gradient reductions (stage 2: per bucket during backward; stage 1: at the boundary) run on a side
-// stream of the optimizer, which first waits for an event recorded on cfg.stream when the bucket was posted
-// (backward wrote its gradients there before grad_ready; with overlap the reduction runs later); the
-// reduced buckets are cleared there too, and cfg.stream waits for the side stream at backward_end, so
-// the next micro-batch's backward and the step see them done; a bucket buffer of grad_add cleared there
-// is waited for on cfg.stream (an event per buffer) before grad_add writes it again. The communicator's stream is set to the
-// stream of each call for its duration and restored after it.
+// Streams: the step, init(), the parameter all-gather and the checkpoint copies run on cfg.stream, except
+// that with the overlap thread each piece of the step's all-gather runs on the side stream, after an event
+// its piece's step recorded on cfg.stream (see "Deferred all-gather"). The gradient reductions (stage 2:
+// per bucket during backward; stage 1: at the boundary) run on a side stream of the optimizer, which first
+// waits for an event recorded on cfg.stream when the bucket was posted (backward wrote its gradients there
+// before grad_ready; with overlap the reduction runs later); the reduced buckets are cleared there too, and
+// cfg.stream waits for the side stream at backward_end, so the next micro-batch's backward and the step see
+// them done; a bucket buffer of grad_add cleared there is waited for on cfg.stream (an event per buffer)
+// before grad_add writes it again. The communicator's stream is set to the stream of each call for its
+// duration and restored after it.
 // Host syncs: one per step, reading the global gradient norm (whose finiteness is the overflow test:
 // one all_reduce of two doubles, one 16-byte read); LAMB and LARS add some per hyper-group run (their
 // per-tensor norms, and their segment tables going to the device). The collectives themselves wait
@@ -143,9 +145,10 @@ WirePlan wire_plan(const ShardConfig& cfg, int world);
 // the next grad_ready, backward_end or any other call, with the communicator's message, which names the
 // rank. overlap_stats() says how much of the collectives' time the caller did not wait for. A device
 // optimizer's jobs enqueue their work on its side stream (below) and wait for it there, off the caller's
-// thread; its all-gather runs in the caller's thread, on the caller's stream.
+// thread, so the GPU runs a bucket's reduction beside backward and a piece's gather beside the next
+// pieces' steps; step() makes cfg.stream wait for the side stream before it returns.
 
-// Deferred all-gather (step(true), with the overlap thread; host memory: defers_gather()). The step updates every piece
+// Deferred all-gather (step(true), with the overlap thread: defers_gather()). The step updates every piece
 // of this rank's partition and posts each piece's all-gather to the thread, then returns: the gather of
 // step t runs while the caller starts step t+1's forward. The caller must not read a parameter's working
 // copy before wait_param(param) returned (the engine calls it in a forward pre-hook of each module, for
@@ -155,7 +158,11 @@ WirePlan wire_plan(const ShardConfig& cfg, int world);
 // done, a call of any communicator from another thread than the optimizer's (the training loop's own
 // all-reduce of its loss) first waits for it (communicator.h, add_background_work). The results are
 // the same bits as step(false), which waits for the whole gather before it returns. The int8 sync with
-// stochastic rounding (one piece) is not deferred.
+// stochastic rounding (one piece) is not deferred. On a device, wait_param returns once the pieces
+// holding the parameter are queued (their collectives done, their last kernels on the side stream) and
+// cfg.stream waits for them (an event per piece), so work queued on cfg.stream after it reads the update;
+// wait_gather makes cfg.stream wait for the whole side stream. The GPU runs the pieces' gathers beside
+// the forward's kernels.
 
 // Time the collectives took and the time the caller waited for them, since construction.
 struct OverlapStats {
@@ -261,12 +268,12 @@ class ShardedOptimizer {
   // grad_ready without backward_end (that micro-batch's gradient is not reduced yet).
   // defer_gather: see "Deferred all-gather"; ignored unless defers_gather().
   StepInfo step(bool defer_gather = false);
-  // step(true) returns before the all-gather is done: host memory with the overlap thread, and not the
-  // int8 sync with stochastic rounding.
+  // step(true) returns before the all-gather is done: with the overlap thread (either memory), and not
+  // the int8 sync with stochastic rounding.
   bool defers_gather() const;
   // Deferred all-gather: blocks until parameter `param`'s working copy holds the last step's update (every
-  // piece of the gather that writes it is done); returns at once when no gather is pending. Rethrows a
-  // failed collective as the other calls do.
+  // piece of the gather that writes it is done; on a device, for the work queued on cfg.stream from now
+  // on); returns at once when no gather is pending. Rethrows a failed collective as the other calls do.
   void wait_param(int param);
   // Blocks until the whole deferred all-gather is done (at once when none is pending). Every collective
   // call, and every call that reads or writes the working copy or the masters (init, discard_gradients,
@@ -347,8 +354,9 @@ class ShardedOptimizer {
   std::vector<float> trust_ratios(float grad_scale);
   int64_t gather_piece(int g) const;
   // int8: the wire options of the int8 sync of this piece (taken in the caller's thread: they count the
-  // step's collectives); null: an exact all-gather in the working dtype.
-  void param_sync(int g, int64_t lo, int64_t hi, const comm::WireOptions* int8);
+  // step's collectives); null: an exact all-gather in the working dtype. w: where it runs (a device's
+  // stream: the caller's, or the side stream on the optimizer's thread).
+  void param_sync(int g, int64_t lo, int64_t hi, const comm::WireOptions* int8, const vec::Where& w);
   int64_t gather_index(int param) const;  // deferred gather: the piece (in the step's order) param needs last
   void fill_step_args(int g, optim::StepArgs& a, float grad_scale);
   // The gradient input (see "Gradient memory").
@@ -424,6 +432,9 @@ class ShardedOptimizer {
   std::unique_ptr<device::Stream> side_;           // device: the reduction stream
   std::unique_ptr<device::Event> side_mark_;      // device: the reductions so far, for the caller's stream
   std::vector<std::unique_ptr<device::Event>> posted_;  // device, per place in order_: recorded when posted
+  // Device with the thread, per place in gather_order_: the piece's masters stepped (on cfg.stream), and
+  // its all-gather done (on the side stream).
+  std::vector<std::unique_ptr<device::Event>> stepped_, gathered_;
   std::vector<std::vector<int>> pending_;          // per group, per bucket: parameters not yet ready
   std::vector<bool> done_[kNumGroups];             // per group, per bucket: reduced this micro-batch
   std::vector<Bucket> buckets_[kNumGroups];

@@ -415,16 +415,21 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._gathering = gather.gathering_class(self, self._params)
 
     def _wait_param(self, i: int) -> None:
-        """Parameter i holds the last step's update (GatheringParameter's first touch)."""
+        """Parameter i holds the last step's update (GatheringParameter's first touch). On a GPU the current
+        stream waits for its piece: the optimizer's stream waits for the piece's event, and the current
+        stream for the optimizer's."""
         opt = self.__dict__.get("_opt")
         if opt is not None and opt.gather_pending:
-            opt.wait_param(i)
+            with self._stream_order():
+                opt.wait_param(i)
 
     def _wait_gather(self) -> None:
-        """The deferred parameter all-gather of the last step is done (at once when none is pending)."""
+        """The deferred parameter all-gather of the last step is done (at once when none is pending), for the
+        host and, on a GPU, for the current stream."""
         opt = self.__dict__.get("_opt")
         if opt is not None and self._defer_gather:
-            opt.wait_gather()
+            with self._stream_order():
+                opt.wait_gather()
             gather.disarm(self._params)
 
     def destroy(self) -> None:
