@@ -1,8 +1,9 @@
 """The engine with a model on a GPU (zero8.initialize of a CUDA model).
 
 Everywhere (CPU): the device rules (LOCAL_RANK -> cuda:N as DeepSpeed, here with a patched device count;
-a CUDA model in a build without CUDA; parameters on several devices or on an unsupported one), and what
-"auto" means for device buffers. The GPU tests (marked cuda; they skip without a device) are the real
+a CUDA model in a build without CUDA; parameters on several devices or on an unsupported one), what
+"auto" means for device buffers, and that the optimizer's calls that queue work on its stream (a gradient's
+add, the deferred all-gather's waits) run inside the engine's stream order. The GPU tests (marked cuda; they skip without a device) are the real
 check: with exact gradients (engine_util.ExactGradModel) the CUDA engine's codes, masters and weights
 equal the CPU engine's bit for bit over several steps (fp32, bf16, fp16 with an overflow; stage 1 and 2)
 in one process, on one rank over NCCL and on two ranks sharing one GPU over MPI (dist/dist_engine_cuda.py
@@ -123,44 +124,78 @@ def test_auto_means_nccl_for_device_buffers_of_ranks_with_a_gpu_each(monkeypatch
     assert not nccl_by_default()
 
 
+class _DepthOrder:
+    """Stands in for the engine's StreamOrder on the CPU, where the real one does nothing: counts how deep
+    the calls are inside it."""
+
+    def __init__(self):
+        self.depth = 0
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return False
+
+
+def _recording_opt(opt, order: _DepthOrder, names: tuple, log: list, **attrs):
+    """The sharded optimizer with each call in `names` logged as (name, whether it ran inside `order`);
+    attrs override attributes (gather_pending)."""
+
+    class Recorder:
+        def __getattr__(self, name):
+            value = getattr(opt, name)
+            if name not in names:
+                return value
+
+            def call(*args):
+                log.append((name, order.depth > 0))
+                return value(*args)
+            return call
+
+    rec = Recorder()
+    rec.__dict__.update(attrs)
+    return rec
+
+
 def test_gradients_are_added_inside_the_stream_order():
     # Stage 2 hands each gradient to the optimizer (grad_add), which adds it on its own CUDA stream: inside the
     # engine's stream order, after the current stream (autograd's) wrote it and before that stream can reuse
     # its memory. On the CPU the order does nothing, so whether each add ran inside it is recorded instead.
     combo = "bf16_stage2_int8"
     engine, *_ = zero8.initialize(model=ExactGradModel(), config=exact_config(combo, 1))
-    depth, inside = [0], []
-
-    class Order:
-        def __call__(self):
-            return self
-
-        def __enter__(self):
-            depth[0] += 1
-
-        def __exit__(self, *exc):
-            depth[0] -= 1
-            return False
-
-    class Recorder:
-        def __init__(self, opt):
-            self._opt = opt
-
-        def __getattr__(self, name):
-            return getattr(self._opt, name)
-
-        def grad_add(self, *args):
-            inside.append(depth[0] > 0)
-            return self._opt.grad_add(*args)
-
+    order, log = _DepthOrder(), []
     opt = engine._opt
-    engine._stream_order, engine._opt = Order(), Recorder(opt)
+    engine._stream_order, engine._opt = order, _recording_opt(opt, order, ("grad_add",), log)
     try:
         exact_train(engine, combo, 0, 1, 0)
     finally:
         engine._opt = opt
     engine.destroy()
-    assert inside and all(inside), inside
+    assert log and all(inside for _, inside in log), log
+
+
+def test_deferred_gather_is_waited_for_inside_the_stream_order():
+    # After a deferred step on a GPU a parameter's first touch makes the current stream wait for its piece:
+    # the optimizer's wait_param queues the wait on its own stream, so it must run inside the engine's stream
+    # order (the current stream then waits for the optimizer's); so must wait_gather, whose end the
+    # current stream waits for. A deferring optimizer is stood in for (one CPU rank defers nothing).
+    engine, *_ = zero8.initialize(model=ExactGradModel(), config=exact_config("fp32_stage2_int8_ef", 1))
+    order, log = _DepthOrder(), []
+    opt, defer = engine._opt, engine._defer_gather
+    engine._stream_order, engine._defer_gather = order, True
+    engine._opt = _recording_opt(opt, order, ("wait_param", "wait_gather"), log, gather_pending=True)
+    try:
+        engine._wait_param(1)
+        engine._wait_gather()
+    finally:
+        engine._opt, engine._defer_gather = opt, defer
+    engine.destroy()
+    assert log == [("wait_param", True), ("wait_gather", True)]
 
 
 # ---- on a GPU ----
