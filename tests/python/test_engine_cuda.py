@@ -1,15 +1,15 @@
 """The engine with a model on a GPU (zero8.initialize of a CUDA model).
 
-Everywhere (CPU): the device rules (LOCAL_RANK -> cuda:N as DeepSpeed, here with a patched device count;
-a CUDA model in a build without CUDA; parameters on several devices or on an unsupported one), what
-"auto" means for device buffers, and that the optimizer's calls that queue work on its stream (a gradient's
-add, the deferred all-gather's waits) run inside the engine's stream order. The GPU tests (marked cuda; they skip without a device) are the real
-check: with exact gradients (engine_util.ExactGradModel) the CUDA engine's codes, masters and weights
-equal the CPU engine's bit for bit over several steps (fp32, bf16, fp16 with an overflow; stage 1 and 2)
-in one process, on one rank over NCCL and on two ranks sharing one GPU over MPI (dist/dist_engine_cuda.py
-under mpirun); the parameters are views of the optimizer's device buffers; calls on another current stream
-than the engine's are ordered after it; a GPU checkpoint resumes bit-exactly on the GPU and loads on the
-CPU; the pretraining example runs with --device cuda.
+Everywhere (CPU): the device rules (LOCAL_RANK -> cuda:N as DeepSpeed, here with a patched device count; a
+CUDA model in a build without CUDA; parameters on several devices or on an unsupported one), what "auto" means
+for device buffers, and that the optimizer's calls that queue work on its stream (a gradient's add, the
+deferred all-gather's waits) run inside the engine's stream order. The GPU tests (marked cuda; they skip
+without a device) are the real check: with exact gradients (engine_util.ExactGradModel) the CUDA engine's
+codes, masters and weights equal the CPU engine's bit for bit over several steps (fp32, bf16, fp16 with an
+overflow; stage 1 and 2) in one process, on one rank over NCCL and on two ranks sharing one GPU over MPI
+(dist/dist_engine_cuda.py under mpirun); the parameters are views of the optimizer's device buffers; calls on
+another current stream than the engine's are ordered after it; a GPU checkpoint resumes bit-exactly on the GPU
+and loads on the CPU; the pretraining example runs with --device cuda.
 """
 
 from __future__ import annotations
