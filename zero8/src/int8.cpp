@@ -26,9 +26,14 @@ void check_shape(int64_t rows, int64_t cols) {
   ZERO8_CHECK_ARG(cols >= 0, "cols", "must be >= 0, got " << cols);
 }
 
+// A quantization block's side (or a per-block product's block): 1..65536.
+void check_block(int32_t block, const char* name) {
+  ZERO8_CHECK_ARG(block >= 1 && block <= 65536, name, "must be in 1..65536, got " << block);
+}
+
 void check_blocks(int32_t block_rows, int32_t block_cols) {
-  ZERO8_CHECK_ARG(block_rows >= 1 && block_rows <= 65536, "block_rows", "must be in 1..65536, got " << block_rows);
-  ZERO8_CHECK_ARG(block_cols >= 1 && block_cols <= 65536, "block_cols", "must be in 1..65536, got " << block_cols);
+  check_block(block_rows, "block_rows");
+  check_block(block_cols, "block_cols");
 }
 
 // x (rows x cols of dtype) in, q (rows x cols int8) out.
@@ -167,7 +172,7 @@ void check_block_gemm(const BlockGemmArgs& g) {
   ZERO8_CHECK_ARG(g.m >= 0, "m", "must be >= 0, got " << g.m);
   ZERO8_CHECK_ARG(g.n >= 0, "n", "must be >= 0, got " << g.n);
   ZERO8_CHECK_ARG(g.k >= 0, "k", "must be >= 0, got " << g.k);
-  ZERO8_CHECK_ARG(g.block >= 1 && g.block <= 65536, "block", "must be in 1..65536, got " << g.block);
+  check_block(g.block, "block");
   check_dtype(g.out_dtype, "out_dtype");
   const int64_t bs = g.block, nmb = (g.m + bs - 1) / bs, nnb = (g.n + bs - 1) / bs, nkb = (g.k + bs - 1) / bs;
   const bool used = g.m > 0 && g.n > 0;  // an empty output reads nothing
@@ -375,8 +380,7 @@ void int8_block_matmul(const BlockGemmArgs& args, int threads) {
 std::string int8_block_matmul_backend() { return int8_block_gemm_variant(isa_active()); }
 
 std::string int8_block_matmul_cuda_backend(int32_t block) {
-  // The blocks int8_block_matmul_cuda takes (check_block_gemm).
-  ZERO8_CHECK_ARG(block >= 1 && block <= 65536, "block", "must be in 1..65536, got " << block);
+  check_block(block, "block");  // the blocks int8_block_matmul_cuda takes (check_block_gemm)
 #if ZERO8_WITH_CUDA
   return int8_block_gemm_cuda_variant(block);
 #else
