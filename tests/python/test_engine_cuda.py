@@ -7,9 +7,9 @@ deferred all-gather's waits) run inside the engine's stream order. The GPU tests
 without a device) are the real check: with exact gradients (engine_util.ExactGradModel) the CUDA engine's
 codes, masters and weights equal the CPU engine's bit for bit over several steps (fp32, bf16, fp16 with an
 overflow; stage 1 and 2) in one process, on one rank over NCCL and on two ranks sharing one GPU over MPI
-(dist/dist_engine_cuda.py under mpirun); the parameters are views of the optimizer's device buffers; calls on
-another current stream than the engine's are ordered after it; a GPU checkpoint resumes bit-exactly on the GPU
-and loads on the CPU; the pretraining example runs with --device cuda.
+and over tcp (dist/dist_engine_cuda.py under mpirun and torchrun); the parameters are views of the optimizer's
+device buffers; calls on another current stream than the engine's are ordered after it; a GPU checkpoint
+resumes bit-exactly on the GPU and loads on the CPU; the pretraining example runs with --device cuda.
 """
 
 from __future__ import annotations
@@ -312,11 +312,12 @@ def test_gpu_checkpoint_resumes_on_the_gpu_and_loads_on_the_cpu(tmp_path):
     assert all(t.device.type == "cpu" for t in states["module"].values())
 
 
-def _run_dist(np: int, backend: str, tmp_path: Path, extra_env: dict | None = None) -> None:
-    """dist_engine_cuda.py under mpirun -np np with ZERO8_CUDA_BACKEND=backend; every rank must pass every test."""
+def _run_dist(np: int, backend: str, tmp_path: Path, extra_env: dict | None = None, launcher: str = "mpirun") -> None:
+    """dist_engine_cuda.py on np ranks under `launcher` with ZERO8_CUDA_BACKEND=backend; every rank must pass
+    every test."""
     collected = pytest_under_launcher(np, "dist_engine_cuda.py", tmp_path / "results", timeout=240,
-                                    ZERO8_COMM_TIMEOUT=120, ZERO8_CUDA_BACKEND=backend, ZERO8_CUDA_OUT=tmp_path,
-                                    **(extra_env or {}))
+                                    launcher=launcher, ZERO8_COMM_TIMEOUT=120, ZERO8_CUDA_BACKEND=backend,
+                                    ZERO8_CUDA_OUT=tmp_path, **(extra_env or {}))
     assert collected >= len(EXACT_COMBOS) + 2, collected
 
 
@@ -340,6 +341,12 @@ def test_one_rank_over_nccl(tmp_path):
 @pytest.mark.cuda
 def test_two_ranks_share_one_gpu_over_mpi(tmp_path):
     _run_dist(2, "mpi", tmp_path)
+
+
+@pytest.mark.cuda
+def test_two_ranks_share_one_gpu_under_torchrun(tmp_path):
+    """The same over the tcp backend, which stages device buffers as MPI does: no MPI library in the job."""
+    _run_dist(2, "tcp", tmp_path, launcher="torchrun")
 
 
 @pytest.mark.cuda

@@ -1,7 +1,7 @@
 """Runs the multi-rank pipeline tests as real processes under mpirun and torchrun (mpirun_util.py: how they
 run and report): tests/python/dist/dist_pipe.py on 4 ranks (2 and 4 stages), then on 2 ranks (the 4-rank
 run's checkpoint at another data-parallel size), a rank killed mid-schedule (dist/pipe_die.py), and on GPUs
-(marked cuda) dist/dist_pipe_cuda.py: 2 stages on one GPU over MPI, and on two over NCCL.
+(marked cuda) dist/dist_pipe_cuda.py: 2 stages on one GPU over MPI and (torchrun) tcp, and on two over NCCL.
 """
 
 from __future__ import annotations
@@ -34,16 +34,19 @@ def test_pipeline_on_ranks(tmp_path, launcher):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["mpi", "nccl"])
-def test_pipeline_on_gpus_under_mpirun(tmp_path, backend):
+@pytest.mark.parametrize("backend", ["mpi", "nccl", "tcp"])
+def test_pipeline_on_gpus(tmp_path, backend):
+    """2 stages under mpirun over MPI (sharing one GPU) and NCCL (a GPU each), and under torchrun over tcp
+    (sharing one GPU: staged as over MPI, with no MPI library in the job)."""
     if backend == "nccl":
         if not zero8.build_info()["nccl"]:
             pytest.skip("zero8 was built without NCCL")
         if torch.cuda.device_count() < 2:
             pytest.skip(f"NCCL needs a GPU per rank: 2 stages need 2 GPUs, this machine has "
                         f"{torch.cuda.device_count()} (the mpi case runs both stages on one)")
-    collected = pytest_under_launcher(2, "dist_pipe_cuda.py", tmp_path / "results", ZERO8_CUDA_BACKEND=backend,
-                                    ZERO8_CUDA_OUT=tmp_path)
+    collected = pytest_under_launcher(2, "dist_pipe_cuda.py", tmp_path / "results",
+                                    launcher="torchrun" if backend == "tcp" else "mpirun",
+                                    ZERO8_CUDA_BACKEND=backend, ZERO8_CUDA_OUT=tmp_path)
     assert collected >= 8
 
 

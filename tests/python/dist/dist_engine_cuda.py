@@ -1,13 +1,13 @@
 """The engine on a GPU on K ranks (run by test_engine_cuda.py as ``mpirun -np K python3 -m pytest -q
-tests/python/dist/dist_engine_cuda.py`` with ZERO8_CUDA_BACKEND=nccl or mpi; the name does not start with
-test_ so that the single-process pytest run does not collect it).
+tests/python/dist/dist_engine_cuda.py`` with ZERO8_CUDA_BACKEND=nccl or mpi, or under torchrun with tcp; the
+name does not start with test_ so that the single-process pytest run does not collect it).
 
 With exact gradients (engine_util.ExactGradModel) the CUDA engine's codes, masters and weights equal the
 CPU engine's bit for bit after every step of each combination (fp32 / bf16 / fp16 with an overflow, stage
-1 and 2). Over MPI (device buffers staged, so the ranks may share one GPU) every rank runs the CPU engine
+1 and 2). Over MPI or tcp (device buffers staged, so the ranks may share one GPU) every rank runs the CPU engine
 itself; over NCCL (one GPU per rank) the CPU engine cannot share the process's world, and rank 0 reads the
 reference the parent test computed (ZERO8_CUDA_REF, one rank). A GPU checkpoint resumes bit-exactly on the
-GPU, and over MPI loads into a CPU engine that resumes the same way; over NCCL the parent loads it on the
+GPU, and over MPI or tcp loads into a CPU engine that resumes the same way; over NCCL the parent loads it on the
 CPU (ZERO8_CUDA_OUT holds the checkpoint and the states to compare).
 """
 

@@ -1,13 +1,14 @@
 """The pipeline engine on GPUs: 2 ranks, 2 stages (run by test_pipe_dist.py as ``mpirun -np 2 python3 -m
 pytest tests/python/dist/dist_pipe_cuda.py`` with ZERO8_CUDA_BACKEND=mpi, the ranks sharing one GPU and
-their messages staged through host memory, or nccl with a GPU per rank; the name does not start with test_
+their messages staged through host memory, or nccl with a GPU per rank; or under torchrun with tcp, staged as
+over MPI; the name does not start with test_
 so the single-process run does not collect it).
 
 References as in dist_pipe.py: the plain engine over the same layers on the same GPU, fed the same
 micro-batches, on a data-parallel group of one. With exact settings a stage runs the same kernels on the
 same numbers as the plain model's layers, so losses and weights must be equal bit for bit; int8 activations
 keep the loss within 1% at a quarter of the bytes; tied weights stay the same bytes on both stages; a GPU
-checkpoint resumes bit-exactly on the GPU and, over MPI, loads into the same pipeline on the CPU.
+checkpoint resumes bit-exactly on the GPU and, over MPI or tcp, loads into the same pipeline on the CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ SHARED = Path(os.environ.get("ZERO8_CUDA_OUT", "."))
 B = 32
 STAGES = 2
 CPU = torch.device("cpu")
-on_cpu_too = pytest.mark.skipif(BACKEND != "mpi", reason="the CPU pipeline needs a host world (MPI), not NCCL")
+on_cpu_too = pytest.mark.skipif(WORLD.memory != "host", reason="the CPU pipeline needs a host world, not NCCL")
 
 
 def on(device, data):
