@@ -433,13 +433,16 @@ cuda_tool() {
 }
 export -f cuda_tool
 
-# The CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) and the per-block int8
-# product's (both kernels) under compute-sanitizer's memcheck: an access outside a buffer or shared memory
-# that the bit comparisons might not show. Skipped where there is no compute-sanitizer or it refuses the
-# device (seen on gVisor machines).
-st_memcheck() {
+# st_sanitize TOOL: the CUDA 8-bit kernels' tests (both forms of each kernel, CudaQuantKernels) and the
+# per-block int8 product's (both kernels) under compute-sanitizer's TOOL: memcheck for an access outside a
+# buffer or shared memory that the bit comparisons might not show, racecheck for shared-memory hazards
+# between threads with no barrier between them (zero8's CUDA simulator switches threads only at barriers,
+# shuffles and votes, so it cannot show those inside a warp). Skipped where there is no compute-sanitizer
+# or it refuses the device (seen on gVisor machines).
+st_sanitize() {
   set -uo pipefail
-  export STAGE=memcheck
+  local tool=$1
+  export STAGE=$tool
   # shellcheck disable=SC1090
   source "$DEPS_ENV"
   local cs
@@ -450,8 +453,8 @@ st_memcheck() {
     "test_int8_cuda:Int8CudaKernels.BlockProductEqualsTheReference"; do
     exe=${t%%:*} filter=${t#*:}
     [[ -x "$BUILD/tests/$exe" ]] || { note "$exe was not built"; return 1; }
-    echo "\$ compute-sanitizer --tool memcheck $exe --gtest_filter=$filter"
-    out=$("$cs" --tool memcheck --error-exitcode 7 "$BUILD/tests/$exe" --gtest_filter="$filter" 2>&1)
+    echo "\$ compute-sanitizer --tool $tool $exe --gtest_filter=$filter"
+    out=$("$cs" --tool "$tool" --error-exitcode 7 "$BUILD/tests/$exe" --gtest_filter="$filter" 2>&1)
     rc=$?
     echo "$out"
     if grep -qi "device not supported" <<<"$out"; then
@@ -462,10 +465,10 @@ st_memcheck() {
       note "$exe: its tests skipped under compute-sanitizer"
       return 1
     fi
-    ((rc == 0)) || { note "memcheck: $exe --gtest_filter=$filter: exit $rc ($(grep -m1 'ERROR SUMMARY' <<<"$out"))"; return 1; }
+    ((rc == 0)) || { note "$tool: $exe --gtest_filter=$filter: exit $rc ($(grep -m1 'SUMMARY' <<<"$out"))"; return 1; }
   done
 }
-export -f st_memcheck
+export -f st_sanitize
 
 # Nsight Compute on the 8-bit kernels' warp form (the step and the codec; the bench's checks against the
 # CPU run too): per kernel its DRAM throughput against the device's peak, its achieved occupancy and what
@@ -784,9 +787,12 @@ main() {
   fi
   # Last: the figures above are the scarcer result when the deadline is near.
   if ((HAVE_GPU)); then
-    run_stage memcheck 90 st_memcheck
+    run_stage memcheck 90 "st_sanitize memcheck"
+    # Not in --quick, whose bound is 4 minutes: racecheck replays every shared-memory access.
+    [[ $MODE == full ]] && run_stage racecheck 120 "st_sanitize racecheck"
   else
     skip_stage memcheck "no GPU: nothing to check"
+    [[ $MODE == full ]] && skip_stage racecheck "no GPU: nothing to check"
   fi
   finish
 }

@@ -56,7 +56,7 @@ CPP_FIGURES = [
 # Which stage logs go into which file of the output directory (the device tool brings back at most 8 files).
 LOG_GROUPS = {
     "build.log": ["gpu", "deps", "configure", "build", "python_build"],
-    "tests.log": ["ctest_cuda", "memcheck", "pytest_cuda"],
+    "tests.log": ["ctest_cuda", "memcheck", "racecheck", "pytest_cuda"],
     "bench.log": ["bench_bandwidth", "bench_codec", "bench_codec_2048", "bench_optimizer_1e8", "bench_optimizer_1e9",
                   "bench_python", "profile"],
     "example.log": ["example"],

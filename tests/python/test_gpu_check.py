@@ -451,7 +451,7 @@ source {CHECK}
 WORK={work} BUILD={build} DEPS_ENV={work}/deps_env.sh NVCC= BUDGET=560 DEADLINE=$(($(date +%s) + 300))
 STAGES={work}/results/stages.jsonl
 export WORK BUILD DEPS_ENV NVCC
-{"".join(f"export {k}={v}{chr(10)}" for k, v in (exports or {}).items())}run_stage {stage} 60 {fn}
+{"".join(f"export {k}={v}{chr(10)}" for k, v in (exports or {}).items())}run_stage {stage} 60 "{fn}"
 """
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
     r = run(["bash", "-c", script], env=env)
@@ -460,27 +460,30 @@ export WORK BUILD DEPS_ENV NVCC
     return r.returncode, rec, (work / "logs" / f"{stage}.log").read_text()
 
 
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 @pytest.mark.parametrize("case", ["clean", "errors", "device_not_supported", "no_sanitizer"])
-def test_memcheck_stage(tmp_path, case):
-    """The memcheck stage (gpu_check.sh sourced, its run_stage called alone) with stand-ins for the test
-    executables and compute-sanitizer: ok when memcheck is clean, failed with memcheck's summary when it
-    finds errors, skipped with the reason when the sanitizer refuses the device or is missing."""
+def test_sanitizer_stages(tmp_path, case, tool):
+    """The memcheck and racecheck stages (gpu_check.sh sourced, its run_stage called alone) with stand-ins for
+    the test executables and compute-sanitizer: ok when the tool finds nothing, failed with its summary when
+    it finds errors, skipped with the reason when the sanitizer refuses the device or is missing."""
+    summary = {"memcheck": "ERROR SUMMARY: 2 errors",
+               "racecheck": "RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)"}[tool]
     sanitizer = {
-        "clean": 'shift 4; "$@"; echo "========= ERROR SUMMARY: 0 errors"',
-        "errors": 'shift 4; "$@"; echo "========= Invalid __shared__ write of size 4 bytes"; '
-                  'echo "========= ERROR SUMMARY: 2 errors"; exit 7',
+        "clean": f'[ "$2" = {tool} ] || exit 9; shift 4; "$@"; echo "========= ERROR SUMMARY: 0 errors"',
+        "errors": f'[ "$2" = {tool} ] || exit 9; shift 4; "$@"; '
+                  f'echo "========= Invalid __shared__ write of size 4 bytes"; echo "========= {summary}"; exit 7',
         "device_not_supported": 'echo "========= Error: Device not supported"; exit 1',
     }
-    # called as: compute-sanitizer --tool memcheck --error-exitcode 7 EXE --gtest_filter=F
+    # called as: compute-sanitizer --tool TOOL --error-exitcode 7 EXE --gtest_filter=F
     tools = {"compute-sanitizer": sanitizer[case]} if case in sanitizer else {}
     tests = {f"tests/{exe}": FAKE_GTEST for exe in ("test_codec_cuda", "test_optim_cuda", "test_int8_cuda")}
-    rc, rec, log = run_stage_alone(tmp_path, "memcheck", "st_memcheck", tools, tests)
+    rc, rec, log = run_stage_alone(tmp_path, tool, f"st_sanitize {tool}", tools, tests)
     if case == "clean":
         assert rc == 0 and rec["status"] == "ok", (rec, log)
-        assert log.count("$ compute-sanitizer --tool memcheck") == 3
+        assert log.count(f"$ compute-sanitizer --tool {tool}") == 3
     elif case == "errors":
         assert rc != 0 and rec["status"] == "failed", (rec, log)
-        assert "test_codec_cuda --gtest_filter=CodecCuda.*: exit 7 (========= ERROR SUMMARY: 2 errors)" in rec["note"]
+        assert f"{tool}: test_codec_cuda --gtest_filter=CodecCuda.*: exit 7 (========= {summary})" in rec["note"]
     elif case == "device_not_supported":  # (run_stage's status is 1 for anything but ok)
         assert rec["status"] == "skipped", (rec, log)
         assert rec["note"].startswith(
