@@ -384,6 +384,10 @@ void TcpWorld::setup(const AddressExchange& exchange) {
   try {
     timeout_s_ = detail::env_comm_timeout();
     link_timeout_s_ = detail::env_comm_link_timeout();
+    // Its connections and the liveness mesh's: a listening socket and one per peer each, and the mesh's pipe.
+    why = detail::socket_reserve_descriptors(
+        2 * int64_t(size_) + 2, "a world of " + std::to_string(size_) + " ranks (two connections to each peer)");
+    if (!why.empty()) ZERO8_THROW(comm, label << ": " << why);
     sockaddr_in bound{};
     lfd = detail::socket_listen(detail::env_comm_ifaddr(), size_ + 16, &address_, &bound, &why);
     if (lfd < 0) ZERO8_THROW(comm, label << ": " << why);
@@ -463,6 +467,9 @@ void TcpWorld::connect_peer(int r, uint64_t token, double deadline) {
     p.fd = detail::socket_connect(p.listen_address, deadline);
     if (p.fd >= 0) break;
     const int err = errno;
+    if (detail::socket_out_of_descriptors(err))
+      ZERO8_THROW(comm, label << ": cannot open a connection to rank " << r << ": " << errno_text(err) << " ("
+                              << detail::socket_descriptor_text() << ")");
     if (err != ECONNREFUSED && err != ETIMEDOUT && err != EAGAIN && err != ECONNRESET)
       ZERO8_THROW(comm, label << ": cannot connect to rank " << r << " at " << p.address << ": " << errno_text(err)
                               << " (set ZERO8_COMM_IFADDR to an address the other hosts reach?)");
@@ -511,6 +518,9 @@ void TcpWorld::accept_peers(int lfd, uint64_t token, double deadline) {
     sockaddr_in from{};
     socklen_t len = sizeof(from);
     const int fd = accept4(lfd, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC);
+    if (fd < 0 && detail::socket_out_of_descriptors(errno))  // the connection stays queued: fail, not spin
+      ZERO8_THROW(comm, label << ": cannot accept the connections of higher ranks: " << errno_text(errno) << " ("
+                              << detail::socket_descriptor_text() << ")");
     if (fd < 0) continue;
     char ip[INET_ADDRSTRLEN] = {0};
     inet_ntop(AF_INET, &from.sin_addr, ip, sizeof(ip));

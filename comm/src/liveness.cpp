@@ -160,7 +160,9 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
   // fails at once with the reason instead of waiting for its connection until the timeout.
   std::string listen_error;
   sockaddr_in sa{};
-  const int lfd = socket_listen(ifaddr, size_ + 16, &address_, &sa, &listen_error);
+  // A listening socket and a connection per peer.
+  listen_error = socket_reserve_descriptors(int64_t(size_), "the liveness mesh of " + std::to_string(size_) + " ranks");
+  const int lfd = listen_error.empty() ? socket_listen(ifaddr, size_ + 16, &address_, &sa, &listen_error) : -1;
   struct Closer {
     int fd;
     ~Closer() {
@@ -205,6 +207,9 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
     const int fd = socket_connect(to, deadline);
     if (fd < 0 && errno == ETIMEDOUT)
       ZERO8_THROW(comm, "liveness: connecting to rank " << r << " timed out after " << timeout_s << " s");
+    if (fd < 0 && socket_out_of_descriptors(errno))
+      ZERO8_THROW(comm, "liveness: cannot open a connection to rank " << r << ": " << errno_text() << " ("
+                                                                      << socket_descriptor_text() << ")");
     if (fd < 0) {
       char b[INET_ADDRSTRLEN] = {0};
       inet_ntop(AF_INET, &to.sin_addr, b, sizeof(b));
@@ -230,6 +235,9 @@ void Liveness::setup(const std::string& ifaddr, double timeout_s, const AllGathe
                                           << " within " << timeout_s << " s");
     }
     const int fd = accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0 && socket_out_of_descriptors(errno))  // the connection stays queued: fail, not spin
+      ZERO8_THROW(comm, "liveness (rank " << rank_ << "): cannot accept the connections of higher ranks: "
+                                          << errno_text() << " (" << socket_descriptor_text() << ")");
     if (fd < 0) continue;
     HelloFrame h{};
     if (!socket_read_exact(fd, &h, sizeof(h), deadline) || h.type != kHello || h.len != 16 || h.token != token ||

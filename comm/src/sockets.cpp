@@ -7,10 +7,12 @@
 #include "sockets.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -63,7 +65,53 @@ Keepalive keepalive_for(int link_timeout_s) {
   return {count, interval, link_timeout_s - count * interval};
 }
 
+// The descriptors open in this process (/proc/self/fd, less the one listing it); 0 where there is no /proc.
+int64_t open_descriptors() {
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return 0;
+  int64_t n = 0;
+  while (const dirent* e = readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  closedir(d);
+  return std::max<int64_t>(0, n - 1);
+}
+
+std::string limit_text(rlim_t v) { return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v); }
+
 }  // namespace
+
+std::string socket_descriptor_text() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return "RLIMIT_NOFILE unknown";
+  return "RLIMIT_NOFILE soft " + limit_text(lim.rlim_cur) + ", hard " + limit_text(lim.rlim_max) + "; " +
+         std::to_string(open_descriptors()) + " descriptors open";
+}
+
+bool socket_out_of_descriptors(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
+
+std::string socket_reserve_descriptors(int64_t more, const std::string& what) {
+  // needed: what this call's world opens now, and a few for the calls around it. wanted: room besides for
+  // what a job opens later (NCCL's and CUDA's descriptors, data loaders, checkpoint files).
+  constexpr int64_t kFew = 32, kLater = 1024;
+  rlimit lim{};
+  if (more <= 0 || getrlimit(RLIMIT_NOFILE, &lim) != 0) return "";
+  const int64_t open_now = open_descriptors();
+  const rlim_t needed = rlim_t(open_now + more + kFew), wanted = needed + rlim_t(kLater);
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < wanted) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? wanted : std::min(lim.rlim_max, wanted);
+    if (raised.rlim_cur > lim.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  if (lim.rlim_cur == RLIM_INFINITY || lim.rlim_cur >= needed) return "";
+  return what + " needs " + std::to_string(more) + " more file descriptors (" + std::to_string(open_now) +
+         " are open), more than this process may open: RLIMIT_NOFILE soft " + limit_text(lim.rlim_cur) + ", hard " +
+         limit_text(lim.rlim_max) +
+         " (zero8 raises the soft limit as far as the hard one allows); raise the hard "
+         "limit to at least " +
+         std::to_string(needed + rlim_t(kLater)) +
+         " where the job starts (ulimit -n, "
+         "the container's or scheduler's nofile setting)";
+}
 
 double socket_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

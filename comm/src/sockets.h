@@ -21,6 +21,18 @@ double socket_now();
 // of it too). Throws Error(invalid_argument) for an ifaddr that is not an IPv4 address.
 int socket_listen(const std::string& ifaddr, int backlog, std::string* address, sockaddr_in* bound, std::string* error);
 
+// Makes room in this process for `more` file descriptors beyond those open now (the connections of a
+// world of ranks: one per peer, twice under the tcp backend), raising the soft RLIMIT_NOFILE as far as the
+// hard limit allows where it is short, with room to spare for what the job opens later. Many systems start
+// processes with a soft limit of 1024 and a far higher hard one, for select()'s sake; zero8 polls. Returns
+// an empty string, or why there is no room (what `what` needs, the limits, the remedy), for the caller to
+// raise as its peers learn of it.
+std::string socket_reserve_descriptors(int64_t more, const std::string& what);
+// Whether accept(), socket() or connect() failed for want of descriptors (or kernel memory for them).
+bool socket_out_of_descriptors(int err);
+// "RLIMIT_NOFILE soft S, hard H; N descriptors open": for an error about running out of them.
+std::string socket_descriptor_text();
+
 // Connects to `to` before the deadline: the connected socket (blocking, SOCK_CLOEXEC), or -1 with errno
 // set (ETIMEDOUT once the deadline passed; ECONNREFUSED: nobody listens there yet).
 int socket_connect(const sockaddr_in& to, double deadline);

@@ -4,9 +4,11 @@
 // ways at once; mismatched sizes and collectives, a timeout; and, with ranks as fork()ed processes, a
 // death, a normal shutdown, a forked child of a rank, and a live peer that leaves its receive window shut
 // for longer than the link timeout (not a lost host; tests/python/test_multinode.py cuts real links).
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -398,14 +400,17 @@ class Processes {
 
   // Forks n rank processes, each running fn with its world (timeout 20 s, after a first barrier; fn may
   // destroy it) and exiting with fn's value; waits for all (30 s at most, then kills them). Returns
-  // their exit statuses.
-  std::vector<int> run(int n, const std::function<int(int rank, std::unique_ptr<Communicator>& c)>& fn) {
+  // their exit statuses. `before`, if given, runs in each rank process before it makes its world; a
+  // world that cannot be made exits with 90, its error in text(r).
+  std::vector<int> run(int n, const std::function<int(int rank, std::unique_ptr<Communicator>& c)>& fn,
+                       const std::function<void(int rank)>& before = nullptr) {
     std::vector<pid_t> pids;
     for (int r = 0; r < n; ++r) {
       const pid_t pid = fork();
       if (pid == 0) {
         int code = 90;
         try {
+          if (before) before(r);
           std::unique_ptr<Communicator> c =
               tcp_create(r, n, [&](const std::string& mine) { return exchange(r, n, mine); });
           shared->pid[r] = int(getpid());
@@ -503,6 +508,55 @@ TEST(CommTcpProcesses, DeathFailsEverySurvivorNamingIt) {
 
 // A rank that destroys its world normally says so: a peer waiting on it fails at once with that, not as
 // a death nor at the timeout.
+// This process's open file descriptors (/proc/self/fd, less the one listing it).
+int open_fds() {
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  closedir(d);
+  return n - 1;
+}
+
+// A world needs a connection per peer, twice: where the soft descriptor limit is too low for that and
+// the hard one is not, the world raises the soft one and forms; where the hard one is too low too, every
+// rank fails at once saying what it needs, the limits and the remedy (before, accept() failed with EMFILE
+// in a loop until the timeout, and connect() blamed the address).
+TEST(CommTcpProcesses, DescriptorLimitsAreRaisedOrNamed) {
+  for (bool hard_too_low : {false, true}) {
+    SCOPED_TRACE(hard_too_low ? "soft and hard limit too low" : "soft limit too low");
+    Processes procs;
+    const std::vector<int> status = procs.run(
+        4,
+        [](int, std::unique_ptr<Communicator>& c) {
+          c->all_reduce_value<int32_t>(1, ReduceOp::sum);
+          rlimit lim{};
+          getrlimit(RLIMIT_NOFILE, &lim);
+          return lim.rlim_cur >= rlim_t(open_fds() + 1024) ? 0 : 1;  // raised with room to spare
+        },
+        [hard_too_low](int) {
+          rlimit lim{};
+          getrlimit(RLIMIT_NOFILE, &lim);
+          lim.rlim_cur = rlim_t(open_fds() + 6);  // too few for 2 x 3 connections, 2 listeners and a pipe
+          if (hard_too_low) lim.rlim_max = lim.rlim_cur;
+          if (setrlimit(RLIMIT_NOFILE, &lim) != 0) throw std::runtime_error("setrlimit failed");
+        });
+    for (int r = 0; r < 4; ++r) {
+      if (!hard_too_low) {
+        EXPECT_TRUE(exited_with(status[size_t(r)], 0)) << "rank " << r << ": " << procs.text(r);
+        continue;
+      }
+      EXPECT_TRUE(exited_with(status[size_t(r)], 90)) << "rank " << r << ": " << procs.text(r);
+      const std::string t = procs.text(r);
+      for (const std::string& part : {"tcp_create (rank " + std::to_string(r) + " of 4): a world of 4 ranks",
+                                      std::string("more file descriptors"), std::string("RLIMIT_NOFILE soft "),
+                                      std::string("raise the hard limit to at least"), std::string("ulimit -n")})
+        EXPECT_NE(t.find(part), std::string::npos) << "rank " << r << ": " << t;
+    }
+  }
+}
+
 TEST(CommTcpProcesses, NormalShutdownIsReportedAsSuch) {
   Processes ps;
   const std::vector<int> st = ps.run(2, [&](int r, std::unique_ptr<Communicator>& c) {
