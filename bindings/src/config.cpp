@@ -248,6 +248,7 @@ void init_config_types(py::module_& m) {
       .def_readonly("gradient_clipping", &Config::gradient_clipping, "Max global gradient norm; 0: off.")
       .def_readonly("steps_per_print", &Config::steps_per_print)
       .def_readonly("wall_clock_breakdown", &Config::wall_clock_breakdown)
+      .def_readonly("managed_gradient_accumulation", &Config::managed_gradient_accumulation)
       .def_readonly("prescale_gradients", &Config::prescale_gradients)
       .def_readonly("gradient_predivide_factor", &Config::gradient_predivide_factor)
       .def_readonly("zero_allow_untested_optimizer", &Config::zero_allow_untested_optimizer)

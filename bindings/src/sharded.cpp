@@ -372,6 +372,9 @@ void init_sharded(py::module_& m) {
       .def("backward_end", &ShardedOptimizer::backward_end, py::arg("boundary"),
            py::call_guard<py::gil_scoped_release>(),
            "Collective end of a micro-batch's backward; boundary: the last micro-batch of the accumulation.")
+      .def("end_accumulation", &ShardedOptimizer::end_accumulation, py::call_guard<py::gil_scoped_release>(),
+           "Collective end of an accumulation whose last micro-batch ended with backward_end(False): stage 1\n"
+           "reduces the accumulated gradients, stage 2 has reduced them already.")
       .def(
           "step",
           [](ShardedOptimizer& o, bool defer_gather) {

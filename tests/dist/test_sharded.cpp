@@ -808,6 +808,42 @@ TEST(Sharded, StepInsideAnAccumulationIsRefused) {
   }
 }
 
+// A boundary learnt only after the last micro-batch's backward_end(false) (DeepSpeed's unmanaged accumulation):
+// end_accumulation gives the bits of backward_end(true) there, at stage 1 by reducing then and at stage 2
+// without a byte on the wire (each micro-batch was reduced already). With nothing pending it does nothing;
+// after grad_ready without backward_end it is refused as step() is.
+TEST(Sharded, EndAccumulationEqualsABoundaryBackwardEnd) {
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    ShardConfig c = base_config();
+    c.stage = stage;
+    auto counted = make(c), late = make(c);
+    train(*counted, 3, 2);
+    for (int s = 0; s < 3; ++s) {
+      for (int m = 0; m < 2; ++m) {
+        fill_local_grads(*late, s, m);
+        for (int p = int(late->layout().params.size()) - 1; p >= 0; --p) late->grad_ready(p);
+        late->backward_end(false);
+      }
+      const uint64_t before = world().stats().bytes();
+      late->end_accumulation();
+      const uint64_t sent = world().stats().bytes() - before;
+      if (stage == 2 || world().size() == 1) {
+        EXPECT_EQ(sent, 0u);
+      } else {
+        EXPECT_GT(sent, 0u);
+      }
+      late->end_accumulation();  // nothing pending
+      EXPECT_EQ(world().stats().bytes() - before, sent);
+      late->step();
+    }
+    EXPECT_EQ(params_of(*late), params_of(*counted)) << "rank " << world().rank();
+    fill_local_grads(*late, 3, 0);
+    late->grad_ready(0);
+    EXPECT_THROW(late->end_accumulation(), Error);
+  }
+}
+
 // Runs the constructor and returns its error message ("" if it accepted the arguments).
 std::string construction_error(const std::vector<ParamSpec>& params, const ShardConfig& c) {
   try {

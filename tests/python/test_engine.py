@@ -141,6 +141,142 @@ def test_boundary_bookkeeping():
     assert engine.global_steps == 2 and engine.micro_steps == 6
 
 
+def _micro(s: int, k: int, gas: int = 3, batch: int = 30):
+    return micro_batch(DATA, s, batch, 0, 1, gas, k)
+
+
+def _train_manual(engine, steps: int, pattern: str, gas: int = 3) -> list:
+    """Accumulations of `gas` micro-batches with DeepSpeed's set_gradient_accumulation_boundary, as training
+    loops use it. "one_step": False before the first micro-batch, True before the last, one step() after
+    the last backward (Megatron-DeepSpeed); "each_step": the boundary set before every micro-batch and a
+    step() after each (FlagAI); "late": False for all backwards, True just before the one step()."""
+    applied = []
+    for s in range(steps):
+        engine.set_gradient_accumulation_boundary(pattern == "each_step" and gas == 1)
+        for k in range(gas):
+            if pattern != "late":
+                engine.set_gradient_accumulation_boundary(k == gas - 1)
+            x, y = _micro(s, k, gas)
+            engine.backward(loss_fn(engine(x), y))
+            if pattern == "each_step":
+                engine.step()
+                applied.append(engine.was_step_applied())
+        if pattern == "late":
+            engine.set_gradient_accumulation_boundary(True)
+        if pattern != "each_step":
+            engine.step()
+            applied.append(engine.was_step_applied())
+    return applied
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_manual_accumulation_boundary_equals_the_counted_one(stage):
+    """set_gradient_accumulation_boundary, in the three ways loops use it, gives the bits of the counted
+    accumulation (backward and step() per micro-batch), and was_step_applied says which step() stepped."""
+    cfg = config(batch=30, gas=3, stage=stage, zero8=EXACT)
+    ref, _, _, _ = engine_for(cfg)
+    applied = []
+    for s in range(4):
+        for k in range(3):
+            x, y = _micro(s, k)
+            ref.backward(loss_fn(ref(x), y))
+            ref.step()
+            applied.append(ref.was_step_applied())
+    assert applied == [False, False, True] * 4
+    want = engine_dump(ref)
+    for pattern, steps_applied in (("one_step", [True] * 4), ("each_step", [False, False, True] * 4),
+                                   ("late", [True] * 4)):
+        engine, _, _, _ = engine_for(cfg)
+        assert _train_manual(engine, 4, pattern) == steps_applied, pattern
+        assert dump_diff(want, engine_dump(engine)) == [], pattern
+        assert engine.global_steps == 4 and engine.global_samples == 4 * 30, pattern
+
+
+def test_manual_accumulation_boundary_rules():
+    engine, _, _, _ = engine_for(config(batch=30, gas=3, zero8=EXACT))
+    with pytest.raises(TypeError, match="a bool"):
+        engine.set_gradient_accumulation_boundary(1)
+    engine.set_gradient_accumulation_boundary(True)
+    x, y = _micro(0, 0)
+    engine.backward(loss_fn(engine(x), y))
+    # The accumulation ended with that backward: another one would add to the step about to be applied.
+    with pytest.raises(RuntimeError, match="ended the gradient accumulation"):
+        engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+    # None: counted again, from the start of an accumulation.
+    engine.set_gradient_accumulation_boundary(None)
+    got = []
+    for k in range(3):
+        got.append(engine.is_gradient_accumulation_boundary())
+        x, y = _micro(1, k)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    assert got == [False, False, True] and engine.global_steps == 2
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unmanaged_accumulation_makes_each_step_the_boundary(stage):
+    """DeepSpeed's managed_gradient_accumulation false: backwards only accumulate, each step() ends the
+    accumulation, whatever its count: the bits of the counted engine, and global_samples counts the
+    micro-batches stepped."""
+    ref, _, _, _ = engine_for(config(batch=30, gas=3, stage=stage, zero8=EXACT))
+    engine, _, _, _ = engine_for(config(batch=30, gas=3, stage=stage, zero8=EXACT,
+                                        managed_gradient_accumulation=False))
+    for s in range(3):
+        for k in range(3):
+            x, y = _micro(s, k)
+            ref.backward(loss_fn(ref(x), y))
+            ref.step()
+            assert not engine.is_gradient_accumulation_boundary()
+            engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        assert engine.was_step_applied() and engine.global_steps == s + 1
+    assert dump_diff(engine_dump(ref), engine_dump(engine)) == []
+    assert engine.global_samples == ref.global_samples == 90
+    x, y = _micro(3, 0)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()  # a step of one micro-batch (its loss still divided by gradient_accumulation_steps)
+    assert engine.global_steps == 4 and engine.global_samples == 100
+    with pytest.raises(RuntimeError, match="every step\\(\\) is the boundary"):
+        engine.set_gradient_accumulation_boundary(False)
+    with pytest.raises(zero8.Zero8ValueError, match="managed_gradient_accumulation"):
+        load_config(config(managed_gradient_accumulation="no"))
+
+
+def test_set_train_batch_size_changes_the_accumulation():
+    """DeepSpeed's batch-size setters: set_train_batch_size changes gradient_accumulation_steps (a ramp-up
+    of the batch), set_train_micro_batch_size the micro-batch; an engine that starts at gas 1 and goes to
+    2 gives the bits of one that was configured at 2 and set to 1 for the same first steps."""
+    a, _, _, _ = engine_for(config(batch=16, gas=1, zero8=EXACT))
+    b, _, _, _ = engine_for(config(batch=32, gas=2, zero8=EXACT))
+    b.set_train_batch_size(16)
+    assert a.get_batch_info() == b.get_batch_info() == (16, 16, 1)
+    for e in (a, b):
+        train_engine(e, DATA, 3, 16)
+        e.set_train_batch_size(32)
+        assert e.get_batch_info() == (32, 16, 2) and e.config["gradient_accumulation_steps"] == 2
+        assert [e.is_gradient_accumulation_boundary()] == [False]
+        train_engine(e, DATA, 3, 32)
+        assert e.global_steps == 6 and e.global_samples == 3 * 16 + 3 * 32
+    assert dump_diff(engine_dump(a), engine_dump(b)) == []
+    with pytest.raises(zero8.Zero8ValueError, match="positive multiple of train_micro_batch_size_per_gpu x"):
+        a.set_train_batch_size(24)
+    x, y = _micro(0, 0, gas=2, batch=32)
+    a.backward(loss_fn(a(x), y))
+    a.step()
+    with pytest.raises(RuntimeError, match="in the middle of a gradient accumulation"):
+        a.set_train_batch_size(64)
+    with pytest.raises(RuntimeError, match="in the middle of a gradient accumulation"):
+        a.set_train_micro_batch_size(8)
+    a.backward(loss_fn(a(x), y))
+    a.step()
+    a.set_train_micro_batch_size(8)
+    assert a.get_batch_info() == (16, 8, 2) and a.train_batch_size() == 16
+    with pytest.raises(zero8.Zero8ValueError, match="positive integer"):
+        a.set_train_micro_batch_size(0)
+
+
 def test_gradient_clipping():
     clip = 0.05  # well below the gradient norm (~0.5-1) so every step clips
     ref, err = fp32_baseline_error(DATA, 20, B, clip=clip)

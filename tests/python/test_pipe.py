@@ -186,6 +186,27 @@ def test_the_pipeline_engine_trains_through_train_batch_only():
         engine.train_batch(iter([(x, y)]))
 
 
+def test_batch_size_setters_change_the_schedule_and_manual_boundaries_are_refused():
+    """set_train_batch_size changes train_batch()'s micro-batch count (a batch ramp-up), with the bits of a
+    pipeline configured that way; the accumulation is train_batch()'s, so a manual boundary and
+    managed_gradient_accumulation false are refused, as DeepSpeed's pipeline engine refuses them."""
+    data = make_data()
+    ramped = _pipe(regression_layers(), mse, config(batch=32, gas=2, zero8=EXACT))
+    ramped.set_train_batch_size(64)
+    assert ramped.micro_batches == 4 and ramped.get_batch_info() == (64, 16, 4)
+    direct = _pipe(regression_layers(), mse, config(batch=64, gas=4, zero8=EXACT))
+    losses = [[float(e.train_batch(micro_batches(data, s, 64, 0, 1, 4))) for s in range(2)]
+              for e in (ramped, direct)]
+    assert losses[0] == losses[1]
+    assert all(torch.equal(v, direct.module.state_dict()[k]) for k, v in ramped.module.state_dict().items())
+    ramped.set_train_micro_batch_size(8)
+    assert (ramped.micro_batch_size, ramped.micro_batches) == (8, 4) and ramped.train_batch_size() == 32
+    with pytest.raises(PipelineError, match="set_train_batch_size"):
+        ramped.set_gradient_accumulation_boundary(True)
+    with pytest.raises(zero8.Zero8NotSupportedError, match="managed_gradient_accumulation: false"):
+        _pipe(regression_layers(), mse, config(zero8=EXACT, managed_gradient_accumulation=False))
+
+
 def test_the_plain_engine_points_pipeline_calls_to_a_pipeline_module():
     ref, _ = _plain(regression_layers(), mse, config(zero8=EXACT))
     with pytest.raises(zero8.Zero8NotSupportedError, match="PipelineModule"):

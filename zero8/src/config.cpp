@@ -120,9 +120,9 @@ void collect_auto(const json& v, const std::string& path, std::vector<std::strin
 std::vector<std::string> rejected_auto_paths(const json& root) {
   static const std::set<std::string> read_top = {
       "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-      "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-      "zero_allow_untested_optimizer", "communication_data_type", "allgather_size", "optimizer", "scheduler",
-      "checkpoint", "zero8"};
+      "steps_per_print", "wall_clock_breakdown", "managed_gradient_accumulation", "prescale_gradients",
+      "gradient_predivide_factor", "zero_allow_untested_optimizer", "communication_data_type", "allgather_size",
+      "optimizer", "scheduler", "checkpoint", "zero8"};
   std::vector<std::string> out;
   if (!root.is_object()) return out;
   for (auto it = root.begin(); it != root.end(); ++it)
@@ -1061,6 +1061,7 @@ void parse_misc(Section& top, Config& c) {
   c.gradient_clipping = top.get_num("gradient_clipping", 0.0, ge(0.0));
   c.steps_per_print = top.get_int("steps_per_print", 10, 1);
   c.wall_clock_breakdown = top.get_bool("wall_clock_breakdown", false);
+  c.managed_gradient_accumulation = top.get_bool("managed_gradient_accumulation", true);
   c.prescale_gradients = top.get_bool("prescale_gradients", false);
   c.gradient_predivide_factor = top.get_num("gradient_predivide_factor", 1.0, gt(0.0));
   c.zero_allow_untested_optimizer = top.get_bool("zero_allow_untested_optimizer", false);
@@ -1123,8 +1124,7 @@ void parse_misc(Section& top, Config& c) {
                         "zero_force_ds_cpu_optimizer", "disable_allgather", "autotuning", "aio", "nebula",
                         "datastates", "log_level", "graph_harvesting", "seq_parallel_comm_data_type",
                         "use_data_before_expert_parallelism", "data_types", "compile", "hybrid_engine",
-                        "expert_parallel", "activation_checkpointing",
-                        "pipeline", "managed_gradient_accumulation"})
+                        "expert_parallel", "activation_checkpointing", "pipeline"})
     top.ignore(k);
 }
 
@@ -1253,6 +1253,7 @@ std::string to_json(const Config& c, int indent) {
   j["steps_per_print"] = c.steps_per_print;
   j["gradient_clipping"] = c.gradient_clipping;
   j["wall_clock_breakdown"] = c.wall_clock_breakdown;
+  if (!c.managed_gradient_accumulation) j["managed_gradient_accumulation"] = false;
   j["prescale_gradients"] = c.prescale_gradients;
   j["gradient_predivide_factor"] = c.gradient_predivide_factor;
   j["zero_allow_untested_optimizer"] = c.zero_allow_untested_optimizer;

@@ -820,6 +820,21 @@ void ShardedOptimizer::backward_end(bool boundary) {
   if (boundary) micro_ = 0;
 }
 
+void ShardedOptimizer::end_accumulation() {
+  ZERO8_SHARD_DEVICE_SCOPE("end_accumulation");
+  wait_gather();
+  if (reported_)
+    throw Error(ErrorCode::invalid_argument, "ShardedOptimizer::end_accumulation (rank " + std::to_string(rank()) +
+                                                 "): gradients were reported by grad_ready() without backward_end()");
+  if (micro_ == 0) return;
+  if (cfg_.stage == 1) {
+    reduce_in_order(false);
+    drain(Phase::reduce);
+    clear_grad_inputs();
+  }
+  micro_ = 0;
+}
+
 // ---- the thread of "Overlap" ----
 
 void ShardedOptimizer::post(Phase phase, std::function<void()> job) {

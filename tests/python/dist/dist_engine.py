@@ -193,6 +193,38 @@ def test_overlap_comm_gives_the_same_bits(zero8_cfg):
     assert o_off["reduce_wait_seconds"] == pytest.approx(o_off["reduce_seconds"]) and o_off["reduce_hidden"] == 0.0
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_accumulation_controls_give_the_same_bits_and_bytes(stage):
+    """The boundary set after an accumulation's last backward (set_gradient_accumulation_boundary), or each
+    step() the boundary (managed_gradient_accumulation false): the bits of the counted accumulation, and
+    not one byte more on the wire (stage 2 reduced every micro-batch already; stage 1 reduces at step())."""
+    gas, steps = 2, 4
+    cfg = config(stage=stage, gas=gas, zero8=FULL8)
+    counted, m_counted = engine_for(cfg)
+    late, m_late = engine_for(cfg)
+    unmanaged, m_unmanaged = engine_for(dict(cfg, managed_gradient_accumulation=False))
+    train(counted, steps)
+    for engine in (late, unmanaged):
+        for s in range(steps):
+            if engine is late:
+                engine.set_gradient_accumulation_boundary(False)
+            for k in range(gas):
+                x, y = micro_batch(DATA, s, B, RANK, N, gas, k)
+                engine.backward(loss_fn(engine(x), y))
+            if engine is late:
+                engine.set_gradient_accumulation_boundary(True)
+            engine.step()
+            assert engine.was_step_applied()
+    assert params_equal(m_counted, m_late) and params_equal(m_counted, m_unmanaged)
+    sent = []
+    for engine in (counted, late, unmanaged):
+        engine._wait_gather()
+        stats = engine.comm_stats()
+        sent.append((stats["bytes"], stats["gradient_bytes"]))
+    assert sent[0] == sent[1] == sent[2], sent
+    assert replicas_equal(m_late) and replicas_equal(m_unmanaged)
+
+
 class ReadsChildWeight(torch.nn.Module):
     """The test model under a parent that reads the last layer's bias before any layer runs (as a GPT
     slicing its position table), outside that layer's forward."""

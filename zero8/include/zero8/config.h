@@ -215,6 +215,8 @@ struct Config {
   double gradient_clipping = 0.0;  // max global gradient norm; 0: off
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
+  // DeepSpeed's: false makes step() the accumulation boundary (backwards only accumulate), see ENGINE.md.
+  bool managed_gradient_accumulation = true;
   bool prescale_gradients = false;
   double gradient_predivide_factor = 1.0;
   bool zero_allow_untested_optimizer = false;
@@ -233,7 +235,7 @@ struct Config {
 
   auto tie() const {
     return std::tie(world_size, batch, optimizer, scheduler, fp16, bf16, gradient_clipping, steps_per_print,
-                    wall_clock_breakdown, prescale_gradients, gradient_predivide_factor,
+                    wall_clock_breakdown, managed_gradient_accumulation, prescale_gradients, gradient_predivide_factor,
                     zero_allow_untested_optimizer, communication_data_type, zero, checkpoint, tensorboard, csv_monitor,
                     wandb, zero8);
   }

@@ -262,6 +262,12 @@ class ShardedOptimizer {
   // clears grad_input; stage 1 reduces everything when `boundary` (the last micro-batch of the
   // accumulation) and otherwise keeps accumulating in grad_input.
   void backward_end(bool boundary);
+  // Ends an accumulation whose last micro-batch ended with backward_end(false) (collective), for a caller
+  // that learns of the boundary only after it (DeepSpeed's managed_gradient_accumulation false, where
+  // step() is the boundary): stage 1 reduces the accumulated gradients as backward_end(true) would have;
+  // stage 2 reduced each micro-batch already, so nothing crosses the wire. Nothing to do when no
+  // micro-batch is pending; throws, as step() does, after grad_ready without backward_end.
+  void end_accumulation();
   // The optimizer step (collective), after backward_end(true). Gradients are averaged over the ranks
   // (the caller scales the loss by 1/gradient_accumulation_steps, as DeepSpeed's engine does). Throws
   // (before any collective) in the middle of an accumulation: after backward_end(false), or after

@@ -109,7 +109,7 @@ class EngineCheckpoints:
         ``stacklevel``: the frame of the user's save_checkpoint call, counted from here, for warnings."""
         client_state = dict(client_state or {})
         gas = self.gradient_accumulation_steps()
-        done = self.micro_steps % gas + int(self._backward_done)
+        done = max(self._backwards_pending, self._accum_steps + int(self._backward_done))
         if done and self.global_rank == 0:
             warnings.warn(
                 f"save_checkpoint in the middle of gradient accumulation (micro-batch {done} of {gas} of step "
@@ -408,13 +408,7 @@ class EngineCheckpoints:
                     f"x {self.gradient_accumulation_steps()} accumulation steps). Training goes on from step "
                     f"{self.global_steps} with the new "
                     "batch; the LR schedule counts steps, not samples", stacklevel=2)
-        # A load starts a step: the gradients of a step unfinished at the save were not saved (and those
-        # accumulated here before the load belong to the replaced weights), so the next micro-batch is the
-        # first of gradient_accumulation_steps, whatever it was at the save.
-        self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-        self._last_info = None
-        self._grad_norm = None
-        self._backward_done = False
+        self._restart_accumulation()
         return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
             model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
 

@@ -131,6 +131,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         topo = _C.topology_split(world, model.num_stages)
         dp = topo["dp_group"]
         cfg = load_config(config, dp.size, rank=world.rank)
+        if cfg.typed is not None and not cfg.typed.managed_gradient_accumulation:
+            raise Zero8NotSupportedError(
+                f"{cfg.source}: managed_gradient_accumulation: false is not supported with a PipelineModule "
+                f"(train_batch() runs the accumulation itself; DeepSpeed refuses it too)")
         engine = PipelineEngine(model, cfg, dp, world, topo["pp_group"], model_parameters=model_parameters,
                                 client_optimizer=optimizer, client_lr_scheduler=lr_scheduler)
     else:

@@ -209,6 +209,14 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
     def step(self, *args, **kwargs):
         raise PipelineError("the pipeline engine steps inside train_batch(); call train_batch(data_iter)")
 
+    def set_gradient_accumulation_boundary(self, *args, **kwargs):
+        raise PipelineError("the pipeline engine's accumulation is train_batch()'s gradient_accumulation_steps "
+                            "micro-batches; change their count with set_train_batch_size()")
+
+    def _set_batch(self, batch: int, micro: int, gas: int, caller: str) -> None:
+        super()._set_batch(batch, micro, gas, caller)
+        self.micro_batch_size, self.micro_batches = micro, gas  # train_batch's schedule from the next batch on
+
     # ---- the schedules ----
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """Trains one batch: gradient_accumulation_steps micro-batches through the 1F1B schedule, then one

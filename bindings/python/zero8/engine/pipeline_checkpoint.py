@@ -196,10 +196,7 @@ class PipelineCheckpoints:
             elif load_sched and self.lr_scheduler is not None and self.global_rank == 0:
                 warnings.warn(f"load_checkpoint: {path} holds no LR scheduler state this engine can read; the "
                               "scheduler keeps its position", stacklevel=3)
-        self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-        self._last_info = None
-        self._grad_norm = None
-        self._backward_done = False
+        self._restart_accumulation()
         return path, {}
 
     def _after_load(self) -> None:

@@ -104,6 +104,20 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._grad_norm: float | None = None  # of the last applied step (a skipped one computes none)
         self._step_applied = False
         self._backward_done = False
+        # Gradient accumulation: the step() calls of the running accumulation so far (the boundary comes at
+        # gradient_accumulation_steps of them), or the boundary as set_gradient_accumulation_boundary set it
+        # (None: counted); whether the last micro-batch's backward ended the accumulation (its reduction ran
+        # as the last one's); the backwards since the last optimizer step.
+        self._accum_steps = 0
+        # DeepSpeed's managed_gradient_accumulation false: every step() ends the accumulation (_stepping: it runs).
+        self._managed = bool(self._cfg.managed_gradient_accumulation)
+        self._stepping = False
+        self._manual_boundary: bool | None = None
+        self._boundary_ended = False
+        self._backwards_pending = 0
+        # set_train_batch_size / set_train_micro_batch_size: (train_batch_size, micro, gas) as now in force.
+        self._batch = (int(self._cfg.batch.train_batch_size), int(self._cfg.batch.train_micro_batch_size_per_gpu),
+                       int(self._cfg.batch.gradient_accumulation_steps))
         self._in_step = False  # engine.step() is calling optimizer.step()
         self._defer_gather = False  # engine.step() leaves the parameter all-gather to the next forward
         self._gathering = None  # the parameters' class while it runs (gather.py)
@@ -479,13 +493,51 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
 
     # ---- DeepSpeed's accessors ----
     def train_batch_size(self) -> int:
-        return int(self._cfg.batch.train_batch_size)
+        return self._batch[0]
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self._cfg.batch.train_micro_batch_size_per_gpu)
+        return self._batch[1]
 
     def gradient_accumulation_steps(self) -> int:
-        return int(self._cfg.batch.gradient_accumulation_steps)
+        return self._batch[2]
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps), as DeepSpeed's."""
+        return self._batch
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch size, reached by changing gradient_accumulation_steps (the
+        micro-batch size stays); it must be a multiple of micro-batch size x data-parallel ranks."""
+        micro = self.train_micro_batch_size_per_gpu()
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
+                or train_batch_size % (micro * self.dp_world_size):
+            raise Zero8ValueError(
+                f"set_train_batch_size({train_batch_size!r}): the batch size must be a positive multiple of "
+                f"train_micro_batch_size_per_gpu x data-parallel ranks = {micro} x {self.dp_world_size}")
+        self._set_batch(train_batch_size, micro, train_batch_size // (micro * self.dp_world_size),
+                        "set_train_batch_size")
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro-batch size per rank, gradient_accumulation_steps unchanged (so the global
+        batch size changes with it). Data loaders made already (deepspeed_io) keep their batch size."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise Zero8ValueError(f"set_train_micro_batch_size({micro_batch_size!r}): the micro-batch size must be "
+                                  f"a positive integer")
+        gas = self.gradient_accumulation_steps()
+        self._set_batch(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas,
+                        "set_train_micro_batch_size")
+
+    def _set_batch(self, batch: int, micro: int, gas: int, caller: str) -> None:
+        # Between accumulations only: a micro-batch's loss is divided by the accumulation steps in force at
+        # its backward, so a change halfway would mix two averages.
+        done = max(self._backwards_pending, self._accum_steps)
+        if done:
+            raise RuntimeError(f"{caller}() in the middle of a gradient accumulation ({done} micro-batch(es) of step "
+                               f"{self.global_steps + 1} done): call it after the step() that ends one")
+        self._batch = (batch, micro, gas)
+        # DeepSpeed's engine.config, which checkpoints store as ds_config.
+        self.config.update(train_batch_size=batch, train_micro_batch_size_per_gpu=micro,
+                           gradient_accumulation_steps=gas)
 
     def steps_per_print(self) -> int:
         return int(self._cfg.steps_per_print)
@@ -520,7 +572,33 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
     cur_scale = loss_scale
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        """Whether the running micro-batch ends its gradient accumulation (its backward's reduction is the
+        last one, its step() steps the optimizer): its gradient_accumulation_steps-th step() call, or as
+        set_gradient_accumulation_boundary set it."""
+        if not self._managed:
+            return self._stepping
+        if self._manual_boundary is not None:
+            return self._manual_boundary
+        return self._accum_steps + 1 >= self.gradient_accumulation_steps()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's manual gradient accumulation: from now on the boundary is ``is_boundary`` instead of
+        the count of step() calls (None counts again). Set False before the accumulation's first micro-batch
+        and True before its last: its backwards may then follow each other without step() in between, and
+        the step() after the last one (True) steps the optimizer. As in DeepSpeed, each backward still
+        divides its loss by gradient_accumulation_steps."""
+        if not self._managed:
+            raise RuntimeError("set_gradient_accumulation_boundary(): with managed_gradient_accumulation false in the "
+                               "config every step() is the boundary (DeepSpeed refuses it there too)")
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary(is_boundary): a bool (or None to count "
+                            f"micro-batches again), got {type(is_boundary).__name__}")
+        self._manual_boundary = is_boundary
+
+    def was_step_applied(self) -> bool:
+        """DeepSpeed's: whether the last step() changed the weights (False between accumulation boundaries
+        and for a step skipped on an inf or NaN gradient)."""
+        return self._step_applied
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -560,15 +638,15 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             raise
 
     def no_sync(self, *args, **kwargs):
-        """DeepSpeed's context for backwards that skip the gradient all-reduce; not supported: zero8 runs one
-        engine.backward per micro-batch, each followed by engine.step (a second backward before step is an
-        error), and gradient_accumulation_steps already gives what no_sync is for."""
+        """DeepSpeed's context for backwards that skip the gradient all-reduce; not supported: the gradient
+        accumulation (counted, or set_gradient_accumulation_boundary's) already gives what no_sync is for."""
         raise Zero8NotSupportedError(
-            "engine.no_sync(): not supported; zero8 runs one engine.backward(loss) and one engine.step() per "
-            "micro-batch (two backwards without a step are an error). Set gradient_accumulation_steps in the config "
-            "instead: at ZeRO stage 1 the gradients are reduced once per step, at the accumulation boundary, which "
-            "is what no_sync gives; at stage 2 each backward reduces its buckets as they fill (DeepSpeed refuses "
-            "no_sync at stage 2 too)")
+            "engine.no_sync(): not supported; set gradient_accumulation_steps in the config and call "
+            "engine.backward(loss) and engine.step() per micro-batch, or mark the accumulation with "
+            "engine.set_gradient_accumulation_boundary(False) before its backwards and (True) before its last, "
+            "then one engine.step(): at ZeRO stage 1 the gradients are reduced once per step, at the boundary, "
+            "which is what no_sync gives; at stage 2 each backward reduces its buckets as they fill (DeepSpeed "
+            "refuses no_sync at stage 2 too)")
 
     def train_batch(self, *args, **kwargs):
         """DeepSpeed's PipelineEngine.train_batch: the engine of a zero8.pipe.PipelineModule has it."""
@@ -595,10 +673,15 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._check_live()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward(loss): loss must be a tensor, got {type(loss).__name__}")
-        if self._backward_done:
+        if self._backward_done and self._manual_boundary is None and self._managed:
             raise RuntimeError(
-                "engine.backward() called twice without engine.step() in between (one backward per micro-batch)"
-            )
+                "engine.backward() called twice without engine.step() in between (one backward per micro-batch; "
+                "or, as in DeepSpeed, engine.set_gradient_accumulation_boundary(False) before an accumulation's "
+                "backwards and (True) before its last one, then one step())")
+        if self._boundary_ended:
+            raise RuntimeError(
+                "engine.backward() after the backward that ended the gradient accumulation, without engine.step() "
+                "in between: step() first (it applies that accumulation)")
         loss, scaled = self._scaled_loss(loss, scale_wrt_gas)
         self._autograd_backward([scaled], None, retain_graph)
         self._reduce_backward()
@@ -635,6 +718,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             self._param_names[i] for i, n in enumerate(self._arrivals) if not n]
         t1 = time.perf_counter()
         self._backward_end()  # collective: every rank gets here before any raises below
+        self._backwards_pending += 1
         t2 = time.perf_counter()
         self._timers["backward"] += t2 - t1
         self._timers["reduce"] += t2 - t1
@@ -649,12 +733,27 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             )
 
     def _backward_end(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
         with self._stream_order():
-            self._opt.backward_end(self.is_gradient_accumulation_boundary())
+            self._opt.backward_end(boundary)
+        self._boundary_ended = boundary
         self._expected = [max(e, n) for e, n in zip(self._expected, self._arrivals)]
         self._arrivals = [0] * len(self._params)
         self._counting = False
         self._backward_done = True
+
+    def _restart_accumulation(self) -> None:
+        """After a checkpoint load: the next micro-batch starts a step (the gradients of a step unfinished
+        at the save were not saved, and those accumulated here belong to the replaced weights), whatever
+        micro-batch it was at the save; micro_steps (the step() calls) goes back to a multiple of
+        gradient_accumulation_steps, that step's start where one step() ends each micro-batch."""
+        self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
+        self._accum_steps = 0
+        self._boundary_ended = False
+        self._backwards_pending = 0
+        self._last_info = None
+        self._grad_norm = None
+        self._backward_done = False
 
     def _apply_hyper(self) -> None:
         """Each param group's current values into its hyper group of the sharded optimizer, and into the
@@ -686,9 +785,21 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         """End of a micro-batch: at the gradient-accumulation boundary the sharded optimizer steps
         (skipped on an fp16 overflow anywhere), then the LR scheduler; counters advance as DeepSpeed's."""
         self._check_live()
-        boundary = self.is_gradient_accumulation_boundary()
-        if not self._backward_done:
-            self._backward_end()  # no backward this micro-batch: still the same collectives on every rank
+        self._stepping = True
+        try:
+            boundary = self.is_gradient_accumulation_boundary()
+            if not self._backward_done:
+                self._backward_end()  # no backward this micro-batch: still the same collectives on every rank
+            elif boundary and not self._boundary_ended:
+                # The boundary came after the last backward (set late, or each step() without managed
+                # accumulation): stage 1 reduces the accumulated gradients now, stage 2 has reduced them.
+                b0 = self._bytes_sent()
+                with self._stream_order():
+                    self._opt.end_accumulation()
+                self._bytes["gradients"] += self._bytes_sent() - b0
+                self._boundary_ended = True
+        finally:
+            self._stepping = False
         self._backward_done = False
         self._step_applied = False
         if boundary:
@@ -717,11 +828,20 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                         opt._opt_called = True  # torch schedulers warn when their optimizer never stepped
                     self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            if self._managed:
+                self.global_samples += self.train_batch_size()
+            else:  # as DeepSpeed counts: the micro-batches this step applied
+                self.global_samples += self._backwards_pending * self.train_micro_batch_size_per_gpu() * \
+                    self.dp_world_size
+            self._accum_steps = 0
+            self._boundary_ended = False
+            self._backwards_pending = 0
             if self.monitor.writes:
                 self.monitor.write_events(self._step_events())
             if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
                 self._report_progress()
+        else:
+            self._accum_steps += 1
         self.micro_steps += 1
 
     # DeepSpeed's pipeline engine steps without its plain engine's step(), which writes the elapsed times.
