@@ -636,6 +636,20 @@ TEST(ConfigOptimizer, AdamWModeFollowsDeepSpeed) {
   EXPECT_EQ(algo(R"({"type": "LARS", "params": {"momentum": 0.9}})"), zero8::optim::Algo::lars);
 }
 
+// DeepSpeed clips at 1.0 when the config does not say (its PR #8068; it was off before); 0 turns it off.
+// managed_gradient_accumulation is true unless false is written, and false is written back.
+TEST(ConfigDeepSpeedDefaults, GradientClippingAndManagedAccumulation) {
+  const cfg::Config d = parse(R"({"train_batch_size": 8})");
+  EXPECT_EQ(d.gradient_clipping, 1.0);
+  EXPECT_TRUE(d.managed_gradient_accumulation);
+  EXPECT_EQ(parse(R"({"train_batch_size": 8, "gradient_clipping": 0})").gradient_clipping, 0.0);
+  const cfg::Config u = parse(R"({"train_batch_size": 8, "managed_gradient_accumulation": false})");
+  EXPECT_FALSE(u.managed_gradient_accumulation);
+  EXPECT_FALSE(parse(cfg::to_json(u)).managed_gradient_accumulation);
+  EXPECT_TRUE(parse(cfg::to_json(d)).managed_gradient_accumulation);
+  EXPECT_THROW(parse(R"({"train_batch_size": 8, "managed_gradient_accumulation": "no"})"), zero8::Error);
+}
+
 TEST(ConfigZero8, CommTimeoutDefaultsToTorchsTenMinutes) {
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {}})").zero8.comm_timeout_s, 600.0);
   EXPECT_EQ(parse(R"({"train_batch_size": 8, "zero8": {"comm_timeout_s": 45}})").zero8.comm_timeout_s, 45.0);

@@ -49,13 +49,16 @@ def loss_fn(out, y):
 
 
 def config(batch: int = 32, gas: int = 1, lr: float = 3e-3, weight_decay: float = 0.01, stage: int = 2,
-           zero8: dict | None = None, **extra) -> dict:
+           zero8: dict | None = None, gradient_clipping: float = 0.0, **extra) -> dict:
+    """A DeepSpeed config for the engine tests; clipping off unless asked for (DeepSpeed's default, and so
+    zero8's, is 1.0), so that runs compare with torch's optimizers as they are."""
     cfg = {
         "train_batch_size": batch,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**6,
+        "gradient_clipping": gradient_clipping,
     }
     if zero8 is not None:
         cfg["zero8"] = zero8

@@ -1564,6 +1564,24 @@ def test_a_resume_with_another_global_batch_says_so(tmp_path):
         zero8.initialize(model=make_model(1), config=config(batch=32, zero8=EXACT))[0].load_checkpoint(tmp_path)
 
 
+def test_a_resume_with_another_gradient_clipping_says_so(tmp_path):
+    # A run saved without clipping (zero8's and DeepSpeed's default before DeepSpeed PR #8068) and resumed with
+    # a config that does not say: the default is 1.0 now, which changes the run; the load says so.
+    engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=EXACT, gradient_clipping=0))
+    train_engine(engine, DATA, 2, 32)
+    engine.save_checkpoint(tmp_path)
+    cfg = config(zero8=EXACT)
+    del cfg["gradient_clipping"]
+    e2, _, _, _ = zero8.initialize(model=make_model(1), config=cfg)
+    assert e2.gradient_clipping() == 1.0
+    with pytest.warns(UserWarning, match=r"trained with gradient_clipping 0; this engine's config gives 1 .*"
+                                         r"set \"gradient_clipping\": 0 in the config"):
+        e2.load_checkpoint(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero8.initialize(model=make_model(1), config=config(zero8=EXACT))[0].load_checkpoint(tmp_path)
+
+
 def test_client_state_tensors_that_share_storage_still_share_it(tmp_path):
     # As torch.load gives them (and DeepSpeed returns them): one tensor under two keys is one tensor, and a
     # view shares its base's storage, not a copy of it each (the file is mapped; these are copied out).
@@ -2149,7 +2167,7 @@ def test_stage2_reentrant_checkpointing_of_a_shared_weight_matches_torch(bucket)
     # backward now counts the parts (the shared weight is not in the loss's graph) and reduces at its end;
     # later ones report the weight at its third part, and reduce the other buckets during backward.
     cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket}, "zero8": EXACT}
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket}, "zero8": EXACT, "gradient_clipping": 0}
     engine, _, _, _ = zero8.initialize(model=_SharedLayerNet(), config=cfg)
     ref = _SharedLayerNet()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)

@@ -1058,7 +1058,8 @@ void parse_monitors(Section& top, Config& c) {
 }
 
 void parse_misc(Section& top, Config& c) {
-  c.gradient_clipping = top.get_num("gradient_clipping", 0.0, ge(0.0));
+  // DeepSpeed's default since its PR #8068 (June 2026; in the 0.19.8 the tests pin): 1.0, where it was 0 (off).
+  c.gradient_clipping = top.get_num("gradient_clipping", 1.0, ge(0.0));
   c.steps_per_print = top.get_int("steps_per_print", 10, 1);
   c.wall_clock_breakdown = top.get_bool("wall_clock_breakdown", false);
   c.managed_gradient_accumulation = top.get_bool("managed_gradient_accumulation", true);

@@ -31,6 +31,7 @@ CONFIG = {
     "zero_optimization": {"stage": 2},
     "zero8": {"optim_bits": 8, "min_8bit_size": 4096, "int8_gradients": True, "int8_params": False},
     "steps_per_print": 10**6,
+    "gradient_clipping": 0.0,  # the checkpoints were made when zero8's default was 0 (DeepSpeed's then)
 }
 
 

@@ -212,7 +212,7 @@ struct Config {
   SchedulerConfig scheduler;
   Fp16Config fp16;
   Bf16Config bf16;
-  double gradient_clipping = 0.0;  // max global gradient norm; 0: off
+  double gradient_clipping = 1.0;  // max global gradient norm; 0: off (DeepSpeed's default, config.cpp)
   int64_t steps_per_print = 10;
   bool wall_clock_breakdown = false;
   // DeepSpeed's: false makes step() the accumulation boundary (backwards only accumulate), see ENGINE.md.

@@ -408,6 +408,15 @@ class EngineCheckpoints:
                     f"x {self.gradient_accumulation_steps()} accumulation steps). Training goes on from step "
                     f"{self.global_steps} with the new "
                     "batch; the LR schedule counts steps, not samples", stacklevel=2)
+            saved_clip = saved_config.get("gradient_clipping") if isinstance(saved_config, dict) else None
+            if isinstance(saved_clip, (int, float)) and float(saved_clip) != self.gradient_clipping() \
+                    and self.global_rank == 0:
+                warnings.warn(
+                    f"load_checkpoint: the checkpoint was trained with gradient_clipping {float(saved_clip):g}; this "
+                    f"engine's config gives {self.gradient_clipping():g} (DeepSpeed's default, and so zero8's, is 1.0 "
+                    f"since DeepSpeed PR #8068, where it was 0: off). Training goes on with "
+                    f"{self.gradient_clipping():g}; set \"gradient_clipping\": {float(saved_clip):g} in the config to "
+                    f"go on as saved", stacklevel=2)
         self._restart_accumulation()
         return os.path.join(path, MODEL_STATES_FILE), self._returned_client_state(
             model_states, state, load_module_only, load_optimizer_states, load_lr_scheduler_states)
