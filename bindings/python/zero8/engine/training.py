@@ -104,15 +104,15 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._grad_norm: float | None = None  # of the last applied step (a skipped one computes none)
         self._step_applied = False
         self._backward_done = False
-        # Gradient accumulation: the step() calls of the running accumulation so far (the boundary comes at
-        # gradient_accumulation_steps of them), or the boundary as set_gradient_accumulation_boundary set it
-        # (None: counted); whether the last micro-batch's backward ended the accumulation (its reduction ran
-        # as the last one's); the backwards since the last optimizer step.
+        # Gradient accumulation (is_gradient_accumulation_boundary): the step() calls of the running accumulation
+        # so far, the boundary coming at gradient_accumulation_steps of them; or the boundary as
+        # set_gradient_accumulation_boundary set it (None: counted); or, with managed_gradient_accumulation
+        # false, every step() (_stepping: one runs). Whether the last backward ended the accumulation (its
+        # reduction ran as the last one's), and the backwards since the last optimizer step.
         self._accum_steps = 0
-        # DeepSpeed's managed_gradient_accumulation false: every step() ends the accumulation (_stepping: it runs).
+        self._manual_boundary: bool | None = None
         self._managed = bool(self._cfg.managed_gradient_accumulation)
         self._stepping = False
-        self._manual_boundary: bool | None = None
         self._boundary_ended = False
         self._backwards_pending = 0
         # set_train_batch_size / set_train_micro_batch_size: (train_batch_size, micro, gas) as now in force.
@@ -782,8 +782,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         return info
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """End of a micro-batch: at the gradient-accumulation boundary the sharded optimizer steps
-        (skipped on an fp16 overflow anywhere), then the LR scheduler; counters advance as DeepSpeed's."""
+        """End of a micro-batch (or of a manual or unmanaged accumulation's last one): at the
+        gradient-accumulation boundary the sharded optimizer steps (skipped on an fp16 overflow anywhere),
+        then the LR scheduler; counters advance as DeepSpeed's."""
         self._check_live()
         self._stepping = True
         try:
