@@ -199,6 +199,28 @@ TEST(ShardedCuda, AdamWDeviceStepsEqualHostStepsBitwise) {
           }
 }
 
+// An accumulation whose boundary is learnt after its last backward_end(false) (the engine's unmanaged or
+// late-set boundary): end_accumulation on the device (stage 1 reduces there, stage 2 only closes it) gives
+// the host twin's bits, and the host's equal the counted accumulation's (test_sharded.cpp).
+TEST(ShardedCuda, EndAccumulationOnTheDeviceEqualsTheHost) {
+  SKIP_WITHOUT_CUDA();
+  for (int stage : {1, 2}) {
+    ShardConfig c = twin_config();
+    c.stage = stage;
+    c.int8_params = stage == 2;
+    SCOPED_TRACE(config_name(c));
+    Twins t(c, world());
+    std::string diff;
+    for (int s = 0; s < 3; ++s) {
+      for (int m = 0; m < 2; ++m) t.micro_batch(s, m, false);
+      t.host->end_accumulation();
+      t.dev->end_accumulation();
+      expect_same_info(t.host->step(), t.dev->step(), true);
+      ASSERT_EQ(t.compare(&diff), 0) << "after step " << s << ":" << diff;
+    }
+  }
+}
+
 TEST(ShardedCuda, WireFormatsAndStochasticRoundingMatchTheHost) {
   SKIP_WITHOUT_CUDA();
   for (int variant = 0; variant < 3; ++variant) {
