@@ -2047,6 +2047,37 @@ def test_deepspeed_io_takes_deepspeed_arguments():
     assert [b[0].tolist() for b in engine.deepspeed_io(dataset, 2, "eval")] == [[0.0, 1.0], [2.0, 3.0]]
 
 
+class _Mpu:
+    """Megatron's parallel_state as DeepSpeed's mpu argument sees it (sizes only)."""
+
+    def __init__(self, tensor=1, pipeline=1, data=1, old_names=False):
+        name = "get_model_parallel_world_size" if old_names else "get_tensor_model_parallel_world_size"
+        setattr(self, name, lambda: tensor)
+        self.get_pipeline_model_parallel_world_size = lambda: pipeline
+        self.get_data_parallel_world_size = lambda: data
+
+
+def test_an_mpu_of_data_parallelism_alone_is_accepted_and_any_other_named():
+    """Megatron-DeepSpeed passes its parallel_state as mpu even with tensor and pipeline size 1: then every
+    rank is a data-parallel rank and the engine trains as without it; other sizes are refused by name."""
+    ref, m_ref, _, _ = engine_for(config(zero8=EXACT))
+    for mpu in (_Mpu(), _Mpu(old_names=True)):
+        engine, _, _, _ = zero8.initialize(model=make_model(), config=config(zero8=EXACT), mpu=mpu)
+        train_engine(engine, DATA, 3, 32)
+        assert engine.dp_world_size == 1
+    train_engine(ref, DATA, 3, 32)
+    assert params_equal(engine.module, m_ref)
+    for mpu, match in ((_Mpu(tensor=2), "tensor-parallel size 2 and pipeline size 1"),
+                       (_Mpu(pipeline=4), "tensor-parallel size 1 and pipeline size 4"),
+                       (object(), "has no get_tensor_model_parallel_world_size")):
+        with pytest.raises(zero8.Zero8NotSupportedError, match=match):
+            zero8.initialize(model=make_model(), config=config(zero8=EXACT), mpu=mpu)
+    with pytest.raises(zero8.Zero8ValueError, match="mpu reports data-parallel size 2, but zero8's world has 1"):
+        zero8.initialize(model=make_model(), config=config(zero8=EXACT), mpu=_Mpu(data=2))
+    with pytest.raises(zero8.Zero8NotSupportedError, match="mesh_param"):
+        zero8.initialize(model=make_model(), config=config(zero8=EXACT), mesh_param=(1, 2))
+
+
 def test_no_sync_and_pipeline_methods_say_what_to_do_instead():
     # They raised a bare AttributeError (the module has no such attribute).
     engine, _, _, _ = engine_for(config(zero8=EXACT))

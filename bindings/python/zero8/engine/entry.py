@@ -49,6 +49,43 @@ def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distrib
     return world_comm("auto", device=local_device() if nccl else None)
 
 
+
+def _model_parallel_sizes(mpu) -> dict:
+    """The sizes a Megatron-style ``mpu`` reports (parallel_state, or an object with its methods): tensor
+    (or model) parallel, pipeline, data parallel; those it lacks are absent."""
+    sizes = {}
+    for key, names in (("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
+                       ("pipeline", ("get_pipeline_model_parallel_world_size",)),
+                       ("data", ("get_data_parallel_world_size",))):
+        fn = next((getattr(mpu, n) for n in names if callable(getattr(mpu, n, None))), None)
+        if fn is not None:
+            sizes[key] = int(fn())
+    return sizes
+
+
+def _check_mpu(mpu, world_size: int | None = None) -> None:
+    """DeepSpeed's ``mpu`` argument: Megatron passes its parallel_state even without tensor or pipeline
+    parallelism, where every rank is a data-parallel rank, which is what zero8 trains; any other
+    decomposition is refused, naming it. With ``world_size`` (the world made), the data-parallel size it
+    reports must be that."""
+    if mpu is None:
+        return
+    sizes = _model_parallel_sizes(mpu)
+    if "tensor" not in sizes:
+        raise Zero8NotSupportedError(
+            f"initialize: mpu ({type(mpu).__name__}) has no get_tensor_model_parallel_world_size() or "
+            f"get_model_parallel_world_size(); zero8 takes an mpu only to check that it describes data "
+            f"parallelism alone")
+    if sizes["tensor"] != 1 or sizes.get("pipeline", 1) != 1:
+        raise Zero8NotSupportedError(
+            f"initialize: mpu reports tensor-parallel size {sizes['tensor']} and pipeline size "
+            f"{sizes.get('pipeline', 1)}; zero8 trains data-parallel ranks only (tensor parallelism is not "
+            f"supported; for pipeline parallelism pass a zero8.pipe.PipelineModule as model)")
+    if world_size is not None and sizes.get("data", world_size) != world_size:
+        raise Zero8ValueError(
+            f"initialize: mpu reports data-parallel size {sizes['data']}, but zero8's world has {world_size} "
+            f"rank(s): with tensor and pipeline size 1 every rank is a data-parallel rank")
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
@@ -82,8 +119,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     Processes: under mpirun every rank runs this (MPI backend, chosen automatically; under torchrun or
     DeepSpeed's launcher the tcp backend, docs/LAUNCH.md; no
     torch.distributed process group is needed: ``distributed_port`` and ``dist_init_required`` are
-    accepted and ignored). Not supported: ``mpu``/``mesh_param`` (tensor parallelism; pipeline
-    parallelism comes from a PipelineModule). ZeRO stage 0 runs as stage 1 (same arithmetic, states
+    accepted and ignored). ``mpu`` (Megatron's parallel_state) is accepted where it reports tensor and
+    pipeline size 1; tensor parallelism and ``mesh_param`` are not supported (pipeline parallelism comes
+    from a PipelineModule). ZeRO stage 0 runs as stage 1 (same arithmetic, states
     partitioned).
 
     Devices: the engine trains where the model is. A model on a CUDA device (under a launcher: this rank's,
@@ -96,9 +134,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     if model is None:
         raise Zero8ValueError("initialize: model is required")
-    if mpu is not None or mesh_param is not None:
-        raise Zero8NotSupportedError("initialize: mpu / mesh_param (tensor parallelism) are not supported; for "
+    if mesh_param is not None:
+        raise Zero8NotSupportedError("initialize: mesh_param (sequence parallelism) is not supported; for "
                                      "pipeline parallelism pass a zero8.pipe.PipelineModule as model")
+    _check_mpu(mpu)
     if config is None and config_params is not None:
         config = config_params
     args_key = next((k for k in ("deepspeed_config", "zero8_config") if getattr(args, k, None) is not None), None)
@@ -117,6 +156,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's set-up and the optimizer's buffers use the current device
     world = world_comm(backend, device, timeout_s=requested_timeout(config))
+    _check_mpu(mpu, world.size)
     if device.type == "cuda":
         check_nccl_device(world, device)
         torch.cuda.set_device(device)
