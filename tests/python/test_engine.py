@@ -192,6 +192,38 @@ def test_manual_accumulation_boundary_equals_the_counted_one(stage):
         assert engine.global_steps == 4 and engine.global_samples == 4 * 30, pattern
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_coalesce_grad_reduction_is_one_accumulation(stage):
+    """DeepSpeed's coalesce_grad_reduction(): the backwards of its block accumulate, its exit ends the
+    accumulation, the step() after it applies it: the bits of the counted accumulation (gas 3), the same
+    bytes as it at 2 ranks (dist_engine.py covers the other controls there)."""
+    cfg = config(batch=30, gas=3, stage=stage, zero8=EXACT)
+    ref, _, _, _ = engine_for(cfg)
+    engine, _, _, _ = engine_for(cfg)
+    for s in range(3):
+        for k in range(3):
+            x, y = _micro(s, k)
+            ref.backward(loss_fn(ref(x), y))
+            ref.step()
+        with engine.coalesce_grad_reduction():
+            for k in range(3):
+                x, y = _micro(s, k)
+                engine.backward(loss_fn(engine(x), y))
+            with pytest.raises(RuntimeError, match="inside coalesce_grad_reduction"):
+                engine.step()
+        engine.step()
+        assert engine.was_step_applied() and engine.global_steps == s + 1
+    assert dump_diff(engine_dump(ref), engine_dump(engine)) == []
+    with engine.coalesce_grad_reduction():
+        x, y = _micro(3, 0)
+        engine.backward(loss_fn(engine(x), y))
+    with pytest.raises(RuntimeError, match="ended the gradient accumulation"):  # two blocks for one step
+        with engine.coalesce_grad_reduction():
+            engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    assert engine.was_step_applied() and engine.is_gradient_accumulation_boundary() is False
+
+
 def test_manual_accumulation_boundary_rules():
     engine, _, _, _ = engine_for(config(batch=30, gas=3, zero8=EXACT))
     with pytest.raises(TypeError, match="a bool"):
@@ -240,6 +272,9 @@ def test_unmanaged_accumulation_makes_each_step_the_boundary(stage):
     assert engine.global_steps == 4 and engine.global_samples == 100
     with pytest.raises(RuntimeError, match="every step\\(\\) is the boundary"):
         engine.set_gradient_accumulation_boundary(False)
+    with pytest.raises(RuntimeError, match="every step\\(\\) ends the accumulation already"):
+        with engine.coalesce_grad_reduction():
+            pass
     with pytest.raises(zero8.Zero8ValueError, match="managed_gradient_accumulation"):
         load_config(config(managed_gradient_accumulation="no"))
 

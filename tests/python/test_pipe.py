@@ -203,6 +203,8 @@ def test_batch_size_setters_change_the_schedule_and_manual_boundaries_are_refuse
     assert (ramped.micro_batch_size, ramped.micro_batches) == (8, 4) and ramped.train_batch_size() == 32
     with pytest.raises(PipelineError, match="set_train_batch_size"):
         ramped.set_gradient_accumulation_boundary(True)
+    with pytest.raises(PipelineError, match="set_train_batch_size"):
+        ramped.coalesce_grad_reduction()
     with pytest.raises(zero8.Zero8NotSupportedError, match="managed_gradient_accumulation: false"):
         _pipe(regression_layers(), mse, config(zero8=EXACT, managed_gradient_accumulation=False))
 

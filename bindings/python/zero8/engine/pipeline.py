@@ -213,6 +213,8 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         raise PipelineError("the pipeline engine's accumulation is train_batch()'s gradient_accumulation_steps "
                             "micro-batches; change their count with set_train_batch_size()")
 
+    coalesce_grad_reduction = set_gradient_accumulation_boundary
+
     def _set_batch(self, batch: int, micro: int, gas: int, caller: str) -> None:
         super()._set_batch(batch, micro, gas, caller)
         self.micro_batch_size, self.micro_batches = micro, gas  # train_batch's schedule from the next batch on

@@ -11,6 +11,7 @@ statistics; checkpoints are in checkpoint.py.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Mapping
@@ -115,6 +116,10 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._stepping = False
         self._boundary_ended = False
         self._backwards_pending = 0
+        # coalesce_grad_reduction: its block runs (step() raises), or it ended the accumulation (the next
+        # step() applies it).
+        self._coalescing = False
+        self._coalesced = False
         # set_train_batch_size / set_train_micro_batch_size: (train_batch_size, micro, gas) as now in force.
         self._batch = (int(self._cfg.batch.train_batch_size), int(self._cfg.batch.train_micro_batch_size_per_gpu),
                        int(self._cfg.batch.gradient_accumulation_steps))
@@ -577,6 +582,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         set_gradient_accumulation_boundary set it."""
         if not self._managed:
             return self._stepping
+        if self._coalesced:
+            return True
         if self._manual_boundary is not None:
             return self._manual_boundary
         return self._accum_steps + 1 >= self.gradient_accumulation_steps()
@@ -594,6 +601,29 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             raise TypeError(f"set_gradient_accumulation_boundary(is_boundary): a bool (or None to count "
                             f"micro-batches again), got {type(is_boundary).__name__}")
         self._manual_boundary = is_boundary
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's: one with-block is one accumulation. Its backwards only accumulate (step() inside it
+        raises), its exit ends the accumulation (stage 1 reduces the gradients then, in one pass; stage 2 has
+        reduced each backward's, as it holds no full gradient buffer), and the next step() applies it. Each
+        backward still divides its loss by gradient_accumulation_steps, as in DeepSpeed."""
+        if not self._managed:
+            raise RuntimeError("coalesce_grad_reduction(): with managed_gradient_accumulation false in the config "
+                               "every step() ends the accumulation already (DeepSpeed refuses it there too)")
+        if self._coalescing:
+            raise RuntimeError("coalesce_grad_reduction(): already inside one (they do not nest)")
+        saved = self._manual_boundary
+        self._manual_boundary = False
+        self._coalescing = True
+        try:
+            yield
+        finally:
+            self._coalescing = False
+            self._manual_boundary = saved
+        if self._backward_done and not self._boundary_ended:
+            self._end_accumulation()
+        self._coalesced = True
 
     def was_step_applied(self) -> bool:
         """DeepSpeed's: whether the last step() changed the weights (False between accumulation boundaries
@@ -742,6 +772,15 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._counting = False
         self._backward_done = True
 
+    def _end_accumulation(self) -> None:
+        """Ends the accumulation after its last backward (collective): stage 1 reduces the accumulated
+        gradients now, stage 2 has reduced them in the backwards."""
+        b0 = self._bytes_sent()
+        with self._stream_order():
+            self._opt.end_accumulation()
+        self._bytes["gradients"] += self._bytes_sent() - b0
+        self._boundary_ended = True
+
     def _restart_accumulation(self) -> None:
         """After a checkpoint load: the next micro-batch starts a step (the gradients of a step unfinished
         at the save were not saved, and those accumulated here belong to the replaced weights), whatever
@@ -751,6 +790,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._accum_steps = 0
         self._boundary_ended = False
         self._backwards_pending = 0
+        self._coalesced = False
         self._last_info = None
         self._grad_norm = None
         self._backward_done = False
@@ -786,6 +826,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         gradient-accumulation boundary the sharded optimizer steps (skipped on an fp16 overflow anywhere),
         then the LR scheduler; counters advance as DeepSpeed's."""
         self._check_live()
+        if self._coalescing:
+            raise RuntimeError("engine.step() inside coalesce_grad_reduction(): its block is one accumulation; "
+                               "call step() after it")
         self._stepping = True
         try:
             boundary = self.is_gradient_accumulation_boundary()
@@ -793,14 +836,11 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                 self._backward_end()  # no backward this micro-batch: still the same collectives on every rank
             elif boundary and not self._boundary_ended:
                 # The boundary came after the last backward (set late, or each step() without managed
-                # accumulation): stage 1 reduces the accumulated gradients now, stage 2 has reduced them.
-                b0 = self._bytes_sent()
-                with self._stream_order():
-                    self._opt.end_accumulation()
-                self._bytes["gradients"] += self._bytes_sent() - b0
-                self._boundary_ended = True
+                # accumulation).
+                self._end_accumulation()
         finally:
             self._stepping = False
+            self._coalesced = False
         self._backward_done = False
         self._step_applied = False
         if boundary:
