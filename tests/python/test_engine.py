@@ -1238,6 +1238,54 @@ def test_client_optimizer_errors():
         zero8.initialize(model=make_model(), config=cfg)
 
 
+def _sgd(**kw):
+    # SGD: a gradient twice too large moves the weights twice as far (Adam's update would hide it).
+    return config(zero8=EXACT, optimizer={"type": "SGD", "params": {"lr": 0.05}}, **kw)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_direct_backward_computes_what_engine_backward_does(stage):
+    """loss.backward() on the engine's output, then engine.step() (DeepSpeed 0.19's torch-style backward):
+    each gradient is divided by gradient_accumulation_steps as it arrives, as engine.backward divides the
+    loss, so the two loops train alike (to rounding: the division happens at another place)."""
+    ref, m_ref, _, _ = engine_for(_sgd(batch=30, gas=3, stage=stage))
+    direct, m_direct, _, _ = engine_for(_sgd(batch=30, gas=3, stage=stage))
+    for s in range(3):
+        for k in range(3):
+            x, y = _micro(s, k)
+            ref.backward(loss_fn(ref(x), y))
+            ref.step()
+            loss_fn(direct(x), y).backward()
+            direct.step()
+    assert direct.global_steps == ref.global_steps == 3
+    assert max_param_diff(m_direct, m_ref) < 1e-6, max_param_diff(m_direct, m_ref)
+    assert max_param_diff(m_ref, make_model()) > 1e-3  # it moved
+
+
+def test_a_direct_backward_under_fp16_needs_the_scaled_loss():
+    """fp16: loss.backward() without engine.scale(loss) is refused before anything accumulates (the engine
+    then trains as one that never saw it); engine.scale(loss).backward() trains as engine.backward(loss)."""
+    cfg = _sgd(batch=30, gas=3, fp16={"enabled": True, "initial_scale_power": 8})
+    ref, m_ref, _, _ = engine_for(cfg)
+    direct, m_direct, _, _ = engine_for(cfg)
+    x, y = _micro(0, 0)
+    with pytest.raises(RuntimeError, match=r"fp16 needs the loss times the engine's loss scale.*"
+                                           r"engine\.scale\(loss\)\.backward\(\)"):
+        loss_fn(direct(x.half()), y).backward()
+    with pytest.raises(TypeError, match="scalar tensor with a grad_fn"):
+        direct.scale(torch.tensor(1.0))
+    for s in range(2):
+        for k in range(3):
+            x, y = _micro(s, k)
+            ref.backward(loss_fn(ref(x.half()), y))
+            ref.step()
+            direct.scale(loss_fn(direct(x.half()), y)).backward()
+            direct.step()
+    assert direct.global_steps == 2 and direct.loss_scale == ref.loss_scale
+    assert max_param_diff(m_direct, m_ref) < 1e-3, max_param_diff(m_direct, m_ref)
+    assert max_param_diff(m_ref, make_model()) > 1e-3
+
+
 def test_optimizer_step_outside_the_engine_is_an_error():
     # loss.backward() + optimizer.step() (the torch loop) would step on unreduced gradients and leave the
     # counters and scheduler behind; it must say to use engine.backward/engine.step instead.

@@ -352,6 +352,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._counting = False  # this backward only counts (the first one, when the graph hides parameters)
         self._backwards = 0
         self._in_backward = False
+        self._loss_scaled = False  # engine.scale(loss) since the last micro-batch ended (fp16's direct backward)
         fp32 = self._dtype == torch.float32
         for i, p in enumerate(self._params):
             gv = self._grad_views[i]
@@ -380,6 +381,37 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                     self._gradient_arrived(i)
 
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            # Before anything accumulates: a backward outside engine.backward gets engine.backward's division
+            # by the accumulation steps, or is refused while nothing has changed yet.
+            self._hooks.append(p.register_hook(lambda grad, i=i: self._check_direct_backward(i, grad)))
+
+    def _check_direct_backward(self, i: int, grad: torch.Tensor):
+        """A gradient of parameter i arriving outside engine.backward: ``loss.backward()`` on the engine's
+        output, as DeepSpeed 0.19 allows. As there, it is divided by gradient_accumulation_steps here (what
+        engine.backward does to the loss), and under fp16 the loss must come from engine.scale(loss); else
+        this raises before the gradient accumulates anywhere (the first parameter's hook aborts that backward,
+        so nothing changed)."""
+        if self._in_backward:
+            return None
+        if self.fp16_enabled() and not self._loss_scaled:
+            raise RuntimeError(
+                f"rank {self.global_rank}: a gradient of '{self._param_names[i]}' arrived from loss.backward() "
+                f"outside engine.backward(), and fp16 needs the loss times the engine's loss scale: call "
+                f"engine.backward(loss), or engine.scale(loss).backward() as in DeepSpeed (nothing was "
+                f"accumulated from this backward)")
+        gas = self.gradient_accumulation_steps()
+        return grad / gas if gas > 1 else None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's: the loss times the fp16 loss scale (the loss itself otherwise), for a backward the
+        caller runs itself, ``engine.scale(loss).backward()``; engine.step() then ends the micro-batch as after
+        engine.backward(loss). Gradients are divided by gradient_accumulation_steps as they arrive."""
+        self._check_live()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            raise TypeError("engine.scale(loss): loss must be a scalar tensor with a grad_fn (for a tensor that "
+                            "is not a scalar use engine.backward's way: a loss)")
+        self._loss_scaled = True
+        return loss.float() * float(self._opt.loss_scale) if self.fp16_enabled() else loss
 
     def _params_outside_graph(self, roots: list) -> bool:
         """Whether some trainable parameter is not a leaf of the autograd graph of ``roots`` (walked once)."""
@@ -767,6 +799,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         with self._stream_order():
             self._opt.backward_end(boundary)
         self._boundary_ended = boundary
+        self._loss_scaled = False
         self._expected = [max(e, n) for e, n in zip(self._expected, self._arrivals)]
         self._arrivals = [0] * len(self._params)
         self._counting = False
