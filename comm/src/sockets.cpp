@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <sstream>
 
 #include "comm_env.h"
 #include "zero8/error.h"
@@ -103,14 +104,12 @@ std::string socket_reserve_descriptors(int64_t more, const std::string& what) {
     if (raised.rlim_cur > lim.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
   }
   if (lim.rlim_cur == RLIM_INFINITY || lim.rlim_cur >= needed) return "";
-  return what + " needs " + std::to_string(more) + " more file descriptors (" + std::to_string(open_now) +
-         " are open), more than this process may open: RLIMIT_NOFILE soft " + limit_text(lim.rlim_cur) + ", hard " +
-         limit_text(lim.rlim_max) +
-         " (zero8 raises the soft limit as far as the hard one allows); raise the hard "
-         "limit to at least " +
-         std::to_string(needed + rlim_t(kLater)) +
-         " where the job starts (ulimit -n, "
-         "the container's or scheduler's nofile setting)";
+  std::ostringstream os;
+  os << what << " needs " << more << " more file descriptors (" << open_now << " are open), more than this "
+     << "process may open: RLIMIT_NOFILE soft " << limit_text(lim.rlim_cur) << ", hard " << limit_text(lim.rlim_max)
+     << " (zero8 raises the soft limit as far as the hard one allows); raise the hard limit to at least "
+     << needed + rlim_t(kLater) << " where the job starts (ulimit -n, the container's or scheduler's nofile setting)";
+  return os.str();
 }
 
 double socket_now() {
