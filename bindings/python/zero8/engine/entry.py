@@ -49,10 +49,14 @@ def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distrib
     return world_comm("auto", device=local_device() if nccl else None)
 
 
-
-def _model_parallel_sizes(mpu) -> dict:
-    """The sizes a Megatron-style ``mpu`` reports (parallel_state, or an object with its methods): tensor
-    (or model) parallel, pipeline, data parallel; those it lacks are absent."""
+def _mpu_sizes(mpu) -> dict:
+    """DeepSpeed's ``mpu`` argument: Megatron passes its parallel_state even without tensor or pipeline
+    parallelism, where every rank is a data-parallel rank, which is what zero8 trains; any other
+    decomposition is refused, naming it. Returns the sizes it reports ({} without an mpu): tensor (or model)
+    parallel, pipeline, and data parallel where it has that method, for the caller to check against the
+    world once made."""
+    if mpu is None:
+        return {}
     sizes = {}
     for key, names in (("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
                        ("pipeline", ("get_pipeline_model_parallel_world_size",)),
@@ -60,17 +64,6 @@ def _model_parallel_sizes(mpu) -> dict:
         fn = next((getattr(mpu, n) for n in names if callable(getattr(mpu, n, None))), None)
         if fn is not None:
             sizes[key] = int(fn())
-    return sizes
-
-
-def _check_mpu(mpu, world_size: int | None = None) -> None:
-    """DeepSpeed's ``mpu`` argument: Megatron passes its parallel_state even without tensor or pipeline
-    parallelism, where every rank is a data-parallel rank, which is what zero8 trains; any other
-    decomposition is refused, naming it. With ``world_size`` (the world made), the data-parallel size it
-    reports must be that."""
-    if mpu is None:
-        return
-    sizes = _model_parallel_sizes(mpu)
     if "tensor" not in sizes:
         raise Zero8NotSupportedError(
             f"initialize: mpu ({type(mpu).__name__}) has no get_tensor_model_parallel_world_size() or "
@@ -81,10 +74,8 @@ def _check_mpu(mpu, world_size: int | None = None) -> None:
             f"initialize: mpu reports tensor-parallel size {sizes['tensor']} and pipeline size "
             f"{sizes.get('pipeline', 1)}; zero8 trains data-parallel ranks only (tensor parallelism is not "
             f"supported; for pipeline parallelism pass a zero8.pipe.PipelineModule as model)")
-    if world_size is not None and sizes.get("data", world_size) != world_size:
-        raise Zero8ValueError(
-            f"initialize: mpu reports data-parallel size {sizes['data']}, but zero8's world has {world_size} "
-            f"rank(s): with tensor and pipeline size 1 every rank is a data-parallel rank")
+    return sizes
+
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int | None = None, mpu=None,
@@ -137,7 +128,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mesh_param is not None:
         raise Zero8NotSupportedError("initialize: mesh_param (sequence parallelism) is not supported; for "
                                      "pipeline parallelism pass a zero8.pipe.PipelineModule as model")
-    _check_mpu(mpu)
+    mpu_sizes = _mpu_sizes(mpu)  # before any world is made
     if config is None and config_params is not None:
         config = config_params
     args_key = next((k for k in ("deepspeed_config", "zero8_config") if getattr(args, k, None) is not None), None)
@@ -156,7 +147,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's set-up and the optimizer's buffers use the current device
     world = world_comm(backend, device, timeout_s=requested_timeout(config))
-    _check_mpu(mpu, world.size)
+    if mpu_sizes.get("data", world.size) != world.size:
+        raise Zero8ValueError(
+            f"initialize: mpu reports data-parallel size {mpu_sizes['data']}, but zero8's world has {world.size} "
+            f"rank(s): with tensor and pipeline size 1 every rank is a data-parallel rank")
     if device.type == "cuda":
         check_nccl_device(world, device)
         torch.cuda.set_device(device)

@@ -814,15 +814,19 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._bytes["gradients"] += self._bytes_sent() - b0
         self._boundary_ended = True
 
+    def _new_accumulation(self) -> None:
+        """The next micro-batch starts an accumulation (after its optimizer step, or a load)."""
+        self._accum_steps = 0
+        self._boundary_ended = False
+        self._backwards_pending = 0
+
     def _restart_accumulation(self) -> None:
         """After a checkpoint load: the next micro-batch starts a step (the gradients of a step unfinished
         at the save were not saved, and those accumulated here belong to the replaced weights), whatever
         micro-batch it was at the save; micro_steps (the step() calls) goes back to a multiple of
         gradient_accumulation_steps, that step's start where one step() ends each micro-batch."""
         self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-        self._accum_steps = 0
-        self._boundary_ended = False
-        self._backwards_pending = 0
+        self._new_accumulation()
         self._coalesced = False
         self._last_info = None
         self._grad_norm = None
@@ -907,9 +911,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
             else:  # as DeepSpeed counts: the micro-batches this step applied
                 self.global_samples += self._backwards_pending * self.train_micro_batch_size_per_gpu() * \
                     self.dp_world_size
-            self._accum_steps = 0
-            self._boundary_ended = False
-            self._backwards_pending = 0
+            self._new_accumulation()
             if self.monitor.writes:
                 self.monitor.write_events(self._step_events())
             if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
