@@ -1783,33 +1783,74 @@ def test_frozen_parameters_of_other_dtypes_are_skipped_as_in_torch(dtype):
             zo.AdamW([("w", torch.nn.Parameter(torch.ones(8, dtype=dtype)))])
 
 
-def test_fsdp2_dtensor_parameters_are_refused_naming_them():
-    """FSDP2 (fully_shard) makes the parameters DTensors, whose data_ptr() is 0: zero8.optim refuses them
-    by name (as not supported, pointing to DDP or zero8's engine) instead of failing in the kernel on a
-    null pointer. One fake single-rank process group (no sockets), removed afterwards."""
+def test_dtensor_parameters_what_is_refused_and_what_is_said():
+    """DTensor parameters (FSDP2, tensor parallelism) step shard by shard (test_optim_fsdp2.py runs them on real
+    ranks); here, in one process with a fake 4-rank group (no collectives run), what is refused by name: the
+    per-tensor trust ratio, a gradient not sharded as its parameter, a shard along the last dimension that cuts
+    blocks; and the 32-bit states of a parameter whose blocks would not survive resharding, with a warning.
+    zero8.functional still takes plain tensors only."""
     dist = pytest.importorskip("torch.distributed")
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=1)
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
     try:
-        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-        fully_shard(m)
-        assert type(m[0].weight).__name__ == "DTensor"
-        with pytest.raises(NotImplementedError, match=r"params\[0\] \('0.weight'\) is a DTensor.*FSDP2.*zero8.initialize"):
-            zo.AdamW8bit(m.named_parameters(), min_8bit_size=0)
-        with pytest.raises(NotImplementedError, match=r"params\[1\] \(param_groups\[1\]\) is a DTensor"):
-            zo.SGD([{"params": []}, {"params": [torch.nn.Parameter(torch.zeros(3)), m[1].weight]}])
-        # Put into a group after construction: refused at the step, by name.
-        plain = torch.nn.Parameter(torch.zeros(8))
-        opt = zo.AdamW32bit([plain])
-        opt.param_groups[0]["params"].append(m[1].bias)
-        m(torch.randn(2, 8)).sum().backward()
-        with pytest.raises(NotImplementedError, match=r"param_groups\[0\]\['params'\]\[1\] is a DTensor"):
+        mesh = init_device_mesh("cpu", (4,))
+
+        def param(shape, placements):
+            t = torch.nn.Parameter(distribute_tensor(torch.randn(shape), mesh, placements, src_data_rank=None))
+            t.grad = distribute_tensor(torch.randn(shape), mesh, placements, src_data_rank=None)
+            return t
+
+        w = param((8, 1024), [Shard(0)])
+        with pytest.raises(NotImplementedError,
+                           match=r"params\[0\] \('w'\) is a DTensor.*LAMB8bit's trust ratio is a norm over the whole"):
+            zo.LAMB8bit([("w", w)])
+        with pytest.raises(NotImplementedError, match=r"params\[1\] \(param_groups\[1\]\) is a DTensor.*LARS"):
+            zo.LARS([{"params": []}, {"params": [torch.nn.Parameter(torch.zeros(3)), w]}])
+
+        opt = zo.AdamW8bit([w], min_8bit_size=0)
+        opt.step()  # the local shard (2 rows of 1024: 8 blocks of 256) and its states, as DTensors
+        st = opt.state[w]
+        assert st["state1"].dtype == torch.uint8 and tuple(st["state1"].shape) == (8, 1024)
+        assert tuple(st["absmax1"].shape) == (8, 4) and tuple(st["absmax1"].to_local().shape) == (2, 4)
+        assert st["absmax1"].placements == (Shard(0),) and st["zero8_block"] == 256 and st["step"] == 1
+
+        w.grad = distribute_tensor(torch.randn(8, 1024), mesh, [Replicate()], src_data_rank=None)
+        with pytest.raises(zero8.Zero8ValueError, match=r"params'\]\[0\]\.grad is placements \(Replicate\(\),\); its "
+                                                        r"DTensor parameter has placements \(Shard\(dim=0\),\)"):
             opt.step()
-        with pytest.raises(NotImplementedError, match="DTensor"):  # zero8.functional too
-            ZF.quantize_blockwise(m[0].weight.detach())
+        w.grad = torch.randn(8, 1024)
+        with pytest.raises(zero8.Zero8ValueError, match=r"grad is a plain tensor"):
+            opt.step()
+        assert opt.state[w]["step"] == 1
+
+        cols = param((8, 1024), [Shard(1)])  # 256 columns per rank: whole blocks of 256, not of 512
+        zo.AdamW8bit([cols], min_8bit_size=0).step()
+        with pytest.raises(zero8.Zero8ValueError, match=r"shape \(8, 1024\).*cut along its last dimension into "
+                                                        r"shards of 256 elements, not a multiple of the 8-bit state "
+                                                        r"block 512"):
+            zo.AdamW8bit([cols], min_8bit_size=0, block_size=512).step()
+        opt = zo.AdamW8bit([cols], min_8bit_size=0, block_size=512)
+        opt.override_config(cols, optim_bits=32)  # the remedy the message names
+        opt.step()
+        assert opt.state[cols]["state1"].dtype == torch.float32
+
+        flat, odd = param((8192,), [Shard(0)]), param((64, 300), [Shard(0)])
+        opt = zo.AdamW8bit([("flat", flat), ("odd", odd)])
+        with pytest.warns(UserWarning, match=r"\('flat'\) \(shape \(8192,\)\) keeps 32-bit optimizer states: 8-bit "
+                                             r"states of a DTensor parameter need at least 2 dimensions") as caught:
+            opt.step()
+        assert [str(c.message).split(" keeps")[0] for c in caught] == [
+            "param_groups[0]['params'][0] ('flat') (shape (8192,))",
+            "param_groups[0]['params'][1] ('odd') (shape (64, 300))"]
+        assert opt.state[flat]["state1"].dtype == opt.state[odd]["state1"].dtype == torch.float32
+        assert opt.state[flat]["zero8_block"] == 0
+
+        with pytest.raises(NotImplementedError, match="DTensor"):  # zero8.functional: plain tensors
+            ZF.quantize_blockwise(w.detach())
     finally:
         dist.destroy_process_group()
 

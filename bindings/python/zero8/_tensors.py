@@ -90,7 +90,7 @@ def is_dtensor(t) -> bool:
 
 
 def check_not_dtensor(t: torch.Tensor, name: str,
-                      why: str = "zero8 does not support DTensors; it reads plain CPU tensors") -> None:
+                      why: str = "this function takes plain tensors (a DTensor's own shard is t.to_local())") -> None:
     """Zero8NotSupportedError naming `name` if t is a DTensor; `why`: the caller's reason and alternative."""
     if is_dtensor(t):
         raise Zero8NotSupportedError(f"{name} is a DTensor (a torch.distributed sharded tensor, e.g. a parameter "

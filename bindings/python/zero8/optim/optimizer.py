@@ -49,7 +49,9 @@ gradients in the optimizers", has the details.
 Devices: CPU parameters, or CUDA parameters in a build with zero8's CUDA kernels (``zero8.build_info()``).
 The states live on the parameter's device (``load_state_dict`` places them there, as torch.optim does, so
 a state dict saved on a GPU loads on the CPU and back), and a CUDA step runs the same fused kernel, with
-the same bits, on torch's current stream without waiting for the GPU (LAMB and LARS included).
+the same bits, on torch's current stream without waiting for the GPU (LAMB and LARS included). DTensor
+parameters (FSDP2's ``fully_shard``, tensor parallelism) step shard by shard, their states DTensors laid out
+so that torch.distributed.checkpoint reshards them (``zero8/optim/dtensor.py``, docs/FSDP2.md).
 
 What a step checks: a parameter's first step checks it, its gradient and its states in full and keeps
 the kernel's arguments (a ``_Plan``). Its later steps check the gradient (dense, contiguous, on the
@@ -83,9 +85,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C
 from .._C import Zero8NotSupportedError, Zero8ValueError
-from .._tensors import (FLOAT_DTYPES, check_device, check_not_dtensor, check_same_device, cuda_stream, dtype_code,
-                        float_code, on_device)
+from .._tensors import (FLOAT_DTYPES, check_device, check_same_device, cuda_stream, dtype_code, float_code,
+                        is_dtensor, on_device)
 from . import _algos
+from . import dtensor as _dt
 from .partition import PartitionedStates
 
 __all__ = [
@@ -190,11 +193,6 @@ def _check_state_device(state: Dict[str, Any], p: torch.Tensor, name: str) -> No
                                   f"{p.device}: move the model before the optimizer's first step, or move the states "
                                   f"with optimizer.load_state_dict(optimizer.state_dict()), which places each state "
                                   f"on its parameter's device")
-
-
-_DTENSOR_WHY = ("DTensor/FSDP2-sharded parameters are not supported by zero8.optim; give it whole parameters "
-                "(DDP's are plain tensors), or let zero8's own engine (zero8.initialize) shard the optimizer "
-                "state across ranks instead")
 
 
 def _named(group: Dict[str, Any], i: int) -> str:
@@ -692,6 +690,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         self._overrides = WeakIdKeyDictionary()  # per-optimizer overrides, over the global ones
         self._synced: Dict[int, tuple] = {}  # id of a 16-bit parameter -> _synced(p, master, bits), see _step_param
         self._plans: Dict[int, _Plan] = {}  # id of a parameter -> its _Plan, see _step_planned
+        self._views: Dict[int, tuple] = {}  # id of a DTensor parameter -> its local view, see _local_view
         super().__init__(params, defaults)
         self._record_model_params()  # DeepSpeed may replace them by flat partitions (zero8.optim.partition)
 
@@ -718,6 +717,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         if not hasattr(self, "_synced"):  # a copy or unpickled optimizer: its first step compares in full
             self._synced = {}
         self._plans = {}  # new states (a load, a copy): each parameter's next step is checked in full
+        self._views = {}
         if not hasattr(self, "master_weights"):  # pickled before the knob existed
             self.master_weights = True
 
@@ -741,13 +741,25 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                 group[key] = _GROUP_CHECKS[key](group[key], key + where)
         self._check_hyper(group, where)
         for i, p in enumerate(group["params"]):
-            check_not_dtensor(p, f"params[{i}]{where}{_named(group, i)}", _DTENSOR_WHY)
+            if is_dtensor(p):
+                self._check_dtensor_param(p, f"params[{i}]{where}{_named(group, i)}")
             # Another dtype (int8 codes, float64 or complex constants) may sit in a group as long as it is
             # frozen: torch.optim and bitsandbytes skip a parameter without a gradient, and so does step().
             if p.dtype not in FLOAT_DTYPES and p.requires_grad:
                 raise Zero8ValueError(f"params[{i}]{where}{_named(group, i)} has dtype {p.dtype} and requires a "
                                       f"gradient; zero8 optimizers step float32, bfloat16 or float16 parameters "
                                       f"(one of another dtype is accepted only frozen, requires_grad=False)")
+
+    def _check_dtensor_param(self, p: torch.Tensor, name: str) -> None:
+        """A DTensor parameter (FSDP2, tensor parallelism; zero8.optim.dtensor) this optimizer can step: Shard or
+        Replicate placements, and no per-tensor trust ratio (a norm over the whole parameter, which the step of
+        one shard cannot take)."""
+        if _C.algo_has_trust_ratio(self.algo):
+            raise Zero8NotSupportedError(
+                f"{name} is a DTensor (a parameter sharded by FSDP2's fully_shard or tensor parallelism): "
+                f"{type(self).__name__}'s trust ratio is a norm over the whole parameter, which zero8.optim does "
+                f"not reduce across ranks; use another optimizer there, or zero8's engine (zero8.initialize)")
+        _dt.check_placements(p, name)
 
     def _check_hyper(self, group: Dict[str, Any], where: str) -> None:
         """The group's hyperparameters and 8-bit knobs, checked by name (at construction, add_param_group
@@ -800,9 +812,11 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         return cfg
 
     def _state_bits(self, p: torch.Tensor, cfg: Dict[str, Any]) -> int:
-        """8 or 32 for a new state of p: min_8bit_size is compared with the whole parameter's numel."""
+        """8 or 32 for a new state of p: min_8bit_size is compared with the whole parameter's numel (a
+        DTensor's global one), and a DTensor's 8-bit states need a last dimension of whole blocks
+        (zero8.optim.dtensor)."""
         if cfg["optim_bits"] == 8 and p.numel() >= cfg["min_8bit_size"]:
-            return 8
+            return 8 if not is_dtensor(p) or _dt.eight_bit_fits(p, cfg["block_size"]) else 32
         return 32
 
     def _hyper(self, cfg: Dict[str, Any]) -> "_C.Hyper":
@@ -833,9 +847,9 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
 
     # ---- state ----
 
-    def _new_state(self, p: torch.Tensor, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    def _new_state(self, p: torch.Tensor, cfg: Dict[str, Any], bits: Optional[int] = None) -> Dict[str, Any]:
         # The states live on the parameter's device (an initial value is encoded on the CPU: same codes).
-        bits = self._state_bits(p, cfg)
+        bits = self._state_bits(p, cfg) if bits is None else bits
         init = self._initial_value(cfg)
         dev = p.device
         values = torch.full((p.numel(),), init, dtype=torch.float32) if init != 0.0 else None
@@ -895,18 +909,80 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                     if group_hyper is None:
                         group_hyper = self._hyper(self._config(group, p, {}))
                     hyper = group_hyper
-                if not self._step_planned(p, grad, hyper, streams):
+                if is_dtensor(p):
+                    self._step_dtensor(p, grad, group, over, hyper, gi, pi, streams)
+                elif not self._step_planned(p, grad, hyper, streams):
                     self._step_param(p, group, over, hyper, gi, pi)
         return loss
 
-    def _step_planned(self, p: torch.Tensor, grad: torch.Tensor, hyper, streams: Dict[torch.device, int]) -> bool:
+    def _step_dtensor(self, p: torch.Tensor, grad: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int,
+                      pi: int, streams: Dict[torch.device, int]) -> None:
+        """DTensor p's step (zero8.optim.dtensor): its local shard and its gradient's, with the local shards of
+        its states (a view of its state dict, made again when a load replaces the states)."""
+        name = f"param_groups[{gi}]['params'][{pi}]{_named(group, pi)}"
+        self._check_dtensor_param(p, name)
+        if not is_dtensor(grad) or grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
+            got = f"placements {tuple(grad.placements)}" if is_dtensor(grad) else "a plain tensor"
+            raise Zero8ValueError(f"{name}.grad is {got}; its DTensor parameter has placements {tuple(p.placements)}: "
+                                  f"the gradient must be sharded as the parameter is (FSDP2 reduces it so)")
+        state = self.state[p]
+        if not state:
+            state.update(self._new_dtensor_state(p, self._config(group, p, over), name))
+        view = self._local_view(p, state)
+        view["step"] = state["step"]
+        lp, lg = _dt.local(p), _dt.local(grad)
+        if not self._step_planned(lp, lg, hyper, streams, view):
+            self._step_param(lp, group, over, hyper, gi, pi, grad=lg, state=view, owner=p)
+        state["step"] = view["step"]
+
+    def _local_view(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
+        """DTensor p's state with each DTensor replaced by its local shard (what the kernel steps); kept while
+        the state's tensors are the same objects."""
+        tensors = tuple(state.get(k) for k in _STATE_TENSORS)
+        held = self._views.get(id(p))
+        if held is not None and held[0] is p and all(a is b for a, b in zip(held[1], tensors)):
+            return held[2]
+        view = {k: _dt.local(v) if is_dtensor(v) else v for k, v in state.items()}
+        self._views[id(p)] = (p, tensors, view)
+        return view
+
+    def _new_dtensor_state(self, p: torch.Tensor, cfg: Dict[str, Any], name: str) -> Dict[str, Any]:
+        """A new state of DTensor p: its local shard's, as DTensors (zero8.optim.dtensor)."""
+        bits = self._state_bits(p, cfg)
+        if bits == 32 and cfg["optim_bits"] == 8 and p.numel() >= cfg["min_8bit_size"]:
+            # stacklevel: the caller of step(), through torch's no_grad and step-hook wrappers.
+            warnings.warn(f"{name} (shape {tuple(p.shape)}) keeps 32-bit optimizer states: 8-bit states of a DTensor "
+                          f"parameter need at least 2 dimensions and a last one that is a multiple of block_size "
+                          f"({cfg['block_size']}), so that resharding keeps their blocks", stacklevel=6)
+        if bits == 8:
+            _dt.check_grid(p, cfg["block_size"], name)
+        state = self._new_state(_dt.local(p), cfg, bits)
+        return self._as_dtensor_state(p, state, cfg["block_size"] if bits == 8 else 0)
+
+    @staticmethod
+    def _as_dtensor_state(p: torch.Tensor, state: Dict[str, Any], block: int) -> Dict[str, Any]:
+        """The local state of DTensor p's shard as DTensors: the states and master with p's shape, the block
+        scales with absmax_shape's (block: of the 8-bit states, 0 for 32-bit ones)."""
+        lp = _dt.local(p)
+        out = dict(state)
+        for key, v in state.items():
+            if key.startswith("absmax"):
+                out[key] = _dt.wrap(v.reshape(_dt.absmax_shape(lp.shape, block)), p, _dt.absmax_shape(p.shape, block))
+            elif key in _STATE_TENSORS:
+                out[key] = _dt.wrap(v.reshape(lp.shape), p)
+        out[_dt.BLOCK_KEY] = block
+        return out
+
+    def _step_planned(self, p: torch.Tensor, grad: torch.Tensor, hyper, streams: Dict[torch.device, int],
+                      state: Optional[Dict[str, Any]] = None) -> bool:
         """p's step by its _Plan, when it has one that still holds and the gradient passes _step_param's checks
         (dense, contiguous, on p's device, p's shape, a float dtype); else False, with nothing done, and
-        _step_param checks and steps in full (and raises, naming what is wrong)."""
+        _step_param checks and steps in full (and raises, naming what is wrong). `state`: p's (a DTensor's
+        local view), by default self.state's."""
         plan = self._plans.get(id(p))
         if plan is None:
             return False
-        state = self.state.get(p)
+        state = self.state.get(p) if state is None else state
         code = float_code(grad.dtype)
         if (code is None or grad.layout is not torch.strided or not plan.holds(p, state)
                 or grad.device != plan.device or grad.shape != p.shape or not grad.is_contiguous()):
@@ -943,14 +1019,18 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                 or (rec[3] is not None and _snapshot(work) != rec[3])):
             _reseed_master(p, master)
 
-    def _step_param(self, p: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int, pi: int) -> None:
+    def _step_param(self, p: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int, pi: int,
+                    grad: Optional[torch.Tensor] = None, state: Optional[Dict[str, Any]] = None,
+                    owner: Optional[torch.Tensor] = None) -> None:
+        """p's checked step. For a DTensor parameter `owner`, p and grad are the local shards and state the local
+        view of owner's state (which exists); by default p.grad and self.state[p]."""
         name = f"param_groups[{gi}]['params'][{pi}]{_named(group, pi)}"
-        check_not_dtensor(p, name, _DTENSOR_WHY)  # made one after the optimizer was (not seen by _check_group)
+        owner = p if owner is None else owner  # what the configuration is looked up by
         if p.dtype not in FLOAT_DTYPES:  # accepted frozen (_check_group), and now it has a gradient
             raise Zero8ValueError(f"{name} has dtype {p.dtype} and a gradient; zero8 optimizers step float32, "
                                   f"bfloat16 or float16 parameters (one of another dtype is accepted only while "
                                   f"it has no gradient)")
-        grad = p.grad
+        grad = p.grad if grad is None else grad
         if grad.layout != torch.strided:
             raise Zero8ValueError(f"{name} (shape {tuple(p.shape)}) has a sparse gradient; zero8 optimizers "
                                   f"take dense gradients (e.g. nn.Embedding(sparse=False))")
@@ -966,10 +1046,10 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         if not grad.is_contiguous():
             grad = grad.contiguous()
 
-        state = self.state[p]
+        state = self.state[p] if state is None else state
         fresh = len(state) == 0
         if fresh:
-            state.update(self._new_state(p, self._config(group, p, over)))
+            state.update(self._new_state(p, self._config(group, owner, over)))
         n = p.numel()
         s1 = state["state1"]
         if s1.numel() != n:
@@ -979,7 +1059,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         if master is not None and p.dtype == torch.float32:
             raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state has a float32 master copy (was "
                                   f"the parameter's dtype changed after its first step?)")
-        if master is None and p.dtype != torch.float32 and self._config(group, p, over)["master_weights"]:
+        if master is None and p.dtype != torch.float32 and self._config(group, owner, over)["master_weights"]:
             raise Zero8ValueError(f"{name} is {p.dtype} but its optimizer state lacks the float32 master copy "
                                   f"that master_weights=True asks for (was the parameter's dtype changed after "
                                   f"its first step, or master_weights set after it? It is decided then)")
@@ -1155,7 +1235,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             # The parameter stays the truth: without a record, the next step compares all its elements with
             # the rounding of the loaded master and re-seeds those that differ (weights loaded into the model
             # before this win, as in torch; the same checkpoint's weights keep the exact masters).
-            self._synced.pop(id(p), None)
+            self._synced.pop(id(_dt.local(p) if is_dtensor(p) else p), None)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -1188,8 +1268,12 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             new_groups.append(new)
         return new_groups
 
-    def _load_param_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any],
-                          where: str) -> Dict[str, Any]:
+    def _load_param_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any], where: str,
+                          bits: Optional[int] = None) -> Dict[str, Any]:
+        """Parameter p's state from a saved one (bits: 8 or 32 as decided for the parameter; by default
+        _state_bits(p, cfg)). A DTensor's goes through _load_dtensor_state."""
+        if is_dtensor(p):
+            return self._load_dtensor_state(p, saved, cfg, where)
         if p.dtype not in FLOAT_DTYPES:
             raise Zero8ValueError(f"{where} is a state of a parameter of dtype {p.dtype}, which zero8 optimizers "
                                   f"do not step (float32, bfloat16 or float16)")
@@ -1203,7 +1287,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             step = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
             if step < 0:
                 raise Zero8ValueError(f"{where}: step {step} < 0")
-        bits = self._state_bits(p, cfg)
+        bits = self._state_bits(p, cfg) if bits is None else bits
         fresh = None
         out: Dict[str, Any] = {"step": step}
         block = cfg["block_size"]
@@ -1212,7 +1296,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             found = self._saved_state(saved, i, n, where)
             if found is None:  # not saved (torch's SGD without momentum): start fresh
                 if fresh is None:
-                    fresh = self._new_state(p, cfg)
+                    fresh = self._new_state(p, cfg, bits)
                 for k in (f"state{i}", f"absmax{i}", f"qmap{i}"):
                     if k in fresh:
                         out[k] = fresh[k]
@@ -1255,6 +1339,67 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                             else value.to(p.device))
         return out  # other saved keys (bitsandbytes' unorm_vec, torch's max_exp_avg_sq; a master under
         # master_weights=False, the parameter being the truth) have no use here
+
+    def _load_dtensor_state(self, p: torch.Tensor, saved: Dict[str, Any], cfg: Dict[str, Any],
+                            where: str) -> Dict[str, Any]:
+        """DTensor p's state from a saved one: its states as DTensors (torch.distributed.checkpoint's sharded
+        state dicts, redistributed where their placements differ) or whole tensors (a full state dict: a plain
+        zero8, bitsandbytes or torch.optim state, or a DTensor state gathered), cut to this rank's shard and
+        loaded by _load_param_state's rules for the local shard; 8-bit codes whose blocks do not lie on this
+        layout are decoded first (zero8.optim.dtensor)."""
+        self._check_dtensor_param(p, where)
+        saved = dict(saved)
+        if isinstance(saved.get(_BNB_WRAPPER_KEY), dict):
+            saved.update(saved.pop(_BNB_WRAPPER_KEY))
+        self._check_saved_states(saved, where)
+        bits, block = self._state_bits(p, cfg), cfg["block_size"]
+        if bits == 8:
+            _dt.check_grid(p, block, where)
+        tag = saved.pop(_dt.BLOCK_KEY, None)
+        shaped = ("state1", "state2", "master") + self._TORCH_STATE_KEYS  # tensors of the parameter's shape
+        local: Dict[str, Any] = {}
+        for key, v in saved.items():
+            if key not in shaped or not isinstance(v, torch.Tensor):
+                if not key.startswith("absmax"):  # cut with their codes
+                    local[key] = v  # step, qmaps (whole on every rank), keys a load does not read
+                continue
+            if key in ("state1", "state2") and v.dtype == torch.uint8:
+                local.update(self._local_codes(p, saved, int(key[-1]), block, where))
+                continue
+            if tag and key in ("state1", "state2"):
+                raise Zero8ValueError(
+                    f"{where}: {key} was saved as 8-bit codes in blocks of {tag} but arrives as {v.dtype}: "
+                    f"torch.distributed.checkpoint copies a checkpoint's tensors into this optimizer's own states, "
+                    f"which are {bits}-bit{f' in blocks of {block}' if bits == 8 else ''} here, and cannot "
+                    f"convert them. Load with the optim_bits, block_size and min_8bit_size of the run that saved "
+                    f"it, or through a full state dict (StateDictOptions(full_state_dict=True))")
+            local[key] = _dt.local_of(v, p, p.shape, f"{where}: {key}")
+        out = self._load_param_state(_dt.local(p), local, cfg, where, bits)
+        return self._as_dtensor_state(p, out, block if bits == 8 else 0)
+
+    def _local_codes(self, p: torch.Tensor, saved: Dict[str, Any], i: int, block: int, where: str) -> Dict[str, Any]:
+        """This rank's part of DTensor p's saved 8-bit state i: its codes and block scales when they lie on the
+        layout of zero8.optim.dtensor in blocks of `block`, else its float32 values (decoded locally when the
+        saved blocks lie on the parameter's last dimension, else from the whole tensor)."""
+        codes, absmax = saved[f"state{i}"], saved.get(f"absmax{i}")
+        if not isinstance(absmax, torch.Tensor):
+            raise Zero8ValueError(f"{where}: state{i} holds 8-bit codes but absmax{i} is missing")
+        qmap = saved.get(f"qmap{i}")
+        qmap = _map(self._state_map(i)) if qmap is None else qmap.detach().to("cpu", torch.float32).reshape(-1)
+        lp = _dt.local(p)
+        saved_block = _infer_block(p.numel(), absmax.numel(), f"{where}: absmax{i}")
+        if _dt.eight_bit_fits(p, saved_block) and _dt.grid_error(p, saved_block, where) is None:
+            c = _dt.local_of(codes, p, p.shape, f"{where}: state{i}")
+            a = _dt.local_of(absmax, p, _dt.absmax_shape(p.shape, saved_block), f"{where}: absmax{i}").reshape(-1)
+            if saved_block == block:  # kept as they are where the maps agree (_load_param_state)
+                return {f"state{i}": c, f"absmax{i}": a, f"qmap{i}": qmap}
+            values = qmap.to(c.device)[c.reshape(-1).long()] * a.repeat_interleave(saved_block)[:c.numel()]
+            return {f"state{i}": values.reshape(lp.shape)}
+        # Blocks across the shards (a whole-tensor state of a parameter whose last dimension is not a multiple of
+        # its block): decoded whole (a DTensor gathered: every rank loads the same parameters in the same order).
+        full = [t.full_tensor() if is_dtensor(t) else t for t in (codes, absmax)]
+        values = _decode(full[0].cpu(), full[1].cpu(), qmap, p.numel(), f"{where}: absmax{i}")
+        return {f"state{i}": _dt.local_of(values, p, p.shape, f"{where}: state{i}")}
 
     def _saved_state(self, saved: Dict[str, Any], i: int, n: int, where: str):
         """State i of a saved parameter state as (codes, absmax, qmap, None) for 8-bit codes (a missing

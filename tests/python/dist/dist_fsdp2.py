@@ -1,0 +1,272 @@
+"""zero8.optim under FSDP2 (``fully_shard``) on K ranks, run by test_optim_fsdp2.py as ``torchrun --nproc_per_node K
+python3 -m pytest tests/python/dist/dist_fsdp2.py`` (gloo on the CPU; NCCL on one GPU with ZERO8_FSDP2_DEVICE=cuda).
+
+Every rank trains the same batches, so FSDP2's reduce-scatter hands each rank its shard of the whole gradient
+(times K divided by K, which the reference repeats) and the sharded optimizer can be compared bit for bit with
+the same optimizer stepping the unsharded model, which every rank runs itself: the parameters and the gathered
+states (codes and block scales) must be equal. Checkpoints go through torch.distributed.checkpoint: saved at K
+ranks into $ZERO8_FSDP2_CKPT/w<K>, and every checkpoint another world size saved there earlier is loaded here
+(resharded) and must continue as the reference does.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import zero8
+import zero8.optim as zo
+
+torch.set_num_threads(1)
+DEVICE = os.environ.get("ZERO8_FSDP2_DEVICE", "cpu")
+if DEVICE == "cuda":
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+RANK, K = dist.get_rank(), dist.get_world_size()
+MESH = init_device_mesh(DEVICE, (K,))
+CKPT = Path(os.environ["ZERO8_FSDP2_CKPT"]) if os.environ.get("ZERO8_FSDP2_CKPT") else None
+UNALIGNED = "3.weight"  # shape (512, 300): its last dimension is not a multiple of the block, so 32-bit states
+
+
+def make_model(dtype=torch.float32) -> torch.nn.Sequential:
+    """Shapes for each case of the layout: blocks along a last dimension of whole blocks (0, 2), rows that K
+    ranks split unevenly, some with none at K = 4 (4: 5 rows), a last dimension of 300 (3: 32-bit states), and
+    1-dimensional biases (32-bit below min_8bit_size)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 768), torch.nn.GELU(), torch.nn.Linear(768, 300),
+                               torch.nn.Linear(300, 512), torch.nn.Linear(512, 5)).to(DEVICE, dtype)
+
+
+def sharded(model: torch.nn.Sequential) -> torch.nn.Sequential:
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=MESH)
+    fully_shard(model, mesh=MESH)
+    return model
+
+
+def make_opt(cls, model, reference: bool = False, **kw):
+    opt = cls(model.parameters(), **kw)
+    if reference:  # the unsharded reference keeps for this tensor what the sharded optimizer does
+        opt.override_config(dict(model.named_parameters())[UNALIGNED], optim_bits=32)
+    return opt
+
+
+def train(model, opt, steps, world: int, dtype=torch.float32, reference: bool = False) -> None:
+    """Steps on the same batches on every rank; the unsharded reference's gradient is multiplied and divided by
+    the world size as FSDP2's reduce-scatter of K equal gradients computes it (for gloo: a sum then one
+    division; exact for 2 and 4, rounded for 3)."""
+    for step in steps:
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(16, 512, generator=g).to(DEVICE, dtype)
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        if reference:
+            for p in model.parameters():
+                p.grad.mul_(world).div_(world)
+        opt.step()
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def mismatches(model, opt, ref, ropt) -> list:
+    """Names of the parameters whose values, or whose optimizer states gathered, differ from the reference's."""
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        st, rs = opt.state[p], ropt.state[q]
+        same = torch.equal(full(p.detach()), q.detach()) and st["step"] == rs["step"]
+        for key in ("state1", "state2", "absmax1", "absmax2", "master"):
+            if (key in st) != (key in rs):
+                same = False
+            elif key in st:
+                same = same and torch.equal(full(st[key]).reshape(-1), rs[key].reshape(-1))
+        if not same:
+            bad.append(name)
+    return bad
+
+
+CASES = [(zo.AdamW8bit, {"lr": 1e-2, "min_8bit_size": 1024}, torch.float32),
+         (zo.AdamW8bit, {"lr": 1e-2, "min_8bit_size": 1024}, torch.bfloat16),  # float32 masters as DTensors
+         (zo.Lion8bit, {"lr": 1e-3, "min_8bit_size": 1024, "block_size": 128}, torch.float32),
+         (zo.SGD8bit, {"lr": 1e-2, "momentum": 0.9, "min_8bit_size": 1024}, torch.float32),
+         (zo.AdamW32bit, {"lr": 1e-2}, torch.float32)]
+
+
+@pytest.mark.parametrize("cls, kw, dtype", CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+def test_sharded_steps_equal_the_whole_tensors(cls, kw, dtype):
+    """FSDP2's shards step to the bits of the unsharded parameters, the states with them (8-bit ones on the
+    parameter's own block grid, so gathered they are the whole tensor's codes and scales); the one tensor
+    whose last dimension is not whole blocks keeps 32-bit states and says so."""
+    ref, model = make_model(dtype), sharded(make_model(dtype))
+    ropt = make_opt(cls, ref, True, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = make_opt(cls, model, **kw)
+        train(model, opt, range(3), K, dtype)
+    train(ref, ropt, range(3), K, dtype, reference=True)
+    assert mismatches(model, opt, ref, ropt) == []
+    p = dict(model.named_parameters())
+    eight = opt.optim_bits == 8
+    assert (opt.state[p["0.weight"]]["state1"].dtype == torch.uint8) == eight
+    assert opt.state[p[UNALIGNED]]["state1"].dtype == torch.float32
+    assert opt.state[p["0.weight"]]["zero8_block"] == (opt.block_size if eight else 0)
+    said = [str(w.message) for w in caught if "keeps 32-bit optimizer states" in str(w.message)]
+    assert len(said) == (1 if eight else 0) and "(shape (512, 300))" in said[0] if eight else not said, said
+
+
+def test_dcp_checkpoints_resume_bit_exactly_at_any_world_size():
+    """torch.distributed.checkpoint saves the states sharded (get_state_dict / dcp.save); a load at this world
+    size of a checkpoint saved at another (set_state_dict / dcp.load) continues as the unsharded reference
+    does, bit for bit."""
+    if CKPT is None:
+        pytest.skip("ZERO8_FSDP2_CKPT names no checkpoint folder (test_optim_fsdp2.py sets one)")
+    kw = {"lr": 1e-2, "min_8bit_size": 1024}
+    model = sharded(make_model())
+    opt = make_opt(zo.AdamW8bit, model, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, opt, range(3), K)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(CKPT / f"w{K}"))
+    dist.barrier()
+    bad = {}
+    for saved in sorted(CKPT.glob("w*")):
+        world = int(saved.name[1:])
+        model = sharded(make_model())
+        opt = make_opt(zo.AdamW8bit, model, **kw)
+        msd, osd = get_state_dict(model, opt)  # its template: states made by one step at lr 0
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(saved))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        ref = make_model()
+        ropt = make_opt(zo.AdamW8bit, ref, True, **kw)
+        train(ref, ropt, range(3), world, reference=True)
+        train(ref, ropt, range(3, 5), K, reference=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            train(model, opt, range(3, 5), K)
+        bad[world] = mismatches(model, opt, ref, ropt)
+    assert len(bad) >= 1 and all(v == [] for v in bad.values()), bad
+
+
+def test_a_dcp_load_into_another_layout_is_refused_by_name():
+    """A checkpoint of 8-bit states loaded where the optimizer keeps 32-bit ones: DCP copies the codes into the
+    32-bit states as numbers, and the load names the state and the remedy instead of training on them."""
+    if CKPT is None:
+        pytest.skip("ZERO8_FSDP2_CKPT names no checkpoint folder (test_optim_fsdp2.py sets one)")
+    saved = CKPT / f"w{K}"
+    if not saved.exists():
+        pytest.skip("runs after test_dcp_checkpoints_resume_bit_exactly_at_any_world_size, which saves")
+    model = sharded(make_model())
+    opt = zo.AdamW32bit(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=str(saved))
+    with pytest.raises(zero8.Zero8ValueError, match=r"state1 was saved as 8-bit codes in blocks of 256 but arrives "
+                                                    r"as torch.float32.*optim_bits, block_size and min_8bit_size"):
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def test_full_state_dicts_move_between_sharded_and_whole_tensors():
+    """A full optimizer state dict (StateDictOptions(full_state_dict=True): the states gathered) loads into the
+    optimizer of the unsharded model, and the unsharded optimizer's state dict loads into the sharded one
+    (each rank cuts its shard), both bit for bit: training goes on as the reference does."""
+    kw = {"lr": 1e-2, "min_8bit_size": 1024}
+    model = sharded(make_model())
+    opt = make_opt(zo.AdamW8bit, model, **kw)
+    ref = make_model()
+    ropt = make_opt(zo.AdamW8bit, ref, True, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, opt, range(3), K)
+    train(ref, ropt, range(3), K, reference=True)
+    names = [n for n, _ in ref.named_parameters()]
+    gathered = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    whole = make_model()
+    whole.load_state_dict(ref.state_dict())
+    wopt = make_opt(zo.AdamW8bit, whole, True, **kw)
+    wopt.load_state_dict({"state": {names.index(k): v for k, v in gathered["state"].items()},
+                          "param_groups": [dict(gathered["param_groups"][0], params=list(range(len(names))))]})
+    # The other way: the reference's state dict (parameters by index) into a new sharded optimizer, directly
+    # and through set_optimizer_state_dict (FQNs, full_state_dict).
+    back = sharded(make_model())
+    set_model_state_dict(back, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    bopt = make_opt(zo.AdamW8bit, back, **kw)
+    bopt.load_state_dict(ropt.state_dict())
+    via = sharded(make_model())
+    set_model_state_dict(via, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    vopt = make_opt(zo.AdamW8bit, via, **kw)
+    fqn_sd = ropt.state_dict()
+    fqn_sd = {"state": {names[i]: v for i, v in fqn_sd["state"].items()},
+              "param_groups": [dict(fqn_sd["param_groups"][0], params=names)]}
+    set_optimizer_state_dict(via, vopt, fqn_sd, options=StateDictOptions(full_state_dict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m, o in ((whole, wopt), (back, bopt), (via, vopt)):
+            train(m, o, range(3, 5), K, reference=m is whole)
+    train(ref, ropt, range(3, 5), K, reference=True)
+    assert mismatches(whole, wopt, ref, ropt) == []
+    assert mismatches(back, bopt, ref, ropt) == []
+    assert mismatches(via, vopt, ref, ropt) == []
+
+
+@pytest.mark.parametrize("block", [256, 128])
+def test_states_of_another_layout_convert_as_for_whole_tensors(block):
+    """A whole-tensor state dict whose blocks are not this optimizer's (another block size; and 8-bit states of
+    the (512, 300) weight in flat blocks that straddle its rows, which the sharded optimizer keeps 32-bit) loads
+    into the sharded optimizer as into the unsharded one: decoded (locally where the saved blocks lie on the
+    rows, else whole) and encoded again, to the same bits."""
+    kw = {"lr": 1e-2, "min_8bit_size": 1024}
+    ref = make_model()
+    ropt = make_opt(zo.AdamW8bit, ref, **kw)  # no override: 8-bit states for all of its 2-d tensors
+    train(ref, ropt, range(3), K, reference=True)
+    saved = ropt.state_dict()
+    model = sharded(make_model())
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    opt = make_opt(zo.AdamW8bit, model, block_size=block, **kw)
+    opt.load_state_dict(saved)
+    whole = make_model()
+    whole.load_state_dict(ref.state_dict())
+    wopt = make_opt(zo.AdamW8bit, whole, True, block_size=block, **kw)
+    wopt.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, opt, range(3, 5), K)
+    train(whole, wopt, range(3, 5), K, reference=True)
+    assert mismatches(model, opt, whole, wopt) == []
+    assert opt.state[dict(model.named_parameters())[UNALIGNED]]["state1"].dtype == torch.float32
+
+
+def test_a_torch_adamw_state_loads_quantized():
+    """torch.optim.AdamW's state dict (exp_avg, exp_avg_sq of the whole tensors) loads into the sharded 8-bit
+    optimizer as into the unsharded one: each rank quantizes its shard, on the parameter's block grid."""
+    kw = {"lr": 1e-2, "min_8bit_size": 1024}
+    ref = make_model()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    train(ref, topt, range(3), K, reference=True)
+    model = sharded(make_model())
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    opt = make_opt(zo.AdamW8bit, model, **kw)
+    opt.load_state_dict(topt.state_dict())
+    whole = make_model()
+    whole.load_state_dict(ref.state_dict())
+    wopt = make_opt(zo.AdamW8bit, whole, True, **kw)
+    wopt.load_state_dict(topt.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, opt, range(3, 5), K)
+    train(whole, wopt, range(3, 5), K, reference=True)
+    assert mismatches(model, opt, whole, wopt) == []
+    assert opt.state[dict(model.named_parameters())["0.weight"]]["state1"].dtype == torch.uint8

@@ -1,0 +1,50 @@
+"""zero8.optim's optimizers on FSDP2's sharded parameters (DTensors; zero8/optim/dtensor.py), on real ranks:
+dist/dist_fsdp2.py under torchrun at 2 ranks, then at 3 (uneven shards; the checkpoints of 2 ranks loaded at
+3) over gloo, and on one GPU over NCCL. The single-process checks (refusals, messages) are in test_optim.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from mpirun_util import ROOT, pytest_under_launcher, torchrun_cmd, torchrun_env
+
+pytestmark = pytest.mark.slow  # conftest.py starts such files first
+
+
+def test_fsdp2_on_2_then_3_ranks(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    collected = {}
+    for np in (2, 3):
+        collected[np] = pytest_under_launcher(np, "dist_fsdp2.py", tmp_path / f"np{np}", timeout=420,
+                                              launcher="torchrun", ZERO8_FSDP2_CKPT=str(ckpt))
+    assert collected == {2: 11, 3: 11}
+    assert sorted(p.name for p in ckpt.iterdir()) == ["w2", "w3"]
+
+
+@pytest.mark.cuda
+def test_fsdp2_on_one_gpu(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert pytest_under_launcher(1, "dist_fsdp2.py", tmp_path / "np1", timeout=300, launcher="torchrun",
+                                 ZERO8_FSDP2_CKPT=str(ckpt), ZERO8_FSDP2_DEVICE="cuda") == 11
+
+
+def test_the_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/bench_fsdp2.py at a tiny size (a behaviour check, not a timing): its JSON has every optimizer,
+    and the 8-bit states take about a quarter of torch's bytes."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run(torchrun_cmd(2) + [str(ROOT / "benchmarks" / "bench_fsdp2.py"), "--dim", "256", "--layers", "1",
+                                          "--rounds", "1", "--json-out", str(out)],
+                       cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    rows = {row["optimizer"]: row for row in report["rows"]}
+    assert set(rows) == {"zero8 AdamW8bit", "torch AdamW (foreach)", "torch AdamW (fused)"}
+    assert report["world"] == 2 and report["params"] == 2 * 256 * 1024 + 1024 + 256
+    ratio = rows["zero8 AdamW8bit"]["state_bytes_per_rank"] / rows["torch AdamW (fused)"]["state_bytes_per_rank"]
+    assert 0.25 < ratio < 0.27, ratio  # 2.03 of 8 bytes per parameter, the biases' 8 bytes besides
+    assert all(row["step_ms"] > 0 for row in rows.values())
