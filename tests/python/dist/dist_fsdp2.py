@@ -270,3 +270,24 @@ def test_a_torch_adamw_state_loads_quantized():
     train(whole, wopt, range(3, 5), K, reference=True)
     assert mismatches(model, opt, whole, wopt) == []
     assert opt.state[dict(model.named_parameters())["0.weight"]]["state1"].dtype == torch.uint8
+
+
+def test_hsdp_on_a_2d_mesh():
+    """HSDP (fully_shard on a 2-d mesh: replicated over the first dimension, sharded over the second) gives
+    placements (Replicate(), Shard(0)); the states take them too and step to the unsharded bits."""
+    mesh = init_device_mesh(DEVICE, (1, K), mesh_dim_names=("replicate", "shard"))
+    ref, model = make_model(), make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    kw = {"lr": 1e-2, "min_8bit_size": 1024}
+    ropt = make_opt(zo.AdamW8bit, ref, True, **kw)
+    opt = make_opt(zo.AdamW8bit, model, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, opt, range(3), K)
+    train(ref, ropt, range(3), K, reference=True)
+    assert mismatches(model, opt, ref, ropt) == []
+    st = opt.state[dict(model.named_parameters())["0.weight"]]
+    assert [type(pl).__name__ for pl in st["absmax1"].placements] == ["Replicate", "Shard"]
