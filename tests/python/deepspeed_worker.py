@@ -66,6 +66,8 @@ def ds_config(stage: int, bf16: bool, universal: bool = False) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if stage == 3:  # several sub-groups per param group, each stepped as a partition of its own
+        cfg["zero_optimization"]["sub_group_size"] = 40000
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -100,29 +102,47 @@ def base_opt(engine):
     return engine.optimizer.optimizer  # DeepSpeed's ZeRO wrapper -> the client optimizer
 
 
+def flat_partitions(ds_optimizer) -> list:
+    """The flat fp32 partitions DeepSpeed steps its client optimizer on: one per param group under ZeRO 1/2; under
+    ZeRO-3 one per sub-group, held outside the client's param groups (DeepSpeed puts them there only to step, save
+    and load them)."""
+    z3 = getattr(ds_optimizer, "fp32_partitioned_groups_flat", None)
+    return list(z3) if z3 is not None else [g["params"][0] for g in ds_optimizer.optimizer.param_groups]
+
+
+def numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # a ZeRO-3 parameter is empty outside its forward
+
+
 def layout_report(engine) -> dict:
     """Per rank: the 8-bit state bytes and elements, and every segment checked against the rules."""
     opt = base_opt(engine)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     embeddings = {id(w) for w in zero8.deepspeed.embedding_weights(engine.module)}
-    bytes8 = n8 = 0
+    bytes8 = n8 = segs8 = 0
     bad = []
-    for group in opt.param_groups:
-        flat = group["params"][0]
+    flats = flat_partitions(engine.optimizer)
+    # Each segment's elements of the partition must be the fp32 master's elements it claims (a collective).
+    full = {id(p): t.reshape(-1) for p, t in zip(engine.module.parameters(), fp32_weights(engine).values())}
+    for flat in flats:
         st = opt.state[flat]
         for s in opt.partition_segments(flat):
-            want = 8 if (s.param.numel() >= MIN_8BIT and id(s.param) not in embeddings and s.name != OVERRIDE) else 32
+            if not torch.equal(flat[s.start:s.start + s.numel], full[id(s.param)][s.offset:s.offset + s.numel]):
+                bad.append([s.name, "elements", s.start, s.offset, s.numel])
+            want = 8 if (numel(s.param) >= MIN_8BIT and id(s.param) not in embeddings and s.name != OVERRIDE) else 32
             if s.bits != want or s.name != names[id(s.param)]:
                 bad.append([s.name, s.bits, want])
             if s.bits == 8 and s.block != 256:
                 bad.append([s.name, "block", s.block])
+            segs8 += s.bits == 8
         if "state1" in st:
             n8 += st["state1"].numel()
             bytes8 += sum(st[k].numel() * st[k].element_size() for k in ("state1", "state2", "absmax1", "absmax2"))
         assert st[LAYOUT_KEY] == tuple(s.record() for s in opt.partition_segments(flat))
-    total8 = sum(p.numel() for n, p in engine.module.named_parameters()
-                 if p.numel() >= MIN_8BIT and id(p) not in embeddings and n != OVERRIDE)
-    return {"bytes8": bytes8, "n8": n8, "total8": total8, "bad": bad}
+    total8 = sum(numel(p) for n, p in engine.module.named_parameters()
+                 if numel(p) >= MIN_8BIT and id(p) not in embeddings and n != OVERRIDE)
+    return {"bytes8": bytes8, "n8": n8, "segs8": segs8, "total8": total8, "bad": bad, "partitions": len(flats),
+            "groups": len(opt.param_groups)}
 
 
 def gather(obj):
@@ -165,6 +185,7 @@ def main() -> None:
         elif sc == "resume":  # exact resume of zero8's checkpoint at the same world size
             e = engine_for("zero8", a.stage, a.bf16)
             e.load_checkpoint(ckpt, tag=f"global_step{SAVE_AT}")
+            res["resume_start"] = final_weights(e)
             res["resume_losses"] = train(e, SAVE_AT, STEPS)
             res["resume_final"] = final_weights(e)
         elif sc == "load_torch":  # torch's AdamW ZeRO checkpoint (same world size) into zero8: quantized
@@ -216,8 +237,8 @@ def hf_trainer(out_dir: str, stage: int) -> dict:
     out = trainer.train()
     opt = trainer.model_wrapped.optimizer.optimizer
     bits = {}
-    for group in opt.param_groups:
-        for s in opt.partition_segments(group["params"][0]):
+    for flat in flat_partitions(trainer.model_wrapped.optimizer):
+        for s in opt.partition_segments(flat):
             bits[s.name] = s.bits
     return {"class": f"{type(opt).__module__}.{type(opt).__name__}", "loss": out.training_loss,
             "groups": len(opt.param_groups), "bits": bits}

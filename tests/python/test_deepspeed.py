@@ -9,6 +9,7 @@ tests/python/deepspeed_worker.py; the checks are here. One module-scoped session
        Face Trainer with zero8 through optimizer_cls_and_kwargs.
   np2: the universal checkpoint of np1's zero8 checkpoint (1 -> 2 ranks), and of a zero8 engine checkpoint.
   np2: bfloat16 under ZeRO stage 1: zero8 and torch's AdamW, and the resume.
+  np2: ZeRO stage 3 (every parameter cut over the ranks): zero8 and torch's AdamW, the resume, the Trainer.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ def runs(tmp_path_factory):
                                 f"load_universal={tmp / 'uni_engine' / 'global_step2'}")
     (tmp / "bf16").mkdir()
     res["bf16"] = _launch(tmp / "bf16", 2, str(tmp / "bf16.json"), "--bf16", "--stage", "1", "train", "resume")
+    (tmp / "z3").mkdir()
+    res["z3"] = _launch(tmp / "z3", 2, str(tmp / "z3.json"), "--stage", "3", "train", "resume", "hf")
     res["tmp"] = tmp
     return res
 
 
-@pytest.mark.parametrize("run,bound", [("np2", LOSS_BOUND), ("bf16", LOSS_BOUND_BF16)])
+@pytest.mark.parametrize("run,bound", [("np2", LOSS_BOUND), ("bf16", LOSS_BOUND_BF16), ("z3", LOSS_BOUND)])
 def test_loss_tracks_torch_adamw(runs, run, bound):
     r = runs[run]
     z, t = r["zero8_losses"], r["torch_losses"]
@@ -110,17 +113,21 @@ def test_loss_tracks_torch_adamw(runs, run, bound):
     assert rel < bound, (z, t)
 
 
-@pytest.mark.parametrize("run", ["np2", "bf16"])
+@pytest.mark.parametrize("run", ["np2", "bf16", "z3"])
 def test_state_bytes_per_rank(runs, run):
     """The 8-bit part: 2.03 bytes per parameter, its elements split over the ranks (each rank holds its
-    partition's, none twice); every parameter's rule held on the flat partitions."""
+    partition's, none twice); every parameter's rule held on the flat partitions (ZeRO-3's sub-groups too)."""
     layout = runs[run]["layout"]
     assert all(not r["bad"] for r in layout), layout
+    if run == "z3":  # sub_group_size cuts the group into partitions stepped one by one
+        assert all(r["partitions"] > r["groups"] for r in layout), layout
     total = layout[0]["total8"]
     assert sum(r["n8"] for r in layout) == total
     for r in layout:
-        # a parameter cut by the partition boundary adds one block scale per state on each side
-        assert BYTES_8BIT * r["n8"] <= r["bytes8"] <= BYTES_8BIT * r["n8"] + 16
+        # a parameter cut by a partition boundary adds one block scale per state on each side: under ZeRO 1/2
+        # one parameter per boundary, under ZeRO-3 any
+        cuts = r["segs8"] if run == "z3" else 1
+        assert BYTES_8BIT * r["n8"] <= r["bytes8"] <= BYTES_8BIT * r["n8"] + 16 * cuts
     per_rank = sum(r["bytes8"] for r in layout) / len(layout)
     print(f"\n{run}: 8-bit state bytes per parameter by rank "
           f"{[round(r['bytes8'] / r['n8'], 4) for r in layout]}, elements {[r['n8'] for r in layout]} of {total}; "
@@ -128,7 +135,7 @@ def test_state_bytes_per_rank(runs, run):
     assert abs(per_rank / (total / len(layout)) - BYTES_8BIT) < 1e-3
 
 
-@pytest.mark.parametrize("run", ["np2", "bf16"])
+@pytest.mark.parametrize("run", ["np2", "bf16", "z3"])
 def test_resume_is_exact(runs, run):
     r = runs[run]
     assert r["resume_losses"] == r["zero8_losses"][SAVE_AT:]
@@ -179,8 +186,25 @@ def test_zero8_engine_checkpoint_exports_to_universal(runs):
     assert r == {"worst": 0.0, "step": 2, "aliases": True}
 
 
-def test_hugging_face_trainer_under_deepspeed(runs):
-    hf = runs["np1"]["hf"]
+def test_zero3_checkpoint_of_zero8_gives_its_weights_to_zero_to_fp32(runs):
+    """DeepSpeed's zero_to_fp32 reads a ZeRO-3 checkpoint whose optimizer was zero8's: the fp32 weights the
+    resumed engine started from. zero8.deepspeed's converters, which map ZeRO stage 1/2 partitions, refuse it by
+    name."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    ckpt = runs["tmp"] / "z3" / "zero8_np2"
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=f"global_step{SAVE_AT}")
+    start = runs["z3"]["resume_start"]
+    assert {n: float(sd[n].detach().double().norm()) for n in start} == start
+    for convert in (zero8.deepspeed.read_checkpoint, lambda d: zero8.deepspeed.to_universal(d, runs["tmp"] / "z3u")):
+        with pytest.raises(zero8.Zero8ValueError, match="a DeepSpeed ZeRO-3 checkpoint; .* reads ZeRO stage 1/2"):
+            convert(ckpt / f"global_step{SAVE_AT}")
+
+
+@pytest.mark.parametrize("run", ["np1", "z3"])
+def test_hugging_face_trainer_under_deepspeed(runs, run):
+    """The Trainer with zero8's optimizer (optimizer_cls_and_kwargs) under ZeRO-2 on 1 rank and ZeRO-3 on 2: the
+    per-parameter rules hold on DeepSpeed's partitions."""
+    hf = runs[run]["hf"]
     assert hf["class"] == "zero8.deepspeed.optimizer.AdamW8bit"
     assert hf["groups"] == 2  # the Trainer's weight-decay groups
     assert hf["bits"]["transformer.wte.weight"] == 32 and hf["bits"]["transformer.wpe.weight"] == 32

@@ -7,7 +7,7 @@ ways, and the Hugging Face Trainer recipe (docs/DEEPSPEED.md)::
     python -m zero8.deepspeed to-universal <checkpoint tag> <output tag>     # for ds_to_universal's loads
 
 - ``optimizer`` / ``optimizer_class``: zero8.optim's classes with the model's names and the embedding rule.
-  Under ZeRO stage 1/2 every zero8.optim optimizer steps DeepSpeed's flat partitions by parameter
+  Under ZeRO stage 1, 2 and 3 every zero8.optim optimizer steps DeepSpeed's flat partitions by parameter
   (zero8.optim.partition): per-parameter ``min_8bit_size``, overrides, blocks on parameter boundaries.
 - ``trainer_optimizer_cls_and_kwargs``: ``optimizer_cls_and_kwargs=`` for the Hugging Face Trainer.
 - ``to_universal`` (zero8.deepspeed.universal): a DeepSpeed ZeRO checkpoint holding zero8's states, or a

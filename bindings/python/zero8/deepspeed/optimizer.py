@@ -87,7 +87,7 @@ def optimizer(module: torch.nn.Module, optimizer: Union[str, type] = "AdamW8bit"
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
 
     The config needs ``"zero_allow_untested_optimizer": true`` with ZeRO. kwargs are the class's
-    (``lr``, ``betas``, ``min_8bit_size``, ``block_size``...). Under ZeRO stage 1/2 each rank's flat
+    (``lr``, ``betas``, ``min_8bit_size``, ``block_size``...). Under ZeRO stage 1, 2 and 3 each rank's flat
     partition is stepped by parameter (zero8.optim.partition); names come from `module`, and with
     `fp32_embeddings` (default) every ``torch.nn.Embedding`` weight keeps 32-bit states."""
     if params is None:

@@ -354,6 +354,7 @@ def to_universal(input_path: str, output_dir: str, tag: Optional[str] = None, wo
     if os.path.exists(output_dir) and os.listdir(output_dir):
         raise Zero8ValueError(f"to_universal: {output_dir} exists and is not empty")
     if _optim_files(input_path):
+        _refuse_zero3(input_path, "to_universal")
         if tag is not None:
             raise Zero8ValueError("to_universal: tag is for a zero8 engine checkpoint; give a DeepSpeed checkpoint's "
                                   "tag directory itself")
@@ -370,6 +371,16 @@ def to_universal(input_path: str, output_dir: str, tag: Optional[str] = None, wo
 # ---------------------------------------------------------------------------------------------------
 # Reading a DeepSpeed checkpoint by parameter
 
+def _refuse_zero3(tag_dir: str, what: str) -> None:
+    """A ZeRO-3 checkpoint (each rank's model file, no mp_rank_00_model_states.pt) is refused by name: what reads
+    stage 1/2 checkpoints cannot map its per-rank pieces of every parameter."""
+    if not os.path.isfile(os.path.join(tag_dir, _MODEL_STATES)) and \
+            os.path.isfile(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")):
+        raise Zero8ValueError(f"{tag_dir}: a DeepSpeed ZeRO-3 checkpoint; {what} reads ZeRO stage 1/2 and universal "
+                              f"checkpoints. Resume it with DeepSpeed at the same world size (engine.load_checkpoint), "
+                              f"or take its fp32 weights with DeepSpeed's zero_to_fp32")
+
+
 def read_checkpoint(tag_dir: str, allow_pickle: bool = False) -> DeepSpeedStates:
     """The trained parameters of a DeepSpeed checkpoint tag directory, by name (see DeepSpeedStates): a ZeRO
     stage 1/2 checkpoint (every rank's optimizer file, states of torch's AdamW/Adam or of zero8) or a universal
@@ -380,6 +391,7 @@ def read_checkpoint(tag_dir: str, allow_pickle: bool = False) -> DeepSpeedStates
     model_states_path = os.path.join(tag_dir, _MODEL_STATES)
     if os.path.isfile(os.path.join(tag_dir, "zero", "optimizer_state.pt")):
         return _read_universal(tag_dir, model_states_path, allow_pickle)
+    _refuse_zero3(tag_dir, "read_checkpoint")
     files = _optim_files(tag_dir)
     if not files:
         raise Zero8IOError(f"{tag_dir}: not a DeepSpeed ZeRO stage 1/2 or universal checkpoint (no "

@@ -89,7 +89,7 @@ from .._tensors import (FLOAT_DTYPES, check_device, check_same_device, cuda_stre
                         is_dtensor, on_device)
 from . import _algos
 from . import dtensor as _dt
-from .partition import PartitionedStates
+from .partition import PartitionedStates, whole_numel
 
 __all__ = [
     "GlobalOptimManager",
@@ -813,9 +813,9 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
 
     def _state_bits(self, p: torch.Tensor, cfg: Dict[str, Any]) -> int:
         """8 or 32 for a new state of p: min_8bit_size is compared with the whole parameter's numel (a
-        DTensor's global one), and a DTensor's 8-bit states need a last dimension of whole blocks
+        DTensor's global one, a ZeRO-3 parameter's ds_numel), and a DTensor's 8-bit states need a last dimension of whole blocks
         (zero8.optim.dtensor)."""
-        if cfg["optim_bits"] == 8 and p.numel() >= cfg["min_8bit_size"]:
+        if cfg["optim_bits"] == 8 and whole_numel(p) >= cfg["min_8bit_size"]:
             return 8 if not is_dtensor(p) or _dt.eight_bit_fits(p, cfg["block_size"]) else 32
         return 32
 

@@ -27,6 +27,14 @@ torch's AdamW) and those of a zero8 optimizer that stepped the partition as one 
 segment. DeepSpeed's universal-checkpoint load writes torch's names into the state directly; they are
 quantized per segment at the next ``step()`` or ``state_dict()``.
 
+ZeRO-3 steps the client optimizer on one flat fp32 partition per sub-group of a param group (its params are
+empty otherwise), each holding the rank's piece of every parameter of the sub-group: elements
+``[rank * partition_numel(), ...)`` of each, laid end to end, the last rank's padded. Its parameters carry no
+``_hp_mapping``; the partition's ``ds_id`` ("<first>_<last>", the sub-group's first and last parameters'
+ds_ids) names the run of the group's parameters it holds, and each parameter's ``partition_numel()``,
+``ds_numel`` and partition rank give its piece (``_zero3_fragments``). Every parameter is cut between the
+ranks, so an 8-bit one's piece usually begins and ends inside a block, each end with a scale of its own.
+
 Limits: LAMB's and LARS's trust ratio is a norm over the parameter; for a parameter cut by a partition
 boundary it is taken over this rank's fragment (a warning names such parameters). ``master_weights``
 overrides do not apply (DeepSpeed keeps the fp32 masters; a warning names the tensor). DeepSpeed's
@@ -47,7 +55,7 @@ from .. import _C
 from .._C import Zero8ValueError
 from .._tensors import check_device, check_same_device, cuda_stream, dtype_code, on_device
 
-__all__ = ["LAYOUT_KEY", "PartitionedStates", "Segment", "decode_partition_state"]
+__all__ = ["LAYOUT_KEY", "PartitionedStates", "Segment", "decode_partition_state", "whole_numel"]
 
 LAYOUT_KEY = "zero8_segments"  # the partition state's layout record (see the module docstring)
 
@@ -109,6 +117,51 @@ def _hp_fragment(p: torch.Tensor):
         return None
     hp = m.get_hp_fragment_address()
     return int(hp.start), int(m.lp_fragment_address.start), int(hp.numel)
+
+
+def whole_numel(p: torch.Tensor) -> int:
+    """The elements of model parameter p: under ZeRO-3 its tensor is empty outside the forward and backward that
+    gather it, and ``ds_numel`` is its size."""
+    n = getattr(p, "ds_numel", None)
+    return int(n) if n is not None else p.numel()
+
+
+def _is_zero3_partition(p: torch.Tensor, params: list) -> bool:
+    """Whether p is ZeRO-3's fp32 partition of a sub-group of `params` (a group's own parameters): DeepSpeed
+    names it by the ds_ids of the sub-group's first and last parameters, "<first>_<last>"."""
+    ds_id = getattr(p, "ds_id", None)
+    return isinstance(ds_id, str) and any(hasattr(q, "ds_tensor") for q in params)
+
+
+def _zero3_fragments(p: torch.Tensor, params: list, where: str) -> list:
+    """((start in the partition, start in the parameter, numel), index, parameter) of each parameter fragment
+    in ZeRO-3's fp32 partition p: its sub-group is the run of the group's trainable parameters from the ds_id
+    before p.ds_id's "_" to the one after (DeepSpeed cuts a group's trainable parameters into sub-groups in
+    order), and each of them holds ``partition_numel()`` elements of the partition, the rank's piece of the
+    parameter from ``rank * partition_numel()`` (DeepSpeed partitions every parameter evenly, the last rank's
+    piece padded)."""
+    first, _, last = p.ds_id.partition("_")
+    index = {str(getattr(q, "ds_id", "")): i for i, q in enumerate(params)}
+    if first not in index or last not in index or index[first] > index[last]:
+        raise Zero8ValueError(f"{where}: DeepSpeed's ZeRO-3 partition names the parameters {p.ds_id!r} by ds_id, "
+                              f"which are not a run of this optimizer's parameter group")
+    found, start = [], 0
+    for i in range(index[first], index[last] + 1):
+        q = params[i]
+        if not q.requires_grad:
+            continue  # DeepSpeed partitions the trainable parameters only
+        size = int(q.partition_numel())
+        rank = int(q.ds_zero_partition_rank) if hasattr(q, "ds_zero_partition_rank") else \
+            torch.distributed.get_rank(group=q.ds_process_group)
+        offset = rank * size
+        numel = max(0, min(size, whole_numel(q) - offset))
+        if numel:
+            found.append(((start, offset, numel), i, q))
+        start += size
+    if start != p.numel():
+        raise Zero8ValueError(f"{where}: DeepSpeed's ZeRO-3 partition holds {p.numel()} elements, its parameters' "
+                              f"pieces {start}: the optimizer's parameter group is not the one DeepSpeed partitioned")
+    return found
 
 
 def decode_partition_state(state: Dict[str, Any], record, numel: int, num_states: int,
@@ -198,7 +251,8 @@ class PartitionedStates:
         if own is None:
             return lambda p: id(p) in partitions
         params, ids = own
-        return lambda p: id(p) in partitions or (id(p) not in ids and any(hasattr(q, "_hp_mapping") for q in params))
+        mapped = any(hasattr(q, "_hp_mapping") for q in params)
+        return lambda p: id(p) in partitions or (id(p) not in ids and (mapped or _is_zero3_partition(p, params)))
 
     def _partition(self, p: torch.Tensor, group: dict, gi: int) -> _Partition:
         """The segments of partition p (made once: DeepSpeed's mapping and the parameters' configs are read
@@ -208,7 +262,9 @@ class PartitionedStates:
             return part
         own = self._model_params_of(group)[0]
         found = []
-        for i, q in enumerate(own):
+        if _is_zero3_partition(p, own):
+            found = _zero3_fragments(p, own, f"param_groups[{gi}]")
+        for i, q in enumerate(own if not found else ()):
             if not q.requires_grad:
                 continue  # DeepSpeed does not partition frozen parameters
             try:
@@ -225,11 +281,11 @@ class PartitionedStates:
         trust = self._trust_ratio()
         for (start, offset, numel), i, q in found:
             name = self._param_name(q, group, i)
-            if start < end or start + numel > p.numel() or offset + numel > q.numel():
+            if start < end or start + numel > p.numel() or offset + numel > whole_numel(q):
                 raise Zero8ValueError(
                     f"param_groups[{gi}]: DeepSpeed's mapping puts {name} (elements [{offset}, {offset + numel}) of "
-                    f"{q.numel()}) at [{start}, {start + numel}) of a partition of {p.numel()} elements, overlapping "
-                    f"another parameter or outside it")
+                    f"{whole_numel(q)}) at [{start}, {start + numel}) of a partition of {p.numel()} elements, "
+                    f"overlapping another parameter or outside it")
             end = start + numel
             cfg = self._config(group, q)
             self._warn_unhonoured(q, name)
@@ -242,7 +298,7 @@ class PartitionedStates:
             else:
                 seg = Segment(q, name, start, numel, offset, 32, block, n32, 0)
                 n32 += numel
-            if trust and numel < q.numel():
+            if trust and numel < whole_numel(q):
                 lamb_cut.append(name)
             segments.append(seg)
         if lamb_cut:
@@ -271,8 +327,12 @@ class PartitionedStates:
         raise NotImplementedError
 
     def partition_segments(self, p: torch.Tensor) -> Tuple[Segment, ...]:
-        """The segments of DeepSpeed partition `p` (a tensor of ``param_groups[i]['params']``), made if
+        """The segments of DeepSpeed partition `p` (a tensor of ``param_groups[i]['params']``, or a ZeRO-3
+        partition stepped before: DeepSpeed puts those in the groups only to step, save and load them), made if
         needed: for tests and tools that look at the layout."""
+        part = getattr(self, "_partitions", {}).get(id(p))
+        if part is not None:
+            return part.segments
         for gi, g in enumerate(self.param_groups):
             if any(q is p for q in g["params"]):
                 if not self._is_partition(p, g):
