@@ -1,12 +1,18 @@
-"""zero8.optim.AdamW8bit on FSDP2 (fully_shard) against torch.optim.AdamW on the same sharded model: the
-optimizer state each rank holds, and the time of optimizer.step(), measured side by side in one job (each round
-steps every optimizer once, on its own copy of the model with the same gradients; medians of the rounds).
+"""zero8 in FSDP2 (fully_shard) jobs, measured side by side in one job: (1) zero8.optim.AdamW8bit against
+torch.optim.AdamW on the same sharded model, the optimizer state each rank holds and the time of
+optimizer.step(); (2) --train: whole training steps with FSDP2's float32 gradient reduce-scatter against
+zero8.fsdp's int8 one (the same model, batches and 8-bit optimizer, rounds alternated), the step time and
+the bytes sent; (3) --where: (2) on two hosts, the ranks in two network namespaces joined by a veth pair,
+rate-shaped with tc (scripts/netns_cluster.sh, as benchmarks/bench_vs_deepspeed.py; needs root).
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # CPU, gloo
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # (1), CPU, gloo
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp2.py --device cuda
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --train    # (2), one host
+    python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit                        # (3), as root
 
 The model is a stack of MLP blocks (dim x 4 dim and back), every weight sharded by rows over the ranks. Rank
-0 prints a table and, last, one JSON line (also written to --json-out).
+0 prints a table and, last, one JSON line (also written to --json-out); the driver of (3) prints one table
+for its scenarios.
 """
 
 from __future__ import annotations
@@ -16,15 +22,13 @@ import copy
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
-import zero8.optim as zo
 
 
 def state_bytes(opt) -> int:
@@ -38,26 +42,27 @@ def state_bytes(opt) -> int:
     return total
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=10, help="(1): steps timed; (2), (3): rounds per wire")
+    ap.add_argument("--steps", type=int, default=2, help="(2), (3): training steps per round (default 2)")
+    ap.add_argument("--tokens", type=int, default=512, help="(2), (3): rows of a batch (default 512)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--train", action="store_true", help="(2): training steps, float32 against int8 wire")
+    ap.add_argument("--where", default=None, help="(3): scenarios, comma-separated: local, 1gbit, 10gbit")
     ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(args.device, (world,))
+
+def build(args, mesh):
+    from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.dim, 4 * args.dim), torch.nn.GELU(), torch.nn.Linear(4 * args.dim, args.dim)]
     base = torch.nn.Sequential(*layers).to(args.device)
-    numel = sum(p.numel() for p in base.parameters())
 
     def sharded():
         m = copy.deepcopy(base)
@@ -67,6 +72,14 @@ def main() -> None:
         fully_shard(m, mesh=mesh)
         return m
 
+    return base, sharded
+
+
+def optimizer_step(args, rank, world, mesh) -> dict:
+    """(1): the optimizers' state and step time on the same sharded model and gradients."""
+    import zero8.optim as zo
+    base, sharded = build(args, mesh)
+    numel = sum(p.numel() for p in base.parameters())
     variants = {"zero8 AdamW8bit": lambda ps: zo.AdamW8bit(ps, lr=1e-4, weight_decay=0.01),
                 "torch AdamW (foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, foreach=True),
                 "torch AdamW (fused)": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True)}
@@ -78,21 +91,14 @@ def main() -> None:
     for m, _ in runs.values():  # gradients once; every round steps with them
         m(x).pow(2).mean().backward()
     times = {name: [] for name in runs}
-
-    def sync():
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for r in range(args.rounds + 2):  # 2 warm-up rounds (the states are made in the first)
-            for name, (_, opt) in runs.items():
-                sync()
-                t0 = time.perf_counter()
-                opt.step()
-                sync()
-                if r >= 2:
-                    times[name].append(time.perf_counter() - t0)
+    for r in range(args.rounds + 2):  # 2 warm-up rounds (the states are made in the first)
+        for name, (_, opt) in runs.items():
+            sync(args)
+            t0 = time.perf_counter()
+            opt.step()
+            sync(args)
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
     out = {"device": args.device, "world": world, "params": numel, "rounds": args.rounds, "rows": []}
     ref = statistics.median(times["torch AdamW (fused)"])
     for name, (_, opt) in runs.items():
@@ -107,11 +113,160 @@ def main() -> None:
         for row in out["rows"]:
             print(f"| {row['optimizer']} | {row['state_bytes_per_rank'] * world / numel:.3f} | {row['step_ms']:.2f} "
                   f"| {row['speed_vs_torch_fused']:.2f} |")
+    return out
+
+
+def sync(args) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def link_tx() -> int:
+    """Bytes this rank's network namespace sent on its links (not the loopback): with one rank per namespace,
+    what this rank put on the wire."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vs_deepspeed_worker import link_counters
+    return sum(tx for name, (tx, _) in link_counters().items() if name != "lo")
+
+
+def training(args, rank, world, mesh) -> dict:
+    """(2): training steps with FSDP2's float32 reduce-scatter and with zero8.fsdp's int8 one, rounds
+    alternated; per wire the median step time, zero8's byte counts and the bytes on the links."""
+    import torch.distributed as dist
+    import zero8.fsdp
+    import zero8.optim as zo
+    base, sharded = build(args, mesh)
+    numel = sum(p.numel() for p in base.parameters())
+    runs = {}
+    for wire in ("fp32", "int8"):
+        m = sharded()
+        comm = zero8.fsdp.int8_reduce_scatter(m) if wire == "int8" else None
+        runs[wire] = (m, zo.AdamW8bit(m.parameters(), lr=1e-4, weight_decay=0.01), comm)
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(args.tokens, args.dim, generator=g).to(args.device) for _ in range(args.steps)]
+    times = {w: [] for w in runs}
+    links = {w: 0 for w in runs}
+    comm_bytes = {}
+    loss = {}
+    for r in range(args.rounds + 1):  # the first round warms up (and makes the states)
+        for wire, (m, opt, comm) in runs.items():
+            if r == 1 and comm is not None:
+                comm_bytes = {"wire": comm.wire_bytes, "full": comm.full_bytes}  # the warm-up's, subtracted
+            dist.barrier()
+            tx0, t0 = link_tx(), time.perf_counter()
+            for x in batches:
+                out = m(x).pow(2).mean()
+                out.backward()
+                opt.step()
+                opt.zero_grad()
+            sync(args)
+            dt = time.perf_counter() - t0
+            tx = link_tx() - tx0
+            loss[wire] = out.item()
+            if r >= 1:
+                times[wire].append(dt / len(batches))
+                links[wire] += tx
+    comm = runs["int8"][2]
+    steps = args.rounds * args.steps
+    out = {"mode": "train", "device": args.device, "world": world, "params": numel, "rounds": args.rounds,
+           "steps": steps, "tokens": args.tokens,
+           "step_s": {w: statistics.median(t) for w, t in times.items()},
+           "link_bytes_per_step": {w: links[w] / steps for w in links},
+           "int8_wire_bytes_per_step": (comm.wire_bytes - comm_bytes["wire"]) / steps,
+           "fp32_wire_bytes_per_step": (comm.full_bytes - comm_bytes["full"]) / steps,
+           "last_loss": loss}
+    out["speedup_int8"] = out["step_s"]["fp32"] / out["step_s"]["int8"]
+    if rank == 0:
+        print(f"FSDP2 training over {world} rank(s), {args.device}, {numel / 1e6:.1f} M parameters, batches of "
+              f"{args.tokens} x {args.dim}; median of {args.rounds} rounds of {args.steps} steps per wire")
+        print(f"step: float32 reduce-scatter {out['step_s']['fp32'] * 1e3:.1f} ms, int8 "
+              f"{out['step_s']['int8'] * 1e3:.1f} ms ({out['speedup_int8']:.2f}x); reduce-scatter bytes per step "
+              f"and rank {out['int8_wire_bytes_per_step'] / 1e6:.1f} MB against {out['fp32_wire_bytes_per_step'] / 1e6:.1f};"
+              f" on the links {out['link_bytes_per_step']['int8'] / 1e6:.1f} MB against "
+              f"{out['link_bytes_per_step']['fp32'] / 1e6:.1f}")
+    return out
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(args.device, (world,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = training(args, rank, world, mesh) if args.train else optimizer_step(args, rank, world, mesh)
+    if rank == 0:
         print(json.dumps(out))
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(out, f)
     dist.destroy_process_group()
+
+
+def driver(args) -> None:
+    """(3): the training comparison in each scenario (one host, or two namespaces over a shaped link)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_vs_deepspeed import SCENARIOS, Hosts, netns_problem, rank_env, run_procs
+    where = [w.strip() for w in args.where.split(",") if w.strip()]
+    bad = [w for w in where if w not in SCENARIOS]
+    if bad:
+        raise SystemExit(f"--where: unknown scenario {', '.join(bad)} (known: {', '.join(SCENARIOS)})")
+    problem = netns_problem()
+    if problem and any(SCENARIOS[w][1] for w in where):
+        raise SystemExit(f"--where {args.where} needs two network namespaces: {problem}")
+    hosts = Hosts("z8f", "10.210.0", use_netns=problem is None)
+    worker_args = [str(Path(__file__).resolve()), "--train", "--dim", str(args.dim), "--layers", str(args.layers),
+                   "--rounds", str(args.rounds), "--steps", str(args.steps), "--tokens", str(args.tokens)]
+    results = {}
+    port = 29810
+    try:
+        hosts.open()
+        with tempfile.TemporaryDirectory() as tmp:
+            for scen in where:
+                hosts.shape(SCENARIOS[scen][1])
+                out = Path(tmp) / f"{scen}.json"
+                port += 1
+                py = [sys.executable, "-m", "torch.distributed.run"]
+                if SCENARIOS[scen][1]:
+                    cmds = [hosts.on(node, py + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                                                 "--master_addr", hosts.addrs[0], "--master_port", str(port)]
+                                     + worker_args + ["--json-out", str(out)]) for node in (0, 1)]
+                    envs = [dict(rank_env(hosts, 1), GLOO_SOCKET_IFNAME=hosts.veths[node]) for node in (0, 1)]
+                else:
+                    cmds = [hosts.on(0, py + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                                              "--master_port", str(port)] + worker_args + ["--json-out", str(out)])]
+                    envs = [dict(rank_env(hosts, 1), GLOO_SOCKET_IFNAME="lo")]
+                print(f"[{scen}] {SCENARIOS[scen][0]} ...", flush=True)
+                rc = run_procs(cmds, envs, Path(tmp) / f"{scen}.log", 1800)
+                if rc != 0 or not out.exists():
+                    log = (Path(tmp) / f"{scen}.log").read_text(errors="replace").splitlines()[-8:]
+                    raise SystemExit(f"[{scen}] failed (exit {rc}):\n" + "\n".join(log))
+                results[scen] = json.loads(out.read_text())
+    finally:
+        hosts.close()
+    print("| scenario | step, float32 reduce-scatter | step, int8 | speed-up | bytes on the link per step and rank, "
+          "int8 / float32 |")
+    print("|---|---|---|---|---|")
+    for scen, r in results.items():
+        link = r["link_bytes_per_step"]
+        ratio = f"{link['int8'] / link['fp32']:.3f}" if link["fp32"] else "(no link)"
+        print(f"| {scen} | {r['step_s']['fp32'] * 1e3:.0f} ms | {r['step_s']['int8'] * 1e3:.0f} ms | "
+              f"{r['speedup_int8']:.2f}x | {ratio} |")
+    print(json.dumps({"bench": "fsdp2_wire", "scenarios": results}))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"bench": "fsdp2_wire", "scenarios": results}, f)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.where is not None:
+        driver(args)
+    else:
+        worker(args)
 
 
 if __name__ == "__main__":

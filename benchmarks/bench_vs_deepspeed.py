@@ -260,7 +260,7 @@ def prepare_deepspeed(torch_adamw: bool) -> str | None:
     return None
 
 
-def _run_procs(cmds: list[list[str]], envs: list[dict], log: Path, timeout: float) -> int:
+def run_procs(cmds: list[list[str]], envs: list[dict], log: Path, timeout: float) -> int:
     """Starts every command (each in its own session), waits for all; when one fails or the time is up,
     ends the others' process groups. Returns the first non-zero exit code (124 on timeout), else 0."""
     procs = []
@@ -336,7 +336,7 @@ def run_one(hosts: Hosts, scenario: str, setting: Setting, base: dict, model: di
                              "127.0.0.1", "--master_port", str(port)] + worker)]
         envs = [dict(rank_env(hosts, 1), GLOO_SOCKET_IFNAME="lo")]
     t0 = time.monotonic()
-    rc = _run_procs(cmds, envs, run_dir / "run.log", timeout)
+    rc = run_procs(cmds, envs, run_dir / "run.log", timeout)
     if rc != 0 or not out.exists():
         tail = (run_dir / "run.log").read_text(errors="replace").strip().splitlines()[-6:]
         return {"error": f"exit code {rc}" + ("" if out.exists() else ", no result") + f" (log: {run_dir / 'run.log'})",

@@ -1,11 +1,14 @@
-"""zero8.optim's optimizers on FSDP2's sharded parameters (DTensors; zero8/optim/dtensor.py), on real ranks:
-dist/dist_fsdp2.py under torchrun at 2 ranks, then at 3 (uneven shards; the checkpoints of 2 ranks loaded at
-3) over gloo, and on one GPU over NCCL. The single-process checks (refusals, messages) are in test_optim.py."""
+"""zero8 in FSDP2 jobs on real ranks: zero8.optim's optimizers on FSDP2's sharded parameters (DTensors;
+zero8/optim/dtensor.py) and zero8.fsdp's int8 gradient reduce-scatter, dist/dist_fsdp2.py under torchrun at 2
+ranks, then at 3 (uneven shards; the checkpoints of 2 ranks loaded at 3) over gloo, and on one GPU over NCCL;
+benchmarks/bench_fsdp2.py's modes at a tiny size. The single-process checks (refusals, messages) are in
+test_optim.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -21,7 +24,7 @@ def test_fsdp2_on_2_then_3_ranks(tmp_path):
     for np in (2, 3):
         collected[np] = pytest_under_launcher(np, "dist_fsdp2.py", tmp_path / f"np{np}", timeout=420,
                                               launcher="torchrun", ZERO8_FSDP2_CKPT=str(ckpt))
-    assert collected == {2: 12, 3: 12}
+    assert collected == {2: 15, 3: 15}
     assert sorted(p.name for p in ckpt.iterdir()) == ["w2", "w3"]
 
 
@@ -30,7 +33,7 @@ def test_fsdp2_on_one_gpu(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     assert pytest_under_launcher(1, "dist_fsdp2.py", tmp_path / "np1", timeout=300, launcher="torchrun",
-                                 ZERO8_FSDP2_CKPT=str(ckpt), ZERO8_FSDP2_DEVICE="cuda") == 12
+                                 ZERO8_FSDP2_CKPT=str(ckpt), ZERO8_FSDP2_DEVICE="cuda") == 15
 
 
 def test_the_benchmark_runs_and_reports(tmp_path):
@@ -48,3 +51,18 @@ def test_the_benchmark_runs_and_reports(tmp_path):
     ratio = rows["zero8 AdamW8bit"]["state_bytes_per_rank"] / rows["torch AdamW (fused)"]["state_bytes_per_rank"]
     assert 0.25 < ratio < 0.27, ratio  # 2.03 of 8 bytes per parameter, the biases' 8 bytes besides
     assert all(row["step_ms"] > 0 for row in rows.values())
+
+
+def test_the_wire_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/bench_fsdp2.py --where local (the driver, which starts --train under torchrun) at a tiny size:
+    both wires timed, and the int8 reduce-scatter sent about a quarter of the float32 one's bytes."""
+    out = tmp_path / "wire.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fsdp2.py"), "--where", "local", "--dim", "256",
+                        "--layers", "1", "--rounds", "1", "--steps", "1", "--tokens", "16", "--json-out", str(out)],
+                       cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    local = json.loads(out.read_text())["scenarios"]["local"]
+    assert set(local["step_s"]) == {"fp32", "int8"} and all(t > 0 for t in local["step_s"].values())
+    ratio = local["int8_wire_bytes_per_step"] / local["fp32_wire_bytes_per_step"]
+    assert 0.25 < ratio < 0.26, ratio
+    assert "| local |" in r.stdout
