@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from torch.distributed.fsdp import FSDPModule
 
 from mpirun_util import ROOT, pytest_under_launcher, torchrun_cmd, torchrun_env
 
@@ -53,6 +54,8 @@ def test_the_benchmark_runs_and_reports(tmp_path):
     assert all(row["step_ms"] > 0 for row in rows.values())
 
 
+@pytest.mark.skipif(not hasattr(FSDPModule, "set_custom_reduce_scatter"),
+                    reason="this PyTorch has no FSDPModule.set_custom_reduce_scatter")
 def test_the_wire_benchmark_runs_and_reports(tmp_path):
     """benchmarks/bench_fsdp2.py --where local (the driver, which starts --train under torchrun) at a tiny size:
     both wires timed, and the int8 reduce-scatter sent about a quarter of the float32 one's bytes."""

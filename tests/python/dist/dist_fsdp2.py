@@ -296,6 +296,10 @@ def test_hsdp_on_a_2d_mesh():
 # ---------------------------------------------------------------------------------------------------
 # zero8.fsdp: the gradient reduce-scatter in int8 blocks
 
+custom_reduce_scatter = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_reduce_scatter"),
+    reason=f"this PyTorch ({torch.__version__}) has no FSDPModule.set_custom_reduce_scatter")
+
 def test_int8_reduce_scatter_sends_each_rank_its_pieces_in_8_bit_blocks():
     """Int8ReduceScatter on its own: every rank gets the sum, in rank order, of the other ranks' pieces for it
     encoded and decoded by zero8's codec (computed here from all the inputs), within the codes' error of the
@@ -333,9 +337,11 @@ def test_int8_reduce_scatter_sends_each_rank_its_pieces_in_8_bit_blocks():
         comm(out, x, dist.group.WORLD, dist.ReduceOp.MAX)
 
 
+@custom_reduce_scatter
 def test_fsdp2_trains_with_int8_gradient_reduce_scatter():
     """int8_reduce_scatter on an FSDP2 model: training with 8-bit gradient pieces on the wire follows the float32
-    reduce-scatter's (the same start, batches and optimizer), each rank sending about a quarter of the bytes."""
+    reduce-scatter's (the same start, batches and optimizer), each rank sending about a quarter of the bytes. On
+    one rank FSDP2 reduces nothing (it copies the gradients), so the two runs are the same."""
     import zero8.fsdp
     losses, STEPS = {}, 40
     for wire in ("fp32", "int8"):
@@ -354,10 +360,13 @@ def test_fsdp2_trains_with_int8_gradient_reduce_scatter():
                 loss.backward()
                 opt.step()
                 losses[wire].append(loss.item())
+    first, fp32, int8 = losses["fp32"][0], losses["fp32"][-1], losses["int8"][-1]
+    if K == 1:
+        assert comm.calls == 0 and losses["int8"] == losses["fp32"]
+        return
     fsdp_groups = 5  # the four Linear layers and the root (whose own parameters are none: it still reduces)
     assert comm.calls in (STEPS * 4, STEPS * fsdp_groups), comm.calls
     assert 0.25 < comm.wire_bytes / comm.full_bytes < 0.2506
-    first, fp32, int8 = losses["fp32"][0], losses["fp32"][-1], losses["int8"][-1]
     print(f"\nloss {first:.4f} -> fp32 wire {fp32:.4f}, int8 wire {int8:.4f}")
     assert losses["int8"][0] == first and fp32 < 0.5 * first and int8 < 0.5 * first
     assert abs(int8 - fp32) < 0.05 * fp32, (fp32, int8)
