@@ -119,6 +119,22 @@ def _hp_fragment(p: torch.Tensor):
     return int(hp.start), int(m.lp_fragment_address.start), int(hp.numel)
 
 
+def _hp_fragments(params: list) -> list:
+    """((start in the partition, start in the parameter, numel), index, parameter) of each fragment of `params`
+    (a group's own parameters) that DeepSpeed's ZeRO 1/2 mapping puts in this rank's partition, by start."""
+    found = []
+    for i, q in enumerate(params):
+        if not q.requires_grad:
+            continue  # DeepSpeed does not partition frozen parameters
+        try:
+            frag = _hp_fragment(q)
+        except AttributeError:
+            continue
+        if frag is not None and frag[2] > 0:
+            found.append((frag, i, q))
+    return sorted(found, key=lambda f: f[0][0])
+
+
 def whole_numel(p: torch.Tensor) -> int:
     """The elements of model parameter p: under ZeRO-3 its tensor is empty outside the forward and backward that
     gather it, and ``ds_numel`` is its size."""
@@ -261,19 +277,7 @@ class PartitionedStates:
         if part is not None:
             return part
         own = self._model_params_of(group)[0]
-        found = []
-        if _is_zero3_partition(p, own):
-            found = _zero3_fragments(p, own, f"param_groups[{gi}]")
-        for i, q in enumerate(own if not found else ()):
-            if not q.requires_grad:
-                continue  # DeepSpeed does not partition frozen parameters
-            try:
-                frag = _hp_fragment(q)
-            except AttributeError:
-                continue
-            if frag is not None and frag[2] > 0:
-                found.append((frag, i, q))
-        found.sort(key=lambda f: f[0][0])
+        found = _zero3_fragments(p, own, f"param_groups[{gi}]") if _is_zero3_partition(p, own) else _hp_fragments(own)
         segments = []
         n8 = scales = n32 = 0
         end = 0
