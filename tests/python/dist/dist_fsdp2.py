@@ -303,7 +303,8 @@ custom_reduce_scatter = pytest.mark.skipif(
 def test_int8_reduce_scatter_sends_each_rank_its_pieces_in_8_bit_blocks():
     """Int8ReduceScatter on its own: every rank gets the sum, in rank order, of the other ranks' pieces for it
     encoded and decoded by zero8's codec (computed here from all the inputs), within the codes' error of the
-    exact sum; AVG divides it by the ranks; a non-finite value spoils its block only; other ops are refused."""
+    exact sum; AVG divides it by the ranks; a non-finite value spoils its block only; other ops are refused;
+    bfloat16 gradients are summed in float32 and rounded once."""
     from zero8.fsdp import Int8ReduceScatter
     from zero8.functional import dequantize_blockwise, quantize_blockwise
     shard = 5000  # not whole blocks of 2048: each piece's last block is short
@@ -335,6 +336,18 @@ def test_int8_reduce_scatter_sends_each_rank_its_pieces_in_8_bit_blocks():
     assert comm.wire_bytes == 2 * (K - 1) * (shard + 4 * 3) and comm.full_bytes == 2 * (K - 1) * shard * 4
     with pytest.raises(NotImplementedError, match="reduce op .*MAX.*set_force_sum_reduction_for_comms"):
         comm(out, x, dist.group.WORLD, dist.ReduceOp.MAX)
+    # bfloat16 gradients (FSDP2's reduce_dtype): the pieces encoded from bfloat16, summed in float32, rounded once.
+    xb = x.to(torch.bfloat16)
+    every = [torch.empty_like(xb) for _ in range(K)]
+    dist.all_gather(every, xb)
+    outb = torch.empty(shard, dtype=torch.bfloat16, device=DEVICE)
+    comm(outb, xb, dist.group.WORLD, dist.ReduceOp.SUM)
+    want = torch.zeros(shard, device=DEVICE)
+    for src in range(K):
+        codes, qs = quantize_blockwise(every[src][RANK * shard:(RANK + 1) * shard].contiguous(), blocksize=2048)
+        want += dequantize_blockwise(codes, absmax=qs.absmax, blocksize=2048)  # float32 values
+    assert torch.equal(outb[~block], want.to(torch.bfloat16)[~block])
+    assert comm.full_bytes == 2 * (K - 1) * shard * 4 + (K - 1) * shard * 2
 
 
 @custom_reduce_scatter
