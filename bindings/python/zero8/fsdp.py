@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import _int8_wire
 from ._C import Zero8NotSupportedError, Zero8ValueError
-from .functional import dequantize_blockwise, quantize_blockwise
 
 __all__ = ["Int8ReduceScatter", "int8_reduce_scatter"]
 
-WIRE_BLOCK = 2048  # the engine's default wire block (zero8.wire_block_size)
+WIRE_BLOCK = _int8_wire.BLOCK
 
 try:  # FSDP2's communication interface (PyTorch 2.9 and later)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -44,11 +44,7 @@ class Int8ReduceScatter(_ReduceScatterBase):
     the gradients' dtype, (N - 1) / N of the input)."""
 
     def __init__(self, block_size: int = WIRE_BLOCK):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 64 <= block_size <= 4096 \
-                or block_size & (block_size - 1):
-            raise Zero8ValueError(f"Int8ReduceScatter: block_size must be a power of two in 64..4096, got "
-                                  f"{block_size!r}")
-        self.block_size = block_size
+        self.block_size = _int8_wire.check_block(block_size, "Int8ReduceScatter")
         self.calls = self.elements = self.wire_bytes = self.full_bytes = 0
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -65,26 +61,13 @@ class Int8ReduceScatter(_ReduceScatterBase):
         if input_tensor.numel() != n * shard:
             raise Zero8ValueError(f"Int8ReduceScatter: the input has {input_tensor.numel()} elements, not {n} ranks x "
                                   f"the output's {shard}")
-        block = self.block_size
-        nb = -(-shard // block)
-        pieces = input_tensor.reshape(n, shard)
-        codes = torch.empty(n, shard, dtype=torch.uint8, device=input_tensor.device)
-        scales = torch.empty(n, nb, dtype=torch.float32, device=input_tensor.device)
-        for j in range(n):  # each destination's piece in blocks of its own (a piece need not hold whole blocks)
-            quantize_blockwise(pieces[j], absmax=scales[j], out=codes[j], blocksize=block)
-        got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
-        dist.all_to_all_single(got_codes, codes, group=group)
-        dist.all_to_all_single(got_scales, scales, group=group)
-        total = torch.zeros(shard, dtype=torch.float32, device=input_tensor.device)
-        part = torch.empty(shard, dtype=torch.float32, device=input_tensor.device)
-        for j in range(n):  # in rank order, so that every rank's sum is the same whatever the arrival order
-            total += dequantize_blockwise(got_codes[j], absmax=got_scales[j], out=part, blocksize=block)
+        total = _int8_wire.reduce_scatter(input_tensor.reshape(n, shard), group, self.block_size)
         if op == dist.ReduceOp.AVG:
             total /= n
         output_tensor.copy_(total.reshape(output_tensor.shape))
         self.calls += 1
         self.elements += shard
-        self.wire_bytes += (n - 1) * (shard + 4 * nb)
+        self.wire_bytes += (n - 1) * _int8_wire.piece_bytes(shard, self.block_size)
         self.full_bytes += (n - 1) * shard * input_tensor.element_size()
         return None
 
