@@ -2,13 +2,15 @@
 torch.optim.AdamW on the same sharded model, the optimizer state each rank holds and the time of
 optimizer.step(); (2) --train: whole training steps with FSDP2's float32 gradient reduce-scatter against
 zero8.fsdp's int8 one (the same model, batches and 8-bit optimizer, rounds alternated), the step time and
-the bytes sent; (3) --where: (2) on two hosts, the ranks in two network namespaces joined by a veth pair,
+the bytes sent; with --ddp, DistributedDataParallel's float32 all-reduce against zero8.ddp's int8 hook
+instead; (3) --where: (2) on two hosts, the ranks in two network namespaces joined by a veth pair,
 rate-shaped with tc (scripts/netns_cluster.sh, as benchmarks/bench_vs_deepspeed.py; needs root).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # (1), CPU, gloo
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp2.py --device cuda
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --train    # (2), one host
     python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit                        # (3), as root
+    python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit --ddp                  # (3) for DDP
 
 The model is a stack of MLP blocks (dim x 4 dim and back), every weight sharded by rows over the ranks. Rank
 0 prints a table and, last, one JSON line (also written to --json-out); the driver of (3) prints one table
@@ -51,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=512, help="(2), (3): rows of a batch (default 512)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--train", action="store_true", help="(2): training steps, float32 against int8 wire")
+    ap.add_argument("--ddp", action="store_true", help="(2), (3): DistributedDataParallel instead of FSDP2")
     ap.add_argument("--where", default=None, help="(3): scenarios, comma-separated: local, 1gbit, 10gbit")
     ap.add_argument("--json-out", default=None)
     return ap.parse_args(argv)
@@ -130,17 +133,23 @@ def link_tx() -> int:
 
 
 def training(args, rank, world, mesh) -> dict:
-    """(2): training steps with FSDP2's float32 reduce-scatter and with zero8.fsdp's int8 one, rounds
-    alternated; per wire the median step time, zero8's byte counts and the bytes on the links."""
+    """(2): training steps with FSDP2's float32 reduce-scatter and with zero8.fsdp's int8 one (--ddp: DDP's
+    float32 all-reduce and zero8.ddp's int8 hook), rounds alternated; per wire the median step time, zero8's
+    byte counts and the bytes on the links."""
     import torch.distributed as dist
+    import zero8.ddp
     import zero8.fsdp
     import zero8.optim as zo
     base, sharded = build(args, mesh)
     numel = sum(p.numel() for p in base.parameters())
     runs = {}
     for wire in ("fp32", "int8"):
-        m = sharded()
-        comm = zero8.fsdp.int8_reduce_scatter(m) if wire == "int8" else None
+        if args.ddp:
+            m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            comm = zero8.ddp.int8_gradients(m) if wire == "int8" else None
+        else:
+            m = sharded()
+            comm = zero8.fsdp.int8_reduce_scatter(m) if wire == "int8" else None
         runs[wire] = (m, zo.AdamW8bit(m.parameters(), lr=1e-4, weight_decay=0.01), comm)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(args.tokens, args.dim, generator=g).to(args.device) for _ in range(args.steps)]
@@ -168,7 +177,8 @@ def training(args, rank, world, mesh) -> dict:
                 links[wire] += tx
     comm = runs["int8"][2]
     steps = args.rounds * args.steps
-    out = {"mode": "train", "device": args.device, "world": world, "params": numel, "rounds": args.rounds,
+    out = {"mode": "train-ddp" if args.ddp else "train", "device": args.device, "world": world, "params": numel,
+           "rounds": args.rounds,
            "steps": steps, "tokens": args.tokens,
            "step_s": {w: statistics.median(t) for w, t in times.items()},
            "link_bytes_per_step": {w: links[w] / steps for w in links},
@@ -177,12 +187,13 @@ def training(args, rank, world, mesh) -> dict:
            "last_loss": loss}
     out["speedup_int8"] = out["step_s"]["fp32"] / out["step_s"]["int8"]
     if rank == 0:
-        print(f"FSDP2 training over {world} rank(s), {args.device}, {numel / 1e6:.1f} M parameters, batches of "
-              f"{args.tokens} x {args.dim}; median of {args.rounds} rounds of {args.steps} steps per wire")
-        print(f"step: float32 reduce-scatter {out['step_s']['fp32'] * 1e3:.1f} ms, int8 "
-              f"{out['step_s']['int8'] * 1e3:.1f} ms ({out['speedup_int8']:.2f}x); reduce-scatter bytes per step "
-              f"and rank {out['int8_wire_bytes_per_step'] / 1e6:.1f} MB against {out['fp32_wire_bytes_per_step'] / 1e6:.1f};"
-              f" on the links {out['link_bytes_per_step']['int8'] / 1e6:.1f} MB against "
+        what = "DDP all-reduce" if args.ddp else "FSDP2 reduce-scatter"
+        print(f"{what.split()[0]} training over {world} rank(s), {args.device}, {numel / 1e6:.1f} M parameters, "
+              f"batches of {args.tokens} x {args.dim}; median of {args.rounds} rounds of {args.steps} steps per wire")
+        print(f"step: float32 {what} {out['step_s']['fp32'] * 1e3:.1f} ms, int8 {out['step_s']['int8'] * 1e3:.1f} ms "
+              f"({out['speedup_int8']:.2f}x); its bytes per step and rank {out['int8_wire_bytes_per_step'] / 1e6:.1f} "
+              f"MB against {out['fp32_wire_bytes_per_step'] / 1e6:.1f}; on the links "
+              f"{out['link_bytes_per_step']['int8'] / 1e6:.1f} MB against "
               f"{out['link_bytes_per_step']['fp32'] / 1e6:.1f}")
     return out
 
@@ -220,6 +231,7 @@ def driver(args) -> None:
     hosts = Hosts("z8f", "10.210.0", use_netns=problem is None)
     worker_args = [str(Path(__file__).resolve()), "--train", "--dim", str(args.dim), "--layers", str(args.layers),
                    "--rounds", str(args.rounds), "--steps", str(args.steps), "--tokens", str(args.tokens)]
+    worker_args += ["--ddp"] if args.ddp else []
     results = {}
     port = 29810
     try:
@@ -249,8 +261,9 @@ def driver(args) -> None:
                     results[scen]["goodput_gbps"] = hosts.goodput_gbps()
     finally:
         hosts.close()
-    print("| scenario (TCP goodput) | step, float32 reduce-scatter | step, int8 | speed-up | MB on the link per step "
-          "and rank, float32 -> int8 |")
+    what = "DDP all-reduce" if args.ddp else "FSDP2 reduce-scatter"
+    print(f"| scenario (TCP goodput) | step, float32 {what} | step, int8 | speed-up | MB on the link per step "
+          f"and rank, float32 -> int8 |")
     print("|---|---|---|---|---|")
     for scen, r in results.items():
         link = r["link_bytes_per_step"]

@@ -56,15 +56,19 @@ def test_the_benchmark_runs_and_reports(tmp_path):
 
 @pytest.mark.skipif(not hasattr(FSDPModule, "set_custom_reduce_scatter"),
                     reason="this PyTorch has no FSDPModule.set_custom_reduce_scatter")
-def test_the_wire_benchmark_runs_and_reports(tmp_path):
-    """benchmarks/bench_fsdp2.py --where local (the driver, which starts --train under torchrun) at a tiny size:
-    both wires timed, and the int8 reduce-scatter sent about a quarter of the float32 one's bytes."""
+@pytest.mark.parametrize("ddp", [False, True], ids=["fsdp2", "ddp"])
+def test_the_wire_benchmark_runs_and_reports(tmp_path, ddp):
+    """benchmarks/bench_fsdp2.py --where local (the driver, which starts --train under torchrun) at a tiny size,
+    for FSDP2 and for DDP: both wires timed, and the int8 exchange sent about a quarter of the float32 one's
+    bytes."""
     out = tmp_path / "wire.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fsdp2.py"), "--where", "local", "--dim", "256",
-                        "--layers", "1", "--rounds", "1", "--steps", "1", "--tokens", "16", "--json-out", str(out)],
+                        "--layers", "1", "--rounds", "1", "--steps", "1", "--tokens", "16", "--json-out", str(out)]
+                       + (["--ddp"] if ddp else []),
                        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     local = json.loads(out.read_text())["scenarios"]["local"]
+    assert local["mode"] == ("train-ddp" if ddp else "train")
     assert set(local["step_s"]) == {"fp32", "int8"} and all(t > 0 for t in local["step_s"].values())
     ratio = local["int8_wire_bytes_per_step"] / local["fp32_wire_bytes_per_step"]
     assert 0.25 < ratio < 0.26, ratio

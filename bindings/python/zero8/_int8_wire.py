@@ -9,10 +9,12 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
+from . import _C
 from ._C import Zero8ValueError
-from .functional import dequantize_blockwise, quantize_blockwise
+from .functional import _dequantize_into, _quantize_into
 
 BLOCK = 2048  # the engine's default wire block (zero8.wire_block_size)
+_MAP = _C.MapKind.dynamic_signed  # functional.quantize_blockwise's default map: the same codes
 
 
 def check_block(block_size, who: str) -> int:
@@ -33,15 +35,15 @@ def _encode(pieces: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tenso
     n, size = pieces.shape
     codes = torch.empty(n, size, dtype=torch.uint8, device=pieces.device)
     scales = torch.empty(n, -(-size // block), dtype=torch.float32, device=pieces.device)
-    for j in range(n):
-        quantize_blockwise(pieces[j], absmax=scales[j], out=codes[j], blocksize=block)
+    for j in range(n):  # the codec itself, without the public functions' checks, copies and op dispatch
+        _quantize_into(pieces[j], _MAP, block, codes[j].data_ptr(), scales[j].data_ptr())
     return codes, scales
 
 
 def _decode_rows(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     """out[j] = the float32 values of row j (out: float32, the codes' shape)."""
     for j in range(codes.shape[0]):
-        dequantize_blockwise(codes[j], absmax=scales[j], out=out[j], blocksize=block)
+        _dequantize_into(codes[j].data_ptr(), scales[j].data_ptr(), block, _MAP, out[j])
     return out
 
 
@@ -52,10 +54,10 @@ def reduce_scatter(pieces: torch.Tensor, group: dist.ProcessGroup, block: int) -
     got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
     dist.all_to_all_single(got_codes, codes, group=group)
     dist.all_to_all_single(got_scales, scales, group=group)
-    total = torch.zeros(pieces.shape[1], dtype=torch.float32, device=pieces.device)
-    part = torch.empty_like(total)
-    for j in range(pieces.shape[0]):  # in rank order, so that every rank's sum is the same whatever arrives first
-        total += dequantize_blockwise(got_codes[j], absmax=got_scales[j], out=part, blocksize=block)
+    values = _decode_rows(got_codes, got_scales, block, torch.empty(codes.shape, device=pieces.device))
+    total = values[0].clone()
+    for j in range(1, pieces.shape[0]):  # in rank order, so that every rank's sum is the same whatever arrives first
+        total += values[j]
     return total
 
 
