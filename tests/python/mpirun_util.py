@@ -1,6 +1,6 @@
 """Runs a pytest file of tests/python/dist/ on several ranks under mpirun (or torchrun), as real processes, and
 checks that every rank ran the same tests and passed them all (used by test_engine_dist.py,
-test_engine_cuda.py and test_pipe_dist.py). Each rank writes its outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py),
+test_engine_cuda.py, test_pipe_dist.py, test_optim_fsdp2.py and test_ddp_int8.py). Each rank writes its outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py),
 which is read instead of the ranks' interleaved output.
 
 The ranks share this machine's cores (--oversubscribe) with one kernel thread each, and a communicator
@@ -102,3 +102,17 @@ def pytest_under_launcher(np: int, script: str, results: Path, timeout: float = 
         outcomes[rank] = tuple(int(v) for v in f.read_text().split())  # exit status, collected, failed
     assert all(o == (0, outcomes[0][1], 0) for o in outcomes.values()), (outcomes, out[-6000:])
     return outcomes[0][1]
+
+
+def init_torch_world(device_var: str) -> tuple[str, int, int]:
+    """For a dist/ file run under torchrun on torch.distributed itself (FSDP2, DDP): the device $device_var names
+    ("cpu" by default; "cuda": this local rank's GPU), the default process group made on it (gloo or NCCL), one
+    intra-op thread per rank; returns (device, rank, world size)."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    device = os.environ.get(device_var, "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return device, dist.get_rank(), dist.get_world_size()

@@ -4,8 +4,9 @@ ZERO8_DDP_DEVICE=cuda). Each rank trains on batches of its own; the replicas mus
 
 from __future__ import annotations
 
-import os
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +17,10 @@ import zero8
 import zero8.ddp
 import zero8.optim as zo
 
-torch.set_num_threads(1)
-DEVICE = os.environ.get("ZERO8_DDP_DEVICE", "cpu")
-if DEVICE == "cuda":
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
-RANK, K = dist.get_rank(), dist.get_world_size()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mpirun_util
+from mpirun_util import init_torch_world  # noqa: E402
+
+DEVICE, RANK, K = init_torch_world("ZERO8_DDP_DEVICE")
 
 
 def make_model() -> torch.nn.Module:

@@ -12,6 +12,7 @@ ranks into $ZERO8_FSDP2_CKPT/w<K>, and every checkpoint another world size saved
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -27,12 +28,10 @@ from torch.distributed.fsdp import fully_shard
 import zero8
 import zero8.optim as zo
 
-torch.set_num_threads(1)
-DEVICE = os.environ.get("ZERO8_FSDP2_DEVICE", "cpu")
-if DEVICE == "cuda":
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
-RANK, K = dist.get_rank(), dist.get_world_size()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mpirun_util
+from mpirun_util import init_torch_world  # noqa: E402
+
+DEVICE, RANK, K = init_torch_world("ZERO8_FSDP2_DEVICE")
 MESH = init_device_mesh(DEVICE, (K,))
 CKPT = Path(os.environ["ZERO8_FSDP2_CKPT"]) if os.environ.get("ZERO8_FSDP2_CKPT") else None
 UNALIGNED = "3.weight"  # shape (512, 300): its last dimension is not a multiple of the block, so 32-bit states
