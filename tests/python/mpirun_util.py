@@ -1,7 +1,8 @@
 """Runs a pytest file of tests/python/dist/ on several ranks under mpirun (or torchrun), as real processes, and
 checks that every rank ran the same tests and passed them all (used by test_engine_dist.py,
-test_engine_cuda.py, test_pipe_dist.py, test_optim_fsdp2.py and test_ddp_int8.py). Each rank writes its outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py),
-which is read instead of the ranks' interleaved output.
+test_engine_cuda.py, test_pipe_dist.py, test_optim_fsdp2.py and test_ddp_int8.py). Each rank writes its
+outcome to $ZERO8_DIST_RESULTS/rank<R>.txt (dist/conftest.py), which is read instead of the ranks'
+interleaved output.
 
 The ranks share this machine's cores (--oversubscribe) with one kernel thread each, and a communicator
 timeout turns a rank that failed and skipped a collective into an error on the others instead of a wait.
