@@ -127,8 +127,7 @@ def sync(args) -> None:
 def link_tx() -> int:
     """Bytes this rank's network namespace sent on its links (not the loopback): with one rank per namespace,
     what this rank put on the wire."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vs_deepspeed_worker import link_counters
+    from vs_deepspeed_worker import link_counters  # run as a script (also by torchrun): its folder is on sys.path
     return sum(tx for name, (tx, _) in link_counters().items() if name != "lo")
 
 
@@ -219,7 +218,6 @@ def worker(args) -> None:
 
 def driver(args) -> None:
     """(3): the training comparison in each scenario (one host, or two namespaces over a shaped link)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_vs_deepspeed import SCENARIOS, Hosts, netns_problem, rank_env, run_procs
     where = [w.strip() for w in args.where.split(",") if w.strip()]
     bad = [w for w in where if w not in SCENARIOS]

@@ -54,10 +54,12 @@ def reduce_scatter(pieces: torch.Tensor, group: dist.ProcessGroup, block: int) -
     got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
     dist.all_to_all_single(got_codes, codes, group=group)
     dist.all_to_all_single(got_scales, scales, group=group)
-    values = _decode_rows(got_codes, got_scales, block, torch.empty(codes.shape, device=pieces.device))
-    total = values[0].clone()
-    for j in range(1, pieces.shape[0]):  # in rank order, so that every rank's sum is the same whatever arrives first
-        total += values[j]
+    total = torch.empty(pieces.shape[1], dtype=torch.float32, device=pieces.device)
+    part = torch.empty_like(total)  # one piece at a time: no float32 copy of the whole input
+    for j in range(pieces.shape[0]):  # in rank order, so that every rank's sum is the same whatever arrives first
+        _dequantize_into(got_codes[j].data_ptr(), got_scales[j].data_ptr(), block, _MAP, total if j == 0 else part)
+        if j:
+            total += part
     return total
 
 

@@ -813,8 +813,8 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
 
     def _state_bits(self, p: torch.Tensor, cfg: Dict[str, Any]) -> int:
         """8 or 32 for a new state of p: min_8bit_size is compared with the whole parameter's numel (a
-        DTensor's global one, a ZeRO-3 parameter's ds_numel), and a DTensor's 8-bit states need a last dimension of whole blocks
-        (zero8.optim.dtensor)."""
+        DTensor's global one, a ZeRO-3 parameter's ds_numel), and a DTensor's 8-bit states need a last
+        dimension of whole blocks (zero8.optim.dtensor)."""
         if cfg["optim_bits"] == 8 and whole_numel(p) >= cfg["min_8bit_size"]:
             return 8 if not is_dtensor(p) or _dt.eight_bit_fits(p, cfg["block_size"]) else 32
         return 32
@@ -920,13 +920,13 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         """DTensor p's step (zero8.optim.dtensor): its local shard and its gradient's, with the local shards of
         its states (a view of its state dict, made again when a load replaces the states)."""
         name = f"param_groups[{gi}]['params'][{pi}]{_named(group, pi)}"
-        self._check_dtensor_param(p, name)
         if not is_dtensor(grad) or grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
             got = f"placements {tuple(grad.placements)}" if is_dtensor(grad) else "a plain tensor"
             raise Zero8ValueError(f"{name}.grad is {got}; its DTensor parameter has placements {tuple(p.placements)}: "
                                   f"the gradient must be sharded as the parameter is (FSDP2 reduces it so)")
         state = self.state[p]
-        if not state:
+        if not state:  # checked here once, not at every step: also one put in a group after construction
+            self._check_dtensor_param(p, name)
             state.update(self._new_dtensor_state(p, self._config(group, p, over), name))
         view = self._local_view(p, state)
         view["step"] = state["step"]
