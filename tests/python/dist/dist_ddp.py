@@ -43,6 +43,7 @@ def test_int8_gradients_average_the_ranks_and_keep_replicas_equal():
     """The hook's gradients: within the codes' error of DDP's own average, the same on every rank (all decode
     the same codes), a quarter of the bytes; training follows DDP's float32 all-reduce, the replicas' weights
     staying bit for bit equal."""
+    torch.manual_seed(1)  # the same target on every rank and in every run
     target = torch.nn.Linear(512, 5).to(DEVICE)
     runs, STEPS = {}, 30
     for wire in ("fp32", "int8"):
