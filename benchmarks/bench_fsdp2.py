@@ -252,7 +252,7 @@ def driver(args) -> None:
                 print(f"[{scen}] {SCENARIOS[scen][0]} ...", flush=True)
                 rc = run_procs(cmds, envs, Path(tmp) / f"{scen}.log", 1800)
                 if rc != 0 or not out.exists():
-                    log = (Path(tmp) / f"{scen}.log").read_text(errors="replace").splitlines()[-8:]
+                    log = (Path(tmp) / f"{scen}.log").read_text(errors="replace").splitlines()[-60:]
                     raise SystemExit(f"[{scen}] failed (exit {rc}):\n" + "\n".join(log))
                 results[scen] = json.loads(out.read_text())
                 if SCENARIOS[scen][1]:

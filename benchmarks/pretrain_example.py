@@ -24,9 +24,10 @@ def load_example():
 
 def deepspeed_rank_exit() -> None:
     """Ends a DeepSpeed worker rank once its result is written. A DeepSpeed rank on CPU sometimes aborts
-    while the interpreter exits ("terminate called without an active exception": a C++ thread still
-    joinable when its owner is destroyed), after its work and its result; its launcher then reports the
-    run as failed. So once every rank is past its write (a barrier), the rank leaves without running
+    while the interpreter exits ("terminate called without an active exception": a gloo worker thread
+    frees a finished collective's tensor, whose Python object needs the GIL, and exits the thread through
+    C++ code that may not throw), after its work and its result; its launcher then reports the run as
+    failed. So once every rank is past its write (a barrier), the rank leaves without running
     those destructors. Not for zero8's ranks: mpirun expects them to reach MPI_Finalize."""
     import torch.distributed as dist
 

@@ -1,10 +1,19 @@
 """The int8 exchanges of zero8.fsdp and zero8.ddp over torch.distributed: pieces of a tensor encoded with zero8's
 block-wise codec (the dynamic signed map, one float32 scale per block: the engine's wire format), moved as codes
-and scales, decoded and summed in float32 in rank order, so that every rank computes the same sums."""
+and scales, decoded and summed in float32 in rank order, so that every rank computes the same sums.
+
+On the CPU an exchange returns only once gloo's worker threads hold none of the tensors it handed them. A worker
+drops its reference to a finished collective's tensors a moment after the caller's wait has returned; were that
+the last reference, the tensor's Python object would be freed on that thread, which needs the GIL, and a process
+whose interpreter is exiting by then aborts ("terminate called without an active exception"): the last exchange
+of a job's last step is followed by nothing else that takes long enough.
+"""
 
 from __future__ import annotations
 
-from typing import Tuple
+import time
+import weakref
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,10 +50,25 @@ def _encode(pieces: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tenso
 
 
 def _decode_rows(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
-    """out[j] = the float32 values of row j (out: float32, the codes' shape)."""
+    """out[j] = the values of row j (out: the codes' shape, contiguous, float32, bfloat16 or float16)."""
     for j in range(codes.shape[0]):
         _dequantize_into(codes[j].data_ptr(), scales[j].data_ptr(), block, _MAP, out[j])
     return out
+
+
+def _released(handed: List[torch.Tensor]) -> None:
+    """Empties `handed` (the tensors an exchange gave its collectives, none of them referenced elsewhere by the
+    caller any more) and, for CPU tensors, returns once nothing else holds them either (see the module docstring):
+    the thread that holds the last reference frees each one while this one sleeps without the GIL. CUDA tensors
+    are left to NCCL, whose collectives the host does not wait for."""
+    if not handed or handed[0].device.type != "cpu":
+        handed.clear()
+        return
+    refs = [weakref.ref(t) for t in handed]
+    handed.clear()
+    deadline = time.monotonic() + 10.0  # a bound, should another reference be held for good: nothing to wait for
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0)
 
 
 def reduce_scatter(pieces: torch.Tensor, group: dist.ProcessGroup, block: int) -> torch.Tensor:
@@ -60,16 +84,26 @@ def reduce_scatter(pieces: torch.Tensor, group: dist.ProcessGroup, block: int) -
         _dequantize_into(got_codes[j].data_ptr(), got_scales[j].data_ptr(), block, _MAP, total if j == 0 else part)
         if j:
             total += part
+    handed = [codes, scales, got_codes, got_scales]
+    del codes, scales, got_codes, got_scales
+    _released(handed)
     return total
 
 
-def all_gather(mine: torch.Tensor, group: dist.ProcessGroup, block: int) -> torch.Tensor:
-    """Every rank's piece (this rank's: `mine`), as n ranks x piece float32 values decoded from the codes all of
-    them received, this rank's own included: every rank ends with the same values."""
+def all_gather(mine: torch.Tensor, group: dist.ProcessGroup, block: int, out: Optional[torch.Tensor] = None) \
+        -> torch.Tensor:
+    """Every rank's piece (this rank's: `mine`), as n ranks x piece values decoded from the codes all of them
+    received, this rank's own included: every rank ends with the same values. Decoded into `out` (n x piece,
+    contiguous, any floating dtype; it may hold `mine`) or into a new float32 tensor; returned."""
     codes, scales = _encode(mine.reshape(1, -1).contiguous(), block)
     n = group.size()
     all_codes = torch.empty(n, codes.shape[1], dtype=torch.uint8, device=mine.device)
     all_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=mine.device)
     dist.all_gather_into_tensor(all_codes, codes, group=group)
     dist.all_gather_into_tensor(all_scales, scales, group=group)
-    return _decode_rows(all_codes, all_scales, block, torch.empty(n, codes.shape[1], device=mine.device))
+    every = _decode_rows(all_codes, all_scales, block,
+                         out if out is not None else torch.empty(n, codes.shape[1], device=mine.device))
+    handed = [codes, scales, all_codes, all_scales]
+    del codes, scales, all_codes, all_scales
+    _released(handed)
+    return every

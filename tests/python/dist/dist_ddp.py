@@ -5,7 +5,10 @@ ZERO8_DDP_DEVICE=cuda). Each rank trains on batches of its own; the replicas mus
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,31 @@ def test_a_non_finite_gradient_stays_non_finite():
     state.average(flat)
     idx = (~torch.isfinite(flat)).nonzero().reshape(-1)  # the same on every rank: they decode the same codes
     assert idx.numel() > 0 and idx.min().item() <= 7000 <= idx.max().item() and idx.max() - idx.min() < 2048
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the exchange leaves its tensors to NCCL")
+def test_an_exchange_returns_once_no_other_thread_holds_its_tensors(monkeypatch):
+    """gloo's worker thread drops a finished collective's tensors a moment after the wait returns; freed there, a
+    tensor's Python object needs the GIL, which aborts a process whose interpreter is exiting. So an exchange
+    returns only once the tensors it handed out are free: here each collective's tensors are held by another
+    thread for 0.2 s after it returns, as a slow worker would."""
+    handed = []
+
+    def held_late(real):
+        def collective(*tensors, **kw):
+            out = real(*tensors, **kw)
+            handed.extend(weakref.ref(t) for t in tensors)
+            # Thread.run drops its target's arguments once the target has returned
+            threading.Thread(target=lambda held: time.sleep(0.2), args=(tensors,), daemon=True).start()
+            return out
+        return collective
+
+    monkeypatch.setattr(dist, "all_to_all_single", held_late(dist.all_to_all_single))
+    monkeypatch.setattr(dist, "all_gather_into_tensor", held_late(dist.all_gather_into_tensor))
+    flat = torch.linspace(-1, 1, 5000) * (RANK + 1)
+    zero8.ddp.Int8AllReduce().average(flat)
+    assert len(handed) == 8  # the reduce-scatter's codes and scales, sent and received; the all-gather's
+    assert all(r() is None for r in handed), [r() is not None for r in handed]
 
 
 def test_bad_arguments_are_named():
