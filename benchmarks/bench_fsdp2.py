@@ -1,10 +1,11 @@
 """zero8 in FSDP2 (fully_shard) jobs, measured side by side in one job: (1) zero8.optim.AdamW8bit against
 torch.optim.AdamW on the same sharded model, the optimizer state each rank holds and the time of
-optimizer.step(); (2) --train: whole training steps with FSDP2's float32 gradient reduce-scatter against
-zero8.fsdp's int8 one (the same model, batches and 8-bit optimizer, rounds alternated), the step time and
-the bytes sent; with --ddp, DistributedDataParallel's float32 all-reduce against zero8.ddp's int8 hook
-instead; (3) --where: (2) on two hosts, the ranks in two network namespaces joined by a veth pair,
-rate-shaped with tc (scripts/netns_cluster.sh, as benchmarks/bench_vs_deepspeed.py; needs root).
+optimizer.step(); (2) --train: whole training steps with FSDP2's float32 collectives, with zero8.fsdp's int8
+gradient reduce-scatter, and with that and its int8 parameter all-gather (the same model, batches and 8-bit
+optimizer, rounds alternated), the step time and the bytes sent; with --ddp, DistributedDataParallel's float32
+all-reduce against zero8.ddp's int8 hook instead; (3) --where: (2) on two hosts, the ranks in two network
+namespaces joined by a veth pair, rate-shaped with tc (scripts/netns_cluster.sh, as
+benchmarks/bench_vs_deepspeed.py; needs root).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # (1), CPU, gloo
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp2.py --device cuda
@@ -131,10 +132,14 @@ def link_tx() -> int:
     return sum(tx for name, (tx, _) in link_counters().items() if name != "lo")
 
 
+WIRE_NAMES = {"fp32": "float32", "int8": "int8 gradients", "int8_params": "int8 gradients and parameters"}
+
+
 def training(args, rank, world, mesh) -> dict:
-    """(2): training steps with FSDP2's float32 reduce-scatter and with zero8.fsdp's int8 one (--ddp: DDP's
-    float32 all-reduce and zero8.ddp's int8 hook), rounds alternated; per wire the median step time, zero8's
-    byte counts and the bytes on the links."""
+    """(2): training steps with FSDP2's float32 collectives, with zero8.fsdp's int8 gradient reduce-scatter, and
+    with that and its int8 parameter all-gather (--ddp: DDP's float32 all-reduce and zero8.ddp's int8 hook),
+    rounds alternated; per wire the median step time, the bytes zero8's exchanges sent against what the float32
+    collectives they replace would have, and the bytes on the links."""
     import torch.distributed as dist
     import zero8.ddp
     import zero8.fsdp
@@ -142,24 +147,29 @@ def training(args, rank, world, mesh) -> dict:
     base, sharded = build(args, mesh)
     numel = sum(p.numel() for p in base.parameters())
     runs = {}
-    for wire in ("fp32", "int8"):
+    for wire in ("fp32", "int8") if args.ddp else ("fp32", "int8", "int8_params"):
+        comms = {}
         if args.ddp:
             m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-            comm = zero8.ddp.int8_gradients(m) if wire == "int8" else None
+            if wire == "int8":
+                comms["gradients"] = zero8.ddp.int8_gradients(m)
         else:
             m = sharded()
-            comm = zero8.fsdp.int8_reduce_scatter(m) if wire == "int8" else None
-        runs[wire] = (m, zo.AdamW8bit(m.parameters(), lr=1e-4, weight_decay=0.01), comm)
+            if wire != "fp32":
+                comms["gradients"] = zero8.fsdp.int8_reduce_scatter(m)
+            if wire == "int8_params":
+                comms["parameters"] = zero8.fsdp.int8_all_gather(m)
+        runs[wire] = (m, zo.AdamW8bit(m.parameters(), lr=1e-4, weight_decay=0.01), comms)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(args.tokens, args.dim, generator=g).to(args.device) for _ in range(args.steps)]
     times = {w: [] for w in runs}
     links = {w: 0 for w in runs}
-    comm_bytes = {}
+    warmup_bytes = {}
     loss = {}
     for r in range(args.rounds + 1):  # the first round warms up (and makes the states)
-        for wire, (m, opt, comm) in runs.items():
-            if r == 1 and comm is not None:
-                comm_bytes = {"wire": comm.wire_bytes, "full": comm.full_bytes}  # the warm-up's, subtracted
+        for wire, (m, opt, comms) in runs.items():
+            if r == 1:  # the warm-up's bytes, subtracted
+                warmup_bytes[wire] = {k: (c.wire_bytes, c.full_bytes) for k, c in comms.items()}
             dist.barrier()
             tx0, t0 = link_tx(), time.perf_counter()
             for x in batches:
@@ -174,26 +184,29 @@ def training(args, rank, world, mesh) -> dict:
             if r >= 1:
                 times[wire].append(dt / len(batches))
                 links[wire] += tx
-    comm = runs["int8"][2]
     steps = args.rounds * args.steps
+    sent = {}  # per wire and exchange: bytes per step, int8 against the float32 collective's
+    for wire, (_, _, comms) in runs.items():
+        sent[wire] = {k: {"int8": (c.wire_bytes - warmup_bytes[wire][k][0]) / steps,
+                          "fp32": (c.full_bytes - warmup_bytes[wire][k][1]) / steps} for k, c in comms.items()}
     out = {"mode": "train-ddp" if args.ddp else "train", "device": args.device, "world": world, "params": numel,
-           "rounds": args.rounds,
-           "steps": steps, "tokens": args.tokens,
+           "rounds": args.rounds, "steps": steps, "tokens": args.tokens,
            "step_s": {w: statistics.median(t) for w, t in times.items()},
            "link_bytes_per_step": {w: links[w] / steps for w in links},
-           "int8_wire_bytes_per_step": (comm.wire_bytes - comm_bytes["wire"]) / steps,
-           "fp32_wire_bytes_per_step": (comm.full_bytes - comm_bytes["full"]) / steps,
+           "exchange_bytes_per_step": sent,
            "last_loss": loss}
-    out["speedup_int8"] = out["step_s"]["fp32"] / out["step_s"]["int8"]
+    out["speedup"] = {w: out["step_s"]["fp32"] / out["step_s"][w] for w in runs if w != "fp32"}
     if rank == 0:
-        what = "DDP all-reduce" if args.ddp else "FSDP2 reduce-scatter"
-        print(f"{what.split()[0]} training over {world} rank(s), {args.device}, {numel / 1e6:.1f} M parameters, "
-              f"batches of {args.tokens} x {args.dim}; median of {args.rounds} rounds of {args.steps} steps per wire")
-        print(f"step: float32 {what} {out['step_s']['fp32'] * 1e3:.1f} ms, int8 {out['step_s']['int8'] * 1e3:.1f} ms "
-              f"({out['speedup_int8']:.2f}x); its bytes per step and rank {out['int8_wire_bytes_per_step'] / 1e6:.1f} "
-              f"MB against {out['fp32_wire_bytes_per_step'] / 1e6:.1f}; on the links "
-              f"{out['link_bytes_per_step']['int8'] / 1e6:.1f} MB against "
-              f"{out['link_bytes_per_step']['fp32'] / 1e6:.1f}")
+        what = "DDP" if args.ddp else "FSDP2"
+        print(f"{what} training over {world} rank(s), {args.device}, {numel / 1e6:.1f} M parameters, batches of "
+              f"{args.tokens} x {args.dim}; median of {args.rounds} rounds of {args.steps} steps per wire")
+        for wire in runs:
+            line = f"{WIRE_NAMES[wire]}: step {out['step_s'][wire] * 1e3:.1f} ms"
+            if wire != "fp32":
+                line += f" ({out['speedup'][wire]:.2f}x)"
+            for k, b in sent[wire].items():
+                line += f"; {k} {b['int8'] / 1e6:.1f} MB per step and rank against {b['fp32'] / 1e6:.1f}"
+            print(line + f"; on the links {out['link_bytes_per_step'][wire] / 1e6:.1f} MB")
     return out
 
 
@@ -259,16 +272,17 @@ def driver(args) -> None:
                     results[scen]["goodput_gbps"] = hosts.goodput_gbps()
     finally:
         hosts.close()
-    what = "DDP all-reduce" if args.ddp else "FSDP2 reduce-scatter"
-    print(f"| scenario (TCP goodput) | step, float32 {what} | step, int8 | speed-up | MB on the link per step "
-          f"and rank, float32 -> int8 |")
-    print("|---|---|---|---|---|")
+    wires = list(next(iter(results.values()))["step_s"]) if results else []
+    head = " | ".join(f"step, {WIRE_NAMES[w]}" + ("" if w == "fp32" else " (speed-up)") for w in wires)
+    print(f"| scenario (TCP goodput) | {head} | MB on the link per step and rank, {' -> '.join(wires)} |")
+    print("|---" * (len(wires) + 2) + "|")
     for scen, r in results.items():
         link = r["link_bytes_per_step"]
-        sent = f"{link['fp32'] / 1e6:.0f} -> {link['int8'] / 1e6:.0f}" if SCENARIOS[scen][1] else "(no link)"
+        sent = " -> ".join(f"{link[w] / 1e6:.0f}" for w in wires) if SCENARIOS[scen][1] else "(no link)"
         goodput = f" ({r['goodput_gbps']:.2f} Gbit/s)" if "goodput_gbps" in r else ""
-        print(f"| {scen}{goodput} | {r['step_s']['fp32'] * 1e3:.0f} ms | {r['step_s']['int8'] * 1e3:.0f} ms | "
-              f"{r['speedup_int8']:.2f}x | {sent} |")
+        steps = " | ".join(f"{r['step_s'][w] * 1e3:.0f} ms" + ("" if w == "fp32" else f" ({r['speedup'][w]:.2f}x)")
+                           for w in wires)
+        print(f"| {scen}{goodput} | {steps} | {sent} |")
     print(json.dumps({"bench": "fsdp2_wire", "scenarios": results}))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -1,20 +1,30 @@
-"""zero8's int8 gradient communication for FSDP2 (``fully_shard``) jobs: FSDP2's gradient reduce-scatter with
-each rank's contribution sent as 8-bit blocks, as zero8's own engine sends its gradients (docs/FSDP2.md)::
+"""zero8's int8 communication for FSDP2 (``fully_shard``) jobs: FSDP2's gradient reduce-scatter and its
+parameter all-gather with each rank's part sent as 8-bit blocks, as zero8's own engine sends them (docs/FSDP2.md)::
 
     import zero8.fsdp
     fully_shard(...)                        # as usual, then
     zero8.fsdp.int8_reduce_scatter(model)   # every FSDP module of the model reduces its gradients in int8
+    zero8.fsdp.int8_all_gather(model)       # and gathers its parameters in int8 (optional)
 
-How: each rank cuts its unsharded gradients into the pieces FSDP2 sends to each rank, encodes every piece
-with zero8's block-wise codec (the dynamic signed map, one float32 scale per block of ``block_size`` = 2048
-elements: the engine's wire format, docs/ENGINE.md), exchanges them with one all-to-all (codes and scales),
-and each rank decodes the pieces it received and sums them in float32, in rank order, into its shard. A
-rank sends ``1 + 4 / 2048`` bytes per gradient element instead of 4 (float32 gradients; 2 with bfloat16
+Gradients: each rank cuts its unsharded gradients into the pieces FSDP2 sends to each rank, encodes every
+piece with zero8's block-wise codec (the dynamic signed map, one float32 scale per block of ``block_size`` =
+2048 elements: the engine's wire format, docs/ENGINE.md), exchanges them with one all-to-all (codes and
+scales), and each rank decodes the pieces it received and sums them in float32, in rank order, into its shard.
+A rank sends ``1 + 4 / 2048`` bytes per gradient element instead of 4 (float32 gradients; 2 with bfloat16
 ones), with the error of one 8-bit code per rank and element; like the engine's default, no error feedback.
 A block holding an Inf or NaN decodes to non-finite values, so a loss scaler still sees the overflow.
 
-Requires ``FSDPModule.set_custom_reduce_scatter`` (PyTorch's FSDP2 custom-communication API). HSDP's
-all-reduce across replicas stays FSDP2's own.
+Parameters (ZeRO++'s quantized weight communication): each rank encodes its shards of a module's parameters
+(FSDP2's all-gather input, in the parameters' dtype or the mixed-precision param_dtype) with the same codec,
+one all-gather moves the codes and scales, and every rank decodes all of them, its own included, into the
+unsharded parameters: every rank computes the forward and the backward with the same decoded weights, while
+the sharded parameters, which the optimizer steps and checkpoints save, stay exact. Blocks run over the
+concatenated shards, so one may straddle two parameters; the log-spaced map keeps small values next to large
+ones to a few percent. Groups whose all-gather moves raw bytes (parameters of mixed dtypes, or tensor
+subclasses that gather their own representation) keep FSDP2's exact all-gather.
+
+Requires ``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather`` (PyTorch's FSDP2 custom
+communication API). HSDP's all-reduce across replicas stays FSDP2's own.
 """
 
 from __future__ import annotations
@@ -27,14 +37,15 @@ import torch.distributed as dist
 from . import _int8_wire
 from ._C import Zero8NotSupportedError, Zero8ValueError
 
-__all__ = ["Int8ReduceScatter", "int8_reduce_scatter"]
+__all__ = ["Int8AllGather", "Int8ReduceScatter", "int8_all_gather", "int8_reduce_scatter"]
 
 WIRE_BLOCK = _int8_wire.BLOCK
 
 try:  # FSDP2's communication interface (PyTorch 2.9 and later)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - older PyTorch: int8_reduce_scatter says what is missing
-    _ReduceScatterBase = object
+except ImportError:  # pragma: no cover - older PyTorch: int8_reduce_scatter and int8_all_gather say what is missing
+    _AllGatherBase = _ReduceScatterBase = object
 
 
 class Int8ReduceScatter(_ReduceScatterBase):
@@ -72,21 +83,74 @@ class Int8ReduceScatter(_ReduceScatterBase):
         return None
 
 
+class Int8AllGather(_AllGatherBase):
+    """FSDP2's parameter all-gather with 8-bit block-wise codes on the wire (see the module docstring). Counts
+    what it sent: ``calls``, ``elements`` (parameter elements this rank sent, over all calls), ``wire_bytes``
+    (bytes this rank sent to the others) against ``full_bytes`` (what FSDP2's own all-gather would send, (N - 1)
+    times its input), and ``exact_calls``: groups whose input was raw bytes, gathered as they are."""
+
+    def __init__(self, block_size: int = WIRE_BLOCK):
+        self.block_size = _int8_wire.check_block(block_size, "Int8AllGather")
+        self.calls = self.exact_calls = self.elements = self.wire_bytes = self.full_bytes = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Optional[dist.Work]:
+        n = group.size()
+        numel = input_tensor.numel()
+        if output_tensor.numel() != n * numel:
+            raise Zero8ValueError(f"Int8AllGather: the output has {output_tensor.numel()} elements, not {n} ranks x "
+                                  f"the input's {numel}")
+        full = (n - 1) * numel * input_tensor.element_size()
+        self.calls += 1
+        self.full_bytes += full
+        if input_tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+                or output_tensor.dtype != input_tensor.dtype:
+            # FSDP2 moves bytes (uint8) when a group's parameters differ in dtype or are tensor subclasses that
+            # gather their own representation (float8 training): nothing here to quantize
+            self.exact_calls += 1
+            self.wire_bytes += full
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        _int8_wire.all_gather(input_tensor.reshape(-1), group, self.block_size, out=output_tensor.view(n, numel))
+        self.elements += numel
+        self.wire_bytes += (n - 1) * _int8_wire.piece_bytes(numel, self.block_size)
+        return None
+
+
+def _fsdp_modules(module: torch.nn.Module, setter: str, who: str) -> list:
+    """The FSDP2 modules of `module` (itself included), once this PyTorch is known to have FSDPModule.<setter>."""
+    from torch.distributed.fsdp import FSDPModule
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not fsdp:
+        raise Zero8ValueError(f"{who}: no module of this model is wrapped by FSDP2's fully_shard; call it after "
+                              f"fully_shard")
+    if not hasattr(fsdp[0], setter) or _ReduceScatterBase is object:
+        raise Zero8NotSupportedError(f"{who}: this PyTorch ({torch.__version__}) has no FSDP2 custom "
+                                     f"communication for it (FSDPModule.{setter})")
+    return fsdp
+
+
 def int8_reduce_scatter(module: torch.nn.Module, block_size: int = WIRE_BLOCK) -> Int8ReduceScatter:
     """Make every FSDP2 module in `module` (itself included) reduce-scatter its gradients in int8 blocks, through
     one shared Int8ReduceScatter (returned, for its byte counts). Sums are forced (FSDP2 then divides the
     gradients itself), since the int8 exchange sums or averages only."""
-    from torch.distributed.fsdp import FSDPModule
-    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    if not fsdp:
-        raise Zero8ValueError("int8_reduce_scatter: no module of this model is wrapped by FSDP2's fully_shard; "
-                              "call it after fully_shard")
-    if not hasattr(fsdp[0], "set_custom_reduce_scatter") or _ReduceScatterBase is object:
-        raise Zero8NotSupportedError(f"int8_reduce_scatter: this PyTorch ({torch.__version__}) has no FSDP2 "
-                                     f"custom reduce-scatter (FSDPModule.set_custom_reduce_scatter)")
+    fsdp = _fsdp_modules(module, "set_custom_reduce_scatter", "int8_reduce_scatter")
     comm = Int8ReduceScatter(block_size)
     for m in fsdp:
         m.set_custom_reduce_scatter(comm)
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)
+    return comm
+
+
+def int8_all_gather(module: torch.nn.Module, block_size: int = WIRE_BLOCK) -> Int8AllGather:
+    """Make every FSDP2 module in `module` (itself included) all-gather its parameters in int8 blocks, through one
+    shared Int8AllGather (returned, for its byte counts): the forward and the backward compute with the decoded
+    weights, the same on every rank; the sharded parameters stay exact (see the module docstring)."""
+    fsdp = _fsdp_modules(module, "set_custom_all_gather", "int8_all_gather")
+    comm = Int8AllGather(block_size)
+    for m in fsdp:
+        m.set_custom_all_gather(comm)
     return comm

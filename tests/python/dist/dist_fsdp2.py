@@ -384,9 +384,104 @@ def test_fsdp2_trains_with_int8_gradient_reduce_scatter():
     assert abs(int8 - fp32) < 0.05 * fp32, (fp32, int8)
 
 
-def test_int8_reduce_scatter_needs_fsdp_modules():
+custom_all_gather = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_all_gather"),
+    reason=f"this PyTorch ({torch.__version__}) has no FSDPModule.set_custom_all_gather")
+
+
+def test_int8_all_gather_gives_every_rank_the_same_decoded_shards():
+    """Int8AllGather on its own: every rank gets every rank's input encoded and decoded by zero8's codec (its
+    own included, computed here from all the inputs), so all of them hold the same values, within the codes'
+    error of the inputs; bfloat16 inputs are decoded into bfloat16; raw bytes (FSDP2's input when a group's
+    parameters differ in dtype) are gathered as they are."""
+    from zero8.fsdp import Int8AllGather
+    from zero8.functional import dequantize_blockwise, quantize_blockwise
+    shard = 5000  # not whole blocks of 2048
+    g = torch.Generator().manual_seed(3 + RANK)
+    x = (torch.randn(shard, generator=g) * torch.logspace(-3, 0, shard)).to(DEVICE)
+    every = [torch.empty_like(x) for _ in range(K)]
+    dist.all_gather(every, x)
+    comm = Int8AllGather()
+    out = torch.empty(K * shard, device=DEVICE)
+    out[RANK * shard:(RANK + 1) * shard] = x  # FSDP2's input is this rank's slice of the output
+    assert comm(out, out[RANK * shard:(RANK + 1) * shard], dist.group.WORLD) is None
+    want = torch.cat([dequantize_blockwise(*quantize_blockwise(e, blocksize=2048)) for e in every])
+    assert torch.equal(out, want)
+    exact = torch.cat(every)
+    rel = ((out - exact).norm() / exact.norm()).item()
+    assert 0 < rel < 2e-2, rel
+    assert comm.calls == 1 and comm.exact_calls == 0 and comm.elements == shard
+    assert comm.wire_bytes == (K - 1) * (shard + 4 * 3) and comm.full_bytes == (K - 1) * shard * 4
+    outb = torch.empty(K * shard, dtype=torch.bfloat16, device=DEVICE)
+    comm(outb, x.to(torch.bfloat16), dist.group.WORLD)
+    wantb = torch.cat([dequantize_blockwise(*quantize_blockwise(e.to(torch.bfloat16), blocksize=2048)).float()
+                       for e in every])
+    assert torch.equal(outb, wantb.to(torch.bfloat16))
+    raw = torch.arange(16, dtype=torch.uint8, device=DEVICE) + RANK
+    outr = torch.empty(K * 16, dtype=torch.uint8, device=DEVICE)
+    comm(outr, raw, dist.group.WORLD)
+    assert torch.equal(outr, torch.cat([torch.arange(16, dtype=torch.uint8, device=DEVICE) + r for r in range(K)]))
+    assert comm.calls == 3 and comm.exact_calls == 1
+    assert comm.full_bytes == (K - 1) * (shard * 4 + shard * 2 + 16)
+    with pytest.raises(zero8.Zero8ValueError, match=f"Int8AllGather: the output has {K * shard + 1} elements, "
+                                                    f"not {K} ranks x the input's {shard}"):
+        comm(torch.empty(K * shard + 1, device=DEVICE), x, dist.group.WORLD)
+
+
+@custom_all_gather
+@custom_reduce_scatter
+def test_fsdp2_trains_with_int8_parameters_and_gradients_on_the_wire():
+    """int8_all_gather with int8_reduce_scatter: the forward computes with decoded weights, the same on every rank
+    and within the codes' error of the exact sharded parameters (which the optimizer steps), and training
+    follows the float32 wire's, each rank sending about a quarter of the bytes both ways. On one rank FSDP2
+    gathers nothing (it uses the shard), so the two runs are the same."""
+    import zero8.fsdp
+    losses, STEPS = {}, 40
+    for wire in ("fp32", "int8"):
+        model = sharded(make_model())
+        used = []
+        model[0].register_forward_pre_hook(lambda m, args: used.append(m.weight.detach().clone()))
+        gather = zero8.fsdp.int8_all_gather(model) if wire == "int8" else None
+        if wire == "int8":
+            zero8.fsdp.int8_reduce_scatter(model)
+        opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
+        g = torch.Generator().manual_seed(11)
+        target = torch.nn.Linear(512, 5).to(DEVICE)
+        losses[wire] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(STEPS):
+                x = torch.randn(32, 512, generator=g).to(DEVICE)
+                exact = model[0].weight.full_tensor().detach().clone()  # the sharded parameter (one rank: its data)
+                loss = (model(x) - target(x).detach()).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses[wire].append(loss.item())
+    first, fp32, int8 = losses["fp32"][0], losses["fp32"][-1], losses["int8"][-1]
+    w_used = used[-1]  # the weight the last forward computed with
+    if K == 1:
+        assert gather.calls == 0 and losses["int8"] == losses["fp32"] and torch.equal(w_used, exact)
+        return
+    rel = ((w_used - exact).norm() / exact.norm()).item()
+    assert 0 < rel < 2e-2, rel
+    replicas = [torch.empty_like(w_used) for _ in range(K)]
+    dist.all_gather(replicas, w_used)
+    assert all(torch.equal(r, w_used) for r in replicas)
+    assert gather.calls >= STEPS * 4 and gather.exact_calls == 0, gather.calls  # forward, and backward's again
+    assert 0.25 < gather.wire_bytes / gather.full_bytes < 0.2506
+    print(f"\nloss {first:.4f} -> fp32 wire {fp32:.4f}, int8 both ways {int8:.4f}")
+    assert fp32 < 0.5 * first and int8 < 0.5 * first
+    assert abs(int8 - fp32) < 0.05 * fp32, (fp32, int8)
+
+
+def test_int8_comms_need_fsdp_modules():
     import zero8.fsdp
     with pytest.raises(zero8.Zero8ValueError, match="no module of this model is wrapped by FSDP2's fully_shard"):
         zero8.fsdp.int8_reduce_scatter(make_model())
+    with pytest.raises(zero8.Zero8ValueError, match="int8_all_gather: no module of this model is wrapped"):
+        zero8.fsdp.int8_all_gather(make_model())
     with pytest.raises(zero8.Zero8ValueError, match="block_size must be a power of two in 64..4096, got 1000"):
         zero8.fsdp.Int8ReduceScatter(1000)
+    with pytest.raises(zero8.Zero8ValueError, match="Int8AllGather: block_size must be a power of two"):
+        zero8.fsdp.Int8AllGather(3)
