@@ -430,15 +430,23 @@ def test_int8_all_gather_gives_every_rank_the_same_decoded_shards():
 
 @custom_all_gather
 @custom_reduce_scatter
-def test_fsdp2_trains_with_int8_parameters_and_gradients_on_the_wire():
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-params"])
+def test_fsdp2_trains_with_int8_parameters_and_gradients_on_the_wire(param_dtype):
     """int8_all_gather with int8_reduce_scatter: the forward computes with decoded weights, the same on every rank
     and within the codes' error of the exact sharded parameters (which the optimizer steps), and training
-    follows the float32 wire's, each rank sending about a quarter of the bytes both ways. On one rank FSDP2
-    gathers nothing (it uses the shard), so the two runs are the same."""
+    follows FSDP2's own collectives', each rank sending about a quarter of the float32 bytes both ways (half of
+    the bfloat16 all-gather's, with mixed precision's bfloat16 param_dtype). On one rank FSDP2 gathers nothing
+    (it uses the shard), so the two runs are the same."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     import zero8.fsdp
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     losses, STEPS = {}, 40
     for wire in ("fp32", "int8"):
-        model = sharded(make_model())
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=MESH, mp_policy=mp)
+        fully_shard(model, mesh=MESH, mp_policy=mp)
         used = []
         model[0].register_forward_pre_hook(lambda m, args: used.append(m.weight.detach().clone()))
         gather = zero8.fsdp.int8_all_gather(model) if wire == "int8" else None
@@ -453,24 +461,26 @@ def test_fsdp2_trains_with_int8_parameters_and_gradients_on_the_wire():
             for step in range(STEPS):
                 x = torch.randn(32, 512, generator=g).to(DEVICE)
                 exact = model[0].weight.full_tensor().detach().clone()  # the sharded parameter (one rank: its data)
-                loss = (model(x) - target(x).detach()).pow(2).mean()
+                loss = (model(x).float() - target(x).detach()).pow(2).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
                 losses[wire].append(loss.item())
     first, fp32, int8 = losses["fp32"][0], losses["fp32"][-1], losses["int8"][-1]
-    w_used = used[-1]  # the weight the last forward computed with
+    w_used = used[-1]  # the weight the last forward computed with (in param_dtype)
+    exact = exact.to(w_used.dtype)
     if K == 1:
         assert gather.calls == 0 and losses["int8"] == losses["fp32"] and torch.equal(w_used, exact)
         return
-    rel = ((w_used - exact).norm() / exact.norm()).item()
+    rel = ((w_used.float() - exact.float()).norm() / exact.float().norm()).item()
     assert 0 < rel < 2e-2, rel
     replicas = [torch.empty_like(w_used) for _ in range(K)]
     dist.all_gather(replicas, w_used)
     assert all(torch.equal(r, w_used) for r in replicas)
     assert gather.calls >= STEPS * 4 and gather.exact_calls == 0, gather.calls  # forward, and backward's again
-    assert 0.25 < gather.wire_bytes / gather.full_bytes < 0.2506
-    print(f"\nloss {first:.4f} -> fp32 wire {fp32:.4f}, int8 both ways {int8:.4f}")
+    assert gather.elements > 0 and gather.full_bytes == (K - 1) * gather.elements * (2 if param_dtype else 4)
+    assert 1.0 < gather.wire_bytes / ((K - 1) * gather.elements) < 1.0025  # a byte, and a scale per 2048 elements
+    print(f"\nloss {first:.4f} -> FSDP2's collectives {fp32:.4f}, int8 both ways {int8:.4f}")
     assert fp32 < 0.5 * first and int8 < 0.5 * first
     assert abs(int8 - fp32) < 0.05 * fp32, (fp32, int8)
 
