@@ -23,8 +23,15 @@ concatenated shards, so one may straddle two parameters; the log-spaced map keep
 ones to a few percent. Groups whose all-gather moves raw bytes (parameters of mixed dtypes, or tensor
 subclasses that gather their own representation) keep FSDP2's exact all-gather.
 
-Requires ``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather`` (PyTorch's FSDP2 custom
-communication API). HSDP's all-reduce across replicas stays FSDP2's own.
+Replicas (HSDP over hosts): FSDP2's native HSDP (a 2-d mesh) all-reduces the shards' gradients across the
+replicas itself, in the reduce dtype. Shard over the shard dimension of the mesh alone instead and pass the
+replicate dimension's group to ``int8_replicate_all_reduce``: its hook (``FSDPModule.set_all_reduce_hook``)
+averages each reduced shard over the replicas as zero8.ddp averages a bucket (an int8 reduce-scatter and an
+int8 all-gather, every replica decoding the same codes, so the replicas stay bit for bit equal). That is the
+exchange that crosses the hosts when the shard group is a host's GPUs.
+
+Requires ``FSDPModule.set_custom_reduce_scatter`` / ``set_custom_all_gather`` / ``set_all_reduce_hook``
+(PyTorch's FSDP2 custom communication API).
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import torch.distributed as dist
 
 from . import _int8_wire
 from ._C import Zero8NotSupportedError, Zero8ValueError
+from .ddp import Int8AllReduce
 
-__all__ = ["Int8AllGather", "Int8ReduceScatter", "int8_all_gather", "int8_reduce_scatter"]
+__all__ = ["Int8AllGather", "Int8ReduceScatter", "int8_all_gather", "int8_reduce_scatter", "int8_replicate_all_reduce"]
 
 WIRE_BLOCK = _int8_wire.BLOCK
 
@@ -154,3 +162,27 @@ def int8_all_gather(module: torch.nn.Module, block_size: int = WIRE_BLOCK) -> In
     for m in fsdp:
         m.set_custom_all_gather(comm)
     return comm
+
+
+def int8_replicate_all_reduce(module: torch.nn.Module, replicate_group: dist.ProcessGroup,
+                              block_size: int = WIRE_BLOCK) -> Int8AllReduce:
+    """HSDP with the replicas' gradient all-reduce in int8 blocks: `module` is sharded by fully_shard over the
+    shard group alone (a 1-d mesh, e.g. ``mesh["shard"]``), `replicate_group` joins the ranks that hold the same
+    shards (``mesh["replicate"].get_group()``). Every FSDP2 module then averages its reduced gradient shard over
+    `replicate_group` through zero8.ddp's int8 exchange (see the module docstring); returns its state, for the
+    byte counts."""
+    from torch.distributed.tensor import DTensor, Replicate
+    fsdp = _fsdp_modules(module, "set_all_reduce_hook", "int8_replicate_all_reduce")
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor) and any(isinstance(pl, Replicate) for pl in p.placements):
+            raise Zero8ValueError(f"int8_replicate_all_reduce: parameter {name!r} is replicated over a dimension of "
+                                  f"its mesh ({p.device_mesh}): FSDP2's native HSDP all-reduces it itself. Shard "
+                                  f"over the shard dimension alone (fully_shard(..., mesh=mesh['shard'])) and pass "
+                                  f"mesh['replicate'].get_group()")
+    if not isinstance(replicate_group, dist.ProcessGroup):
+        raise Zero8ValueError(f"int8_replicate_all_reduce: replicate_group is a {type(replicate_group).__name__}, "
+                              f"not a ProcessGroup (mesh['replicate'].get_group())")
+    state = Int8AllReduce(replicate_group, block_size)
+    for m in fsdp:
+        m.set_all_reduce_hook(state.average)
+    return state

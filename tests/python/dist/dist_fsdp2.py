@@ -485,12 +485,66 @@ def test_fsdp2_trains_with_int8_parameters_and_gradients_on_the_wire(param_dtype
     assert abs(int8 - fp32) < 0.05 * fp32, (fp32, int8)
 
 
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp.FSDPModule, "set_all_reduce_hook"),
+                    reason=f"this PyTorch ({torch.__version__}) has no FSDPModule.set_all_reduce_hook")
+def test_hsdp_with_the_replicas_all_reduce_in_int8():
+    """HSDP on a (replicate, shard) mesh, each rank training on batches of its own: FSDP2 over the shard dimension
+    with int8_replicate_all_reduce's hook over the replicate one trains as native HSDP (FSDP2's float32
+    all-reduce) does, the replicas' shards staying bit for bit equal, at about a quarter of the all-reduce's
+    bytes. A model on the 2-d mesh (native HSDP) is refused by name."""
+    import zero8.fsdp
+    R = 2 if K % 2 == 0 else K
+    mesh = init_device_mesh(DEVICE, (R, K // R), mesh_dim_names=("replicate", "shard"))
+    losses, STEPS = {}, 30
+    for wire in ("native", "int8"):
+        model = make_model()
+        for layer in list(model) + [model]:
+            if isinstance(layer, torch.nn.Linear) or layer is model:
+                fully_shard(layer, mesh=mesh if wire == "native" else mesh["shard"])
+        if wire == "native":
+            with pytest.raises(zero8.Zero8ValueError, match="int8_replicate_all_reduce: parameter '0.weight' is "
+                                                            "replicated over a dimension of its mesh"):
+                zero8.fsdp.int8_replicate_all_reduce(model, mesh["replicate"].get_group())
+        else:
+            state = zero8.fsdp.int8_replicate_all_reduce(model, mesh["replicate"].get_group())
+        opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
+        torch.manual_seed(1)
+        target = torch.nn.Linear(512, 5).to(DEVICE)
+        losses[wire] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(STEPS):
+                x = torch.randn(32, 512, generator=torch.Generator().manual_seed(1000 * step + RANK)).to(DEVICE)
+                loss = (model(x) - target(x).detach()).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                t = loss.detach().reshape(1)
+                dist.all_reduce(t)
+                losses[wire].append(t.item() / K)
+    shards = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    replicas = [torch.empty_like(shards) for _ in range(R)]
+    dist.all_gather(replicas, shards, group=mesh["replicate"].get_group())
+    assert all(torch.equal(r, shards) for r in replicas)
+    first, native, int8 = losses["native"][0], losses["native"][-1], losses["int8"][-1]
+    print(f"\nloss {first:.4f} -> native HSDP {native:.4f}, int8 replicas' all-reduce {int8:.4f}")
+    assert native < 0.9 * first and abs(int8 - native) < 0.05 * native, (native, int8)
+    assert state.calls >= STEPS * 4, state.calls
+    if R == 1:  # nothing to average: exact, nothing sent
+        assert state.wire_bytes == 0 and losses["int8"] == losses["native"]
+    else:
+        assert 0.25 < state.wire_bytes / state.full_bytes < 0.2506
+
+
 def test_int8_comms_need_fsdp_modules():
     import zero8.fsdp
     with pytest.raises(zero8.Zero8ValueError, match="no module of this model is wrapped by FSDP2's fully_shard"):
         zero8.fsdp.int8_reduce_scatter(make_model())
     with pytest.raises(zero8.Zero8ValueError, match="int8_all_gather: no module of this model is wrapped"):
         zero8.fsdp.int8_all_gather(make_model())
+    with pytest.raises(zero8.Zero8ValueError, match="int8_replicate_all_reduce: replicate_group is a DeviceMesh, "
+                                                    "not a ProcessGroup"):
+        zero8.fsdp.int8_replicate_all_reduce(sharded(make_model()), MESH)
     with pytest.raises(zero8.Zero8ValueError, match="block_size must be a power of two in 64..4096, got 1000"):
         zero8.fsdp.Int8ReduceScatter(1000)
     with pytest.raises(zero8.Zero8ValueError, match="Int8AllGather: block_size must be a power of two"):
