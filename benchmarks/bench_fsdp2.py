@@ -5,13 +5,15 @@ gradient reduce-scatter, and with that and its int8 parameter all-gather (the sa
 optimizer, rounds alternated), the step time and the bytes sent; with --ddp, DistributedDataParallel's float32
 all-reduce against zero8.ddp's int8 hook instead; (3) --where: (2) on two hosts, the ranks in two network
 namespaces joined by a veth pair, rate-shaped with tc (scripts/netns_cluster.sh, as
-benchmarks/bench_vs_deepspeed.py; needs root).
+benchmarks/bench_vs_deepspeed.py; needs root); (4) --quality: what the int8 wires cost in loss, the pretraining
+example's GPT trained with each.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # (1), CPU, gloo
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp2.py --device cuda
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --train    # (2), one host
     python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit                        # (3), as root
     python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit --ddp                  # (3) for DDP
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --quality --seeds 1234,1235  # (4)
 
 The model is a stack of MLP blocks (dim x 4 dim and back), every weight sharded by rows over the ranks. Rank
 0 prints a table and, last, one JSON line (also written to --json-out); the driver of (3) prints one table
@@ -56,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--train", action="store_true", help="(2): training steps, float32 against int8 wire")
     ap.add_argument("--ddp", action="store_true", help="(2), (3): DistributedDataParallel instead of FSDP2")
     ap.add_argument("--where", default=None, help="(3): scenarios, comma-separated: local, 1gbit, 10gbit")
+    ap.add_argument("--quality", action="store_true",
+                    help="(4): the pretraining example's GPT trained with each wire; validation losses")
+    ap.add_argument("--seeds", default="1234", help="(4): comma-separated seeds (initialization and batches)")
+    ap.add_argument("--quality-steps", type=int, default=600, help="(4): training steps per run (default 600)")
     ap.add_argument("--json-out", default=None)
     return ap.parse_args(argv)
 
@@ -210,6 +216,68 @@ def training(args, rank, world, mesh) -> dict:
     return out
 
 
+def quality(args, rank, world, mesh) -> dict:
+    """(4): the pretraining example's GPT (its default model, batches and optimizer settings: AdamW8bit, lr 2e-3
+    with 50 warm-up steps and a cosine to 0.1x, clipping at 1.0, 32 sequences per step over the ranks) sharded
+    by FSDP2 per transformer block, trained with each wire for each seed; the validation loss at the end (the
+    same 128 sequences on every rank)."""
+    import math
+    import zero8.fsdp
+    import zero8.optim as zo
+    from torch.distributed.fsdp import fully_shard
+    from pretrain_example import load_example  # as link_tx: this folder is on sys.path
+    from zero8.pipe import LayerModule
+    ex = load_example()
+    corpus = ex.Corpus(4_000_000)
+    seq, rows, steps = 128, 32 // world, args.quality_steps
+    val_x, val_y = ex.sequences(corpus.val, ex.batch_offsets(0, 0, 128, corpus.val.numel(), seq), seq)
+    results = {}
+    for seed in [int(v) for v in args.seeds.split(",")]:
+        for wire in WIRE_NAMES:
+            model = LayerModule(ex.gpt_layers(128, 4, 4, seq, False), seed_layers=True, base_seed=seed).to(args.device)
+            for m in list(model.modules())[1:]:
+                if type(m).__name__ == "Block":
+                    fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if wire != "fp32":
+                zero8.fsdp.int8_reduce_scatter(model)
+            if wire == "int8_params":
+                zero8.fsdp.int8_all_gather(model)
+            opt = zo.AdamW8bit(ex.param_groups(model), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+
+            def lr_at(step, warm=50):
+                if step < warm:
+                    return (step + 1) / warm
+                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+            t0 = time.perf_counter()
+            for step in range(steps):
+                offsets = ex.batch_offsets(seed, step, rows * world, corpus.train.numel(), seq)
+                x, y = ex.sequences(corpus.train, offsets[rank * rows:(rank + 1) * rows], seq)
+                loss = ex.lm_loss(model(x.to(args.device)), y.to(args.device))
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+            with torch.no_grad():
+                val = ex.lm_loss(model(val_x.to(args.device)), val_y.to(args.device)).item()
+            results.setdefault(wire, {})[seed] = val
+            if rank == 0:
+                print(f"seed {seed}, {WIRE_NAMES[wire]}: validation loss {val:.4f} after {steps} steps "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    seeds = list(results["fp32"])
+    rel = {w: statistics.mean(results[w][sd] / results["fp32"][sd] - 1 for sd in seeds) for w in results}
+    out = {"mode": "quality", "world": world, "steps": steps, "val_loss": results, "mean_rel_diff": rel}
+    if rank == 0:
+        print("| wire | validation loss (mean over seeds) | relative difference to float32 (mean) |")
+        print("|---|---|---|")
+        for w in results:
+            print(f"| {WIRE_NAMES[w]} | {statistics.mean(results[w].values()):.4f} | {rel[w] * 100:+.2f}% |")
+    return out
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -220,7 +288,10 @@ def worker(args) -> None:
     mesh = init_device_mesh(args.device, (world,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = training(args, rank, world, mesh) if args.train else optimizer_step(args, rank, world, mesh)
+        if args.quality:
+            out = quality(args, rank, world, mesh)
+        else:
+            out = training(args, rank, world, mesh) if args.train else optimizer_step(args, rank, world, mesh)
     if rank == 0:
         print(json.dumps(out))
         if args.json_out:

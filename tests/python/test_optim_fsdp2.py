@@ -79,3 +79,23 @@ def test_the_wire_benchmark_runs_and_reports(tmp_path, ddp):
         for b in sent.values():
             assert 0.25 < b["int8"] / b["fp32"] < 0.26, (wire, b)
     assert "| local |" in r.stdout
+
+
+@pytest.mark.skipif(not hasattr(FSDPModule, "set_custom_all_gather"),
+                    reason="this PyTorch has no FSDPModule.set_custom_all_gather")
+def test_the_quality_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/bench_fsdp2.py --quality for a few steps: the example's GPT trained with each wire from the same
+    start and batches, a finite validation loss for each, the differences to float32's reported."""
+    out = tmp_path / "quality.json"
+    r = subprocess.run(torchrun_cmd(2) + [str(ROOT / "benchmarks" / "bench_fsdp2.py"), "--quality", "--quality-steps",
+                                          "3", "--json-out", str(out)],
+                       cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "quality" and report["steps"] == 3 and report["world"] == 2
+    losses = {w: v["1234"] for w, v in report["val_loss"].items()}
+    assert set(losses) == {"fp32", "int8", "int8_params"}
+    assert all(3.0 < v < 6.0 for v in losses.values()), losses  # ln(256) = 5.5 at the start
+    assert report["mean_rel_diff"]["fp32"] == 0
+    assert abs(report["mean_rel_diff"]["int8_params"] - (losses["int8_params"] / losses["fp32"] - 1)) < 1e-9
+    assert "| int8 gradients and parameters |" in r.stdout
