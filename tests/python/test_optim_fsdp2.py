@@ -1,8 +1,8 @@
 """zero8 in FSDP2 jobs on real ranks: zero8.optim's optimizers on FSDP2's sharded parameters (DTensors;
-zero8/optim/dtensor.py) and zero8.fsdp's int8 gradient reduce-scatter, dist/dist_fsdp2.py under torchrun at 2
-ranks, then at 3 (uneven shards; the checkpoints of 2 ranks loaded at 3) over gloo, and on one GPU over NCCL;
-benchmarks/bench_fsdp2.py's modes at a tiny size. The single-process checks (refusals, messages) are in
-test_optim.py."""
+zero8/optim/dtensor.py) and zero8.fsdp's int8 exchanges (gradients, parameters, HSDP's replicas),
+dist/dist_fsdp2.py under torchrun at 2 ranks, then at 3 (uneven shards; the checkpoints of 2 ranks loaded at 3)
+over gloo, and on one GPU over NCCL; benchmarks/bench_fsdp2.py's modes at a tiny size. The single-process
+checks (refusals, messages) are in test_optim.py."""
 
 from __future__ import annotations
 

@@ -295,6 +295,26 @@ def test_hsdp_on_a_2d_mesh():
 # ---------------------------------------------------------------------------------------------------
 # zero8.fsdp: the gradient reduce-scatter in int8 blocks
 
+def fit_a_target(model, steps: int, before_forward=None) -> list:
+    """AdamW8bit fitting a fixed linear map on the same batches on every rank; the losses."""
+    opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
+    g = torch.Generator().manual_seed(11)
+    target = torch.nn.Linear(512, 5).to(DEVICE)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            x = torch.randn(32, 512, generator=g).to(DEVICE)
+            if before_forward is not None:
+                before_forward()
+            loss = (model(x).float() - target(x).detach()).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
 custom_reduce_scatter = pytest.mark.skipif(
     not hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_reduce_scatter"),
     reason=f"this PyTorch ({torch.__version__}) has no FSDPModule.set_custom_reduce_scatter")
@@ -359,19 +379,7 @@ def test_fsdp2_trains_with_int8_gradient_reduce_scatter():
     for wire in ("fp32", "int8"):
         model = sharded(make_model())
         comm = zero8.fsdp.int8_reduce_scatter(model) if wire == "int8" else None
-        opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
-        g = torch.Generator().manual_seed(11)
-        target = torch.nn.Linear(512, 5).to(DEVICE)
-        losses[wire] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for step in range(STEPS):
-                x = torch.randn(32, 512, generator=g).to(DEVICE)
-                loss = (model(x) - target(x).detach()).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses[wire].append(loss.item())
+        losses[wire] = fit_a_target(model, STEPS)
     first, fp32, int8 = losses["fp32"][0], losses["fp32"][-1], losses["int8"][-1]
     if K == 1:
         assert comm.calls == 0 and losses["int8"] == losses["fp32"]
@@ -452,23 +460,11 @@ def test_fsdp2_trains_with_int8_parameters_and_gradients_on_the_wire(param_dtype
         gather = zero8.fsdp.int8_all_gather(model) if wire == "int8" else None
         if wire == "int8":
             zero8.fsdp.int8_reduce_scatter(model)
-        opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
-        g = torch.Generator().manual_seed(11)
-        target = torch.nn.Linear(512, 5).to(DEVICE)
-        losses[wire] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for step in range(STEPS):
-                x = torch.randn(32, 512, generator=g).to(DEVICE)
-                exact = model[0].weight.full_tensor().detach().clone()  # the sharded parameter (one rank: its data)
-                loss = (model(x).float() - target(x).detach()).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses[wire].append(loss.item())
+        exact = []  # the sharded parameter before each forward (one rank: its data, copied)
+        losses[wire] = fit_a_target(model, STEPS, lambda: exact.append(model[0].weight.full_tensor().detach().clone()))
     first, fp32, int8 = losses["fp32"][0], losses["fp32"][-1], losses["int8"][-1]
     w_used = used[-1]  # the weight the last forward computed with (in param_dtype)
-    exact = exact.to(w_used.dtype)
+    exact = exact[-1].to(w_used.dtype)
     if K == 1:
         assert gather.calls == 0 and losses["int8"] == losses["fp32"] and torch.equal(w_used, exact)
         return
