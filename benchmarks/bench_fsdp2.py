@@ -217,48 +217,48 @@ def training(args, rank, world, mesh) -> dict:
 
 
 def quality(args, rank, world, mesh) -> dict:
-    """(4): the pretraining example's GPT (its default model, batches and optimizer settings: AdamW8bit, lr 2e-3
-    with 50 warm-up steps and a cosine to 0.1x, clipping at 1.0, 32 sequences per step over the ranks) sharded
-    by FSDP2 per transformer block, trained with each wire for each seed; the validation loss at the end (the
-    same 128 sequences on every rank)."""
-    import math
+    """(4): the pretraining example's GPT as `python3 examples/pretrain_gpt.py` trains it (its default model,
+    corpus and validation sequences; examples/configs/gpt_zero8_stage2.json's batch, AdamW settings, schedule
+    and clipping, with AdamW8bit), sharded by FSDP2 per transformer block and trained with each wire for each
+    seed; the validation loss at the end."""
     import zero8.fsdp
     import zero8.optim as zo
     from torch.distributed.fsdp import fully_shard
     from pretrain_example import load_example  # as link_tx: this folder is on sys.path
+    from zero8.lr_schedules import WarmupCosineLR
     from zero8.pipe import LayerModule
     ex = load_example()
-    corpus = ex.Corpus(4_000_000)
-    seq, rows, steps = 128, 32 // world, args.quality_steps
-    val_x, val_y = ex.sequences(corpus.val, ex.batch_offsets(0, 0, 128, corpus.val.numel(), seq), seq)
+    a = ex.parse_args([])  # the example's defaults
+    cfg, steps, _ = ex.load_config(str(Path(ex.__file__).parent / "configs" / "gpt_zero8_stage2.json"),
+                                   args.quality_steps, None, None)
+    corpus = ex.Corpus(int(a.corpus_mb * 1e6))
+    rows = cfg["train_batch_size"] // world
+    val_x, val_y = ex.sequences(corpus.val, ex.validation_offsets(corpus, a.seq_len, a.eval_seqs), a.seq_len)
     results = {}
     for seed in [int(v) for v in args.seeds.split(",")]:
         for wire in WIRE_NAMES:
-            model = LayerModule(ex.gpt_layers(128, 4, 4, seq, False), seed_layers=True, base_seed=seed).to(args.device)
+            layers = ex.gpt_layers(a.d_model, a.n_layer, a.n_head, a.seq_len, a.tie_weights)
+            model = LayerModule(layers, seed_layers=True, base_seed=seed).to(args.device)
             for m in list(model.modules())[1:]:
-                if type(m).__name__ == "Block":
+                if isinstance(m, ex.Block):
                     fully_shard(m, mesh=mesh)
             fully_shard(model, mesh=mesh)
             if wire != "fp32":
                 zero8.fsdp.int8_reduce_scatter(model)
             if wire == "int8_params":
                 zero8.fsdp.int8_all_gather(model)
-            opt = zo.AdamW8bit(ex.param_groups(model), lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-
-            def lr_at(step, warm=50):
-                if step < warm:
-                    return (step + 1) / warm
-                return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
-
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+            hyper = cfg["optimizer"]["params"]
+            opt = zo.AdamW8bit(ex.param_groups(model), lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                               weight_decay=hyper["weight_decay"])
+            sched = WarmupCosineLR(opt, **cfg["scheduler"]["params"])
             t0 = time.perf_counter()
             for step in range(steps):
-                offsets = ex.batch_offsets(seed, step, rows * world, corpus.train.numel(), seq)
-                x, y = ex.sequences(corpus.train, offsets[rank * rows:(rank + 1) * rows], seq)
+                offsets = ex.batch_offsets(seed, step, rows * world, corpus.train.numel(), a.seq_len)
+                x, y = ex.sequences(corpus.train, offsets[rank * rows:(rank + 1) * rows], a.seq_len)
                 loss = ex.lm_loss(model(x.to(args.device)), y.to(args.device))
                 opt.zero_grad()
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"])
                 opt.step()
                 sched.step()
             with torch.no_grad():

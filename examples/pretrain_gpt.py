@@ -171,6 +171,11 @@ def sequences(stream: torch.Tensor, offsets: torch.Tensor, seq_len: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def validation_offsets(corpus: "Corpus", seq_len: int, n: int) -> torch.Tensor:
+    """Start offsets of the n validation sequences, evenly spread over the validation stream."""
+    return torch.linspace(0, corpus.val.numel() - seq_len - 2, n).long()
+
+
 def batch_offsets(seed: int, step: int, rows: int, stream_len: int, seq_len: int) -> torch.Tensor:
     """Start offsets of the global batch of step `step`: a function of (seed, step) only."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -591,7 +596,7 @@ def main(argv=None) -> int:
 
     # Per-rank facts, gathered for the report (memory and state bytes differ by partition).
     state_bytes = int(engine.memory_stats()["state"])
-    val_offsets = torch.linspace(0, corpus.val.numel() - args.seq_len - 2, args.eval_seqs).long()
+    val_offsets = validation_offsets(corpus, args.seq_len, args.eval_seqs)
 
     rows = read_csv_rows(csv_path, start) if (rank == 0 and args.resume is not None) else []
     if rank == 0:
