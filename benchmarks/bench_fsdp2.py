@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2, help="(2), (3): training steps per round (default 2)")
     ap.add_argument("--tokens", type=int, default=512, help="(2), (3): rows of a batch (default 512)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--train", action="store_true", help="(2): training steps, float32 against int8 wire")
+    ap.add_argument("--train", action="store_true", help="(2): training steps, float32 against the int8 wires")
     ap.add_argument("--ddp", action="store_true", help="(2), (3): DistributedDataParallel instead of FSDP2")
     ap.add_argument("--where", default=None, help="(3): scenarios, comma-separated: local, 1gbit, 10gbit")
     ap.add_argument("--quality", action="store_true",
@@ -141,6 +141,17 @@ def link_tx() -> int:
 WIRE_NAMES = {"fp32": "float32", "int8": "int8 gradients", "int8_params": "int8 gradients and parameters"}
 
 
+def fsdp2_wire(model, wire: str) -> dict:
+    """zero8.fsdp's int8 exchanges that `wire` names set on FSDP2 `model`, by what they carry."""
+    import zero8.fsdp
+    comms = {}
+    if wire != "fp32":
+        comms["gradients"] = zero8.fsdp.int8_reduce_scatter(model)
+    if wire == "int8_params":
+        comms["parameters"] = zero8.fsdp.int8_all_gather(model)
+    return comms
+
+
 def training(args, rank, world, mesh) -> dict:
     """(2): training steps with FSDP2's float32 collectives, with zero8.fsdp's int8 gradient reduce-scatter, and
     with that and its int8 parameter all-gather (--ddp: DDP's float32 all-reduce and zero8.ddp's int8 hook),
@@ -148,23 +159,17 @@ def training(args, rank, world, mesh) -> dict:
     collectives they replace would have, and the bytes on the links."""
     import torch.distributed as dist
     import zero8.ddp
-    import zero8.fsdp
     import zero8.optim as zo
     base, sharded = build(args, mesh)
     numel = sum(p.numel() for p in base.parameters())
     runs = {}
     for wire in ("fp32", "int8") if args.ddp else ("fp32", "int8", "int8_params"):
-        comms = {}
         if args.ddp:
             m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-            if wire == "int8":
-                comms["gradients"] = zero8.ddp.int8_gradients(m)
+            comms = {"gradients": zero8.ddp.int8_gradients(m)} if wire == "int8" else {}
         else:
             m = sharded()
-            if wire != "fp32":
-                comms["gradients"] = zero8.fsdp.int8_reduce_scatter(m)
-            if wire == "int8_params":
-                comms["parameters"] = zero8.fsdp.int8_all_gather(m)
+            comms = fsdp2_wire(m, wire)
         runs[wire] = (m, zo.AdamW8bit(m.parameters(), lr=1e-4, weight_decay=0.01), comms)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(args.tokens, args.dim, generator=g).to(args.device) for _ in range(args.steps)]
@@ -221,7 +226,6 @@ def quality(args, rank, world, mesh) -> dict:
     corpus and validation sequences; examples/configs/gpt_zero8_stage2.json's batch, AdamW settings, schedule
     and clipping, with AdamW8bit), sharded by FSDP2 per transformer block and trained with each wire for each
     seed; the validation loss at the end."""
-    import zero8.fsdp
     import zero8.optim as zo
     from torch.distributed.fsdp import fully_shard
     from pretrain_example import load_example  # as link_tx: this folder is on sys.path
@@ -234,6 +238,7 @@ def quality(args, rank, world, mesh) -> dict:
     corpus = ex.Corpus(int(a.corpus_mb * 1e6))
     rows = cfg["train_batch_size"] // world
     val_x, val_y = ex.sequences(corpus.val, ex.validation_offsets(corpus, a.seq_len, a.eval_seqs), a.seq_len)
+    hyper = dict(cfg["optimizer"]["params"], betas=tuple(cfg["optimizer"]["params"]["betas"]))
     results = {}
     for seed in [int(v) for v in args.seeds.split(",")]:
         for wire in WIRE_NAMES:
@@ -243,13 +248,8 @@ def quality(args, rank, world, mesh) -> dict:
                 if isinstance(m, ex.Block):
                     fully_shard(m, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            if wire != "fp32":
-                zero8.fsdp.int8_reduce_scatter(model)
-            if wire == "int8_params":
-                zero8.fsdp.int8_all_gather(model)
-            hyper = cfg["optimizer"]["params"]
-            opt = zo.AdamW8bit(ex.param_groups(model), lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
-                               weight_decay=hyper["weight_decay"])
+            fsdp2_wire(model, wire)
+            opt = zo.AdamW8bit(ex.param_groups(model), **hyper)
             sched = WarmupCosineLR(opt, **cfg["scheduler"]["params"])
             t0 = time.perf_counter()
             for step in range(steps):

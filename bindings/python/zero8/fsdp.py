@@ -56,7 +56,14 @@ except ImportError:  # pragma: no cover - older PyTorch: int8_reduce_scatter and
     _AllGatherBase = _ReduceScatterBase = object
 
 
-class Int8ReduceScatter(_ReduceScatterBase):
+class _FreshBuffers:
+    """FSDP2's comm allocation (``allocate``): plain tensors from the caching allocator, as FSDP2's default."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class Int8ReduceScatter(_FreshBuffers, _ReduceScatterBase):
     """FSDP2's reduce-scatter with 8-bit block-wise codes on the wire (see the module docstring). Counts what
     it sent: ``calls``, ``elements`` (gradient elements reduced per rank, over all calls) and ``wire_bytes``
     (bytes this rank sent to the others) against ``full_bytes`` (what FSDP2's own reduce-scatter would send in
@@ -65,9 +72,6 @@ class Int8ReduceScatter(_ReduceScatterBase):
     def __init__(self, block_size: int = WIRE_BLOCK):
         self.block_size = _int8_wire.check_block(block_size, "Int8ReduceScatter")
         self.calls = self.elements = self.wire_bytes = self.full_bytes = 0
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> Optional[dist.Work]:
@@ -91,7 +95,7 @@ class Int8ReduceScatter(_ReduceScatterBase):
         return None
 
 
-class Int8AllGather(_AllGatherBase):
+class Int8AllGather(_FreshBuffers, _AllGatherBase):
     """FSDP2's parameter all-gather with 8-bit block-wise codes on the wire (see the module docstring). Counts
     what it sent: ``calls``, ``elements`` (parameter elements this rank sent, over all calls), ``wire_bytes``
     (bytes this rank sent to the others) against ``full_bytes`` (what FSDP2's own all-gather would send, (N - 1)
@@ -100,9 +104,6 @@ class Int8AllGather(_AllGatherBase):
     def __init__(self, block_size: int = WIRE_BLOCK):
         self.block_size = _int8_wire.check_block(block_size, "Int8AllGather")
         self.calls = self.exact_calls = self.elements = self.wire_bytes = self.full_bytes = 0
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:

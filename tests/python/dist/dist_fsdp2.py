@@ -293,7 +293,7 @@ def test_hsdp_on_a_2d_mesh():
 
 
 # ---------------------------------------------------------------------------------------------------
-# zero8.fsdp: the gradient reduce-scatter in int8 blocks
+# zero8.fsdp: gradients, parameters and HSDP's replicas in int8 blocks
 
 def fit_a_target(model, steps: int, before_forward=None) -> list:
     """AdamW8bit fitting a fixed linear map on the same batches on every rank; the losses."""
