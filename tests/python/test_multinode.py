@@ -690,6 +690,7 @@ def test_partition_healed_between_the_two_kernels_timeouts_is_named(tmp_path):
             pytest.skip(f"cannot make a network namespace here: {r.stderr.strip()[-300:]}")
         assert (d / "report.json").exists(), r.stdout + r.stderr
         report = json.loads((d / "report.json").read_text())
+        assert not report["error"], (report, r.stderr[-3000:])
         rank0 = (d / "rank0").read_text() if (d / "rank0").exists() else ""
         # Whatever the order, rank 0 names the lost link, never a death.
         assert rank0.startswith("COMM_ERROR") and "lost contact with rank 1 (host " in rank0, (rank0, report)

@@ -10,7 +10,8 @@ rank 0's kernel would end the connection 2 s after sending it, rank 1's (which h
 last keepalive answer on) up to a second earlier. As soon as rank 1's end is gone and rank 0's is not,
 loopback comes back: rank 0's next retransmission meets a kernel without the connection, which answers
 with a reset. Writes OUT_DIR/report.json ({"healed_between": whether that order happened, "log": what
-was seen}); each rank writes OUT_DIR/rank<R> with the outcome of its barrier.
+was seen, "error": why the controller stopped early, if it did}); each rank writes OUT_DIR/rank<R> with
+the outcome of its barrier.
 """
 
 import json
@@ -31,8 +32,10 @@ def rank_main(out: str) -> None:
     rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
     c = C.comm_create("mpi")
     c.barrier()
-    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+    # Published whole by a rename: the controller reads the file as soon as it exists.
+    with open(os.path.join(out, f"pid{rank}.tmp"), "w") as f:
         f.write(str(os.getpid()))
+    os.replace(os.path.join(out, f"pid{rank}.tmp"), os.path.join(out, f"pid{rank}"))
     if rank == 1:
         time.sleep(RANK_SLEEP)
     try:
@@ -52,16 +55,18 @@ def controller(out: str) -> None:
     lo = lambda state: subprocess.run(["ip", "link", "set", "lo", state], check=True)  # noqa: E731
     lo("up")
     env = dict(os.environ, ZERO8_COMM_LINK_TIMEOUT="2", ZERO8_COMM_TIMEOUT="60")
-    mpirun = subprocess.Popen([os.environ.get("MPIRUN", "mpirun"), "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
-                               "-np", "2", sys.executable, __file__, "rank", out], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mpirun = subprocess.Popen([os.environ.get("MPIRUN", "mpirun"), "--allow-run-as-root", "--oversubscribe",
+                               "--mca", "btl", "self,vader", "-np", "2", sys.executable, __file__, "rank", out],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     healed_between = False
     output = ""
+    error = ""
     try:
         deadline = time.monotonic() + 60
         while not all(os.path.exists(os.path.join(out, f"pid{r}")) for r in (0, 1)):
             if time.monotonic() > deadline or mpirun.poll() is not None:
-                raise SystemExit("the ranks did not start: " + (mpirun.communicate()[0] or "")[-3000:])
+                output = mpirun.communicate()[0] if mpirun.poll() is not None else ""
+                raise SystemExit("the ranks did not start (mpirun's output in the report)")
             time.sleep(0.05)
         pids = [int(open(os.path.join(out, f"pid{r}")).read()) for r in (0, 1)]
         # The mesh connection between the two ranks: rank 0's end and rank 1's.
@@ -70,7 +75,8 @@ def controller(out: str) -> None:
             socks = established_tcp()
             for a in socks:
                 for b in socks:
-                    if pids[0] in a["pids"] and pids[1] in b["pids"] and a["local"] == b["peer"] and a["peer"] == b["local"]:
+                    if (pids[0] in a["pids"] and pids[1] in b["pids"] and a["local"] == b["peer"]
+                            and a["peer"] == b["local"]):
                         ends = (a, b)
             if ends is None:
                 assert time.monotonic() < deadline, f"no connection between the ranks: {socks}"
@@ -107,12 +113,16 @@ def controller(out: str) -> None:
             say("loopback up: neither end was gone after 6 s")
         output = mpirun.communicate(timeout=60)[0]
         say(f"mpirun exited {mpirun.returncode}")
+    except BaseException as e:  # said in the report, which the test shows
+        error = f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}"
+        raise
     finally:
         if mpirun.poll() is None:
             mpirun.kill()
             output = mpirun.communicate()[0]
         with open(os.path.join(out, "report.json"), "w") as f:
-            json.dump({"healed_between": healed_between, "log": log, "mpirun": output[-3000:]}, f, indent=1)
+            json.dump({"healed_between": healed_between, "log": log, "error": error, "mpirun": output[-3000:]}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":
