@@ -71,17 +71,18 @@ def torchrun_cmd(np: int, *options: str) -> list[str]:
 
 
 def pytest_under_launcher(np: int, script: str, results: Path, timeout: float = 300, launcher: str = "mpirun",
-                        **env) -> int:
-    """Runs dist/<script> on np ranks, under `mpirun -np np` with mpi_env(**env) (or, with launcher="torchrun",
-    under torchrun with torchrun_env(**env)) and ZERO8_DIST_RESULTS=results; fails the test unless the job
-    exits 0 and every rank collected the same tests and passed them. Returns how many tests each rank
-    collected."""
+                        select: str | None = None, **env) -> int:
+    """Runs dist/<script> on np ranks (its tests matching pytest's `-k select`, if given), under `mpirun -np np`
+    with mpi_env(**env) (or, with launcher="torchrun", under torchrun with torchrun_env(**env)) and
+    ZERO8_DIST_RESULTS=results; fails the test unless the job exits 0 and every rank collected the same tests
+    and passed them. Returns how many tests each rank collected (selected)."""
     import pytest
 
     results.mkdir(parents=True, exist_ok=True)
     # Not the pytest plugins of other packages (hypothesis' alone takes 0.8 s to import, in every rank).
     pytest_args = ["-m", "pytest", "-q", "--color=no", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-                   "-p", "no:anyio", "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / script)]
+                   "-p", "no:anyio", "-W", "ignore::zero8.config.Zero8ConfigWarning", str(DIST / script)] \
+        + (["-k", select] if select else [])
     if launcher == "torchrun":
         cmd = torchrun_cmd(np) + pytest_args  # torchrun's own -m: run pytest as a module
         job_env = torchrun_env(ZERO8_DIST_RESULTS=results, **env)

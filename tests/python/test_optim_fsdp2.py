@@ -1,8 +1,8 @@
 """zero8 in FSDP2 jobs on real ranks: zero8.optim's optimizers on FSDP2's sharded parameters (DTensors;
 zero8/optim/dtensor.py) and zero8.fsdp's int8 exchanges (gradients, parameters, HSDP's replicas),
 dist/dist_fsdp2.py under torchrun at 2 ranks, then at 3 (uneven shards; the checkpoints of 2 ranks loaded at 3)
-over gloo, and on one GPU over NCCL; benchmarks/bench_fsdp2.py's modes at a tiny size. The single-process
-checks (refusals, messages) are in test_optim.py."""
+over gloo (its one test that needs 4 ranks at 4), and on one GPU over NCCL; benchmarks/bench_fsdp2.py's modes at
+a tiny size. The single-process checks (refusals, messages) are in test_optim.py."""
 
 from __future__ import annotations
 
@@ -25,8 +25,15 @@ def test_fsdp2_on_2_then_3_ranks(tmp_path):
     for np in (2, 3):
         collected[np] = pytest_under_launcher(np, "dist_fsdp2.py", tmp_path / f"np{np}", timeout=420,
                                               launcher="torchrun", ZERO8_FSDP2_CKPT=str(ckpt))
-    assert collected == {2: 19, 3: 19}
+    assert collected == {2: 20, 3: 20}
     assert sorted(p.name for p in ckpt.iterdir()) == ["w2", "w3"]
+
+
+def test_fsdp2_int8_parameters_resharded_after_forward_to_2_of_4_ranks(tmp_path):
+    """The one test of dist_fsdp2.py that needs 4 ranks: reshard_after_forward=2 (a post-forward group smaller than
+    the shard group, which 2 or 3 ranks cannot have)."""
+    assert pytest_under_launcher(4, "dist_fsdp2.py", tmp_path, timeout=300, launcher="torchrun",
+                                 select="reshard_after_forward_to_fewer_ranks") == 1
 
 
 @pytest.mark.cuda
@@ -34,7 +41,7 @@ def test_fsdp2_on_one_gpu(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     assert pytest_under_launcher(1, "dist_fsdp2.py", tmp_path / "np1", timeout=300, launcher="torchrun",
-                                 ZERO8_FSDP2_CKPT=str(ckpt), ZERO8_FSDP2_DEVICE="cuda") == 19
+                                 ZERO8_FSDP2_CKPT=str(ckpt), ZERO8_FSDP2_DEVICE="cuda") == 20
 
 
 def test_the_benchmark_runs_and_reports(tmp_path):

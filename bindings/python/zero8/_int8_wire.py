@@ -102,7 +102,8 @@ def all_gather(mine: torch.Tensor, group: dist.ProcessGroup, block: int, out: Op
     dist.all_gather_into_tensor(all_codes, codes, group=group)
     dist.all_gather_into_tensor(all_scales, scales, group=group)
     every = _decode_rows(all_codes, all_scales, block,
-                         out if out is not None else torch.empty(n, codes.shape[1], device=mine.device))
+                         out if out is not None else torch.empty(n, codes.shape[1], dtype=torch.float32,
+                                                                 device=mine.device))
     handed = [codes, scales, all_codes, all_scales]
     del codes, scales, all_codes, all_scales
     _released(handed)

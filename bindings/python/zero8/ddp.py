@@ -16,9 +16,11 @@ and the gradients stay exact. A block holding an Inf or NaN decodes to non-finit
 GradScaler still skips the step. zero8.fsdp.int8_replicate_all_reduce uses the same exchange for HSDP's
 replicas.
 
-The hook runs its collectives as DDP calls it, in bucket order, and returns a completed future: on a GPU the
-codec's kernels and NCCL's collectives are queued on the streams without the host waiting for them; on the
-CPU (gloo) the backward waits for each bucket's exchange instead of overlapping it.
+The hook runs its collectives as DDP calls it, in bucket order, and returns a completed future. On a GPU the
+codec's kernels and NCCL's collectives are queued without the host waiting for them, but on the backward's
+stream, so the backward's later kernels queue behind each bucket's exchange (DDP's own all-reduce overlaps
+them on NCCL's stream); on the CPU (gloo) the backward waits for each bucket's exchange. Either way, the
+exchange does not overlap the backward's computation.
 """
 
 # No `from __future__ import annotations`: register_comm_hook checks the hook's annotations as objects.

@@ -18,7 +18,9 @@ Parameters (ZeRO++'s quantized weight communication): each rank encodes its shar
 (FSDP2's all-gather input, in the parameters' dtype or the mixed-precision param_dtype) with the same codec,
 one all-gather moves the codes and scales, and every rank decodes all of them, its own included, into the
 unsharded parameters: every rank computes the forward and the backward with the same decoded weights, while
-the sharded parameters, which the optimizer steps and checkpoints save, stay exact. Blocks run over the
+the sharded parameters, which the optimizer steps and checkpoints save, stay exact. (With
+``reshard_after_forward=<ranks>`` the backward gathers the shards FSDP2 kept from the forward's decoded output
+over that smaller group: exactly, so that the backward's weights are the forward's.) Blocks run over the
 concatenated shards, so one may straddle two parameters; the log-spaced map keeps small values next to large
 ones to a few percent. Groups whose all-gather moves raw bytes (parameters of mixed dtypes, or tensor
 subclasses that gather their own representation) keep FSDP2's exact all-gather.
@@ -96,13 +98,15 @@ class Int8ReduceScatter(_FreshBuffers, _ReduceScatterBase):
 
 
 class Int8AllGather(_FreshBuffers, _AllGatherBase):
-    """FSDP2's parameter all-gather with 8-bit block-wise codes on the wire (see the module docstring). Counts
-    what it sent: ``calls``, ``elements`` (parameter elements this rank sent, over all calls), ``wire_bytes``
-    (bytes this rank sent to the others) against ``full_bytes`` (what FSDP2's own all-gather would send, (N - 1)
-    times its input), and ``exact_calls``: groups whose input was raw bytes, gathered as they are."""
+    """FSDP2's parameter all-gather with 8-bit block-wise codes on the wire (see the module docstring), over the
+    process groups named in ``groups`` (by ``group_name``; None: every group), and FSDP2's exact all-gather over
+    any other. Counts what it sent: ``calls``, ``elements`` (parameter elements this rank sent, over all calls),
+    ``wire_bytes`` (bytes this rank sent to the others) against ``full_bytes`` (what FSDP2's own all-gather would
+    send, (N - 1) times its input), and ``exact_calls``: gathers made exactly (raw bytes, or another group)."""
 
-    def __init__(self, block_size: int = WIRE_BLOCK):
+    def __init__(self, block_size: int = WIRE_BLOCK, groups: Optional[set] = None):
         self.block_size = _int8_wire.check_block(block_size, "Int8AllGather")
+        self.groups = groups
         self.calls = self.exact_calls = self.elements = self.wire_bytes = self.full_bytes = 0
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -115,10 +119,13 @@ class Int8AllGather(_FreshBuffers, _AllGatherBase):
         full = (n - 1) * numel * input_tensor.element_size()
         self.calls += 1
         self.full_bytes += full
+        # Exact: raw bytes (uint8), which FSDP2 moves when a group's parameters differ in dtype or are tensor
+        # subclasses that gather their own representation (float8 training), nothing here to quantize; and the
+        # backward's gather over a smaller group (reshard_after_forward=<ranks>) of shards cut from the forward's
+        # decoded output: gathered as they are, the backward computes with the forward's weights
         if input_tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
-                or output_tensor.dtype != input_tensor.dtype:
-            # FSDP2 moves bytes (uint8) when a group's parameters differ in dtype or are tensor subclasses that
-            # gather their own representation (float8 training): nothing here to quantize
+                or output_tensor.dtype != input_tensor.dtype \
+                or (self.groups is not None and group.group_name not in self.groups):
             self.exact_calls += 1
             self.wire_bytes += full
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
@@ -158,8 +165,13 @@ def int8_all_gather(module: torch.nn.Module, block_size: int = WIRE_BLOCK) -> In
     """Make every FSDP2 module in `module` (itself included) all-gather its parameters in int8 blocks, through one
     shared Int8AllGather (returned, for its byte counts): the forward and the backward compute with the decoded
     weights, the same on every rank; the sharded parameters stay exact (see the module docstring)."""
+    from torch.distributed.tensor import DTensor, Shard
     fsdp = _fsdp_modules(module, "set_custom_all_gather", "int8_all_gather")
-    comm = Int8AllGather(block_size)
+    # The groups the parameters are sharded over (a 2-d HSDP mesh: its shard dimension's); FSDP2's gather after
+    # the forward with reshard_after_forward=<ranks> runs over a smaller group of its own, and stays exact.
+    groups = {p.device_mesh.get_group(dim).group_name for m in fsdp for p in m.parameters() if isinstance(p, DTensor)
+              for dim, placement in enumerate(p.placements) if isinstance(placement, Shard)}
+    comm = Int8AllGather(block_size, groups)
     for m in fsdp:
         m.set_custom_all_gather(comm)
     return comm
