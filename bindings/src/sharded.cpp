@@ -1,8 +1,8 @@
 // The ZeRO sharded optimizer (zero8/sharded.h) for the engine: ParamSpec, a flat ShardConfig built by
 // hand or from a normalized DeepSpeed config, and the optimizer, whose working-copy, gradient and
 // master buffers are handed out as zero-copy views that keep the optimizer alive: memoryviews of host
-// memory (torch.frombuffer wraps them), or objects with __cuda_array_interface__ for device memory
-// (torch.as_tensor(view, device="cuda")). Collective calls release the GIL.
+// memory (torch.frombuffer wraps them), or DLPack exporters for device memory (torch.from_dlpack(view)).
+// Collective calls release the GIL.
 #include <string>
 #include <vector>
 
@@ -19,13 +19,94 @@ using shard::ParamSpec;
 using shard::ShardConfig;
 using shard::ShardedOptimizer;
 
-// A device buffer of the optimizer for torch.as_tensor: __cuda_array_interface__ (version 3) of `bytes`
-// uint8 at `ptr`, keeping the optimizer alive.
+// A device buffer of the optimizer for torch.from_dlpack: `bytes` uint8 at `ptr` on CUDA device `device`
+// (-1: host memory, which only the tests' views use), keeping `owner` (the optimizer) alive. DLPack rather
+// than __cuda_array_interface__, which torch reads through NumPy's C API: zero8 does not need NumPy.
 struct DeviceView {
   py::object owner;
   std::uintptr_t ptr = 0;
   int64_t bytes = 0;
+  int device = -1;
 };
+
+// The DLPack C ABI (the DLPack specification, dlpack.h of github.com/dmlc/dlpack, version 0.8 and 1.x alike
+// for these unversioned structs), as far as a 1-d uint8 buffer needs it.
+namespace dlpack {
+constexpr int32_t kCPU = 1, kCUDA = 2;  // DLDeviceType
+constexpr uint8_t kUInt = 1;            // DLDataTypeCode
+struct Device {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct Tensor {
+  void* data;
+  Device device;
+  int32_t ndim;
+  DataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // null: compact row-major
+  uint64_t byte_offset;
+};
+struct ManagedTensor {
+  Tensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor*);
+};
+
+// The exported tensor with what it points into: its shape, and a reference to the view's owner, dropped
+// by the consumer's deleter call (from whatever thread frees the tensor: it takes the GIL).
+struct Export {
+  ManagedTensor managed{};
+  int64_t shape = 0;
+  PyObject* owner = nullptr;
+};
+
+void release(ManagedTensor* m) {
+  auto* e = static_cast<Export*>(m->manager_ctx);
+  if (Py_IsInitialized()) {
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    Py_XDECREF(e->owner);
+    PyGILState_Release(gil);
+  }
+  delete e;
+}
+
+// A capsule nobody consumed (still named "dltensor") releases its tensor; a consumer renames it
+// "used_dltensor" and calls the deleter itself.
+void capsule_destructor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+  auto* m = static_cast<ManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (m != nullptr) m->deleter(m);
+}
+
+py::object export_view(const DeviceView& v) {
+  auto* e = new Export;
+  e->shape = v.bytes;
+  e->owner = v.owner.ptr();
+  Py_XINCREF(e->owner);
+  Tensor& t = e->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(v.ptr);
+  t.device = v.device >= 0 ? Device{kCUDA, v.device} : Device{kCPU, 0};
+  t.ndim = 1;
+  t.dtype = DataType{kUInt, 8, 1};
+  t.shape = &e->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  e->managed.manager_ctx = e;
+  e->managed.deleter = release;
+  PyObject* capsule = PyCapsule_New(&e->managed, "dltensor", capsule_destructor);
+  if (capsule == nullptr) {
+    release(&e->managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+}  // namespace dlpack
 
 ShardedOptimizer::Part part_arg(const std::string& name) {
   using Part = ShardedOptimizer::Part;
@@ -206,19 +287,26 @@ void init_sharded(py::module_& m) {
         "fp32 wire and 32-bit states; ZeRO stage 0 runs as stage 1).");
 
   py::class_<DeviceView>(m, "DeviceBufferView",
-                         "A zero-copy view of a device optimizer's buffer: torch.as_tensor(view, device=\"cuda\") "
-                         "wraps it as uint8 (keeps the optimizer alive).")
+                         "A zero-copy view of a device optimizer's buffer: torch.from_dlpack(view) wraps it as a "
+                         "1-d uint8 tensor on its device, which keeps the optimizer alive.")
       .def_property_readonly("nbytes", [](const DeviceView& v) { return v.bytes; })
       .def_property_readonly("ptr", [](const DeviceView& v) { return v.ptr; })
-      .def_property_readonly("__cuda_array_interface__", [](const DeviceView& v) {
-        py::dict d;
-        d["shape"] = py::make_tuple(v.bytes);
-        d["typestr"] = "|u1";
-        d["data"] = py::make_tuple(v.ptr, false);
-        d["strides"] = py::none();
-        d["version"] = 3;
-        return d;
+      .def_property_readonly("device", [](const DeviceView& v) { return v.device; })
+      // The consumer's stream is not waited on: the engine orders its use of the buffers itself (StreamOrder).
+      .def("__dlpack__", [](const DeviceView& v, const py::kwargs&) { return dlpack::export_view(v); })
+      .def("__dlpack_device__", [](const DeviceView& v) -> py::tuple {
+        if (v.device >= 0) return py::make_tuple(int(dlpack::kCUDA), v.device);
+        return py::make_tuple(int(dlpack::kCPU), 0);
       });
+  m.def(
+      "_host_buffer_view",
+      [](py::object owner, std::uintptr_t ptr, int64_t nbytes) {
+        ZERO8_CHECK_ARG(nbytes >= 0, "nbytes", "must be >= 0, got " << nbytes);
+        return DeviceView{std::move(owner), ptr, nbytes, -1};
+      },
+      py::arg("owner"), py::arg("ptr"), py::arg("nbytes"),
+      "For tests of DeviceBufferView's DLPack export where no GPU is: a view of `nbytes` of host memory at `ptr`, "
+      "which `owner` keeps valid.");
 
   py::class_<ShardedOptimizer>(
       m, "ShardedOptimizer",
@@ -269,7 +357,7 @@ void init_sharded(py::module_& m) {
                             "device_buffer is for a device optimizer (memory = \"device\"); this one's buffers are "
                             "host memory: use working_buffer, grad_buffer or master_values");
             const shard::GroupLayout& gl = o.layout().group(gr);
-            DeviceView v{self, 0, 0};
+            DeviceView v{self, 0, 0, o.device()};
             if (name == "working") {
               v.ptr = reinterpret_cast<Ptr>(o.working(gr));
               v.bytes = gl.padded() * dtype_size(o.config().working_dtype);

@@ -83,6 +83,37 @@ def fill(opt, views_of, seed: int) -> None:
         views_of(group)[offset:offset + numel] = (torch.randn(numel, generator=g) * 0.1).to(views_of(group).device)
 
 
+def test_buffer_views_export_through_dlpack_keeping_their_owner_alive():
+    """A DeviceBufferView is what torch.from_dlpack wraps a device optimizer's buffer with (the engine's
+    parameters are such views): checked here over host memory, where no GPU is. The tensor is the buffer itself
+    (the same bytes, written through), holds the view's owner while it lives, and lets go of it when freed, as
+    does a capsule nobody consumed."""
+    import sys
+
+    class Owner:  # what keeps the memory valid (the optimizer, for its device buffers)
+        def __init__(self):
+            self.memory = torch.arange(16, dtype=torch.float32)
+
+    owner = Owner()
+    base = sys.getrefcount(owner)
+    view = _C._host_buffer_view(owner, owner.memory.data_ptr(), 64)
+    assert (view.nbytes, view.ptr, view.device, view.__dlpack_device__()) == (64, owner.memory.data_ptr(), -1, (1, 0))
+    t = torch.from_dlpack(view)
+    assert (t.dtype, tuple(t.shape), t.data_ptr()) == (torch.uint8, (64,), owner.memory.data_ptr())
+    t.view(torch.float32)[3] = -1.0
+    assert owner.memory[3].item() == -1.0 and torch.equal(t.view(torch.float32), owner.memory)
+    del view
+    assert sys.getrefcount(owner) == base + 1  # the tensor's reference
+    del t
+    assert sys.getrefcount(owner) == base
+    capsule = _C._host_buffer_view(owner, owner.memory.data_ptr(), 64).__dlpack__(stream=None)
+    assert sys.getrefcount(owner) == base + 1
+    del capsule
+    assert sys.getrefcount(owner) == base
+    with pytest.raises(zero8.Zero8ValueError, match="nbytes"):
+        _C._host_buffer_view(owner, owner.memory.data_ptr(), -1)
+
+
 @pytest.mark.cuda  # scripts/gpu_check.sh selects the GPU tests with -m cuda
 @pytest.mark.skipif(not cuda_usable(), reason="needs a CUDA build of zero8 and a GPU")
 def test_device_optimizer_equals_host():
@@ -91,9 +122,9 @@ def test_device_optimizer_equals_host():
     dev = optimizer(config(memory="device", stream=stream.cuda_stream))
     hw = [torch.frombuffer(host.working_buffer(g), dtype=torch.float32) for g in range(_C.NUM_GROUPS)]
     hg = [torch.frombuffer(host.grad_buffer(g), dtype=torch.float32) for g in range(_C.NUM_GROUPS)]
-    dw = [torch.as_tensor(dev.device_buffer("working", g), device="cuda").view(torch.float32)
+    dw = [torch.from_dlpack(dev.device_buffer("working", g)).view(torch.float32)
           for g in range(_C.NUM_GROUPS)]
-    dg = [torch.as_tensor(dev.device_buffer("grad", g), device="cuda").view(torch.float32)
+    dg = [torch.from_dlpack(dev.device_buffer("grad", g)).view(torch.float32)
           for g in range(_C.NUM_GROUPS)]
     with torch.cuda.stream(stream):
         fill(host, lambda g: hw[g], 1)

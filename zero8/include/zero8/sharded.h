@@ -213,6 +213,8 @@ class ShardedOptimizer {
   comm::Communicator& comm() { return dp_; }
   int rank() const { return dp_.rank(); }
   int world() const { return dp_.size(); }
+  // The CUDA device of a device optimizer's buffers; -1 for host memory.
+  int device() const { return device_; }
 
   // ---- the buffers the model works on ----
   // Working copy of a group: layout().group(g).padded() elements of working_dtype, identical on

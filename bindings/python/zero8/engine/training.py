@@ -299,9 +299,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         wbuf, gbuf = {}, {}
         for g in range(_C.NUM_GROUPS):
             if opt.group_padded(g) > 0 and self._device.type == "cuda":
-                wbuf[g] = torch.as_tensor(opt.device_buffer("working", g), device=self._device).view(self._dtype)
+                wbuf[g] = torch.from_dlpack(opt.device_buffer("working", g)).view(self._dtype)
                 if in_place:  # in stage 2 asking for the buffer would make a full one
-                    gbuf[g] = torch.as_tensor(opt.device_buffer("grad", g), device=self._device).view(torch.float32)
+                    gbuf[g] = torch.from_dlpack(opt.device_buffer("grad", g)).view(torch.float32)
             elif opt.group_padded(g) > 0:
                 wbuf[g] = torch.frombuffer(opt.working_buffer(g), dtype=self._dtype)
                 if in_place:
