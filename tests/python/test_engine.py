@@ -2463,6 +2463,22 @@ def test_config_from_args_or_config_not_both(tmp_path):
                          config=config(zero8=EXACT))
 
 
+def test_init_distributed_without_a_backend_means_the_gpus_world_where_there_is_a_gpu(monkeypatch):
+    """deepspeed.init_distributed()'s dist_backend=None is the accelerator's backend (NCCL on GPUs): zero8 makes
+    the world of GPU models for it, as for "nccl", where a GPU is; "gloo" keeps the host world, and so does None
+    without a GPU. (What the GPU world is, NCCL or staging, is world_comm's, tested in test_engine_cuda.py.)"""
+    import zero8.engine.entry as entry
+    asked = []
+    monkeypatch.setattr(entry, "world_comm", lambda backend, device=None: asked.append((backend, device)))
+    monkeypatch.setattr(entry, "local_device", lambda: torch.device("cuda", 0))
+    for gpu, backend in ((True, None), (True, "nccl"), (True, "NCCL"), (True, "gloo"), (False, None),
+                         (False, "nccl")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        entry.init_distributed(dist_backend=backend)
+    cuda = ("auto", torch.device("cuda", 0))
+    assert asked == [cuda, cuda, cuda, ("auto", None), ("auto", None), ("auto", None)]
+
+
 def test_deepspeed_script_entry_points(tmp_path):
     # A DeepSpeed script's set-up: add_config_arguments on its parser, init_distributed, then
     # initialize(args=...) reading --deepspeed_config.

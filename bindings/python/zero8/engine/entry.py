@@ -40,13 +40,14 @@ def init_distributed(dist_backend=None, auto_mpi_discovery: bool = True, distrib
                      world_size: int = -1) -> "_C.Communicator":
     """For scripts that call ``deepspeed.init_distributed()`` before ``initialize``: creates (or returns)
     this process's world communicator (MPI under mpirun or zero8-launch, TCP under torchrun or DeepSpeed's
-    launcher, else one process; with
-    ``dist_backend="nccl"`` and a GPU, the world of models on GPUs: NCCL where every local rank has a GPU
-    of its own, see world_comm). zero8 does not start a torch.distributed process group, so the other
-    arguments are accepted and ignored; use ``engine.global_rank`` / ``engine.world_size`` (or this
-    communicator's ``rank`` and ``size``) instead of ``torch.distributed.get_rank()``."""
-    nccl = isinstance(dist_backend, str) and dist_backend.lower() == "nccl" and torch.cuda.is_available()
-    return world_comm("auto", device=local_device() if nccl else None)
+    launcher, else one process; on a machine with a GPU, for ``dist_backend="nccl"`` or None (DeepSpeed's
+    default: the accelerator's backend), the world of models on GPUs: NCCL where every local rank has a GPU
+    of its own, see world_comm; "gloo" or "mpi" keep the host world). zero8 does not start a
+    torch.distributed process group, so the other arguments are accepted and ignored; use
+    ``engine.global_rank`` / ``engine.world_size`` (or this communicator's ``rank`` and ``size``) instead of
+    ``torch.distributed.get_rank()``."""
+    gpu = (dist_backend is None or str(dist_backend).lower() == "nccl") and torch.cuda.is_available()
+    return world_comm("auto", device=local_device() if gpu else None)
 
 
 def _mpu_sizes(mpu) -> dict:
