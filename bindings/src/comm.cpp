@@ -209,20 +209,24 @@ void init_comm(py::module_& m) {
 
   m.def(
       "comm_create",
-      [](const std::string& backend) {
+      [](const std::string& backend, bool host_if_gpus_shared) {
+        ZERO8_CHECK_ARG(!host_if_gpus_shared || backend == "nccl", "host_if_gpus_shared",
+                        "is for backend 'nccl', not '" << backend << "'");
         std::unique_ptr<Communicator> c;
         {
           py::gil_scoped_release release;
-          c = comm::comm_create(backend);
+          c = host_if_gpus_shared ? comm::nccl_or_host_create() : comm::comm_create(backend);
         }
         return CommPtr(std::move(c));
       },
-      py::arg("backend") = "auto",
+      py::arg("backend") = "auto", py::arg("host_if_gpus_shared") = false,
       "A world communicator: 'single', 'mpi', 'nccl' or 'auto' (mpi under mpirun when built with MPI, else "
-      "single). A backend this build lacks raises Zero8NotSupportedError.");
+      "single). A backend this build lacks raises Zero8NotSupportedError. 'nccl' with host_if_gpus_shared: "
+      "the 'mpi' world it would bootstrap over where ranks share a GPU (every rank alike), instead of the "
+      "error naming them.");
   m.def(
       "comm_create_tcp",
-      [](int rank, int size, py::function exchange, bool nccl) {
+      [](int rank, int size, py::function exchange, bool nccl, bool host_if_gpus_shared) {
         // The exchange is Python (torch.distributed's store), called on this thread while the connections
         // are made without the GIL.
         comm::AddressExchange call = [&exchange, size](const std::string& mine) {
@@ -240,15 +244,17 @@ void init_comm(py::module_& m) {
         {
           py::gil_scoped_release release;
           c = comm::tcp_create(rank, size, call);
-          if (nccl) c = comm::nccl_create_over(std::move(c));
+          if (nccl) c = comm::nccl_create_over(std::move(c), host_if_gpus_shared);
         }
         return CommPtr(std::move(c));
       },
       py::arg("rank"), py::arg("size"), py::arg("exchange"), py::arg("nccl") = false,
+      py::arg("host_if_gpus_shared") = false,
       "A 'tcp' world communicator (every pair of ranks connected over TCP) for processes that no MPI launcher "
       "started: `exchange(mine)` is called once with this rank's contact string and returns every rank's, in "
       "rank order (zero8.engine.world_comm does it through torch.distributed's store). nccl=True: an 'nccl' "
-      "world bootstrapped over it (C++ nccl_create_over), on the rank's GPU among its node's.");
+      "world bootstrapped over it (C++ nccl_create_over), on the rank's GPU among its node's; with "
+      "host_if_gpus_shared, the tcp world itself where ranks share a GPU.");
   m.def("comm_backend_available", &comm::comm_backend_available, py::arg("backend"),
         "Whether the backend is compiled in (not: usable right now).");
   m.def(

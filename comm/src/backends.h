@@ -64,8 +64,10 @@ std::vector<int> split_members(const std::vector<int32_t>& pairs, int color);
 std::unique_ptr<Communicator> mpi_create();
 #endif
 #if ZERO8_WITH_NCCL
-std::unique_ptr<Communicator> nccl_create();  // over MPI (comm_create("nccl"))
-std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<HostComm> host);
+// Over MPI (comm_create("nccl")); host_if_shared: see comm::nccl_create_over.
+std::unique_ptr<Communicator> nccl_create(bool host_if_shared = false);
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<HostComm> host, bool host_if_shared = false);
+std::vector<int> gpu_owners(Communicator& comm, int device);  // comm::gpu_owners
 #endif
 
 }  // namespace zero8::comm::detail

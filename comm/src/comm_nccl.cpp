@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -291,9 +292,9 @@ class NcclComm final : public Communicator {
   // zeroed id.
   struct SetupStatus {
     int32_t failed = 0;  // 0: ok, 1: the CUDA device (unsupported), 2: other (comm)
-    char reason[252] = {};
+    char reason[508] = {};  // room for the longest (a shared GPU: ranks, UUID, the way out)
   };
-  static_assert(sizeof(SetupStatus) == 256, "fixed-size record for the all_gather");
+  static_assert(sizeof(SetupStatus) == 512, "fixed-size record for the all_gather");
 
   SetupStatus local_setup(ncclUniqueId* id, const std::string& unusable) {
     SetupStatus st;
@@ -365,34 +366,90 @@ void check_device_present() {
                                  << (rc != cudaSuccess ? cudaGetErrorString(rc) : "0 devices") << ")");
 }
 
+// The GPU that CUDA device `device` of this process is, as every process that sees it knows it: its UUID
+// (zero where the runtime cannot say, which matches nothing).
+std::array<unsigned char, 16> gpu_uuid(int device) {
+  std::array<unsigned char, 16> id{};
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, device) == cudaSuccess) std::memcpy(id.data(), p.uuid.bytes, id.size());
+  return id;
+}
+
 }  // namespace
 
-std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<HostComm> host) {
+std::vector<int> gpu_owners(Communicator& comm, int device) {
+  const std::array<unsigned char, 16> mine = gpu_uuid(device);
+  std::vector<std::array<unsigned char, 16>> all(size_t(comm.size()));
+  all_gather_host(comm, mine.data(), all.data(), int64_t(mine.size()));
+  const std::array<unsigned char, 16> unknown{};
+  std::vector<int> owner(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    owner[r] = int(r);
+    if (all[r] == unknown) continue;
+    for (size_t q = 0; q < r; ++q)
+      if (all[q] == all[r]) {
+        owner[r] = int(q);
+        break;
+      }
+  }
+  return owner;
+}
+
+namespace {
+
+std::string uuid_text(const std::array<unsigned char, 16>& id) {
+  static const char* hex = "0123456789abcdef";
+  std::string s = "GPU-";
+  for (size_t i = 0; i < id.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) s += '-';
+    s += hex[id[i] >> 4];
+    s += hex[id[i] & 15];
+  }
+  return s;
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<HostComm> host, bool host_if_shared) {
   check_device_present();
   int devices = 0;
   cudaGetDeviceCount(&devices);
-  // The rank's device: its index among the ranks of its node. NCCL refuses two ranks of a communicator on
-  // one device, with an error that names neither the ranks nor the way out; more ranks than devices on a
-  // node is reported here instead (as `unusable`), by every rank at once.
+  // The rank's device: its index among the ranks of its node, modulo the devices it sees (0 where each
+  // rank sees only its own GPU: CUDA_VISIBLE_DEVICES per rank, srun --gpus-per-task).
   const NodeGroups g = node_groups(*host);
+  const int device = g.local_rank % devices;
+  const std::vector<int> owner = detail::gpu_owners(*host, device);
+  bool shared = false;
+  for (int q = 0; q < host->size(); ++q) shared = shared || owner[size_t(q)] != q;
+  if (shared && host_if_shared) return host;  // every rank alike: they all read the same table
+  // NCCL refuses two ranks of a communicator on one GPU, with an error that names neither the ranks nor the
+  // way out; a rank that shares its GPU with another is reported here instead (as `unusable`), and every
+  // rank fails at once.
   std::string unusable;
-  if (g.local_size > devices)
-    unusable = std::to_string(g.local_size) + " ranks on this node share " + std::to_string(devices) +
-               " CUDA device(s), and NCCL needs a GPU per rank: start at most " + std::to_string(devices) +
-               " rank(s) per node, or use the '" + host->backend() +
+  std::vector<int> with_me;
+  for (int q = 0; q < host->size(); ++q)
+    if (q != host->rank() && owner[size_t(q)] == owner[size_t(host->rank())]) with_me.push_back(q);
+  if (!with_me.empty()) {
+    std::string others;
+    for (size_t i = 0; i < with_me.size(); ++i) others += (i ? ", " : "") + std::to_string(with_me[i]);
+    unusable = "its CUDA device " + std::to_string(device) + " (" + uuid_text(gpu_uuid(device)) +
+               ") is also the device of rank " + others + " (" + std::to_string(g.local_size) + " ranks on its node, " +
+               std::to_string(devices) + " CUDA device(s) visible to each), and NCCL needs a GPU per rank: start at "
+               "most one rank per GPU of a node, or use the '" + host->backend() +
                "' backend, which stages device buffers through host memory (ranks may share a GPU)";
+  }
   const std::string name = host->name();
-  return std::make_unique<NcclComm>(std::move(host), name, g.local_rank % devices, unusable);
+  return std::make_unique<NcclComm>(std::move(host), name, device, unusable);
 }
 
 #if ZERO8_WITH_MPI
-std::unique_ptr<Communicator> nccl_create() {
+std::unique_ptr<Communicator> nccl_create(bool host_if_shared) {
   check_device_present();
   std::unique_ptr<Communicator> host = mpi_create();
-  return nccl_create_over(std::unique_ptr<HostComm>(static_cast<MpiComm*>(host.release())));
+  return nccl_create_over(std::unique_ptr<HostComm>(static_cast<MpiComm*>(host.release())), host_if_shared);
 }
 #else
-std::unique_ptr<Communicator> nccl_create() {
+std::unique_ptr<Communicator> nccl_create(bool) {
   ZERO8_THROW(unsupported,
               "communicator backend 'nccl': zero8 was built with NCCL but without MPI, which "
               "comm_create(\"nccl\") bootstraps over (configure with -DZERO8_MPI=ON); under torchrun "

@@ -937,14 +937,32 @@ std::unique_ptr<Communicator> comm_create(const std::string& backend) {
                                     << backend << "' (expected auto, single, mpi, nccl or tcp)");
 }
 
-std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> host) {
+std::unique_ptr<Communicator> nccl_or_host_create() {
+  check_launched_for("nccl");
+#if ZERO8_WITH_NCCL
+  return detail::nccl_create(true);
+#else
+  ZERO8_THROW(unsupported, "communicator backend 'nccl': " << kNoNccl);
+#endif
+}
+
+std::vector<int> gpu_owners(Communicator& comm, int device) {
+#if ZERO8_WITH_NCCL
+  return detail::gpu_owners(comm, device);
+#else
+  (void)device;
+  ZERO8_THROW(unsupported, "gpu_owners: " << kNoNccl);
+#endif
+}
+
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> host, bool host_if_shared) {
   ZERO8_CHECK_ARG(host != nullptr, "host", "null (pass the world communicator NCCL is to bootstrap over)");
   auto* h = dynamic_cast<detail::HostComm*>(host.get());
   ZERO8_CHECK_ARG(h != nullptr, "host",
                   host->description() << " cannot bootstrap NCCL: pass a communicator of the 'tcp' or 'mpi' backend");
 #if ZERO8_WITH_NCCL
   host.release();
-  return detail::nccl_create_over(std::unique_ptr<detail::HostComm>(h));
+  return detail::nccl_create_over(std::unique_ptr<detail::HostComm>(h), host_if_shared);
 #else
   ZERO8_THROW(unsupported, "nccl_create_over: " << kNoNccl);
 #endif

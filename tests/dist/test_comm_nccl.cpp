@@ -29,18 +29,24 @@ std::string no_device_reason() {
   return n == 0 ? "0 CUDA devices" : "";
 }
 
-// NCCL refuses two ranks on one device: empty when every rank can have its own (one node here).
-std::string no_device_per_rank_reason() {
-  const std::string why = no_device_reason();
-  if (!why.empty()) return "no CUDA device (" + why + ")";
-  // One GPU per rank of a node: NCCL refuses two ranks of one communicator on the same device. The ranks
-  // decide together (one that went on alone would wait in NCCL's initialisation).
+// The rank's device as the NCCL backend picks it (its index on its node, modulo the devices it sees), and
+// whether any two ranks' devices are one GPU (by UUID: ranks that each see their own GPU as device 0 share
+// nothing). The ranks decide together (one that went on alone would wait in NCCL's initialisation).
+bool ranks_share_a_gpu() {
   int devices = 0;
   cudaGetDeviceCount(&devices);
   const comm::NodeGroups nodes = comm::node_groups(world());
-  if (world().all_reduce_value<int32_t>(nodes.local_size > devices ? 1 : 0, ReduceOp::max) != 0)
-    return "NCCL needs a GPU per rank: " + std::to_string(nodes.local_size) + " ranks on this node, " +
-           std::to_string(devices) + " device(s)";
+  const std::vector<int> owner = comm::gpu_owners(world(), nodes.local_rank % devices);
+  for (int q = 0; q < int(owner.size()); ++q)
+    if (owner[size_t(q)] != q) return true;
+  return false;
+}
+
+// NCCL refuses two ranks on one device: empty when every rank has a GPU of its own.
+std::string no_device_per_rank_reason() {
+  const std::string why = no_device_reason();
+  if (!why.empty()) return "no CUDA device (" + why + ")";
+  if (ranks_share_a_gpu()) return "NCCL needs a GPU per rank, and ranks here share one";
   return "";
 }
 
@@ -89,32 +95,34 @@ TEST_P(DistNccl, WithoutDeviceTheFactorySaysWhy) {
   }
 }
 
-// More ranks on a node than devices: every rank fails at creation, naming the count and the way out
-// (NCCL's own "duplicate GPU" error names neither).
+// Ranks whose devices are one GPU: every rank fails at creation, naming the ranks, the GPU and the way out
+// (NCCL's own "duplicate GPU" error names neither); "auto"'s variant gives every rank the host world instead.
 TEST_P(DistNccl, RanksSharingAGpuAreRefusedByName) {
   if (!no_device_reason().empty()) GTEST_SKIP() << "no CUDA device: covered by DistNccl.WithoutDeviceTheFactorySaysWhy";
-  int devices = 0;
-  cudaGetDeviceCount(&devices);
-  const comm::NodeGroups nodes = comm::node_groups(world());
-  if (world().all_reduce_value<int32_t>(nodes.local_size > devices ? 1 : 0, ReduceOp::max) == 0)
-    GTEST_SKIP() << "every rank has a GPU of its own: covered by DistNccl.CollectivesOnDeviceBuffers";
+  if (!ranks_share_a_gpu()) GTEST_SKIP() << "every rank has a GPU of its own: covered by DistNccl.CollectivesOnDeviceBuffers";
   try {
     make_nccl(GetParam());
-    FAIL() << "expected an error with " << nodes.local_size << " ranks on " << devices << " device(s)";
+    FAIL() << "expected an error: ranks share a GPU";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::unsupported);
     const std::string what = e.what();
-    EXPECT_NE(what.find("ranks on this node share " + std::to_string(devices) + " CUDA device(s), and NCCL needs "
-                        "a GPU per rank"),
-              std::string::npos)
-        << what;
+    EXPECT_NE(what.find(") is also the device of rank "), std::string::npos) << what;
+    EXPECT_NE(what.find("CUDA device(s) visible to each), and NCCL needs a GPU per rank"), std::string::npos) << what;
     EXPECT_NE(what.find("'" + GetParam() + "' backend"), std::string::npos) << what;
   }
+  std::unique_ptr<Communicator> c = GetParam() == "mpi" ? comm::nccl_or_host_create()
+                                                        : comm::nccl_create_over(comm::tcp_create(world()), true);
+  EXPECT_EQ(c->backend(), GetParam());
+  EXPECT_EQ(c->size(), world().size());
+  EXPECT_EQ(c->all_reduce_value<int32_t>(1, ReduceOp::sum), world().size());
 }
 
 TEST_P(DistNccl, CollectivesOnDeviceBuffers) {
   const std::string why = no_device_per_rank_reason();
   if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  // "auto"'s variant makes NCCL too where nothing is shared.
+  EXPECT_EQ((GetParam() == "mpi" ? comm::nccl_or_host_create()
+                                 : comm::nccl_create_over(comm::tcp_create(world()), true))->backend(), "nccl");
   std::unique_ptr<Communicator> c = make_nccl(GetParam());
   const int n = c->size(), me = c->rank();
   ASSERT_EQ(c->memory(), comm::MemSpace::device);

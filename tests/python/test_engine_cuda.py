@@ -113,8 +113,10 @@ def test_auto_means_nccl_for_device_buffers_of_ranks_with_a_gpu_each(monkeypatch
     with pytest.raises(zero8.Zero8ValueError, match="invalid argument 'memory'"):
         _C.comm_auto_backend("gpu")
     assert _C.comm_create("single").device == -1
-    # The engine's 'auto' takes NCCL only where every process of the node has a GPU of its own.
-    for var in ("LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+    # The engine's 'auto' takes NCCL only where every process of the node can have a GPU of its own: not
+    # where each sees every GPU and they outnumber them; where CUDA_VISIBLE_DEVICES may give each its own,
+    # making the world decides (the GPUs' UUIDs; test_comm_nccl.cpp, test_torchrun.py).
+    for var in ("LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
     nccl = _C.comm_auto_backend("device") == "nccl"
@@ -122,6 +124,8 @@ def test_auto_means_nccl_for_device_buffers_of_ranks_with_a_gpu_each(monkeypatch
     assert nccl_by_default() == nccl
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert not nccl_by_default()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert nccl_by_default() == nccl
 
 
 class _DepthOrder:

@@ -129,18 +129,26 @@ def torchrun_world(monkeypatch):
     for k in ("LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(world, "_world", {})  # this process's own world stays as it is
     calls = []
+    machine = {"shared": False}  # whether the ranks' devices are one GPU, as the real creation finds by UUID
 
-    def fake_tcp_world(nccl=False, timeout_s=None):
+    def fake_tcp_world(nccl=False, timeout_s=None, host_if_gpus_shared=False):
         calls.append(nccl)
-        return _FakeComm("nccl" if nccl else "tcp")
+        if nccl and machine["shared"] and not host_if_gpus_shared:
+            raise zero8.Zero8NotSupportedError("its CUDA device 0 is also the device of rank 1")
+        return _FakeComm("nccl" if nccl and not machine["shared"] else "tcp")
 
     monkeypatch.setattr(world, "tcp_world", fake_tcp_world)
 
-    def set_up(gpus: int, local_ranks: int, nccl_built: bool = True):
+    def set_up(gpus: int, local_ranks: int, nccl_built: bool = True, visible: str | None = None,
+               shared: bool = False):
         monkeypatch.setattr(world.torch.cuda, "device_count", lambda: gpus)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+        if visible is not None:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        machine["shared"] = shared
         real = world._C
         fake = type("FakeC", (), {})()
         fake.comm_backend_available = lambda b: nccl_built if b == "nccl" else real.comm_backend_available(b)
@@ -155,23 +163,29 @@ def torchrun_world(monkeypatch):
 GPU = torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize("gpus,local_ranks,nccl_built,backend,device,want,warning", [
-    (2, 2, True, "auto", GPU, True, None),  # a GPU per rank: NCCL over tcp
-    (1, 2, True, "auto", GPU, False, "2 ranks on this node share 1 GPU(s)"),
-    (2, 2, False, "auto", GPU, False, "built without NCCL"),
-    (2, 2, True, "auto", None, False, None),  # a CPU model: tcp, nothing to say
-    (2, 2, True, "tcp", GPU, False, '"comm_backend": "tcp" asks for it'),
-    (1, 2, True, "nccl", GPU, True, None),  # by name: NCCL's own creation refuses ranks sharing a GPU
+@pytest.mark.parametrize("gpus,local_ranks,nccl_built,visible,shared,backend,device,tried,made,warning", [
+    (2, 2, True, None, False, "auto", GPU, True, "nccl", None),  # a GPU per rank: NCCL over tcp
+    (1, 2, True, None, True, "auto", GPU, False, "tcp", "2 ranks on this node share 1 GPU(s)"),
+    # Each rank sees one GPU (CUDA_VISIBLE_DEVICES per rank): the GPUs' UUIDs decide while NCCL is made
+    (1, 2, True, "0", False, "auto", GPU, True, "nccl", None),
+    (1, 2, True, "0", True, "auto", GPU, True, "tcp", "ranks share a GPU (each one's device, by UUID)"),
+    (2, 2, False, None, False, "auto", GPU, False, "tcp", "built without NCCL"),
+    (2, 2, True, None, False, "auto", None, False, "tcp", None),  # a CPU model: tcp, nothing to say
+    (2, 2, True, None, False, "tcp", GPU, False, "tcp", '"comm_backend": "tcp" asks for it'),
+    (1, 2, True, "0", False, "nccl", GPU, True, "nccl", None),
 ])
-def test_torchrun_world_choice(torchrun_world, gpus, local_ranks, nccl_built, backend, device, want, warning):
+def test_torchrun_world_choice(torchrun_world, gpus, local_ranks, nccl_built, visible, shared, backend, device,
+                               tried, made, warning):
     """Under torchrun "auto" makes NCCL over tcp for a GPU model where each local rank has a GPU of its own
-    and zero8 has NCCL, else tcp, warning why the device buffers go through host memory."""
+    and zero8 has NCCL, else tcp, warning why the device buffers go through host memory. Where each rank sees
+    only its own device, whether two of them are one GPU is learnt while making the world (the real
+    creation compares the GPUs' UUIDs): "auto" then keeps the tcp world."""
     world, set_up, calls = torchrun_world
-    set_up(gpus, local_ranks, nccl_built)
+    set_up(gpus, local_ranks, nccl_built, visible, shared)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comm = world.world_comm(backend, device=device)
-    assert calls == [want] and comm.backend == ("nccl" if want else "tcp")
+    assert calls == [tried] and comm.backend == made
     said = [str(w.message) for w in caught if "zero8" in str(w.message)]
     if warning is None:
         assert said == []
@@ -197,8 +211,8 @@ print(f"rank {engine.global_rank}: {world_comm().backend} {world_comm().size} ok
 @pytest.mark.cuda
 def test_nccl_under_torchrun(tmp_path):
     """On a GPU machine: "comm_backend": "nccl" under torchrun on 2 ranks bootstraps NCCL over tcp and steps
-    where each rank has a GPU; where the two share one, every rank fails at creation naming the count and
-    the way out (the tcp backend), not NCCL's own "duplicate GPU" error."""
+    where each rank has a GPU; where the two share one, every rank fails at creation naming the other rank,
+    the GPU and the way out (the tcp backend), not NCCL's own "duplicate GPU" error."""
     import zero8
 
     if not torch.cuda.is_available() or not zero8.build_info()["nccl"]:
@@ -211,5 +225,5 @@ def test_nccl_under_torchrun(tmp_path):
         assert "rank 0: nccl 2 ok" in out and "rank 1: nccl 2 ok" in out, out[-4000:]
     else:
         assert r.returncode != 0, out[-4000:]
-        assert "2 ranks on this node share 1 CUDA device(s), and NCCL needs a GPU per rank" in out, out[-4000:]
+        assert ") is also the device of rank " in out and "and NCCL needs a GPU per rank" in out, out[-4000:]
         assert "use the 'tcp' backend" in out, out[-4000:]

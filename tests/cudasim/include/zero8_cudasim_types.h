@@ -78,8 +78,14 @@ struct cudaPointerAttributes {
   void* hostPointer;
 };
 
+struct CUuuid_st {
+  char bytes[16];
+};
+typedef struct CUuuid_st cudaUUID_t;
+
 struct cudaDeviceProp {
   char name[256];
+  cudaUUID_t uuid;
   size_t totalGlobalMem;
   size_t sharedMemPerBlock;
   size_t sharedMemPerBlockOptin;

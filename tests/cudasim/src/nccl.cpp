@@ -251,9 +251,11 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId i
   c->nranks = nranks;
   c->sent.assign(size_t(nranks), 0);
   c->received.assign(size_t(nranks), 0);
-  // The handshake: every rank's device, as NCCL compares them.
+  // The handshake: every rank's device, as NCCL compares them (the machine's device, not this process's
+  // index of it).
   int device = 0;
   cudaGetDevice(&device);
+  device = zero8_cudasim::machine_device(device);
   const std::string me = c->prefix + "init-r" + std::to_string(rank);
   post(me, &device, sizeof device);
   std::vector<int> devs(static_cast<size_t>(nranks));

@@ -26,6 +26,7 @@
 #include <memory>
 #include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -100,11 +101,32 @@ bool tracing() {
 }
 
 // Devices of the simulated machine (ZERO8_CUDASIM_DEVICES, default 1): labels on one memory, so that ranks
-// can each have one (NCCL refuses two ranks on a device).
-int devices() {
-  static const int n = int(env_number("ZERO8_CUDASIM_DEVICES", 1, 1, 16));
-  return n;
+// can each have one (NCCL refuses two ranks on a device). This process sees those CUDA_VISIBLE_DEVICES
+// lists, as CUDA does (numbered from 0 in the list's order; the list ends at its first entry that is not a
+// device of the machine; unset: all), so that ranks can each see a device of their own as device 0.
+const std::vector<int>& visible_devices() {
+  static const std::vector<int> v = [] {
+    const int machine = int(env_number("ZERO8_CUDASIM_DEVICES", 1, 1, 16));
+    std::vector<int> out;
+    const char* list = std::getenv("CUDA_VISIBLE_DEVICES");
+    if (list == nullptr) {
+      for (int d = 0; d < machine; ++d) out.push_back(d);
+      return out;
+    }
+    std::stringstream entries(list);
+    std::string entry;
+    while (std::getline(entries, entry, ',')) {
+      char* end = nullptr;
+      const long d = std::strtol(entry.c_str(), &end, 10);
+      if (entry.empty() || *end != 0 || d < 0 || d >= machine) break;
+      out.push_back(int(d));
+    }
+    return out;
+  }();
+  return v;
 }
+
+int devices() { return int(visible_devices().size()); }
 
 int sms() {
   static const int n = int(env_number("ZERO8_CUDASIM_SMS", 2, 1, 1024));
@@ -389,6 +411,8 @@ cudaError_t memset_impl(void* p, int value, size_t bytes, cudaStream_t stream, b
 
 std::recursive_mutex& runtime_mutex() { return st().mu; }
 
+int machine_device(int device) { return visible_devices().at(size_t(device)); }
+
 double env_number(const char* name, double fallback, double lo, double hi) {
   const char* v = std::getenv(name);
   if (v == nullptr) return fallback;
@@ -545,6 +569,9 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int device) {
   p->multiProcessorCount = sms();
   p->major = 9;
   p->minor = 0;
+  // One UUID per device of the machine, whatever index CUDA_VISIBLE_DEVICES gives it in this process.
+  std::memcpy(p->uuid.bytes, "zero8-cudasim-", 14);
+  p->uuid.bytes[15] = char(machine_device(device));
   return cudaSuccess;
 }
 

@@ -11,6 +11,9 @@
 
 namespace zero8_cudasim {
 
+// The machine's device (0 .. ZERO8_CUDASIM_DEVICES - 1) that this process's `device` is (CUDA_VISIBLE_DEVICES).
+int machine_device(int device);
+
 // Every runtime entry holds this lock: streams run their work on whichever host thread waits for it.
 std::recursive_mutex& runtime_mutex();
 

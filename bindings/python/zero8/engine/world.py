@@ -65,14 +65,21 @@ def world_comm(backend: str = "auto", device=None, timeout_s: float | None = Non
                 made = "nccl"
             elif backend == "auto" and launched:
                 made = "tcp"
+            # "auto" takes NCCL only where no two ranks' devices are one GPU, which the ranks learn together
+            # from the GPUs' UUIDs while making it; else every rank keeps the host world it bootstraps over.
+            shared_ok = backend == "auto" and made == "nccl"
             if launched and made in ("tcp", "nccl"):
-                comm = tcp_world(nccl=made == "nccl", timeout_s=timeout_s)
+                comm = tcp_world(nccl=made == "nccl", timeout_s=timeout_s, host_if_gpus_shared=shared_ok)
+            elif shared_ok:
+                comm = _C.comm_create(made, host_if_gpus_shared=True)
             else:
                 comm = _C.comm_create(made)
-            if comm.backend == "tcp" and cuda and comm.rank == 0:
-                why = why_not_nccl() or '"comm_backend": "tcp" asks for it ("auto" makes NCCL over TCP)'
-                warnings.warn(f"zero8: the model's device buffers go through host memory over TCP, not NCCL: {why}",
-                              stacklevel=3)
+            if comm.backend in ("tcp", "mpi") and cuda and comm.size > 1 and comm.rank == 0:
+                why = why_not_nccl() or ("ranks share a GPU (each one's device, by UUID), and NCCL needs a GPU per "
+                                         "rank" if shared_ok else f'"comm_backend": "{backend}" asks for it ("auto" '
+                                                                  f'makes NCCL where each rank has a GPU)')
+                warnings.warn(f"zero8: the model's device buffers go through host memory over "
+                              f"{comm.backend.upper()}, not NCCL: {why}", stacklevel=3)
             _world["comm"] = comm
             atexit.register(_shutdown)
             _world["backend"] = backend
@@ -93,7 +100,8 @@ def env_launched_size() -> int:
     return int(size) if size.isdigit() else 0
 
 
-def tcp_world(nccl: bool = False, timeout_s: float | None = None) -> "_C.Communicator":
+def tcp_world(nccl: bool = False, timeout_s: float | None = None, host_if_gpus_shared: bool = False
+              ) -> "_C.Communicator":
     """The 'tcp' world: every pair of ranks connected over TCP (each listening on ZERO8_COMM_IFADDR, else the
     address of its route to MASTER_ADDR, else the backend's default), their addresses exchanged through
     torch.distributed's store: the default process group's where the script made one
@@ -101,7 +109,7 @@ def tcp_world(nccl: bool = False, timeout_s: float | None = None) -> "_C.Communi
     under torchrun its agent's). No process group is made. Waits for the other ranks ``timeout_s``, by
     default as long as a collective may (ZERO8_COMM_TIMEOUT, default 600 s). ``nccl``: the 'nccl' world
     bootstrapped over it (rank 0's NCCL id, splits and barriers go over TCP, and its connections watch the
-    peers while NCCL calls wait)."""
+    peers while NCCL calls wait); with ``host_if_gpus_shared``, the tcp world itself where ranks share a GPU."""
     import torch.distributed as dist
 
     env = {k: os.environ.get(k, "").strip() for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -150,7 +158,7 @@ def tcp_world(nccl: bool = False, timeout_s: float | None = None) -> "_C.Communi
     # Every peer connects to rank 0 only after its own exchange, so once this returns no rank reads the
     # store any more, and rank 0 may drop it (DeepSpeed's launcher has rank 0 serve it on MASTER_PORT,
     # where the script may start its own process group later).
-    return _C.comm_create_tcp(rank, size, exchange, nccl=nccl)
+    return _C.comm_create_tcp(rank, size, exchange, nccl=nccl, host_if_gpus_shared=host_if_gpus_shared)
 
 
 def nccl_by_default() -> bool:
@@ -167,7 +175,9 @@ def why_not_nccl() -> str:
     if env_launched_size() <= 1 and _C.comm_auto_backend("device") != "nccl":
         return "one process, or a launcher that started none"
     size = launcher_local_size()
-    if size is not None and size > torch.cuda.device_count():
+    # Sharing is certain only where every rank sees every GPU of its node; with CUDA_VISIBLE_DEVICES each
+    # may see a GPU of its own as device 0 (srun --gpus-per-task), and making the world tells (by UUID).
+    if size is not None and size > torch.cuda.device_count() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
         return (f"{size} ranks on this node share {torch.cuda.device_count()} GPU(s), and NCCL needs a GPU per "
                 f"rank")
     return ""

@@ -383,10 +383,20 @@ std::unique_ptr<Communicator> tcp_create(Communicator& rendezvous);
 // communicator split from one. Rank 0's ncclUniqueId, splits and barriers go through `host`, and while
 // an NCCL call waits, host's connections are watched: a peer that dies or gives up anywhere in the world
 // fails the call at once, naming it, and a rank whose call fails tells the others through them. The
-// device is the rank's index among the ranks of its node (ZERO8_COMM_NODE, else the host name), as
-// comm_create("nccl") chooses it; ranks that outnumber a node's devices all fail at creation, naming the
-// count. Error(unsupported) without NCCL or a CUDA device; Error(invalid_argument) for another host.
-std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> host);
+// device is the rank's index among the ranks of its node (ZERO8_COMM_NODE, else the host name) modulo the
+// devices it sees, as comm_create("nccl") chooses it: device 0 where each rank sees only its own GPU
+// (CUDA_VISIBLE_DEVICES per rank, srun --gpus-per-task). Ranks whose devices are one GPU (gpu_owners) all
+// fail at creation, naming the ranks, the GPU and the way out; with `host_if_shared` every rank gets
+// `host` back instead (what "auto" wants: staging through host memory). Error(unsupported) without NCCL
+// or a CUDA device; Error(invalid_argument) for another host.
+std::unique_ptr<Communicator> nccl_create_over(std::unique_ptr<Communicator> host, bool host_if_shared = false);
+// comm_create("nccl"), or where ranks share a GPU the "mpi" world it would bootstrap over (every rank
+// alike): "auto" for a model on GPUs under an MPI launcher.
+std::unique_ptr<Communicator> nccl_or_host_create();
+// Which ranks of `comm` (collective) use one GPU: for each rank, the lowest rank whose CUDA
+// device `device` (each rank's own index) is the same GPU, by its UUID; the rank itself where none before
+// it is. Error(unsupported) without NCCL.
+std::vector<int> gpu_owners(Communicator& comm, int device);
 
 // The backend "auto" stands for, for buffers in `memory`: host memory as comm_create("auto") decides;
 // device memory "nccl" instead of "mpi" when the MPI launcher started several processes and zero8 was
