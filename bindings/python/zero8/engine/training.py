@@ -330,12 +330,13 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         for t in tensors:
             if t.numel() == 0 or t.device not in (torch.device("cpu"), self._device):
                 continue
-            src = t.data if t.data.is_contiguous() else t.data.contiguous()
+            data = t.data  # a new tensor object at every access: compared by identity below, so taken once
+            src = data if data.is_contiguous() else data.contiguous()
             if staged and src.device.type == "cpu":
                 src = src.to(self._device)
             self._dp.broadcast_ptr(src.data_ptr(), src.numel() * src.element_size(), 0)
-            if src is not t.data:
-                t.data.copy_(src)
+            if src is not data:
+                data.copy_(src)
 
     def _register_hooks(self) -> None:
         # A parameter's gradient may arrive in several parts in one backward: a weight shared by segments
