@@ -169,7 +169,7 @@ def int8_all_gather(module: torch.nn.Module, block_size: int = WIRE_BLOCK) -> In
     fsdp = _fsdp_modules(module, "set_custom_all_gather", "int8_all_gather")
     # The groups the parameters are sharded over (a 2-d HSDP mesh: its shard dimension's); FSDP2's gather after
     # the forward with reshard_after_forward=<ranks> runs over a smaller group of its own, and stays exact.
-    groups = {p.device_mesh.get_group(dim).group_name for m in fsdp for p in m.parameters() if isinstance(p, DTensor)
+    groups = {p.device_mesh.get_group(dim).group_name for p in module.parameters() if isinstance(p, DTensor)
               for dim, placement in enumerate(p.placements) if isinstance(placement, Shard)}
     comm = Int8AllGather(block_size, groups)
     for m in fsdp:

@@ -75,9 +75,11 @@ def world_comm(backend: str = "auto", device=None, timeout_s: float | None = Non
             else:
                 comm = _C.comm_create(made)
             if comm.backend in ("tcp", "mpi") and cuda and comm.size > 1 and comm.rank == 0:
-                why = why_not_nccl() or ("ranks share a GPU (each one's device, by UUID), and NCCL needs a GPU per "
-                                         "rank" if shared_ok else f'"comm_backend": "{backend}" asks for it ("auto" '
-                                                                  f'makes NCCL where each rank has a GPU)')
+                why = why_not_nccl()
+                if not why and shared_ok:  # NCCL was tried: the ranks' UUIDs showed a shared GPU
+                    why = "ranks share a GPU (each one's device, by UUID), and NCCL needs a GPU per rank"
+                elif not why:
+                    why = f'"comm_backend": "{backend}" asks for it ("auto" makes NCCL where each rank has a GPU)'
                 warnings.warn(f"zero8: the model's device buffers go through host memory over "
                               f"{comm.backend.upper()}, not NCCL: {why}", stacklevel=3)
             _world["comm"] = comm
