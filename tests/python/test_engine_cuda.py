@@ -128,6 +128,17 @@ def test_auto_means_nccl_for_device_buffers_of_ranks_with_a_gpu_each(monkeypatch
     assert nccl_by_default() == nccl
 
 
+def test_the_host_world_instead_of_nccl_is_asked_of_nccl_alone():
+    """comm_create's host_if_gpus_shared ("auto"'s way to NCCL, keeping the host world where ranks share a GPU)
+    belongs to backend 'nccl': with another it is refused by name."""
+    for backend in ("single", "mpi", "auto"):
+        with pytest.raises(zero8.Zero8ValueError, match=f"host_if_gpus_shared.*is for backend 'nccl', not '{backend}'"):
+            _C.comm_create(backend, host_if_gpus_shared=True)
+    if not _C.build_info()["nccl"]:
+        with pytest.raises(zero8.Zero8NotSupportedError, match="zero8 was not built with NCCL"):
+            _C.comm_create("nccl", host_if_gpus_shared=True)
+
+
 class _DepthOrder:
     """Stands in for the engine's StreamOrder on the CPU, where the real one does nothing: counts how deep
     the calls are inside it."""
