@@ -108,13 +108,14 @@ def pytest_under_launcher(np: int, script: str, results: Path, timeout: float = 
 
 def init_torch_world(device_var: str) -> tuple[str, int, int]:
     """For a dist/ file run under torchrun on torch.distributed itself (FSDP2, DDP): the device $device_var names
-    ("cpu" by default; "cuda": this local rank's GPU), the default process group made on it (gloo or NCCL), one
-    intra-op thread per rank; returns (device, rank, world size)."""
+    ("cpu" by default; "cuda": this local rank's GPU, ranks past the GPUs sharing them), the default process
+    group made on it (gloo or NCCL; $ZERO8_TORCH_BACKEND: another, such as gloo for ranks sharing a GPU, which
+    NCCL refuses), one intra-op thread per rank; returns (device, rank, world size)."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
     device = os.environ.get(device_var, "cpu")
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dist.init_process_group(os.environ.get("ZERO8_TORCH_BACKEND") or ("nccl" if device == "cuda" else "gloo"))
     return device, dist.get_rank(), dist.get_world_size()

@@ -2,7 +2,7 @@
 block-wise codec (the dynamic signed map, one float32 scale per block: the engine's wire format), moved as codes
 and scales, decoded and summed in float32 in rank order, so that every rank computes the same sums.
 
-On the CPU an exchange returns only once gloo's worker threads hold none of the tensors it handed them. A worker
+Over gloo an exchange returns only once gloo's worker threads hold none of the tensors it handed them. A worker
 drops its reference to a finished collective's tensors a moment after the caller's wait has returned; were that
 the last reference, the tensor's Python object would be freed on that thread, which needs the GIL, and a process
 whose interpreter is exiting by then aborts ("terminate called without an active exception"): the last exchange
@@ -56,12 +56,13 @@ def _decode_rows(codes: torch.Tensor, scales: torch.Tensor, block: int, out: tor
     return out
 
 
-def _released(handed: List[torch.Tensor]) -> None:
-    """Empties `handed` (the tensors an exchange gave its collectives, none of them referenced elsewhere by the
-    caller any more) and, for CPU tensors, returns once nothing else holds them either (see the module docstring):
-    the thread that holds the last reference frees each one while this one sleeps without the GIL. CUDA tensors
-    are left to NCCL, whose collectives the host does not wait for."""
-    if not handed or handed[0].device.type != "cpu":
+def _released(handed: List[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Empties `handed` (the tensors an exchange gave its collectives over `group`, none of them referenced
+    elsewhere by the caller any more) and returns once nothing else holds them either (see the module docstring):
+    the thread that holds the last reference frees each one while this one sleeps without the GIL. Over NCCL,
+    whose collectives the host does not wait for, CUDA tensors are left to it; gloo's worker threads hold CUDA
+    tensors as they hold CPU ones."""
+    if not handed or (handed[0].device.type == "cuda" and dist.get_backend(group) == "nccl"):
         handed.clear()
         return
     refs = [weakref.ref(t) for t in handed]
@@ -86,7 +87,7 @@ def reduce_scatter(pieces: torch.Tensor, group: dist.ProcessGroup, block: int) -
             total += part
     handed = [codes, scales, got_codes, got_scales]
     del codes, scales, got_codes, got_scales
-    _released(handed)
+    _released(handed, group)
     return total
 
 
@@ -106,5 +107,5 @@ def all_gather(mine: torch.Tensor, group: dist.ProcessGroup, block: int, out: Op
                                                                  device=mine.device))
     handed = [codes, scales, all_codes, all_scales]
     del codes, scales, all_codes, all_scales
-    _released(handed)
+    _released(handed, group)
     return every

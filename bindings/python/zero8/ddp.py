@@ -16,15 +16,16 @@ and the gradients stay exact. A block holding an Inf or NaN decodes to non-finit
 GradScaler still skips the step. zero8.fsdp.int8_replicate_all_reduce uses the same exchange for HSDP's
 replicas.
 
-The hook runs its collectives as DDP calls it, in bucket order, and returns a completed future. On a GPU the
-codec's kernels and NCCL's collectives are queued without the host waiting for them, but on the backward's
-stream, so the backward's later kernels queue behind each bucket's exchange (DDP's own all-reduce overlaps
-them on NCCL's stream); on the CPU (gloo) the backward waits for each bucket's exchange. Either way, the
-exchange does not overlap the backward's computation.
+DDP calls the hook in bucket order, and it runs each bucket's exchange then. On a GPU it queues the exchange
+(the codec's kernels and the collectives) on a side stream of its own that first waits for the backward's stream,
+and returns a future that DDP's wait at the end of the backward orders after it: the backward's later kernels go
+on beside the exchange, as they do beside DDP's own all-reduce on NCCL's stream, and the host waits for neither
+(``Int8AllReduce(overlap=False)`` queues it on the backward's stream instead). On the CPU (gloo) the backward
+waits for each bucket's exchange.
 """
 
 # No `from __future__ import annotations`: register_comm_hook checks the hook's annotations as objects.
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,22 @@ class Int8AllReduce:
     sent to the others) against ``full_bytes`` (what a ring all-reduce in the gradients' dtype sends, 2 (n - 1) /
     n of the bucket)."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, block_size: int = _int8_wire.BLOCK):
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, block_size: int = _int8_wire.BLOCK,
+                 overlap: bool = True):
+        if not isinstance(overlap, bool):
+            raise Zero8ValueError(f"Int8AllReduce: overlap must be True or False, got {overlap!r}")
         self.process_group = process_group
         self.block_size = _int8_wire.check_block(block_size, "Int8AllReduce")
+        self.overlap = overlap
         self.calls = self.elements = self.wire_bytes = self.full_bytes = 0
+        self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}  # the side stream of each GPU (overlap)
+
+    def side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The stream the exchanges of `device`'s buckets run on when overlapping (made at the first one)."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
 
     def average(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat` (one bucket, contiguous) replaced by its average over the ranks, through int8 blocks; returned.
@@ -72,19 +85,32 @@ class Int8AllReduce:
 def int8_allreduce_hook(state: Int8AllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook (``model.register_comm_hook(Int8AllReduce(), int8_allreduce_hook)``): the bucket's
     gradients averaged over the ranks through int8 blocks (see the module docstring)."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(state.average(bucket.buffer()))
+    flat = bucket.buffer()
+    group = state.process_group or dist.group.WORLD
+    if not (flat.is_cuda and state.overlap and group.size() > 1):
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(state.average(flat))
+        return fut
+    # The side stream starts after what the backward queued so far (this bucket's gradients among it). Everything
+    # the exchange allocates is allocated on the side stream, so the caching allocator reuses none of it for the
+    # backward's kernels early; the bucket buffer is DDP's and outlives the step. set_result on the side stream
+    # records there when the value is ready: DDP's wait makes its own stream wait for that, not the host.
+    side = state.side_stream(flat.device)
+    side.wait_stream(torch.cuda.current_stream(flat.device))
+    fut = torch.futures.Future(devices=[flat.device])
+    with torch.cuda.stream(side):
+        fut.set_result(state.average(flat))
     return fut
 
 
 def int8_gradients(model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
-                   block_size: int = _int8_wire.BLOCK) -> Int8AllReduce:
+                   block_size: int = _int8_wire.BLOCK, overlap: bool = True) -> Int8AllReduce:
     """Register int8_allreduce_hook on DistributedDataParallel `model` (before its first backward, as DDP
     requires); returns its state, for the byte counts. `process_group`: DDP's, when it was given one."""
     from torch.nn.parallel import DistributedDataParallel
     if not isinstance(model, DistributedDataParallel):
         raise Zero8ValueError(f"int8_gradients: the model is a {type(model).__name__}, not a DistributedDataParallel "
                               f"(wrap it first: DistributedDataParallel(model))")
-    state = Int8AllReduce(process_group if process_group is not None else model.process_group, block_size)
+    state = Int8AllReduce(process_group if process_group is not None else model.process_group, block_size, overlap)
     model.register_comm_hook(state, int8_allreduce_hook)
     return state

@@ -1,6 +1,7 @@
 """zero8.ddp's int8 gradient hook for DistributedDataParallel on K ranks, run by test_ddp_int8.py as ``torchrun
---nproc_per_node K python3 -m pytest tests/python/dist/dist_ddp.py`` (gloo on the CPU; NCCL on one GPU with
-ZERO8_DDP_DEVICE=cuda). Each rank trains on batches of its own; the replicas must stay bit for bit equal."""
+--nproc_per_node K python3 -m pytest tests/python/dist/dist_ddp.py`` (gloo on the CPU; with ZERO8_DDP_DEVICE=cuda
+NCCL on one GPU, or gloo on ranks sharing one with ZERO8_TORCH_BACKEND=gloo). Each rank trains on batches of its
+own; the replicas must stay bit for bit equal."""
 
 from __future__ import annotations
 
@@ -32,6 +33,26 @@ def make_model() -> torch.nn.Module:
                                torch.nn.Linear(300, 5)).to(DEVICE)
 
 
+def train(model, opt, steps: int, target: torch.nn.Module, first_grads: list | None = None) -> list[float]:
+    """`steps` steps on each rank's own batches; the losses averaged over the ranks. `first_grads`: gets the
+    parameters' gradients of the first step."""
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            x = batch(step)
+            loss = (model(x) - target(x).detach()).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == 0 and first_grads is not None:
+                first_grads.extend(p.grad.detach().clone() for p in model.parameters())
+            opt.step()
+            t = loss.detach().reshape(1)
+            dist.all_reduce(t)
+            losses.append(t.item() / K)
+    return losses
+
+
 def wrap(model):
     return DDP(model, device_ids=[torch.cuda.current_device()] if DEVICE == "cuda" else None,
                bucket_cap_mb=0.25)  # several buckets
@@ -53,20 +74,8 @@ def test_int8_gradients_average_the_ranks_and_keep_replicas_equal():
         model = wrap(make_model())
         state = zero8.ddp.int8_gradients(model) if wire == "int8" else None
         opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
-        losses, first_grads = [], None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for step in range(STEPS):
-                x = batch(step)
-                loss = (model(x) - target(x).detach()).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                if first_grads is None:
-                    first_grads = [p.grad.detach().clone() for p in model.parameters()]
-                opt.step()
-                t = loss.detach().reshape(1)
-                dist.all_reduce(t)
-                losses.append(t.item() / K)
+        first_grads = []
+        losses = train(model, opt, STEPS, target, first_grads)
         runs[wire] = (model, state, losses, first_grads)
     model, state, losses, grads = runs["int8"]
     _, _, ref_losses, ref_grads = runs["fp32"]
@@ -87,6 +96,25 @@ def test_int8_gradients_average_the_ranks_and_keep_replicas_equal():
     assert abs(losses[-1] - ref_losses[-1]) < 0.05 * ref_losses[-1], (losses[-1], ref_losses[-1])
 
 
+@pytest.mark.skipif(DEVICE != "cuda" or K == 1, reason="the side stream is for GPU buckets exchanged between ranks")
+def test_on_a_gpu_the_exchange_on_its_side_stream_gives_the_same_bits():
+    """With overlap (the default) each bucket's exchange runs on the hook's side stream while the backward goes
+    on; ordered by events alone, it must give what the exchange on the backward's own stream gives, bit for bit,
+    over steps whose later buckets' gradients are computed while earlier ones are exchanged."""
+    torch.manual_seed(1)
+    target = torch.nn.Linear(512, 5).to(DEVICE)
+    runs = {}
+    for overlap in (False, True):
+        model = wrap(make_model())
+        state = zero8.ddp.int8_gradients(model, overlap=overlap)
+        opt = zo.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=1024)
+        losses = train(model, opt, 10, target)
+        runs[overlap] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), losses, state)
+    assert runs[True][2]._streams and not runs[False][2]._streams  # the side stream was used, and only with overlap
+    assert runs[True][1] == runs[False][1]
+    assert torch.equal(runs[True][0], runs[False][0])
+
+
 def test_a_non_finite_gradient_stays_non_finite():
     """A rank's Inf gradient element spoils its block on every rank (a GradScaler sees it) and nothing else."""
     state = zero8.ddp.Int8AllReduce()
@@ -98,7 +126,7 @@ def test_a_non_finite_gradient_stays_non_finite():
     assert idx.numel() > 0 and idx.min().item() <= 7000 <= idx.max().item() and idx.max() - idx.min() < 2048
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the exchange leaves its tensors to NCCL")
+@pytest.mark.skipif(dist.get_backend() != "gloo", reason="over NCCL the exchange leaves its tensors to it")
 def test_an_exchange_returns_once_no_other_thread_holds_its_tensors(monkeypatch):
     """gloo's worker thread drops a finished collective's tensors a moment after the wait returns; freed there, a
     tensor's Python object needs the GIL, which aborts a process whose interpreter is exiting. So an exchange
@@ -117,7 +145,7 @@ def test_an_exchange_returns_once_no_other_thread_holds_its_tensors(monkeypatch)
 
     monkeypatch.setattr(dist, "all_to_all_single", held_late(dist.all_to_all_single))
     monkeypatch.setattr(dist, "all_gather_into_tensor", held_late(dist.all_gather_into_tensor))
-    flat = torch.linspace(-1, 1, 5000) * (RANK + 1)
+    flat = torch.linspace(-1, 1, 5000).to(DEVICE) * (RANK + 1)
     zero8.ddp.Int8AllReduce().average(flat)
     # the reduce-scatter's codes and scales, sent and received, and the all-gather's (one rank: no exchange)
     assert len(handed) == (0 if K == 1 else 8)
@@ -130,3 +158,5 @@ def test_bad_arguments_are_named():
         zero8.ddp.int8_gradients(make_model())
     with pytest.raises(zero8.Zero8ValueError, match="block_size must be a power of two in 64..4096, got 100"):
         zero8.ddp.Int8AllReduce(block_size=100)
+    with pytest.raises(zero8.Zero8ValueError, match="Int8AllReduce: overlap must be True or False, got 1"):
+        zero8.ddp.Int8AllReduce(overlap=1)
