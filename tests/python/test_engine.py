@@ -14,6 +14,7 @@ int8 communication, bf16 and fp16 stay within 0.2% of it on 1, 2 and 4 ranks). T
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -1711,6 +1712,28 @@ def test_a_scheduler_state_of_another_kind_fails_the_load_before_anything_change
         # Without the scheduler state the rest loads.
         e2.load_checkpoint(tmp_path, tag=saved, load_lr_scheduler_states=False)
         assert params_equal(m2, engine.module) and e2.global_steps == 3
+
+
+def test_trying_a_scheduler_state_leaves_child_schedulers_as_they_are(tmp_path):
+    # The load checks the saved scheduler state before the ranks agree to commit; should another rank then
+    # fail, this rank's scheduler must be as it was. SequentialLR loads into its children, which a shallow copy
+    # shared: the check rewound them.
+    def sequential(opt):
+        first = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=10)
+        return torch.optim.lr_scheduler.SequentialLR(
+            opt, [first, torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)], milestones=[10])
+
+    engine, _, _, sched = zero8.initialize(model=make_model(), config=config(zero8=FULL8), lr_scheduler=sequential)
+    train_engine(engine, DATA, 3, B)
+    saved = copy.deepcopy(sched.state_dict())
+    train_engine(engine, DATA, 4, B)
+    before = [s.last_epoch for s in (sched, *sched._schedulers)]
+    engine._check_scheduler_state(saved, str(tmp_path))
+    assert [s.last_epoch for s in (sched, *sched._schedulers)] == before == [7, 7, -1]
+    # What was tried is what a load installs.
+    trial = copy.deepcopy(sched)
+    trial.load_state_dict(saved)
+    assert trial._schedulers[0].last_epoch == 3
 
 
 def _micro_steps(engine, step: int, ks) -> None:

@@ -548,13 +548,25 @@ class EngineCheckpoints:
 
     def _check_scheduler_state(self, sd, tag_path: str) -> None:
         """The LR scheduler takes the saved state, tried on a copy so that this one stays as it is (a zero8
-        schedule's load_state_dict writes lr into the param groups: its position is checked instead)."""
+        schedule's load_state_dict writes lr into the param groups: its position is checked instead). The copy
+        is deep but for the optimizer: SequentialLR and ChainedScheduler load into their child schedulers, and
+        LambdaLR into its callable objects, which a shallow copy would share with this scheduler."""
         sched = self.lr_scheduler
         try:
             if isinstance(sched, Zero8LRScheduler):
                 int(sd["last_batch_iteration"])
             else:
-                copy.copy(sched).load_state_dict(copy.deepcopy(sd))
+                opt = getattr(sched, "optimizer", None)
+                try:
+                    trial = copy.deepcopy(sched, memo={id(opt): opt} if opt is not None else None)
+                except Exception:  # a member that cannot be copied: try on this one, then put its state back
+                    now = copy.deepcopy(sched.state_dict())
+                    try:
+                        sched.load_state_dict(copy.deepcopy(sd))
+                    finally:
+                        sched.load_state_dict(now)
+                else:
+                    trial.load_state_dict(copy.deepcopy(sd))
         except Exception as e:
             raise Zero8ValueError(
                 f"load_checkpoint: {tag_path}: the saved LR scheduler state does not load into this engine's "
