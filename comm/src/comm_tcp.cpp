@@ -302,6 +302,7 @@ class TcpWorld {
   std::unique_ptr<detail::Liveness> live;
 
  private:
+  void check_loopback_reachable(const std::string& label) const;
   void connect_peer(int r, uint64_t token, double deadline);
   void accept_peers(int lfd, uint64_t token, double deadline);
   void header_done(int r, Exchange& x);
@@ -424,6 +425,7 @@ void TcpWorld::setup(const AddressExchange& exchange) {
     p.host = c.host;
     p.address = c.address_text;
   }
+  check_loopback_reachable(label);
   const double deadline = socket_now() + timeout_s_;
   try {
     // Connect to every lower rank, then accept every higher one. A rank answers hellos once it has
@@ -455,6 +457,26 @@ void TcpWorld::setup(const AddressExchange& exchange) {
   if (slot_ < 0)
     ZERO8_THROW(unsupported, label << ": more than " << kMaxWorlds
                                    << " tcp communicator worlds alive in one process (destroy unused ones)");
+}
+
+// A rank listening on loopback (its host name, or MASTER_ADDR, resolves to 127.x there: Debian's
+// "127.0.1.1 hostname" line, --master_addr localhost) cannot be reached from another host, whose ranks
+// would retry it until the timeout. Every rank sees the same contact strings, so every rank fails here at
+// once; ranks of one machine share a host name, so single-host jobs are left alone.
+void TcpWorld::check_loopback_reachable(const std::string& label) const {
+  for (int r = 0; r < size_; ++r) {
+    const Peer& p = peers_[size_t(r)];
+    if ((ntohl(p.listen_address.sin_addr.s_addr) >> 24) != 127) continue;
+    int other = p.host != peers_[size_t(rank_)].host ? rank_ : -1;  // this rank, where it is one
+    for (int s = 0; s < size_ && other < 0; ++s)
+      if (peers_[size_t(s)].host != p.host) other = s;
+    if (other < 0) continue;
+    ZERO8_THROW(comm, label << ": rank " << r << " on host " << p.host << " listens on the loopback address "
+                            << p.address << ", which rank " << other << " on host " << peers_[size_t(other)].host
+                            << " cannot reach: set ZERO8_COMM_IFADDR on " << p.host
+                            << " to its address on the network the hosts share (its host name or MASTER_ADDR "
+                               "resolves to loopback there)");
+  }
 }
 
 void TcpWorld::connect_peer(int r, uint64_t token, double deadline) {

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 #include "backends.h"
 #include "comm_env.h"
@@ -835,47 +836,115 @@ std::vector<int> split_members(const std::vector<int32_t>& pairs, int color) {
 // ---- factory ----
 
 namespace {
-// Set by mpirun (OpenMPI) or a PMI launcher (MPICH hydra, srun --mpi=pmi2); a PMIx launcher (srun
-// --mpi=pmix) sets PMIX_RANK, and the job's size is then SLURM's task count (0: not known).
-bool launched_by_mpi_launcher(int* size) {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
-    const char* s = std::getenv(var);
-    if (s != nullptr && *s != '\0') {
-      *size = std::atoi(s);
-      return true;
-    }
-  }
-  const char* pmix = std::getenv("PMIX_RANK");
-  if (pmix == nullptr || *pmix == '\0') return false;
-  *size = 0;
-  for (const char* var : {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}) {
-    const char* s = std::getenv(var);
-    if (s != nullptr && *s != '\0') {
-      *size = std::atoi(s);
-      break;
-    }
-  }
+const char* env_set(const char* var) {
+  const char* s = std::getenv(var);
+  return s != nullptr && *s != '\0' ? s : nullptr;
+}
+
+// `var` as a whole decimal integer; false where unset or not one (then it neither confirms nor contradicts).
+bool env_long(const char* var, long* out) {
+  const char* s = env_set(var);
+  if (s == nullptr) return false;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (end == s || *end != '\0') return false;
+  *out = v;
   return true;
 }
 
-// A process that no MPI launcher started but whose environment says it is one of several ranks
-// (WORLD_SIZE, as torchrun and DeepSpeed's launcher set it) would make a world of one and train alone,
-// silently disagreeing with its peers: refused, naming the launchers that work. "single" is left alone
-// (asked for by name).
+// The rank and size an MPI launcher's variables give this process: mpirun (OpenMPI) sets
+// OMPI_COMM_WORLD_RANK/SIZE, a PMI launcher (MPICH's hydra, srun --mpi=pmi2) PMI_RANK/SIZE, a PMIx
+// launcher (srun --mpi=pmix) PMIX_RANK, the size then being the step's task count (0: not known).
+struct MpiLaunchVars {
+  const char* rank_var = nullptr;
+  const char* size_var = nullptr;
+  long rank = -1, size = 0;  // -1, 0: not given
+};
+
+bool mpi_launch_vars(MpiLaunchVars* v) {
+  for (const auto& pair : {std::pair<const char*, const char*>{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                           std::pair<const char*, const char*>{"PMI_RANK", "PMI_SIZE"}}) {
+    if (env_set(pair.second) == nullptr) continue;
+    v->rank_var = pair.first;
+    v->size_var = pair.second;
+    env_long(pair.first, &v->rank);
+    env_long(pair.second, &v->size);
+    return true;
+  }
+  if (env_set("PMIX_RANK") == nullptr) return false;
+  v->rank_var = "PMIX_RANK";
+  env_long("PMIX_RANK", &v->rank);
+  for (const char* var : {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"})
+    if (env_long(var, &v->size)) {
+      v->size_var = var;
+      break;
+    }
+  return true;
+}
+
+// Why a process with an MPI launcher's variables is not one of that launcher's ranks ("" where it is).
+// torchrun (or DeepSpeed's launcher) started under mpirun or srun (`srun --mpi=pmix torchrun ...`, one
+// agent per node) hands its workers the launcher's variables along with a world of its own (RANK,
+// WORLD_SIZE); MPI would see one rank per agent, or fail to start. zero8-launch's wrapper sets RANK and
+// WORLD_SIZE equal to the launcher's, so its jobs stay MPI.
+std::string not_an_mpi_rank_why(const MpiLaunchVars& v) {
+  if (env_set("TORCHELASTIC_RUN_ID") != nullptr)
+    return "TORCHELASTIC_RUN_ID is set: torchrun started it, under the MPI launcher whose variables it inherited";
+  std::ostringstream os;
+  long rank = 0, size = 0;
+  if (v.rank >= 0 && env_long("RANK", &rank) && rank != v.rank)
+    os << "RANK " << rank << " is not the MPI launcher's " << v.rank_var << " " << v.rank;
+  else if (v.size > 0 && env_long("WORLD_SIZE", &size) && size != v.size)
+    os << "WORLD_SIZE " << size << " is not the MPI launcher's " << v.size_var << " " << v.size;
+  return os.str();
+}
+
+bool launched_by_mpi_launcher(int* size) {
+  MpiLaunchVars v;
+  if (!mpi_launch_vars(&v) || !not_an_mpi_rank_why(v).empty()) return false;
+  *size = int(v.size);
+  return true;
+}
+
+// A process that is not an MPI launcher's rank but whose environment says it is one of several would
+// make a world of one and train alone, silently disagreeing with its peers: refused, naming the
+// launchers that work. Two cases: a launcher without MPI (torchrun, DeepSpeed's) set WORLD_SIZE; srun
+// started several tasks without PMI (MpiDefault=none and no --mpi), which sets neither PMI's variables
+// nor WORLD_SIZE. SLURM_STEP_NUM_TASKS is the step's count, so a batch script's own python (the batch
+// step, one task) is left alone. "single" is left alone (asked for by name).
 void check_launched_for(const std::string& backend) {
   int launched_size = 0;
   if (launched_by_mpi_launcher(&launched_size)) return;
-  const char* ws = std::getenv("WORLD_SIZE");
+  MpiLaunchVars v;
+  const bool mpi_vars = mpi_launch_vars(&v);
+  const char* ws = env_set("WORLD_SIZE");
+  long tasks = 0;
+  if (ws == nullptr && !mpi_vars && env_set("SLURM_PROCID") != nullptr && env_long("SLURM_STEP_NUM_TASKS", &tasks) &&
+      tasks > 1)
+    ZERO8_THROW(unsupported,
+                "communicator backend '"
+                    << backend << "': srun started this process as task " << env_set("SLURM_PROCID") << " of "
+                    << tasks << " (SLURM_PROCID, SLURM_STEP_NUM_TASKS) without PMI (none of PMI_RANK, PMI_SIZE, "
+                                "PMIX_RANK, OMPI_COMM_WORLD_SIZE is set) and without WORLD_SIZE, so each task would "
+                                "make a world of one and train alone. Start the tasks with srun --mpi=pmix (or "
+                                "--mpi=pmi2) for MPI, run torchrun under srun (one per node), or use zero8-launch "
+                                "--launcher slurm; for tasks meant to run independently, ask for it: "
+                                "\"comm_backend\": \"single\" (comm_create(\"single\") in C++)");
   if (ws == nullptr || std::atoi(ws) <= 1) return;
-  ZERO8_THROW(
-      unsupported, "communicator backend '"
-                       << backend << "': WORLD_SIZE is " << ws
-                       << ", but no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, "
-                          "PMI_SIZE, PMIX_RANK is set), and each rank would train alone. Under torchrun or "
-                          "DeepSpeed's launcher use the 'tcp' backend (zero8.initialize makes it for "
-                          "\"comm_backend\": \"auto\" or \"tcp\", and NCCL over it for a model on GPUs; in "
-                          "C++ tcp_create and nccl_create_over), or start the job with zero8-launch --num_procs "
-                       << ws << " or mpirun -np " << ws << " for MPI");
+  std::ostringstream why;
+  if (mpi_vars)
+    why << "this process is not one of the ranks of the MPI launcher whose variables it has ("
+        << not_an_mpi_rank_why(v) << "), so MPI would not make this world";
+  else
+    why << "no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK is set), and "
+           "each rank would train alone";
+  ZERO8_THROW(unsupported, "communicator backend '"
+                               << backend << "': WORLD_SIZE is " << ws << ", but " << why.str()
+                               << ". Under torchrun or DeepSpeed's launcher use the 'tcp' backend (zero8.initialize "
+                                  "makes it for \"comm_backend\": \"auto\" or \"tcp\", and NCCL over it for a model "
+                                  "on GPUs; in C++ tcp_create and nccl_create_over), or start the job with "
+                                  "zero8-launch --num_procs "
+                               << ws << " or mpirun -np " << ws << " for MPI");
 }
 }  // namespace
 

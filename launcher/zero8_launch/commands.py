@@ -23,8 +23,10 @@ __all__ = ["Job", "Command", "EXPORT_PREFIXES", "EXPORT_NAMES", "PER_HOST_VARS",
 EXPORT_PREFIXES = ("ZERO8_", "PYTHON", "NCCL", "MLFLOW", "MV2", "UCX", "OMP_", "MKL_", "KMP_", "TORCH",
                    "CUDA_", "HF_")
 EXPORT_NAMES = ("PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX")
-# Per host by nature: never copied from the launcher's host to the others (the wrapper sets them).
-PER_HOST_VARS = ("ZERO8_COMM_IFADDR", "ZERO8_COMM_NODE")
+# Per host by nature: never copied from the launcher's host to the others. The wrapper sets the first two;
+# CUDA_VISIBLE_DEVICES is each host's own (SLURM's, or the user's there), and --include/--exclude slots
+# index into it (rank_wrapper.visible_devices). It matches the "CUDA_" prefix above.
+PER_HOST_VARS = ("ZERO8_COMM_IFADDR", "ZERO8_COMM_NODE", "CUDA_VISIBLE_DEVICES")
 # Host lists longer than this go to a generated hostfile instead of --host.
 MAX_HOST_ARG = 32
 
@@ -102,8 +104,10 @@ def select_exports(environ, multi_node: bool, explicit: list[str] = (), env_file
     for name in sorted(environ):
         if name in EXPORT_NAMES or name.startswith(EXPORT_PREFIXES):
             if multi_node and name in PER_HOST_VARS:
+                own = ("each host's own value applies, and selected slots index into it"
+                       if name == "CUDA_VISIBLE_DEVICES" else "each rank's wrapper picks its own")
                 warnings.append(f"{name} is set here but differs per host: not exported to the ranks "
-                                f"(each rank's wrapper picks its own; --export {name}=... forces one value)")
+                                f"({own}; --export {name}=... forces one value)")
                 continue
             out[name] = None
     for path in env_files:

@@ -1,6 +1,6 @@
 """This host's IPv4 interface addresses (Linux ioctls, standard library only) and the choice of the address
 a rank's zero8 communicator listens on (ZERO8_COMM_IFADDR) in a multi-node job: the one that the other
-hosts reach this host by.
+hosts reach this host by. IPv4 only, as zero8's own connections (the tcp backend, the liveness mesh) are.
 """
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ import ipaddress
 import socket
 import struct
 
-__all__ = ["local_ipv4", "pick_comm_ifaddr", "this_host_among"]
+__all__ = ["local_ipv4", "pick_comm_ifaddr", "this_host_among", "default_route_iface", "default_route_ifaddr"]
 
 _SIOCGIFADDR = 0x8915
 _SIOCGIFNETMASK = 0x891B
+# Linux's IPv4 routing table (reading it sends nothing anywhere).
+ROUTE_FILE = "/proc/net/route"
+_RTF_UP = 0x1
 
 
 def local_ipv4() -> dict[str, ipaddress.IPv4Interface]:
@@ -90,3 +93,36 @@ def pick_comm_ifaddr(net_if: str, host: str | None, master_addr: str | None) -> 
         if src and not src.startswith("127."):
             return src, f"source address of the route to MASTER_ADDR {master_addr}"
     return None, "no non-loopback address found; the communicator's default applies"
+
+
+def default_route_iface(route_file: str | None = None) -> str | None:
+    """The interface of the IPv4 default route (the lowest metric where there are several), from the
+    kernel's routing table; None where there is none."""
+    best: tuple[int, str] | None = None
+    try:
+        with open(route_file or ROUTE_FILE, encoding="ascii") as f:
+            next(f, None)  # the header
+            for line in f:
+                fields = line.split()
+                if len(fields) < 8 or fields[1] != "00000000" or fields[7] != "00000000":
+                    continue
+                if not int(fields[3], 16) & _RTF_UP:
+                    continue
+                metric = int(fields[6])
+                if best is None or metric < best[0]:
+                    best = (metric, fields[0])
+    except (OSError, ValueError):
+        return None
+    return best[1] if best else None
+
+
+def default_route_ifaddr(route_file: str | None = None) -> tuple[str | None, str]:
+    """(address, why): this host's IPv4 address on the interface of its default route, the one other hosts
+    most likely reach it by when nothing names one; (None, why) where there is no such route or address."""
+    iface = default_route_iface(route_file)
+    if iface is None:
+        return None, "this host has no IPv4 default route"
+    addr = local_ipv4().get(iface)
+    if addr is None or addr.ip.is_loopback:
+        return None, f"the default route's interface {iface} has no IPv4 address other than loopback"
+    return str(addr.ip), f"the address of {iface}, the interface of the default route"

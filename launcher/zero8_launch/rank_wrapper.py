@@ -50,7 +50,7 @@ import urllib.parse  # noqa: E402
 from .hostfile import LaunchError, parse_core_list  # noqa: E402
 from .netinfo import pick_comm_ifaddr  # noqa: E402
 
-__all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_environment",
+__all__ = ["MARKER", "format_hosts", "parse_hosts", "engine_ranks", "rank_environment", "visible_devices",
            "format_marker", "parse_marker", "main"]
 
 # Lines the wrapper writes for the launcher start with this (rank output is prefixed '[rankN] ').
@@ -110,7 +110,8 @@ def engine_ranks(env) -> dict:
 def rank_environment(env, world: dict) -> tuple[dict, dict, list[str]]:
     """(variables to set for the script, facts about this rank, warnings). `world` is the launcher's
     world info: hosts [[name, [slots]], ...] (or None: unknown, e.g. a SLURM allocation), master_addr,
-    master_port, net_if, set_devices."""
+    master_port, net_if, set_devices. facts["error"]: why the rank cannot start (its selected slots are not
+    among the host's devices), or None."""
     r = engine_ranks(env)
     warnings: list[str] = []
     rank, size = r["rank"], r["size"]
@@ -167,12 +168,38 @@ def rank_environment(env, world: dict) -> tuple[dict, dict, list[str]]:
                 out["ZERO8_COMM_IFADDR"] = addr
             else:
                 warnings.append(f"rank {rank}: ZERO8_COMM_IFADDR not set: {why}")
-    if world.get("set_devices") and slots is not None and "CUDA_VISIBLE_DEVICES" not in env:
-        # As DeepSpeed: the selected slots of this host are its visible devices; LOCAL_RANK indexes them.
-        out["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
+    error = None
+    if world.get("set_devices") and slots is not None:
+        try:
+            devices = visible_devices(env.get("CUDA_VISIBLE_DEVICES"), host, slots)
+        except LaunchError as e:
+            error = str(e)
+        else:
+            if devices is not None:
+                out["CUDA_VISIBLE_DEVICES"] = devices
     facts = dict(rank=rank, size=size, local_rank=int(out["LOCAL_RANK"]), local_size=int(out["LOCAL_SIZE"]),
-                 node=node, nodes=nodes, host=host, engine=r["engine"])
+                 node=node, nodes=nodes, host=host, engine=r["engine"], error=error)
     return out, facts, warnings
+
+
+def visible_devices(visible: str | None, host: str, slots: list[int]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the selected slots of `host`, as DeepSpeed: the slots are the devices, and
+    LOCAL_RANK indexes them. Where the host already has a device list (`visible`: SLURM's, or the user's on
+    that host), the slots index into it (slot 0 is its first entry), so a selection is never ignored nor
+    escapes the list; a slot beyond it raises LaunchError naming the host and the slot. An empty list (no
+    device visible: a CPU job) is left as it is (None)."""
+    if visible is None:
+        return ",".join(str(s) for s in slots)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not entries:
+        return None
+    beyond = [s for s in slots if s >= len(entries)]
+    if beyond:
+        raise LaunchError(f"host '{host}': slot {beyond[0]} was selected (--include/--exclude), but this host's "
+                          f"CUDA_VISIBLE_DEVICES is '{visible}', {len(entries)} device(s) (slots 0 to "
+                          f"{len(entries) - 1}), and slots index into it; select slots of that list, or unset "
+                          f"CUDA_VISIBLE_DEVICES on that host for the slots to be its devices")
+    return ",".join(entries[s] for s in slots)
 
 
 def stacks_environment(env) -> dict:
@@ -460,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     updates, facts, warnings = rank_environment(env, world)
     rank = facts["rank"]
-    start_error = None
-    if opts["bind_cores"]:
+    start_error = f"rank {rank}: {facts['error']}" if facts["error"] else None
+    if opts["bind_cores"] and start_error is None:
         # The wrapper binds itself and the script inherits it (so do the threads and processes it starts).
         try:
             cores = core_binding(opts["core_list"] or "", facts["local_rank"], facts["local_size"],

@@ -210,6 +210,87 @@ TEST(CommSingle, SeveralRanksWithoutAnMpiLauncherAreRefused) {
   unsetenv("WORLD_SIZE");
 }
 
+// torchrun under an MPI launcher (`mpirun -np 1 torchrun --nproc_per_node 2`, `srun --mpi=pmix torchrun`):
+// its workers inherit the launcher's variables, but their world is torchrun's. Not MPI ranks where
+// TORCHELASTIC_RUN_ID is set or RANK/WORLD_SIZE differ from the launcher's; zero8-launch's wrapper sets
+// equal ones, and stays MPI.
+TEST(CommSingle, TorchrunUnderAnMpiLauncherIsNotAnMpiRank) {
+  struct Case {
+    std::vector<std::pair<const char*, const char*>> env;
+    bool mpi_rank;
+    std::string why;
+  };
+  const std::vector<Case> cases = {
+      {{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"TORCHELASTIC_RUN_ID", "j"}, {"RANK", "0"},
+        {"WORLD_SIZE", "2"}},
+       false, "TORCHELASTIC_RUN_ID is set: torchrun started it"},
+      {{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "1"}, {"RANK", "1"}, {"WORLD_SIZE", "2"}},
+       false, "RANK 1 is not the MPI launcher's OMPI_COMM_WORLD_RANK 0"},
+      {{{"PMIX_RANK", "1"}, {"SLURM_STEP_NUM_TASKS", "2"}, {"RANK", "1"}, {"WORLD_SIZE", "8"}},
+       false, "WORLD_SIZE 8 is not the MPI launcher's SLURM_STEP_NUM_TASKS 2"},
+      {{{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"RANK", "3"}, {"WORLD_SIZE", "4"}}, true, ""},  // zero8-launch
+      {{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"RANK", "1"}, {"WORLD_SIZE", "2"}}, true, ""},
+      {{{"PMIX_RANK", "0"}, {"SLURM_NTASKS", "2"}}, true, ""},
+  };
+  const char* vars[] = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+                        "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"};
+  for (const Case& c : cases) {
+    for (const char* v : vars) unsetenv(v);
+    for (const auto& [k, v] : c.env) setenv(k, v, 1);
+    // Without MPI "auto" still says "mpi" for several ranks, so that creating it names what is missing.
+    EXPECT_EQ(comm_auto_backend(MemSpace::host), c.mpi_rank ? "mpi" : "single") << c.why;
+    if (c.mpi_rank) continue;
+    for (const char* backend : {"auto", "mpi"}) {
+      try {
+        comm_create(backend);
+        ADD_FAILURE() << backend << ": expected an error (" << c.why << ")";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+        const std::string what = e.what();
+        EXPECT_NE(what.find("is not one of the ranks of the MPI launcher whose variables it has (" + c.why),
+                  std::string::npos)
+            << what;
+        EXPECT_NE(what.find("use the 'tcp' backend"), std::string::npos) << what;
+      }
+    }
+  }
+  for (const char* v : vars) unsetenv(v);
+}
+
+// srun without PMI (MpiDefault=none, no --mpi) sets SLURM_PROCID but neither PMI's variables nor
+// WORLD_SIZE: "auto" would make a world of one on every task. Refused when the step has several tasks,
+// naming the ways out; a batch script's own python (a step of one task), and "single" by name, work.
+TEST(CommSingle, SrunTasksWithoutPmiAreRefused) {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"})
+    unsetenv(v);
+  setenv("SLURM_PROCID", "2", 1);
+  setenv("SLURM_STEP_NUM_TASKS", "4", 1);
+  EXPECT_EQ(comm_auto_backend(MemSpace::host), "single");
+  for (const char* backend : {"auto", "mpi", "nccl"}) {
+    try {
+      comm_create(backend);
+      ADD_FAILURE() << backend << ": expected an error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
+      const std::string what = e.what();
+      for (const std::string part :
+           {std::string("communicator backend '") + backend + "': srun started this process as task 2 of 4 "
+                                                              "(SLURM_PROCID, SLURM_STEP_NUM_TASKS) without PMI",
+            std::string("srun --mpi=pmix"), std::string("torchrun under srun"),
+            std::string("zero8-launch --launcher slurm"), std::string("\"comm_backend\": \"single\"")})
+        EXPECT_NE(what.find(part), std::string::npos) << what;
+    }
+  }
+  EXPECT_STREQ(comm_create("single")->backend(), "single");
+  setenv("SLURM_STEP_NUM_TASKS", "1", 1);  // the batch step
+  EXPECT_STREQ(comm_create("auto")->backend(), "single");
+  unsetenv("SLURM_STEP_NUM_TASKS");
+  setenv("SLURM_NTASKS", "4", 1);  // the allocation's count, in the batch script
+  EXPECT_STREQ(comm_create("auto")->backend(), "single");
+  unsetenv("SLURM_NTASKS");
+  unsetenv("SLURM_PROCID");
+}
+
 TEST(CommSingle, TimeoutFromEnvironment) {
   setenv("ZERO8_COMM_TIMEOUT", "7.5", 1);
   EXPECT_EQ(make_single()->timeout(), 7.5);

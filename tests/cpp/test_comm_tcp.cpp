@@ -32,6 +32,12 @@
 namespace zero8::comm {
 namespace {
 
+// This host's name, as the tcp backend publishes it.
+std::string detail_host() {
+  char buf[256] = {0};
+  return gethostname(buf, sizeof(buf) - 1) == 0 ? std::string(buf) : std::string("localhost");
+}
+
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // The rendezvous of ranks that are threads: each posts its contact string and waits for all of them.
@@ -195,6 +201,51 @@ TEST(CommTcp, AnotherJobsRankIsRefused) {
   }
   a0.join();
   unsetenv("ZERO8_COMM_TIMEOUT");
+}
+
+// A loopback address published where ranks run on different hosts (Debian's "127.0.1.1 hostname", a
+// MASTER_ADDR of localhost): every rank fails at once naming the rank, its host and ZERO8_COMM_IFADDR,
+// instead of the other hosts retrying it until the timeout. Here each rank is told the other's host
+// differs (its own string must come back unchanged).
+TEST(CommTcp, LoopbackAddressOfAnotherHostFailsAtOnce) {
+  Board board(2);
+  setenv("ZERO8_COMM_TIMEOUT", "30", 1);
+  setenv("ZERO8_COMM_IFADDR", "127.0.0.1", 1);
+  auto elsewhere = [](const std::string& s) { return s.substr(0, s.rfind(' ') + 1) + "elsewhere"; };
+  std::vector<std::string> errors(2);
+  std::vector<double> took(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      const double t0 = now_s();
+      try {
+        tcp_create(r, 2, [&](const std::string& mine) {
+          std::vector<std::string> all = board.exchange(r, mine);
+          all[size_t(1 - r)] = elsewhere(all[size_t(1 - r)]);
+          return all;
+        });
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::comm) << e.what();
+        errors[size_t(r)] = e.what();
+      }
+      took[size_t(r)] = now_s() - t0;
+    });
+  for (std::thread& t : threads) t.join();
+  unsetenv("ZERO8_COMM_TIMEOUT");
+  unsetenv("ZERO8_COMM_IFADDR");
+  // Both listen on loopback; each names the first such rank, and a rank on another host than its.
+  for (int r = 0; r < 2; ++r) {
+    const std::string& what = errors[size_t(r)];
+    const std::string host0 = r == 0 ? detail_host() : "elsewhere", host1 = r == 0 ? "elsewhere" : detail_host();
+    EXPECT_NE(what.find("tcp_create (rank " + std::to_string(r) + " of 2): rank 0 on host " + host0 +
+                        " listens on the loopback address 127.0.0.1:"),
+              std::string::npos)
+        << "rank " << r << ": " << what;
+    EXPECT_NE(what.find("which rank 1 on host " + host1 + " cannot reach: set ZERO8_COMM_IFADDR on " + host0),
+              std::string::npos)
+        << what;
+    EXPECT_LT(took[size_t(r)], 10.0) << what;
+  }
 }
 
 // The op checks every host backend runs (comm_op_checks.h), on 1 to 4 ranks.

@@ -15,6 +15,8 @@ resumes bit-exactly on the GPU and loads on the CPU; the pretraining example run
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,14 +74,26 @@ def test_local_rank_picks_the_gpu(monkeypatch, no_launcher):
 
 def test_a_model_on_another_gpu_than_its_ranks_is_refused(monkeypatch, no_launcher, cuda_build):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
     assert check_device(torch.device("cuda", 3)) == torch.device("cuda", 3)  # no launcher: used where it is
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert check_device(torch.device("cuda", 2)) == torch.device("cuda", 2)
+    host = re.escape(socket.gethostname())
     with pytest.raises(zero8.Zero8ValueError,
                        match=r"the model is on cuda:3, but this rank's device is cuda:2 \(LOCAL_RANK 2, 4 visible "
-                             r"device\(s\)\): put the model on its rank's GPU, "
-                             r"model.to\(zero8.engine.local_device\(\)\)"):
+                             rf"device\(s\); this rank on host {host}, CUDA_VISIBLE_DEVICES not set\): put the model "
+                             r"on its rank's GPU, model.to\(zero8.engine.local_device\(\)\)"):
         check_device(torch.device("cuda", 3))
+    # The local rank named by the variable it came from (srun's here), with the global rank and the devices.
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with pytest.raises(zero8.Zero8ValueError,
+                       match=r"this rank's device is cuda:1 \(SLURM_LOCALID 1, 4 visible device\(s\); rank 5 "
+                             rf"\(SLURM_PROCID\) on host {host}, CUDA_VISIBLE_DEVICES '4,5,6,7'\)"):
+        check_device(torch.device("cuda", 0))
     assert check_device(torch.device("cpu")) == torch.device("cpu")  # a CPU model trains on the CPU
 
 

@@ -36,9 +36,10 @@ if _problem is None:
     from zero8_launch.hostfile import (LaunchError, expand_hostlist, filter_resources, parse_core_list,
                                        parse_hostfile, read_hostfile, select_resources)
     from zero8_launch.monitor import JobMonitor, error_excerpt
-    from zero8_launch.netinfo import local_ipv4, pick_comm_ifaddr
+    from zero8_launch import netinfo
+    from zero8_launch.netinfo import default_route_iface, default_route_ifaddr, local_ipv4, pick_comm_ifaddr
     from zero8_launch.rank_wrapper import (_Prefixer, core_binding, format_marker, parse_hosts, parse_marker,
-                                           rank_environment)
+                                           rank_environment, visible_devices)
 
 
 @pytest.fixture(autouse=True)
@@ -313,6 +314,26 @@ def test_exports(tmp_path):
         select_exports(environ, multi_node=False, explicit=["UNSET_VAR"])
 
 
+def test_cuda_visible_devices_stays_on_its_host():
+    """CUDA_VISIBLE_DEVICES matches the CUDA_ prefix, but each host has its own (SLURM's, or the user's there):
+    on several hosts it is not copied from the launcher's (mpirun -x, srun --export=ALL), so a host's own list
+    is what the selected slots index into; on one host it is the user's, and goes with the ranks."""
+    environ = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "CUDA_HOME": "/cuda"}
+    multi, warnings = select_exports(environ, multi_node=True)
+    assert list(multi) == ["CUDA_HOME", "PATH"]
+    assert warnings == ["CUDA_VISIBLE_DEVICES is set here but differs per host: not exported to the ranks (each "
+                        "host's own value applies, and selected slots index into it; --export "
+                        "CUDA_VISIBLE_DEVICES=... forces one value)"]
+    single, warnings = select_exports(environ, multi_node=False)
+    assert "CUDA_VISIBLE_DEVICES" in single and not warnings
+    forced, _ = select_exports(environ, multi_node=True, explicit=["CUDA_VISIBLE_DEVICES=0,1"])
+    assert forced["CUDA_VISIBLE_DEVICES"] == "0,1"
+    job = _job(hosts=OrderedDict([("n1", [2, 3]), ("n2", [2, 3])]), exports=multi)
+    argv = mpirun_command(job, "mpirun", as_root=False).argv
+    assert not any(a.startswith("CUDA_VISIBLE_DEVICES") for a in argv)
+    assert "CUDA_VISIBLE_DEVICES" in srun_command(job, "srun").unset
+
+
 def _plan(argv, environ=None):
     return cli.plan(cli.build_parser().parse_args(argv), environ or {})
 
@@ -517,11 +538,55 @@ def test_comm_ifaddr_choice():
     assert addr == mine and "route to MASTER_ADDR" in why
 
 
+_ROUTE_HEADER = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
+
+
+def _route(*rows) -> str:
+    """/proc/net/route's text: rows of (iface, destination, flags, metric, mask) in its hex notation."""
+    return _ROUTE_HEADER + "".join(f"{i}\t{d}\t00000000\t{f}\t0\t0\t{m}\t{k}\t0\t0\t0\n" for i, d, f, m, k in rows)
+
+
+def test_default_route_interface_from_the_routing_table(tmp_path, monkeypatch):
+    """The interface of the IPv4 default route, read from the kernel's table (nothing is sent): the lowest
+    metric where there are several, routes that are down skipped; its address, unless it has none."""
+    table = tmp_path / "route"
+    table.write_text(_route(("eth0", "0000000A", "0001", 0, "000000FF"), ("eth1", "00000000", "0003", 100, "00000000"),
+                            ("eth2", "00000000", "0003", 50, "00000000"), ("eth3", "00000000", "0002", 0, "00000000")))
+    assert default_route_iface(str(table)) == "eth2"
+    monkeypatch.setattr(netinfo, "local_ipv4", lambda: {"lo": ipaddress.IPv4Interface("127.0.0.1/8"),
+                                                        "eth2": ipaddress.IPv4Interface("10.1.2.3/16")})
+    assert default_route_ifaddr(str(table)) == ("10.1.2.3", "the address of eth2, the interface of the default route")
+    table.write_text(_route(("eth0", "0000000A", "0001", 0, "000000FF")))
+    assert default_route_ifaddr(str(table)) == (None, "this host has no IPv4 default route")
+    table.write_text(_route(("eth5", "00000000", "0003", 0, "00000000")))
+    assert default_route_ifaddr(str(table)) == (
+        None, "the default route's interface eth5 has no IPv4 address other than loopback")
+    assert default_route_iface(str(tmp_path / "missing")) is None
+
+
 def test_rank_environment_single_host_and_devices():
     world = {"hosts": [["n1", [1, 3]]], "master_addr": "n1", "master_port": 29500, "set_devices": True}
     env, _, _ = rank_environment(_ompi(1, 2, 1, 2), world)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CROSS_SIZE"] == "1"
     assert "ZERO8_COMM_NODE" not in env and "ZERO8_COMM_IFADDR" not in env  # one host: defaults are right
+
+
+def test_selected_slots_index_into_the_host_s_own_devices():
+    """--include n1:1,3 where n1 already has CUDA_VISIBLE_DEVICES (SLURM's, or set there): the slots are
+    entries of that list, not ignored; a slot beyond it stops the rank, naming the host and the slot."""
+    world = {"hosts": [["n1", [1, 3]]], "master_addr": "n1", "master_port": 29500, "set_devices": True}
+    env, facts, _ = rank_environment({**_ompi(0, 2, 0, 2), "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, world)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,7" and facts["error"] is None
+    env, facts, _ = rank_environment({**_ompi(0, 2, 0, 2), "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}, world)
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert facts["error"] == ("host 'n1': slot 3 was selected (--include/--exclude), but this host's "
+                              "CUDA_VISIBLE_DEVICES is 'GPU-a,GPU-b', 2 device(s) (slots 0 to 1), and slots index "
+                              "into it; select slots of that list, or unset CUDA_VISIBLE_DEVICES on that host for "
+                              "the slots to be its devices")
+    assert visible_devices(None, "n1", [1, 3]) == "1,3"  # no list there: the slots are the devices
+    assert visible_devices("", "n1", [1, 3]) is None  # no device visible (a CPU job): left as it is
+    with pytest.raises(LaunchError, match="host 'n2': slot 1 was selected"):
+        visible_devices("x", "n2", [0, 1])
 
 
 def test_rank_environment_local_run_is_node_0_of_1():
@@ -775,6 +840,22 @@ def test_two_local_ranks_environment_and_logs(tmp_path):
         assert f"[rank{rank}] hello from rank {rank} on stderr" in r.stderr
     assert "[zero8-launch]" not in r.stdout + r.stderr  # the wrappers' markers are for the launcher
     assert f"logs: {logs}" in r.stderr and "running: " in r.stderr and "mpirun -np 2" in r.stderr
+
+
+@needs_mpirun
+def test_selected_slots_under_the_launcher_index_into_cuda_visible_devices(tmp_path):
+    """End to end on this machine: the rank sees the selected entry of the launcher's CUDA_VISIBLE_DEVICES,
+    and a slot beyond it fails the job before the script starts, naming the host and the slot."""
+    env = job_env(CUDA_VISIBLE_DEVICES="4,5,6,7")
+    r = launch(["--include", "localhost:1", "--log_dir", tmp_path / "a", RANK_ENV], env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = env_lines(r.stdout)
+    assert sorted(seen) == [0] and seen[0]["CUDA_VISIBLE_DEVICES"] == "5", r.stdout
+    env = job_env(CUDA_VISIBLE_DEVICES="4")
+    r = launch(["--include", "localhost:1", "--log_dir", tmp_path / "b", RANK_ENV], env=env, timeout=60)
+    assert r.returncode != 0 and not env_lines(r.stdout), r.stdout + r.stderr
+    assert ("host 'localhost': slot 1 was selected (--include/--exclude), but this host's CUDA_VISIBLE_DEVICES "
+            "is '4'") in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def _seconds_since_test_event(r: subprocess.CompletedProcess) -> float:

@@ -8,8 +8,10 @@ test_engine_dist.py, test_pipe_dist.py.)
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -85,6 +87,141 @@ def test_the_mpi_backend_under_torchrun_names_what_works(tmp_path):
     r, out, _ = _one_rank_of_two(tmp_path, 1, "mpi")
     assert r.returncode != 0, out[-3000:]
     assert "no MPI launcher started this process" in out and "'tcp'" in out, out[-3000:]
+
+
+def test_a_taken_master_port_is_named_as_such(tmp_path):
+    """Rank 0 serves the store on MASTER_PORT; where another process holds that port, it fails at once
+    saying the port is in use and to choose another, not that the rendezvous timed out."""
+    script = tmp_path / "train.py"
+    script.write_text(_INIT % "auto")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = torchrun_env(WORLD_SIZE=2, RANK=0, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                           ZERO8_COMM_TIMEOUT=30)
+        r, out = _run([sys.executable, str(script)], env, timeout=120)
+    assert r.returncode != 0 and "Zero8CommError" in out, out[-3000:]
+    assert (f"the rendezvous cannot serve its store on 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT): port {port} is "
+            f"in use, by another job or process; choose another MASTER_PORT") in out, out[-3000:]
+    assert "did not complete within" not in out, out[-3000:]
+
+
+_WORLD = """
+import os
+from zero8.engine import world_comm
+w = world_comm()
+print(f"rank {os.environ.get('RANK')}: {w.backend} {w.rank} {w.size}", flush=True)
+"""
+
+
+def test_torchrun_under_mpirun_makes_torchruns_world(tmp_path):
+    """`mpirun -np 1 torchrun --nproc_per_node 2` (as `srun --mpi=pmix torchrun`): the workers inherit
+    mpirun's variables, but TORCHELASTIC_RUN_ID (and their RANK/WORLD_SIZE) say their world is torchrun's:
+    the tcp world of 2, not MPI (whose MPI_Init failed there)."""
+    mpirun = mpirun_or_skip()
+    script = tmp_path / "world.py"
+    script.write_text(_WORLD)
+    r, out = _run([mpirun, "-np", "1", *torchrun_cmd(2), str(script)], mpi_env(ZERO8_COMM_TIMEOUT=30))
+    assert r.returncode == 0, out[-4000:]
+    assert "rank 0: tcp 0 2" in out and "rank 1: tcp 1 2" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("env,launched", [
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, 4),
+    ({"PMIX_RANK": "0", "SLURM_STEP_NUM_TASKS": "2", "RANK": "5"}, 4),  # srun --mpi=pmix, DeepSpeed's launcher
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "RANK": "1"}, 0),  # zero8-launch: its rank, an MPI job
+])
+def test_mpi_launchers_variables_with_another_world(monkeypatch, env, launched):
+    """env_launched_size (the tcp world's size where "auto" makes one): a process whose RANK/WORLD_SIZE are not
+    its MPI launcher's, or that torchrun started, is in the launcher-without-MPI world of WORLD_SIZE."""
+    from zero8.engine import world
+
+    for k in [k for k in os.environ if k.startswith(MPI_LAUNCHER_VARS + ("SLURM_", "TORCHELASTIC"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert world.env_launched_size() == launched
+
+
+def test_srun_tasks_without_pmi_are_refused(tmp_path):
+    """`srun -n 4 python train.py` where srun starts no PMI (MpiDefault=none): SLURM_PROCID and the step's task
+    count, no WORLD_SIZE. "auto" refuses to make a world of one on every task, naming the ways out."""
+    script = tmp_path / "train.py"
+    script.write_text(_INIT % "auto")
+    env = {k: v for k, v in torchrun_env().items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="4", SLURM_NTASKS="4", SLURM_LOCALID="1")
+    r, out = _run([sys.executable, str(script)], env, timeout=120)
+    assert r.returncode != 0, out[-3000:]
+    for part in ("srun started this process as task 1 of 4 (SLURM_PROCID, SLURM_STEP_NUM_TASKS) without PMI",
+                 "srun --mpi=pmix", "torchrun under srun", "zero8-launch --launcher slurm",
+                 '"comm_backend": "single"'):
+        assert part in out, out[-3000:]
+    env["SLURM_STEP_NUM_TASKS"] = "1"  # a batch script's own python: a step of one task
+    r, out = _run([sys.executable, str(script)], env, timeout=120)
+    assert r.returncode == 0, out[-3000:]
+
+
+@pytest.mark.parametrize("local_size,spans", [("1", True), ("2", False)])
+def test_loopback_master_addr_of_a_job_across_hosts(monkeypatch, tmp_path, local_size, spans):
+    """`--master_addr $(hostname)` where the host name is 127.0.1.1 (Debian), or localhost: the route to
+    MASTER_ADDR is loopback. On a job that spans hosts (WORLD_SIZE above the local size) the rank listens on
+    its default route's interface instead (read from the routing table), saying so; on one host it keeps the
+    backend's default. Nothing is connected: the rendezvous and the world are stand-ins."""
+    import torch.distributed as dist
+    from zero8.engine import world
+    from zero8_launch import netinfo
+
+    route = tmp_path / "route"
+    route.write_text("Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
+                     "eth9\t0009090A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
+                     "eth9\t00000000\t0109090A\t0003\t0\t0\t0\t00000000\t0\t0\t0\n")
+    monkeypatch.setattr(netinfo, "ROUTE_FILE", str(route))
+    monkeypatch.setattr(netinfo, "local_ipv4", lambda: {"lo": ipaddress.IPv4Interface("127.0.0.1/8"),
+                                                         "eth9": ipaddress.IPv4Interface("10.9.9.9/24")})
+    for k in ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ZERO8_COMM_IFADDR", "")
+    monkeypatch.delenv("ZERO8_COMM_IFADDR")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for k, v in dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE=local_size, MASTER_ADDR="localhost",
+                     MASTER_PORT="29999").items():
+        monkeypatch.setenv(k, v)
+
+    def rendezvous(*_args, **_kw):
+        yield dist.HashStore(), 0, 2
+
+    made = {}
+
+    class FakeC:
+        Zero8CommError = world._C.Zero8CommError
+
+        @staticmethod
+        def comm_create(_backend):
+            return type("Single", (), {"timeout": 5.0})()
+
+        @staticmethod
+        def comm_create_tcp(rank, size, exchange, nccl=False, host_if_gpus_shared=False):
+            made["ifaddr"] = os.environ.get("ZERO8_COMM_IFADDR")
+            return "world"
+
+    monkeypatch.setattr(dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(world, "_C", FakeC)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert world.tcp_world() == "world"
+    said = [str(w.message) for w in caught if "zero8" in str(w.message)]
+    if spans:
+        assert made["ifaddr"] == "10.9.9.9"
+        assert said == ["zero8: rank 0: MASTER_ADDR localhost is reached over loopback on this host, and the job "
+                        "spans hosts (2 ranks, 1 here): listening on 10.9.9.9, the address of eth9, the interface "
+                        "of the default route; set ZERO8_COMM_IFADDR to this host's address on the network the "
+                        "hosts share to choose it"], said
+    else:
+        assert made["ifaddr"] is None and said == []
 
 
 _RESTARTED = """

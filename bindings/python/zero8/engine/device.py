@@ -7,12 +7,14 @@ initialize) and the current stream of each later call.
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 
 import torch
 
 from .. import _C, _tensors
 from .._C import Zero8NotSupportedError, Zero8ValueError
-from .world import launcher_local_rank
+from .world import launcher_local_rank, launcher_local_rank_from, launcher_rank_from
 
 _CPU = torch.device("cpu")
 
@@ -46,7 +48,10 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 def check_device(device: torch.device) -> torch.device:
     """``device`` if the engine can train there: the CPU, or a CUDA device when zero8 was built with CUDA
-    and, under a launcher, the device of this rank's LOCAL_RANK (local_device). Returns it with its index."""
+    and, under a launcher, the device of this rank's local rank (local_device). Returns it with its index.
+    The error for another device names the variable the local rank came from (LOCAL_RANK, SLURM_LOCALID,
+    OMPI_COMM_WORLD_LOCAL_RANK, ...), the global rank, the host and CUDA_VISIBLE_DEVICES: what to compare
+    with the launcher's placement."""
     device = torch.device(device)
     if device.type == "cpu":
         return _CPU
@@ -56,14 +61,19 @@ def check_device(device: torch.device) -> torch.device:
         raise Zero8NotSupportedError(f"the model is on {device}, but {_tensors._NO_CUDA}; or train on the CPU")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    rank = launcher_local_rank()
-    if rank is not None:
+    found = launcher_local_rank_from()
+    if found is not None:
         want = local_device()
         if device != want:
+            var, local = found
+            ranked = launcher_rank_from()
+            who = f"rank {ranked[1]} ({ranked[0]})" if ranked is not None else "this rank"
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             raise Zero8ValueError(
-                f"the model is on {device}, but this rank's device is {want} (LOCAL_RANK {rank}, "
-                f"{torch.cuda.device_count()} visible device(s)): put the model on its rank's GPU, "
-                f"model.to(zero8.engine.local_device()), as DeepSpeed's engine does")
+                f"the model is on {device}, but this rank's device is {want} ({var} {local}, "
+                f"{torch.cuda.device_count()} visible device(s); {who} on host {socket.gethostname()}, "
+                f"CUDA_VISIBLE_DEVICES {'not set' if visible is None else repr(visible)}): put the model on its "
+                f"rank's GPU, model.to(zero8.engine.local_device()), as DeepSpeed's engine does")
     return device
 
 

@@ -6,6 +6,7 @@ exit releases before it, and the local rank the launchers set.
 from __future__ import annotations
 
 import atexit
+import errno
 import gc
 import os
 import sys
@@ -125,11 +126,7 @@ def tcp_world(nccl: bool = False, timeout_s: float | None = None, host_if_gpus_s
     # What a new communicator gets (ZERO8_COMM_TIMEOUT, parsed in C++ only), unless the config says.
     timeout = timeout_s if timeout_s is not None else _C.comm_create("single").timeout
     if not os.environ.get("ZERO8_COMM_IFADDR"):
-        # Listen where the other hosts reach this one: the address of the route to MASTER_ADDR (the host
-        # name's address, the backend's default, is loopback on many machines: 127.0.1.1 on Debian).
-        from zero8_launch.netinfo import pick_comm_ifaddr
-
-        addr, _ = pick_comm_ifaddr("", None, env["MASTER_ADDR"])
+        addr = _comm_ifaddr(rank, size, env["MASTER_ADDR"])
         if addr is not None:
             os.environ["ZERO8_COMM_IFADDR"] = addr
     if dist.is_available() and dist.is_initialized():
@@ -140,6 +137,11 @@ def tcp_world(nccl: bool = False, timeout_s: float | None = None, host_if_gpus_s
         try:
             store = next(rendezvous)[0]
         except (RuntimeError, ValueError) as e:  # torch's DistStoreError is a RuntimeError
+            if _address_in_use(e):
+                raise _C.Zero8CommError(
+                    f"zero8: rank {rank} of {size}: the rendezvous cannot serve its store on {where} (MASTER_ADDR:"
+                    f"MASTER_PORT): port {env['MASTER_PORT']} is in use, by another job or process; choose another "
+                    f"MASTER_PORT (the launcher's --master_port): {e}") from e
             raise _C.Zero8CommError(f"zero8: rank {rank} of {size}: the rendezvous at {where} (MASTER_ADDR:"
                                     f"MASTER_PORT) did not complete within {timeout:g} s: {e}") from e
         finally:
@@ -161,6 +163,36 @@ def tcp_world(nccl: bool = False, timeout_s: float | None = None, host_if_gpus_s
     # store any more, and rank 0 may drop it (DeepSpeed's launcher has rank 0 serve it on MASTER_PORT,
     # where the script may start its own process group later).
     return _C.comm_create_tcp(rank, size, exchange, nccl=nccl, host_if_gpus_shared=host_if_gpus_shared)
+
+
+def _comm_ifaddr(rank: int, size: int, master_addr: str) -> str | None:
+    """The address this rank's tcp world listens on, where ZERO8_COMM_IFADDR does not say: the source address
+    of its route to MASTER_ADDR (the backend's default, the host name's address, is loopback on many machines:
+    127.0.1.1 on Debian). Where that route is loopback too (MASTER_ADDR is this host's name, or localhost) but
+    the job spans hosts (WORLD_SIZE above the launcher's local size), the other hosts could not reach a
+    loopback address: the address of the default route's interface instead, said in a warning; None keeps
+    the backend's default."""
+    from zero8_launch.netinfo import default_route_ifaddr, pick_comm_ifaddr
+
+    addr, _ = pick_comm_ifaddr("", None, master_addr)
+    local = launcher_local_size()
+    if addr is not None or local is None or size <= local:
+        return addr
+    addr, why = default_route_ifaddr()
+    said = (f"listening on {addr}, {why}" if addr is not None
+            else f"{why}, so it listens on loopback and the other hosts' ranks will fail to connect")
+    warnings.warn(f"zero8: rank {rank}: MASTER_ADDR {master_addr} is reached over loopback on this host, and the "
+                  f"job spans hosts ({size} ranks, {local} here): {said}; set ZERO8_COMM_IFADDR to this host's "
+                  f"address on the network the hosts share to choose it", stacklevel=4)
+    return addr
+
+
+def _address_in_use(e: BaseException) -> bool:
+    """Whether a failed rendezvous is rank 0's store finding MASTER_PORT taken (torch's DistNetworkError says
+    EADDRINUSE; older releases errno 98)."""
+    text = str(e).lower()
+    return (getattr(e, "errno", None) == errno.EADDRINUSE or "eaddrinuse" in text
+            or "address already in use" in text)
 
 
 def nccl_by_default() -> bool:
@@ -195,13 +227,30 @@ def launcher_local_size() -> int | None:
     return None
 
 
-def launcher_local_rank() -> int | None:
-    """This process's rank on its node, as the launcher (zero8-launch, mpirun, srun) set it; None when none did."""
-    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+def _first_int(names) -> tuple[str, int] | None:
+    for var in names:
         v = os.environ.get(var)
         if v is not None and v.strip().lstrip("-").isdigit():
-            return int(v)
+            return var, int(v)
     return None
+
+
+def launcher_local_rank_from() -> tuple[str, int] | None:
+    """(variable, value): this process's rank on its node and the launcher variable it came from (LOCAL_RANK
+    of zero8-launch, torchrun and DeepSpeed's launcher, else mpirun's, MPICH's or srun's own); None when none
+    is set."""
+    return _first_int(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
+
+
+def launcher_rank_from() -> tuple[str, int] | None:
+    """(variable, value): this process's global rank as a launcher set it, for messages; None when none did."""
+    return _first_int(("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"))
+
+
+def launcher_local_rank() -> int | None:
+    """This process's rank on its node, as the launcher (zero8-launch, mpirun, srun) set it; None when none did."""
+    found = launcher_local_rank_from()
+    return None if found is None else found[1]
 
 
 def local_rank() -> int:

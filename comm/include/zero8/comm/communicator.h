@@ -344,12 +344,19 @@ class Communicator {
 // Backend factory. "single": one process. "mpi": MPI_COMM_WORLD (initializes MPI if needed and
 // finalizes it when the last communicator is destroyed). "nccl": GPU buffers, bootstrapped over MPI
 // (under torchrun, nccl_create_over a tcp world instead).
-// "auto": "mpi" when started by an MPI launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK set) and built with MPI,
-// else "single". A backend this build lacks throws Error(unsupported) ("zero8 was not built with MPI").
+// "auto": "mpi" when this process is an MPI launcher's rank and zero8 was built with MPI, else "single".
+// An MPI launcher's rank: its variables are set (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or PMIX_RANK with SLURM's
+// task count as the size), TORCHELASTIC_RUN_ID is not, and RANK and WORLD_SIZE, where set, equal the
+// launcher's rank and size (zero8-launch's wrapper sets them so). torchrun's workers under mpirun or srun
+// (`srun --mpi=pmix torchrun ...`) inherit the launcher's variables but are not its ranks: their world is
+// RANK/WORLD_SIZE, made over TCP by the Python layer. A backend this build lacks throws Error(unsupported)
+// ("zero8 was not built with MPI").
 // "tcp" needs a rendezvous, so it is made by tcp_create below (zero8.initialize does it under torchrun):
 // comm_create("tcp") throws Error(unsupported) saying so.
-// "auto", "mpi" and "nccl" in a process that no MPI launcher started but whose WORLD_SIZE is above 1
-// (torchrun, DeepSpeed's launcher) throw Error(unsupported) naming zero8-launch: each rank would be alone.
+// "auto", "mpi" and "nccl" in a process that is not an MPI launcher's rank but one of several throw
+// Error(unsupported) naming what works, since each rank would be alone: WORLD_SIZE above 1 (torchrun,
+// DeepSpeed's launcher), or srun's SLURM_PROCID with SLURM_STEP_NUM_TASKS above 1 and neither PMI's
+// variables nor WORLD_SIZE (srun without --mpi where MpiDefault is none).
 std::unique_ptr<Communicator> comm_create(const std::string& backend = "auto");
 bool comm_backend_available(const std::string& backend);  // compiled in (not: usable right now)
 
@@ -360,7 +367,9 @@ bool comm_backend_available(const std::string& backend);  // compiled in (not: u
 // store. Every rank then connects to the ranks below it and accepts the ones above, within
 // ZERO8_COMM_TIMEOUT seconds; the handshake carries rank 0's random job token, so a stale address that
 // now belongs to another job is refused, naming it. A rank that cannot listen (a bad ZERO8_COMM_IFADDR)
-// publishes why, and every rank's tcp_create throws it. Host memory, like MPI (device buffers staged);
+// publishes why, and every rank's tcp_create throws it. A rank listening on a loopback address (127/8)
+// while another rank's host name differs from its own fails every rank's tcp_create at once, naming it
+// and ZERO8_COMM_IFADDR, instead of leaving the other hosts to retry it until the timeout. Host memory, like MPI (device buffers staged);
 // calls from any thread (one at a time); reductions bit-identical to the MPI backend's.
 // Failures (the contract above): a peer's connection that ends without its "bye" (sent when its last
 // communicator of the world is destroyed normally) fails the calls of every communicator of the world
