@@ -4,7 +4,8 @@ bits: the compiled graph calls the same kernels on the same inputs, and the seed
 are drawn from torch's generator in the same order. The same for zero8.functional's block-wise codec
 (ops zero8::quantize_blockwise and zero8::dequantize_blockwise): user code calling quantize_blockwise and
 dequantize_blockwise compiles with fullgraph=True and gives the eager bits. Also torch.library.opcheck on
-every op (schema, fake function against the kernel, AOT dispatch with dynamic shapes).
+every op (schema, fake function against the kernel, AOT dispatch with dynamic shapes). And zero8.optim's step
+called from compiled code: kept out of the graph, it runs eagerly, with the eager bits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch._dynamo
 
 import zero8.nn  # noqa: F401  (registers the zero8:: ops)
+import zero8.optim
 from zero8 import _ops
 from zero8 import functional as F
 from zero8.nn import Int8Linear, Linear8bitLt
@@ -120,6 +122,40 @@ def test_compiled_training_matches_eager_step_for_step():
     # activation_memory() reports the compiled forward as the eager one.
     assert compiled_model[0].activation_memory() == eager[0].activation_memory()
     assert eager[0].activation_memory()["saved_bytes"] == 30 * 32 + 4 * 1 * 1
+
+
+def _trained_with_an_optimizer_step(how: str, steps: int = 4):
+    """Parameters and states after `steps` steps of AdamW8bit: eager, the optimizer's step compiled
+    (torch.compile(opt.step)) or a compiled training step that calls it."""
+    torch.manual_seed(9)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = zero8.optim.AdamW8bit(m.parameters(), lr=1e-2, min_8bit_size=0)
+    step = torch.compile(opt.step, backend="aot_eager") if how == "step" else opt.step
+
+    def train_step(x):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        step()
+
+    if how == "train_step":
+        train_step = torch.compile(train_step, backend="aot_eager")
+    for i in range(steps):
+        train_step(make_input((8, 64), torch.float32, seed=i))
+    return list(m.parameters()), opt
+
+
+@pytest.mark.parametrize("how", ["step", "train_step"])
+def test_compiled_code_calling_an_optimizer_step_matches_eager(how):
+    # dynamo cannot trace the step (pybind objects built for the kernel broke its guards on the frame that made
+    # them); kept out of the graph, it runs eagerly between the graphs, on the same gradients.
+    want, want_opt = _trained_with_an_optimizer_step("eager")
+    got, got_opt = _trained_with_an_optimizer_step(how)
+    for i, (p0, p1) in enumerate(zip(want, got)):
+        assert same_bits(p0.detach(), p1.detach()), i
+        s0, s1 = want_opt.state[p0], got_opt.state[p1]
+        assert s0["step"] == s1["step"] == 4
+        for key in ("state1", "absmax1", "state2", "absmax2"):
+            assert same_bits(s0[key], s1[key]), (i, key)
 
 
 def test_changing_batch_sizes_recompile_dynamic_and_match_eager():

@@ -182,6 +182,31 @@ def test_step_runs_on_the_current_stream_without_a_host_wait(cls, kwargs):
     compare_states(opt_d, opt_c, params_d, params_c, f"{cls.__name__} on a side stream")
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later-step"])
+def test_step_refuses_cuda_graph_capture(first):
+    # Captured, the step would replay with this step's count and lr (host values in the kernel's arguments), and a
+    # first step waits for copies to the GPU: refused before anything is queued, the optimizer unchanged, and the
+    # capture (of nothing) ends cleanly.
+    params = make_params(torch.float32, DEV)
+    opt = zo.AdamW(params, lr=1e-3, optim_bits=8)
+    for p, g in zip(params, grads(0, torch.float32)):
+        p.grad = g.to(DEV)
+    if not first:
+        opt.step()
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in params]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(zero8.Zero8NotSupportedError, match=r"AdamW\.step\(\) was called during CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            opt.step()
+    assert not torch.cuda.is_current_stream_capturing()
+    for p, b in zip(params, before):
+        assert_same_bits(p.detach(), b, "a parameter after the refused step")
+        assert opt.state[p].get("step", 0) == (0 if first else 1)
+    opt.step()  # outside the graph, as the message says
+    assert all(opt.state[p]["step"] == (1 if first else 2) for p in params)
+
+
 def test_stable_embedding_on_the_gpu():
     # The lookup and the layer norm are torch's (reductions in another order on the GPU: compared with a
     # float64 reference), and the weight keeps 32-bit optimizer states, on the GPU.

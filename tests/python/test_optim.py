@@ -1752,6 +1752,48 @@ def test_non_cpu_devices_are_refused():
         opt.step()
 
 
+def test_step_refuses_cuda_graph_capture_saying_why(monkeypatch):
+    """The step count and lr are host values passed to the kernel, so a captured step would replay the same
+    bias correction and lr: step() refuses capture, as torch.optim's optimizers without capturable=True do, and
+    changes nothing. Capture is faked here (test_cuda_optim.py captures on a GPU); a CPU-only optimizer steps."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = zo.AdamW8bit([p], lr=1e-2, min_8bit_size=0)
+    p.grad = torch.randn(300)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    opt.step()  # no GPU parameter: nothing of it would be captured
+    before = p.detach().clone()
+    states = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    monkeypatch.setattr("zero8.optim.optimizer._on_cuda", lambda t: True)
+    with pytest.raises(zero8.Zero8NotSupportedError,
+                       match=r"AdamW8bit\.step\(\) was called during CUDA graph capture.*host values.*every "
+                             r"replay.*Capture the forward and backward only.*outside the graph") as e:
+        opt.step()
+    assert isinstance(e.value, RuntimeError)  # what torch.optim raises there
+    assert opt.state[p]["step"] == 1 and torch.equal(p, before)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in states.items())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    opt.step()
+    assert opt.state[p]["step"] == 2
+
+
+def test_capturable_is_refused_by_the_constructor_and_dropped_from_loaded_groups():
+    # torch.optim's optimizers without a capturable step (SGD, LBFGS) take no capturable argument: neither do
+    # these, with the reason. A torch.optim state saved with capturable=True loads (its states are what they
+    # are), without the flag; capturing the step is then refused by step() itself.
+    p = torch.nn.Parameter(torch.randn(300))
+    for value in (True, False):
+        with pytest.raises(TypeError, match=r"AdamW8bit takes no capturable argument: its step cannot be captured"):
+            zo.AdamW8bit([p], capturable=value)
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=1e-2)
+    ref.param_groups[0]["capturable"] = True
+    sd = ref.state_dict()
+    assert sd["param_groups"][0]["capturable"] is True
+    opt = zo.AdamW8bit([p], lr=1e-3, min_8bit_size=0)
+    opt.load_state_dict(sd)
+    assert "capturable" not in opt.param_groups[0] and opt.param_groups[0]["lr"] == 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float64, torch.complex64])
 def test_frozen_parameters_of_other_dtypes_are_skipped_as_in_torch(dtype):
     """A frozen parameter of a dtype the kernels do not take (int8 codes, float64 or complex constants) in

@@ -122,6 +122,82 @@ def test_cut_parameter_blocks_follow_the_parameter_grid():
     assert torch.equal(scales, ref_state["absmax1"][seg.offset // 256 + 1:])
 
 
+TRUST_RATIO = [lambda ps: zero8.optim.LAMB8bit(ps, lr=1e-2, weight_decay=1e-2, min_8bit_size=4096),
+               lambda ps: zero8.optim.LARS8bit(ps, lr=1.0, momentum=0.9, weight_decay=1e-3, min_8bit_size=4096)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("make", TRUST_RATIO, ids=["LAMB8bit", "LARS8bit"])
+def test_trust_ratio_of_a_cut_parameter_is_one_over_its_fragment(make, world):
+    """LAMB and LARS take one trust ratio over each fragment, also over one whose head is a block cut by the
+    partition boundary (a scale of its own): every rank's partition and states are, bit for bit, those of the same
+    optimizer stepping the whole parameters with the elements of other ranks zeroed (parameter and gradient),
+    which add nothing to the norms."""
+    steps = 3
+    grads = [[torch.randn(p.shape) for p in _model_params()] for _ in range(steps)]
+    head_cut = 0
+    for rank in range(world):
+        params = _model_params()
+        opt = make(params)
+        flat, lo, hi = _partition(params, world, rank)
+        ref_params, masks, at = _model_params(), [], 0
+        for q in ref_params:
+            index = torch.arange(at, at + q.numel()).reshape(q.shape)
+            masks.append((index >= lo) & (index < hi))
+            at += q.numel()
+            q.data.mul_(masks[-1])
+        ref = make(ref_params)
+        opt.param_groups[0]["params"] = [flat]
+        for gs in grads:
+            flat.grad = _flat_grad(params, gs, lo, hi, flat.numel() * world)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the cut parameters' warning
+                opt.step()
+            for q, g, m in zip(ref_params, gs, masks):
+                q.grad = g * m
+            ref.step()
+        whole = torch.cat([q.detach().reshape(-1) for q in ref_params])
+        n = min(hi, whole.numel()) - lo
+        assert torch.equal(flat.detach()[:n], whole[lo:lo + n]), f"rank {rank}"
+        for seg in opt.partition_segments(flat):
+            head_cut += seg.bits == 8 and 0 < (-seg.offset) % seg.block < seg.numel
+            if seg.bits == 8:
+                block = seg.offset // seg.block
+                ref_state = ref.state[ref_params[next(i for i, q in enumerate(params) if q is seg.param)]]
+                for i in range(1, opt.num_states + 1):
+                    codes = opt.state[flat][f"state{i}"][seg.first:seg.first + seg.numel]
+                    scales = opt.state[flat][f"absmax{i}"][seg.scale:seg.scale + seg.num_scales()]
+                    assert torch.equal(codes, ref_state[f"state{i}"].reshape(-1)[seg.offset:seg.offset + seg.numel])
+                    assert torch.equal(scales, ref_state[f"absmax{i}"][block:block + seg.num_scales()])
+    assert head_cut  # the case of two kernel calls per fragment before
+
+
+def test_lamb_cut_head_block_shares_the_fragment_trust_ratio():
+    """The case of the review: a fragment of 4900 elements whose first 156 (the cut head block) are 10 and the
+    rest 1, gradients 1, no weight decay: LAMB's first update is m_hat / (sqrt(v_hat) + eps), about 1 per element,
+    so every element moves by lr times one ratio, ||w|| / ||u|| over the fragment (2.04), not 10 for the head and 1
+    for the rest."""
+    n, off = 5000, 100
+    p = torch.nn.Parameter(torch.ones(n))
+    opt = zero8.optim.LAMB8bit([p], lr=1e-2, min_8bit_size=0, weight_decay=0.0)
+    p._hp_mapping = _Mapping(0, off, n - off)
+    w = torch.ones(n - off)
+    head = (-off) % 256
+    w[:head] = 10.0
+    flat = w.clone().requires_grad_(True)
+    opt.param_groups[0]["params"] = [flat]
+    flat.grad = torch.ones(n - off)
+    with pytest.warns(UserWarning, match="taken over this rank's fragment") as caught:
+        opt.step()
+    assert caught[0].filename == __file__  # the caller of step(), past torch's wrappers around it
+    assert [(s.offset, s.numel) for s in opt.partition_segments(flat)] == [(off, n - off)]
+    u = 1.0 / (1.0 + 1e-8)  # m_hat / (sqrt(v_hat) + eps) of a gradient of 1 at step 1, float64
+    ratio = w.double().norm() / (u * (n - off) ** 0.5)
+    moved = (w.double() - flat.detach().double()) / 1e-2
+    # Float32 rounding of the parameters' update (w - lr * r * u at |w| <= 10) over lr.
+    torch.testing.assert_close(moved, torch.full_like(moved, float(ratio) * u), rtol=0, atol=10 * 2**-23 / 1e-2)
+
+
 def test_overrides_and_names_apply_per_parameter():
     def over(opt, params):
         opt.override_config(params[0], optim_bits=32)  # 6144 elements: 8-bit by size, 32-bit by override
@@ -231,12 +307,13 @@ def test_trainer_cls_and_kwargs_take_training_arguments():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("make", [lambda ps: zero8.optim.AdamW8bit(ps, lr=1e-2, min_8bit_size=4096),
-                                  lambda ps: zero8.optim.Lion8bit(ps, lr=1e-3, min_8bit_size=4096)],
-                         ids=["AdamW8bit", "Lion8bit"])
+                                  lambda ps: zero8.optim.Lion8bit(ps, lr=1e-3, min_8bit_size=4096)] + TRUST_RATIO,
+                         ids=["AdamW8bit", "Lion8bit", "LAMB8bit", "LARS8bit"])
 def test_cuda_partition_steps_as_the_cpu_one(make):
     """DeepSpeed on a GPU hands CUDA partitions: every segment steps with the CUDA kernels, its states on the
-    partition's device, to the same bits as the CPU partition (8-bit, 32-bit and cut segments at 2 ranks), and
-    the state dict loads back onto the GPU."""
+    partition's device, to the same bits as the CPU partition (8-bit, 32-bit and cut segments at 2 ranks; LAMB and
+    LARS through the padded copy of a fragment whose head block is cut, their norms summed on the device in another
+    order, as test_cuda_optim.py compares them), and the state dict loads back onto the GPU."""
     from cuda_util import REASON, assert_same_bits
     if REASON is not None:
         pytest.skip(REASON)
@@ -266,3 +343,44 @@ def test_cuda_partition_steps_as_the_cpu_one(make):
         for k, v in gopt.state[gflat].items():
             if isinstance(v, torch.Tensor):
                 assert_same_bits(again.state[gflat][k], v, f"rank {rank} loaded state {k}")
+
+
+@pytest.mark.cuda
+def test_cuda_partition_lamb_cut_fragment_steps_without_a_host_wait():
+    """The padded copy of a LAMB fragment whose head block is cut is queued on the step's stream with the kernel:
+    a step on a side stream held busy returns before the GPU has run it, and gives the bits of the CPU's."""
+    from cuda_util import REASON, assert_same_bits, busy
+    if REASON is not None:
+        pytest.skip(REASON)
+    grads = [[torch.randn(p.shape) for p in _model_params()] for _ in range(2)]
+    out = {}
+    for dev in ("cpu", "cuda"):
+        params = _model_params()
+        opt = TRUST_RATIO[0](params)
+        flat, lo, hi = _partition(params, 2, 1)
+        flat = flat.detach().to(dev).requires_grad_(True)
+        opt.param_groups[0]["params"] = [flat]
+        assert any(s.head_cut() for s in opt.partition_segments(flat))
+        staged = [_flat_grad(params, gs, lo, hi, flat.numel() * 2).to(dev) for gs in grads]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the cut parameters' warning
+            flat.grad = staged[0].clone()
+            opt.step()  # makes the states
+            if dev == "cpu":
+                flat.grad = staged[1]
+                opt.step()
+            else:
+                torch.cuda.synchronize()
+                s = torch.cuda.Stream()
+                busy(s)
+                with torch.cuda.stream(s):
+                    flat.grad.copy_(staged[1])
+                    opt.step()
+                    assert not s.query(), "the partition's step waited for the GPU"
+                s.synchronize()
+        out[dev] = (opt, flat)
+    (copt, cflat), (gopt, gflat) = out["cpu"], out["cuda"]
+    assert_same_bits(gflat.detach(), cflat.detach(), "partition")
+    for k, v in copt.state[cflat].items():
+        if isinstance(v, torch.Tensor):
+            assert_same_bits(gopt.state[gflat][k], v, f"state {k}")

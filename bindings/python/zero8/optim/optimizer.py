@@ -60,6 +60,17 @@ its state tensors are still those the plan was made from; anything else (a rebou
 strided or resized parameter, replaced or loaded states, a bad gradient) takes the full checks again,
 which name what is wrong. For a model of many small tensors that halves the Python time per tensor.
 
+torch.compile and CUDA graphs: ``step()`` (and ``state_dict``, ``load_state_dict``, ``add_param_group``, as
+torch.optim marks its own) is kept out of dynamo's graphs (``torch._disable_dynamo``): a compiled training step
+that calls it, or ``torch.compile(opt.step)``, runs the step eagerly between graphs, with the eager bits. It
+cannot be captured in a CUDA graph: the step count and learning rate are host values passed to the kernel as
+arguments, so every replay would repeat the captured step's bias correction and learning rate while
+``state["step"]`` stayed put, and a parameter's first step copies tables to the GPU and waits, which capture
+forbids. As torch.optim's optimizers do without ``capturable=True``, ``step()`` refuses to run during capture
+(Zero8NotSupportedError, a RuntimeError): capture the forward and backward only and step outside the graph. The
+constructors take no ``capturable`` argument (a TypeError says why), and a loaded torch.optim group's
+``capturable`` key is dropped with its other implementation flags (``foreach``, ``fused``...).
+
 Whether a parameter gets 8-bit states is decided once, at its first step, on the WHOLE parameter:
 8-bit when its config says ``optim_bits=8`` and ``p.numel() >= min_8bit_size``; whether a 16-bit one
 gets a master too (its config's ``master_weights``).
@@ -89,7 +100,7 @@ from .._tensors import (FLOAT_DTYPES, check_device, check_same_device, cuda_stre
                         is_dtensor, on_device)
 from . import _algos
 from . import dtensor as _dt
-from .partition import PartitionedStates, whole_numel
+from .partition import PartitionedStates, caller_stacklevel, whole_numel
 
 __all__ = [
     "GlobalOptimManager",
@@ -154,6 +165,11 @@ def _reseed_master(p: torch.Tensor, master: torch.Tensor) -> None:
 
 
 _STATE_TENSORS = ("state1", "state2", "absmax1", "absmax2", "master")
+
+
+def _on_cuda(p: torch.Tensor) -> bool:
+    """Whether parameter p (a DTensor too) lives on a GPU, for the refusal of CUDA graph capture."""
+    return p.device.type == "cuda"
 
 
 class _Plan:
@@ -575,6 +591,10 @@ def _constructor(algo: str) -> Callable[..., None]:
     in_defaults = _algos.defaults_keys(algo)
 
     def __init__(self, *args, **kwargs):
+        if "capturable" in kwargs:  # torch.optim's keyword, which its optimizers without a capturable step lack too
+            raise TypeError(f"{type(self).__name__} takes no capturable argument: its step cannot be captured in a "
+                            f"CUDA graph (the step count and lr are host values, see Optimizer8bit.step); capture "
+                            f"the forward and backward only and call step() outside the graph")
         bound = sig.bind(self, *args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
@@ -723,6 +743,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
 
     # ---- configuration ----
 
+    @torch._disable_dynamo
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch's add_param_group, then the group's hyperparameters and tensors are checked (a bad
         value raises Zero8ValueError naming it, and the group is not added)."""
@@ -876,10 +897,15 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
 
     # ---- step ----
 
+    # Out of dynamo's graphs: the kernels take raw pointers and host values (dynamo's guards on the pybind
+    # objects the step builds fail on the frame that made them), so compiled code graph-breaks around it.
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """One optimization step over every parameter with a gradient (closure: re-evaluates the model and
-        returns the loss, run with gradients enabled, as in torch.optim)."""
+        returns the loss, run with gradients enabled, as in torch.optim). Refused during CUDA graph capture
+        (see the module docstring)."""
+        self._refuse_graph_capture()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -914,6 +940,21 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                 elif not self._step_planned(p, grad, hyper, streams):
                     self._step_param(p, group, over, hyper, gi, pi)
         return loss
+
+    def _refuse_graph_capture(self) -> None:
+        """Raise while torch's current CUDA stream is capturing a graph and a parameter is on a GPU: the step
+        would be captured with this step's count and lr baked in (see the module docstring). Without CUDA in use
+        this costs one bool; the parameters are looked at only during capture."""
+        if not torch.cuda.is_initialized() or not torch.cuda.is_current_stream_capturing():
+            return
+        if any(_on_cuda(p) for g in self.param_groups for p in g["params"]):
+            raise Zero8NotSupportedError(
+                f"{type(self).__name__}.step() was called during CUDA graph capture, which zero8.optim does not "
+                f"support: the step count and learning rate are host values passed to the kernels, so every replay "
+                f"would repeat this step's bias correction and learning rate while state['step'] stays put, and "
+                f"a parameter's first step waits for copies to the GPU, which capture forbids. Capture the forward "
+                f"and backward only (torch.cuda.graph, torch.cuda.make_graphed_callables) and call step() outside "
+                f"the graph")
 
     def _step_dtensor(self, p: torch.Tensor, grad: torch.Tensor, group: Dict[str, Any], over, hyper, gi: int,
                       pi: int, streams: Dict[torch.device, int]) -> None:
@@ -950,10 +991,10 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
         """A new state of DTensor p: its local shard's, as DTensors (zero8.optim.dtensor)."""
         bits = self._state_bits(p, cfg)
         if bits == 32 and cfg["optim_bits"] == 8 and p.numel() >= cfg["min_8bit_size"]:
-            # stacklevel: the caller of step(), through torch's no_grad and step-hook wrappers.
             warnings.warn(f"{name} (shape {tuple(p.shape)}) keeps 32-bit optimizer states: 8-bit states of a DTensor "
                           f"parameter need at least 2 dimensions and a last one that is a multiple of block_size "
-                          f"({cfg['block_size']}), so that resharding keeps their blocks", stacklevel=6)
+                          f"({cfg['block_size']}), so that resharding keeps their blocks",
+                          stacklevel=caller_stacklevel())
         if bits == 8:
             _dt.check_grid(p, cfg["block_size"], name)
         state = self._new_state(_dt.local(p), cfg, bits)
@@ -1181,6 +1222,7 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
                 raise Zero8ValueError(f"{where} lacks state{i} ({self._TORCH_STATE_KEYS[i - 1]}), which {name} "
                                       f"keeps: was this state dict saved by another optimizer?")
 
+    @torch._disable_dynamo
     def state_dict(self) -> Dict[str, Any]:
         """torch's state_dict (the live state tensors, parameters by index) with bitsandbytes' group
         aliases added (e.g. SGD's ``betas = (momentum, dampening)``), so bitsandbytes can load it, and the

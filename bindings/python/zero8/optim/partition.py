@@ -36,8 +36,11 @@ ds_ids) names the run of the group's parameters it holds, and each parameter's `
 ranks, so an 8-bit one's piece usually begins and ends inside a block, each end with a scale of its own.
 
 Limits: LAMB's and LARS's trust ratio is a norm over the parameter; for a parameter cut by a partition
-boundary it is taken over this rank's fragment (a warning names such parameters). ``master_weights``
-overrides do not apply (DeepSpeed keeps the fp32 masters; a warning names the tensor). DeepSpeed's
+boundary it is taken over this rank's fragment (a warning names such parameters), one ratio over all of it: an
+8-bit fragment that begins inside a block (its head, with a scale of its own) steps in one kernel call on a
+copy that starts on the parameter's block grid, padded in front with zeros, which add nothing to either norm
+(the copies are made only for such fragments, and on a GPU queued on the step's stream with no host wait).
+``master_weights`` overrides do not apply (DeepSpeed keeps the fp32 masters; a warning names the tensor). DeepSpeed's
 ``elastic_checkpoint`` (it cuts every state tensor of the partition by the padding) is not supported.
 
 Devices: a partition on a GPU steps with the CUDA kernels on torch's current stream, its states on its device
@@ -46,6 +49,9 @@ Devices: a partition on a GPU steps with the CUDA kernels on torch's current str
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -58,6 +64,17 @@ from .._tensors import check_device, check_same_device, cuda_stream, dtype_code,
 __all__ = ["LAYOUT_KEY", "PartitionedStates", "Segment", "decode_partition_state", "whole_numel"]
 
 LAYOUT_KEY = "zero8_segments"  # the partition state's layout record (see the module docstring)
+_INSIDE = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+
+
+def caller_stacklevel() -> int:
+    """warnings.warn's stacklevel, for the function that calls this, of the first frame outside zero8.optim and
+    torch: the code that called step() (or a load), through however many frames torch's wrappers add (no_grad,
+    dynamo's disable, the step hooks; Python 3.12's skip_file_prefixes would skip them)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Segment(NamedTuple):
@@ -92,11 +109,21 @@ class Segment(NamedTuple):
         if self.numel > head:
             yield head, self.numel - head, 1 if head else 0
 
+    def head_cut(self) -> bool:
+        """Whether an 8-bit segment has two pieces: a head block cut by the partition boundary, and more."""
+        return self.bits == 8 and 0 < (-self.offset) % self.block < self.numel
+
     def num_scales(self) -> int:
         if self.bits != 8 or self.numel == 0:
             return 0
         head = min(self.numel, (-self.offset) % self.block)
         return (1 if head else 0) + -(-(self.numel - head) // self.block)
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_code(kind) -> int:
+    """The 8-bit code of 0.0 in map `kind` (the padding of _step_padded)."""
+    return _C.map_values(kind).index(0.0)
 
 
 class _Partition(NamedTuple):
@@ -309,7 +336,7 @@ class PartitionedStates:
             warnings.warn(
                 f"{type(self).__name__}: DeepSpeed cut {', '.join(lamb_cut)} between ranks; the trust ratio of "
                 f"{'each' if len(lamb_cut) > 1 else 'that'} parameter is taken over this rank's fragment only",
-                stacklevel=4)
+                stacklevel=caller_stacklevel())
         part = _Partition(tuple(segments), n8, scales, n32)
         self._partitions[id(p)] = part
         return part
@@ -325,7 +352,7 @@ class PartitionedStates:
             warnings.warn(
                 f"{type(self).__name__}: the override master_weights={over['master_weights']} of {name} does not "
                 f"apply under DeepSpeed, which keeps an fp32 master partition of every parameter itself",
-                stacklevel=5)
+                stacklevel=caller_stacklevel())
 
     def _state_bits(self, p, cfg):  # Optimizer8bit's
         raise NotImplementedError
@@ -521,12 +548,10 @@ class PartitionedStates:
         group_hyper = None
         from .optimizer import GlobalOptimManager
         check = GlobalOptimManager.get_instance().has_overrides() or len(self._overrides) > 0
-        pb = p.data_ptr()
-        gb = grad.data_ptr()
         grad_code = dtype_code(grad, f"{where}.grad")
-        two = self.num_states == 2
-        cuda = p.device.type == "cuda"
-        stream = cuda_stream(p) if cuda else 0  # torch's current stream: ordered with DeepSpeed's own kernels
+        trust = self._trust_ratio()
+        states = range(1, self.num_states + 1)
+        stream = cuda_stream(p) if p.device.type == "cuda" else 0  # torch's current one: ordered with DeepSpeed's
         for s in part.segments:
             if check and self.overrides_for(s.param):
                 hyper = self._hyper(self._config(group, s.param))
@@ -535,35 +560,75 @@ class PartitionedStates:
                     group_hyper = self._hyper(self._config(group, s.param, {}))
                 hyper = group_hyper
             hyper.step = step
+            if trust and s.head_cut():  # one trust ratio over the fragment: one call, not one per piece
+                self._step_padded(s, p, grad, state, hyper, grad_code, stream)
+                continue
             for at, n, sc in s.pieces():
-                a = _C.StepArgs()
-                a.algo = self.algo
-                a.h = hyper
-                a.n = n
-                a.param = pb + 4 * (s.start + at)
-                a.param_dtype = _C.DType.f32
-                a.grad = gb + 4 * (s.start + at)
-                a.grad_dtype = grad_code
                 if s.bits == 8:
-                    a.bits = 8
-                    a.block = s.block
-                    a.code1 = state["state1"].data_ptr() + s.first + at
-                    a.absmax1 = state["absmax1"].data_ptr() + 4 * (s.scale + sc)
-                    a.map1 = self._state_map(1)
-                    if two:
-                        a.code2 = state["state2"].data_ptr() + s.first + at
-                        a.absmax2 = state["absmax2"].data_ptr() + 4 * (s.scale + sc)
-                        a.map2 = self._state_map(2)
+                    codes = [state[f"state{i}"].data_ptr() + s.first + at for i in states]
+                    scales = [state[f"absmax{i}"].data_ptr() + 4 * (s.scale + sc) for i in states]
+                    floats = []
                 else:
-                    a.bits = 32
-                    a.state1 = state["fp32_state1"].data_ptr() + 4 * (s.first + at)
-                    if two:
-                        a.state2 = state["fp32_state2"].data_ptr() + 4 * (s.first + at)
-                if cuda:
-                    with on_device(p):
-                        _C.step_tensor_cuda(a, stream)
-                else:
-                    _C.step_tensor(a)
+                    codes, scales = [], []
+                    floats = [state[f"fp32_state{i}"].data_ptr() + 4 * (s.first + at) for i in states]
+                a = self._segment_args(s, hyper, n, p.data_ptr() + 4 * (s.start + at),
+                                       grad.data_ptr() + grad.element_size() * (s.start + at), grad_code,
+                                       codes, scales, floats)
+                _launch(a, p, stream)
+
+    def _segment_args(self, s: Segment, hyper, n: int, param: int, grad: int, grad_code, codes: List[int],
+                      scales: List[int], floats: List[int]) -> "_C.StepArgs":
+        """The kernel's arguments for n elements of segment s at pointers param (float32) and grad: 8-bit
+        states at codes and scales (one pointer per state), or 32-bit ones at floats."""
+        a = _C.StepArgs()
+        a.algo = self.algo
+        a.h = hyper
+        a.n = n
+        a.param = param
+        a.param_dtype = _C.DType.f32
+        a.grad = grad
+        a.grad_dtype = grad_code
+        if s.bits == 8:
+            a.bits = 8
+            a.block = s.block
+            a.code1, a.absmax1, a.map1 = codes[0], scales[0], self._state_map(1)
+            if len(codes) == 2:
+                a.code2, a.absmax2, a.map2 = codes[1], scales[1], self._state_map(2)
+        else:
+            a.bits = 32
+            a.state1 = floats[0]
+            if len(floats) == 2:
+                a.state2 = floats[1]
+        return a
+
+    def _step_padded(self, s: Segment, p: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], hyper,
+                     grad_code, stream: int) -> None:
+        """Segment s of a LAMB/LARS partition whose head block is cut by the partition boundary, in one kernel
+        call, so that one trust ratio covers the fragment: on a copy whose first element sits on a block
+        boundary of the parameter's grid, padded in front with zeros (parameter, gradient and state codes: they
+        add nothing to the norms, and the head block's scale is the one its own elements give), then copied
+        back. The block scales are the state's own (the copy has as many blocks as the segment has scales). On a
+        GPU every copy is queued on the step's stream, as the kernel is: no host wait."""
+        pad = s.offset % s.block
+        n = pad + s.numel
+        span, codes = slice(s.start, s.start + s.numel), slice(s.first, s.first + s.numel)
+        work = torch.zeros(n, dtype=torch.float32, device=p.device)
+        work[pad:] = p.detach()[span]
+        g = torch.zeros(n, dtype=grad.dtype, device=p.device)
+        g[pad:] = grad[span]
+        held = []
+        for i in range(1, self.num_states + 1):
+            c = torch.full((n,), _zero_code(self._state_map(i)), dtype=torch.uint8, device=p.device)
+            c[pad:] = state[f"state{i}"][codes]
+            held.append(c)
+        a = self._segment_args(s, hyper, n, work.data_ptr(), g.data_ptr(), grad_code, [c.data_ptr() for c in held],
+                               [state[f"absmax{i}"].data_ptr() + 4 * s.scale for i in range(1, self.num_states + 1)],
+                               [])
+        _launch(a, p, stream)
+        # As the kernel writes the partition in place, through .data: torch's version is not bumped.
+        p.data[span] = work[pad:]
+        for i, c in enumerate(held, start=1):
+            state[f"state{i}"][codes] = c[pad:]
 
     # ---- state dicts ----
 
@@ -597,6 +662,15 @@ class PartitionedStates:
         self.state = state
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _launch(a: "_C.StepArgs", p: torch.Tensor, stream: int) -> None:
+    """The one-tensor step of `a` on partition p's device (CUDA: queued on `stream`, no host wait)."""
+    if p.device.type == "cuda":
+        with on_device(p):
+            _C.step_tensor_cuda(a, stream)
+    else:
+        _C.step_tensor(a)
 
 
 def _placed(state: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
