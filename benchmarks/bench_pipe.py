@@ -77,7 +77,7 @@ def main() -> None:
     settings = [(m, False) for m in sizes] + [(max(sizes), True)]
     engines = {}
     for m, int8 in settings:
-        model = PipelineModule(layers, num_stages=stages, loss_fn=lm_loss, seed_layers=True)
+        model = PipelineModule(layers, num_stages=stages, loss_fn=lm_loss, seed_layers=True, device="cpu")
         engines[m, int8], _, _, _ = zero8.initialize(model=model, config=config(args.micro, m, 1, int8))
     best = {key: float("inf") for key in ["solo", *settings]}
     for _ in range(args.rounds):

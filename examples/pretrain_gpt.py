@@ -533,7 +533,7 @@ def main(argv=None) -> int:
     pipelined = args.pipeline_stages > 1
     try:
         model = (PipelineModule(layers, num_stages=args.pipeline_stages, loss_fn=lm_loss, seed_layers=True,
-                                base_seed=args.seed) if pipelined
+                                base_seed=args.seed, device=device) if pipelined
                  else LayerModule(layers, seed_layers=True, base_seed=args.seed))
     except zero8.Zero8ValueError as e:
         raise SystemExit(f"--pipeline-stages {args.pipeline_stages}: {e}") from None

@@ -102,7 +102,7 @@ def test_fp16_loss_scale_and_wall_clock_times(tmp_path):
 
 def test_pipeline_writes_its_train_and_eval_losses(tmp_path):
     cfg = monitored(csv_monitor={"enabled": True, "output_path": str(tmp_path)}, wall_clock_breakdown=True)
-    model = PipelineModule(regression_layers(), num_stages=1, loss_fn=mse, seed_layers=True)
+    model = PipelineModule(regression_layers(), num_stages=1, loss_fn=mse, seed_layers=True, device="cpu")
     engine, _, _, _ = zero8.initialize(model=model, config=cfg)
     losses, lrs = [], []
     for s in range(STEPS):

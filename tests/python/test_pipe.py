@@ -6,6 +6,7 @@ layout), the engine's errors and its checkpoints. Multi-rank runs: test_pipe_dis
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 import zero8
+import zero8.engine.device
+import zero8.engine.world
 from engine_util import EXACT, FULL8, config, make_data
 from pipe_util import lm_layers, lm_loss, make_tokens, micro_batches, mse, regression_layers, train_plain
 from zero8.config import load_config
@@ -105,7 +108,7 @@ def test_layer_module_and_a_one_stage_pipeline_build_the_same_model():
     a = LayerModule(lm_layers(), loss_fn=lm_loss, seed_layers=True)
     after = torch.rand(3)
     assert torch.equal(before, after)  # seeded building leaves the caller's RNG stream alone
-    b = PipelineModule(lm_layers(), num_stages=1, loss_fn=lm_loss, seed_layers=True)
+    b = PipelineModule(lm_layers(), num_stages=1, loss_fn=lm_loss, seed_layers=True, device="cpu")
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert "tied_modules.embed.weight" in sa and "1.fc.weight" in sa
@@ -130,6 +133,32 @@ def test_tied_weight_attr_must_name_parameters_and_specs_must_be_modules():
         zero8.initialize(model=PipelineModule([nn.Tanh(), nn.Tanh()], num_stages=1), config=config(zero8=EXACT))
 
 
+def test_a_pipeline_module_makes_the_world_for_this_ranks_gpu_and_moves_there(monkeypatch):
+    """Where a GPU is, the world is asked for with the rank's device, as zero8.init_distributed() does (NCCL
+    where each rank has a GPU), not for the host, which initialize would get back for the GPU model; the
+    stage goes to that device, as DeepSpeed's PipelineModule moves itself to cuda:LOCAL_RANK. Stood in for:
+    the GPU by the meta device (a module moves there without one), the world by a recorder."""
+    asked = []
+    real = zero8.engine.world.world_comm
+
+    def recorder(backend="auto", device=None, **kw):
+        asked.append((backend, device))
+        return real(backend, **kw)
+
+    monkeypatch.setattr(zero8.engine.world, "world_comm", recorder)
+    monkeypatch.setattr(zero8._tensors, "CUDA_BUILT", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(zero8.engine.device, "local_device", lambda: torch.device("meta"))
+    gpu = PipelineModule(regression_layers(), num_stages=1, loss_fn=mse)
+    cpu = PipelineModule(regression_layers(), num_stages=1, loss_fn=mse, device="cpu")
+    assert asked == [("auto", torch.device("meta")), ("auto", torch.device("cpu"))]
+    assert {p.device.type for p in gpu.parameters()} == {"meta"}
+    assert {p.device.type for p in cpu.parameters()} == {"cpu"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    PipelineModule(regression_layers(), num_stages=1, loss_fn=mse)
+    assert asked[-1] == ("auto", torch.device("cpu"))
+
+
 # ---- the engine in one process ----
 def _plain(layers, loss, cfg):
     model = LayerModule(layers, loss_fn=loss, seed_layers=True)
@@ -138,7 +167,8 @@ def _plain(layers, loss, cfg):
 
 
 def _pipe(layers, loss, cfg, **kw):
-    model = PipelineModule(layers, num_stages=1, loss_fn=loss, seed_layers=True, **kw)
+    # On the CPU also where a GPU is: the references here are CPU engines.
+    model = PipelineModule(layers, num_stages=1, loss_fn=loss, seed_layers=True, device="cpu", **kw)
     engine, _, _, _ = zero8.initialize(model=model, config=cfg)
     return engine
 
@@ -170,6 +200,95 @@ def test_activation_checkpointing_changes_nothing():
     plain_run = _train(_pipe(regression_layers(), mse, cfg), data, 3)
     ckpt_run = _train(_pipe(regression_layers(), mse, cfg, activation_checkpoint_interval=2), data, 3)
     assert plain_run == ckpt_run
+
+
+def test_reentrant_activation_checkpointing_trains_as_without():
+    """A reentrant checkpoint segment's output has a graph only when one of its inputs requires grad: the
+    first stage's floating inputs are made to (detached copies: the caller's tensors keep their flags), as
+    DeepSpeed's engine does. Without that the stage's parameters get no gradient."""
+    data = make_data()
+    cfg = config(gas=2, zero8=EXACT)
+    reentrant = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    plain = _pipe(regression_layers(), mse, cfg)
+    ckpt = _pipe(regression_layers(), mse, cfg, activation_checkpoint_interval=2, activation_checkpoint_func=reentrant)
+    assert _train(ckpt, data, 3) == _train(plain, data, 3)
+    assert ckpt.module.reentrant_checkpointing() and not plain.module.reentrant_checkpointing()
+    ref = plain.module.state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in ckpt.module.state_dict().items())
+    assert not data[0].requires_grad
+
+
+def test_the_first_stage_moves_the_inputs_and_the_last_the_labels(monkeypatch):
+    """As DeepSpeed's: batch[0] goes to the device on the first stage only, batch[1] on the last only (the
+    other part may be anything). One stage is made to play stage 0 and stage 1 of 2, on the meta device,
+    where moving a CPU tensor shows."""
+    engine = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT))
+    x, y = next(micro_batches(make_data(), 0, B, 0, 1, 2))
+    monkeypatch.setattr(engine, "_device", torch.device("meta"))
+    monkeypatch.setattr(engine, "num_stages", 2)
+    got = []
+    for stage in (0, 1):
+        monkeypatch.setattr(engine, "stage_id", stage)
+        engine.data_iterator = iter([(x, y)])
+        got.append(engine._next_batch(0))
+    (x0, y0), (x1, y1) = got
+    assert x0.device.type == "meta" and y0 is y
+    assert x1 is x and y1.device.type == "meta"
+
+
+_FIRST_INPUTS: list = []
+
+
+class _Unpack(nn.Module):
+    """A first layer taking its inputs as (x,), noting the type they came as."""
+
+    def forward(self, inputs):
+        _FIRST_INPUTS.append(type(inputs))
+        return inputs[0]
+
+
+def test_batch_fn_and_inputs_handed_as_a_list_are_deepspeeds():
+    """set_batch_fn (Megatron-DeepSpeed's get_batch_pipe turns its dict of tokens into (inputs, labels)) runs
+    on each micro-batch of train_batch and eval_batch; inputs that a DataLoader hands as a list reach the
+    first layer as a tuple, as in DeepSpeed."""
+    data = make_data()
+    cfg = config(gas=2, zero8=EXACT)
+    layers = [LayerSpec(_Unpack), *regression_layers()]
+    ref, engine = _pipe(layers, mse, cfg), _pipe(layers, mse, cfg)
+
+    def dicts(s, gas=2):
+        return iter([{"x": x, "y": y} for x, y in micro_batches(data, s, B, 0, 1, gas)])
+
+    def lists(s, gas=2):  # as a DataLoader collates ((x,), y)
+        return iter([[[x], y] for x, y in micro_batches(data, s, B, 0, 1, gas)])
+
+    _FIRST_INPUTS.clear()
+    want = [float(ref.train_batch(lists(s))) for s in range(2)]
+    assert set(_FIRST_INPUTS) == {tuple}
+    engine.set_batch_fn(lambda d: ([d["x"]], d["y"]))
+    assert [float(engine.train_batch(dicts(s))) for s in range(2)] == want
+    assert float(engine.eval_batch(dicts(5))) == float(ref.eval_batch(lists(5)))
+    engine.set_batch_fn(None)
+    with pytest.raises(ValueError, match=r"micro-batch 0 is a dict; a pipeline micro-batch is \(inputs, labels\)"):
+        engine.train_batch(dicts(0))
+    with pytest.raises(TypeError, match="callable"):
+        engine.set_batch_fn(3)
+
+
+def test_reset_activation_shape_and_set_has_attention_mask_are_deepspeeds():
+    """reset_activation_shape (curriculum learning calls it before the sequence length changes) has nothing
+    to reset: each batch agrees on its shapes again. has_attention_mask is kept for scripts that read it;
+    a bool mask crosses a boundary as it is either way (dist_pipe.py)."""
+    data = make_data()
+    engine = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT))
+    assert engine.has_attention_mask is False
+    engine.set_has_attention_mask(True)
+    assert engine.has_attention_mask is True
+    with pytest.raises(TypeError, match="must be a bool"):
+        engine.set_has_attention_mask(1)
+    engine.train_batch(micro_batches(data, 0, B, 0, 1, 2))
+    engine.reset_activation_shape()
+    assert torch.isfinite(engine.eval_batch(micro_batches(data, 1, B, 0, 1, 4), num_micro_batches=4))
 
 
 def test_the_pipeline_engine_trains_through_train_batch_only():
@@ -240,6 +359,33 @@ def test_eval_batch_gives_the_mean_loss_and_the_last_outputs():
     assert float(loss) == float(torch.tensor(expected, dtype=torch.float32)) and torch.equal(logits, last)
     per_micro = engine.eval_batch(iter(batches), reduce_output=None)
     assert len(per_micro) == 2 and engine.global_steps == 0 and not engine.module.training
+
+
+class _Pair(nn.Module):
+    """A last layer with two outputs: the float32 input and a bfloat16 copy."""
+
+    def forward(self, x):
+        return x, x.to(torch.bfloat16)
+
+
+def test_eval_batch_averages_outputs_per_tensor_in_their_dtype():
+    """compute_loss=False with reduce_output "avg": each tensor of the outputs (a tuple's too) is averaged
+    over the micro-batches where it is (on a GPU, the device; the data-parallel mean too, dist_pipe.py),
+    summed in float32 and returned in its own dtype, as DeepSpeed's _reduce_outputs keeps it."""
+    data = make_data()
+    batches = list(micro_batches(data, 0, B, 0, 1, 2))
+    engine = _pipe([*regression_layers(), LayerSpec(_Pair)], None, config(gas=2, zero8=EXACT))
+    out = engine.eval_batch(iter(batches), compute_loss=False)
+    with torch.no_grad():
+        runs = [engine.module(x) for x, _ in batches]
+    want = ((runs[0][0] + runs[1][0]) / 2, ((runs[0][1].float() + runs[1][1].float()) / 2).to(torch.bfloat16))
+    assert isinstance(out, tuple) and [t.dtype for t in out] == [torch.float32, torch.bfloat16]
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    one = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT)).eval_batch(iter(batches), compute_loss=False)
+    assert isinstance(one, torch.Tensor) and one.shape == (B // 2, 1) and one.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"output 1 of micro-batch 0 is str; the average needs tensors"):
+        _pipe([*regression_layers(), lambda x: (x, "text")], None, config(gas=2, zero8=EXACT)).eval_batch(
+            iter(batches), compute_loss=False)
 
 
 def test_structure_of_the_messages_round_trips():

@@ -12,6 +12,7 @@ failing rank does not leave the others waiting.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, pipe_util
 
@@ -27,8 +29,8 @@ import zero8  # noqa: E402
 from zero8.config import load_config  # noqa: E402
 from zero8.engine import world_comm  # noqa: E402
 from zero8.engine.training import Zero8Engine  # noqa: E402
-from zero8.pipe import LayerModule, PipeDataParallelTopology, PipelineModule  # noqa: E402
-from engine_util import EXACT, FULL8, config, make_data  # noqa: E402
+from zero8.pipe import LayerModule, LayerSpec, PipeDataParallelTopology, PipelineModule  # noqa: E402
+from engine_util import EXACT, FULL8, IN, config, make_data  # noqa: E402
 from pipe_util import (  # noqa: E402
     POISON,
     GradPoison,
@@ -58,7 +60,8 @@ def all_true(ok: bool) -> bool:
 
 
 def pipeline(layers, loss, stages: int, cfg: dict, **kw):
-    model = PipelineModule(layers, num_stages=stages, loss_fn=loss, seed_layers=True, **kw)
+    # On the CPU also where a GPU is: the references here are CPU engines.
+    model = PipelineModule(layers, num_stages=stages, loss_fn=loss, seed_layers=True, device="cpu", **kw)
     engine, _, _, _ = zero8.initialize(model=model, config=cfg)
     return engine
 
@@ -307,3 +310,108 @@ def test_a_checkpoint_of_2_data_parallel_ranks_loads_on_1():
     cont = train_pipe(engine, DATA, 3, first=3)
     close = all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(cont, expected))
     assert all_true(ok and engine.global_steps == 6 and close), (RANK, cont, expected)
+
+
+def test_reentrant_activation_checkpointing_at_2_stages_trains_as_without():
+    """A reentrant checkpoint segment's output has a graph only when one of its inputs requires grad: the
+    first stage's floating inputs and every floating activation received are made to, as in DeepSpeed.
+    Without that no stage gets gradients; with it, the same numbers as without checkpointing."""
+    cfg = config(gas=2, zero8=EXACT)
+    reentrant = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+    plain_run = pipeline(regression_layers(), mse, 2, cfg, partition_method="uniform")
+    ckpt = pipeline(regression_layers(), mse, 2, cfg, partition_method="uniform", activation_checkpoint_interval=1,
+                    activation_checkpoint_func=reentrant)
+    a, b = train_pipe(plain_run, DATA, 3), train_pipe(ckpt, DATA, 3)
+    same = a == b and digest(plain_run.module.parameters()) == digest(ckpt.module.parameters())
+    assert all_true(same), (RANK, a, b)
+
+
+class Pair(nn.Module):
+    """A last layer with two outputs: the float32 input and a bfloat16 copy."""
+
+    def forward(self, x):
+        return x, x.to(torch.bfloat16)
+
+
+def test_eval_batch_averages_tuple_outputs_over_micro_batches_and_ranks():
+    """compute_loss=False, reduce_output "avg": per tensor of the last stage's outputs, the mean over the
+    micro-batches and the data-parallel ranks (the sum over the ranks on the device), in the tensor's
+    dtype. Reference: the whole model's outputs for every rank's micro-batches, averaged in float64; the
+    engine sums 4 micro-batches then the ranks in float32, so within (4 + dp) float32 roundings of the
+    largest output, plus the final bfloat16 rounding for the copy."""
+    layers = [*regression_layers(), LayerSpec(Pair)]  # 8 layers, uniform: Pair on stage 1
+    engine = pipeline(layers, None, 2, config(gas=2, zero8=EXACT), partition_method="uniform")
+    dp, d = engine.dp_world_size, engine._dp.rank
+    out = engine.eval_batch(micro_batches(DATA, 3, B, d, dp, 4), compute_loss=False, num_micro_batches=4)
+    ref = LayerModule(layers, seed_layers=True)
+    with torch.no_grad():
+        runs = [ref(x) for r in range(dp) for x, _ in micro_batches(DATA, 3, B, r, dp, 4)]
+    want = [sum(o[i].double() for o in runs) / len(runs) for i in (0, 1)]
+    if engine.is_last_stage():
+        largest = max(float(o[0].abs().max()) for o in runs)
+        bound = (4 + dp) * torch.finfo(torch.float32).eps * largest
+        kinds = isinstance(out, tuple) and [t.dtype for t in out] == [torch.float32, torch.bfloat16]
+        err = [float((t.double() - w).abs().max()) for t, w in zip(out, want)]
+        bf16_rounding = torch.finfo(torch.bfloat16).eps * float(want[1].abs().max())
+        ok = kinds and err[0] <= bound and err[1] <= bound + bf16_rounding
+    else:
+        ok, err, bound = out is None, None, None
+    assert all_true(ok), (RANK, err, bound)
+
+
+class MaskedLinear(nn.Module):
+    """(hidden, bool mask) -> (Linear(hidden), mask): a layer of a model whose activations carry a mask."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+
+    def forward(self, inputs):
+        h, mask = inputs
+        return self.fc(h), mask
+
+
+class MaskedTanh(nn.Module):
+    def forward(self, inputs):
+        h, mask = inputs
+        return torch.tanh(h) * mask, mask
+
+
+class MaskedHead(nn.Module):
+    def __init__(self, n_in: int):
+        super().__init__()
+        self.fc = nn.Linear(n_in, 1)
+
+    def forward(self, inputs):
+        return self.fc(inputs[0])
+
+
+def masked_layers() -> list:
+    """5 layers, uniform at 2 stages: (hidden, bool mask) crosses the boundary."""
+    return [LayerSpec(MaskedLinear, IN, 64), LayerSpec(MaskedTanh), LayerSpec(MaskedLinear, 64, 64),
+            LayerSpec(MaskedTanh), LayerSpec(MaskedHead, 64)]
+
+
+def test_a_megatron_style_batch_fn_list_inputs_and_a_bool_mask_at_2_stages():
+    """As Megatron-DeepSpeed drives the engine: set_batch_fn turns the loader's dict into (inputs, labels),
+    the inputs a list (the first layer gets a tuple), a bool attention mask crosses the boundary with
+    set_has_attention_mask (no cast, no gradient). Each stage reads only its part: the other is a meta
+    tensor, which moving to the stage's device would fail on. The same numbers as plain tuples."""
+    cfg = config(gas=2, zero8=EXACT)
+    unread = torch.empty(0, device="meta")
+
+    def batches(s, engine, as_dict):
+        dp, d = engine.dp_world_size, engine._dp.rank
+        for x, y in micro_batches(DATA, s, B, d, dp, 2):
+            mask = (x[:, :1] > -1.0) & (torch.arange(64) % 4 != 0)
+            yield {"x": x, "mask": mask, "y": y} if as_dict else ((x, mask), y)
+
+    ref = pipeline(masked_layers(), mse, 2, cfg, partition_method="uniform")
+    want = [float(ref.train_batch(batches(s, ref, False))) for s in range(3)]
+    engine = pipeline(masked_layers(), mse, 2, cfg, partition_method="uniform")
+    engine.set_has_attention_mask(True)
+    engine.set_batch_fn(lambda b: [[b["x"], b["mask"]] if engine.is_first_stage() else unread,
+                                   b["y"] if engine.is_last_stage() else unread])
+    got = [float(engine.train_batch(batches(s, engine, True))) for s in range(3)]
+    same = got == want and digest(engine.module.parameters()) == digest(ref.module.parameters())
+    assert all_true(same), (RANK, got, want)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # engine_util, pipe_util, cuda_util
 
@@ -26,7 +27,7 @@ import zero8  # noqa: E402
 from zero8.config import load_config  # noqa: E402
 from cuda_util import backend_config, dist_world  # noqa: E402
 from zero8.engine.training import Zero8Engine  # noqa: E402
-from zero8.pipe import LayerModule, PipelineModule  # noqa: E402
+from zero8.pipe import LayerModule, LayerSpec, PipelineModule  # noqa: E402
 from engine_util import EXACT, FULL8, config, make_data  # noqa: E402
 from pipe_util import (  # noqa: E402
     digest,
@@ -40,11 +41,17 @@ from pipe_util import (  # noqa: E402
 )
 
 torch.set_num_threads(1)
+B = 32
+STAGES = 2
+# Where the backend asked for is what "auto" makes (NCCL with a GPU per rank; MPI or tcp where the ranks
+# share the one GPU), a first pipeline model is built before anything made the world, as in a DeepSpeed
+# script: PipelineModule makes the world for this rank's GPU and puts its stage there.
+EARLY = (PipelineModule(regression_layers(), num_stages=STAGES, loss_fn=mse, seed_layers=True,
+                        partition_method="uniform")
+         if os.environ.get("ZERO8_CUDA_BACKEND", "mpi") == "nccl" or torch.cuda.device_count() == 1 else None)
 BACKEND, DEVICE, WORLD = dist_world()
 RANK, N = WORLD.rank, WORLD.size
 SHARED = Path(os.environ.get("ZERO8_CUDA_OUT", "."))
-B = 32
-STAGES = 2
 CPU = torch.device("cpu")
 on_cpu_too = pytest.mark.skipif(WORLD.memory != "host", reason="the CPU pipeline needs a host world, not NCCL")
 
@@ -66,7 +73,7 @@ def with_backend(cfg: dict, device=DEVICE) -> dict:
 
 
 def pipeline(layers, loss, cfg: dict, device=DEVICE, **kw):
-    model = PipelineModule(layers, num_stages=STAGES, loss_fn=loss, seed_layers=True, **kw).to(device)
+    model = PipelineModule(layers, num_stages=STAGES, loss_fn=loss, seed_layers=True, device=device, **kw)
     engine, _, _, _ = zero8.initialize(model=model, config=with_backend(cfg, device))
     return engine
 
@@ -157,6 +164,57 @@ def test_eval_batch_equals_the_plain_engines_loss():
         total = sum(float(mse(ref(x), y).double()) for x, y in micro_batches(DATA, 9, B, 0, 1, 4)) / 4
     expected = float(torch.tensor(total, dtype=torch.float32))
     assert all_true(value.device == DEVICE and float(value) == expected), (RANK, value, expected)
+
+
+@pytest.mark.skipif(EARLY is None, reason="the backend asked for is not the one 'auto' makes on this machine")
+def test_a_pipeline_built_before_the_world_puts_its_stage_on_this_ranks_gpu():
+    """DeepSpeed's order, PipelineModule before initialize: the stage is on the rank's GPU and the world
+    was made for it (NCCL where each rank has a GPU), so the backend asked for gets that world, and the
+    pipeline trains as one built after the world."""
+    on_gpu = all(p.device == DEVICE for p in EARLY.parameters())
+    cfg = config(gas=2, zero8=EXACT)
+    engine, _, _, _ = zero8.initialize(model=EARLY, config=with_backend(cfg))
+    early = train_pipe(engine, DATA, 3)
+    later = train_pipe(pipeline(regression_layers(), mse, cfg, partition_method="uniform"), DATA, 3)
+    ok = on_gpu and WORLD.backend == BACKEND and engine.device == DEVICE and early == later
+    assert all_true(ok), (RANK, on_gpu, WORLD.backend, early, later)
+
+
+def test_each_stage_moves_only_what_it_reads_to_the_gpu():
+    """As DeepSpeed's: the first stage moves a CPU micro-batch's inputs to its GPU, the last its labels; the
+    part a stage does not read is a meta tensor here, which moving would fail on."""
+    cfg = config(gas=2, zero8=EXACT)
+    engine = pipeline(regression_layers(), mse, cfg, partition_method="uniform")
+    unread = torch.empty(0, device="meta")
+    host = on(CPU, DATA)
+
+    def batches(s):
+        for x, y in micro_batches(host, s, B, 0, 1, 2):
+            yield x if engine.is_first_stage() else unread, y if engine.is_last_stage() else unread
+
+    losses = [engine.train_batch(batches(s)) for s in range(3)]
+    ref = train_pipe(pipeline(regression_layers(), mse, cfg, partition_method="uniform"), DATA, 3)
+    ok = [float(v) for v in losses] == ref and all(v.device == DEVICE for v in losses)
+    assert all_true(ok), (RANK, losses, ref)
+
+
+class Pair(nn.Module):
+    """A last layer with two outputs: the float32 input and a bfloat16 copy."""
+
+    def forward(self, x):
+        return x, x.to(torch.bfloat16)
+
+
+def test_eval_batch_averages_outputs_on_the_gpu_in_their_dtype():
+    """compute_loss=False, reduce_output "avg": each output tensor's mean stays on the GPU, in its dtype (no
+    copy to the host, bfloat16 kept), as DeepSpeed's _reduce_outputs; the values: test_pipe.py, dist_pipe.py."""
+    layers = [*regression_layers(), LayerSpec(Pair)]
+    engine = pipeline(layers, None, config(gas=2, zero8=EXACT), partition_method="uniform")
+    out = engine.eval_batch(micro_batches(DATA, 3, B, 0, 1, 4), compute_loss=False, num_micro_batches=4)
+    want = [(DEVICE, torch.float32), (DEVICE, torch.bfloat16)]
+    ok = (isinstance(out, tuple) and [(t.device, t.dtype) for t in out] == want) if engine.is_last_stage() else (
+        out is None)
+    assert all_true(ok), (RANK, out)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ class DieOnRank3(nn.Module):
 
 layers = regression_layers()
 layers.insert(5, DieOnRank3())  # on stage 1 (8 layers, uniform)
-model = PipelineModule(layers, num_stages=2, loss_fn=mse, partition_method="uniform", seed_layers=True)
+model = PipelineModule(layers, num_stages=2, loss_fn=mse, partition_method="uniform", seed_layers=True,
+                       device="cpu")
 engine, _, _, _ = zero8.initialize(model=model, config=config(gas=4, zero8=EXACT))
 data = make_data()
 try:

@@ -10,8 +10,8 @@ overflow and gradient norm (the sharded optimizer's step group), and the checkpo
 On a GPU each stage is on its rank's device (``zero8.engine.local_device()``) and a batch runs on the
 engine's CUDA stream (the current stream at initialize): forwards, backwards, the messages between stages
 (NCCL between GPUs, or MPI staged through host memory where ranks share a GPU) and the step, ordered after
-the caller's current stream and before its later work, as the plain engine's calls. The first and last
-stages move the micro-batches they read to the device, as DeepSpeed's pipeline engine does.
+the caller's current stream and before its later work, as the plain engine's calls. The first stage moves
+a micro-batch's inputs to the device and the last stage its labels, as DeepSpeed's pipeline engine does.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                                int(z.wire_block_size), self._device)
         self.data_iterator = None
         self.training_dataloader = None
+        self.batch_fn = None
+        # DeepSpeed's flag (its GPT-2 pipe model sets it); zero8 sends a bool mask as it is (see the setter).
+        self.has_attention_mask = type(model).__name__ == "GPT2ModelPipe"
         self.agg_train_loss = None
         self._pipe_timers = {"batch": 0.0, "batches": 0}
         self._setup_ties(replicas)
@@ -200,6 +203,27 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             self.training_dataloader = None
             self.data_iterator = iterator
 
+    def set_batch_fn(self, fn) -> None:
+        """DeepSpeed's: ``fn(batch)`` turns each item the data iterator yields into ``(inputs, labels)``
+        before the stage reads it (Megatron-DeepSpeed's get_batch_pipe takes its dict of tokens); None
+        removes it. First and last stages, train_batch and eval_batch."""
+        if fn is not None and not callable(fn):
+            raise TypeError(f"set_batch_fn: fn must be callable or None, got {type(fn).__name__}")
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed's call before the activations' shape changes (curriculum learning's sequence length):
+        nothing to reset here, as every batch agrees on its messages' shapes again with its first
+        micro-batch."""
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's flag for a bool attention mask as the last tensor of the activations, which it casts
+        to half for NCCL and back; zero8's messages carry any dtype, and never a gradient for a bool
+        tensor, so the mask crosses as it is whatever the flag."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_has_attention_mask: value must be a bool, got {type(value).__name__}")
+        self.has_attention_mask = value
+
     def forward(self, *args, **kwargs):
         raise PipelineError("the pipeline engine runs the model through train_batch() and eval_batch() only")
 
@@ -256,7 +280,9 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         bcast_loss, else on the last stage (None elsewhere); with return_logits, (loss, outputs of the last
         micro-batch on the last stage, None elsewhere), as DeepSpeed's. With a monitor enabled the mean loss
         is broadcast (and returned) even without bcast_loss, and rank 0 writes it as Train/Samples/eval_loss
-        at x = global_samples, as DeepSpeed's does."""
+        at x = global_samples, as DeepSpeed's does. With compute_loss=False the last stage's outputs take the
+        losses' place: "avg" is their mean per tensor (a tuple's too) on the device, in each one's dtype
+        (_dp_mean_outputs), on the last stage only."""
         self._check_live()
         if reduce_output not in ("avg", None):
             raise Zero8ValueError(f"eval_batch: reduce_output {reduce_output!r} (DeepSpeed's choices: 'avg', None)")
@@ -275,8 +301,12 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                     result = outputs if self.is_last_stage() else None
                 elif compute_loss and (bcast_loss or self.monitor.enabled):
                     result = self._reported_loss(outputs, micro)
+                elif not self.is_last_stage():
+                    result = None
+                elif compute_loss:
+                    result = self._dp_mean(outputs, micro)
                 else:
-                    result = self._dp_mean(outputs, micro) if self.is_last_stage() else None
+                    result = self._dp_mean_outputs(outputs, micro)
         finally:
             self.data_iterator = saved
         if self.monitor.writes and compute_loss and reduce_output is not None:
@@ -297,7 +327,9 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             else:
                 yield
 
-    def _next_batch(self, micro: int):
+    def _next_batch(self, micro: int) -> tuple:
+        """The next micro-batch as (inputs, labels), the part this stage reads on its device (first stage:
+        inputs, last: labels)."""
         if self.data_iterator is None:
             raise Zero8ValueError(
                 f"stage {self.stage_id} reads the micro-batches but has no data: pass data_iter to train_batch / "
@@ -307,14 +339,25 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         except StopIteration:
             raise StopIteration(f"stage {self.stage_id}: the data iterator ended at micro-batch {micro} of "
                                 f"{self.micro_batches} (wrap it to repeat, as DeepSpeed's RepeatingLoader)") from None
+        if self.batch_fn is not None:
+            batch = self.batch_fn(batch)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise Zero8ValueError(
                 f"stage {self.stage_id}: micro-batch {micro} is a {type(batch).__name__}"
                 f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}; a pipeline micro-batch is "
                 f"(inputs, labels): the first stage takes inputs, the last labels")
-        if self._device.type == "cuda":
-            batch = tuple(_to_device(x, self._device) for x in batch)
-        return batch
+        inputs, labels = batch
+        # Each stage moves only what it reads (the other part may be anything, as in DeepSpeed).
+        if self.is_first_stage():
+            # A DataLoader hands a tuple of inputs as a list; the first layer gets the tuple, as in DeepSpeed.
+            inputs = _to_device(tuple(inputs) if isinstance(inputs, list) else inputs, self._device)
+            if self.module.reentrant_checkpointing():
+                # A reentrant segment whose inputs all lack requires_grad returns an output without a graph:
+                # no gradient for its parameters. detach(): the caller's tensors keep their flags.
+                inputs = _requiring_grad(inputs)
+        if self.is_last_stage():
+            labels = _to_device(tuple(labels) if isinstance(labels, list) else labels, self._device)
+        return inputs, labels
 
     def _run(self, program: list, training: bool, compute_loss: bool = True, keep_last_output: bool = False) -> list:
         """Executes one stage's instructions. Returns the last stage's per-micro-batch losses (detached;
@@ -334,11 +377,11 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                 inputs[i] = link.recv_activations()
             elif kind == sched.FORWARD:
                 if first or last:
-                    batch = self._next_batch(i)
+                    x, y = self._next_batch(i)
                     if first:
-                        inputs[i] = batch[0]
+                        inputs[i] = x
                     if last:
-                        labels[i] = batch[1]
+                        labels[i] = y
                 out = Zero8Engine.forward(self, inputs[i])
                 if last:
                     if keep_last_output and i == n_micro - 1:
@@ -401,6 +444,36 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
             flat = [v / self.dp_world_size for v in self._dp.all_reduce_f64(flat, "sum")]
         return torch.tensor(flat, dtype=torch.float32, device=self._device).reshape(total.shape)
 
+    def _dp_mean_outputs(self, outputs: list, micro: int):
+        """Last stage: eval_batch's "avg" of the micro-batches' outputs (tensors or tuples of them), per
+        tensor over the micro-batches and the data-parallel ranks, as DeepSpeed's _reduce_outputs: on the
+        device, with the data-parallel sum there too (no copy to the host), summed in float32 (float64 for
+        float64) and returned in the output's dtype (float32 for a non-floating one)."""
+        is_tuple = isinstance(outputs[0], (tuple, list))
+        rows = [tuple(o) if isinstance(o, (tuple, list)) else (o,) for o in outputs]
+        out = []
+        for j, first in enumerate(rows[0]):
+            for i, row in enumerate(rows):
+                v = row[j] if len(row) == len(rows[0]) else None
+                if not (isinstance(v, torch.Tensor) and isinstance(first, torch.Tensor) and v.shape == first.shape):
+                    got = (f"{type(v).__name__}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}"
+                           if len(row) == len(rows[0]) else f"one of {len(row)} outputs, not {len(rows[0])}")
+                    raise Zero8ValueError(
+                        f"eval_batch(reduce_output='avg'): output {j} of micro-batch {i} is {got}; the average "
+                        f"needs tensors of one shape in every micro-batch (reduce_output=None returns the outputs)")
+            dtype = first.dtype
+            acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            total = first.detach().to(acc_dtype, memory_format=torch.contiguous_format, copy=True)
+            for row in rows[1:]:
+                total += row[j].detach()
+            total /= micro
+            if self.dp_world_size > 1 and total.numel():
+                kind = "f64" if acc_dtype == torch.float64 else "f32"
+                self._dp.all_reduce_ptr(total.data_ptr(), total.numel(), kind, "sum")
+                total /= self.dp_world_size
+            out.append(total.to(dtype) if dtype.is_floating_point else total)
+        return tuple(out) if is_tuple else out[0]
+
     def _reported_loss(self, losses: list, micro: int) -> torch.Tensor:
         """The batch's mean loss, computed on the last stage and broadcast to every stage of the pipeline."""
         if self.is_last_stage():
@@ -451,6 +524,16 @@ def _to_device(x, device: torch.device):
     if isinstance(x, (tuple, list)):
         out = [_to_device(v, device) for v in x]
         return tuple(out) if isinstance(x, tuple) else out
+    return x
+
+
+def _requiring_grad(x):
+    """First-stage inputs (a tensor or a tuple of them) with each floating tensor a new leaf that requires
+    grad."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_() if x.is_floating_point() else x
+    if isinstance(x, tuple):
+        return tuple(_requiring_grad(v) for v in x)
     return x
 
 

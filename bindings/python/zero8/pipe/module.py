@@ -128,6 +128,18 @@ def _count_trainable(layer) -> int:
     return 0
 
 
+def _stage_device(device) -> torch.device:
+    """Where a PipelineModule's stage goes (see its ``device``)."""
+    if device is not None:
+        return torch.device(device)
+    from .. import _tensors
+    from ..engine import device as engine_device  # through the module: tests stand in for local_device
+
+    if _tensors.CUDA_BUILT and torch.cuda.is_available():
+        return engine_device.local_device()
+    return torch.device("cpu")
+
+
 class LayerModule(nn.Module):
     """Every layer of a pipeline model in this process, run in order: the non-pipelined model of the same
     layer list (parameter names as the PipelineModule's, so state dicts and layer files are shared).
@@ -212,6 +224,17 @@ class LayerModule(nn.Module):
         if not isinstance(interval, int) or interval < 0:
             raise Zero8ValueError(f"activation_checkpoint_interval must be an integer >= 0, got {interval!r}")
         self.activation_checkpoint_interval = interval
+
+    def reentrant_checkpointing(self) -> bool:
+        """Whether activation checkpointing runs a reentrant function, whose segment's output requires grad
+        only when one of its inputs does: the pipeline engine then makes a stage's floating inputs require
+        grad, as DeepSpeed's does. Any function but torch's non-reentrant checkpoint counts (DeepSpeed's rule
+        with its own non-reentrant function)."""
+        if self.activation_checkpoint_interval <= 0:
+            return False
+        f = self.activation_checkpoint_func
+        return not (isinstance(f, functools.partial) and f.func is torch.utils.checkpoint.checkpoint
+                    and f.keywords.get("use_reentrant") is False)
 
     def _checkpointable(self, funcs) -> bool:
         if self.checkpointable_layers is not None:
@@ -308,32 +331,43 @@ class PipelineModule(LayerModule):
     or "type:<regex>" (balance the layers whose class name matches the regex, case-insensitive); every
     stage gets at least one layer. loss_fn(outputs, labels) runs on the last stage (without one, the last
     stage's output is the loss). Other arguments: see LayerModule.
+
+    device: where the built stage goes. None (default): this rank's GPU (zero8.engine.local_device(),
+    cuda:LOCAL_RANK) where torch sees one and zero8 was built with CUDA, as DeepSpeed's PipelineModule moves
+    itself to cuda:LOCAL_RANK, else the CPU; "cpu" keeps a stage on the CPU of a GPU machine. Where no world
+    communicator was made yet, it is made here for that device, as ``zero8.init_distributed()`` makes it:
+    NCCL where every rank has a GPU of its own, so a script need not make the world before the model.
     """
 
     def __init__(self, layers, num_stages: int | None = None, topology: ProcessTopology | None = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable | None = None, checkpointable_layers=None,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, device=None):
         # For _select_layers, which LayerModule.__init__ calls before building (nn.Module's attribute
         # handling is not set up yet here, so straight into __dict__).
-        self.__dict__["_stage_args"] = (num_stages, topology, partition_method)
+        self.__dict__["_stage_args"] = (num_stages, topology, partition_method, device)
         super().__init__(layers, loss_fn=loss_fn, seed_layers=seed_layers, seed_fn=seed_fn, base_seed=base_seed,
                          activation_checkpoint_interval=activation_checkpoint_interval,
                          activation_checkpoint_func=activation_checkpoint_func,
                          checkpointable_layers=checkpointable_layers)
         self.dynamic_shape = bool(dynamic_shape)  # accepted: zero8 agrees on the shapes at every batch
+        # Built on the CPU first (seeded layers get the same weights as a LayerModule's), then moved whole.
+        self.to(self._stage_device)
 
     def _select_layers(self) -> tuple[int, int]:
         """This stage's layers: the topology from the world communicator, then the partition."""
         from ..engine.world import world_comm  # the engine's world, made here as DeepSpeed's needs dist
 
-        num_stages, topology, partition_method = self.__dict__.pop("_stage_args")
+        num_stages, topology, partition_method, device = self.__dict__.pop("_stage_args")
         stages = topology.get_dim("pipe") if num_stages is None and isinstance(topology, ProcessTopology) else num_stages
         if isinstance(stages, int) and self._num_layers < stages:
             raise Zero8ValueError(f"PipelineModule: {stages} stages but only {self._num_layers} layer(s); "
                                   f"every stage needs at least one layer")
-        world = world_comm("auto")
+        self._stage_device = _stage_device(device)
+        # A world made here without the device would be the host's (MPI, TCP), and initialize would get it
+        # back for a model on a GPU: NCCL only where it is made for the device.
+        world = world_comm("auto", device=self._stage_device)
         self.global_rank, self.world_size = world.rank, world.size
         self._topo = self._topology(num_stages, topology)
         self.num_stages = self._topo.get_dim("pipe")

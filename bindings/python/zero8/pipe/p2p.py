@@ -133,13 +133,15 @@ class StageLink:
             self._send_tensor(t.detach(), self.stage + 1, TAG_ACTIVATION, self.activations)
 
     def recv_activations(self):
-        """The previous stage's output, as fresh tensors; those a gradient goes back for require grad."""
+        """The previous stage's output, as fresh tensors. Every floating one requires grad, as in DeepSpeed,
+        also where the sender wants no gradient back: a reentrant checkpoint segment's output requires grad
+        only when one of its inputs does. Only the gradients the sender asked for go back (send_grads)."""
         if self._received is None:
             self._received = self._recv_structure()
         out = []
         for m in self._received.tensors:
             t = self._recv_tensor(m, self.stage - 1, TAG_ACTIVATION)
-            if m.grad:
+            if t.is_floating_point():
                 t.requires_grad_()
             out.append(t)
         return tuple(out) if self._received.is_tuple else out[0]
