@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "device_ptr.h"
 #include "quant_common.cuh"
@@ -214,11 +215,18 @@ dim3 rows_by_column_groups(int64_t rows, int64_t cols, int kw) {
   return dim3{unsigned((groups + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(rows, 65535)), 1u};
 }
 
+// The current device's cuBLASLt handle. A handle belongs to the device that was current when it was made
+// (cuBLAS: "one handle per device"), so each device gets its own, made on its first product and kept for the
+// process (as torch keeps its own); the mutex makes first uses from several threads safe.
 cublasLtHandle_t lt_handle() {
-  static std::once_flag once;
-  static cublasLtHandle_t h = nullptr;
-  std::call_once(once, [] { cublas_check(cublasLtCreate(&h), "cublasLtCreate"); });
-  return h;
+  int dev = 0;
+  cuda_check(cudaGetDevice(&dev), "int8_gemm_cuda (cudaGetDevice)");
+  static std::mutex mu;
+  static std::vector<cublasLtHandle_t> handles;  // by device index
+  std::lock_guard<std::mutex> lock(mu);
+  if (handles.size() <= size_t(dev)) handles.resize(size_t(dev) + 1, nullptr);
+  if (handles[size_t(dev)] == nullptr) cublas_check(cublasLtCreate(&handles[size_t(dev)]), "cublasLtCreate");
+  return handles[size_t(dev)];
 }
 
 // Releases cuBLASLt descriptors on every exit path.

@@ -17,6 +17,10 @@
 #include "zero8/kernels/device.h"
 #include "zero8/kernels/int8.h"
 
+#if ZERO8_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace {
 
 using namespace zero8;
@@ -306,6 +310,40 @@ TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
   g.c = dc.p();
   int8_gemm_cublaslt(g, nullptr);
   EXPECT_TRUE(same_bits(dc.get(), c));
+}
+
+// A cuBLASLt handle belongs to the device current when it was made: the product runs on each device through
+// that device's own (one process-wide handle, made on the first device, was used on every other). Needs two
+// devices: ctest runs it on the simulator's two as test_int8_cuda_two_devices (tests/CMakeLists.txt), where a
+// handle used on another device is refused.
+TEST(Int8CudaKernels, CublasLtProductOnEachDevice) {
+  SKIP_WITHOUT_CUDA();
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs two CUDA devices, found " << count;
+  const int64_t m = 20, n = 8, k = 12;
+  const std::vector<int8_t> a = codes(m * k, 21), b = codes(n * k, 22);
+  GemmArgs g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.b_trans = true;
+  std::vector<int32_t> c(size_t(m * n));
+  g.a = a.data();
+  g.b = b.data();
+  g.c = c.data();
+  int8_gemm_ref(g);
+  for (int dev : {0, 1, 0, 1}) {
+    SCOPED_TRACE("device " + std::to_string(dev));
+    device::DeviceGuard guard(dev, "CublasLtProductOnEachDevice");
+    Dev<int8_t> da(a), db(b);
+    Dev<int32_t> dc(std::vector<int32_t>(c.size(), -1));
+    g.a = da.p();
+    g.b = db.p();
+    g.c = dc.p();
+    int8_gemm_cublaslt(g, nullptr);
+    EXPECT_TRUE(same_bits(dc.get(), c));
+  }
 }
 
 // int8_block_gemm_cuda against the reference for one shape and block, every storage order of A and B.

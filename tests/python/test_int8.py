@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import zero8
-from zero8 import _C
+from zero8 import _C, _ops
 from zero8.nn import Int8Linear, Linear8bitLt, bnb_state_dict, convert_linear8bit
 from zero8.nn import linear8bit as l8
 from zero8.nn.int8_linear import _blockwise_int8_matmul_sliced, blockwise_int8_matmul
@@ -142,7 +142,9 @@ def test_linear8bitlt_state_dict_roundtrip_without_float_weights():
     assert set(sd) == {"weight", "weight_scale", "bias"}
     assert sd["weight"].dtype == torch.int8 and sd["weight_scale"].dtype == torch.float32
     fresh = Linear8bitLt(64, 40, **INT8_INFERENCE)
-    assert [name for name, _ in fresh.named_parameters()] == ["bias"]  # no float weight anywhere
+    # No float weight anywhere: the int8 codes and their scales are frozen Parameters (bitsandbytes' Int8Params).
+    assert [(n, p.dtype, p.requires_grad) for n, p in fresh.named_parameters()] == [
+        ("weight", torch.int8, False), ("weight_scale", torch.float32, False), ("bias", torch.float32, True)]
     fresh.load_state_dict(sd)
     x = outlier_input(10, 64, [7])
     assert torch.equal(fresh(x), m(x))
@@ -510,7 +512,6 @@ def test_gpu_gemm_padding_on_cpu_tensors(shape, monkeypatch):
     smallest its own tests run), and _ops._gemm_cuda
     through _C.int8_gemm (the CPU twin of int8_gemm_cuda, given the same k and n, multiples of 4). Exact
     products whatever the shape, from contiguous and transposed operands."""
-    from zero8 import _ops
 
     torch_int_mm = torch._int_mm
 
@@ -878,7 +879,8 @@ def test_empty_batch_backpropagates_zero_gradients(make, dtype):
         y.sum().backward()
         assert x.grad.shape == x.shape
         for name, p in m.named_parameters():
-            assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any(), name
+            if p.requires_grad:  # Linear8bitLt's int8 codes and scales are frozen Parameters
+                assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any(), name
 
 
 def test_float64_weights_raise_errors_naming_the_layer_weight():
@@ -889,7 +891,9 @@ def test_float64_weights_raise_errors_naming_the_layer_weight():
     with pytest.raises(zero8.Zero8ValueError, match="linear.weight"):
         convert_linear8bit(torch.nn.Sequential(torch.nn.Linear(8, 4)).double())
     x = torch.randn(2, 8)
-    for m in (Linear8bitLt(8, 4, has_fp16_weights=True).double(), Int8Linear(8, 4).double()):
+    int8_linear = Int8Linear(8, 4)
+    int8_linear.weight.data = int8_linear.weight.data.double()  # .double() keeps its master weight float32
+    for m in (Linear8bitLt(8, 4, has_fp16_weights=True).double(), int8_linear):
         with pytest.raises(zero8.Zero8ValueError, match=f"{type(m).__name__}.weight has dtype torch.float64"):
             m(x)
 
@@ -985,8 +989,9 @@ def test_layer_created_on_meta_then_loaded_equals_one_built_on_cpu(layer, load):
             torch.manual_seed(41)  # Int8Linear's backward rounds stochastically
             y = layer_(xx)
             y.pow(2).sum().backward()
-            outs.append((y.detach(), xx.grad, [p.grad for p in layer_.parameters()]))
+            outs.append((y.detach(), xx.grad, [p.grad for p in layer_.parameters() if p.requires_grad]))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (name, how)
+        assert len(outs[0][2]) == len(outs[1][2]) > 0, (name, how)
         assert all(torch.equal(g0, g1) for g0, g1 in zip(outs[0][2], outs[1][2])), (name, how)
 
 
@@ -1173,3 +1178,316 @@ def test_assign_keeps_the_float32_formats_a_copy_would_give():
     _same_state(assigned, copied)
     x = torch.randn(4, 40)
     assert torch.equal(assigned(x), copied(x))
+
+
+# ------------------------------------------------------------------------------------------- autocast
+
+# Tests marked cuda run where zero8 has its CUDA kernels and a GPU is present (conftest.py skips them elsewhere).
+DEV = torch.device("cuda", 0)
+
+
+def _autocast_run(m, x, device_type, dtype, autocast):
+    """Output, input gradient and trainable parameters' gradients of m on x: under torch.autocast, or on x cast
+    to autocast's dtype (what nn.Linear computes from there); the same stochastic-rounding seeds for both."""
+    m.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with torch.autocast(device_type, dtype=dtype, enabled=autocast):
+        y = m(x if autocast else x.to(dtype))
+    torch.manual_seed(51)
+    y.float().pow(2).sum().backward()
+    return y, x.grad, [p.grad for p in m.parameters() if p.requires_grad]
+
+
+def _int8_layers(k, n):
+    return {"Linear8bitLt": Linear8bitLt.from_linear(torch.nn.Linear(k, n)),
+            "Linear8bitLt-fp16-weights": Linear8bitLt(k, n, has_fp16_weights=True, threshold=6.0),
+            "Int8Linear": Int8Linear(k, n), "Int8Linear-fast": Int8Linear(k, n, gemm="fast")}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layers_under_autocast_compute_as_nn_linear_does_there(dtype):
+    # nn.Linear under torch.autocast computes from its input cast to autocast's dtype and returns that dtype;
+    # the int8 layers used to ignore autocast and return float32. Now they cast as nn.Linear: the same bits
+    # as the layer called on the cast input, forward and backward (the input gradient back in float32).
+    torch.manual_seed(50)
+    x = outlier_input(16, 256, [5, 77])
+    for name, m in _int8_layers(256, 64).items():
+        y, gx, gp = _autocast_run(m, x, "cpu", dtype, True)
+        want_y, want_gx, want_gp = _autocast_run(m, x, "cpu", dtype, False)
+        assert y.dtype == dtype and gx.dtype == torch.float32, name
+        assert torch.equal(y, want_y) and torch.isfinite(y).all() and torch.equal(gx, want_gx), name
+        assert len(gp) == len(want_gp) > 0 and all(torch.equal(a, b) for a, b in zip(gp, want_gp)), name
+
+
+def test_outlier_product_is_float32_inside_the_op_under_autocast():
+    # LLM.int8's outlier columns are multiplied in float32 inside the op and added by the epilogue, which
+    # reads float32. Autocast reaches into the op: the product came out bfloat16 and the epilogue read it as
+    # float32 past its end (NaNs, garbage; a crash at 4096 x 1024). The op is not autocast: same bits.
+    torch.manual_seed(52)
+    m = Linear8bitLt.from_linear(torch.nn.Linear(256, 64))
+    x = outlier_input(16, 256, [5, 77])
+    args = (m.weight, m.weight_scale, None, 6.0, m.bias, l8._GEMM)
+    want = torch.ops.zero8.llm_int8_matmul(x, *args)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
+            got = torch.ops.zero8.llm_int8_matmul(x, *args)
+        assert got.dtype == torch.float32 and torch.equal(got, want), dtype
+
+
+@pytest.mark.cuda
+def test_layers_under_autocast_on_the_gpu():
+    torch.manual_seed(53)
+    x = outlier_input(40, 256, [5, 77]).to(DEV)
+    for name, m in _int8_layers(256, 64).items():
+        m = m.to(DEV)
+        y, gx, gp = _autocast_run(m, x, "cuda", torch.bfloat16, True)
+        want_y, want_gx, want_gp = _autocast_run(m, x, "cuda", torch.bfloat16, False)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, want_y) and torch.isfinite(y).all(), name
+        assert torch.equal(gx, want_gx), name
+        assert all(torch.equal(a, b) for a, b in zip(gp, want_gp)), name
+
+
+# ---------------------------------------------------------------------- arguments the kernels read raw
+
+
+def test_primitives_and_ops_refuse_tensors_of_the_wrong_size_or_dtype_naming_them():
+    # The kernels read and write through raw pointers: a tensor smaller than the sizes say, or of another
+    # dtype, was read or written past its end, without an error (a one-element out ended the process with
+    # "double free or corruption"; a two-element or bfloat16 add and one-element scales were read as if whole).
+    # Every op now checks each tensor it hands a kernel, called through zero8.nn's primitives or directly.
+    torch.manual_seed(54)
+    acc = torch.randint(-1000, 1000, (64, 48), dtype=torch.int32)
+    rs, cs = torch.rand(64), torch.rand(48)
+    x = torch.randn(64, 40)
+    q, s = l8.quantize_blocks(x, 32)
+    qa, sa = l8.quantize_blocks(torch.randn(40, 50), 32)
+    qb, sb = l8.quantize_blocks(torch.randn(30, 50), 32)
+    wq, ws = l8.quantize_rows(torch.randn(24, 40))
+    ops = torch.ops.zero8
+    cases = [
+        ("add has shape", lambda: l8.dequantize_matmul(acc, rs, cs, add=torch.zeros(2))),
+        ("add has dtype torch.bfloat16", lambda: l8.dequantize_matmul(acc, rs, cs, add=torch.zeros(64, 48).bfloat16())),
+        ("row_scale has shape", lambda: l8.dequantize_matmul(acc, torch.ones(1), cs)),
+        ("col_scale has shape", lambda: l8.dequantize_matmul(acc, rs, cs[:47])),
+        ("row_scale has dtype", lambda: l8.dequantize_matmul(acc, rs.double(), cs)),
+        ("row_scale has stride 2", lambda: l8.dequantize_matmul(acc, torch.rand(128)[::2], cs)),
+        ("acc has dtype", lambda: l8.dequantize_matmul(acc.long(), rs, cs)),
+        ("bias has shape", lambda: l8.dequantize_matmul(acc, rs, cs, bias=torch.zeros(47))),
+        ("out has shape", lambda: l8.dequantize_matmul(acc, rs, cs, out=torch.zeros(1))),
+        ("out must be contiguous", lambda: l8.dequantize_matmul(acc, rs, cs, out=torch.zeros(48, 64).t())),
+        ("out has dtype", lambda: l8.dequantize_matmul(acc, rs, cs, out=torch.zeros(64, 48).bfloat16(),
+                                                       accumulate=True)),
+        ("pass the float32 out", lambda: l8.dequantize_matmul(acc, rs, cs, accumulate=True)),
+        ("row_group must be", lambda: l8.dequantize_matmul(acc, rs, cs, row_group=0)),
+        ("out_dtype must be", lambda: l8.dequantize_matmul(acc, rs, cs, out_dtype=torch.float64)),
+        ("scale has shape", lambda: l8.dequantize_blocks(q, torch.ones(1), 32)),
+        ("scale has dtype", lambda: l8.dequantize_blocks(q, s.double(), 32)),
+        ("dtype must be", lambda: l8.dequantize_blocks(q, s, 32, torch.int32)),
+        ("inner sizes differ", lambda: l8.int8_mm(wq, qb)),
+        ("b has dtype", lambda: l8.int8_mm(wq, wq.float())),
+        # The ops themselves, as torch.ops.zero8.* (what a compiled graph calls).
+        ("add has shape", lambda: ops.int8_dequantize_matmul(acc, rs, cs, torch.float32, torch.zeros(2), None,
+                                                             1, 1, 1, 1)),
+        ("row_scale has shape", lambda: ops.int8_dequantize_matmul(acc, torch.ones(1), cs, torch.float32, None,
+                                                                   None, 1, 1, 1, 1)),
+        ("scale has shape", lambda: ops.int8_dequantize_blocks(q, torch.ones(1), 32, torch.float32)),
+        ("col_mask has 3 elements", lambda: ops.int8_quantize_rows(x, torch.zeros(3, dtype=torch.uint8), None)),
+        ("seed must be", lambda: ops.int8_quantize_rows(x, None, torch.tensor([1, 2]))),
+        ("seed must be", lambda: ops.int8_quantize_cols(x, torch.tensor([1.0]))),
+        ("block must be", lambda: ops.int8_quantize_blocks(x, 0, None)),
+        ("x has dtype", lambda: ops.int8_quantize_cols(x.double(), None)),
+        ("inner sizes differ", lambda: ops.int8_gemm(qa, qb[:, :49], True)),
+        ("sa has shape", lambda: ops.int8_block_matmul(qa, sa[:1], qb, sb, 32, torch.float32, None, "zero8")),
+        ("same k", lambda: ops.int8_block_matmul(qa.t(), sa.t(), qb.t(), sb.t(), 32, torch.float32, None, "zero8")),
+        ("w_scale has shape", lambda: ops.llm_int8_matmul(x, wq, ws[:3], None, 6.0, None, "zero8")),
+        ("w_q has dtype", lambda: ops.llm_int8_matmul(x, wq.float(), ws, None, 6.0, None, "zero8")),
+        ("w_fp has shape", lambda: ops.llm_int8_matmul(x, wq, ws, torch.zeros(24, 39), 6.0, None, "zero8")),
+        ("bias has shape", lambda: ops.llm_int8_matmul(x, wq, ws, None, 6.0, torch.zeros(23), "zero8")),
+    ]
+    for match, call in cases:
+        with pytest.raises(zero8.Zero8ValueError, match=match):
+            call()
+    # A column of a block-scale matrix, read with its stride (the per-slice path's epilogue), is accepted.
+    out = torch.zeros(64, 48)
+    l8.dequantize_matmul(acc, s[:, 1], torch.rand(2, 3)[:, 0], out=out, accumulate=True, row_group=32,
+                         row_stride=s.shape[1], col_group=32, col_stride=3)
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------- reductions past int32
+
+
+@pytest.mark.parametrize("backend", ["torch", "zero8"])
+def test_int8linear_fast_weight_gradient_over_more_tokens_than_int32_can_sum(backend, monkeypatch):
+    # gemm="fast" reduces the weight gradient over every token in one int8 GEMM: its int32 sum of products of
+    # codes up to 127 overflows past 131071 tokens. torch._int_mm (the CPU's "torch" GEMM, and the GPU's)
+    # wrapped around (dW 140000 came out -126288.5) and zero8's CPU GEMM refused k in backward. The reduction
+    # is now cut into GEMMs of at most 131071, summed in int64.
+    monkeypatch.setattr(l8, "_GEMM", backend)
+    m = Int8Linear(16, 8, gemm="fast", bias=False)
+    x = torch.ones(140000, 16, requires_grad=True)
+    y = m(x)
+    y.backward(torch.ones_like(y))
+    # Every code is 127 (or, rarely, 126 after stochastic rounding): dW is 140000 to float32 rounding.
+    assert torch.allclose(m.weight.grad, torch.full((8, 16), 140000.0), rtol=1e-6, atol=0)
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "zero8"])
+def test_mm_dequantize_splits_long_reductions_exactly(backend):
+    # Past INT8_GEMM_MAX_K the int32 products of parts are summed exactly in int64, then the epilogue's
+    # arithmetic (float32 of the sum times the float32 scale product) is done on that sum: the kernel's formula
+    # on the exact product, here against an int64 matmul.
+    g = torch.Generator().manual_seed(55)
+    k = 2 * _ops.INT8_GEMM_MAX_K + 5
+    qa = torch.randint(-127, 128, (3, k), generator=g).to(torch.int8)
+    qb = torch.randint(-127, 128, (5, k), generator=g).to(torch.int8)
+    qa[0], qb[0] = 127, 127  # 127 * 127 * k > 2^31: an int32 sum would wrap
+    sa, sb = torch.rand(3, generator=g), torch.rand(5, generator=g)
+    exact = qa.long() @ qb.long().t()
+    assert exact[0, 0] > 2**31
+    want = exact.float() * (sa[:, None] * sb[None, :])
+    assert torch.equal(_ops.mm_dequantize(qa, qb, True, sa, sb, torch.float32, None, None, backend), want)
+    assert torch.equal(_ops.mm_dequantize(qa, qb.t().contiguous(), False, sa, sb, torch.float32, None, None, backend),
+                       want)
+    with pytest.raises(zero8.Zero8ValueError, match=f"k = {k} exceeds 131071"):
+        l8.int8_mm(qa, qb)
+
+
+@pytest.mark.cuda
+def test_int8linear_fast_weight_gradient_over_many_tokens_on_the_gpu():
+    m = Int8Linear(16, 8, gemm="fast", bias=False, device=DEV)
+    x = torch.ones(140000, 16, device=DEV, requires_grad=True)
+    y = m(x)
+    y.backward(torch.ones_like(y))
+    assert torch.allclose(m.weight.grad.cpu(), torch.full((8, 16), 140000.0), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------- module semantics
+
+
+def test_int8linear_warning_is_issued_outside_torch_compile(monkeypatch):
+    # The GPU speed warning of gemm="exact" with a block that is not a multiple of 16 was issued inside
+    # forward: dynamo cannot trace warnings.warn, so torch.compile(fullgraph=True) failed on a GPU. It is now
+    # issued when the layer is made or moved, and by an eager forward, never while compiling. Here the warning
+    # is forced on the CPU.
+    import warnings
+
+    def warn_always(self, device):
+        warnings.warn("slow kernel (test)")
+
+    monkeypatch.setattr(Int8Linear, "_warn_if_slow_on", warn_always)
+    with pytest.warns(UserWarning, match="slow kernel"):
+        m = Int8Linear(40, 24, block_size=20)
+    x = torch.randn(6, 40)
+    with pytest.warns(UserWarning, match="slow kernel"):
+        want = m(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    y = compiled(x.clone().requires_grad_())
+    y.sum().backward()
+    assert torch.equal(y, want)
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+def test_int8linear_compiles_fullgraph_with_the_plain_kernel_on_the_gpu():
+    torch._dynamo.reset()
+    m = Int8Linear(40, 24, block_size=20, device=DEV)
+    x = torch.randn(6, 40, device=DEV, requires_grad=True)
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    y.sum().backward()
+    assert y.shape == (6, 24) and x.grad.shape == x.shape
+    torch._dynamo.reset()
+
+
+def test_int8linear_from_linear_keeps_the_linears_device():
+    # from_linear built on the default device, not the linear's (a GPU nn.Linear gave a CPU Int8Linear): here
+    # a CPU linear under a meta default device gave a meta layer holding nothing.
+    torch.manual_seed(56)
+    lin = torch.nn.Linear(24, 16)
+    with torch.device("meta"):
+        m = Int8Linear.from_linear(lin)
+    assert m.weight.device.type == "cpu" and m.bias.device.type == "cpu"
+    assert torch.equal(m.weight, lin.weight) and torch.equal(m.bias, lin.bias)
+    with torch.device("meta"):
+        assert Linear8bitLt.from_linear(lin).weight.device.type == "cpu"
+
+
+@pytest.mark.cuda
+def test_from_linear_keeps_a_gpu_linears_device():
+    lin = torch.nn.Linear(24, 16, device=DEV)
+    for m in (Int8Linear.from_linear(lin), Linear8bitLt.from_linear(lin)):
+        assert all(t.device == DEV for t in m.parameters()), type(m).__name__
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double", "to-bfloat16"])
+def test_int8linear_dtype_casts_keep_the_float32_master_weight(cast):
+    # Int8Linear's weight and bias are float32 master copies: model.half() / .to(torch.bfloat16) used to
+    # round them to 16 bits (the optimizer then stepped a bf16 master). Casts now leave them, and their
+    # gradients, float32 and unchanged; the layer still takes any float input.
+    torch.manual_seed(57)
+    m = Int8Linear(40, 24)
+    m(torch.randn(3, 40)).sum().backward()
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in m.named_parameters()}
+    params = {n: p for n, p in m.named_parameters()}
+    m.to(torch.bfloat16) if cast == "to-bfloat16" else getattr(m, cast)()
+    for n, p in m.named_parameters():
+        assert p is params[n] and p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
+        assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
+    assert m(torch.randn(3, 40, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_linear8bitlt_int8_weights_are_frozen_parameters_that_stay_tied():
+    # bitsandbytes keeps its int8 weight as a frozen Parameter (Int8Params); zero8 kept buffers, so (a) DDP,
+    # which broadcasts buffers from rank 0 at every forward by default, re-sent the whole frozen model each
+    # step, and (b) linears tied by convert_linear8bit came apart on a device move or to_empty (Module._apply
+    # replaces each module's buffers; it moves a Parameter in place). Now they are frozen Parameters.
+    torch.manual_seed(58)
+
+    def tied():
+        net = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16)})
+        net["b"].weight = net["a"].weight
+        return convert_linear8bit(net)
+
+    net = tied()
+    assert list(net.named_buffers()) == []  # nothing for DDP to broadcast at every forward
+    frozen = [(n, p.dtype) for n, p in net.named_parameters() if not p.requires_grad]
+    assert frozen == [("a.weight", torch.int8), ("a.weight_scale", torch.float32)]  # tied: listed once
+    x = torch.randn(5, 16)
+    want = net["b"](x)
+    for move in (lambda m: m.half(), lambda m: m._apply(lambda t: t.clone()), lambda m: m.to_empty(device="cpu")):
+        sd = copy.deepcopy(net.state_dict())
+        move(net)
+        a, b = net["a"], net["b"]
+        assert a.weight is b.weight and a.weight_scale is b.weight_scale
+        assert a.weight.dtype == torch.int8 and a.weight_scale.dtype == torch.float32
+        net.float()
+        net.load_state_dict(sd)  # (to_empty left garbage)
+    assert torch.equal(net["b"](x), want)
+    # Optimizers take model.parameters() as before: the frozen int8 tensors get no gradient and are skipped.
+    opt = torch.optim.AdamW(net.parameters())
+    net["a"](x).sum().backward()
+    opt.step()
+    assert net["a"].weight.grad is None and net["a"].bias.grad is not None
+
+
+@pytest.mark.cuda
+def test_linear8bitlt_ties_survive_a_move_to_the_gpu():
+    net = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16)})
+    net["b"].weight = net["a"].weight
+    net = convert_linear8bit(net).to(DEV)
+    assert net["a"].weight is net["b"].weight and net["a"].weight_scale is net["b"].weight_scale
+    assert net["a"].weight.device == DEV and net["a"].weight_scale.dtype == torch.float32
+
+
+@pytest.mark.cuda
+def test_stochastic_rounding_refuses_cuda_graph_capture():
+    # The kernels take the seed as a launch argument read on the host: a captured graph would replay one
+    # draw at every step (the same rounding noise each time), so capture is refused by name.
+    x = torch.randn(64, 40, device=DEV)
+    l8.quantize_rows(x, stochastic=True)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(zero8.Zero8NotSupportedError, match="CUDA graph"):
+        with torch.cuda.graph(graph):
+            l8.quantize_rows(x, stochastic=True)

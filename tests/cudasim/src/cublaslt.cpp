@@ -2,7 +2,9 @@
 // op(B) k x n, D m x n), run in stream order. What cuBLASLt's documentation says its int8 (IMMA) kernels
 // need in the default column order (cublasLtMatmul, "IMMA kernels" restrictions: TRANSA = T and TRANSB = N,
 // leading dimensions multiple of 4, pointers 4-byte aligned) is refused as CUBLAS_STATUS_NOT_SUPPORTED,
-// as the library refuses it, so code the simulator accepts is code cuBLASLt accepts.
+// as the library refuses it, so code the simulator accepts is code cuBLASLt accepts. A handle belongs to the
+// device current when it was made (cuBLAS: one handle per device); a product through it while another device
+// is current is refused as CUBLAS_STATUS_INVALID_VALUE, where a GPU would run it with the wrong context.
 #include <cublasLt.h>
 
 #include <cstring>
@@ -10,7 +12,9 @@
 
 #include "sim.h"
 
-struct cublasLtContext {};
+struct cublasLtContext {
+  int device = 0;
+};
 struct cublasLtMatmulDescOpaque_t {
   cublasComputeType_t compute;
   cudaDataType_t scale;
@@ -24,7 +28,9 @@ struct cublasLtMatrixLayoutOpaque_t {
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
   if (h == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  *h = new cublasLtContext;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return CUBLAS_STATUS_NOT_INITIALIZED;
+  *h = new cublasLtContext{device};
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
@@ -71,6 +77,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t d, const 
   if (h == nullptr || d == nullptr || la == nullptr || lb == nullptr || lc == nullptr || lo == nullptr ||
       alpha == nullptr || beta == nullptr)
     return CUBLAS_STATUS_INVALID_VALUE;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device != h->device) return CUBLAS_STATUS_INVALID_VALUE;
   if (d->compute != CUBLAS_COMPUTE_32I || d->scale != CUDA_R_32I || la->type != CUDA_R_8I || lb->type != CUDA_R_8I ||
       lc->type != CUDA_R_32I || lo->type != CUDA_R_32I)
     return CUBLAS_STATUS_NOT_SUPPORTED;  // the simulator has the int8 product only

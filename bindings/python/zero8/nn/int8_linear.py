@@ -34,10 +34,9 @@ from torch.autograd.function import once_differentiable
 
 from .. import _ops
 from .._C import Zero8ValueError
-from .._tensors import FLOAT_DTYPES, check_device, check_dtype, check_same_device, dtype_code
 from . import linear8bit as _l8
-from .linear8bit import (_check_device_arg, _check_input, _check_layer_tensors, _check_loaded, _check_weight,
-                         _float_linear, _is_meta_call, _seed, int8_mm)
+from .linear8bit import (_autocast_input, _check_device_arg, _check_input, _check_layer_tensors, _check_loaded,
+                         _check_weight, _float_linear, _is_meta_call, _keep_float32, _seed)
 
 __all__ = ["Int8Linear", "blockwise_int8_matmul"]
 
@@ -50,18 +49,6 @@ def _blockwise_int8_matmul_sliced(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Te
     return _ops.int8_block_matmul_sliced(qa, sa, qb_t, sb_t, block, out_dtype, bias, _l8._GEMM)
 
 
-def _check_block_operand(q: Tensor, s: Tensor, rows: int, cols: int, block: int, name: str, sname: str) -> None:
-    check_device(q, name)
-    check_dtype(q, name, torch.int8)
-    check_device(s, sname)
-    check_same_device(s, sname, q, name)
-    check_dtype(s, sname, torch.float32)
-    want = (-(-rows // block), -(-cols // block))
-    if tuple(s.shape) != want:
-        raise Zero8ValueError(f"{sname} has shape {tuple(s.shape)}; {name} ({rows} x {cols}) in {block} x {block} "
-                              f"blocks needs {want}")
-
-
 def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, block: int,
                           out_dtype: torch.dtype = torch.float32, bias: Optional[Tensor] = None) -> Tensor:
     """The per-block product ``A @ B_t.T`` of two per-block int8 matrices, exactly as defined: ``qa`` (m x k)
@@ -71,24 +58,8 @@ def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, bl
     as ``out_dtype``. Either operand may be the ``.t()`` view of a contiguous matrix (no copy). Runs the
     fused AVX-512 VNNI kernel (``zero8._C.int8_block_matmul``) where the CPU has it, else one library int8
     GEMM per slice, and on a GPU zero8's per-block CUDA kernel; all give the same bits."""
-    if not isinstance(block, int) or not 1 <= block <= 65536:
-        raise Zero8ValueError(f"block must be an int in 1..65536, got {block!r}")
-    if qa.dim() != 2 or qb_t.dim() != 2 or qa.shape[1] != qb_t.shape[1]:
-        raise Zero8ValueError(f"qa (m x k) and qb_t (n x k) must be 2-D with the same k, got shapes "
-                              f"{tuple(qa.shape)} and {tuple(qb_t.shape)}")
-    m, k = qa.shape
-    n = qb_t.shape[0]
-    _check_block_operand(qa, sa, m, k, block, "qa", "sa")
-    _check_block_operand(qb_t, sb_t, n, k, block, "qb_t", "sb_t")
-    check_same_device(qb_t, "qb_t", qa, "qa")
-    if out_dtype not in FLOAT_DTYPES:
-        raise Zero8ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype}")
-    if bias is not None:
-        check_device(bias, "bias")
-        check_same_device(bias, "bias", qa, "qa")
-        dtype_code(bias, "bias")
-        if bias.shape != (n,):
-            raise Zero8ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n},)")
+    # Checked here too (the op checks again), so that under torch.compile a bad call fails while tracing.
+    _ops.check_block_matmul(qa, sa, qb_t, sb_t, block, out_dtype, bias)
     # One op (zero8._ops): the fused kernel where the CPU has AVX512_VNNI, else the per-slice path.
     return _ops.int8_block_matmul(qa, sa, qb_t, sb_t, block, out_dtype, bias, _l8._GEMM)
 
@@ -109,7 +80,7 @@ class _Int8LinearFn(torch.autograd.Function):
         else:
             qx, sx = _ops.int8_quantize_rows(x2, None, None)
             qw, sw = _ops.int8_quantize_rows(weight.detach(), None, None)
-            y = _ops.int8_dequantize_matmul(int8_mm(qx, qw), sx, sw, x.dtype, None, bias, 1, 1, 1, 1)
+            y = _ops.mm_dequantize(qx, qw, True, sx, sw, x.dtype, None, bias, gemm)
         ctx.save_for_backward(qxb, sxb, weight)
         ctx.block, ctx.exact, ctx.in_shape, ctx.x_dtype = block, exact, shape, x.dtype
         ctx.has_bias = bias is not None
@@ -138,14 +109,13 @@ class _Int8LinearFn(torch.autograd.Function):
             if need_x:
                 qg, sg = _ops.int8_quantize_rows(g2, None, _seed())  # per token, stochastic
                 qw, sw = _ops.int8_quantize_cols(w, None)  # per input feature
-                grad_x = _ops.int8_dequantize_matmul(int8_mm(qg, qw, b_trans=False), sg, sw, ctx.x_dtype, None, None,
-                                                     1, 1, 1, 1)
+                grad_x = _ops.mm_dequantize(qg, qw, False, sg, sw, ctx.x_dtype, None, None, gemm)
             if need_w:
                 qg, sg = _ops.int8_quantize_cols(g2, _seed())  # per output feature, stochastic
                 xd = _ops.int8_dequantize_blocks(qxb, sxb, block, torch.float32)
                 qx, sx = _ops.int8_quantize_cols(xd, None)  # per input feature
-                grad_w = _ops.int8_dequantize_matmul(int8_mm(qg.t(), qx, b_trans=False), sg, sx, torch.float32, None,
-                                                     None, 1, 1, 1, 1)
+                # A reduction over every token: past INT8_GEMM_MAX_K of them, in parts summed in int64.
+                grad_w = _ops.mm_dequantize(qg.t(), qx, False, sg, sx, torch.float32, None, None, gemm)
         if need_b:
             grad_b = g2.float().sum(0)
         if grad_x is not None:
@@ -167,6 +137,9 @@ class Int8Linear(torch.nn.Module):
       (about 1/4 of float32, 1/2 of bf16); ``activation_memory()`` reports the last forward's figures.
     - ``gemm``: ``"exact"`` (per-block scales in the reduction as well, Jetfire's math, the fused kernel)
       or ``"fast"`` (one library int8 GEMM per product, vector-wise scales): see the module docstring.
+    - ``.half()``, ``.to(torch.bfloat16)`` and other dtype casts leave ``weight`` and ``bias`` float32 (the
+      master copies; a device move moves them); under ``torch.autocast`` the layer computes from the input
+      cast to autocast's dtype and returns that dtype, as ``nn.Linear`` does there.
 
     Tensors of float32, bfloat16 or float16 on the CPU, or on a GPU in a build with CUDA (the same int8
     codes, scales and integer products as the CPU, by zero8's CUDA kernels and ``torch._int_mm``); the output
@@ -176,7 +149,7 @@ class Int8Linear(torch.nn.Module):
     ``activation_memory()`` reports what the loaded layer would keep) and a real input raises.
     """
 
-    _warned_exact_on_gpu = False  # once per process: the plain per-block kernel's speed on a GPU (forward)
+    _warned_exact_on_gpu = False  # once per process: the plain per-block kernel's speed on a GPU
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
                  gemm: str = "exact", device=None, dtype=None) -> None:
@@ -199,6 +172,7 @@ class Int8Linear(torch.nn.Module):
             self.register_parameter("bias", None)
         self._last_saved = None
         self.reset_parameters()
+        self._warn_if_slow_on(self.weight.device)
 
     def reset_parameters(self) -> None:
         # nn.Linear's initialisation.
@@ -209,10 +183,10 @@ class Int8Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block_size: int = 32, gemm: str = "exact") -> "Int8Linear":
-        """An Int8Linear with a copy of ``linear``'s weight and bias (float32); on the meta device when
-        ``linear`` is."""
+        """An Int8Linear with a copy of ``linear``'s weight and bias (float32), on ``linear``'s device (the
+        meta device included)."""
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, block_size, gemm,
-                device="meta" if linear.weight.is_meta else None)
+                device=linear.weight.device)
         with torch.no_grad():
             m.weight.copy_(linear.weight.float())
             if linear.bias is not None:
@@ -221,6 +195,27 @@ class Int8Linear(torch.nn.Module):
         if linear.bias is not None:
             m.bias.requires_grad_(linear.bias.requires_grad)
         return m
+
+    def _apply(self, fn, recurse=True):
+        # The master weight and bias stay float32 under model.half() / .to(torch.bfloat16): only a device
+        # move (or to_empty) changes them.
+        _keep_float32(self, ("weight", "bias"), fn, recurse)
+        self._warn_if_slow_on(self.weight.device)
+        return self
+
+    def _warn_if_slow_on(self, device: torch.device) -> None:
+        """Once per process, where the exact GEMM would run zero8's plain per-block kernel on a GPU. Called
+        when the layer is made or moved and from an eager forward, never while torch.compile traces (dynamo
+        cannot trace warnings.warn: fullgraph=True would fail)."""
+        # (int8_block_matmul_cuda_backend's rule, as arithmetic.)
+        if (self.gemm == "exact" and device.type == "cuda" and self.block_size % 16 != 0
+                and not Int8Linear._warned_exact_on_gpu):
+            Int8Linear._warned_exact_on_gpu = True
+            warnings.warn(f"Int8Linear(gemm='exact', block_size={self.block_size}) on a GPU runs zero8's plain "
+                          "per-block kernel on CUDA cores (the tensor-core kernel takes blocks that are "
+                          "multiples of 16): on an H200 it took about 130x as long as a bf16 nn.Linear. Use a "
+                          "block_size of 16, 32, 64 or 128, or gemm='fast' (torch._int_mm); docs/INT8.md "
+                          "compares them.", stacklevel=3)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -241,20 +236,14 @@ class Int8Linear(torch.nn.Module):
         if not meta:
             _check_layer_tensors(self, "Int8Linear", ("weight", "bias"), x)
         _check_weight(self.weight, "Int8Linear.weight")
+        x = _autocast_input(x)
         if x.numel() == 0:  # an empty batch: the float product, so the output stays in the graph
             return _float_linear(x, self.weight, self.bias)
         if meta:  # shapes only (the layer has no data): the float product on meta tensors
             y = _float_linear(x, self.weight, self.bias)
         else:
-            # (int8_block_matmul_cuda_backend's rule, here as arithmetic that torch.compile can trace.)
-            if (self.gemm == "exact" and x.is_cuda and self.block_size % 16 != 0
-                    and not Int8Linear._warned_exact_on_gpu):
-                Int8Linear._warned_exact_on_gpu = True
-                warnings.warn(f"Int8Linear(gemm='exact', block_size={self.block_size}) on a GPU runs zero8's plain "
-                              "per-block kernel on CUDA cores (the tensor-core kernel takes blocks that are "
-                              "multiples of 16): on an H200 it took about 130x as long as a bf16 nn.Linear. Use a "
-                              "block_size of 16, 32, 64 or 128, or gemm='fast' (torch._int_mm); docs/INT8.md "
-                              "compares them.", stacklevel=2)
+            if not torch.compiler.is_compiling():
+                self._warn_if_slow_on(x.device)
             y = _Int8LinearFn.apply(x, self.weight, self.bias, self.block_size, self.gemm == "exact")
         # What forward kept for backward: int8 codes of x plus one float32 scale per block (from the shapes,
         # so that torch.compile needs no side effect inside the autograd.Function).

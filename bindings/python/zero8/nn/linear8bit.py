@@ -104,13 +104,12 @@ def quantize_blocks(x: Tensor, block: int, stochastic: bool = False):
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The float tensor of per-block codes: ``q * scale[block of q]``."""
-    # The kernel reads raw pointers on q's device: a scale elsewhere or of another dtype is garbage (on a GPU,
-    # an illegal address that ends the process's CUDA context), not an error.
-    check_same_device(scale, "scale", q, "q")
-    check_device(q, "q")
-    check_dtype(q, "q", torch.int8)
-    check_dtype(scale, "scale", torch.float32)
+    """The float tensor of per-block codes: ``q * scale[block of q]``; ``scale`` as ``quantize_blocks`` made
+    it (float32, ceil(rows/block) x ceil(cols/block))."""
+    # The kernel reads raw pointers on q's device: a scale elsewhere, of another dtype or too small would be
+    # read anyway (on a GPU, an illegal address ends the process's CUDA context). The op checks again; this
+    # check also runs where the op's body does not (fake tensors, torch.compile's tracing).
+    _ops.check_dequantize_blocks(q, scale, block, dtype)
     return _ops.int8_dequantize_blocks(q, scale, block, dtype)
 
 
@@ -118,14 +117,10 @@ def int8_mm(a: Tensor, b: Tensor, b_trans: bool = True) -> Tensor:
     """int32 ``a @ b.T`` (``b_trans``: ``b`` is n x k, a weight matrix) or ``a @ b`` (``b`` is k x n) for
     int8 ``a`` (m x k), through the chosen int8 GEMM (``torch._int_mm`` on a GPU, any shape: see
     ``zero8._ops._int_mm_cuda``). Operands may be strided views (zero8's path makes them contiguous: it
-    takes row-major matrices)."""
-    if a.is_cuda:
-        return _ops._int_mm_cuda(a, b if b_trans else b.t())
-    if _GEMM == "torch":
-        return torch._int_mm(a, b.t() if b_trans else b)
-    if b.shape[1 if b_trans else 0] != a.shape[1]:
-        raise Zero8ValueError(f"int8_mm: inner sizes differ: a {tuple(a.shape)}, b {tuple(b.shape)} (b_trans={b_trans})")
-    return _ops.int8_gemm(a, b, b_trans)
+    takes row-major matrices). k is at most 131071 (``zero8._ops.INT8_GEMM_MAX_K``), where the int32 sum
+    could overflow; ``zero8._ops.mm_dequantize`` takes longer reductions."""
+    _ops.check_gemm(a, b, b_trans)
+    return _ops._mm(a, b, _GEMM, b_trans)
 
 
 def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_dtype=torch.float32,
@@ -135,21 +130,18 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
     """The int8 GEMM epilogue: ``float(acc) * (row_scale * col_scale) (+ add) (+ bias)`` written as
     ``out_dtype`` (or added into the float32 ``out`` with ``accumulate``). Scales are indexed
     ``row_scale[(i // row_group) * row_stride]`` (and likewise for columns): groups of the block size
-    select one K-slice of a per-block GEMM."""
-    # The kernel reads raw pointers: the dtypes and devices must be right, or its output is garbage (on a GPU,
-    # an illegal address that ends the process's CUDA context), not an error.
-    for t, name in ((row_scale, "row_scale"), (col_scale, "col_scale"), (add, "add"), (bias, "bias"), (out, "out")):
-        if t is not None:
-            check_same_device(t, name, acc, "acc")
-    check_device(acc, "acc")
-    check_dtype(acc, "acc", torch.int32)
-    check_dtype(row_scale, "row_scale", torch.float32)
-    check_dtype(col_scale, "col_scale", torch.float32)
-    if out is None and not accumulate:
+    select one K-slice of a per-block GEMM: each scale is a 1-D float32 view of exactly the elements read
+    (``ceil(rows / row_group)`` of them, with stride ``row_stride``). ``add`` is float32 of ``acc``'s shape,
+    ``bias`` float of ``cols``, ``out`` contiguous of ``acc``'s shape."""
+    # The kernel reads raw pointers: each tensor is checked (device, dtype, size) before it does, here and
+    # again by the op (this check also runs under fake tensors and torch.compile's tracing).
+    if out is None and accumulate:  # accumulating into a fresh tensor would add to whatever its memory held
+        raise Zero8ValueError("accumulate=True adds into out: pass the float32 out to accumulate into")
+    _ops.check_epilogue(acc, row_scale, col_scale, add, bias, out, out_dtype, accumulate, row_group, row_stride,
+                        col_group, col_stride)
+    if out is None:
         return _ops.int8_dequantize_matmul(acc, row_scale, col_scale, out_dtype, add, bias, row_group, row_stride,
                                            col_group, col_stride)
-    if out is None:
-        out = torch.empty(tuple(acc.shape), dtype=out_dtype, device=acc.device)
     # Writing into a given tensor (the per-slice path accumulates into one) is eager only: not an op.
     return _ops._dequantize_matmul_into(acc, row_scale, col_scale, add, bias, out, accumulate, row_group,
                                         row_stride, col_group, col_stride)
@@ -209,11 +201,47 @@ def _check_loaded(module: torch.nn.Module, layer: str, names: Sequence[str]) -> 
 
 def _is_meta_call(module: torch.nn.Module, x, names: Sequence[str]) -> bool:
     """A meta input to a layer on the meta device (created with device="meta" or under init_empty_weights,
-    not loaded: any of its tensors is meta, as Linear8bitLt's bias is when init_empty_weights left its int8
-    buffers on the CPU): shape inference or FLOP counting, answered by ``_float_linear`` on meta tensors. A
+    not loaded: any of its tensors is meta, such as a bias left on meta by a partial load): shape inference
+    or FLOP counting, answered by ``_float_linear`` on meta tensors. A
     meta layer given a CPU input still raises (``_check_loaded``), a CPU layer given a meta input too."""
     return isinstance(x, Tensor) and x.is_meta and any(
         getattr(module, name) is not None and getattr(module, name).is_meta for name in names)
+
+
+def _autocast_input(x: Tensor) -> Tensor:
+    """The (float32, bfloat16 or float16) input as ``torch.autocast`` casts ``nn.Linear``'s where it is enabled
+    for the input's device: to autocast's dtype, so the layers return that dtype as nn.Linear does. The int8
+    ops themselves are not autocast (zero8._ops)."""
+    dev = x.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        if dtype in FLOAT_DTYPES and x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
+def _keep_float32(module: torch.nn.Module, names: Sequence[str], fn, recurse: bool) -> None:
+    """``Module._apply(fn)`` with the named float32 tensors (and their gradients) kept float32: a dtype cast
+    (``.half()``, ``.to(torch.bfloat16)``) is undone from the original values, a device move kept. A
+    Parameter is updated in place (``.data``), so one shared by tied layers stays shared."""
+    saved = {}
+    for name in names:
+        t = getattr(module, name)
+        if t is not None and t.dtype == torch.float32:
+            grad = t.grad if isinstance(t, torch.nn.Parameter) else None
+            saved[name] = (t.detach(), None if grad is None else grad.detach())
+    torch.nn.Module._apply(module, fn, recurse)
+    for name, (data, grad) in saved.items():
+        t = getattr(module, name)
+        if t is None or t.dtype == torch.float32:
+            continue
+        kept = data.to(t.device)
+        if isinstance(t, torch.nn.Parameter):
+            t.data = kept
+            if grad is not None and t.grad is not None:
+                t.grad = grad.to(t.device)
+        else:
+            setattr(module, name, kept)
 
 
 def _float_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -269,7 +297,9 @@ class Linear8bitLt(torch.nn.Module):
     - ``has_fp16_weights=True`` (the default, as in bitsandbytes): the float ``weight`` Parameter is kept,
       trainable, and quantized at every forward. ``has_fp16_weights=False`` (inference): the weight is
       int8 with one scale per output row (``scale = max|W[j]| / 127``, codes ``round(W / scale)``), the
-      buffers ``weight`` (int8, out x in) and ``weight_scale`` (float32, out), and is not trained.
+      Parameters ``weight`` (int8, out x in) and ``weight_scale`` (float32, out), frozen
+      (``requires_grad=False``, as bitsandbytes' ``Int8Params``; ``requires_grad_(True)`` on an int8 tensor
+      is torch's error).
     - activations: each row of the input quantized to int8 with its own absmax scale, int8 x int8 -> int32
       GEMM, output ``acc * row_scale * weight_scale (+ bias)``.
     - outliers: input columns (features) holding any ``|x| >= threshold`` leave the int8 path; their
@@ -287,8 +317,9 @@ class Linear8bitLt(torch.nn.Module):
     ``weight_scale = SCB / 127``. ``bnb_state_dict(model)`` saves in bitsandbytes' form. ``.half()`` /
     ``.to(dtype)`` cast the bias (and a kept float weight) but leave ``weight_scale`` float32. Tensors of
     float32, bfloat16 or float16 on the CPU, or on a GPU in a build with CUDA (``.to("cuda")`` moves the int8
-    weight and its scales; the integer products equal the CPU's); the output has the input's dtype. Bad inputs
-    and malformed state dicts raise ``zero8.Zero8ValueError`` naming them.
+    weight and its scales; the integer products equal the CPU's); the output has the input's dtype, or under
+    ``torch.autocast`` autocast's (the input is cast first, as for ``nn.Linear``). Bad inputs and malformed
+    state dicts raise ``zero8.Zero8ValueError`` naming them.
 
     Made on the meta device (``device="meta"``, ``with torch.device("meta"):``), the layer holds shapes
     only until ``to_empty(device=...)`` + ``load_state_dict`` or ``load_state_dict(..., assign=True)``;
@@ -327,22 +358,24 @@ class Linear8bitLt(torch.nn.Module):
         if self.has_fp16_weights:
             self.weight = torch.nn.Parameter(w)
             self.register_buffer("weight_scale", None)
-        elif w.is_meta:
+            return
+        # The int8 codes and their scales are frozen Parameters, as bitsandbytes' Int8Params: DDP sends them
+        # once when it wraps the model (buffers it would broadcast from rank 0 at every forward), and
+        # Module._apply moves a Parameter in place, so layers sharing one stay tied through .to() and
+        # to_empty(). Optimizers skip them (no gradient); zero8's engine leaves frozen parameters out.
+        if w.is_meta:
             # Created on the meta device: int8 codes and scales with shapes only, filled by a state dict.
-            self.register_buffer("weight", torch.empty(w.shape, dtype=torch.int8, device="meta"))
-            self.register_buffer("weight_scale", torch.empty(w.shape[0], dtype=torch.float32, device="meta"))
+            q = torch.empty(w.shape, dtype=torch.int8, device="meta")
+            s = torch.empty(w.shape[0], dtype=torch.float32, device="meta")
         else:
             q, s = quantize_rows(w.detach().contiguous())
-            self.register_buffer("weight", q)
-            self.register_buffer("weight_scale", s)
+        self.weight = torch.nn.Parameter(q, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(s, requires_grad=False)
 
     def _apply(self, fn, recurse=True):
-        # model.half() / .to(torch.bfloat16) cast every floating buffer; the per-row scales are part of the
+        # model.half() / .to(torch.bfloat16) cast every floating tensor; the per-row scales are part of the
         # int8 format (the kernels read float32), so they keep float32 and only follow a device move.
-        scale = self.weight_scale
-        super()._apply(fn, recurse)
-        if scale is not None and self.weight_scale is not None and self.weight_scale.dtype != torch.float32:
-            self.weight_scale = scale.to(self.weight_scale.device)
+        _keep_float32(self, ("weight_scale",), fn, recurse)
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -368,7 +401,7 @@ class Linear8bitLt(torch.nn.Module):
                 scale = state_dict.pop(skey)
                 state_dict[wkey] = w.float() * scale.float()[:, None]
         # The scales stay float32 (the kernels read float32): load_state_dict(..., assign=True) takes the
-        # checkpoint's tensor as it is, where copying into the buffer would have converted it.
+        # checkpoint's tensor as it is, where copying into the layer's tensor would have converted it.
         scale = state_dict.get(skey)
         if not self.has_fp16_weights and isinstance(scale, Tensor) and scale.is_floating_point():
             state_dict[skey] = scale.float()
@@ -413,6 +446,7 @@ class Linear8bitLt(torch.nn.Module):
         _check_input(x, self.in_features, meta=meta)
         if not meta:
             _check_layer_tensors(self, "Linear8bitLt", names, x)
+        x = _autocast_input(x)
         if meta or x.numel() == 0:  # shapes only, or an empty batch kept in the graph: the float product
             w = self.weight if self.has_fp16_weights else x.new_zeros(()).expand(self.out_features, self.in_features)
             return _float_linear(x, w, self.bias)
@@ -514,7 +548,8 @@ def convert_linear8bit(model: torch.nn.Module, threshold: float = 6.0, skip: Seq
     directly instead of calling it) and subclasses of ``nn.Linear`` that define their own ``forward``.
 
     Frozen parameters stay frozen. Linears sharing one weight stay tied: they share the int8 weight and
-    its scales (or, with ``has_fp16_weights``, the float weight). A weight shared with a module that is
+    its scales, frozen Parameters that ``.to()`` and ``to_empty()`` move in place (or, with
+    ``has_fp16_weights``, the float weight). A weight shared with a module that is
     not converted (an embedding tied to ``lm_head``) cannot stay tied to an int8 copy: that is warned
     about, naming both; skip the linear to keep the tie."""
     if isinstance(skip, str):
