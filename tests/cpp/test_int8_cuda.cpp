@@ -289,10 +289,10 @@ TEST(Int8CudaKernels, EpilogueEqualsTheReference) {
     }
 }
 
-TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
-  SKIP_WITHOUT_CUDA();
-  const int64_t m = 33, n = 64, k = 96;
-  const std::vector<int8_t> a = codes(m * k, 14), b = codes(n * k, 15);
+// cuBLASLt's m x n x k product (b transposed) of seeded codes on the current device, bit for bit against
+// the reference.
+void expect_cublaslt_product(int64_t m, int64_t n, int64_t k, int seed_a, int seed_b) {
+  const std::vector<int8_t> a = codes(m * k, seed_a), b = codes(n * k, seed_b);
   GemmArgs g;
   g.m = m;
   g.n = n;
@@ -312,6 +312,11 @@ TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
   EXPECT_TRUE(same_bits(dc.get(), c));
 }
 
+TEST(Int8CudaKernels, CublasLtProductEqualsTheReference) {
+  SKIP_WITHOUT_CUDA();
+  expect_cublaslt_product(33, 64, 96, 14, 15);
+}
+
 // A cuBLASLt handle belongs to the device current when it was made: the product runs on each device through
 // that device's own (one process-wide handle, made on the first device, was used on every other). Needs two
 // devices: ctest runs it on the simulator's two as test_int8_cuda_two_devices (tests/CMakeLists.txt), where a
@@ -321,28 +326,10 @@ TEST(Int8CudaKernels, CublasLtProductOnEachDevice) {
   int count = 0;
   ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
   if (count < 2) GTEST_SKIP() << "needs two CUDA devices, found " << count;
-  const int64_t m = 20, n = 8, k = 12;
-  const std::vector<int8_t> a = codes(m * k, 21), b = codes(n * k, 22);
-  GemmArgs g;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.b_trans = true;
-  std::vector<int32_t> c(size_t(m * n));
-  g.a = a.data();
-  g.b = b.data();
-  g.c = c.data();
-  int8_gemm_ref(g);
   for (int dev : {0, 1, 0, 1}) {
     SCOPED_TRACE("device " + std::to_string(dev));
     device::DeviceGuard guard(dev, "CublasLtProductOnEachDevice");
-    Dev<int8_t> da(a), db(b);
-    Dev<int32_t> dc(std::vector<int32_t>(c.size(), -1));
-    g.a = da.p();
-    g.b = db.p();
-    g.c = dc.p();
-    int8_gemm_cublaslt(g, nullptr);
-    EXPECT_TRUE(same_bits(dc.get(), c));
+    expect_cublaslt_product(20, 8, 12, 21, 22);
   }
 }
 
