@@ -29,8 +29,8 @@ from torch.utils.flop_counter import register_flop_formula
 
 from . import _C
 from ._C import Zero8NotSupportedError, Zero8ValueError
-from ._tensors import (FLOAT_DTYPES, check_device, check_dtype, check_not_dtensor, check_same_device, cuda_stream,
-                       dtype_code, on_device, ptr)
+from ._tensors import (FLOAT_DTYPES, PLAIN_TENSORS, check_device, check_dtype, check_not_dtensor, check_same_device,
+                       cuda_stream, dtype_code, on_device, ptr)
 
 __all__ = [
     "int8_quantize_rows",
@@ -63,13 +63,14 @@ def _cdiv(a, b):
 # the reference's before that device itself is checked, so that a tensor elsewhere is named as such (a kernel
 # on one device reading another's address is the worst of the mistakes).
 
-_PLAIN = (Tensor, torch.nn.Parameter)
 _F32, _I8, _I32, _U8 = (torch.float32,), (torch.int8,), (torch.int32,), (torch.uint8,)
 _ANY_FLOAT = FLOAT_DTYPES + (torch.float64,)  # a bias: the ops pass bias.float() to the kernels
 
 
 def _ref(t, name: str, dtypes: tuple) -> None:
     """The reference tensor's dtype and rank (a matrix); its device is checked after the others'."""
+    if type(t) in PLAIN_TENSORS and t.layout == torch.strided and t.dtype in dtypes and t.dim() == 2:
+        return
     check_dtype(t, name, dtypes)
     if t.dim() != 2:
         raise Zero8ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
@@ -77,7 +78,7 @@ def _ref(t, name: str, dtypes: tuple) -> None:
 
 def _arg(t, name: str, dtypes: tuple, shape: Optional[tuple], ref: Tensor, ref_name: str) -> None:
     """``t``: a dense tensor on ``ref``'s device, of one of ``dtypes`` and of exactly ``shape`` (None: any)."""
-    if (type(t) in _PLAIN and t.layout == torch.strided and t.device == ref.device and t.dtype in dtypes
+    if (type(t) in PLAIN_TENSORS and t.layout == torch.strided and t.device == ref.device and t.dtype in dtypes
             and (shape is None or t.shape == shape)):
         return
     check_same_device(t, name, ref, ref_name)

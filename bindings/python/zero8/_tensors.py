@@ -42,6 +42,9 @@ _NO_CUDA = ("this zero8 was built without its CUDA kernels (no GPU or no nvcc wh
             "ZERO8_CUDA=OFF); reinstall it on a machine with a GPU and the CUDA toolkit, or with ZERO8_CUDA=ON "
             "(docs/ENGINE.md, \"Install\")")
 
+# Tensors of these types exactly are plain: not a subclass (a DTensor, a tensor subclass of another library).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 # The element types the kernels read and write (zero8::DType).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CODES = {torch.float32: _C.DType.f32, torch.bfloat16: _C.DType.bf16, torch.float16: _C.DType.f16}
@@ -117,6 +120,11 @@ def check_device(t: torch.Tensor, name: str) -> None:
     kernels. A CUDA tensor in a build without them raises Zero8NotSupportedError naming the tensor and
     saying so; any other device (meta, mps...) is a bad argument (Zero8ValueError). A DTensor is refused
     (Zero8NotSupportedError): its data pointer is not its data."""
+    # A plain tensor (no subclass, so no DTensor) in one test first: the checks below run to word an error.
+    if type(t) in PLAIN_TENSORS and t.layout == torch.strided:
+        dev = t.device.type
+        if dev == "cpu" or (dev == "cuda" and CUDA_BUILT):
+            return
     _check_is_tensor(t, name)
     check_not_dtensor(t, name)
     dev = t.device.type
