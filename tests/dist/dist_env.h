@@ -15,9 +15,31 @@
 #include "zero8/comm/communicator.h"
 #include "zero8/kernels/hd.h"
 
+#if ZERO8_WITH_NCCL
+#include <cuda_runtime.h>
+
+#include <vector>
+#endif
+
 namespace zero8::test {
 
 comm::Communicator& world();
+
+#if ZERO8_WITH_NCCL
+// Whether any two ranks' devices, as the NCCL backend picks them (the rank's index on its node, modulo the
+// devices it sees), are one GPU (by UUID: ranks that each see their own GPU as device 0 share nothing), which
+// NCCL refuses. Collective: the ranks decide together (one that went on alone would wait in NCCL's
+// initialisation).
+inline bool ranks_share_a_gpu() {
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  const comm::NodeGroups nodes = comm::node_groups(world());
+  const std::vector<int> owner = comm::gpu_owners(world(), nodes.local_rank % devices);
+  for (int q = 0; q < int(owner.size()); ++q)
+    if (owner[size_t(q)] != q) return true;
+  return false;
+}
+#endif
 
 // A value of rank r's data at index i: mixed signs and magnitudes over ~6 decades, so float sums
 // depend on their order (a wrong summation order shows up as a bit difference).

@@ -29,19 +29,6 @@ std::string no_device_reason() {
   return n == 0 ? "0 CUDA devices" : "";
 }
 
-// The rank's device as the NCCL backend picks it (its index on its node, modulo the devices it sees), and
-// whether any two ranks' devices are one GPU (by UUID: ranks that each see their own GPU as device 0 share
-// nothing). The ranks decide together (one that went on alone would wait in NCCL's initialisation).
-bool ranks_share_a_gpu() {
-  int devices = 0;
-  cudaGetDeviceCount(&devices);
-  const comm::NodeGroups nodes = comm::node_groups(world());
-  const std::vector<int> owner = comm::gpu_owners(world(), nodes.local_rank % devices);
-  for (int q = 0; q < int(owner.size()); ++q)
-    if (owner[size_t(q)] != q) return true;
-  return false;
-}
-
 // NCCL refuses two ranks on one device: empty when every rank has a GPU of its own.
 std::string no_device_per_rank_reason() {
   const std::string why = no_device_reason();

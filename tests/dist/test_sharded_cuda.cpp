@@ -488,14 +488,12 @@ TEST(ShardedCuda, AStepUsesTheCallersStreamAndOneHostRead) {
 #endif
 
 #if ZERO8_WITH_NCCL
-// NCCL needs a GPU per rank: where there are as many as ranks, the device twins run over NCCL too,
-// bootstrapped over MPI and over a tcp world of the same ranks (as under torchrun).
+// NCCL needs a GPU per rank: where each rank has one of its own (as many as ranks, or each its own as
+// device 0), the device twins run over NCCL too, bootstrapped over MPI and over a tcp world of the same
+// ranks (as under torchrun).
 TEST(ShardedCuda, OverNcclEqualsTheHost) {
   SKIP_WITHOUT_CUDA();
-  int devices = 0;
-  cudaGetDeviceCount(&devices);
-  if (devices < world().size())
-    GTEST_SKIP() << "NCCL needs one GPU per rank: " << world().size() << " ranks, " << devices << " device(s)";
+  if (ranks_share_a_gpu()) GTEST_SKIP() << "NCCL needs one GPU per rank, and ranks here share one";
   for (const std::string host : {"mpi", "tcp"}) {
     std::unique_ptr<comm::Communicator> nccl =
         host == "mpi" ? comm::comm_create("nccl") : comm::nccl_create_over(comm::tcp_create(world()));
