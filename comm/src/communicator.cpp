@@ -913,10 +913,10 @@ bool launched_by_mpi_launcher(int* size) {
 // nor WORLD_SIZE. SLURM_STEP_NUM_TASKS is the step's count, so a batch script's own python (the batch
 // step, one task) is left alone. "single" is left alone (asked for by name).
 void check_launched_for(const std::string& backend) {
-  int launched_size = 0;
-  if (launched_by_mpi_launcher(&launched_size)) return;
   MpiLaunchVars v;
   const bool mpi_vars = mpi_launch_vars(&v);
+  const std::string not_a_rank = mpi_vars ? not_an_mpi_rank_why(v) : "";
+  if (mpi_vars && not_a_rank.empty()) return;  // an MPI launcher's rank (launched_by_mpi_launcher)
   const char* ws = env_set("WORLD_SIZE");
   long tasks = 0;
   if (ws == nullptr && !mpi_vars && env_set("SLURM_PROCID") != nullptr && env_long("SLURM_STEP_NUM_TASKS", &tasks) &&
@@ -934,7 +934,7 @@ void check_launched_for(const std::string& backend) {
   std::ostringstream why;
   if (mpi_vars)
     why << "this process is not one of the ranks of the MPI launcher whose variables it has ("
-        << not_an_mpi_rank_why(v) << "), so MPI would not make this world";
+        << not_a_rank << "), so MPI would not make this world";
   else
     why << "no MPI launcher started this process (none of OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK is set), and "
            "each rank would train alone";
