@@ -52,6 +52,11 @@ class Int8AllReduce:
         self.calls = self.elements = self.wire_bytes = self.full_bytes = 0
         self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}  # the side stream of each GPU (overlap)
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group the buckets are averaged over."""
+        return self.process_group or dist.group.WORLD
+
     def side_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The stream the exchanges of `device`'s buckets run on when overlapping (made at the first one)."""
         stream = self._streams.get(device)
@@ -62,7 +67,7 @@ class Int8AllReduce:
     def average(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat` (one bucket, contiguous) replaced by its average over the ranks, through int8 blocks; returned.
         On one rank it is the average already, and stays exact (as the engine's plan for one rank)."""
-        group = self.process_group or dist.group.WORLD
+        group = self.group
         n = group.size()
         numel = flat.numel()
         if n == 1:
@@ -86,8 +91,7 @@ def int8_allreduce_hook(state: Int8AllReduce, bucket: dist.GradBucket) -> torch.
     """DDP communication hook (``model.register_comm_hook(Int8AllReduce(), int8_allreduce_hook)``): the bucket's
     gradients averaged over the ranks through int8 blocks (see the module docstring)."""
     flat = bucket.buffer()
-    group = state.process_group or dist.group.WORLD
-    if not (flat.is_cuda and state.overlap and group.size() > 1):
+    if not (flat.is_cuda and state.overlap and state.group.size() > 1):
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(state.average(flat))
         return fut
