@@ -1,7 +1,7 @@
 """examples/pretrain_gpt.py loaded as a module, for the benchmarks that train its GPT (bench_memory_limit.py,
 bench_overlap.py, vs_deepspeed_worker.py). They run as scripts (python3 path, mpirun, zero8-launch, torchrun),
 so this directory is first on their sys.path and `from pretrain_example import load_example` finds it.
-Also how their DeepSpeed ranks end (deepspeed_rank_exit).
+Also how their DeepSpeed ranks end (deepspeed_rank_exit; tests/python/deepspeed_worker.py ends so too).
 """
 
 from __future__ import annotations
