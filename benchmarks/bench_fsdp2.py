@@ -3,21 +3,27 @@ torch.optim.AdamW on the same sharded model, the optimizer state each rank holds
 optimizer.step(); (2) --train: whole training steps with FSDP2's float32 collectives, with zero8.fsdp's int8
 gradient reduce-scatter, and with that and its int8 parameter all-gather (the same model, batches and 8-bit
 optimizer, rounds alternated), the step time and the bytes sent; with --ddp, DistributedDataParallel's float32
-all-reduce against zero8.ddp's int8 hook instead; (3) --where: (2) on two hosts, the ranks in two network
-namespaces joined by a veth pair, rate-shaped with tc (scripts/netns_cluster.sh, as
-benchmarks/bench_vs_deepspeed.py; needs root); (4) --quality: what the int8 wires cost in loss, the pretraining
-example's GPT trained with each.
+all-reduce against zero8.ddp's int8 hook instead; with --hsdp, HSDP on 2 replicas: FSDP2's native HSDP (a 2-d
+mesh, float32 all-reduce across the replicas) against sharding over the mesh's shard dimension with
+zero8.fsdp.int8_replicate_all_reduce over its replicate one, alone and with the int8 reduce-scatter; (3)
+--where: (2) on two hosts, the ranks in two network namespaces joined by a veth pair, rate-shaped with tc
+(scripts/netns_cluster.sh, as benchmarks/bench_vs_deepspeed.py; needs root), one rank per host (--hsdp: two, a
+host's ranks the shard group, the hosts the replicas); (4) --quality: what the int8 wires cost in loss, the
+pretraining example's GPT trained with each.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # (1), CPU, gloo
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp2.py --device cuda
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --train    # (2), one host
     python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit                        # (3), as root
     python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit --ddp                  # (3) for DDP
+    python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit --hsdp                 # (3) for HSDP, 2 hosts x 2 ranks
+    torchrun --standalone --nproc_per_node 4 benchmarks/bench_fsdp2.py --train --hsdp  # (2) for HSDP, one host
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --quality --seeds 1234,1235  # (4)
 
-The model is a stack of MLP blocks (dim x 4 dim and back), every weight sharded by rows over the ranks. Rank
-0 prints a table and, last, one JSON line (also written to --json-out); the driver of (3) prints one table
-for its scenarios.
+The model is a stack of MLP blocks (dim x 4 dim and back), every weight sharded by rows over the ranks (--hsdp:
+over the shard group), trained to shrink its output's mean square. Rank 0 prints a table and, last, one JSON line
+(also written to --json-out), with every step's loss per wire; the driver of (3) prints one table for its
+scenarios: the speed-ups, the bytes on the link and how far each int8 wire's loss strayed from float32's.
 """
 
 from __future__ import annotations
@@ -57,13 +63,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--train", action="store_true", help="(2): training steps, float32 against the int8 wires")
     ap.add_argument("--ddp", action="store_true", help="(2), (3): DistributedDataParallel instead of FSDP2")
+    ap.add_argument("--hsdp", action="store_true",
+                    help="(2), (3): HSDP on 2 replicas instead of FSDP2 (an even number of ranks; (3): 2 per host)")
     ap.add_argument("--where", default=None, help="(3): scenarios, comma-separated: local, 1gbit, 10gbit")
     ap.add_argument("--quality", action="store_true",
                     help="(4): the pretraining example's GPT trained with each wire; validation losses")
     ap.add_argument("--seeds", default="1234", help="(4): comma-separated seeds (initialization and batches)")
     ap.add_argument("--quality-steps", type=int, default=600, help="(4): training steps per run (default 600)")
     ap.add_argument("--json-out", default=None)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.ddp and args.hsdp:
+        ap.error("--ddp and --hsdp: one of them")
+    if args.hsdp and not (args.train or args.where is not None):
+        ap.error("--hsdp is for the training steps: with --train or --where")
+    return args
 
 
 def build(args, mesh):
@@ -74,12 +87,12 @@ def build(args, mesh):
         layers += [torch.nn.Linear(args.dim, 4 * args.dim), torch.nn.GELU(), torch.nn.Linear(4 * args.dim, args.dim)]
     base = torch.nn.Sequential(*layers).to(args.device)
 
-    def sharded():
+    def sharded(on=mesh):
         m = copy.deepcopy(base)
         for layer in m:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+                fully_shard(layer, mesh=on)
+        fully_shard(m, mesh=on)
         return m
 
     return base, sharded
@@ -138,35 +151,70 @@ def link_tx() -> int:
     return sum(tx for name, (tx, _) in link_counters().items() if name != "lo")
 
 
-WIRE_NAMES = {"fp32": "float32", "int8": "int8 gradients", "int8_params": "int8 gradients and parameters"}
+# Each wire: its name, and the exchanges zero8 makes int8 (gradients: the reduce-scatter within the shard group;
+# parameters: the all-gather; replicas: HSDP's all-reduce across the replicas). DDP's "int8" is zero8.ddp's hook.
+WIRES = {"fp32": ("float32", ()),
+         "int8": ("int8 gradients", ("gradients",)),
+         "int8_params": ("int8 gradients and parameters", ("gradients", "parameters")),
+         "int8_replicas": ("int8 replicas' all-reduce", ("replicas",)),
+         "int8_replicas_rs": ("int8 replicas' all-reduce and reduce-scatter", ("replicas", "gradients"))}
+WIRE_NAMES = {w: name for w, (name, _) in WIRES.items()}
+# The wires each training mode compares, float32 (the baseline of every ratio) first.
+MODE_WIRES = {"train": ("fp32", "int8", "int8_params"), "train-ddp": ("fp32", "int8"),
+              "train-hsdp": ("fp32", "int8_replicas", "int8_replicas_rs")}
 
 
-def fsdp2_wire(model, wire: str) -> dict:
-    """zero8.fsdp's int8 exchanges that `wire` names set on FSDP2 `model`, by what they carry."""
+def train_mode(args) -> str:
+    return "train-ddp" if args.ddp else "train-hsdp" if args.hsdp else "train"
+
+
+def fsdp2_wire(model, wire: str, replicate_group=None) -> dict:
+    """zero8.fsdp's int8 exchanges that `wire` names set on FSDP2 `model`, by what they carry (replicas: over
+    `replicate_group`, `model` sharded over the shard group alone)."""
     import zero8.fsdp
-    comms = {}
-    if wire != "fp32":
-        comms["gradients"] = zero8.fsdp.int8_reduce_scatter(model)
-    if wire == "int8_params":
-        comms["parameters"] = zero8.fsdp.int8_all_gather(model)
-    return comms
+    make = {"gradients": zero8.fsdp.int8_reduce_scatter, "parameters": zero8.fsdp.int8_all_gather,
+            "replicas": lambda m: zero8.fsdp.int8_replicate_all_reduce(m, replicate_group)}
+    return {k: make[k](model) for k in WIRES[wire][1]}
+
+
+def hsdp_mesh(args, world: int):
+    """HSDP's (replicate, shard) mesh of 2 replicas: ranks 0 .. world/2 - 1 shard the model, the others hold a
+    replica of it. Under torchrun a host's ranks are consecutive, so the shard group must be a host's ranks (or
+    all on one host): checked, since otherwise the replicas' all-reduce would not be what crosses the hosts."""
+    import socket
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if world % 2:
+        raise SystemExit(f"--hsdp: 2 replicas need an even number of ranks, not {world}")
+    names = [None] * world
+    dist.all_gather_object(names, socket.gethostname())
+    shard = world // 2
+    groups = [set(names[i:i + shard]) for i in (0, shard)]
+    if any(len(g) > 1 for g in groups):
+        raise SystemExit(f"--hsdp: the shard groups span hosts ({names}): run {shard} ranks per host")
+    return init_device_mesh(args.device, (2, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def training(args, rank, world, mesh) -> dict:
     """(2): training steps with FSDP2's float32 collectives, with zero8.fsdp's int8 gradient reduce-scatter, and
-    with that and its int8 parameter all-gather (--ddp: DDP's float32 all-reduce and zero8.ddp's int8 hook),
-    rounds alternated; per wire the median step time, the bytes zero8's exchanges sent against what the float32
-    collectives they replace would have, and the bytes on the links."""
+    with that and its int8 parameter all-gather (--ddp: DDP's float32 all-reduce and zero8.ddp's int8 hook;
+    --hsdp: native HSDP on the 2-d `mesh` and the int8 replicas' all-reduce), rounds alternated; per wire the
+    median step time, the bytes zero8's exchanges sent against what the float32 collectives they replace would
+    have, the bytes on the links, and the loss of every step (the mean over the ranks)."""
     import torch.distributed as dist
     import zero8.ddp
     import zero8.optim as zo
+    mode = train_mode(args)
     base, sharded = build(args, mesh)
     numel = sum(p.numel() for p in base.parameters())
     runs = {}
-    for wire in ("fp32", "int8") if args.ddp else ("fp32", "int8", "int8_params"):
+    for wire in MODE_WIRES[mode]:
         if args.ddp:
             m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
             comms = {"gradients": zero8.ddp.int8_gradients(m)} if wire == "int8" else {}
+        elif args.hsdp and wire != "fp32":  # sharded over the host's ranks, zero8 averaging over the replicas
+            m = sharded(mesh["shard"])
+            comms = fsdp2_wire(m, wire, mesh["replicate"].get_group())
         else:
             m = sharded()
             comms = fsdp2_wire(m, wire)
@@ -176,7 +224,8 @@ def training(args, rank, world, mesh) -> dict:
     times = {w: [] for w in runs}
     links = {w: 0 for w in runs}
     warmup_bytes = {}
-    loss = {}
+    losses = {w: [] for w in runs}
+    host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the ranks whose sends a namespace's counters add
     for r in range(args.rounds + 1):  # the first round warms up (and makes the states)
         for wire, (m, opt, comms) in runs.items():
             if r == 1:  # the warm-up's bytes, subtracted
@@ -188,10 +237,11 @@ def training(args, rank, world, mesh) -> dict:
                 out.backward()
                 opt.step()
                 opt.zero_grad()
+                losses[wire].append(out.detach())
             sync(args)
             dt = time.perf_counter() - t0
-            tx = link_tx() - tx0
-            loss[wire] = out.item()
+            dist.barrier()  # the other ranks of this host sent all of theirs too
+            tx = (link_tx() - tx0) / host_ranks
             if r >= 1:
                 times[wire].append(dt / len(batches))
                 links[wire] += tx
@@ -200,15 +250,24 @@ def training(args, rank, world, mesh) -> dict:
     for wire, (_, _, comms) in runs.items():
         sent[wire] = {k: {"int8": (c.wire_bytes - warmup_bytes[wire][k][0]) / steps,
                           "fp32": (c.full_bytes - warmup_bytes[wire][k][1]) / steps} for k, c in comms.items()}
-    out = {"mode": "train-ddp" if args.ddp else "train", "device": args.device, "world": world, "params": numel,
+    loss = {}  # every step's loss (warm-up included), the mean over the ranks
+    for wire, ls in losses.items():
+        t = torch.stack(ls).float()
+        dist.all_reduce(t)
+        loss[wire] = (t / world).tolist()
+    out = {"mode": mode, "device": args.device, "world": world, "params": numel,
            "rounds": args.rounds, "steps": steps, "tokens": args.tokens,
            "step_s": {w: statistics.median(t) for w, t in times.items()},
            "link_bytes_per_step": {w: links[w] / steps for w in links},
            "exchange_bytes_per_step": sent,
-           "last_loss": loss}
+           "loss_per_step": loss,
+           "last_loss": {w: v[-1] for w, v in loss.items()}}
     out["speedup"] = {w: out["step_s"]["fp32"] / out["step_s"][w] for w in runs if w != "fp32"}
+    # how far each wire's loss strayed from float32's, over the same steps and batches from the same start
+    out["loss_max_rel_diff"] = {w: max(abs(a / b - 1) for a, b in zip(loss[w], loss["fp32"]))
+                                for w in runs if w != "fp32"}
     if rank == 0:
-        what = "DDP" if args.ddp else "FSDP2"
+        what = {"train": "FSDP2", "train-ddp": "DDP", "train-hsdp": f"HSDP (2 replicas x {world // 2} shards)"}[mode]
         print(f"{what} training over {world} rank(s), {args.device}, {numel / 1e6:.1f} M parameters, batches of "
               f"{args.tokens} x {args.dim}; median of {args.rounds} rounds of {args.steps} steps per wire")
         for wire in runs:
@@ -217,7 +276,10 @@ def training(args, rank, world, mesh) -> dict:
                 line += f" ({out['speedup'][wire]:.2f}x)"
             for k, b in sent[wire].items():
                 line += f"; {k} {b['int8'] / 1e6:.1f} MB per step and rank against {b['fp32'] / 1e6:.1f}"
-            print(line + f"; on the links {out['link_bytes_per_step'][wire] / 1e6:.1f} MB")
+            line += f"; on the links {out['link_bytes_per_step'][wire] / 1e6:.1f} MB"
+            if wire != "fp32":
+                line += f"; loss within {out['loss_max_rel_diff'][wire] * 100:.2f}% of float32's at every step"
+            print(line)
     return out
 
 
@@ -241,7 +303,7 @@ def quality(args, rank, world, mesh) -> dict:
     hyper = dict(cfg["optimizer"]["params"], betas=tuple(cfg["optimizer"]["params"]["betas"]))
     results = {}
     for seed in [int(v) for v in args.seeds.split(",")]:
-        for wire in WIRE_NAMES:
+        for wire in MODE_WIRES["train"]:
             layers = ex.gpt_layers(a.d_model, a.n_layer, a.n_head, a.seq_len, a.tie_weights)
             model = LayerModule(layers, seed_layers=True, base_seed=seed).to(args.device)
             for m in list(model.modules())[1:]:
@@ -285,7 +347,7 @@ def worker(args) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(args.device, (world,))
+    mesh = hsdp_mesh(args, world) if args.hsdp else init_device_mesh(args.device, (world,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if args.quality:
@@ -300,8 +362,32 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def wire_table(results: dict) -> str:
+    """The driver's table: per scenario each wire's step time (and speed-up over float32), the bytes on the link
+    per step and rank (and their ratio to float32's; scenarios over a link, which have its goodput measured), and
+    how far each int8 wire's loss strayed from float32's."""
+    r0 = next(iter(results.values()))
+    wires = list(r0["step_s"])
+    head = " | ".join(f"step, {WIRE_NAMES[w]}" + ("" if w == "fp32" else " (speed-up)") for w in wires)
+    lines = [f"| scenario (TCP goodput) | {head} | MB on the link per step and rank, {' -> '.join(wires)} "
+             f"(/ float32) | loss: largest difference to float32's over the {len(r0['loss_per_step']['fp32'])} "
+             f"steps, {', '.join(wires[1:])} |",
+             "|---" * (len(wires) + 3) + "|"]
+    for scen, r in results.items():
+        link = r["link_bytes_per_step"]
+        sent = " -> ".join(f"{link[w] / 1e6:.1f}" + ("" if w == "fp32" else f" ({link[w] / link['fp32']:.2f}x)")
+                           for w in wires) if "goodput_gbps" in r else "(no link)"
+        goodput = f" ({r['goodput_gbps']:.2f} Gbit/s)" if "goodput_gbps" in r else ""
+        steps = " | ".join(f"{r['step_s'][w] * 1e3:.0f} ms" + ("" if w == "fp32" else f" ({r['speedup'][w]:.2f}x)")
+                           for w in wires)
+        loss = ", ".join(f"{r['loss_max_rel_diff'][w] * 100:.2f}%" for w in wires[1:])
+        lines.append(f"| {scen}{goodput} | {steps} | {sent} | {loss} |")
+    return "\n".join(lines)
+
+
 def driver(args) -> None:
-    """(3): the training comparison in each scenario (one host, or two namespaces over a shaped link)."""
+    """(3): the training comparison in each scenario (one host, or two namespaces over a shaped link; --hsdp: two
+    ranks on each)."""
     from bench_vs_deepspeed import SCENARIOS, Hosts, netns_problem, rank_env, run_procs
     where = [w.strip() for w in args.where.split(",") if w.strip()]
     bad = [w for w in where if w not in SCENARIOS]
@@ -313,7 +399,8 @@ def driver(args) -> None:
     hosts = Hosts("z8f", "10.210.0", use_netns=problem is None)
     worker_args = [str(Path(__file__).resolve()), "--train", "--dim", str(args.dim), "--layers", str(args.layers),
                    "--rounds", str(args.rounds), "--steps", str(args.steps), "--tokens", str(args.tokens)]
-    worker_args += ["--ddp"] if args.ddp else []
+    worker_args += ["--ddp"] if args.ddp else ["--hsdp"] if args.hsdp else []
+    per_host = 2 if args.hsdp else 1
     results = {}
     port = 29810
     try:
@@ -325,12 +412,13 @@ def driver(args) -> None:
                 port += 1
                 py = [sys.executable, "-m", "torch.distributed.run"]
                 if SCENARIOS[scen][1]:
-                    cmds = [hosts.on(node, py + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                    cmds = [hosts.on(node, py + ["--nnodes", "2", "--node_rank", str(node),
+                                                 "--nproc_per_node", str(per_host),
                                                  "--master_addr", hosts.addrs[0], "--master_port", str(port)]
                                      + worker_args + ["--json-out", str(out)]) for node in (0, 1)]
                     envs = [dict(rank_env(hosts, 1), GLOO_SOCKET_IFNAME=hosts.veths[node]) for node in (0, 1)]
                 else:
-                    cmds = [hosts.on(0, py + ["--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                    cmds = [hosts.on(0, py + ["--nproc_per_node", str(2 * per_host), "--master_addr", "127.0.0.1",
                                               "--master_port", str(port)] + worker_args + ["--json-out", str(out)])]
                     envs = [dict(rank_env(hosts, 1), GLOO_SOCKET_IFNAME="lo")]
                 print(f"[{scen}] {SCENARIOS[scen][0]} ...", flush=True)
@@ -343,17 +431,8 @@ def driver(args) -> None:
                     results[scen]["goodput_gbps"] = hosts.goodput_gbps()
     finally:
         hosts.close()
-    wires = list(next(iter(results.values()))["step_s"]) if results else []
-    head = " | ".join(f"step, {WIRE_NAMES[w]}" + ("" if w == "fp32" else " (speed-up)") for w in wires)
-    print(f"| scenario (TCP goodput) | {head} | MB on the link per step and rank, {' -> '.join(wires)} |")
-    print("|---" * (len(wires) + 2) + "|")
-    for scen, r in results.items():
-        link = r["link_bytes_per_step"]
-        sent = " -> ".join(f"{link[w] / 1e6:.0f}" for w in wires) if SCENARIOS[scen][1] else "(no link)"
-        goodput = f" ({r['goodput_gbps']:.2f} Gbit/s)" if "goodput_gbps" in r else ""
-        steps = " | ".join(f"{r['step_s'][w] * 1e3:.0f} ms" + ("" if w == "fp32" else f" ({r['speedup'][w]:.2f}x)")
-                           for w in wires)
-        print(f"| {scen}{goodput} | {steps} | {sent} |")
+    if results:
+        print(wire_table(results))
     print(json.dumps({"bench": "fsdp2_wire", "scenarios": results}))
     if args.json_out:
         with open(args.json_out, "w") as f:
