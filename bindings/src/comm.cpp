@@ -188,6 +188,30 @@ void init_comm(py::module_& m) {
           py::arg("ptr"), py::arg("nbytes"), py::arg("peer"), py::arg("tag") = 0,
           py::call_guard<py::gil_scoped_release>(),
           "Blocking receive of exactly nbytes from `peer` into the memory at ptr.")
+      .def_property_readonly("queues_p2p", &Communicator::queues_p2p,
+                             "Whether send_ptr_queued/recv_ptr_queued are ordered on `stream` (or the legacy default "
+                             "stream) without blocking (NCCL) instead of blocking (comm/communicator.h).")
+      .def(
+          "send_ptr_queued",
+          [](Communicator& c, Ptr buf, int64_t nbytes, int peer, int tag) {
+            c.send_queued(as_ptr<const void>(buf), nbytes, peer, tag);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("peer"), py::arg("tag") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "send_ptr ordered on `stream` where queues_p2p (returns once issued; the memory must stay valid in "
+          "stream order), else send_ptr.")
+      .def(
+          "recv_ptr_queued",
+          [](Communicator& c, Ptr buf, int64_t nbytes, int peer, int tag) {
+            c.recv_queued(as_ptr<void>(buf), nbytes, peer, tag);
+          },
+          py::arg("ptr"), py::arg("nbytes"), py::arg("peer"), py::arg("tag") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "recv_ptr ordered on `stream` where queues_p2p (work queued on the stream later sees the data), else "
+          "recv_ptr.")
+      .def("sync", &Communicator::sync, py::call_guard<py::gil_scoped_release>(),
+           "Waits for the transfers queued so far (send_ptr_queued/recv_ptr_queued), naming a dead or stalled "
+           "peer.")
       .def("stats", [](const Communicator& c) { return stats_dict(c.stats()); },
            "{op_name: {calls, bytes, seconds, bytes_to_peer}}: bytes this rank sent since creation or stats_reset().")
       .def("stats_reset", &Communicator::stats_reset)

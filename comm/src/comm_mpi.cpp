@@ -482,7 +482,8 @@ MPI_Comm MpiComm::mpi_comm(OpKind kind) const {
     case OpKind::barrier: return op_comms_[5];
     case OpKind::split: return op_comms_[6];
     case OpKind::send:
-    case OpKind::recv: break;
+    case OpKind::recv:
+    case OpKind::sync: break;
   }
   return comm_;
 }

@@ -6,9 +6,12 @@
 // (config.blocking = 0) and every call waits by polling ncclCommGetAsyncError + cudaStreamQuery against
 // the deadline and the peers; on failure the NCCL communicator is aborted (ncclCommAbort) before
 // throwing. Every call waits on an event recorded after its work, so work that other threads queue on
-// the same stream later does not delay it. Set-up (device, stream, rank 0's unique id) is agreed on in
-// one all_gather first, so a failure on any rank fails every rank at once, naming it. CI runs it against
-// the CUDA simulator's NCCL (tests/cudasim) on 1 to 3 ranks, over both hosts.
+// the same stream later does not delay it. The one exception, send_queued/recv_queued on a caller's
+// stream (pipeline stages), returns once NCCL has issued the transfer; an event after each lets sync()
+// wait for them one by one, naming the first that does not finish. Set-up (device, stream, rank 0's
+// unique id) is agreed on in one all_gather first, so a failure on any rank fails every rank at once,
+// naming it. CI runs it against the CUDA simulator's NCCL (tests/cudasim) on 1 to 3 ranks, over both
+// hosts.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -16,6 +19,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -81,6 +85,8 @@ class NcclComm final : public Communicator {
         ncclCommAbort(nccl_);
       }
     }
+    for (const Queued& q : queued_) cudaEventDestroy(q.done);
+    for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
     if (done_ != nullptr) cudaEventDestroy(done_);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -105,6 +111,11 @@ class NcclComm final : public Communicator {
     std::abort();  // not reached: GCC does not take [[noreturn]] from a virtual call
   }
 
+  // The host watches this communicator's waits (watch) against its own timeout: both take the new one.
+  void set_timeout(double seconds) override {
+    Communicator::set_timeout(seconds);
+    host_->set_timeout(seconds);
+  }
   void set_failed(const std::string& reason) override { host_->set_failed(reason); }
   bool failed() const override { return host_->failed(); }
   std::string failure() const override { return host_->failure(); }
@@ -173,6 +184,35 @@ class NcclComm final : public Communicator {
     const cudaStream_t st = work_stream(OpKind::recv, peer);
     nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::recv, "ncclRecv");
     wait(OpKind::recv, st, peer);
+  }
+
+  // Queued where the blocking calls run (work_stream: the caller's stream, or stream_ after the legacy
+  // stream's work): the call returns once NCCL has issued the transfer (non-blocking mode may still hold
+  // it), with an event recorded after it, which the legacy stream waits for when there is no caller's
+  // stream, and which lets sync() name the first transfer that does not finish and its peer.
+  bool can_queue_p2p() const override { return true; }
+  void do_send_queued(const void* buf, int64_t bytes, int peer, int) override {
+    const cudaStream_t st = queue_stream(OpKind::send, peer);
+    nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::send, "ncclSend");
+    queued(OpKind::send, st, peer);
+  }
+  void do_recv_queued(void* buf, int64_t bytes, int peer, int) override {
+    const cudaStream_t st = queue_stream(OpKind::recv, peer);
+    nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::recv, "ncclRecv");
+    queued(OpKind::recv, st, peer);
+  }
+  // Waits for each queued transfer in turn (stream order: the first one not done is what holds the rest),
+  // watched as that transfer, so a dead or stalled peer is named with the transfer that waits for it.
+  void do_sync() override {
+    const std::string by = ", queued and waited for by " + op_call(OpKind::sync);
+    while (!queued_.empty()) {
+      Queued& q = queued_.front();
+      HostComm::DeviceCall c = q.call;
+      c.label += by;
+      watch_until(c, q.call.kind, q.call.p2p_peer, [&] { return event_done(q.done, q.call.kind, q.call.p2p_peer); });
+      spare_events_.push_back(q.done);
+      queued_.erase(queued_.begin());
+    }
   }
 
   std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override {
@@ -260,30 +300,71 @@ class NcclComm final : public Communicator {
   // done (an event recorded after it: later work on a shared caller's stream does not count).
   void wait(OpKind kind, cudaStream_t st, int p2p_peer = -1) {
     bool recorded = false;
+    watch_until(call(kind, p2p_peer), kind, p2p_peer, [&] {
+      // In non-blocking mode the work may reach the stream only once the communicator is no longer
+      // in progress (watch_until asks first): record after that.
+      if (!recorded) {
+        cuda_check(cudaEventRecord(done_, st), kind, p2p_peer);
+        recorded = true;
+      }
+      return event_done(done_, kind, p2p_peer);
+    });
+    // Transfers queued on st came before this call's work there: done too.
+    if (!queued_.empty() && st == queued_stream_) {
+      for (const Queued& q : queued_) spare_events_.push_back(q.done);
+      queued_.clear();
+    }
+  }
+
+  // Polls `done` (after NCCL has issued everything it holds; an NCCL error fails the call) under the host's
+  // watch: the deadline, dead and failed peers. On any failure NCCL's kernels are stopped before the error
+  // leaves.
+  void watch_until(const HostComm::DeviceCall& c, OpKind kind, int p2p_peer, const std::function<bool()>& done) {
     try {
-      host_->watch(call(kind, p2p_peer), [&] {
+      host_->watch(c, [&] {
         ncclResult_t rc = ncclSuccess;
         ncclCommGetAsyncError(nccl_, &rc);
         if (rc != ncclSuccess && rc != ncclInProgress)
           fail(kind, std::string("NCCL asynchronous error: ") + ncclGetErrorString(rc), p2p_peer);
-        if (rc == ncclInProgress) return false;
-        // In non-blocking mode the work may reach the stream only once the communicator is no longer
-        // in progress: record after that.
-        if (!recorded) {
-          cuda_check(cudaEventRecord(done_, st), kind, p2p_peer);
-          recorded = true;
-        }
-        const cudaError_t q = cudaEventQuery(done_);
-        if (q == cudaErrorNotReady) return false;
-        if (q != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(q), p2p_peer);
-        return true;
+        return rc != ncclInProgress && done();
       });
     } catch (...) {
-      // A timeout or a dead peer: stop NCCL's kernels before the error leaves.
       if (nccl_ != nullptr) ncclCommAbort(nccl_);
       nccl_ = nullptr;
       throw;
     }
+  }
+
+  bool event_done(cudaEvent_t e, OpKind kind, int p2p_peer) {
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaErrorNotReady) return false;
+    if (q != cudaSuccess) fail(kind, std::string("CUDA error: ") + cudaGetErrorString(q), p2p_peer);
+    return true;
+  }
+
+  // The stream a transfer is queued on. Transfers still queued on another stream (set_stream changed in
+  // between) are waited for first: sync() follows one stream.
+  cudaStream_t queue_stream(OpKind kind, int peer) {
+    const cudaStream_t st = work_stream(kind, peer);
+    if (!queued_.empty() && st != queued_stream_) do_sync();
+    queued_stream_ = st;
+    return st;
+  }
+
+  // After ncclSend/ncclRecv of a queued transfer: waits until NCCL has issued it, then records its event.
+  void queued(OpKind kind, cudaStream_t st, int peer) {
+    HostComm::DeviceCall c = call(kind, peer);
+    watch_until(c, kind, peer, [] { return true; });
+    cudaEvent_t e = nullptr;
+    if (!spare_events_.empty()) {
+      e = spare_events_.back();
+      spare_events_.pop_back();
+    } else {
+      cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), kind, peer);
+    }
+    queued_.push_back(Queued{std::move(c), e});  // owned before a failing record can throw
+    cuda_check(cudaEventRecord(e, st), kind, peer);
+    if (st == stream_) cuda_check(cudaStreamWaitEvent(cudaStreamLegacy, e, 0), kind, peer);
   }
 
   // The local set-up can fail on any rank (and the unique id only on rank 0): every rank reports its
@@ -355,6 +436,15 @@ class NcclComm final : public Communicator {
   cudaEvent_t ready_ = nullptr;  // recorded on the legacy default stream before each call without a stream
   cudaEvent_t done_ = nullptr;   // recorded after each call's work (wait)
   int device_ = 0;
+  // Transfers queued (send_queued/recv_queued) and not yet known done, in stream order on queued_stream_,
+  // each with the call that names it and an event recorded after it; their events are reused.
+  struct Queued {
+    HostComm::DeviceCall call;
+    cudaEvent_t done;
+  };
+  std::vector<Queued> queued_;
+  cudaStream_t queued_stream_ = nullptr;
+  std::vector<cudaEvent_t> spare_events_;
 };
 
 // Checked before any collective, so every rank of a GPU-less job fails the same way.

@@ -62,6 +62,7 @@ const char* op_kind_name(OpKind k) {
     case OpKind::send: return "send";
     case OpKind::recv: return "recv";
     case OpKind::split: return "split";
+    case OpKind::sync: return "sync";
   }
   return "?";
 }
@@ -245,7 +246,7 @@ class Communicator::Call {
                                         "at a time)");
     }
     ++c_.seq_;
-    if (kind != OpKind::send && kind != OpKind::recv) ++c_.collective_seq_;
+    if (kind != OpKind::send && kind != OpKind::recv && kind != OpKind::sync) ++c_.collective_seq_;
     try {
       c_.check_process(kind);
       if (c_.failed())
@@ -647,13 +648,18 @@ void Communicator::barrier() {
   do_barrier();
 }
 
-void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
+void Communicator::check_p2p_args(const void* buf, int64_t bytes, int peer, int tag, const char* arg,
+                                  OpKind kind) const {
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   ZERO8_CHECK_ARG(peer >= 0 && peer < size_ && peer != rank_, "peer",
                   peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
   ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
-  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
-  check_device_buffer(buf, "buf", OpKind::send);
+  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, arg, "null buffer");
+  check_device_buffer(buf, arg, kind);
+}
+
+void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
+  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::send);
   Call call(*this, OpKind::send);
   count_bytes(OpKind::send, peer, bytes);
   Staging st(*this, OpKind::send);
@@ -662,16 +668,32 @@ void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
 }
 
 void Communicator::recv(void* buf, int64_t bytes, int peer, int tag) {
-  ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
-  ZERO8_CHECK_ARG(peer >= 0 && peer < size_ && peer != rank_, "peer",
-                  peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
-  ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
-  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
-  check_device_buffer(buf, "buf", OpKind::recv);
+  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::recv);
   Call call(*this, OpKind::recv);
   Staging st(*this, OpKind::recv);
   void* b = st.output(buf, 1, &bytes, nullptr);
   st.run([&] { do_recv(b, bytes, peer, tag); });
+}
+
+// Queued only where the backend moves the buffers itself on stream(): no staging to wait for.
+void Communicator::send_queued(const void* buf, int64_t bytes, int peer, int tag) {
+  if (!queues_p2p()) return send(buf, bytes, peer, tag);
+  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::send);
+  Call call(*this, OpKind::send);
+  count_bytes(OpKind::send, peer, bytes);
+  do_send_queued(buf, bytes, peer, tag);
+}
+
+void Communicator::recv_queued(void* buf, int64_t bytes, int peer, int tag) {
+  if (!queues_p2p()) return recv(buf, bytes, peer, tag);
+  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::recv);
+  Call call(*this, OpKind::recv);
+  do_recv_queued(buf, bytes, peer, tag);
+}
+
+void Communicator::sync() {
+  Call call(*this, OpKind::sync);
+  do_sync();
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {

@@ -33,6 +33,12 @@
 //               all_reduce, and rank 1's next call fails with rank 0's reason (GIVEUP over tcp).
 //   nccl_mpi_kill, nccl_mpi_stall: the same with NCCL bootstrapped over MPI (comm_create("nccl")),
 //               watched by the MPI backend's liveness mesh.
+//   nccl_tcp_queued_kill, nccl_mpi_queued_kill: a pipeline stage's messages (recv_queued on a stream,
+//               returning at once): rank 0 queues a receive from rank 1, which then dies without sending;
+//               rank 0's sync() must name that receive and rank 1 at once.
+//   nccl_tcp_queued_stall, nccl_mpi_queued_stall: the same, but rank 1 sleeps 4 s and then sends, with
+//               the timeout set to 2 s on the NCCL communicator alone: rank 0's sync() times out after 2 s
+//               naming the receive and rank 1, and rank 1's send fails with rank 0's reason.
 //   The nccl_* modes need a device per rank: registered for the CUDA simulator's build.
 #include <signal.h>
 #include <unistd.h>
@@ -228,6 +234,23 @@ int main(int argc, char** argv) {
       if (me == 0) usleep(50000);
       opt.backward_end(true);
       opt.step();
+    } else if (mode.rfind("nccl_", 0) == 0 && mode.find("_queued_") != std::string::npos) {
+      std::unique_ptr<Communicator> nccl =
+          mode.rfind("nccl_tcp_", 0) == 0 ? nccl_create_over(tcp_create(*world)) : comm_create("nccl");
+      const bool kill = mode.compare(mode.size() - 5, 5, "_kill") == 0;
+      if (!kill) nccl->set_timeout(2);  // on this communicator only (the world's is 60 s)
+      zero8::device::Stream stream("comm_fault's stream");
+      nccl->set_stream(stream.get());
+      zero8::device::Buffer buf(4000, "comm_fault's buffer");
+      if (me == 0) nccl->recv_queued(buf.data(), 4000, 1, 0);  // returns while rank 1 lives
+      nccl->barrier();  // over the host: not ordered after the queued receive
+      if (me == 1) {
+        if (kill) raise(SIGKILL);
+        sleep(kStallSeconds);
+      }
+      t_op = now_s();
+      if (me == 0) nccl->sync();
+      else nccl->send_queued(buf.data(), 4000, 0, 0);
     } else if (mode.rfind("nccl_", 0) == 0) {
       const bool tcp = mode.rfind("nccl_tcp_", 0) == 0;
       std::unique_ptr<Communicator> nccl = tcp ? nccl_create_over(tcp_create(*world)) : comm_create("nccl");

@@ -11,6 +11,7 @@
 
 #include "dist_env.h"
 #include "zero8/error.h"
+#include "zero8/kernels/device.h"
 
 #if ZERO8_WITH_NCCL
 #include <cuda_runtime.h>
@@ -244,6 +245,55 @@ TEST_P(DistNccl, OnTheCallersStream) {
   }
   c->set_stream(nullptr);
   cudaStreamDestroy(s);
+}
+
+// Stream-ordered point-to-point (a pipeline stage's messages), on a caller's stream and without one (the
+// legacy default stream, torch's default): the calls return before the peer takes part (rank 0 queues a
+// send and the receive of its echo, then meets rank 1 in a host barrier that rank 1 passes before it
+// receives: blocking calls would wait there until the timeout), the stream's later work sees the data,
+// and sync() waits for the transfers.
+TEST_P(DistNccl, QueuedPointToPointReturnsBeforeThePeer) {
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
+  const int me = c->rank();
+  if (c->size() < 2) GTEST_SKIP() << "point to point needs 2 ranks";
+  EXPECT_TRUE(c->queues_p2p());
+  c->set_timeout(30);
+  device::Stream callers("the test's stream");
+  const size_t n = 65536 + 7;
+  for (void* s : {static_cast<void*>(nullptr), callers.get()}) {
+    SCOPED_TRACE(s == nullptr ? "the legacy default stream" : "a caller's stream");
+    c->set_stream(s);
+    std::vector<uint8_t> a(n);
+    for (size_t i = 0; i < n; ++i) a[i] = uint8_t(i * 7 + i / 251 + (s == nullptr ? 0 : 1));
+    DeviceVec<uint8_t> da(me == 0 ? a : std::vector<uint8_t>(n, 0)), echo(std::vector<uint8_t>(n, 0));
+    if (me == 0) {
+      c->send_queued(da.p, int64_t(n), 1, 1);
+      c->recv_queued(echo.p, int64_t(n), 1, 2);
+    }
+    c->barrier();  // over the host, not ordered after the queued transfers
+    std::vector<uint8_t> seen(n, 0);
+    if (me == 1) {
+      c->recv_queued(da.p, int64_t(n), 0, 1);
+      device::copy(seen.data(), da.p, int64_t(n), s, "the test's copy");  // after the receive on s
+      c->send_queued(da.p, int64_t(n), 0, 2);                            // the received bytes back
+    }
+    c->sync();
+    c->sync();  // nothing queued: returns at once
+    if (me == 1) {
+      EXPECT_EQ(seen, a);
+    } else if (me == 0) {
+      EXPECT_EQ(echo.host(), a);
+    }
+  }
+  const comm::CommStats st = c->stats();
+  if (me < 2) {
+    EXPECT_EQ(st.op(comm::OpKind::send).bytes, uint64_t(2 * n));
+    EXPECT_EQ(st.op(comm::OpKind::sync).calls, 4u);
+  }
+  c->set_stream(nullptr);
+  c->barrier();
 }
 
 TEST_P(DistNccl, BucketCollectivesEqualTheHost) {

@@ -515,8 +515,12 @@ def test_comm_single_backend_ops():
     out = torch.zeros(4, dtype=torch.int32)
     c.all_gather_ptr(buf.data_ptr(), out.data_ptr(), 16)
     assert torch.equal(out, buf)
+    # Point-to-point queued on a stream is NCCL's alone: a host backend has nothing in flight to wait for.
+    assert not c.queues_p2p
+    c.sync()
     s = c.stats()
     assert s["barrier"]["calls"] == 1 and s["broadcast"]["calls"] == 2 and s["all_reduce"]["calls"] == 5
+    assert s["sync"]["calls"] == 1
     assert all(v["bytes"] == 0 and v["bytes_to_peer"] == [0] for v in s.values())  # nothing leaves the process
     c.stats_reset()
     assert all(v["calls"] == 0 for v in c.stats().values())

@@ -9,8 +9,9 @@ overflow and gradient norm (the sharded optimizer's step group), and the checkpo
 
 On a GPU each stage is on its rank's device (``zero8.engine.local_device()``) and a batch runs on the
 engine's CUDA stream (the current stream at initialize): forwards, backwards, the messages between stages
-(NCCL between GPUs, or MPI staged through host memory where ranks share a GPU) and the step, ordered after
-the caller's current stream and before its later work, as the plain engine's calls. The first stage moves
+(NCCL between GPUs, queued on the stream without the host waiting for them, or MPI staged through host
+memory where ranks share a GPU) and the step, ordered after the caller's current stream and before its
+later work, as the plain engine's calls. The host waits for the messages once per batch, before the step. The first stage moves
 a micro-batch's inputs to the device and the last stage its labels, as DeepSpeed's pipeline engine does.
 """
 
@@ -429,9 +430,11 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
                 if i < n_micro - 1:
                     Zero8Engine.step(self)  # counters only: not the accumulation boundary
             elif kind == sched.STEP:
+                link.sync()  # a neighbour lost on a queued message is named here, before the step's calls
                 Zero8Engine.step(self)
             else:
                 raise RuntimeError(f"unknown pipeline instruction {ins!r}")
+        link.sync()  # eval_batch's messages (train_batch's: nothing left after STEP)
         return losses
 
     # ---- the reported loss ----

@@ -1,5 +1,5 @@
 """The messages between neighbouring stages: activations forward, their gradients backward, over the
-pipeline group's blocking send/recv. The structure of what crosses a boundary (a tensor or a tuple of
+pipeline group's point-to-point calls. The structure of what crosses a boundary (a tensor or a tuple of
 them; each one's dtype, shape and whether a gradient comes back for it) is agreed once per batch, with
 the first micro-batch; the micro-batches after it send their bytes only, and a sender whose tensors differ
 from what was agreed raises before sending anything. Floating tensors optionally travel as int8 blocks with
@@ -8,8 +8,13 @@ one float32 absmax each (zero8.int8_activations), the wire format of the gradien
 
 On a GPU the tensors stay on the stage's device: they are quantized there on torch's current stream, which
 the pipeline communicator is ordered on (its ``stream``), and received into device memory; NCCL moves
-them between GPUs, MPI stages them through host memory. The structure travels as host bytes
-(``send_bytes``, through a device scratch buffer on NCCL).
+them between GPUs, MPI stages them through host memory. Over NCCL a tensor's send and receive are queued
+on that stream (``send_ptr_queued``, ``recv_ptr_queued``) and return at once: the kernels that read a
+received tensor come after its receive on the stream, and a buffer freed after a send is handed out again
+by torch's caching allocator only to work queued after the send on that stream, so no buffer needs to be
+kept; the host goes on queueing the stage's kernels while the messages wait for the neighbour or travel.
+``sync`` waits for them (a dead or stalled neighbour is named there). Elsewhere the calls block. The
+structure travels as host bytes (``send_bytes``, through a device scratch buffer on NCCL), once per batch.
 """
 
 from __future__ import annotations
@@ -113,6 +118,11 @@ class StageLink:
         self._sent = None
         self._received = None
 
+    def sync(self) -> None:
+        """Waits for the messages queued on the stream so far (NCCL; nothing elsewhere), raising the error
+        that names a neighbour that died or stalled."""
+        self.comm.sync()
+
     # ---- forward ----
     def send_activations(self, value, micro: int) -> None:
         s = Structure.of(value, f"stage {self.stage} output of micro-batch {micro}")
@@ -192,7 +202,7 @@ class StageLink:
         else:
             payload = t
         nbytes = payload.numel() * payload.element_size()
-        self.comm.send_ptr(payload.data_ptr(), nbytes, peer, tag)
+        self.comm.send_ptr_queued(payload.data_ptr(), nbytes, peer, tag)
         traffic.bytes += nbytes
         traffic.messages += 1
         if t.is_floating_point():
@@ -206,8 +216,8 @@ class StageLink:
         if self.int8 and out.is_floating_point() and n > 0:
             nb = _C.quant_num_blocks(n, self.wire_block)
             buf = torch.empty(4 * nb + n, dtype=torch.uint8, device=self.device)
-            self.comm.recv_ptr(buf.data_ptr(), buf.numel(), peer, tag)
+            self.comm.recv_ptr_queued(buf.data_ptr(), buf.numel(), peer, tag)
             _dequantize_into(buf.data_ptr() + 4 * nb, buf.data_ptr(), self.wire_block, _C.MapKind.dynamic_signed, out)
         else:
-            self.comm.recv_ptr(out.data_ptr(), n * out.element_size(), peer, tag)
+            self.comm.recv_ptr_queued(out.data_ptr(), n * out.element_size(), peer, tag)
         return out

@@ -22,7 +22,8 @@ namespace zero8::comm {
 //
 // * Blocking: every call returns when this rank's part is complete: send buffers may be reused and
 //   receive buffers hold the result. Nothing is left in flight between calls (the NCCL backend
-//   enqueues on its stream and waits for it too, see comm_nccl.cpp).
+//   enqueues on its stream and waits for it too, see comm_nccl.cpp). The one exception is asked for by
+//   name: send_queued/recv_queued on a stream (below), for pipeline stages on GPUs.
 // * Collective: every rank of the communicator calls the same collectives in the same order with
 //   matching sizes (as in MPI). Sizes are validated locally; a mismatch across ranks is a usage error
 //   that the transport may report as a comm error or a timeout. The MPI backend names ranks that
@@ -147,9 +148,9 @@ using zero8::MemSpace;  // host or device (zero8/kernels/device.h)
 
 enum class OpKind : uint8_t {
   all_to_all = 0, all_to_all_v, all_gather, all_gather_v, reduce_scatter, all_reduce, broadcast,
-  barrier, send, recv, split,
+  barrier, send, recv, split, sync,
 };
-constexpr int kOpKinds = 11;
+constexpr int kOpKinds = 12;
 const char* op_kind_name(OpKind k);
 
 struct OpStats {
@@ -207,7 +208,7 @@ class Communicator {
 
   // Seconds a call may take before every rank raises a timeout error. Children inherit it at split.
   double timeout() const { return timeout_s_; }
-  void set_timeout(double seconds);
+  virtual void set_timeout(double seconds);  // the NCCL backend's waits take it to its host communicator
 
   // Safe to call while another thread's call runs (a sharded optimizer's thread, sharded.h "Overlap").
   CommStats stats() const;
@@ -262,6 +263,25 @@ class Communicator {
   // order; recv must name the exact size. tag in [0, 32767].
   void send(const void* buf, int64_t bytes, int peer, int tag = 0);
   void recv(void* buf, int64_t bytes, int peer, int tag = 0);
+  // Stream-ordered point-to-point (pipeline stages on GPUs). Where queues_p2p() (the NCCL backend), the
+  // transfer is ordered after the work already on the caller's stream (set_stream; without one the legacy
+  // default stream, torch's default stream) and the call returns once NCCL has taken it, without waiting
+  // for the peer or the transfer. Work queued on that stream later runs after it, so the buffers must
+  // stay valid in stream order only, the rule torch's caching allocator keeps for a block freed on its
+  // stream; and the host goes on queueing kernels while the message waits for the peer or travels, as
+  // torch.distributed's NCCL send and recv let it. (Without a stream the transfer runs on the backend's
+  // own stream, after the legacy stream's work, and the legacy stream waits for it: NCCL's kernels never
+  // run on the legacy stream, which would hold every blocking stream behind a message.) Tags, order and
+  // exact sizes as send/recv. A dead or stalled peer, or an NCCL error, is seen by the next call that
+  // waits: sync(), or any other call of this communicator, whose work follows the queued transfers.
+  // Elsewhere (host backends, MPI staging) these are send and recv.
+  bool queues_p2p() const { return can_queue_p2p(); }
+  void send_queued(const void* buf, int64_t bytes, int peer, int tag = 0);
+  void recv_queued(void* buf, int64_t bytes, int peer, int tag = 0);
+  // Returns once the transfers queued so far (and the work before them on the stream) are done, watching
+  // the peers as every call does: a transfer that cannot finish raises the call's error, naming the
+  // peer. Not a collective; nothing to wait for where no transfer is queued.
+  void sync();
 
   // ---- sub-communicators ----
   // Collective: ranks with the same color form a child, ordered by (key, rank). color < 0 (kNoColor)
@@ -288,6 +308,12 @@ class Communicator {
   virtual void do_barrier() = 0;
   virtual void do_send(const void* buf, int64_t bytes, int peer, int tag) = 0;
   virtual void do_recv(void* buf, int64_t bytes, int peer, int tag) = 0;
+  // Stream-ordered point-to-point (send_queued above): a backend that can queue transfers says so and
+  // implements the three; the others never get the calls.
+  virtual bool can_queue_p2p() const { return false; }
+  virtual void do_send_queued(const void* buf, int64_t bytes, int peer, int tag) { do_send(buf, bytes, peer, tag); }
+  virtual void do_recv_queued(void* buf, int64_t bytes, int peer, int tag) { do_recv(buf, bytes, peer, tag); }
+  virtual void do_sync() {}
   virtual std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) = 0;
   virtual void do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type,
                                  ReduceOp op);
@@ -322,6 +348,7 @@ class Communicator {
   void check_device_buffer(const void* p, const char* arg, OpKind kind) const;
   detail::StagingArea& area();
   void count_bytes(OpKind kind, int peer, int64_t bytes);
+  void check_p2p_args(const void* buf, int64_t bytes, int peer, int tag, const char* arg, OpKind kind) const;
 
   int rank_ = 0;
   int size_ = 1;
