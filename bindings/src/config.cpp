@@ -214,6 +214,8 @@ void init_config_types(py::module_& m) {
       .def_readonly("int8_params", &Zero8Config::int8_params)
       .def_readonly("int8_activations", &Zero8Config::int8_activations,
                     "pipeline engine: activations and activation gradients between stages as int8 blocks")
+      .def_readonly("queued_stage_messages", &Zero8Config::queued_stage_messages,
+                    "pipeline engine over NCCL: stage messages queued on the stream, the host not waiting for each")
       .def_readonly("error_feedback", &Zero8Config::error_feedback)
       .def_readonly("release_gradients", &Zero8Config::release_gradients)
       .def_readonly("overlap_param_gather", &Zero8Config::overlap_param_gather)

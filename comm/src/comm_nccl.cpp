@@ -176,15 +176,9 @@ class NcclComm final : public Communicator {
 
   // NCCL matches messages per peer pair in call order; tags are not part of its matching.
   void do_send(const void* buf, int64_t bytes, int peer, int) override {
-    const cudaStream_t st = work_stream(OpKind::send, peer);
-    nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::send, "ncclSend");
-    wait(OpKind::send, st, peer);
+    transfer(OpKind::send, const_cast<void*>(buf), bytes, peer, false);
   }
-  void do_recv(void* buf, int64_t bytes, int peer, int) override {
-    const cudaStream_t st = work_stream(OpKind::recv, peer);
-    nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::recv, "ncclRecv");
-    wait(OpKind::recv, st, peer);
-  }
+  void do_recv(void* buf, int64_t bytes, int peer, int) override { transfer(OpKind::recv, buf, bytes, peer, false); }
 
   // Queued where the blocking calls run (work_stream: the caller's stream, or stream_ after the legacy
   // stream's work): the call returns once NCCL has issued the transfer (non-blocking mode may still hold
@@ -192,19 +186,26 @@ class NcclComm final : public Communicator {
   // stream, and which lets sync() name the first transfer that does not finish and its peer.
   bool can_queue_p2p() const override { return true; }
   void do_send_queued(const void* buf, int64_t bytes, int peer, int) override {
-    const cudaStream_t st = queue_stream(OpKind::send, peer);
-    nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::send, "ncclSend");
-    queued(OpKind::send, st, peer);
+    transfer(OpKind::send, const_cast<void*>(buf), bytes, peer, true);
   }
   void do_recv_queued(void* buf, int64_t bytes, int peer, int) override {
-    const cudaStream_t st = queue_stream(OpKind::recv, peer);
-    nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, st), OpKind::recv, "ncclRecv");
-    queued(OpKind::recv, st, peer);
+    transfer(OpKind::recv, buf, bytes, peer, true);
+  }
+  void transfer(OpKind kind, void* buf, int64_t bytes, int peer, bool queue) {
+    const cudaStream_t st = queue ? queue_stream(kind, peer) : work_stream(kind, peer);
+    if (kind == OpKind::send)
+      nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, st), kind, "ncclSend");
+    else
+      nccl_check(ncclRecv(buf, size_t(bytes), ncclUint8, peer, nccl_, st), kind, "ncclRecv");
+    if (queue)
+      queued(kind, st, peer);
+    else
+      wait(kind, st, peer);
   }
   // Waits for each queued transfer in turn (stream order: the first one not done is what holds the rest),
   // watched as that transfer, so a dead or stalled peer is named with the transfer that waits for it.
-  void do_sync() override {
-    const std::string by = ", queued and waited for by " + op_call(OpKind::sync);
+  void do_sync() override { wait_queued(", queued and waited for by " + op_call(OpKind::sync)); }
+  void wait_queued(const std::string& by) {
     while (!queued_.empty()) {
       Queued& q = queued_.front();
       HostComm::DeviceCall c = q.call;
@@ -346,15 +347,21 @@ class NcclComm final : public Communicator {
   // between) are waited for first: sync() follows one stream.
   cudaStream_t queue_stream(OpKind kind, int peer) {
     const cudaStream_t st = work_stream(kind, peer);
-    if (!queued_.empty() && st != queued_stream_) do_sync();
+    if (!queued_.empty() && st != queued_stream_)
+      wait_queued(", queued on another stream and waited for by " + op_call(kind) + " to " + std::to_string(peer));
     queued_stream_ = st;
     return st;
   }
 
   // After ncclSend/ncclRecv of a queued transfer: waits until NCCL has issued it, then records its event.
+  // The transfers known done are dropped first, so the list holds those still in flight.
   void queued(OpKind kind, cudaStream_t st, int peer) {
     HostComm::DeviceCall c = call(kind, peer);
     watch_until(c, kind, peer, [] { return true; });
+    while (!queued_.empty() && event_done(queued_.front().done, kind, peer)) {
+      spare_events_.push_back(queued_.front().done);
+      queued_.erase(queued_.begin());
+    }
     cudaEvent_t e = nullptr;
     if (!spare_events_.empty()) {
       e = spare_events_.back();

@@ -242,6 +242,13 @@ int main(int argc, char** argv) {
       zero8::device::Stream stream("comm_fault's stream");
       nccl->set_stream(stream.get());
       zero8::device::Buffer buf(4000, "comm_fault's buffer");
+      if (me == 0) {  // NCCL connects a pair, each way, at its first transfers, which wait for the peer
+        nccl->send(buf.data(), 4000, 1, 0);
+        nccl->recv(buf.data(), 4000, 1, 0);
+      } else if (me == 1) {
+        nccl->recv(buf.data(), 4000, 0, 0);
+        nccl->send(buf.data(), 4000, 0, 0);
+      }
       if (me == 0) nccl->recv_queued(buf.data(), 4000, 1, 0);  // returns while rank 1 lives
       nccl->barrier();  // over the host: not ordered after the queued receive
       if (me == 1) {

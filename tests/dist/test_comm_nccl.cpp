@@ -260,6 +260,17 @@ TEST_P(DistNccl, QueuedPointToPointReturnsBeforeThePeer) {
   if (c->size() < 2) GTEST_SKIP() << "point to point needs 2 ranks";
   EXPECT_TRUE(c->queues_p2p());
   c->set_timeout(30);
+  if (me < 2) {  // NCCL connects a pair at its first transfers, which wait for the peer: blocking ones first
+    DeviceVec<uint8_t> w(std::vector<uint8_t>(100, uint8_t(me)));
+    if (me == 0) {
+      c->send(w.p, 100, 1, 3);
+      c->recv(w.p, 100, 1, 3);
+    } else {
+      c->recv(w.p, 100, 0, 3);
+      c->send(w.p, 100, 0, 3);
+    }
+    EXPECT_EQ(w.host(), std::vector<uint8_t>(100, 0));
+  }
   device::Stream callers("the test's stream");
   const size_t n = 65536 + 7;
   for (void* s : {static_cast<void*>(nullptr), callers.get()}) {
@@ -289,7 +300,7 @@ TEST_P(DistNccl, QueuedPointToPointReturnsBeforeThePeer) {
   }
   const comm::CommStats st = c->stats();
   if (me < 2) {
-    EXPECT_EQ(st.op(comm::OpKind::send).bytes, uint64_t(2 * n));
+    EXPECT_EQ(st.op(comm::OpKind::send).bytes, uint64_t(2 * n + 100));
     EXPECT_EQ(st.op(comm::OpKind::sync).calls, 4u);
   }
   c->set_stream(nullptr);

@@ -348,6 +348,19 @@ def test_int8_activations_key_is_parsed_and_typos_are_named():
     assert any("int8_activations" in str(w.message) and "PipelineModule" in str(w.message) for w in caught)
 
 
+def test_queued_stage_messages_key_is_parsed_and_the_plain_engine_says_it_does_nothing():
+    cfg = load_config(config(zero8={"queued_stage_messages": True}), 1, warn=False)
+    assert cfg.typed.zero8.queued_stage_messages and json.loads(cfg.json)["zero8"]["queued_stage_messages"] is True
+    assert not load_config(config(), 1, warn=False).typed.zero8.queued_stage_messages
+    with pytest.raises(ValueError, match="queued_stage_messages"):
+        load_config(config(zero8={"queued_stage_messages": "yes"}), 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero8.initialize(model=LayerModule(regression_layers()), config=config(zero8={"queued_stage_messages": True}))
+    assert any("queued_stage_messages has no effect here" in str(w.message) and "PipelineModule" in str(w.message)
+               for w in caught)
+
+
 def test_eval_batch_gives_the_mean_loss_and_the_last_outputs():
     data = make_data()
     engine = _pipe(regression_layers(), mse, config(gas=2, zero8=EXACT))

@@ -1164,6 +1164,7 @@ void parse_zero8(Section& top, Config& c) {
   z.int8_gradients = s.get_bool("int8_gradients", true);
   z.int8_params = s.get_bool("int8_params", true);
   z.int8_activations = s.get_bool("int8_activations", false);
+  z.queued_stage_messages = s.get_bool("queued_stage_messages", false);
   z.error_feedback = s.get_bool("error_feedback", false);
   if (z.error_feedback && !z.int8_gradients)
     s.warn("error_feedback", "has no effect without int8_gradients (fp32 gradients have no quantization error)");
@@ -1374,6 +1375,7 @@ std::string to_json(const Config& c, int indent) {
                 {"int8_gradients", q.int8_gradients},
                 {"int8_params", q.int8_params},
                 {"int8_activations", q.int8_activations},
+                {"queued_stage_messages", q.queued_stage_messages},
                 {"error_feedback", q.error_feedback},
                 {"release_gradients", q.release_gradients},
                 {"overlap_param_gather", q.overlap_param_gather},

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -101,10 +102,17 @@ def test_topology_is_deepspeeds_pipe_data_order():
 
 
 @four
-@pytest.mark.parametrize("stages,gas,stage", [(2, 2, 1), (2, 4, 2), (4, 4, 1)])
-def test_exact_settings_equal_the_plain_engine_bit_for_bit(stages, gas, stage):
-    cfg = config(gas=gas, stage=stage, zero8=EXACT)
-    engine = pipeline(regression_layers(), mse, stages, cfg, partition_method="uniform")
+@pytest.mark.parametrize("stages,gas,stage,queued", [(2, 2, 1, False), (2, 4, 2, False), (4, 4, 1, False),
+                                                     (2, 2, 1, True)])
+def test_exact_settings_equal_the_plain_engine_bit_for_bit(stages, gas, stage, queued):
+    # queued_stage_messages takes the queued calls, which block over MPI as send/recv do (and it says so)
+    cfg = config(gas=gas, stage=stage, zero8=dict(EXACT, queued_stage_messages=queued))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = pipeline(regression_layers(), mse, stages, cfg, partition_method="uniform")
+    said = any("queued_stage_messages has no effect here" in str(w.message) for w in caught)
+    assert said == (queued and RANK == 0), [str(w.message) for w in caught]
+    assert engine._link.queued == queued
     losses = train_pipe(engine, DATA, 5)
     dp = N // stages
     ref, comm = plain(regression_layers(), mse, dp, cfg)

@@ -185,6 +185,7 @@ struct Zero8Config {
   bool int8_gradients = true;       // quantized reduce-scatter of gradients
   bool int8_params = true;          // quantized all-gather of parameter updates (int8 blocks of the delta)
   bool int8_activations = false;    // pipeline: activations and their gradients between stages as int8 blocks
+  bool queued_stage_messages = false;  // pipeline over NCCL: stage messages queued on the stream (send_queued)
   bool error_feedback = false;      // carry the gradient quantization error to the next step
   bool release_gradients = false;   // stage 2: hand reduced gradient buckets' memory back to the OS
   bool overlap_param_gather = true;  // with overlap_comm: the step's all-gather runs during the next forward
@@ -200,7 +201,7 @@ struct Zero8Config {
   bool checkpoint_allow_pickle = false;
   auto tie() const {
     return std::tie(enabled, state_block_size, wire_block_size, int8_gradients, int8_params, int8_activations,
-                    error_feedback, release_gradients, overlap_param_gather, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
+                    queued_stage_messages, error_feedback, release_gradients, overlap_param_gather, min_8bit_size, optim_bits, stochastic_rounding, seed, comm_backend, comm_timeout_s,
                     checkpoint_keep_last, checkpoint_allow_pickle);
   }
 };

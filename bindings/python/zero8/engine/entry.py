@@ -175,9 +175,11 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     else:
         dp = world.split(0, world.rank, f"zero8-engine-{next(_engine_numbers)}")  # own counters per engine
         cfg = load_config(config, dp.size, rank=world.rank)
-        if cfg.typed is not None and cfg.typed.zero8.int8_activations and world.rank == 0:
-            warnings.warn("zero8.int8_activations has no effect here: it quantizes the activations between "
-                          "pipeline stages, and this model is not a zero8.pipe.PipelineModule", stacklevel=2)
+        for key, what in (("int8_activations", "quantizes the activations between pipeline stages"),
+                          ("queued_stage_messages", "queues the messages between pipeline stages")):
+            if cfg.typed is not None and getattr(cfg.typed.zero8, key) and world.rank == 0:
+                warnings.warn(f"zero8.{key} has no effect here: it {what}, and this model is not a "
+                              f"zero8.pipe.PipelineModule", stacklevel=2)
         engine = Zero8Engine(model, cfg, dp, world, model_parameters=model_parameters, client_optimizer=optimizer,
                              client_lr_scheduler=lr_scheduler, device=device)
     engine.collate_fn = collate_fn

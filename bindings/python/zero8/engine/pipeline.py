@@ -9,10 +9,11 @@ overflow and gradient norm (the sharded optimizer's step group), and the checkpo
 
 On a GPU each stage is on its rank's device (``zero8.engine.local_device()``) and a batch runs on the
 engine's CUDA stream (the current stream at initialize): forwards, backwards, the messages between stages
-(NCCL between GPUs, queued on the stream without the host waiting for them, or MPI staged through host
-memory where ranks share a GPU) and the step, ordered after the caller's current stream and before its
-later work, as the plain engine's calls. The host waits for the messages once per batch, before the step. The first stage moves
-a micro-batch's inputs to the device and the last stage its labels, as DeepSpeed's pipeline engine does.
+(NCCL between GPUs, or MPI staged through host memory where ranks share a GPU) and the step, ordered after
+the caller's current stream and before its later work, as the plain engine's calls. The host waits for
+each message, or with zero8.queued_stage_messages over NCCL, once per batch, before the step. The first
+stage moves a micro-batch's inputs to the device and the last stage its labels, as DeepSpeed's pipeline
+engine does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import warnings
 
 import torch
 
@@ -74,8 +76,11 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
         z = self._cfg.zero8
         if self._device.type == "cuda":
             pipe.stream = self._stream_order.stream.cuda_stream  # the stage's messages on the engine's stream
+        if z.queued_stage_messages and not pipe.queues_p2p and self.global_rank == 0 and self.num_stages > 1:
+            warnings.warn(f"zero8.queued_stage_messages has no effect here: the stages' messages go over "
+                          f"{pipe.backend}, whose calls block (queued messages need NCCL between GPUs)", stacklevel=3)
         self._link = StageLink(pipe, self.stage_id, self.num_stages, bool(z.enabled and z.int8_activations),
-                               int(z.wire_block_size), self._device)
+                               int(z.wire_block_size), self._device, queued=bool(z.queued_stage_messages))
         self.data_iterator = None
         self.training_dataloader = None
         self.batch_fn = None

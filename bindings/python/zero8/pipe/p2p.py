@@ -8,13 +8,14 @@ one float32 absmax each (zero8.int8_activations), the wire format of the gradien
 
 On a GPU the tensors stay on the stage's device: they are quantized there on torch's current stream, which
 the pipeline communicator is ordered on (its ``stream``), and received into device memory; NCCL moves
-them between GPUs, MPI stages them through host memory. Over NCCL a tensor's send and receive are queued
-on that stream (``send_ptr_queued``, ``recv_ptr_queued``) and return at once: the kernels that read a
-received tensor come after its receive on the stream, and a buffer freed after a send is handed out again
-by torch's caching allocator only to work queued after the send on that stream, so no buffer needs to be
-kept; the host goes on queueing the stage's kernels while the messages wait for the neighbour or travel.
-``sync`` waits for them (a dead or stalled neighbour is named there). Elsewhere the calls block. The
-structure travels as host bytes (``send_bytes``, through a device scratch buffer on NCCL), once per batch.
+them between GPUs, MPI stages them through host memory. The calls block until the message is done, unless
+``queued`` (zero8.queued_stage_messages, NCCL): then a tensor's send and receive are queued on that stream
+(``send_ptr_queued``, ``recv_ptr_queued``) and return once issued: the kernels that read a received tensor
+come after its receive on the stream, and a buffer freed after a send is handed out again by torch's
+caching allocator only to work queued after the send on that stream (the tensors sent here are made on
+it), so no buffer needs to be kept; the host goes on queueing the stage's kernels while the messages wait
+for the neighbour or travel, and ``sync`` waits for them. The structure travels as host bytes
+(``send_bytes``, through a device scratch buffer on NCCL), once per batch, blocking.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class StageLink:
     int8: bool
     wire_block: int
     device: torch.device = torch.device("cpu")  # where received tensors go: the stage's
+    queued: bool = False  # tensors sent and received with the queued calls (zero8.queued_stage_messages)
     activations: Traffic = field(default_factory=Traffic)  # sent to stage + 1
     gradients: Traffic = field(default_factory=Traffic)    # sent to stage - 1
     _sent: Structure | None = None  # agreed with stage + 1 for this batch
@@ -202,7 +204,7 @@ class StageLink:
         else:
             payload = t
         nbytes = payload.numel() * payload.element_size()
-        self.comm.send_ptr_queued(payload.data_ptr(), nbytes, peer, tag)
+        (self.comm.send_ptr_queued if self.queued else self.comm.send_ptr)(payload.data_ptr(), nbytes, peer, tag)
         traffic.bytes += nbytes
         traffic.messages += 1
         if t.is_floating_point():
@@ -216,8 +218,11 @@ class StageLink:
         if self.int8 and out.is_floating_point() and n > 0:
             nb = _C.quant_num_blocks(n, self.wire_block)
             buf = torch.empty(4 * nb + n, dtype=torch.uint8, device=self.device)
-            self.comm.recv_ptr_queued(buf.data_ptr(), buf.numel(), peer, tag)
+            self._recv(buf.data_ptr(), buf.numel(), peer, tag)
             _dequantize_into(buf.data_ptr() + 4 * nb, buf.data_ptr(), self.wire_block, _C.MapKind.dynamic_signed, out)
         else:
-            self.comm.recv_ptr_queued(out.data_ptr(), n * out.element_size(), peer, tag)
+            self._recv(out.data_ptr(), n * out.element_size(), peer, tag)
         return out
+
+    def _recv(self, ptr: int, nbytes: int, peer: int, tag: int) -> None:
+        (self.comm.recv_ptr_queued if self.queued else self.comm.recv_ptr)(ptr, nbytes, peer, tag)

@@ -3,8 +3,9 @@ warm-up of forwards, one forward and one backward alternate, so a stage holds at
 micro-batches' activations) and forwards only for evaluation.
 
 Sends and receives are blocking (the communicator's send/recv may wait until the peer takes the message;
-over NCCL they are queued on the stage's stream, which waits so in the host's place), so the order matters: where a stage sends to a neighbour and receives from the same neighbour back to back,
-the even stage of the pair sends first and the odd one receives first, so the two always meet.
+with zero8.queued_stage_messages over NCCL they are queued on the stage's stream, which waits so in the
+host's place), so the order matters: where a stage sends to a neighbour and receives from the same
+neighbour back to back, the even stage of the pair sends first and the odd one receives first, so the two always meet.
 ``simulate`` runs every stage's list against each other under those rules and reports a deadlock or a
 message taken out of order; the tests run it for many shapes.
 """

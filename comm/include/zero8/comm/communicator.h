@@ -273,7 +273,12 @@ class Communicator {
   // own stream, after the legacy stream's work, and the legacy stream waits for it: NCCL's kernels never
   // run on the legacy stream, which would hold every blocking stream behind a message.) Tags, order and
   // exact sizes as send/recv. A dead or stalled peer, or an NCCL error, is seen by the next call that
-  // waits: sync(), or any other call of this communicator, whose work follows the queued transfers.
+  // waits: sync(), or any other call of this communicator, or of another whose work is ordered after
+  // the queued transfers (named then as that call). What the library cannot watch: a wait of the
+  // caller's own for the stream (a host read of a tensor, a blocking copy, a synchronize) waits for the
+  // queued transfers too, and hangs if a peer died; call sync() before such waits. The first transfer
+  // with a peer may wait for it once, while NCCL connects the pair. Buffers made on another stream than
+  // the one the transfer is ordered on are the caller's to keep alive (record_stream).
   // Elsewhere (host backends, MPI staging) these are send and recv.
   bool queues_p2p() const { return can_queue_p2p(); }
   void send_queued(const void* buf, int64_t bytes, int peer, int tag = 0);
