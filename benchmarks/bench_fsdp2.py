@@ -359,7 +359,8 @@ def worker(args) -> None:
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(out, f)
-    dist.destroy_process_group()
+    from pretrain_example import gloo_rank_exit
+    gloo_rank_exit()  # not the gloo abort some interpreter exits end in, after the result
 
 
 def wire_table(results: dict) -> str:

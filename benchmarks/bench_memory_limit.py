@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pretrain_example import deepspeed_rank_exit, load_example
+from pretrain_example import gloo_rank_exit, load_example
 
 N_LAYER, HEAD_DIM, VOCAB = 8, 64, 256
 WIDTHS = [256 + 64 * k for k in range(40)]  # 256 .. 2752
@@ -121,7 +121,7 @@ def worker(args) -> int:
     with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     if args.worker == "deepspeed":
-        deepspeed_rank_exit()
+        gloo_rank_exit()
     return 0
 
 

@@ -291,7 +291,7 @@ def run_procs(cmds: list[list[str]], envs: list[dict], log: Path, timeout: float
 
 
 # A DeepSpeed rank on CPU sometimes aborts with this (std::terminate in C++, more under load; never in a
-# zero8 run). Seen at interpreter exit, which the worker now skips (pretrain_example.deepspeed_rank_exit);
+# zero8 run). Seen at interpreter exit, which the worker now skips (pretrain_example.gloo_rank_exit);
 # should it come earlier, it is not what the benchmark measures: such a run gets one more try, which its
 # result records ("retried_after").
 DS_ABORT = "terminate called without an active exception"

@@ -1,7 +1,8 @@
 """examples/pretrain_gpt.py loaded as a module, for the benchmarks that train its GPT (bench_memory_limit.py,
 bench_overlap.py, vs_deepspeed_worker.py). They run as scripts (python3 path, mpirun, zero8-launch, torchrun),
 so this directory is first on their sys.path and `from pretrain_example import load_example` finds it.
-Also how their DeepSpeed ranks end (deepspeed_rank_exit; tests/python/deepspeed_worker.py ends so too).
+Also how their ranks on torch.distributed end (gloo_rank_exit: DeepSpeed's, bench_fsdp2.py's and
+tests/python/deepspeed_worker.py's).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ def load_example():
     return mod
 
 
-def deepspeed_rank_exit() -> None:
-    """Ends a DeepSpeed worker rank once its result is written. A DeepSpeed rank on CPU sometimes aborts
-    while the interpreter exits ("terminate called without an active exception": a gloo worker thread
+def gloo_rank_exit() -> None:
+    """Ends a rank of a torch.distributed job (DeepSpeed's, FSDP2's, DDP's) once its result is written. Such
+    a rank on CPU sometimes aborts while the interpreter exits ("terminate called without an active exception": a gloo worker thread
     frees a finished collective's tensor, whose Python object needs the GIL, and exits the thread through
     C++ code that may not throw), after its work and its result; its launcher then reports the run as
     failed. So once every rank is past its write (a barrier), the rank leaves without running

@@ -24,7 +24,7 @@ import time
 import warnings
 from pathlib import Path
 
-from pretrain_example import deepspeed_rank_exit, load_example
+from pretrain_example import gloo_rank_exit, load_example
 
 
 def link_counters() -> dict:
@@ -207,7 +207,7 @@ def main() -> int:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
     if a.system == "deepspeed":
-        deepspeed_rank_exit()
+        gloo_rank_exit()
     return 0
 
 

@@ -29,7 +29,7 @@ import zero8  # noqa: E402
 from zero8.optim.partition import LAYOUT_KEY  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from pretrain_example import deepspeed_rank_exit  # noqa: E402
+from pretrain_example import gloo_rank_exit  # noqa: E402
 
 ds_logger.setLevel("ERROR")
 transformers.logging.set_verbosity_error()
@@ -212,7 +212,7 @@ def main() -> None:
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(res, f)
-    deepspeed_rank_exit()  # past every rank's work: not the gloo abort some interpreter exits end in
+    gloo_rank_exit()  # past every rank's work: not the gloo abort some interpreter exits end in
 
 
 def final_weights(engine) -> dict:
