@@ -92,6 +92,11 @@ void init_config_types(py::module_& m) {
       .value("fp32", CommDataType::fp32)
       .value("fp16", CommDataType::fp16)
       .value("bf16", CommDataType::bf16);
+  py::enum_<DataTypeName>(m, "DataTypeName", "a dtype of \"data_types\"; unset: not given")
+      .value("unset", DataTypeName::unset)
+      .value("fp32", DataTypeName::fp32)
+      .value("fp16", DataTypeName::fp16)
+      .value("bf16", DataTypeName::bf16);
   py::enum_<TagValidation>(m, "TagValidation", "checkpoint.tag_validation (DeepSpeed's Warn, Ignore, Fail)")
       .value("warn", TagValidation::warn)
       .value("ignore", TagValidation::ignore)
@@ -191,7 +196,19 @@ void init_config_types(py::module_& m) {
       .def_readonly("allgather_partitions", &ZeroConfig::allgather_partitions)
       .def_readonly("round_robin_gradients", &ZeroConfig::round_robin_gradients)
       .def_readonly("load_from_fp32_weights", &ZeroConfig::load_from_fp32_weights)
-      .def_readonly("ignore_unused_parameters", &ZeroConfig::ignore_unused_parameters);
+      .def_readonly("ignore_unused_parameters", &ZeroConfig::ignore_unused_parameters)
+      .def_readonly("parameter_alignment", &ZeroConfig::parameter_alignment, "accepted, no effect")
+      .def_readonly("compute_grad_norm", &ZeroConfig::compute_grad_norm, "false: get_global_grad_norm() is None");
+  py::class_<DataTypesConfig>(m, "ConfigDataTypes", "\"data_types\": how the engine casts the module under fp16/bf16.")
+      .def_readonly("grad_accum_dtype", &DataTypesConfig::grad_accum_dtype, "accepted, no effect")
+      .def_readonly("param_dtype", &DataTypesConfig::param_dtype, "unset, or the training dtype")
+      .def_readonly("buffer_dtype", &DataTypesConfig::buffer_dtype, "unset: the buffers keep their dtype")
+      .def_property_readonly(
+          "keep_in_fp32_modules",
+          [](const DataTypesConfig& d) -> py::object {
+            return d.keep_in_fp32_modules ? py::cast(*d.keep_in_fp32_modules) : py::str("auto");
+          },
+          "\"auto\" (the model's transformers lists) or the name patterns of the buffers kept in fp32");
   py::class_<CheckpointConfig>(m, "ConfigCheckpoint", "\"checkpoint\" (DeepSpeed's keys zero8 uses).")
       .def_readonly("tag_validation", &CheckpointConfig::tag_validation)
       .def_readonly("load_universal", &CheckpointConfig::load_universal)
@@ -255,6 +272,7 @@ void init_config_types(py::module_& m) {
       .def_readonly("gradient_predivide_factor", &Config::gradient_predivide_factor)
       .def_readonly("zero_allow_untested_optimizer", &Config::zero_allow_untested_optimizer)
       .def_readonly("communication_data_type", &Config::communication_data_type)
+      .def_readonly("data_types", &Config::data_types)
       .def_readonly("zero", &Config::zero, "\"zero_optimization\"")
       .def_readonly("checkpoint", &Config::checkpoint)
       .def_readonly("tensorboard", &Config::tensorboard)

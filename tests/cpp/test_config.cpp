@@ -224,6 +224,7 @@ TEST(ConfigFiles, Zero1SgdNesterov) {
   EXPECT_EQ(cfg::optimizer_display_name(c), "SGD8bit");
   // WarmupLR without warmup_max_lr ramps to the optimizer's lr (DeepSpeed reads the group lr).
   EXPECT_EQ(c.scheduler.warmup_max_lr, 0.4);
+  EXPECT_FALSE(c.scheduler.warmup_max_lr_given);  // left out of the normalized config: each group its own
   EXPECT_EQ(c.zero8.state_block_size, 2048);
   EXPECT_EQ(c.zero8.wire_block_size, 4096);
   EXPECT_FALSE(c.zero8.int8_gradients);

@@ -449,6 +449,41 @@ def test_bf16(baseline):
     assert engine.loss_scale == 1.0
 
 
+class _Buffered(torch.nn.Module):
+    """make_model's network with the buffers a cast meets: a float one the forward uses (as a rotary inv_freq),
+    an integer one, and a float one its transformers list keeps in fp32 (as an MoE routing bias)."""
+
+    _keep_in_fp32_modules_strict = ["routing_bias"]
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_model()
+        self.register_buffer("scale", torch.full((1,), 1 / 3))
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("routing_bias", torch.full((1,), 1 / 3))
+
+    def forward(self, x):
+        return self.net(x) * self.scale.to(x.dtype) + self.routing_bias.to(x.dtype)
+
+
+@pytest.mark.parametrize("data_types, scale_dtype", [(None, torch.float32), ({"buffer_dtype": "bf16"}, torch.bfloat16)],
+                         ids=["default", "buffer_dtype-bf16"])
+def test_bf16_casts_the_parameters_and_keeps_the_buffers(data_types, scale_dtype):
+    # As DeepSpeed 0.19.8's engine (its _cast_module_mixed_precision): bf16 casts the parameters only, so a
+    # float buffer stays float32 unless data_types.buffer_dtype names a dtype, and the buffers the model's
+    # transformers list names stay float32 even then. zero8 cast the whole module (model.to(bfloat16)).
+    model = _Buffered()
+    extra = {"data_types": data_types} if data_types else {}
+    engine, _, _, _ = zero8.initialize(model=model, config=config(zero8=EXACT, bf16={"enabled": True}, **extra))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.scale.dtype == scale_dtype and model.scale.item() == torch.tensor(1 / 3).to(scale_dtype).item()
+    assert model.routing_bias.dtype == torch.float32 and model.routing_bias.item() == torch.tensor(1 / 3).item()
+    assert model.count.dtype == torch.int64
+    losses = train_engine(engine, DATA, 3, B, dtype=torch.bfloat16)
+    assert all(math.isfinite(x) for x in losses) and engine.skipped_steps == 0
+    assert model.scale.dtype == scale_dtype and model.routing_bias.dtype == torch.float32
+
+
 def test_fp16_dynamic_loss_scale_and_overflow_skip(baseline):
     _, ref_losses, _ = baseline
     window = 4
@@ -1886,7 +1921,10 @@ class _TiedLM(torch.nn.Module):
 def _tied_lm_checkpoint(tmp_path: Path, dtype: str):
     cfg = config(batch=4, zero8=EXACT)
     if dtype == "bf16":
+        # BatchNorm's kernel wants its running statistics in its weight's dtype: the buffers go to bf16 too
+        # (the engine casts the parameters only, as DeepSpeed's).
         cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"buffer_dtype": "bf16"}
     model = _TiedLM(0)
     engine, _, _, _ = zero8.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(2)
@@ -2212,6 +2250,29 @@ def test_module_surface_and_progress_print(capsys):
     train_engine(engine, DATA, 4, B)
     out = capsys.readouterr().out
     assert "step=2," in out and "step=4," in out and "step=3," not in out and "grad_norm=" in out
+
+
+def test_infinite_steps_per_print_never_reports(capsys):
+    # Hugging Face Accelerate sets steps_per_print = float("inf") in the config dict it hands DeepSpeed, which
+    # then never reports; zero8 refused the dict ("not JSON-serializable: Out of range float values").
+    engine, _, _, _ = engine_for(config(zero8=EXACT, steps_per_print=float("inf")))
+    assert engine.steps_per_print() == 2**63 - 1
+    train_engine(engine, DATA, 3, B)
+    assert "step=" not in capsys.readouterr().out
+
+
+def test_compute_grad_norm_false_gives_no_grad_norm():
+    # DeepSpeed's zero_optimization.compute_grad_norm: false leaves get_global_grad_norm() None (zero8 refused
+    # the key as unknown). The step itself is the same.
+    def run(compute):
+        engine, model, _, _ = engine_for(config(zero8=EXACT, zero_optimization={"stage": 2,
+                                                                                "compute_grad_norm": compute}))
+        train_engine(engine, DATA, 2, B)
+        return engine.get_global_grad_norm(), model
+
+    off, model_off = run(False)
+    on, model_on = run(True)
+    assert off is None and on > 0 and params_equal(model_off, model_on)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -354,7 +354,7 @@ class Section {
       if (seen_.count(it.key())) continue;
       const std::string near = closest_key(it.key());
       std::string known;
-      if (near.empty() && known_order_.size() <= 16)
+      if (near.empty() && known_order_.size() <= 20)
         for (const std::string& k : known_order_) known += (known.empty() ? "" : ", ") + k;
       fail_at(ctx_, key_path(it.key()),
               "unknown key" + (!near.empty() ? "; did you mean \"" + near + "\"?"
@@ -655,7 +655,13 @@ void parse_precision(Section& top, Config& c) {
     Bf16Config& b = c.bf16;
     b.enabled = s.get_bool("enabled", false);
     b.immediate_grad_update = s.get_bool("immediate_grad_update", false);
-    b.check_grad_overflow = s.get_bool("check_grad_overflow", false);
+    // DeepSpeed 0.19.8's default (precision_config.py): its bf16 ZeRO stage 1/2 steps skip a non-finite
+    // gradient unless this is false. zero8 skips such a step in every precision, so false changes nothing.
+    b.check_grad_overflow = s.get_bool("check_grad_overflow", true);
+    if (b.enabled && !b.check_grad_overflow)
+      s.warn("check_grad_overflow",
+             "false has no effect: zero8 skips every step with a non-finite gradient (DeepSpeed's bf16 ZeRO steps "
+             "would apply it)");
     s.reject_if("bf16_master_weights_and_grads", is_true,
                 "bf16 master weights are not supported: zero8 keeps an fp32 master of each partition");
     s.reject_if("bf16_optimizer_states", is_true,
@@ -664,6 +670,54 @@ void parse_precision(Section& top, Config& c) {
   }
   if (c.fp16.enabled && c.bf16.enabled)
     fail_at(top.ctx(), "bf16.enabled", "fp16 and bf16 cannot both be enabled (DeepSpeed asserts the same)");
+}
+
+// A dtype of "data_types" by DeepSpeed's DtypeEnum names (matched exactly, as there).
+DataTypeName read_data_type(Section& s, const std::string& key) {
+  const auto v = s.get_str_opt(key);
+  if (!v) return DataTypeName::unset;
+  using D = DataTypeName;
+  static const std::pair<const char*, D> names[] = {
+      {"fp32", D::fp32}, {"float32", D::fp32}, {"torch.float32", D::fp32}, {"float", D::fp32},
+      {"fp16", D::fp16}, {"float16", D::fp16}, {"torch.float16", D::fp16}, {"half", D::fp16},
+      {"bf16", D::bf16}, {"bfloat16", D::bf16}, {"torch.bfloat16", D::bf16}};
+  for (const auto& [name, d] : names)
+    if (*v == name) return d;
+  if (*v == "int8" || *v == "torch.int8") {
+    s.unsupported(key, "int8 is not supported: zero8 trains in fp32, fp16 or bf16");
+    return DataTypeName::unset;
+  }
+  s.fail(key, "expected one of \"fp32\", \"fp16\", \"bf16\" (or DeepSpeed's other names for them: \"float32\", "
+              "\"float16\", \"half\", \"bfloat16\", ...), got \"" + *v + "\"");
+}
+
+// "data_types" (DeepSpeed's runtime/config.py and engine._cast_module_mixed_precision): the engine applies
+// buffer_dtype and keep_in_fp32_modules when it casts the module (engine/precision.py).
+void parse_data_types(Section& top, Config& c) {
+  Section s = top.child("data_types", Auto::use_default);
+  DataTypesConfig& d = c.data_types;
+  d.grad_accum_dtype = read_data_type(s, "grad_accum_dtype");
+  d.param_dtype = read_data_type(s, "param_dtype");
+  d.buffer_dtype = read_data_type(s, "buffer_dtype");
+  const DataTypeName training = c.fp16.enabled ? DataTypeName::fp16 : c.bf16.enabled ? DataTypeName::bf16
+                                                                                      : DataTypeName::fp32;
+  static const char* const names[] = {"", "fp32", "fp16", "bf16"};
+  if (d.param_dtype != DataTypeName::unset && d.param_dtype != training)
+    s.fail("param_dtype", std::string("\"") + names[int(d.param_dtype)] + "\" is not the training dtype, " +
+                              names[int(training)] + " (the fp16 / bf16 sections decide it; DeepSpeed asserts the "
+                              "same): give the matching section or remove param_dtype");
+  // "auto" is the key's own value here (the model's lists), not DeepSpeed's placeholder; null takes it too.
+  const std::string what = "\"auto\" or a list of name patterns (strings)";
+  if (const json* k = s.raw("keep_in_fp32_modules"); k && !k->is_null() && *k != json("auto")) {
+    if (!k->is_array()) fail_expected(s.ctx(), s.key_path("keep_in_fp32_modules"), what, *k);
+    std::vector<std::string> patterns;
+    for (const json& e : *k) {
+      if (!e.is_string()) fail_expected(s.ctx(), s.key_path("keep_in_fp32_modules"), what, *k);
+      patterns.push_back(e.get<std::string>());
+    }
+    d.keep_in_fp32_modules = std::move(patterns);
+  }
+  s.finish("(DeepSpeed ignores unknown data_types keys, leaving the setting meant at its default)");
 }
 
 void parse_offload(Section& z, const std::string& key, const std::string& what) {
@@ -710,6 +764,8 @@ void parse_zero(Section& top, Config& c) {
   z.round_robin_gradients = s.get_bool("round_robin_gradients", false);
   z.load_from_fp32_weights = s.get_bool("load_from_fp32_weights", true);
   z.ignore_unused_parameters = s.get_bool("ignore_unused_parameters", true);
+  z.parameter_alignment = s.get_bool("parameter_alignment", false);
+  z.compute_grad_norm = s.get_bool("compute_grad_norm", true);
   parse_offload(s, "offload_optimizer", "optimizer");
   parse_offload(s, "offload_param", "parameter");
   s.reject_if("cpu_offload", is_true, "optimizer offload is not supported by zero8");
@@ -932,6 +988,7 @@ void parse_scheduler(Section& top, Config& c) {
       }
       sc.warmup_min_lr = p.get_num("warmup_min_lr", 0.0, ge(0.0));
       sc.warmup_max_lr = p.get_num_opt("warmup_max_lr", ge(0.0));
+      sc.warmup_max_lr_given = sc.warmup_max_lr.has_value();
       // WarmupLR defaults to the optimizer's lr; WarmupDecayLR's constructor default is 0.001.
       if (!sc.warmup_max_lr) {
         sc.warmup_max_lr = decay ? std::optional<double>(0.001) : sc.base_lr;
@@ -992,6 +1049,9 @@ void parse_scheduler(Section& top, Config& c) {
       sc.cycle_max_mom = p.get_num("cycle_max_mom", 0.9, in_co(0.0, 1.0));
       sc.decay_mom_rate = p.get_num("decay_mom_rate", 0.0, any_number());
       const bool has_betas = optimizer_has_betas(c.optimizer.type);
+      // Without an optimizer section the client optimizer decides, which the parse cannot see: momentum_cycled
+      // then means "if it has betas", and zero8.lr_schedules checks its defaults for them as DeepSpeed's OneCycle
+      // does (SGD's momentum is left alone, with DeepSpeed's warning).
       sc.momentum_cycled = sc.cycle_momentum && (!c.optimizer.present || has_betas);
       if (sc.cycle_momentum && c.optimizer.present && !has_betas)
         p.warn("cycle_momentum", std::string("momentum is not cycled: ") + optim::algo_spec(c.optimizer.type).deepspeed +
@@ -1123,10 +1183,28 @@ void parse_misc(Section& top, Config& c) {
   // I/O tuning and other DeepSpeed subsystems: accepted, no effect here.
   for (const char* k : {"memory_breakdown", "dump_state", "dataloader_drop_last", "vocabulary_size", "timers",
                         "zero_force_ds_cpu_optimizer", "disable_allgather", "autotuning", "aio", "nebula",
-                        "datastates", "log_level", "graph_harvesting", "seq_parallel_comm_data_type",
-                        "use_data_before_expert_parallelism", "data_types", "compile", "hybrid_engine",
-                        "expert_parallel", "activation_checkpointing", "pipeline"})
+                        "datastates", "log_level", "graph_harvesting", "seq_parallel_communication_data_type",
+                        "use_data_before_expert_parallelism", "compile", "hybrid_engine", "expert_parallel",
+                        "activation_checkpointing", "pipeline"})
     top.ignore(k);
+}
+
+// zero_optimization.compute_grad_norm false, where DeepSpeed 0.19.8 refuses it: below stage 1 (its ZeRO
+// config), with gradient clipping (its stage 1/2 optimizer), and for bf16 ZeRO stage 1 with fp32 gradient
+// accumulation (its engine, which uses its BF16 optimizer there).
+void check_compute_grad_norm(Section& top, const Config& c) {
+  if (c.zero.compute_grad_norm) return;
+  const std::string key = "zero_optimization.compute_grad_norm";
+  if (c.zero.stage != 1 && c.zero.stage != 2)
+    fail_at(top.ctx(), key, "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed), the stage is " +
+                                std::to_string(c.zero.stage));
+  if (c.gradient_clipping > 0)
+    fail_at(top.ctx(), key, "false requires gradient_clipping 0 (as in DeepSpeed: clipping needs the norm), got " +
+                                num_text(top.ctx(), "gradient_clipping", c.gradient_clipping) +
+                                " (DeepSpeed's default, and so zero8's, is 1.0)");
+  if (c.bf16.enabled && c.zero.stage == 1 && c.data_types.grad_accum_dtype == DataTypeName::fp32)
+    fail_at(top.ctx(), key, "false does not support ZeRO stage 1 with bf16 parameters and fp32 gradient "
+                            "accumulation (data_types.grad_accum_dtype), as in DeepSpeed");
 }
 
 void parse_checkpoint(Section& top, Config& c) {
@@ -1231,6 +1309,8 @@ Config parse_string(const std::string& json_text, int world_size, const std::str
   parse_optimizer(top, c);
   parse_scheduler(top, c);
   parse_misc(top, c);
+  parse_data_types(top, c);
+  check_compute_grad_norm(top, c);
   parse_checkpoint(top, c);
   parse_zero8(top, c);
   top.finish_top();
@@ -1296,7 +1376,9 @@ std::string to_json(const Config& c, int indent) {
       case SchedulerType::warmup_decay_lr:
         if (s.type == SchedulerType::warmup_decay_lr) p["total_num_steps"] = s.total_num_steps;
         p["warmup_min_lr"] = s.warmup_min_lr;
-        if (s.warmup_max_lr) p["warmup_max_lr"] = *s.warmup_max_lr;
+        // Not given for WarmupLR: left out, so the reader sees each param group ramp to its own lr.
+        if (s.warmup_max_lr && (s.warmup_max_lr_given || s.type == SchedulerType::warmup_decay_lr))
+          p["warmup_max_lr"] = *s.warmup_max_lr;
         p["warmup_num_steps"] = s.warmup_num_steps;
         p["warmup_type"] = warm;
         break;
@@ -1354,7 +1436,18 @@ std::string to_json(const Config& c, int indent) {
                             {"allgather_partitions", z.allgather_partitions},
                             {"round_robin_gradients", z.round_robin_gradients},
                             {"load_from_fp32_weights", z.load_from_fp32_weights},
-                            {"ignore_unused_parameters", z.ignore_unused_parameters}};
+                            {"ignore_unused_parameters", z.ignore_unused_parameters},
+                            {"parameter_alignment", z.parameter_alignment},
+                            {"compute_grad_norm", z.compute_grad_norm}};
+  {
+    const DataTypesConfig& d = c.data_types;
+    json dt = {{"keep_in_fp32_modules", d.keep_in_fp32_modules ? json(*d.keep_in_fp32_modules) : json("auto")}};
+    static const char* const dtype_names[] = {"", "fp32", "fp16", "bf16"};
+    for (const auto& [key, n] : {std::pair<const char*, DataTypeName>{"grad_accum_dtype", d.grad_accum_dtype},
+                                 {"param_dtype", d.param_dtype}, {"buffer_dtype", d.buffer_dtype}})
+      if (n != DataTypeName::unset) dt[key] = dtype_names[int(n)];  // unset: absent, as DeepSpeed's default
+    j["data_types"] = dt;
+  }
   static const char* const tag_names[] = {"Warn", "Ignore", "Fail"};
   j["checkpoint"] = {{"tag_validation", tag_names[int(c.checkpoint.tag_validation)]},
                      {"load_universal", c.checkpoint.load_universal},

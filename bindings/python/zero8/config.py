@@ -83,10 +83,19 @@ def _non_json_path(value: Any, path: str = "") -> str:
     return ""
 
 
+# steps_per_print = float("inf") (Hugging Face Accelerate writes it, to stop DeepSpeed's reports, which it
+# never makes: a step count modulo infinity is never 0) has no JSON form: it is read as the largest period
+# the parser takes, which no run reaches.
+STEPS_PER_PRINT_NEVER = 2**63 - 1
+
+
 def config_source_text(config: Any) -> tuple[str | None, str | None, str]:
     """(json_text, path, source_name) of a config given as a dict, a path (str or os.PathLike) or JSON
     text (a str starting with '{'). Exactly one of json_text and path is set."""
     if isinstance(config, Mapping):
+        every = config.get("steps_per_print")
+        if isinstance(every, float) and every == math.inf:
+            config = {**config, "steps_per_print": STEPS_PER_PRINT_NEVER}
         try:
             return json.dumps(config, allow_nan=False), None, "<config dict>"
         except (TypeError, ValueError) as e:

@@ -61,6 +61,9 @@ struct SchedulerConfig {
   // WarmupLR, WarmupDecayLR
   double warmup_min_lr = 0.0;
   std::optional<double> warmup_max_lr;  // WarmupLR: base_lr when not given; WarmupDecayLR: 0.001
+  // Whether the config gave warmup_max_lr: WarmupLR without one ramps each param group to its own lr
+  // (DeepSpeed's), so the normalized config leaves it out and lr_schedules.py builds one per group.
+  bool warmup_max_lr_given = false;
   int64_t warmup_num_steps = 1000;      // as given; the formulas use max(2, warmup_num_steps)
   WarmupType warmup_type = WarmupType::log;
   int64_t total_num_steps = 0;          // WarmupDecayLR, WarmupCosineLR (required there)
@@ -87,7 +90,7 @@ struct SchedulerConfig {
   double lr_range_test_step_rate = 1.0;
   bool lr_range_test_staircase = false;
   auto tie() const {
-    return std::tie(type, base_lr, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, total_num_steps,
+    return std::tie(type, base_lr, warmup_min_lr, warmup_max_lr, warmup_max_lr_given, warmup_num_steps, warmup_type, total_num_steps,
                     warmup_min_ratio, cos_min_ratio, cycle_min_lr, cycle_max_lr, decay_lr_rate,
                     cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
                     cycle_second_stair_count, decay_step_size, cycle_momentum, cycle_min_mom, cycle_max_mom,
@@ -117,11 +120,25 @@ struct Fp16Config {
 struct Bf16Config {
   bool enabled = false;
   bool immediate_grad_update = false;
-  bool check_grad_overflow = false;
+  bool check_grad_overflow = true;  // DeepSpeed 0.19.8's default; zero8 skips non-finite steps either way
   auto tie() const { return std::tie(enabled, immediate_grad_update, check_grad_overflow); }
 };
 
 enum class CommDataType : uint8_t { unset, fp32, fp16, bf16 };  // "communication_data_type"
+
+// A dtype of "data_types" (DeepSpeed's DtypeEnum names); unset: the key is absent or null.
+enum class DataTypeName : uint8_t { unset, fp32, fp16, bf16 };
+
+// "data_types": how DeepSpeed's engine casts the module under fp16/bf16. The engine casts the parameters
+// only; buffers keep their dtype unless buffer_dtype names one, and the buffers keep_in_fp32_modules
+// names stay fp32 (engine/precision.py). param_dtype, when given, must be the training dtype (checked).
+struct DataTypesConfig {
+  DataTypeName grad_accum_dtype = DataTypeName::unset;  // accepted, no effect: zero8 accumulates in fp32
+  DataTypeName param_dtype = DataTypeName::unset;
+  DataTypeName buffer_dtype = DataTypeName::unset;
+  std::optional<std::vector<std::string>> keep_in_fp32_modules;  // nullopt: "auto" (the model's own lists)
+  auto tie() const { return std::tie(grad_accum_dtype, param_dtype, buffer_dtype, keep_in_fp32_modules); }
+};
 
 // zero8's default gradient bucket (DeepSpeed's: 5e8, one bucket for most models): 2^22 elements, 16 MiB
 // of fp32, so that stage 2's reductions overlap backward and its gradient memory is the buckets in flight
@@ -140,10 +157,12 @@ struct ZeroConfig {
   bool round_robin_gradients = false;
   bool load_from_fp32_weights = true;
   bool ignore_unused_parameters = true;
+  bool parameter_alignment = false;  // accepted, no effect (zero8 lays out its own partitions)
+  bool compute_grad_norm = true;     // false: get_global_grad_norm() is None; needs gradient_clipping 0
   auto tie() const {
     return std::tie(stage, reduce_bucket_size, allgather_bucket_size, overlap_comm, contiguous_gradients,
                     reduce_scatter, allgather_partitions, round_robin_gradients, load_from_fp32_weights,
-                    ignore_unused_parameters);
+                    ignore_unused_parameters, parameter_alignment, compute_grad_norm);
   }
 };
 
@@ -222,6 +241,7 @@ struct Config {
   double gradient_predivide_factor = 1.0;
   bool zero_allow_untested_optimizer = false;
   CommDataType communication_data_type = CommDataType::unset;
+  DataTypesConfig data_types;
   ZeroConfig zero;
   CheckpointConfig checkpoint;
   MonitorOutputConfig tensorboard;
@@ -237,8 +257,8 @@ struct Config {
   auto tie() const {
     return std::tie(world_size, batch, optimizer, scheduler, fp16, bf16, gradient_clipping, steps_per_print,
                     wall_clock_breakdown, managed_gradient_accumulation, prescale_gradients, gradient_predivide_factor,
-                    zero_allow_untested_optimizer, communication_data_type, zero, checkpoint, tensorboard, csv_monitor,
-                    wandb, zero8);
+                    zero_allow_untested_optimizer, communication_data_type, data_types, zero, checkpoint, tensorboard,
+                    csv_monitor, wandb, zero8);
   }
 };
 
@@ -250,6 +270,7 @@ ZERO8_CONFIG_EQ(OptimizerConfig)
 ZERO8_CONFIG_EQ(SchedulerConfig)
 ZERO8_CONFIG_EQ(Fp16Config)
 ZERO8_CONFIG_EQ(Bf16Config)
+ZERO8_CONFIG_EQ(DataTypesConfig)
 ZERO8_CONFIG_EQ(ZeroConfig)
 ZERO8_CONFIG_EQ(CheckpointConfig)
 ZERO8_CONFIG_EQ(MonitorOutputConfig)

@@ -23,6 +23,12 @@ def working_dtype(cfg) -> torch.dtype:
     return torch_dtype(cfg.working_dtype)
 
 
+def buffer_dtype(cfg) -> torch.dtype | None:
+    """data_types.buffer_dtype: the dtype the engine casts the module's floating buffers to under fp16/bf16;
+    None: they keep theirs (precision.py)."""
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.data_types.buffer_dtype.name)
+
+
 def comm_timeout_s(cfg) -> float | None:
     """zero8.comm_timeout_s for the engine's communicator, None when ZERO8_COMM_TIMEOUT is set (it wins)."""
     if os.environ.get(COMM_TIMEOUT_ENV) is not None:

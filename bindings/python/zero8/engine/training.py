@@ -32,12 +32,13 @@ from .client_optim import (
     _hyper_for_group,
     _hyper_from_group,
 )
-from .config_view import comm_timeout_s, working_dtype
+from .config_view import buffer_dtype, comm_timeout_s, working_dtype
 from . import gather
 from .device import StreamOrder, check_device, model_device
 from .monitor import Monitor
 from .optimizer import Zero8Optimizer
 from .params import built_client_optimizer, collect_params, fp32_state, override_hyper_groups
+from .precision import cast_module
 from .world import engines, local_rank
 
 # DeepSpeed's deepspeed_io routes (deepspeed.runtime.constants.ROUTE_*).
@@ -62,7 +63,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self._select_params(model, model_parameters, client_optimizer)
         sc = self._sharded_config(client_optimizer)
         if self._dtype != torch.float32:
-            model.to(self._dtype)  # as DeepSpeed's engine casts the module (half() / bfloat16())
+            # As DeepSpeed's engine: the parameters; the buffers only as data_types says (precision.py).
+            cast_module(model, self._dtype, buffer_dtype(self._cfg), self._cfg.data_types.keep_in_fp32_modules)
         self._build_sharded_optimizer(sc, client_optimizer)
         self.optimizer = self._returned_optimizer(client_optimizer)
         self.client_optimizer = client_optimizer
@@ -103,6 +105,8 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         self.skipped_steps = 0
         self._last_info: dict | None = None
         self._grad_norm: float | None = None  # of the last applied step (a skipped one computes none)
+        # zero_optimization.compute_grad_norm false: get_global_grad_norm() gives None, as DeepSpeed's.
+        self._keep_grad_norm = bool(self._cfg.zero.compute_grad_norm)
         self._step_applied = False
         self._backward_done = False
         # Gradient accumulation (is_gradient_accumulation_boundary): the step() calls of the running accumulation
@@ -270,7 +274,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                 client_lr_scheduler = client_lr_scheduler(self.optimizer)
             return client_lr_scheduler
         base_lr = None if self._cfg.optimizer.present else float(self.optimizer.param_groups[0]["lr"])
-        return scheduler_from_config(self.optimizer, self._cfg, base_lr=base_lr)
+        return scheduler_from_config(self.optimizer, self._cfg, base_lr=base_lr, warn=self.global_rank == 0)
 
     def _summary(self) -> str:
         sc = self._shard_config
@@ -673,8 +677,9 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
         return out
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm (before clipping) of the last applied step, None before the first.
-        As in DeepSpeed, a step skipped on an fp16 overflow leaves the previous step's value."""
+        """The global gradient norm (before clipping) of the last applied step, None before the first (and
+        always with zero_optimization.compute_grad_norm false, as in DeepSpeed). As in DeepSpeed, a step skipped
+        on an fp16 overflow leaves the previous step's value."""
         return self._grad_norm
 
     def was_step_skipped(self) -> bool:
@@ -900,7 +905,7 @@ class Zero8Engine(EngineCheckpoints, torch.nn.Module):
                               f"(bf16/fp32: no loss scale to lower; the weights and states are unchanged)")
             else:
                 self._step_applied = True
-                self._grad_norm = float(info["grad_norm"])
+                self._grad_norm = float(info["grad_norm"]) if self._keep_grad_norm else None
                 if self.lr_scheduler is not None:
                     opt = getattr(self.lr_scheduler, "optimizer", None)
                     if opt is not None:
