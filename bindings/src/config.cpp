@@ -87,16 +87,11 @@ void init_config_types(py::module_& m) {
   py::enum_<WarmupType>(m, "WarmupType", "scheduler.params.warmup_type")
       .value("log", WarmupType::log)
       .value("linear", WarmupType::linear);
-  py::enum_<CommDataType>(m, "CommDataType", "communication_data_type; unset: not given")
+  py::enum_<CommDataType>(m, "CommDataType", "a dtype by DeepSpeed's names (communication_data_type, data_types); unset: not given")
       .value("unset", CommDataType::unset)
       .value("fp32", CommDataType::fp32)
       .value("fp16", CommDataType::fp16)
       .value("bf16", CommDataType::bf16);
-  py::enum_<DataTypeName>(m, "DataTypeName", "a dtype of \"data_types\"; unset: not given")
-      .value("unset", DataTypeName::unset)
-      .value("fp32", DataTypeName::fp32)
-      .value("fp16", DataTypeName::fp16)
-      .value("bf16", DataTypeName::bf16);
   py::enum_<TagValidation>(m, "TagValidation", "checkpoint.tag_validation (DeepSpeed's Warn, Ignore, Fail)")
       .value("warn", TagValidation::warn)
       .value("ignore", TagValidation::ignore)

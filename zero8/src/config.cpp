@@ -672,11 +672,14 @@ void parse_precision(Section& top, Config& c) {
     fail_at(top.ctx(), "bf16.enabled", "fp16 and bf16 cannot both be enabled (DeepSpeed asserts the same)");
 }
 
+// The names a CommDataType is written with (to_json, messages), indexed by its value.
+const char* const kDtypeNames[] = {"", "fp32", "fp16", "bf16"};
+
 // A dtype of "data_types" by DeepSpeed's DtypeEnum names (matched exactly, as there).
-DataTypeName read_data_type(Section& s, const std::string& key) {
+CommDataType read_data_type(Section& s, const std::string& key) {
   const auto v = s.get_str_opt(key);
-  if (!v) return DataTypeName::unset;
-  using D = DataTypeName;
+  if (!v) return CommDataType::unset;
+  using D = CommDataType;
   static const std::pair<const char*, D> names[] = {
       {"fp32", D::fp32}, {"float32", D::fp32}, {"torch.float32", D::fp32}, {"float", D::fp32},
       {"fp16", D::fp16}, {"float16", D::fp16}, {"torch.float16", D::fp16}, {"half", D::fp16},
@@ -685,7 +688,7 @@ DataTypeName read_data_type(Section& s, const std::string& key) {
     if (*v == name) return d;
   if (*v == "int8" || *v == "torch.int8") {
     s.unsupported(key, "int8 is not supported: zero8 trains in fp32, fp16 or bf16");
-    return DataTypeName::unset;
+    return CommDataType::unset;
   }
   s.fail(key, "expected one of \"fp32\", \"fp16\", \"bf16\" (or DeepSpeed's other names for them: \"float32\", "
               "\"float16\", \"half\", \"bfloat16\", ...), got \"" + *v + "\"");
@@ -699,12 +702,11 @@ void parse_data_types(Section& top, Config& c) {
   d.grad_accum_dtype = read_data_type(s, "grad_accum_dtype");
   d.param_dtype = read_data_type(s, "param_dtype");
   d.buffer_dtype = read_data_type(s, "buffer_dtype");
-  const DataTypeName training = c.fp16.enabled ? DataTypeName::fp16 : c.bf16.enabled ? DataTypeName::bf16
-                                                                                      : DataTypeName::fp32;
-  static const char* const names[] = {"", "fp32", "fp16", "bf16"};
-  if (d.param_dtype != DataTypeName::unset && d.param_dtype != training)
-    s.fail("param_dtype", std::string("\"") + names[int(d.param_dtype)] + "\" is not the training dtype, " +
-                              names[int(training)] + " (the fp16 / bf16 sections decide it; DeepSpeed asserts the "
+  const CommDataType training = c.fp16.enabled ? CommDataType::fp16 : c.bf16.enabled ? CommDataType::bf16
+                                                                                      : CommDataType::fp32;
+  if (d.param_dtype != CommDataType::unset && d.param_dtype != training)
+    s.fail("param_dtype", std::string("\"") + kDtypeNames[int(d.param_dtype)] + "\" is not the training dtype, " +
+                              kDtypeNames[int(training)] + " (the fp16 / bf16 sections decide it; DeepSpeed asserts the "
                               "same): give the matching section or remove param_dtype");
   // "auto" is the key's own value here (the model's lists), not DeepSpeed's placeholder; null takes it too.
   const std::string what = "\"auto\" or a list of name patterns (strings)";
@@ -1202,7 +1204,7 @@ void check_compute_grad_norm(Section& top, const Config& c) {
     fail_at(top.ctx(), key, "false requires gradient_clipping 0 (as in DeepSpeed: clipping needs the norm), got " +
                                 num_text(top.ctx(), "gradient_clipping", c.gradient_clipping) +
                                 " (DeepSpeed's default, and so zero8's, is 1.0)");
-  if (c.bf16.enabled && c.zero.stage == 1 && c.data_types.grad_accum_dtype == DataTypeName::fp32)
+  if (c.bf16.enabled && c.zero.stage == 1 && c.data_types.grad_accum_dtype == CommDataType::fp32)
     fail_at(top.ctx(), key, "false does not support ZeRO stage 1 with bf16 parameters and fp32 gradient "
                             "accumulation (data_types.grad_accum_dtype), as in DeepSpeed");
 }
@@ -1339,9 +1341,8 @@ std::string to_json(const Config& c, int indent) {
   j["prescale_gradients"] = c.prescale_gradients;
   j["gradient_predivide_factor"] = c.gradient_predivide_factor;
   j["zero_allow_untested_optimizer"] = c.zero_allow_untested_optimizer;
-  static const char* const comm_names[] = {"", "fp32", "fp16", "bf16"};
   if (c.communication_data_type != CommDataType::unset)
-    j["communication_data_type"] = comm_names[int(c.communication_data_type)];
+    j["communication_data_type"] = kDtypeNames[int(c.communication_data_type)];
 
   if (c.optimizer.present) {
     // The row's entries with a DeepSpeed key that carry a value (not the fixed / ignored ones), in its order.
@@ -1442,10 +1443,9 @@ std::string to_json(const Config& c, int indent) {
   {
     const DataTypesConfig& d = c.data_types;
     json dt = {{"keep_in_fp32_modules", d.keep_in_fp32_modules ? json(*d.keep_in_fp32_modules) : json("auto")}};
-    static const char* const dtype_names[] = {"", "fp32", "fp16", "bf16"};
-    for (const auto& [key, n] : {std::pair<const char*, DataTypeName>{"grad_accum_dtype", d.grad_accum_dtype},
+    for (const auto& [key, n] : {std::pair<const char*, CommDataType>{"grad_accum_dtype", d.grad_accum_dtype},
                                  {"param_dtype", d.param_dtype}, {"buffer_dtype", d.buffer_dtype}})
-      if (n != DataTypeName::unset) dt[key] = dtype_names[int(n)];  // unset: absent, as DeepSpeed's default
+      if (n != CommDataType::unset) dt[key] = kDtypeNames[int(n)];  // unset: absent, as DeepSpeed's default
     j["data_types"] = dt;
   }
   static const char* const tag_names[] = {"Warn", "Ignore", "Fail"};

@@ -124,18 +124,16 @@ struct Bf16Config {
   auto tie() const { return std::tie(enabled, immediate_grad_update, check_grad_overflow); }
 };
 
-enum class CommDataType : uint8_t { unset, fp32, fp16, bf16 };  // "communication_data_type"
-
-// A dtype of "data_types" (DeepSpeed's DtypeEnum names); unset: the key is absent or null.
-enum class DataTypeName : uint8_t { unset, fp32, fp16, bf16 };
+// A dtype by DeepSpeed's names: "communication_data_type" and the dtypes of "data_types"; unset: not given.
+enum class CommDataType : uint8_t { unset, fp32, fp16, bf16 };
 
 // "data_types": how DeepSpeed's engine casts the module under fp16/bf16. The engine casts the parameters
 // only; buffers keep their dtype unless buffer_dtype names one, and the buffers keep_in_fp32_modules
 // names stay fp32 (engine/precision.py). param_dtype, when given, must be the training dtype (checked).
 struct DataTypesConfig {
-  DataTypeName grad_accum_dtype = DataTypeName::unset;  // accepted, no effect: zero8 accumulates in fp32
-  DataTypeName param_dtype = DataTypeName::unset;
-  DataTypeName buffer_dtype = DataTypeName::unset;
+  CommDataType grad_accum_dtype = CommDataType::unset;  // accepted, no effect: zero8 accumulates in fp32
+  CommDataType param_dtype = CommDataType::unset;
+  CommDataType buffer_dtype = CommDataType::unset;
   std::optional<std::vector<std::string>> keep_in_fp32_modules;  // nullopt: "auto" (the model's own lists)
   auto tie() const { return std::tie(grad_accum_dtype, param_dtype, buffer_dtype, keep_in_fp32_modules); }
 };
