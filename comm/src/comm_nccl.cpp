@@ -211,9 +211,13 @@ class NcclComm final : public Communicator {
       HostComm::DeviceCall c = q.call;
       c.label += by;
       watch_until(c, q.call.kind, q.call.p2p_peer, [&] { return event_done(q.done, q.call.kind, q.call.p2p_peer); });
-      spare_events_.push_back(q.done);
-      queued_.erase(queued_.begin());
+      retire(1);
     }
+  }
+  // The first n queued transfers are done: their events are kept for reuse.
+  void retire(size_t n) {
+    for (size_t i = 0; i < n; ++i) spare_events_.push_back(queued_[i].done);
+    queued_.erase(queued_.begin(), queued_.begin() + std::ptrdiff_t(n));
   }
 
   std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override {
@@ -311,10 +315,7 @@ class NcclComm final : public Communicator {
       return event_done(done_, kind, p2p_peer);
     });
     // Transfers queued on st came before this call's work there: done too.
-    if (!queued_.empty() && st == queued_stream_) {
-      for (const Queued& q : queued_) spare_events_.push_back(q.done);
-      queued_.clear();
-    }
+    if (st == queued_stream_) retire(queued_.size());
   }
 
   // Polls `done` (after NCCL has issued everything it holds; an NCCL error fails the call) under the host's
@@ -358,10 +359,7 @@ class NcclComm final : public Communicator {
   void queued(OpKind kind, cudaStream_t st, int peer) {
     HostComm::DeviceCall c = call(kind, peer);
     watch_until(c, kind, peer, [] { return true; });
-    while (!queued_.empty() && event_done(queued_.front().done, kind, peer)) {
-      spare_events_.push_back(queued_.front().done);
-      queued_.erase(queued_.begin());
-    }
+    while (!queued_.empty() && event_done(queued_.front().done, kind, peer)) retire(1);
     cudaEvent_t e = nullptr;
     if (!spare_events_.empty()) {
       e = spare_events_.back();

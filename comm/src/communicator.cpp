@@ -648,18 +648,17 @@ void Communicator::barrier() {
   do_barrier();
 }
 
-void Communicator::check_p2p_args(const void* buf, int64_t bytes, int peer, int tag, const char* arg,
-                                  OpKind kind) const {
+void Communicator::check_p2p_args(const void* buf, int64_t bytes, int peer, int tag, OpKind kind) const {
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   ZERO8_CHECK_ARG(peer >= 0 && peer < size_ && peer != rank_, "peer",
                   peer << " is not another rank of a communicator of size " << size_ << " (this is rank " << rank_ << ")");
   ZERO8_CHECK_ARG(tag >= 0 && tag <= 32767, "tag", "must be in [0, 32767], got " << tag);
-  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, arg, "null buffer");
-  check_device_buffer(buf, arg, kind);
+  ZERO8_CHECK_ARG(bytes == 0 || buf != nullptr, "buf", "null buffer");
+  check_device_buffer(buf, "buf", kind);
 }
 
 void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
-  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::send);
+  check_p2p_args(buf, bytes, peer, tag, OpKind::send);
   Call call(*this, OpKind::send);
   count_bytes(OpKind::send, peer, bytes);
   Staging st(*this, OpKind::send);
@@ -668,7 +667,7 @@ void Communicator::send(const void* buf, int64_t bytes, int peer, int tag) {
 }
 
 void Communicator::recv(void* buf, int64_t bytes, int peer, int tag) {
-  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::recv);
+  check_p2p_args(buf, bytes, peer, tag, OpKind::recv);
   Call call(*this, OpKind::recv);
   Staging st(*this, OpKind::recv);
   void* b = st.output(buf, 1, &bytes, nullptr);
@@ -678,7 +677,7 @@ void Communicator::recv(void* buf, int64_t bytes, int peer, int tag) {
 // Queued only where the backend moves the buffers itself on stream(): no staging to wait for.
 void Communicator::send_queued(const void* buf, int64_t bytes, int peer, int tag) {
   if (!queues_p2p()) return send(buf, bytes, peer, tag);
-  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::send);
+  check_p2p_args(buf, bytes, peer, tag, OpKind::send);
   Call call(*this, OpKind::send);
   count_bytes(OpKind::send, peer, bytes);
   do_send_queued(buf, bytes, peer, tag);
@@ -686,7 +685,7 @@ void Communicator::send_queued(const void* buf, int64_t bytes, int peer, int tag
 
 void Communicator::recv_queued(void* buf, int64_t bytes, int peer, int tag) {
   if (!queues_p2p()) return recv(buf, bytes, peer, tag);
-  check_p2p_args(buf, bytes, peer, tag, "buf", OpKind::recv);
+  check_p2p_args(buf, bytes, peer, tag, OpKind::recv);
   Call call(*this, OpKind::recv);
   do_recv_queued(buf, bytes, peer, tag);
 }

@@ -353,7 +353,7 @@ class Communicator {
   void check_device_buffer(const void* p, const char* arg, OpKind kind) const;
   detail::StagingArea& area();
   void count_bytes(OpKind kind, int peer, int64_t bytes);
-  void check_p2p_args(const void* buf, int64_t bytes, int peer, int tag, const char* arg, OpKind kind) const;
+  void check_p2p_args(const void* buf, int64_t bytes, int peer, int tag, OpKind kind) const;
 
   int rank_ = 0;
   int size_ = 1;
