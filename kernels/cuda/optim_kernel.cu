@@ -515,20 +515,16 @@ void optim_step_cuda(const StepArgs& a, void* stream) {
   step_launch(a, static_cast<cudaStream_t>(stream));
 }
 
-void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream) {
+void optim_norms_cuda(const StepArgs& a, NormSums* out_dev, void* stream) {
   const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cuda_detail::check_device_ptrs("optim_norms_cuda", {{out_dev, "out_dev"}});
   if (a.n <= 0) {
-    for (int64_t s = 0; s < nseg; ++s) out_host[s] = NormSums{};
+    ZERO8_CUDA_CHECK(cudaMemsetAsync(out_dev, 0, size_t(nseg) * sizeof(NormSums), st));
     return;
   }
   check_step_ptrs(a, "optim_norms_cuda");
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  NormSums* out_dev = nullptr;
-  ZERO8_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&out_dev), size_t(nseg) * sizeof(NormSums), st));
   norms_to_device(a, optim_consts(a.algo, a.h, a.bits), out_dev, st);
-  ZERO8_CUDA_CHECK(cudaMemcpyAsync(out_host, out_dev, size_t(nseg) * sizeof(NormSums), cudaMemcpyDeviceToHost, st));
-  ZERO8_CUDA_CHECK(cudaFreeAsync(out_dev, st));
-  ZERO8_CUDA_CHECK(cudaStreamSynchronize(st));
 }
 
 void optim_step_tensor_cuda(const StepArgs& args, void* stream) {

@@ -2,7 +2,7 @@
 // fed the same gradients (written on the caller's stream, as backward does), every part of every rank's
 // state is the same bits after every step (working copy, masters, codes and scales or fp32 states,
 // error-feedback residuals) for AdamW with 8/32-bit states, fp32/bf16 working copies, stage 1 and 2, with
-// and without int8 parameter sync and error feedback; LAMB within a tolerance (its per-tensor norms are
+// and without int8 parameter sync and error feedback; LAMB and LARS within a tolerance (its per-tensor norms are
 // summed in another order on the device). The device communicator is the MPI world (device buffers
 // staged through host memory: ranks may share one GPU) and, where every rank has a GPU of its own, NCCL.
 // Skips, naming why, without CUDA or a device.
@@ -77,15 +77,18 @@ struct Twins {
 
   // dev_overlap: the device optimizer runs the overlap thread (the host one never does here: the two
   // share the MPI world, which one thread at a time may use). host_comm: the host twin's (the world's).
+  // params: twin_params() with their hyper groups (none: all in group 0).
   Twins(const ShardConfig& c, comm::Communicator& dev_comm, bool dev_overlap = false,
-        comm::Communicator* host_comm = nullptr)
+        comm::Communicator* host_comm = nullptr, const std::vector<int>& hyper_groups = {})
       : cfg(c) {
-    host = std::make_unique<ShardedOptimizer>(twin_params(), c, host_comm ? *host_comm : world());
+    std::vector<ParamSpec> params = twin_params();
+    for (size_t p = 0; p < hyper_groups.size(); ++p) params[p].hyper_group = hyper_groups[p];
+    host = std::make_unique<ShardedOptimizer>(params, c, host_comm ? *host_comm : world());
     ShardConfig d = c;
     d.overlap = dev_overlap;
     d.memory = MemSpace::device;
     d.stream = stream.get();
-    dev = std::make_unique<ShardedOptimizer>(twin_params(), d, dev_comm);
+    dev = std::make_unique<ShardedOptimizer>(params, d, dev_comm);
     // The same initial weights: written into the host copy, then the whole group copied over.
     for (size_t p = 0; p < twin_params().size(); ++p) {
       void* w = host->param_working(int(p));
@@ -256,25 +259,40 @@ TEST(ShardedCuda, OverflowSkipsOnTheDeviceAsOnTheHost) {
   EXPECT_EQ(t.host->loss_scale(), t.dev->loss_scale());
 }
 
-TEST(ShardedCuda, LambOnTheDeviceFollowsTheHost) {
-  SKIP_WITHOUT_CUDA();
+// Two hyper groups (no weight decay for the vectors, as engines group them) and all-gather pieces of a few
+// hundred elements: each group's partition steps in several runs of several pieces, whose segments and
+// trust ratios the device reads from one array per step.
+ShardConfig lamb_config(optim::Algo algo) {
   ShardConfig c = twin_config();
-  c.algo = optim::Algo::lamb;
+  c.algo = algo;
   c.hyper.lr = 1e-3f;
-  Twins t(c, world());
-  for (int s = 0; s < 3; ++s) {
-    t.micro_batch(s, 0, true);
-    const shard::StepInfo h = t.host->step(), d = t.dev->step();
-    EXPECT_EQ(std::memcmp(&h.grad_norm, &d.grad_norm, sizeof(double)), 0);
-  }
-  // The trust ratios may differ in their last bits (the norms' order): the masters stay within a few
-  // ulps of a step of lr.
-  for (int g = 0; g < shard::kNumGroups; ++g) {
-    const int64_t n = t.host->part_bytes(Group(g), Part::master) / 4;
-    std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
-    t.host->copy_to_host(Group(g), Part::master, a.data());
-    t.dev->copy_to_host(Group(g), Part::master, b.data());
-    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(a[size_t(i)], b[size_t(i)], 1e-6f) << "group " << g << " element " << i;
+  c.group_hypers = {c.hyper, c.hyper};
+  c.group_hypers[1].weight_decay = 0.0f;
+  c.allgather_bucket_size = 1024;
+  return c;
+}
+const std::vector<int> kLambHyperGroups = {0, 1, 0, 0, 1, 0, 0};  // twin_params(): ln.w and bias apart
+
+TEST(ShardedCuda, LambAndLarsOnTheDeviceFollowTheHost) {
+  SKIP_WITHOUT_CUDA();
+  for (optim::Algo algo : {optim::Algo::lamb, optim::Algo::lars}) {
+    SCOPED_TRACE(optim::algo_name(algo));
+    Twins t(lamb_config(algo), world(), false, nullptr, kLambHyperGroups);
+    for (int s = 0; s < 3; ++s) {
+      t.micro_batch(s, 0, true);
+      const shard::StepInfo h = t.host->step(), d = t.dev->step();
+      EXPECT_EQ(std::memcmp(&h.grad_norm, &d.grad_norm, sizeof(double)), 0);
+    }
+    // The trust ratios may differ in their last bits (the norms' order): the masters stay within a few
+    // ulps of a step of lr.
+    for (int g = 0; g < shard::kNumGroups; ++g) {
+      const int64_t n = t.host->part_bytes(Group(g), Part::master) / 4;
+      std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n));
+      t.host->copy_to_host(Group(g), Part::master, a.data());
+      t.dev->copy_to_host(Group(g), Part::master, b.data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(a[size_t(i)], b[size_t(i)], 1e-6f) << "group " << g << " element " << i;
+    }
   }
 }
 
@@ -483,6 +501,32 @@ TEST(ShardedCuda, AStepUsesTheCallersStreamAndOneHostRead) {
     EXPECT_GT(after.kernels, mid.kernels);
     EXPECT_EQ(after.ops_legacy_stream, before.ops_legacy_stream) << "work queued on the legacy default stream";
     EXPECT_EQ(after.copies_to_host - mid.copies_to_host, 1u) << "host reads of the device in one step";
+  }
+}
+
+// LAMB and LARS read the device twice per step, whatever the runs and pieces: the gradient norm (which
+// the per-tensor norms need for clipping), then every segment's norms in one array; the segments and
+// trust ratios go to the device in one copy per array.
+TEST(ShardedCuda, LambAndLarsStepsReadTheDeviceTwice) {
+  std::unique_ptr<comm::Communicator> single = comm::comm_create("single"), host_single = comm::comm_create("single");
+  for (optim::Algo algo : {optim::Algo::lamb, optim::Algo::lars}) {
+    ShardConfig c = lamb_config(algo);
+    c.gradient_clipping = 0.5;
+    SCOPED_TRACE(optim::algo_name(algo));
+    Twins t(c, *single, false, host_single.get(), kLambHyperGroups);
+    t.micro_batch(0, 0, true);
+    t.host->step();
+    t.dev->step();
+    t.micro_batch(1, 0, true);
+    const zero8_cudasim_counts before = zero8_cudasim_get_counts();
+    t.dev->step();
+    const zero8_cudasim_counts after = zero8_cudasim_get_counts();
+    t.host->step();
+    EXPECT_EQ(after.ops_legacy_stream, before.ops_legacy_stream) << "work queued on the legacy default stream";
+    EXPECT_EQ(after.copies_to_host - before.copies_to_host, 2u) << "host reads of the device in one step";
+    EXPECT_EQ(after.host_waits - before.host_waits, 2u) << "host waits in one step";
+    EXPECT_EQ(after.copies_to_device - before.copies_to_device, 3u)
+        << "copies to the device in one step (the norms' segments, the step's segments and trust ratios)";
   }
 }
 #endif

@@ -347,11 +347,11 @@ StepArgs host_checked(const StepArgs& a, const int64_t* seg_offsets_host, const 
 }
 }  // namespace
 
-void norms_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, NormSums* out, void* stream) {
+void norms_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, NormSums* out_dev, void* stream) {
   args_validate(host_checked(a, seg_offsets_host, nullptr), false);
-  ZERO8_CHECK_ARG(out != nullptr, "out", "null pointer");
+  ZERO8_CHECK_ARG(out_dev != nullptr, "out_dev", "null pointer");
 #if ZERO8_WITH_CUDA
-  optim_norms_cuda(a, out, stream);
+  optim_norms_cuda(a, out_dev, stream);
 #else
   (void)stream;
   device::require_cuda("optim::norms_range_cuda");

@@ -396,6 +396,7 @@ ShardedOptimizer::ShardedOptimizer(const std::vector<ParamSpec>& params, const S
   full_delta_ = Store(mem, wire_.int8_params ? piece * 4 : 0, cfg.stream);
   seg_offsets_ = Store(mem, 0, cfg.stream);
   seg_trust_ = Store(mem, 0, cfg.stream);
+  seg_norms_ = Store(mem, 0, cfg.stream);
   // The reduction order, the same on every rank: buckets by their first (lowest-index) parameter, last
   // first, as backward completes them when the model's parameters are listed in forward order; buckets
   // of padding only at the end.
@@ -1061,54 +1062,82 @@ static std::vector<int64_t> segment_offsets(const Layout& lay, int g, int64_t pa
   return offs;
 }
 
-// A device optimizer's LAMB/LARS kernels read a run's segment offsets (and trust ratios) from device
-// memory: copies of the host vectors, which stay the validated originals. The copies are ordered on the
-// caller's stream after the kernels of the previous run, which read the same buffers.
-void ShardedOptimizer::step_args_upload(int g, optim::StepArgs& a, const std::vector<int64_t>& offs,
-                                        const std::vector<float>& trust) {
-  (void)g;
+// The runs of one hyper group in `ranges` of this rank's partitions (for_each_run, cut to each range), in
+// order, each with its parameters' segments; with trust_by_param, each segment's trust ratio. The kernels
+// of a device optimizer read these arrays from device memory: one copy of each per plan, ordered on the
+// caller's stream after the kernels that read the previous plan's, so the runs' kernels queue without a
+// host wait. The host arrays stay until the next plan: the copies never outlive their source.
+void ShardedOptimizer::plan_segments(const std::vector<GatherPiece>& ranges, const std::vector<float>* trust_by_param) {
+  SegmentPlan& s = seg_;
+  s.runs.clear();
+  s.offsets.clear();
+  s.params.clear();
+  s.trust.clear();
+  for (const GatherPiece& r : ranges) {
+    const int g = r.group;
+    if (layout_.groups[g].part_valid(rank()) == 0) continue;
+    const int64_t b = layout_.groups[g].part_begin(rank());
+    for_each_run(g, [&](int h, int64_t lo, int64_t hi) {
+      lo = std::max(lo, r.lo);
+      hi = std::min(hi, r.hi);
+      if (lo >= hi) return;
+      const size_t offsets_at = s.offsets.size(), first = s.params.size();
+      const std::vector<int64_t> offs = segment_offsets(layout_, g, b, lo, hi, &s.params);
+      s.offsets.insert(s.offsets.end(), offs.begin(), offs.end());
+      s.runs.push_back(SegmentRun{g, h, lo, hi, offsets_at, first, int64_t(s.params.size() - first)});
+    });
+  }
+  if (trust_by_param != nullptr)
+    for (int p : s.params) s.trust.push_back((*trust_by_param)[size_t(p)]);
   if (!on_device()) return;
   const std::string where = "ShardedOptimizer::step (segments of LAMB/LARS)";
-  seg_offsets_.grow(int64_t(offs.size() * sizeof(int64_t)));
-  device::copy(seg_offsets_.data(), offs.data(), int64_t(offs.size() * sizeof(int64_t)), cfg_.stream, where);
-  a.seg_offsets = seg_offsets_.as<int64_t>();
-  if (!trust.empty()) {
-    seg_trust_.grow(int64_t(trust.size() * sizeof(float)));
-    device::copy(seg_trust_.data(), trust.data(), int64_t(trust.size() * sizeof(float)), cfg_.stream, where);
-    a.seg_trust = seg_trust_.as<float>();
-  }
-  // Pageable sources: the copies above have read them when they return, but wait for them all the same,
-  // so the host vectors may go as soon as the caller's scope ends.
-  sync_caller("step (segments of LAMB/LARS)");
+  seg_offsets_.grow(int64_t(s.offsets.size() * sizeof(int64_t)));
+  device::copy(seg_offsets_.data(), s.offsets.data(), int64_t(s.offsets.size() * sizeof(int64_t)), cfg_.stream, where);
+  if (s.trust.empty()) return;
+  seg_trust_.grow(int64_t(s.trust.size() * sizeof(float)));
+  device::copy(seg_trust_.data(), s.trust.data(), int64_t(s.trust.size() * sizeof(float)), cfg_.stream, where);
+}
+
+// Run r's segments (and trust ratios, in the step's plan) in a's segment arrays: device or host memory,
+// as the kernels that read them.
+void ShardedOptimizer::segment_args(optim::StepArgs& a, const SegmentRun& r) {
+  const bool dev = on_device();
+  a.nseg = r.nseg;
+  a.seg_offsets = (dev ? seg_offsets_.as<const int64_t>() : seg_.offsets.data()) + r.offsets_at;
+  if (!seg_.trust.empty())
+    a.seg_trust = (dev ? seg_trust_.as<const float>() : seg_.trust.data()) + r.first;
 }
 
 std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
-  // Per-tensor norms: each rank sums its segments, one all_reduce adds them up per parameter.
+  // Per-tensor norms: each rank sums its segments, one all_reduce adds them up per parameter. A device's
+  // norms of every run go into one device array, read once: the step's second host read, after the
+  // gradient norm's (the norms need its clipping).
+  std::vector<GatherPiece> partitions;
+  for (int g = 0; g < kNumGroups; ++g) partitions.push_back({g, 0, layout_.groups[g].part_valid(rank())});
+  plan_segments(partitions, nullptr);
+  std::vector<optim::NormSums> out(seg_.params.size());
+  if (on_device()) seg_norms_.grow(int64_t(out.size() * sizeof(optim::NormSums)));
+  optim::StepArgs whole[kNumGroups];
+  for (int g = 0; g < kNumGroups; ++g)
+    if (layout_.groups[g].part_valid(rank()) > 0) fill_step_args(g, whole[g], grad_scale);
+  for (const SegmentRun& r : seg_.runs) {
+    optim::StepArgs a = narrowed(whole[r.group], hypers_[size_t(r.hyper)], r.lo, r.hi);
+    segment_args(a, r);
+    if (on_device())
+      optim::norms_range_cuda(a, seg_.offsets.data() + r.offsets_at, seg_norms_.as<optim::NormSums>() + r.first,
+                              cfg_.stream);
+    else
+      optim::norms_range(a, out.data() + r.first, cfg_.threads);
+  }
+  if (on_device() && !out.empty()) {
+    device::copy(out.data(), seg_norms_.data(), int64_t(out.size() * sizeof(optim::NormSums)), cfg_.stream,
+                 "ShardedOptimizer::step (the norms of LAMB/LARS)");
+    sync_caller("step (the norms of LAMB/LARS)");
+  }
   std::vector<double> sums(params_.size() * 2, 0.0);
-  for (int g = 0; g < kNumGroups; ++g) {
-    const int64_t b = layout_.groups[g].part_begin(rank());
-    if (layout_.groups[g].part_valid(rank()) == 0) continue;
-    optim::StepArgs whole;
-    fill_step_args(g, whole, grad_scale);
-    for_each_run(g, [&](int h, int64_t lo, int64_t hi) {
-      std::vector<int> seg_params;
-      const std::vector<int64_t> offs = segment_offsets(layout_, g, b, lo, hi, &seg_params);
-      optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], lo, hi);
-      a.nseg = int64_t(seg_params.size());
-      a.seg_offsets = offs.data();
-      std::vector<optim::NormSums> out(seg_params.size());
-      if (out.empty()) return;
-      if (on_device()) {
-        step_args_upload(g, a, offs, {});
-        optim::norms_range_cuda(a, offs.data(), out.data(), cfg_.stream);
-      } else {
-        optim::norms_range(a, out.data(), cfg_.threads);
-      }
-      for (size_t i = 0; i < seg_params.size(); ++i) {
-        sums[2 * size_t(seg_params[i])] += out[i].w_sq;
-        sums[2 * size_t(seg_params[i]) + 1] += out[i].u_sq;
-      }
-    });
+  for (size_t i = 0; i < out.size(); ++i) {
+    sums[2 * size_t(seg_.params[i])] += out[i].w_sq;
+    sums[2 * size_t(seg_.params[i]) + 1] += out[i].u_sq;
   }
   comm::all_reduce_host(dp_, sums.data(), int64_t(sums.size()), comm::ScalarType::f64, comm::ReduceOp::sum);
   std::vector<float> trust(params_.size());
@@ -1118,32 +1147,27 @@ std::vector<float> ShardedOptimizer::trust_ratios(float grad_scale) {
   return trust;
 }
 
-// Steps [lo, hi) of this rank's partition of group g (offsets from its start; lo on a state block).
-void ShardedOptimizer::step_group(int g, float grad_scale, const std::vector<float>& trust_by_param, int64_t lo,
-                                  int64_t hi) {
-  const int64_t b = layout_.groups[g].part_begin(rank());
+// Steps [lo, hi) of this rank's partition of group g (offsets from its start; lo on a state block). LAMB and
+// LARS take their runs from the step's plan (plan_segments over gather_order_), *next_run the next one.
+void ShardedOptimizer::step_group(int g, float grad_scale, int64_t lo, int64_t hi, size_t* next_run) {
   if (layout_.groups[g].part_valid(rank()) == 0) return;
   optim::StepArgs whole;
   fill_step_args(g, whole, grad_scale);
+  const bool trust = optim::algo_has_trust_ratio(cfg_.algo);
   for_each_run(g, [&](int h, int64_t run_lo, int64_t run_hi) {
     run_lo = std::max(run_lo, lo);
     run_hi = std::min(run_hi, hi);
     if (run_lo >= run_hi) return;
     optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], run_lo, run_hi);
-    std::vector<int> seg_params;
-    std::vector<int64_t> offs;
-    std::vector<float> trust;
-    if (optim::algo_has_trust_ratio(cfg_.algo)) {
-      offs = segment_offsets(layout_, g, b, run_lo, run_hi, &seg_params);
-      for (int p : seg_params) trust.push_back(trust_by_param[size_t(p)]);
-      a.nseg = int64_t(trust.size());
-      a.seg_offsets = offs.data();
-      a.seg_trust = trust.data();
+    const SegmentRun* r = nullptr;
+    if (trust) {
+      r = &seg_.runs[(*next_run)++];
+      ZERO8_ASSERT(r->group == g && r->lo == run_lo && r->hi == run_hi);
+      segment_args(a, *r);
     }
     if (on_device()) {
-      if (optim::algo_has_trust_ratio(cfg_.algo)) step_args_upload(g, a, offs, trust);
-      optim::step_range_cuda(a, offs.empty() ? nullptr : offs.data(), trust.empty() ? nullptr : trust.data(),
-                             cfg_.stream);
+      optim::step_range_cuda(a, r ? seg_.offsets.data() + r->offsets_at : nullptr,
+                             r ? seg_.trust.data() + r->first : nullptr, cfg_.stream);
     } else {
       optim::step_range(a, cfg_.threads);
     }
@@ -1256,8 +1280,11 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
       if (coef < 1.0) info.clip_coef = coef;
     }
     const float grad_scale = float(unscale * info.clip_coef);
-    std::vector<float> trust;
-    if (optim::algo_has_trust_ratio(cfg_.algo)) trust = trust_ratios(grad_scale);
+    if (optim::algo_has_trust_ratio(cfg_.algo)) {
+      const std::vector<float> trust = trust_ratios(grad_scale);
+      plan_segments(gather_order_, &trust);
+    }
+    size_t next_run = 0;  // step_group's place in the plan
     // Each piece of the partition is gathered (with overlap: on the optimizer's thread) while the next
     // one is stepped; the gathers run in the same order on every rank (gather_index counts on it). On a
     // device with the thread, a piece's gather runs on the side stream after the event its step recorded
@@ -1273,7 +1300,7 @@ StepInfo ShardedOptimizer::step(bool defer_gather) {
     for (size_t k = 0; k < gather_order_.size(); ++k) {
       const int g = gather_order_[k].group;
       const int64_t lo = gather_order_[k].lo, hi = gather_order_[k].hi;
-      step_group(g, grad_scale, trust, lo, hi);
+      step_group(g, grad_scale, lo, hi, &next_run);
       if (side) stepped_[k]->record(cfg_.stream);
       const bool int8 = wire_.int8_params;
       const comm::WireOptions opt = int8 ? wire_options(comm::WireFormat::int8) : comm::WireOptions{};

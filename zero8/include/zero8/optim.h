@@ -95,9 +95,10 @@ void step_range(const StepArgs& a, int threads = 0);
 // The same on a CUDA device (optim_step_cuda / optim_norms_cuda on `stream`): every pointer of `a` is a
 // device pointer (State::bind of a device state gives them), including the segment arrays the kernels
 // read; these are validated from their host copies seg_offsets_host / seg_trust_host (the same values;
-// null where `a` has none). The step is asynchronous on the stream; the norms wait for it and land in
-// `out` on the host. Error(unsupported) without CUDA or a usable device.
-void norms_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, NormSums* out, void* stream);
+// null where `a` has none). Both are asynchronous on the stream: the norms land in `out_dev`, device
+// memory, for the caller to read when all its ranges' norms are queued. Error(unsupported) without CUDA
+// or a usable device.
+void norms_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, NormSums* out_dev, void* stream);
 void step_range_cuda(const StepArgs& a, const int64_t* seg_offsets_host, const float* seg_trust_host, void* stream);
 
 // One tensor, or each segment of the range as its own tensor: LAMB/LARS run norms -> trust ratio ->

@@ -355,7 +355,7 @@ class ShardedOptimizer {
   void release_reduced(int g, int bi);
   void clear_grad_inputs();
   void validate_hypers() const;
-  void step_group(int g, float grad_scale, const std::vector<float>& trust_by_param, int64_t lo, int64_t hi);
+  void step_group(int g, float grad_scale, int64_t lo, int64_t hi, size_t* next_run);
   double grad_sq_sum_global(bool* overflow);
   template <class F>
   void for_each_run(int g, F&& f) const;
@@ -404,7 +404,21 @@ class ShardedOptimizer {
   void mark_posted(size_t pos);     // device: bucket order_[pos]'s gradients are written (posted_)
   void caller_after_side();         // the caller's stream waits for the side stream's work so far
   void sync_caller(const char* what);
-  void step_args_upload(int g, optim::StepArgs& a, const std::vector<int64_t>& offs, const std::vector<float>& trust);
+  // LAMB/LARS: the runs of one hyper group in a sequence of ranges of this rank's partitions, each with its
+  // parameters' segments, for the norms and the step (plan_segments; seg_ holds the host arrays).
+  struct SegmentRun {
+    int group, hyper;
+    int64_t lo, hi;     // offsets from the partition's start
+    size_t offsets_at;  // where its nseg + 1 offsets (from lo, closed by hi - lo) start in seg_.offsets
+    size_t first;       // its first segment's index in seg_.params and seg_.trust
+    int64_t nseg;
+  };
+  struct SegmentPlan {
+    std::vector<SegmentRun> runs;
+    std::vector<int64_t> offsets;
+    std::vector<int> params;   // per segment: its parameter
+    std::vector<float> trust;  // per segment: its trust ratio (the step's plan)
+  };
 
   std::vector<ParamSpec> params_;
   ShardConfig cfg_;
@@ -435,7 +449,8 @@ class ShardedOptimizer {
   Store full_delta_;                               // int8 parameter sync: the gathered deltas
   Store norm_sums_;                                // per group: the squared-gradient sums (2 doubles)
   Store norm_work_;                                // vec::sum_squares' work
-  Store seg_offsets_, seg_trust_;                  // device LAMB/LARS: a run's segments and trust ratios
+  SegmentPlan seg_;                                // LAMB/LARS: the runs of the norms', then the step's ranges
+  Store seg_offsets_, seg_trust_, seg_norms_;      // device LAMB/LARS: seg_'s arrays there, the segments' norms
   comm::WireWorkspace wire_ws_;
   std::unique_ptr<device::Stream> side_;           // device: the reduction stream
   std::unique_ptr<device::Event> side_mark_;      // device: the reductions so far, for the caller's stream
@@ -454,6 +469,8 @@ class ShardedOptimizer {
     int64_t lo, hi;  // offsets from each partition's start
   };
   std::vector<GatherPiece> gather_order_;          // the step's all-gather pieces, in the order every rank posts them
+  void plan_segments(const std::vector<GatherPiece>& ranges, const std::vector<float>* trust_by_param);
+  void segment_args(optim::StepArgs& a, const SegmentRun& r);
   std::vector<int64_t> gather_pos_[kNumGroups];    // per group, per piece index: its place in gather_order_
   size_t next_ = 0;                                // order_[next_] is the next bucket to reduce (or post)
   int micro_ = 0;                                  // micro-batches since the last boundary

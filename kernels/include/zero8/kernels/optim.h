@@ -132,9 +132,9 @@ float optim_trust_ratio(Algo a, const Hyper& h, const NormSums& s);
 
 #if ZERO8_WITH_CUDA
 // CUDA kernels: every pointer in StepArgs is a device pointer (maps, seg_offsets and seg_trust
-// included). optim_step_cuda is asynchronous on `stream`; optim_norms_cuda synchronizes it and
-// writes out_host (nseg or 1 entries).
-void optim_norms_cuda(const StepArgs& a, NormSums* out_host, void* stream);
+// included), and so is out_dev (nseg or 1 entries). Both are asynchronous on `stream`: a caller with
+// several ranges queues their norms into one array and reads it once.
+void optim_norms_cuda(const StepArgs& a, NormSums* out_dev, void* stream);
 void optim_step_cuda(const StepArgs& a, void* stream);
 // One tensor, or each segment as its own tensor, as step_tensor: LAMB/LARS run norms -> trust ratio
 // (optim_trust_ratio_of, on the device) -> step, all queued on `stream` with no host sync (a.seg_trust
