@@ -1,7 +1,8 @@
 // The CUDA simulator's own tests: the warp shuffles and votes give CUDA's results, and what the simulator
 // claims to catch in CUDA code it does catch (a missing barrier, a barrier or shuffle some threads never
 // reach, host code reading device memory, a kernel writing past an allocation, a host read before the
-// stream ran, a stream using another's result without an event, invalid launches).
+// stream ran, a stream using another's result without an event, invalid launches, a stream or event used on
+// another device).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -203,6 +204,56 @@ TEST(CudaSim, AnotherStreamsResultNeedsAnEvent) {
   cudaEventDestroy(made);
   cudaStreamDestroy(a);
   cudaStreamDestroy(b);
+}
+
+// Streams and events belong to the device current when they were made (the tests run with two devices): a
+// launch on another device's stream and an event recorded on another device's stream fail, as on a machine
+// with several GPUs; copies, waits and queries across devices work; each device has its own legacy stream,
+// ordered with its own blocking streams only.
+TEST(CudaSim, StreamsAndEventsBelongToTheirDevice) {
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  ASSERT_GE(devices, 2) << "the simulator's tests run with ZERO8_CUDASIM_DEVICES=2";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  cudaStream_t s0 = nullptr, s1 = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&s0), cudaSuccess);  // blocking
+  ASSERT_EQ(cudaEventCreateWithFlags(&e0, cudaEventDisableTiming), cudaSuccess);
+  Dev<float> x0(1);
+  ASSERT_EQ(cudaMemset(x0.p, 0, 4), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&s1), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&e1, cudaEventDisableTiming), cudaSuccess);
+  Dev<float> x1(1);
+  (void)cudaGetLastError();
+  k::store(x0.p, 0, 1.0f, s0);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle) << "a launch on device 0's stream from device 1";
+  k::store(x1.p, 0, 2.0f, s1);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(cudaEventRecord(e0, s1), cudaErrorInvalidResourceHandle) << "device 0's event on device 1's stream";
+  EXPECT_EQ(cudaEventRecord(e0, cudaStreamLegacy), cudaErrorInvalidResourceHandle) << "the legacy stream is device 1's";
+  (void)cudaGetLastError();
+  int d = -1;
+  ASSERT_EQ(cudaStreamGetDevice(cudaStreamLegacy, &d), cudaSuccess);
+  EXPECT_EQ(d, 1);
+  ASSERT_EQ(cudaEventRecord(e1, s1), cudaSuccess);
+  EXPECT_EQ(cudaStreamWaitEvent(s0, e1, 0), cudaSuccess) << "a wait across devices";
+  EXPECT_EQ(cudaMemcpyAsync(x0.p, x1.p, 4, cudaMemcpyDeviceToDevice, s0), cudaSuccess)
+      << "a copy on another device's stream";
+  // Device 1's legacy stream does not wait for device 0's blocking stream s0.
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  k::store(x0.p, 0, 3.0f, s0);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  k::store(x1.p, 0, 4.0f, cudaStreamLegacy);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "device 0's stream ran with device 1's legacy stream";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(x0.get(1)[0], 3.0f);  // device 0's legacy stream (the copy) waits for s0
+  EXPECT_EQ(x1.get(1)[0], 4.0f);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaStreamDestroy(s0);
+  cudaStreamDestroy(s1);
 }
 
 TEST(CudaSim, InvalidLaunchesAreLaunchErrors) {

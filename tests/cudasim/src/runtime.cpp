@@ -7,7 +7,11 @@
 // Streams: work is queued and runs only when the host waits for it (a synchronize, an event query, a copy
 // to host memory that the runtime documents as synchronous), so host code that reads a result before
 // waiting for it reads stale memory, and a stream that uses another's result without an event sees it
-// missing. The legacy default stream is ordered with the blocking streams, non-blocking streams are not.
+// missing. Each device has its own legacy default stream, ordered with that device's blocking streams;
+// non-blocking streams are not. A stream and an event belong to the device current when they were made: a
+// kernel launched on another device's stream and an event recorded on another device's stream fail with
+// cudaErrorInvalidResourceHandle, as on a machine with several GPUs ("Stream and Event Behavior" in the
+// CUDA C++ Programming Guide's multi-device section); copies and waits across devices succeed.
 // Copies follow the runtime's documented synchronization ("API synchronization behavior" in the CUDA
 // runtime API reference): from pageable host memory the source is read at the call; to pageable host
 // memory the call returns after the copy; pinned memory and device-to-device copies are asynchronous.
@@ -43,6 +47,7 @@ struct CUstream_st {
 };
 
 struct CUevent_st {
+  int device = 0;                 // current when it was made
   CUstream_st* stream = nullptr;  // where it was last recorded
   uint64_t position = 0;          // done when stream->done >= position
   bool timing = true;
@@ -71,15 +76,19 @@ struct State {
   std::set<CUstream_st*> streams;
   std::set<CUevent_st*> events;
   std::map<const void*, int> max_dyn_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
-  CUstream_st legacy, per_thread;
+  static constexpr int kMaxDevices = 16;  // ZERO8_CUDASIM_DEVICES' limit
+  CUstream_st legacy[kMaxDevices], per_thread[kMaxDevices];  // per device
   int device_access = 0;  // > 0 while device work runs
   zero8_cudasim_counts counts{};
   bool context = false;
   State() {
-    per_thread.blocking = true;
-    streams.insert(&legacy);
-    streams.insert(&per_thread);
+    for (int d = 0; d < kMaxDevices; ++d) {
+      legacy[d].device = per_thread[d].device = d;
+      streams.insert(&legacy[d]);
+      streams.insert(&per_thread[d]);
+    }
   }
+  bool is_legacy(const CUstream_st* s) const { return s == &legacy[s->device]; }
 };
 
 State& st() {
@@ -206,8 +215,8 @@ cudaError_t unmap_alloc(void* p, bool pinned) {
 
 CUstream_st* stream_of(cudaStream_t s) {
   State& g = st();
-  if (s == nullptr || s == cudaStreamLegacy) return &g.legacy;
-  if (s == cudaStreamPerThread) return &g.per_thread;
+  if (s == nullptr || s == cudaStreamLegacy) return &g.legacy[tl_device];
+  if (s == cudaStreamPerThread) return &g.per_thread[tl_device];
   return g.streams.count(s) ? s : nullptr;
 }
 
@@ -453,12 +462,12 @@ cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
   g.context = true;
   install_fault_handler();
-  if (s == &g.legacy) {
+  if (g.is_legacy(s)) {
     ++g.counts.ops_legacy_stream;
     for (CUstream_st* o : g.streams)
-      if (o != s && o->blocking) order_after(s, o);
+      if (o != s && o->blocking && o->device == s->device) order_after(s, o);
   } else if (s->blocking) {
-    order_after(s, &g.legacy);
+    order_after(s, &g.legacy[s->device]);
   }
   if (tracing()) std::fprintf(stderr, "cudasim: %s queued on stream %p\n", what, static_cast<void*>(s));
   s->queue.emplace_back(what, std::move(op));
@@ -483,7 +492,8 @@ void launch_kernel(const void* kernel, const char* name, dim3 grid, dim3 block, 
     set_error(cudaErrorInvalidValue);
     return;
   }
-  if (stream_of(stream) == nullptr) {
+  const CUstream_st* s = stream_of(stream);
+  if (s == nullptr || s->device != tl_device) {  // a stream of another device: the launch fails
     set_error(cudaErrorInvalidResourceHandle);
     return;
   }
@@ -735,7 +745,7 @@ cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
   if (device == nullptr) return set_error(cudaErrorInvalidValue);
   CUstream_st* s = stream_of(stream);
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
-  *device = stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread ? tl_device : s->device;
+  *device = s->device;
   return cudaSuccess;
 }
 
@@ -743,6 +753,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags) {
   if (e == nullptr) return set_error(cudaErrorInvalidValue);
   Lock l;
   auto* n = new CUevent_st;
+  n->device = tl_device;
   n->timing = (flags & cudaEventDisableTiming) == 0;
   st().events.insert(n);
   st().context = true;
@@ -761,7 +772,8 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
   Lock l;
   CUstream_st* s = stream_of(stream);
-  if (s == nullptr || e == nullptr || !st().events.count(e)) return set_error(cudaErrorInvalidResourceHandle);
+  if (s == nullptr || e == nullptr || !st().events.count(e) || e->device != s->device)
+    return set_error(cudaErrorInvalidResourceHandle);
   auto when = std::make_shared<std::chrono::steady_clock::time_point>();
   if (const cudaError_t r = enqueue(stream, "cudaEventRecord", [when] { *when = std::chrono::steady_clock::now(); });
       r != cudaSuccess)
