@@ -1,8 +1,8 @@
 // The CUDA simulator's own tests: the warp shuffles and votes give CUDA's results, and what the simulator
 // claims to catch in CUDA code it does catch (a missing barrier, a barrier or shuffle some threads never
 // reach, host code reading device memory, a kernel writing past an allocation, a host read before the
-// stream ran, a stream using another's result without an event, invalid launches, a stream or event used on
-// another device).
+// stream ran, a stream using another's result without an event, invalid launches, a stream, event or device
+// memory used on another device). They run with two devices.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -147,6 +147,30 @@ TEST(CudaSimDeathTest, AKernelWritingPastItsAllocationAborts) {
         cudaDeviceSynchronize();
       },
       "kernel store_kernel, block \\(0,0,0\\), thread \\(0,0,0\\): access at .* outside the allocation of 40 bytes");
+}
+
+// A kernel on device 1 that touches device 0's memory (a buffer allocated while the wrong device was
+// current): a GPU faults without peer access, and so does the simulator, naming both devices. A copy
+// between the devices works.
+TEST(CudaSimDeathTest, AKernelTouchingAnotherDevicesMemoryAborts) {
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  Dev<float> x0(4);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  Dev<float> x1(4);
+  ASSERT_EQ(cudaMemset(x1.p, 0, 16), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(x0.p, x1.p, 16, cudaMemcpyDeviceToDevice), cudaSuccess);
+  EXPECT_DEATH(
+      {
+        k::store(x0.p, 1, 1.0f, nullptr);
+        cudaDeviceSynchronize();
+      },
+      "kernel store_kernel, block \\(0,0,0\\), thread \\(0,0,0\\): access at .* to device 0's memory \\(allocation of "
+      "16 bytes at .*\\) by work on device 1");
+  k::store(x1.p, 1, 1.0f, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // device 0's streams do not wait for device 1's
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  EXPECT_EQ(x0.get(4), std::vector<float>(4, 0.0f));
+  EXPECT_EQ(x1.get(4)[1], 1.0f);
 }
 
 // Work on a stream runs when the host waits for it: a result read before that is the old one.

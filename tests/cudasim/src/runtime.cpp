@@ -39,7 +39,12 @@
 
 struct CUstream_st {
   // Operations return false while they wait for another process (a peer's NCCL part): see run_until.
-  std::deque<std::pair<const char*, std::function<bool()>>> queue;
+  struct Op {
+    const char* what;
+    std::function<bool()> run;
+    int memory;  // the devices whose memory it may touch: zero8_cudasim::kAllDevices or one device
+  };
+  std::deque<Op> queue;
   int device = 0;
   uint64_t queued = 0, done = 0;  // operations ever queued / run
   bool blocking = true;
@@ -68,6 +73,7 @@ struct Alloc {
   size_t map_bytes = 0;
   Kind kind = Kind::device;
   int device = 0;
+  bool open = true;  // its pages are accessible (device memory: only while device work that may touch it runs)
 };
 
 struct State {
@@ -78,7 +84,7 @@ struct State {
   std::map<const void*, int> max_dyn_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
   static constexpr int kMaxDevices = 16;  // ZERO8_CUDASIM_DEVICES' limit
   CUstream_st legacy[kMaxDevices], per_thread[kMaxDevices];  // per device
-  int device_access = 0;  // > 0 while device work runs
+  int open_memory = kNoDevice;  // whose device memory is accessible now (DeviceAccess)
   zero8_cudasim_counts counts{};
   bool context = false;
   State() {
@@ -152,26 +158,38 @@ Alloc* find(const void* p) {
   return u < uintptr_t(a.base) + (a.bytes > 0 ? a.bytes : 1) ? &a : nullptr;
 }
 
-void protect(Alloc& a, bool open) {
-  if (a.kind != Kind::device) return;
-  const size_t data = a.map_bytes - page();  // the last page is the guard
-  if (mprotect(a.map, data, open ? PROT_READ | PROT_WRITE : PROT_NONE) != 0) fatal("mprotect failed");
+// Device memory of device `memory` (kAllDevices: of every device; kNoDevice: none) is accessible.
+bool accessible(const Alloc& a, int memory) {
+  return a.kind != Kind::device || memory == kAllDevices || (memory != kNoDevice && a.device == memory);
 }
 
-// Device memory is accessible while this is held (device work runs under the runtime lock).
-struct DeviceAccess {
-  DeviceAccess() {
-    State& s = st();
-    if (s.device_access++ == 0)
-      for (auto& [u, a] : s.allocs) protect(a, true);
-  }
-  ~DeviceAccess() {
-    State& s = st();
-    if (--s.device_access == 0)
-      for (auto& [u, a] : s.allocs) protect(a, false);
-  }
+void protect(Alloc& a, int memory) {
+  const bool open = accessible(a, memory);
+  if (open == a.open) return;
+  const size_t data = a.map_bytes - page();  // the last page is the guard
+  if (mprotect(a.map, data, open ? PROT_READ | PROT_WRITE : PROT_NONE) != 0) fatal("mprotect failed");
+  a.open = open;
+}
+
+// While this is held, the device memory that device work may touch is accessible: a kernel's own device's
+// (a GPU faults on another's without peer access, which zero8 never enables), a copy's every device's.
+// Device work runs under the runtime lock; nested work (a wait that runs another stream) restores the outer
+// work's view when it ends.
+class DeviceAccess {
+ public:
+  explicit DeviceAccess(int memory) : outer_(st().open_memory) { open(memory); }
+  ~DeviceAccess() { open(outer_); }
   DeviceAccess(const DeviceAccess&) = delete;
   DeviceAccess& operator=(const DeviceAccess&) = delete;
+
+ private:
+  static void open(int memory) {
+    State& s = st();
+    if (s.open_memory == memory) return;
+    s.open_memory = memory;
+    for (auto& [u, a] : s.allocs) protect(a, memory);
+  }
+  int outer_;
 };
 
 void install_fault_handler();
@@ -197,7 +215,7 @@ cudaError_t map_alloc(void** p, size_t bytes, Kind kind) {
   std::memset(a.base, kCanary, span);  // fresh device memory is garbage, not zeros; past the end, canaries
   State& s = st();
   s.context = true;
-  if (s.device_access == 0) protect(a, false);
+  protect(a, s.open_memory);
   s.allocs[uintptr_t(a.base)] = a;
   *p = a.base;
   return cudaSuccess;
@@ -228,13 +246,14 @@ bool run_until(CUstream_st* s, uint64_t position);
 void order_after(CUstream_st* s, CUstream_st* w) {
   if (!pending(w)) return;
   const uint64_t pos = w->queued;
-  s->queue.emplace_back("implicit wait (legacy default stream)", [w, pos] { return run_until(w, pos); });
+  s->queue.push_back({"implicit wait (legacy default stream)", [w, pos] { return run_until(w, pos); }, kNoDevice});
   ++s->queued;
 }
 
 // Between an allocation's end and its guard page lie up to 255 bytes (the start is 256-byte aligned, as
 // cudaMalloc's is): they hold kCanary, and a write past the end that stays short of the guard page shows here.
 void check_canaries(const char* op) {
+  DeviceAccess all(kAllDevices);
   for (auto& [u, a] : st().allocs) {
     if (a.kind == Kind::pinned) continue;
     const char* end = a.base + a.bytes;
@@ -254,18 +273,22 @@ void check_canaries(const char* op) {
 // query answers "not ready" while a peer is missing, as on a GPU, where the NCCL kernel spins.
 bool run_until(CUstream_st* s, uint64_t position) {
   if (s->done >= position || s->queue.empty()) return true;
-  DeviceAccess access;
   while (s->done < position && !s->queue.empty()) {
     auto op = std::move(s->queue.front());
     s->queue.pop_front();
     ++s->done;  // before running: a wait inside may come back to this stream
-    if (tracing()) std::fprintf(stderr, "cudasim: %s runs (stream %p)\n", op.first, static_cast<void*>(s));
-    if (!op.second()) {
+    if (tracing()) std::fprintf(stderr, "cudasim: %s runs (stream %p)\n", op.what, static_cast<void*>(s));
+    bool ran;
+    {
+      DeviceAccess access(op.memory);
+      ran = op.run();
+    }
+    if (!ran) {
       --s->done;
       s->queue.push_front(std::move(op));
       return false;
     }
-    check_canaries(op.first);
+    check_canaries(op.what);
   }
   return true;
 }
@@ -300,7 +323,14 @@ struct Lock {
     }
   }
   const std::string where = where_in_kernel();
-  if (!where.empty() && near != nullptr && a == nullptr) {
+  const int open = st().open_memory;
+  if (a != nullptr && open >= 0 && a->kind == Kind::device && a->device != open) {
+    std::snprintf(buf, sizeof buf,
+                  "%s%saccess at %p to device %d's memory (allocation of %zu bytes at %p) by work on device %d: "
+                  "a GPU faults there without peer access",
+                  where.c_str(), where.empty() ? "" : ": ", addr, a->device, a->bytes,
+                  static_cast<const void*>(a->base), open);
+  } else if (!where.empty() && near != nullptr && a == nullptr) {
     std::snprintf(buf, sizeof buf,
                   "%s: access at %p outside the allocation of %zu bytes at %p (%td bytes from its start)",
                   where.c_str(), addr, near->bytes, static_cast<const void*>(near->base),
@@ -395,10 +425,10 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
     auto staged =
         std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
     enqueue(stream, "cudaMemcpy (from pageable host memory)",
-            [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+            [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); }, kAllDevices);
     return cudaSuccess;
   }
-  enqueue(stream, "cudaMemcpy", [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  enqueue(stream, "cudaMemcpy", [dst, src, bytes] { std::memmove(dst, src, bytes); }, kAllDevices);
   // To host memory the call returns after the copy (pageable always; pinned when synchronous); from pinned
   // host memory a synchronous copy waits too.
   if ((dh && (sync || is_pageable(dst))) || (sync && sh)) run_until_done(s, s->queued);
@@ -411,7 +441,7 @@ cudaError_t memset_impl(void* p, int value, size_t bytes, cudaStream_t stream, b
   CUstream_st* s = stream_of(stream);
   if (s == nullptr) return set_error(cudaErrorInvalidResourceHandle);
   if (!device_range(p, bytes)) return set_error(cudaErrorInvalidValue);
-  enqueue(stream, "cudaMemset", [p, value, bytes] { std::memset(p, value, bytes); });
+  enqueue(stream, "cudaMemset", [p, value, bytes] { std::memset(p, value, bytes); }, kAllDevices);
   if (sync && find(p)->kind == Kind::pinned) run_until_done(s, s->queued);
   return cudaSuccess;
 }
@@ -448,14 +478,17 @@ bool device_range(const void* p, size_t bytes) {
   return static_cast<const char*>(p) + bytes <= a->base + a->bytes;
 }
 
-cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op) {
-  return enqueue_waiting(stream, what, [op = std::move(op)] {
-    op();
-    return true;
-  });
+cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op, int memory) {
+  return enqueue_waiting(
+      stream, what,
+      [op = std::move(op)] {
+        op();
+        return true;
+      },
+      memory);
 }
 
-cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function<bool()> op) {
+cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function<bool()> op, int memory) {
   Lock l;
   State& g = st();
   CUstream_st* s = stream_of(stream);
@@ -470,7 +503,7 @@ cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function
     order_after(s, &g.legacy[s->device]);
   }
   if (tracing()) std::fprintf(stderr, "cudasim: %s queued on stream %p\n", what, static_cast<void*>(s));
-  s->queue.emplace_back(what, std::move(op));
+  s->queue.push_back({what, std::move(op), memory == kStreamsDevice ? s->device : memory});
   ++s->queued;
   s->told_not_ready = false;
   return cudaSuccess;
@@ -654,7 +687,7 @@ cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
   if (p == nullptr) return cudaSuccess;
   const auto it = st().allocs.find(uintptr_t(p));
   if (it == st().allocs.end() || it->second.kind == Kind::pinned) return set_error(cudaErrorInvalidValue);
-  return enqueue(stream, "cudaFreeAsync", [p] { (void)unmap_alloc(p, false); });
+  return enqueue(stream, "cudaFreeAsync", [p] { (void)unmap_alloc(p, false); }, kNoDevice);
 }
 
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* p) {
@@ -737,7 +770,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned) {
   if (!e->recorded) return cudaSuccess;  // an event never recorded is complete
   CUstream_st* w = e->stream;
   const uint64_t pos = e->position;
-  return enqueue_waiting(stream, "cudaStreamWaitEvent", [w, pos] { return run_until(w, pos); });
+  return enqueue_waiting(stream, "cudaStreamWaitEvent", [w, pos] { return run_until(w, pos); }, kNoDevice);
 }
 
 cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
@@ -775,7 +808,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
   if (s == nullptr || e == nullptr || !st().events.count(e) || e->device != s->device)
     return set_error(cudaErrorInvalidResourceHandle);
   auto when = std::make_shared<std::chrono::steady_clock::time_point>();
-  if (const cudaError_t r = enqueue(stream, "cudaEventRecord", [when] { *when = std::chrono::steady_clock::now(); });
+  if (const cudaError_t r = enqueue(stream, "cudaEventRecord", [when] { *when = std::chrono::steady_clock::now(); }, kNoDevice);
       r != cudaSuccess)
     return r;
   e->stream = s;

@@ -21,12 +21,18 @@ std::recursive_mutex& runtime_mutex();
 // lane that is not there, a fault) with the kernel, block and thread it happened in, and aborts.
 [[noreturn]] void fatal(const std::string& what);
 
+// Whose device memory an operation may touch while it runs (enqueue's `memory`): its stream's device's
+// (kernels, NCCL, cuBLASLt: a GPU faults on another device's memory without peer access), every device's
+// (copies), none (waits, event records), or one device's.
+constexpr int kAllDevices = -1, kNoDevice = -2, kStreamsDevice = -3;
+
 // Queues `op` on the stream; `what` names it in reports.
-cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op);
+cudaError_t enqueue(cudaStream_t stream, const char* what, std::function<void()> op, int memory = kStreamsDevice);
 // The same for an operation that may have to wait for another process (a peer's NCCL part): it returns
 // false while it does, and runs again at the stream's next query or wait (never at once in a loop: the
 // host that blocks sleeps between tries), until it returns true.
-cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function<bool()> op);
+cudaError_t enqueue_waiting(cudaStream_t stream, const char* what, std::function<bool()> op,
+                            int memory = kStreamsDevice);
 
 // Runs one kernel's grid now (called from a stream's queue, with device memory accessible).
 void run_grid(const char* name, dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
