@@ -272,6 +272,11 @@ TEST(CudaSim, StreamsAndEventsBelongToTheirDevice) {
   ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
   EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "device 0's stream ran with device 1's legacy stream";
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  k::store(x0.p, 0, 3.0f, s0);  // a query made progress: fresh work
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaStreamQuery(s0), cudaErrorNotReady) << "device 1's synchronize ran device 0's stream";
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   EXPECT_EQ(x0.get(1)[0], 3.0f);  // device 0's legacy stream (the copy) waits for s0
   EXPECT_EQ(x1.get(1)[0], 4.0f);
   cudaEventDestroy(e0);

@@ -634,10 +634,13 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   return cudaSuccess;
 }
 
+// The current device's streams only: another device's work may still be queued, as on a GPU.
 cudaError_t cudaDeviceSynchronize() {
   Lock l;
   ++st().counts.host_waits;
-  run_all();
+  State& g = st();
+  for (CUstream_st* s : std::vector<CUstream_st*>(g.streams.begin(), g.streams.end()))
+    if (s->device == tl_device) run_until_done(s, s->queued);
   return cudaSuccess;
 }
 
