@@ -3,12 +3,14 @@ choice (torch._int_mm vs zero8's oneDNN path vs float32/bf16 matmul); the per-bl
 fused kernel against the per-slice library path it replaced, for the three products of a linear layer;
 then forward and forward+backward of Linear8bitLt (inference) and Int8Linear (training, both GEMM modes)
 against nn.Linear in float32 and bfloat16 at transformer shapes, and the weight / saved-activation
-memory. Variants are timed round-robin (each runs once per round, so all see the same machine load);
+memory; then the host time per call of small Int8Linear layers through torch's dispatcher against the ops'
+functions called directly. Variants are timed round-robin (each runs once per round, so all see the same machine load);
 the minimum and the median over the rounds are reported. Prints tables and a final JSON line.
 
     python benchmarks/bench_int8.py            # 4096x4096 and 4096x16384, tokens 512, 2048, 4096
     python benchmarks/bench_int8.py --quick    # 4096x4096, tokens 512 only
     python benchmarks/bench_int8.py --gemm-only  # torch._int_mm vs zero8's oneDNN GEMM (interleaved)
+    python benchmarks/bench_int8.py --dispatch-only  # small layers: through the dispatcher vs direct calls
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import torch
 
 import zero8
-from zero8 import _C
+from zero8 import _C, _ops
 from zero8.nn import Int8Linear, Linear8bitLt
 from zero8.nn import int8_linear as il_mod
 from zero8.nn import linear8bit as l8
@@ -195,11 +197,69 @@ def bench_layers(k, n, tokens, reps, with_sliced):
     return out
 
 
+class through_the_ops:
+    """Within this block zero8.nn calls every int8 op through torch's dispatcher (the path before
+    ``zero8._ops.eager`` ran the ops' functions directly in plain eager calls), for before/after timings.
+    The same bits (tests/python/test_compile.py)."""
+
+    def __enter__(self):
+        self.saved = _ops.direct
+        _ops.direct = lambda args: False
+
+    def __exit__(self, *exc):
+        _ops.direct = self.saved
+
+
+DISPATCH_HEADER = (
+    "\nsmall layers, host time per call (us, median round): Int8Linear exact through torch's dispatcher (ops) and\n"
+    "calling the ops' functions directly (zero8._ops.eager, plain eager calls)\n"
+    f"{'K x N':>12} {'tok':>5} | {'ops':>8} {'direct':>8} {'ratio':>6} | {'ops':>8} {'direct':>8} {'ratio':>6}\n"
+    f"{'':>12} {'':>5} | {'forward':^24} | {'forward + backward':^24}")
+
+
+def bench_dispatch(reps):
+    """Int8Linear (exact, block 32) at small shapes, where the host's time per op counts: the ops' functions
+    called directly against the same calls through the dispatcher, round-robin (each round `calls` calls of
+    each). Microseconds per call."""
+    out = []
+    for k, n, tokens, calls in ((64, 64, 16, 200), (256, 256, 64, 100), (1024, 1024, 256, 10)):
+        torch.manual_seed(0)
+        mod = Int8Linear(k, n)
+        x = torch.randn(tokens, k)
+        g = torch.randn(tokens, n)
+
+        def fwd():
+            with torch.no_grad():
+                mod(x)
+
+        def fwd_bwd():
+            mod(x.detach().requires_grad_()).backward(g)
+
+        def ops(fn):
+            def run():
+                with through_the_ops():
+                    fn()
+            return run
+
+        timed = {name: (lambda f=f: [f() for _ in range(calls)])
+                 for name, f in {"fwd_direct": fwd, "fwd_ops": ops(fwd), "fwdbwd_direct": fwd_bwd,
+                                 "fwdbwd_ops": ops(fwd_bwd)}.items()}
+        t = {name: v[1] / calls * 1e6 for name, v in round_robin(timed, reps).items()}  # median round
+        row = dict(k=k, n=n, tokens=tokens, calls=calls, **{key + "_us": v for key, v in t.items()},
+                   fwd_speedup=t["fwd_ops"] / t["fwd_direct"], fwdbwd_speedup=t["fwdbwd_ops"] / t["fwdbwd_direct"])
+        out.append(row)
+        print(f"{k:5d}x{n:<6d} {tokens:5d} | {t['fwd_ops']:8.1f} {t['fwd_direct']:8.1f} {row['fwd_speedup']:6.2f} | "
+              f"{t['fwdbwd_ops']:8.1f} {t['fwdbwd_direct']:8.1f} {row['fwdbwd_speedup']:6.2f}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4096x4096 at 512 tokens only")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (the minimum is reported)")
     p.add_argument("--gemm-only", action="store_true", help="only the int8 GEMM comparison")
+    p.add_argument("--dispatch-only", action="store_true",
+                   help="only the small layers' host time through the dispatcher against direct calls")
     p.add_argument("--no-sliced", action="store_true",
                    help="skip the per-slice exact-mode timings (the path before the fused kernel; ~2 s per product)")
     args = p.parse_args()
@@ -210,6 +270,11 @@ def main() -> None:
           f"{_C.int8_block_matmul_backend()}, layers use "
           f"{l8.int8_gemm_backend()}, load average {load:.2f}")
 
+    if args.dispatch_only:
+        print(DISPATCH_HEADER)
+        print(json.dumps({"bench": "int8_dispatch", "load_avg_start": load, "load_avg_end": os.getloadavg()[0],
+                          "threads": torch.get_num_threads(), "dispatch": bench_dispatch(max(args.reps, 5))}))
+        return
     gemm_shapes = [(512, 4096, 4096)] if args.quick else [(512, 4096, 4096), (2048, 4096, 4096), (512, 4096, 16384)]
     print("\nint8 GEMM (ms; int8 rows are int8 x int8 -> int32, fp32/bf16 are torch matmul)")
     print(f"{'M':>6} {'K':>6} {'N':>6} | {'_int_mm':>9} {'zero8':>9} {'fp32':>9} {'bf16':>9} | "
@@ -237,13 +302,16 @@ def main() -> None:
     layers = [bench_layers(k, n, t, args.reps if t * n <= 2048 * 4096 else max(2, args.reps - 1),
                            with_sliced=(k, n, t) == (4096, 4096, 512) and not args.no_sliced)
               for k, n in layer_shapes for t in tokens_list]
+    print(DISPATCH_HEADER)
+    dispatch = bench_dispatch(max(args.reps, 5))
     l0 = layers[0]
     print(f"\nweights: fp32 {l0['weight_bytes_fp32']} B, Linear8bitLt int8 + scales {l0['weight_bytes_int8']} B "
           f"({l0['weight_bytes_fp32'] / l0['weight_bytes_int8']:.2f}x smaller); Int8Linear saved activation "
           f"{l0['saved_activation_bytes']} B vs fp32 {l0['fp32_activation_bytes']} B "
           f"({l0['fp32_activation_bytes'] / l0['saved_activation_bytes']:.2f}x smaller)")
     print(json.dumps({"bench": "int8", "load_avg_start": load, "load_avg_end": os.getloadavg()[0],
-                      "threads": torch.get_num_threads(), "gemm": gemm, "blockwise": blockwise, "layers": layers}))
+                      "threads": torch.get_num_threads(), "gemm": gemm, "blockwise": blockwise, "layers": layers,
+                      "dispatch": dispatch}))
 
 
 if __name__ == "__main__":

@@ -228,6 +228,68 @@ def test_inductor_fullgraph_forward_bits_and_gradients():
         assert (diff <= bound).all(), (i, (diff - bound).max().item())
 
 
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts the calls zero8.nn makes through the ops' dispatcher (``_ops.eager``'s fallback)."""
+    calls = []
+    for name in vars(_ops.eager):
+        e = getattr(_ops.eager, name)
+        if isinstance(e, _ops._Eager):
+            def counted(*args, _op=e.op, _name=name):
+                calls.append(_name)
+                return _op(*args)
+            monkeypatch.setattr(e, "op", counted)
+    return calls
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_eager_layers_call_the_op_functions_with_the_ops_bits(layer, op_calls, monkeypatch):
+    # Plain eager training calls the ops' functions without the dispatcher (its 10-20 us per call were most
+    # of a small layer's time): the same bits as through the ops, forward and backward.
+    torch.manual_seed(1)
+    m = LAYERS[layer](64, 24)
+    x = make_input((9, 64), torch.bfloat16)
+    y0, gx0, gp0 = run(m, x)
+    assert op_calls == []
+    monkeypatch.setattr(_ops, "direct", lambda args: False)
+    y1, gx1, gp1 = run(m, x)
+    assert op_calls, "the forced fallback dispatched no op"
+    assert same_bits(y0, y1) and same_bits(gx0, gx1) and sorted(gp0) == sorted(gp1)
+    for name in gp0:
+        assert same_bits(gp0[name], gp1[name]), name
+
+
+def test_traced_or_intercepted_calls_go_through_the_ops(op_calls):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(5, 16)
+    assert _ops.direct((x,))
+    assert not _ops.direct((x.requires_grad_(),)), "autograd would record: the op says it has no derivative"
+    with torch.no_grad():
+        assert _ops.direct((x,))
+    x = x.detach()
+    with FlopCounterMode(display=False):
+        assert not _ops.direct((x,))
+    with FakeTensorMode():
+        assert not _ops.direct((torch.empty(5, 16),))
+    with torch.device("cpu"):  # a torch-function mode
+        assert not _ops.direct((x,))
+    with torch.profiler.profile():
+        assert not _ops.direct((x,))
+    assert not _ops.direct((x.as_subclass(_Sub),))
+    # A call under each of them reaches the op: the profiler's trace names it.
+    m = Int8Linear(16, 8)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        m(x)
+    assert "zero8::int8_quantize_blocks" in {e.name for e in prof.events()}
+    assert "int8_quantize_blocks" in op_calls
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
 def _opcheck_cases():
     torch.manual_seed(6)
     x, w = torch.randn(37, 70), torch.randn(20, 70)

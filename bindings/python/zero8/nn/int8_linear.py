@@ -61,7 +61,7 @@ def blockwise_int8_matmul(qa: Tensor, sa: Tensor, qb_t: Tensor, sb_t: Tensor, bl
     # Checked here too (the op checks again), so that under torch.compile a bad call fails while tracing.
     _ops.check_block_matmul(qa, sa, qb_t, sb_t, block, out_dtype, bias)
     # One op (zero8._ops): the fused kernel where the CPU has AVX512_VNNI, else the per-slice path.
-    return _ops.int8_block_matmul(qa, sa, qb_t, sb_t, block, out_dtype, bias, _l8._GEMM)
+    return _ops.eager.int8_block_matmul(qa, sa, qb_t, sb_t, block, out_dtype, bias, _l8._GEMM)
 
 
 class _Int8LinearFn(torch.autograd.Function):
@@ -73,13 +73,13 @@ class _Int8LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         gemm = _l8._GEMM
         # The activation kept for the backward pass: int8 per-block (Jetfire's data flow format).
-        qxb, sxb = _ops.int8_quantize_blocks(x2, block, None)
+        qxb, sxb = _ops.eager.int8_quantize_blocks(x2, block, None)
         if exact:
-            qwb, swb = _ops.int8_quantize_blocks(weight.detach(), block, None)
-            y = _ops.int8_block_matmul(qxb, sxb, qwb, swb, block, x.dtype, bias, gemm)
+            qwb, swb = _ops.eager.int8_quantize_blocks(weight.detach(), block, None)
+            y = _ops.eager.int8_block_matmul(qxb, sxb, qwb, swb, block, x.dtype, bias, gemm)
         else:
-            qx, sx = _ops.int8_quantize_rows(x2, None, None)
-            qw, sw = _ops.int8_quantize_rows(weight.detach(), None, None)
+            qx, sx = _ops.eager.int8_quantize_rows(x2, None, None)
+            qw, sw = _ops.eager.int8_quantize_rows(weight.detach(), None, None)
             y = _ops.mm_dequantize(qx, qw, True, sx, sw, x.dtype, None, bias, gemm)
         ctx.save_for_backward(qxb, sxb, weight)
         ctx.block, ctx.exact, ctx.in_shape, ctx.x_dtype = block, exact, shape, x.dtype
@@ -99,21 +99,21 @@ class _Int8LinearFn(torch.autograd.Function):
         if ctx.exact:
             # One stochastic per-block quantization of the output gradient serves both products: the
             # blocks of its transpose are its blocks transposed.
-            qgb, sgb = _ops.int8_quantize_blocks(g2, block, _seed())
+            qgb, sgb = _ops.eager.int8_quantize_blocks(g2, block, _seed())
             if need_x:  # dX = dY W: reduction over the output features
-                qwb, swb = _ops.int8_quantize_blocks(w, block, None)
-                grad_x = _ops.int8_block_matmul(qgb, sgb, qwb.t(), swb.t(), block, ctx.x_dtype, None, gemm)
+                qwb, swb = _ops.eager.int8_quantize_blocks(w, block, None)
+                grad_x = _ops.eager.int8_block_matmul(qgb, sgb, qwb.t(), swb.t(), block, ctx.x_dtype, None, gemm)
             if need_w:  # dW = dY^T X: reduction over the tokens
-                grad_w = _ops.int8_block_matmul(qgb.t(), sgb.t(), qxb.t(), sxb.t(), block, torch.float32, None, gemm)
+                grad_w = _ops.eager.int8_block_matmul(qgb.t(), sgb.t(), qxb.t(), sxb.t(), block, torch.float32, None, gemm)
         else:
             if need_x:
-                qg, sg = _ops.int8_quantize_rows(g2, None, _seed())  # per token, stochastic
-                qw, sw = _ops.int8_quantize_cols(w, None)  # per input feature
+                qg, sg = _ops.eager.int8_quantize_rows(g2, None, _seed())  # per token, stochastic
+                qw, sw = _ops.eager.int8_quantize_cols(w, None)  # per input feature
                 grad_x = _ops.mm_dequantize(qg, qw, False, sg, sw, ctx.x_dtype, None, None, gemm)
             if need_w:
-                qg, sg = _ops.int8_quantize_cols(g2, _seed())  # per output feature, stochastic
-                xd = _ops.int8_dequantize_blocks(qxb, sxb, block, torch.float32)
-                qx, sx = _ops.int8_quantize_cols(xd, None)  # per input feature
+                qg, sg = _ops.eager.int8_quantize_cols(g2, _seed())  # per output feature, stochastic
+                xd = _ops.eager.int8_dequantize_blocks(qxb, sxb, block, torch.float32)
+                qx, sx = _ops.eager.int8_quantize_cols(xd, None)  # per input feature
                 # A reduction over every token: past INT8_GEMM_MAX_K of them, in parts summed in int64.
                 grad_w = _ops.mm_dequantize(qg.t(), qx, False, sg, sx, torch.float32, None, None, gemm)
         if need_b:

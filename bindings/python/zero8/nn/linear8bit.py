@@ -88,19 +88,19 @@ def quantize_rows(x: Tensor, col_mask: Optional[Tensor] = None, stochastic: bool
         check_dtype(col_mask, "col_mask", torch.uint8)
         if col_mask.numel() != x.shape[1]:
             raise Zero8ValueError(f"col_mask has {col_mask.numel()} elements; expected {x.shape[1]}")
-    return _ops.int8_quantize_rows(x, col_mask, _seed() if stochastic else None)
+    return _ops.eager.int8_quantize_rows(x, col_mask, _seed() if stochastic else None)
 
 
 def quantize_cols(x: Tensor, stochastic: bool = False):
     """Column-wise absmax int8: ``(q int8 like x, scale float32[cols])``."""
     x = _float_matrix(x, "x")
-    return _ops.int8_quantize_cols(x, _seed() if stochastic else None)
+    return _ops.eager.int8_quantize_cols(x, _seed() if stochastic else None)
 
 
 def quantize_blocks(x: Tensor, block: int, stochastic: bool = False):
     """Per-block absmax int8 (Jetfire): ``(q int8 like x, scale float32[ceil(rows/block), ceil(cols/block)])``."""
     x = _float_matrix(x, "x")
-    return _ops.int8_quantize_blocks(x, block, _seed() if stochastic else None)
+    return _ops.eager.int8_quantize_blocks(x, block, _seed() if stochastic else None)
 
 
 def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -110,7 +110,7 @@ def dequantize_blocks(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype =
     # read anyway (on a GPU, an illegal address ends the process's CUDA context). The op checks again; this
     # check also runs where the op's body does not (fake tensors, torch.compile's tracing).
     _ops.check_dequantize_blocks(q, scale, block, dtype)
-    return _ops.int8_dequantize_blocks(q, scale, block, dtype)
+    return _ops.eager.int8_dequantize_blocks(q, scale, block, dtype)
 
 
 def int8_mm(a: Tensor, b: Tensor, b_trans: bool = True) -> Tensor:
@@ -140,7 +140,7 @@ def dequantize_matmul(acc: Tensor, row_scale: Tensor, col_scale: Tensor, *, out_
     _ops.check_epilogue(acc, row_scale, col_scale, add, bias, out, out_dtype, accumulate, row_group, row_stride,
                         col_group, col_stride)
     if out is None:
-        return _ops.int8_dequantize_matmul(acc, row_scale, col_scale, out_dtype, add, bias, row_group, row_stride,
+        return _ops.eager.int8_dequantize_matmul(acc, row_scale, col_scale, out_dtype, add, bias, row_group, row_stride,
                                            col_group, col_stride)
     # Writing into a given tensor (the per-slice path accumulates into one) is eager only: not an op.
     return _ops._dequantize_matmul_into(acc, row_scale, col_scale, add, bias, out, accumulate, row_group,
@@ -266,7 +266,7 @@ class _Linear8bitLtFn(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1]).contiguous()
         # LLM.int8's mixed-precision decomposition, one op (zero8._ops): the outlier columns, and so
         # the shapes of its float part, depend on the data.
-        y = _ops.llm_int8_matmul(x2, w_q, w_scale, weight_fp, threshold, bias, _GEMM)
+        y = _ops.eager.llm_int8_matmul(x2, w_q, w_scale, weight_fp, threshold, bias, _GEMM)
         ctx.save_for_backward(x2 if weight_fp is not None and weight_fp.requires_grad else None, weight_fp, w_q,
                               w_scale)
         ctx.has_bias = bias is not None
