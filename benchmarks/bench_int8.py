@@ -24,7 +24,7 @@ import time
 import torch
 
 import zero8
-from zero8 import _C, _ops
+from zero8 import _C, _tensors
 from zero8.nn import Int8Linear, Linear8bitLt
 from zero8.nn import int8_linear as il_mod
 from zero8.nn import linear8bit as l8
@@ -203,11 +203,11 @@ class through_the_ops:
     The same bits (tests/python/test_compile.py)."""
 
     def __enter__(self):
-        self.saved = _ops.direct
-        _ops.direct = lambda args: False
+        self.saved = _tensors.direct
+        _tensors.direct = lambda args: False
 
     def __exit__(self, *exc):
-        _ops.direct = self.saved
+        _tensors.direct = self.saved
 
 
 DISPATCH_HEADER = (

@@ -18,7 +18,7 @@ import torch._dynamo
 
 import zero8.nn  # noqa: F401  (registers the zero8:: ops)
 import zero8.optim
-from zero8 import _ops
+from zero8 import _ops, _tensors
 from zero8 import functional as F
 from zero8.nn import Int8Linear, Linear8bitLt
 
@@ -234,7 +234,7 @@ def op_calls(monkeypatch):
     calls = []
     for name in vars(_ops.eager):
         e = getattr(_ops.eager, name)
-        if isinstance(e, _ops._Eager):
+        if isinstance(e, _tensors.EagerOp):
             def counted(*args, _op=e.op, _name=name):
                 calls.append(_name)
                 return _op(*args)
@@ -251,7 +251,7 @@ def test_eager_layers_call_the_op_functions_with_the_ops_bits(layer, op_calls, m
     x = make_input((9, 64), torch.bfloat16)
     y0, gx0, gp0 = run(m, x)
     assert op_calls == []
-    monkeypatch.setattr(_ops, "direct", lambda args: False)
+    monkeypatch.setattr(_tensors, "direct", lambda args: False)
     y1, gx1, gp1 = run(m, x)
     assert op_calls, "the forced fallback dispatched no op"
     assert same_bits(y0, y1) and same_bits(gx0, gx1) and sorted(gp0) == sorted(gp1)
@@ -264,20 +264,20 @@ def test_traced_or_intercepted_calls_go_through_the_ops(op_calls):
     from torch.utils.flop_counter import FlopCounterMode
 
     x = torch.randn(5, 16)
-    assert _ops.direct((x,))
-    assert not _ops.direct((x.requires_grad_(),)), "autograd would record: the op says it has no derivative"
+    assert _tensors.direct((x,))
+    assert not _tensors.direct((x.requires_grad_(),)), "autograd would record: the op says it has no derivative"
     with torch.no_grad():
-        assert _ops.direct((x,))
+        assert _tensors.direct((x,))
     x = x.detach()
     with FlopCounterMode(display=False):
-        assert not _ops.direct((x,))
+        assert not _tensors.direct((x,))
     with FakeTensorMode():
-        assert not _ops.direct((torch.empty(5, 16),))
+        assert not _tensors.direct((torch.empty(5, 16),))
     with torch.device("cpu"):  # a torch-function mode
-        assert not _ops.direct((x,))
+        assert not _tensors.direct((x,))
     with torch.profiler.profile():
-        assert not _ops.direct((x,))
-    assert not _ops.direct((x.as_subclass(_Sub),))
+        assert not _tensors.direct((x,))
+    assert not _tensors.direct((x.as_subclass(_Sub),))
     # A call under each of them reaches the op: the profiler's trace names it.
     m = Int8Linear(16, 8)
     with torch.no_grad(), torch.profiler.profile() as prof:
@@ -288,6 +288,22 @@ def test_traced_or_intercepted_calls_go_through_the_ops(op_calls):
 
 class _Sub(torch.Tensor):
     pass
+
+
+def test_eager_codec_calls_run_the_op_functions_with_the_ops_bits(monkeypatch):
+    # zero8.functional's block-wise codec likewise: plain eager calls dispatch nothing, the same bits.
+    calls = []
+    for e in (F._quantize_blockwise_eager, F._dequantize_blockwise_eager):
+        monkeypatch.setattr(e, "op", lambda *args, _op=e.op: calls.append(_op) or _op(*args))
+    x = torch.randn(3, 1000)
+    q0, s0 = F.quantize_blockwise(x, blocksize=256, nested=True)
+    y0 = F.dequantize_blockwise(q0, s0)
+    assert calls == []
+    monkeypatch.setattr(_tensors, "direct", lambda args: False)
+    q1, s1 = F.quantize_blockwise(x, blocksize=256, nested=True)
+    y1 = F.dequantize_blockwise(q1, s1)
+    assert len(calls) >= 2
+    assert torch.equal(q0, q1) and torch.equal(s0.absmax, s1.absmax) and same_bits(y0, y1)
 
 
 def _opcheck_cases():

@@ -29,8 +29,9 @@ from torch.utils.flop_counter import register_flop_formula
 
 from . import _C
 from ._C import Zero8NotSupportedError, Zero8ValueError
-from ._tensors import (FLOAT_DTYPES, PLAIN_TENSORS, check_device, check_dtype, check_not_dtensor, check_same_device,
-                       cuda_stream, dtype_code, on_device, ptr)
+from . import _tensors
+from ._tensors import (FLOAT_DTYPES, PLAIN_TENSORS, EagerOp, check_device, check_dtype, check_not_dtensor,
+                       check_same_device, cuda_stream, dtype_code, on_device, ptr)
 
 __all__ = [
     "int8_quantize_rows",
@@ -367,8 +368,8 @@ def mm_dequantize(qa: Tensor, qb: Tensor, b_trans: bool, row_scale: Tensor, col_
     INT8_GEMM_MAX_K (the weight gradient's over more than 131071 tokens) is cut into GEMMs of at most that,
     their int32 products summed exactly in int64, and the epilogue's arithmetic (float32 of the sum times
     the scale product, then + add, + bias) done on that sum by torch ops. ``in_op`` as for ``_mm``; an eager
-    call that ``direct`` allows runs the same way."""
-    in_op = in_op or direct((qa, qb, row_scale, col_scale, add, bias))
+    call that ``_tensors.direct`` allows runs the same way."""
+    in_op = in_op or _tensors.direct((qa, qb, row_scale, col_scale, add, bias))
     k = qa.shape[1]
     if k <= INT8_GEMM_MAX_K:
         # (In an op's body the epilogue's body, still checked: it is where `add`, computed by the caller, is read.)
@@ -528,50 +529,18 @@ int8_block_matmul = torch.library.custom_op("zero8::int8_block_matmul", _block_m
 llm_int8_matmul = torch.library.custom_op("zero8::llm_int8_matmul", _llm_int8_matmul, **_OP)
 
 
-# ---------------------------------------------------------------- eager calls from zero8.nn
-#
-# A call through the dispatcher costs 10-20 us of host time (custom_op's Python kernel behind the dispatch
-# keys), more than a small layer's kernels take, and a GPU idles when the host launches slower than it
-# computes. zero8.nn calls the ops through ``eager``, which runs an op's function itself when nothing could
-# tell the difference: plain tensors, none of them needing a gradient where autograd records, and nothing
-# tracing or intercepting calls (torch.compile, a dispatch or torch-function mode such as FakeTensorMode or
-# FlopCounterMode, a functorch transform, the profiler, whose trace names the ops). The function checks its
-# arguments as the op does. Anything else goes through the op.
+# ---------------------------------------------------------------- eager calls (zero8._tensors.EagerOp)
 
 
-def direct(args) -> bool:
-    """Whether a call with ``args`` may run an op's function instead of dispatching the op (see above)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch.autograd._profiler_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
-        return False
-    grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, Tensor) and (type(a) not in PLAIN_TENSORS or (grad and a.requires_grad)):
-            return False
-    return True
-
-
-class _Eager:
-    """An op as zero8.nn calls it: its function where ``direct`` allows, else the op."""
-    __slots__ = ("op", "fn")
-
-    def __init__(self, op, fn):
-        self.op, self.fn = op, fn
-
-    def __call__(self, *args):
-        return self.fn(*args) if direct(args) else self.op(*args)
-
-
-class eager:  # noqa: N801 (a namespace: _ops.eager.int8_gemm mirrors _ops.int8_gemm)
-    int8_quantize_rows = _Eager(int8_quantize_rows, _quantize_rows)
-    int8_quantize_cols = _Eager(int8_quantize_cols, _quantize_cols)
-    int8_quantize_blocks = _Eager(int8_quantize_blocks, _quantize_blocks)
-    int8_dequantize_blocks = _Eager(int8_dequantize_blocks, _dequantize_blocks)
-    int8_gemm = _Eager(int8_gemm, _gemm)
-    int8_dequantize_matmul = _Eager(int8_dequantize_matmul, _dequantize_matmul)
-    int8_block_matmul = _Eager(int8_block_matmul, _block_matmul)
-    llm_int8_matmul = _Eager(llm_int8_matmul, _llm_int8_matmul)
+class eager:  # noqa: N801 (a namespace: zero8.nn calls _ops.eager.int8_gemm where tests call _ops.int8_gemm)
+    int8_quantize_rows = EagerOp(int8_quantize_rows, _quantize_rows)
+    int8_quantize_cols = EagerOp(int8_quantize_cols, _quantize_cols)
+    int8_quantize_blocks = EagerOp(int8_quantize_blocks, _quantize_blocks)
+    int8_dequantize_blocks = EagerOp(int8_dequantize_blocks, _dequantize_blocks)
+    int8_gemm = EagerOp(int8_gemm, _gemm)
+    int8_dequantize_matmul = EagerOp(int8_dequantize_matmul, _dequantize_matmul)
+    int8_block_matmul = EagerOp(int8_block_matmul, _block_matmul)
+    llm_int8_matmul = EagerOp(llm_int8_matmul, _llm_int8_matmul)
 
 
 @int8_quantize_rows.register_fake

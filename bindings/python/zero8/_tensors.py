@@ -45,6 +45,39 @@ _NO_CUDA = ("this zero8 was built without its CUDA kernels (no GPU or no nvcc wh
 # Tensors of these types exactly are plain: not a subclass (a DTensor, a tensor subclass of another library).
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
+
+# A call of one of zero8's custom ops through torch's dispatcher costs 10-20 us of host time (custom_op's Python
+# kernel behind the dispatch keys): more than a small layer's kernels take, and a GPU idles when the host launches
+# slower than it computes. zero8.nn and zero8.functional call their ops through EagerOp, which runs an op's
+# function itself when nothing could tell the difference: plain tensors, none of them needing a gradient where
+# autograd records, and nothing tracing or intercepting calls (torch.compile, a dispatch or torch-function mode
+# such as FakeTensorMode or FlopCounterMode, a functorch transform, the profiler, whose trace names the ops).
+# The function checks its arguments as the op does. Anything else goes through the op.
+
+
+def direct(args) -> bool:
+    """Whether a call with ``args`` may run an op's function instead of dispatching the op (see above)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled() or torch.autograd._profiler_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in PLAIN_TENSORS or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+class EagerOp:
+    """A custom op as zero8 calls it: its function ``fn`` where ``direct`` allows, else the op."""
+    __slots__ = ("op", "fn")
+
+    def __init__(self, op, fn):
+        self.op, self.fn = op, fn
+
+    def __call__(self, *args):
+        return self.fn(*args) if direct(args) else self.op(*args)
+
 # The element types the kernels read and write (zero8::DType).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CODES = {torch.float32: _C.DType.f32, torch.bfloat16: _C.DType.bf16, torch.float16: _C.DType.f16}

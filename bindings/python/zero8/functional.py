@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C
 from ._C import Zero8ValueError
-from ._tensors import (FLOAT_DTYPES, check_device_contiguous, check_dtype, check_float_tensor, check_numel,
+from ._tensors import (FLOAT_DTYPES, EagerOp, check_device_contiguous, check_dtype, check_float_tensor, check_numel,
                        check_same_device, cuda_stream, dtype_code, on_device, ptr)
 
 __all__ = ["QuantState", "create_dynamic_map", "quantize_blockwise", "dequantize_blockwise"]
@@ -346,6 +346,8 @@ _quantize_blockwise_op = torch.library.custom_op("zero8::quantize_blockwise", _q
                                                  mutates_args=(), device_types=("cpu", "cuda"))
 _dequantize_blockwise_op = torch.library.custom_op("zero8::dequantize_blockwise", _dequantize_blockwise_kernel,
                                                    mutates_args=(), device_types=("cpu", "cuda"))
+_quantize_blockwise_eager = EagerOp(_quantize_blockwise_op, _quantize_blockwise_kernel)
+_dequantize_blockwise_eager = EagerOp(_dequantize_blockwise_op, _dequantize_blockwise_kernel)
 
 
 @_quantize_blockwise_op.register_fake
@@ -426,7 +428,7 @@ def quantize_blockwise(A: torch.Tensor, code: Optional[torch.Tensor] = None, abs
         check_same_device(out, "out", A, "A")
         check_dtype(out, "out", torch.uint8)
         check_numel(out, "out", n, "one code per element of A")
-    codes, scales = _quantize_blockwise_op(A, code, blocksize, nested)
+    codes, scales = _quantize_blockwise_eager(A, code, blocksize, nested)
     if out is not None:
         codes = out.copy_(codes.view(out.shape))
     if absmax is not None:
@@ -476,8 +478,8 @@ def dequantize_blockwise(A: torch.Tensor, quant_state: Optional[QuantState] = No
         if out_dtype not in FLOAT_DTYPES:
             raise Zero8ValueError(f"quant_state.dtype is {out_dtype}; zero8 kernels take float32, bfloat16 or "
                                   "float16")
-        return _dequantize_blockwise_op(A, scales, quant_state.code, bs, out_dtype)
+        return _dequantize_blockwise_eager(A, scales, quant_state.code, bs, out_dtype)
     check_float_tensor(out, "out")
     check_same_device(out, "out", A, "A")
     check_numel(out, "out", n, "one element per code of A")
-    return out.copy_(_dequantize_blockwise_op(A, scales, quant_state.code, bs, out.dtype).view(out.shape))
+    return out.copy_(_dequantize_blockwise_eager(A, scales, quant_state.code, bs, out.dtype).view(out.shape))
