@@ -473,8 +473,9 @@ TEST(ShardedCuda, DeviceBuffersAndTheirHostCopies) {
 
 #if ZERO8_WITH_CUDA_SIM
 // What the CUDA simulator counts (tests/cudasim): the device optimizer's micro-batches and step queue
-// nothing on the legacy default stream (everything goes on the caller's), and a step reads the device from
-// the host once: the gradient norm and overflow verdict. Its communicator is the single-process one, whose
+// nothing on the legacy default stream (everything goes on the caller's), the micro-batches never wait on
+// the host, and a step reads the device from the host once and waits once: the gradient norm and overflow
+// verdict. Its communicator is the single-process one, whose
 // device collectives are device copies (MPI's stage through host memory, by design).
 TEST(ShardedCuda, AStepUsesTheCallersStreamAndOneHostRead) {
   std::unique_ptr<comm::Communicator> single = comm::comm_create("single"), host_single = comm::comm_create("single");
@@ -501,6 +502,9 @@ TEST(ShardedCuda, AStepUsesTheCallersStreamAndOneHostRead) {
     EXPECT_GT(after.kernels, mid.kernels);
     EXPECT_EQ(after.ops_legacy_stream, before.ops_legacy_stream) << "work queued on the legacy default stream";
     EXPECT_EQ(after.copies_to_host - mid.copies_to_host, 1u) << "host reads of the device in one step";
+    EXPECT_EQ(after.host_waits - mid.host_waits, 1u) << "host waits in one step";
+    EXPECT_EQ(mid.host_waits - before.host_waits, 0u) << "host waits in the micro-batches";
+    EXPECT_EQ(mid.copies_to_host - before.copies_to_host, 0u) << "host reads in the micro-batches";
   }
 }
 
