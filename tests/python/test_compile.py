@@ -230,7 +230,8 @@ def test_inductor_fullgraph_forward_bits_and_gradients():
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Counts the calls zero8.nn makes through the ops' dispatcher (``_ops.eager``'s fallback)."""
+    """Counts the calls of zero8's int8 ops through the dispatcher: ``_ops.eager``'s fallbacks and the ops
+    by their module names (mm_dequantize's, or a call site that names an op itself)."""
     calls = []
     for name in vars(_ops.eager):
         e = getattr(_ops.eager, name)
@@ -239,6 +240,7 @@ def op_calls(monkeypatch):
                 calls.append(_name)
                 return _op(*args)
             monkeypatch.setattr(e, "op", counted)
+            monkeypatch.setattr(_ops, name, counted)
     return calls
 
 
@@ -259,6 +261,7 @@ def test_eager_layers_call_the_op_functions_with_the_ops_bits(layer, op_calls, m
         assert same_bits(gp0[name], gp1[name]), name
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching")
 def test_traced_or_intercepted_calls_go_through_the_ops(op_calls):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -277,7 +280,21 @@ def test_traced_or_intercepted_calls_go_through_the_ops(op_calls):
         assert not _tensors.direct((x,))
     with torch.profiler.profile():
         assert not _tensors.direct((x,))
+    with torch.autograd.forward_ad.dual_level():
+        assert not _tensors.direct((x,))
     assert not _tensors.direct((x.as_subclass(_Sub),))
+    # torch.jit.trace records the op (a direct call would record only the function's torch.empty), and vmap
+    # runs it per slice: both give the eager values.
+    from zero8.nn import linear8bit as L
+
+    x2 = torch.randn(5, 16) * 3
+    traced = torch.jit.trace(L.quantize_rows, x, check_trace=False)
+    assert all(torch.equal(a, b) for a, b in zip(traced(x2), L.quantize_rows(x2)))
+    batch = torch.randn(3, 5, 16)
+    q, s = torch.vmap(L.quantize_rows)(batch)
+    for i in range(3):
+        qi, si = L.quantize_rows(batch[i])
+        assert torch.equal(q[i], qi) and torch.equal(s[i], si)
     # A call under each of them reaches the op: the profiler's trace names it.
     m = Int8Linear(16, 8)
     with torch.no_grad(), torch.profiler.profile() as prof:

@@ -50,15 +50,17 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # kernel behind the dispatch keys): more than a small layer's kernels take, and a GPU idles when the host launches
 # slower than it computes. zero8.nn and zero8.functional call their ops through EagerOp, which runs an op's
 # function itself when nothing could tell the difference: plain tensors, none of them needing a gradient where
-# autograd records, and nothing tracing or intercepting calls (torch.compile, a dispatch or torch-function mode
-# such as FakeTensorMode or FlopCounterMode, a functorch transform, the profiler, whose trace names the ops).
-# The function checks its arguments as the op does. Anything else goes through the op.
+# autograd records, and nothing tracing or intercepting calls (torch.compile, torch.jit.trace, a dispatch or
+# torch-function mode such as FakeTensorMode or FlopCounterMode, a functorch transform, forward-mode AD, the
+# profiler, whose trace names the ops). The function checks its arguments as the op does. Anything else goes
+# through the op. (torch.jit.trace would record the function's torch.empty and not the kernel that fills it.)
 
 
 def direct(args) -> bool:
     """Whether a call with ``args`` may run an op's function instead of dispatching the op (see above)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch.autograd._profiler_enabled()
+            or torch._C._get_tracing_state() is not None or torch.autograd.forward_ad._current_level >= 0
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return False
     grad = torch.is_grad_enabled()
