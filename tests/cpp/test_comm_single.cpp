@@ -273,7 +273,7 @@ TEST(CommSingle, SrunTasksWithoutPmiAreRefused) {
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::unsupported) << e.what();
       const std::string what = e.what();
-      for (const std::string part :
+      for (const std::string& part :
            {std::string("communicator backend '") + backend + "': srun started this process as task 2 of 4 "
                                                               "(SLURM_PROCID, SLURM_STEP_NUM_TASKS) without PMI",
             std::string("srun --mpi=pmix"), std::string("torchrun under srun"),

@@ -1138,11 +1138,15 @@ TEST(OptimNonFinite, AGradientElementTakesOnlyItsOwnParameter) {
               if (i == k) continue;
               ASSERT_TRUE(std::isfinite(pb.f32[size_t(i)])) << "element " << i << ", step " << t;
               moved += pb.f32[size_t(i)] != before[size_t(i)];
-              if (same) ASSERT_EQ(f32_bits(pb.f32[size_t(i)]), f32_bits(twin.f32[size_t(i)])) << "element " << i;
+              if (same) {
+                ASSERT_EQ(f32_bits(pb.f32[size_t(i)]), f32_bits(twin.f32[size_t(i)])) << "element " << i;
+              }
             }
             // LARS on an Inf: the trust ratio ||w|| / ||g + wd w|| is 0 for that step (as timm's), so the
             // tensor stands still once; from then on it trains with the trust ratio of a non-finite norm, 1.
-            if (elementwise || t > 1 || std::isnan(bad) || algo != Algo::lars) EXPECT_GE(moved, n - 2) << "step " << t;
+            if (elementwise || t > 1 || std::isnan(bad) || algo != Algo::lars) {
+              EXPECT_GE(moved, n - 2) << "step " << t;
+            }
             for (int w = 1; w <= row.num_states; ++w) {
               if (bits == 8) {
                 for (int64_t b = 0; b < 3; ++b) ASSERT_TRUE(std::isfinite(st.absmax(w)[b])) << "state " << w << " block " << b;
@@ -1151,8 +1155,11 @@ TEST(OptimNonFinite, AGradientElementTakesOnlyItsOwnParameter) {
                   EXPECT_EQ(std::memcmp(st.absmax(w), twin_st.absmax(w), 3 * sizeof(float)), 0) << "state " << w;
                 }
               } else if (same) {
-                for (int64_t i = 0; i < n; ++i)
-                  if (i != k) ASSERT_EQ(f32_bits(st.fp32(w)[i]), f32_bits(twin_st.fp32(w)[i])) << "state " << w;
+                for (int64_t i = 0; i < n; ++i) {
+                  if (i != k) {
+                    ASSERT_EQ(f32_bits(st.fp32(w)[i]), f32_bits(twin_st.fp32(w)[i])) << "state " << w;
+                  }
+                }
               }
             }
           }
@@ -1192,7 +1199,9 @@ TEST(OptimNonFinite, ALaterBadGradientLeavesTheBlockTraining) {
           }
           // A frozen block would leave 255 of the 611 others; LARS's trust ratio (about 1e-3 ||w|| / ||g||) makes
           // a few steps smaller than half an ulp of their float32 master even in a clean run.
-          if (!(row.algo == Algo::lars && t == 4 && !std::isnan(bad))) EXPECT_GE(moved, 95 * (n - 1) / 100) << "step " << t;
+          if (!(row.algo == Algo::lars && t == 4 && !std::isnan(bad))) {
+            EXPECT_GE(moved, 95 * (n - 1) / 100) << "step " << t;
+          }
           for (int w = 1; w <= row.num_states; ++w)
             for (int64_t b = 0; b < 3; ++b) ASSERT_TRUE(std::isfinite(st.absmax(w)[b])) << "state " << w << ", step " << t;
         }
