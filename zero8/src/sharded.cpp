@@ -1161,6 +1161,7 @@ void ShardedOptimizer::step_group(int g, float grad_scale, int64_t lo, int64_t h
     optim::StepArgs a = narrowed(whole, hypers_[size_t(h)], run_lo, run_hi);
     const SegmentRun* r = nullptr;
     if (trust) {
+      ZERO8_ASSERT(*next_run < seg_.runs.size());
       r = &seg_.runs[(*next_run)++];
       ZERO8_ASSERT(r->group == g && r->lo == run_lo && r->hi == run_hi);
       segment_args(a, *r);
