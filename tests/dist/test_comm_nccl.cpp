@@ -247,6 +247,42 @@ TEST_P(DistNccl, OnTheCallersStream) {
   cudaStreamDestroy(s);
 }
 
+// Calls made while another device is current (a script that switched devices after making the
+// communicator): the communicator works on its own device and leaves the caller's current, as torch's
+// process groups do. Without that, the work it orders after the legacy default stream would record its
+// event on another device's legacy stream, which CUDA refuses on a machine with several GPUs (the
+// simulator's devices; a machine with one GPU skips it).
+TEST_P(DistNccl, CallsWhileAnotherDeviceIsCurrent) {
+  const std::string why = no_device_per_rank_reason();
+  if (!why.empty()) GTEST_SKIP() << why << ": the NCCL backend cannot run here";
+  int devices = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  if (devices < 2) GTEST_SKIP() << "one visible CUDA device: no other device can be current";
+  std::unique_ptr<Communicator> c = make_nccl(GetParam());
+  const int n = c->size(), me = c->rank(), mine = c->device(), other = (mine + 1) % devices;
+  ASSERT_EQ(cudaSetDevice(mine), cudaSuccess);
+  std::vector<float> x(257, float(me + 1));
+  DeviceVec<float> dx(x), dy(std::vector<float>(size_t(n) * 257, 0.0f));
+  ASSERT_EQ(cudaSetDevice(other), cudaSuccess);
+  c->all_reduce(dx.p, dx.p, 257, comm::ScalarType::f32, ReduceOp::sum);
+  c->all_gather(dx.p, dy.p, 257 * 4);
+  if (n >= 2) {
+    const int peer = me ^ 1;
+    if (peer < n) {
+      c->send_queued(dx.p, 4 * 257, peer, 0);
+      c->recv_queued(dy.p, 4 * 257, peer, 0);
+      c->sync();
+    }
+  }
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, other) << "the communicator changed the caller's current device";
+  ASSERT_EQ(cudaSetDevice(mine), cudaSuccess);
+  for (float v : dx.host()) ASSERT_EQ(v, float(n * (n + 1) / 2));
+  for (float v : dy.host()) ASSERT_EQ(v, float(n * (n + 1) / 2));
+  c->barrier();
+}
+
 // Stream-ordered point-to-point (a pipeline stage's messages), on a caller's stream and without one (the
 // legacy default stream, torch's default): the calls return before the peer takes part (rank 0 queues a
 // send and the receive of its echo, then meets rank 1 in a host barrier that rank 1 passes before it
