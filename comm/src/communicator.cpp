@@ -735,6 +735,7 @@ void all_gather_host(Communicator& c, const void* send, void* recv, int64_t byte
   if (c.memory() == MemSpace::host) return c.all_gather(send, recv, bytes);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   const std::string where = "all_gather_host on '" + c.name() + "'";
+  const device::DeviceGuard on(c.device(), where);
   const int64_t total = bytes * c.size();
   device::Buffer tmp(std::max<int64_t>(bytes + total, 1), where);
   char* d = tmp.as<char>();
@@ -757,6 +758,7 @@ void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, vo
     total = std::max(total, recv_displs[p] + recv_bytes[p]);
   }
   const std::string where = "all_gather_v_host on '" + c.name() + "'";
+  const device::DeviceGuard on(c.device(), where);
   device::Buffer tmp(std::max<int64_t>(total, 1), where);
   char* d = tmp.as<char>();
   char* mine = d + recv_displs[size_t(c.rank())];
@@ -771,6 +773,7 @@ void broadcast_host(Communicator& c, void* buf, int64_t bytes, int root) {
   if (c.memory() == MemSpace::host) return c.broadcast(buf, bytes, root);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   const std::string where = "broadcast_host on '" + c.name() + "'";
+  const device::DeviceGuard on(c.device(), where);
   device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
   if (c.rank() == root) device::copy(tmp.data(), buf, bytes, c.stream(), where);
   c.broadcast(tmp.data(), bytes, root);
@@ -782,6 +785,7 @@ void send_host(Communicator& c, const void* buf, int64_t bytes, int peer, int ta
   if (c.memory() == MemSpace::host) return c.send(buf, bytes, peer, tag);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   const std::string where = "send_host on '" + c.name() + "'";
+  const device::DeviceGuard on(c.device(), where);
   device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
   device::copy(tmp.data(), buf, bytes, c.stream(), where);
   c.send(tmp.data(), bytes, peer, tag);
@@ -791,6 +795,7 @@ void recv_host(Communicator& c, void* buf, int64_t bytes, int peer, int tag) {
   if (c.memory() == MemSpace::host) return c.recv(buf, bytes, peer, tag);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
   const std::string where = "recv_host on '" + c.name() + "'";
+  const device::DeviceGuard on(c.device(), where);
   device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
   c.recv(tmp.data(), bytes, peer, tag);
   device::copy(buf, tmp.data(), bytes, c.stream(), where);
@@ -801,6 +806,7 @@ void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type
   if (c.memory() == MemSpace::host) return c.all_reduce(data, data, count, type, op);
   ZERO8_CHECK_ARG(count >= 0, "count", "must be >= 0, got " << count);
   const std::string where = "all_reduce_host on '" + c.name() + "'";
+  const device::DeviceGuard on(c.device(), where);
   const int64_t bytes = count * scalar_type_size(type);
   device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
   device::copy(tmp.data(), data, bytes, c.stream(), where);

@@ -274,6 +274,16 @@ TEST_P(DistNccl, CallsWhileAnotherDeviceIsCurrent) {
       c->sync();
     }
   }
+  // Host buffers go through scratch on the communicator's device, not the current one.
+  double sum = me + 1.0;
+  comm::all_reduce_host(*c, &sum, 1, comm::ScalarType::f64, ReduceOp::sum);
+  EXPECT_EQ(sum, double(n * (n + 1) / 2));
+  std::vector<int32_t> ranks(size_t(n), -1);
+  comm::all_gather_host(*c, &me, ranks.data(), 4);
+  for (int q = 0; q < n; ++q) EXPECT_EQ(ranks[size_t(q)], q);
+  int32_t root_value = me == 0 ? 7 : 0;
+  comm::broadcast_host(*c, &root_value, 4, 0);
+  EXPECT_EQ(root_value, 7);
   int current = -1;
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
   EXPECT_EQ(current, other) << "the communicator changed the caller's current device";

@@ -454,8 +454,8 @@ void check_host_memory(const Communicator& c, const std::string& arg, const std:
 
 // Host buffers (small control data: flags, norms, sizes, configs, checkpoint manifests) on any
 // communicator: collective like all_gather / all_gather_v / all_reduce / broadcast, and on a device-memory
-// backend (NCCL) the data goes through a device scratch buffer ordered on the communicator's stream; on a
-// host backend these are the plain calls.
+// backend (NCCL) the data goes through a device scratch buffer on the communicator's device (whichever
+// device is current) ordered on its stream; on a host backend these are the plain calls.
 void all_gather_host(Communicator& c, const void* send, void* recv, int64_t bytes);
 void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, void* recv,
                        const std::vector<int64_t>& recv_bytes, const std::vector<int64_t>& recv_displs);
