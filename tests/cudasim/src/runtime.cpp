@@ -80,6 +80,9 @@ struct State {
   std::recursive_mutex mu;
   std::map<uintptr_t, Alloc> allocs;  // by base address
   std::set<CUstream_st*> streams;
+  // Destroyed streams, all their work done: kept, because events recorded on them and waits queued on other
+  // streams still name them (CUDA completes those), and never reused as another stream's address.
+  std::vector<std::unique_ptr<CUstream_st>> retired;
   std::set<CUevent_st*> events;
   std::map<const void*, int> max_dyn_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
   static constexpr int kMaxDevices = 16;  // ZERO8_CUDASIM_DEVICES' limit
@@ -739,7 +742,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return set_error(cudaErrorInvalidResourceHandle);
   run_until_done(s, s->queued);  // its queued work still runs
   st().streams.erase(s);
-  delete s;
+  st().retired.emplace_back(s);
   return cudaSuccess;
 }
 
