@@ -28,7 +28,6 @@
 #include "backends.h"
 #include "comm_env.h"
 #include "zero8/error.h"
-#include "zero8/kernels/device.h"
 #if ZERO8_WITH_MPI
 #include "comm_mpi.h"
 #endif
@@ -67,7 +66,7 @@ class NcclComm final : public Communicator {
   }
 
   ~NcclComm() override {
-    // On the communicator's device, as every call (OnDevice), without throwing: a destructor must not.
+    // On the communicator's device, as every call (Communicator::Call), without throwing: a destructor must not.
     int caller = -1;
     const bool moved =
         cudaGetDevice(&caller) == cudaSuccess && caller != device_ && cudaSetDevice(device_) == cudaSuccess;
@@ -132,7 +131,6 @@ class NcclComm final : public Communicator {
  protected:
   void do_all_to_all_v(const void* send, const int64_t* sb, const int64_t* sd, void* recv, const int64_t* rb,
                        const int64_t* rd, OpKind kind) override {
-    const OnDevice guard(*this);
     const char* s = static_cast<const char*>(send);
     char* r = static_cast<char*>(recv);
     const int me = rank();
@@ -150,7 +148,6 @@ class NcclComm final : public Communicator {
 
   void do_all_gather_v(const void* send, int64_t send_bytes, void* recv, const int64_t* rb, const int64_t* rd,
                        OpKind kind) override {
-    const OnDevice guard(*this);
     char* r = static_cast<char*>(recv);
     const int me = rank();
     bool equal = true;
@@ -173,7 +170,6 @@ class NcclComm final : public Communicator {
   }
 
   void do_broadcast(void* buf, int64_t bytes, int root) override {
-    const OnDevice guard(*this);
     const cudaStream_t st = work_stream(OpKind::broadcast);
     nccl_check(ncclBroadcast(buf, buf, size_t(bytes), ncclUint8, root, nccl_, st), OpKind::broadcast,
                "ncclBroadcast");
@@ -201,7 +197,6 @@ class NcclComm final : public Communicator {
     transfer(OpKind::recv, buf, bytes, peer, true);
   }
   void transfer(OpKind kind, void* buf, int64_t bytes, int peer, bool queue) {
-    const OnDevice guard(*this);
     const cudaStream_t st = queue ? queue_stream(kind, peer) : work_stream(kind, peer);
     if (kind == OpKind::send)
       nccl_check(ncclSend(buf, size_t(bytes), ncclUint8, peer, nccl_, st), kind, "ncclSend");
@@ -214,10 +209,7 @@ class NcclComm final : public Communicator {
   }
   // Waits for each queued transfer in turn (stream order: the first one not done is what holds the rest),
   // watched as that transfer, so a dead or stalled peer is named with the transfer that waits for it.
-  void do_sync() override {
-    const OnDevice guard(*this);
-    wait_queued(", queued and waited for by " + op_call(OpKind::sync));
-  }
+  void do_sync() override { wait_queued(", queued and waited for by " + op_call(OpKind::sync)); }
   void wait_queued(const std::string& by) {
     while (!queued_.empty()) {
       Queued& q = queued_.front();
@@ -234,7 +226,6 @@ class NcclComm final : public Communicator {
   }
 
   std::unique_ptr<Communicator> do_split(int color, int key, const std::string& name) override {
-    const OnDevice guard(*this);
     std::unique_ptr<HostComm> child = host_->split_host(color, key, name);
     if (!child) return nullptr;
     return std::make_unique<NcclComm>(std::move(child), name, device_);
@@ -243,7 +234,6 @@ class NcclComm final : public Communicator {
   // NCCL's own reductions (ring order, identical on every rank). NCCL's float max/min follow its own NaN
   // rules and can drop a NaN, unlike the other backends (communicator.h says so).
   void do_reduce_scatter(const void* send, void* recv, const int64_t* counts, ScalarType type, ReduceOp op) override {
-    const OnDevice guard(*this);
     const int n = size(), me = rank();
     const int64_t es = scalar_type_size(type);
     bool equal = true;
@@ -270,7 +260,6 @@ class NcclComm final : public Communicator {
   }
 
   void do_all_reduce(const void* send, void* recv, int64_t count, ScalarType type, ReduceOp op) override {
-    const OnDevice guard(*this);
     const cudaStream_t st = work_stream(OpKind::all_reduce);
     nccl_check(ncclAllReduce(send, recv, size_t(count), nccl_type(type), nccl_op(op), nccl_, st),
                OpKind::all_reduce, "ncclAllReduce");
@@ -278,13 +267,6 @@ class NcclComm final : public Communicator {
   }
 
  private:
-  // Every call works on the communicator's device, whatever the caller has made current, and restores the
-  // caller's after (as torch's process groups do): its stream and events, and the legacy default stream
-  // it orders its work after, must be that device's, or CUDA refuses them on a machine with several GPUs.
-  struct OnDevice : device::DeviceGuard {
-    explicit OnDevice(const NcclComm& c) : device::DeviceGuard(c.device_, "NcclComm") {}
-  };
-
   HostComm::DeviceCall call(OpKind kind, int p2p_peer = -1) const {
     HostComm::DeviceCall c;
     c.kind = kind;

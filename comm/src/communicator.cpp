@@ -230,7 +230,8 @@ void remove_background_work(const void* owner) {
 // another thread's and a forked child, fail fast after an earlier failure, number the call, time it.
 class Communicator::Call {
  public:
-  Call(Communicator& c, OpKind kind) : c_(c), kind_(kind), t0_(call_start()) {
+  Call(Communicator& c, OpKind kind)
+      : c_(c), kind_(kind), t0_(call_start()), on_device_(c.device(), "Communicator") {
     // One compare-exchange per call. A refused call changes nothing (not even the call numbers,
     // which the running call's messages and the peers' mismatch checks use).
     const char* running = nullptr;
@@ -270,6 +271,11 @@ class Communicator::Call {
   Communicator& c_;
   OpKind kind_;
   double t0_;
+  // A communicator with a device of its own (NCCL) works on it, whatever the caller has made current, and
+  // the caller's is current again after (as torch's process groups do): its stream and events, and the
+  // legacy default stream it orders its work after, must be that device's, or CUDA refuses them on a
+  // machine with several GPUs. Host backends have none (-1): nothing changes.
+  device::DeviceGuard on_device_;
 };
 
 namespace detail {
