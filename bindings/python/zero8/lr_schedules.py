@@ -38,11 +38,11 @@ _PER_GROUP_PARAMS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_ma
                      "cycle_max_mom", "lr_range_test_min_lr")
 
 
-def _has_betas(optimizer) -> bool:
-    """DeepSpeed's OneCycle test: 'betas' in the torch optimizer's defaults (a client optimizer's, when zero8's
-    optimizer wraps one, as DeepSpeed's ZeRO optimizer wraps it)."""
+def _torch_optimizer(optimizer):
+    """The torch optimizer whose defaults DeepSpeed's OneCycle reads: a client optimizer's, when zero8's
+    optimizer wraps one (as DeepSpeed's ZeRO optimizer wraps it), else ``optimizer`` itself."""
     client = getattr(optimizer, "client_optimizer", None)
-    return "betas" in getattr(client if client is not None else optimizer, "defaults", {})
+    return client if client is not None else optimizer
 
 
 class Zero8LRScheduler:
@@ -62,11 +62,11 @@ class Zero8LRScheduler:
         # DeepSpeed's OneCycle turns momentum cycling off, with a warning, for an optimizer without betas (SGD's
         # momentum is never cycled); the C++ parse decides it only for a config's own optimizer section.
         self.cycle_momentum = bool(schedule.momentum_cycled)
-        if self.cycle_momentum and not _has_betas(optimizer):
+        torch_optimizer = _torch_optimizer(optimizer)
+        if self.cycle_momentum and "betas" not in getattr(torch_optimizer, "defaults", {}):  # DeepSpeed's test
             self.cycle_momentum = False
             if warn:
-                client = getattr(optimizer, "client_optimizer", None)
-                name = type(client if client is not None else optimizer).__name__
+                name = type(torch_optimizer).__name__
                 warnings.warn(f"{self.type}: cycle_momentum is disabled because optimizer {name} does not support "
                               "momentum, no betas attribute in defaults (DeepSpeed's warning; its momentum is "
                               "left as it is)", Zero8ConfigWarning, stacklevel=3)
