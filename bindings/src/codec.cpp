@@ -103,6 +103,31 @@ void init_codec(py::module_& m) {
       py::arg("y_ptr"), py::arg("dtype"), py::arg("accumulate") = false, py::arg("threads") = 0,
       py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise over a custom 256-value map. Releases the GIL.");
 
+  m.def(
+      "quantize_blockwise_rows",
+      [](Ptr x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind kind, Ptr codes, Ptr absmax,
+         int threads) {
+        const auto opt = rounding_options<quant::QuantizeOptions>(false, 0, 0, threads);
+        quant::quantize_blockwise_rows(as_ptr<const void>(x), dtype, rows, row, block, kind, as_ptr<uint8_t>(codes),
+                                       as_ptr<float>(absmax), opt);
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("row"), py::arg("block"), py::arg("kind"),
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "quantize_blockwise of `rows` rows of `row` elements, each row blocked on its own (row r's scales from "
+      "r * ceil(row / block) on). Releases the GIL.");
+  m.def(
+      "dequantize_blockwise_rows",
+      [](Ptr codes, Ptr absmax, int64_t rows, int64_t row, int32_t block, MapKind kind, Ptr y, DType dtype, bool sum,
+         bool accumulate, int threads) {
+        quant::dequantize_blockwise_rows(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), rows, row, block,
+                                         kind, as_ptr<void>(y), dtype, sum, accumulate, threads);
+      },
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("rows"), py::arg("row"), py::arg("block"), py::arg("kind"),
+      py::arg("y_ptr"), py::arg("dtype"), py::arg("sum") = false, py::arg("accumulate") = false,
+      py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "The rows' decodes (rows x row values of dtype), or with sum the rows' float32 decodes added in row order "
+      "into `row` values (after y with accumulate). Releases the GIL.");
+
   // CUDA: device pointers; the kernels are queued on `stream` (a cudaStream_t as an int: Python passes
   // torch.cuda.current_stream(device).cuda_stream) and the call returns without waiting. The current
   // device must be the tensors' (standard maps are uploaded once per device). A build without CUDA raises
@@ -159,6 +184,28 @@ void init_codec(py::module_& m) {
       py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("n"), py::arg("block"), py::arg("table_ptr"),
       py::arg("y_ptr"), py::arg("dtype"), py::arg("accumulate") = false, py::arg("stream") = 0,
       py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise_cuda over a custom map (see quant_table_bytes).");
+  m.def(
+      "quantize_blockwise_rows_cuda",
+      [](Ptr x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind kind, Ptr codes, Ptr absmax,
+         Ptr stream) {
+        quant::quantize_blockwise_rows_cuda(as_ptr<const void>(x), dtype, rows, row, block, kind,
+                                            as_ptr<uint8_t>(codes), as_ptr<float>(absmax), {}, as_ptr<void>(stream));
+      },
+      py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("row"), py::arg("block"), py::arg("kind"),
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      "quantize_blockwise_rows on device pointers, one launch queued on `stream`.");
+  m.def(
+      "dequantize_blockwise_rows_cuda",
+      [](Ptr codes, Ptr absmax, int64_t rows, int64_t row, int32_t block, MapKind kind, Ptr y, DType dtype, bool sum,
+         bool accumulate, Ptr stream) {
+        quant::dequantize_blockwise_rows_cuda(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), rows, row,
+                                              block, kind, as_ptr<void>(y), dtype, sum, accumulate,
+                                              as_ptr<void>(stream));
+      },
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("rows"), py::arg("row"), py::arg("block"), py::arg("kind"),
+      py::arg("y_ptr"), py::arg("dtype"), py::arg("sum") = false, py::arg("accumulate") = false, py::arg("stream") = 0,
+      py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise_rows on device pointers, one launch queued on "
+      "`stream`.");
 }
 
 }  // namespace zero8::bindings

@@ -4,7 +4,8 @@
 // block (min/max by shuffles, codes by the accelerator), and a decode of two quads per thread in
 // flight, both in vector accesses where the arrays' alignment allows. The element math is the ZERO8_HD
 // code the CPU reference runs (built with --fmad=false), so the device produces the same codes and scales
-// in either form.
+// in either form. Rows (EncodeArgs::row) whose blocks do not line up across rows take the block form of the
+// encode and a decode of their own, one launch for all the rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,8 +51,13 @@ __global__ void __launch_bounds__(kEncodeThreads) quant_encode_kernel(EncodeArgs
   __shared__ float block_scale;
   const QuantTable& t = *a.table;
   const int64_t b = blockIdx.x;
-  const int64_t lo = b * a.block;
-  const int len = int(a.n - lo < a.block ? a.n - lo : a.block);
+  int64_t lo = b * a.block;
+  int len = int(a.n - lo < a.block ? a.n - lo : a.block);
+  if (a.row > 0) {  // rows, each blocked on its own: block b is block bi of row r
+    const int64_t per_row = (a.row + a.block - 1) / a.block, r = b / per_row, bi = b - r * per_row;
+    lo = r * a.row + bi * a.block;
+    len = int(a.row - bi * a.block < a.block ? a.row - bi * a.block : a.block);
+  }
 
   float vmin = 0.0f, vmax = 0.0f;
   int finite = 1;
@@ -89,6 +95,31 @@ __global__ void __launch_bounds__(kDecodeThreads) quant_decode_kernel(DecodeArgs
   const int64_t stride = int64_t(gridDim.x) * kDecodeThreads;
   for (int64_t i = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x; i < a.n; i += stride) {
     decode_store(a, i, quant_decode_one(a.codes[i], a.absmax[i >> block_shift], t));
+  }
+}
+
+// The decode of rows (DecodeArgs::row) whose blocks do not line up across rows: element j of every row
+// (grid-stride over j; the rows over the grid's y), or with sum_rows the rows' values of element j added
+// in row order by one thread. The map's values in shared memory.
+__global__ void __launch_bounds__(kDecodeThreads) quant_decode_rows_kernel(DecodeArgs a, int block_shift) {
+  __shared__ float values[256];
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) values[i] = a.table->values[i];
+  __syncthreads();
+  const int64_t rows = a.n / a.row, per_row = (a.row + (int64_t(1) << block_shift) - 1) >> block_shift;
+  const int64_t stride = int64_t(gridDim.x) * kDecodeThreads;
+  for (int64_t j = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x; j < a.row; j += stride) {
+    const int64_t sj = j >> block_shift;
+    if (a.sum_rows) {
+      float* y = static_cast<float*>(a.y);
+      float acc = values[a.codes[j]] * a.absmax[sj];  // quant_decode_one
+      if (a.accumulate) acc = y[j] + acc;
+      for (int64_t r = 1; r < rows; ++r) acc = acc + values[a.codes[r * a.row + j]] * a.absmax[r * per_row + sj];
+      y[j] = acc;
+    } else {
+      for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        decode_store(a, r * a.row + j, values[a.codes[r * a.row + j]] * a.absmax[r * per_row + sj]);
+      }
+    }
   }
 }
 
@@ -207,14 +238,17 @@ void check_launch(const char* kernel) {
 
 }  // namespace
 
-void quant_encode_cuda(const EncodeArgs& a, void* stream) {
-  if (a.n <= 0) return;
-  const int64_t nblocks = (a.n + a.block - 1) / a.block;
+void quant_encode_cuda(const EncodeArgs& args, void* stream) {
+  if (args.n <= 0) return;
+  EncodeArgs a = args;
+  if (a.row >= a.n || a.row % a.block == 0) a.row = 0;  // rows of whole blocks: blocked as one row of n
+  const int64_t nblocks =
+      a.row > 0 ? a.n / a.row * ((a.row + a.block - 1) / a.block) : (a.n + a.block - 1) / a.block;
   if (nblocks > 0x7fffffff) ZERO8_THROW(unsupported, "quant_encode_cuda: " << nblocks << " blocks exceed the grid limit");
   cuda_detail::check_device_ptrs("quant_encode_cuda",
                                  {{a.x, "x"}, {a.table, "table"}, {a.codes, "codes"}, {a.absmax, "absmax"}});
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (cuda_quant_kernels() == CudaQuantKernels::warp && !a.stochastic) {
+  if (cuda_quant_kernels() == CudaQuantKernels::warp && !a.stochastic && a.row == 0) {
     // Vectors of 4 elements, 2 for blocks of 64 (a warp's width of vectors fits in every block).
     const bool four = a.block % (32 * 4) == 0;
     const int kw = four ? 4 : 2;
@@ -239,15 +273,30 @@ void quant_encode_cuda(const EncodeArgs& a, void* stream) {
   check_launch("quant_encode_kernel");
 }
 
-void quant_decode_cuda(const DecodeArgs& a, void* stream) {
-  if (a.n <= 0) return;
+void quant_decode_cuda(const DecodeArgs& args, void* stream) {
+  if (args.n <= 0) return;
+  DecodeArgs a = args;
+  if (a.row <= 0 || a.row >= a.n) a.row = a.n;  // one row (a sum of one row: its decode, after y)
+  if (a.row == a.n || (!a.sum_rows && a.row % a.block == 0)) {  // blocked as one row of n
+    a.row = 0;
+    a.sum_rows = false;
+  }
   cuda_detail::check_device_ptrs("quant_decode_cuda",
                                  {{a.codes, "codes"}, {a.absmax, "absmax"}, {a.table, "table"}, {a.y, "y"}});
-  const int64_t want = (a.n + kDecodeThreads - 1) / kDecodeThreads;
-  const unsigned grid = unsigned(want < (int64_t(1) << 20) ? want : (int64_t(1) << 20));  // grid-stride beyond
   int shift = 0;
   while ((1 << shift) < a.block) ++shift;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (a.row > 0) {
+    const int64_t rows = a.n / a.row, per_thread_block = kDecodeThreads;
+    const int64_t gx = std::min<int64_t>((a.row + per_thread_block - 1) / per_thread_block, int64_t(1) << 16);
+    const int64_t gy = a.sum_rows ? 1 : std::min<int64_t>(rows, std::max<int64_t>(1, (int64_t(1) << 20) / gx));
+    quant_decode_rows_kernel<<<dim3(unsigned(gx), unsigned(std::min<int64_t>(gy, 65535))), kDecodeThreads, 0, st>>>(
+        a, shift);
+    check_launch("quant_decode_rows_kernel");
+    return;
+  }
+  const int64_t want = (a.n + kDecodeThreads - 1) / kDecodeThreads;
+  const unsigned grid = unsigned(want < (int64_t(1) << 20) ? want : (int64_t(1) << 20));  // grid-stride beyond
   if (cuda_quant_kernels() == CudaQuantKernels::warp) {
     static std::atomic<int> resident[64] = {};
     const bool vec = a.block % 4 == 0 && cuda_detail::vec_aligned(a.codes, 4) &&

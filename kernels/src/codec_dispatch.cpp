@@ -96,10 +96,57 @@ void run_parts(void (*fn)(const Args&), const Args& a, int threads) {
   }
 }
 
+// Rows whose length is a multiple of the block are blocked as one row of all their elements.
+template <class Args>
+bool one_row(const Args& a) {
+  return a.row <= 0 || a.row >= a.n || a.row % a.block == 0;
+}
+
+// Row r of a rows call (EncodeArgs::row), as a one-row call.
+EncodeArgs row_args(const EncodeArgs& a, int64_t r) {
+  const Range range{r * a.row, a.row, r * ((a.row + a.block - 1) / a.block)};
+  EncodeArgs s = part_args(a, range);
+  s.row = 0;
+  return s;
+}
+
+DecodeArgs row_args(const DecodeArgs& a, int64_t r) {
+  const Range range{r * a.row, a.row, r * ((a.row + a.block - 1) / a.block)};
+  DecodeArgs s = part_args(a, range);
+  s.row = 0;
+  s.sum_rows = false;
+  if (a.sum_rows) {  // every row into y, the first added to y only when accumulating
+    s.y = a.y;
+    s.accumulate = a.accumulate || r > 0;
+  }
+  return s;
+}
+
 }  // namespace
 
-void quant_encode(const EncodeArgs& a, Isa isa, int threads) { run_parts(encode_variant(isa), a, threads); }
+void quant_encode(const EncodeArgs& a, Isa isa, int threads) {
+  const EncodeFn fn = encode_variant(isa);
+  if (one_row(a)) {
+    EncodeArgs s = a;
+    s.row = 0;
+    return run_parts(fn, s, threads);
+  }
+  for (int64_t r = 0; r < a.n / a.row; ++r) run_parts(fn, row_args(a, r), threads);
+}
 
-void quant_decode(const DecodeArgs& a, Isa isa, int threads) { run_parts(decode_variant(isa), a, threads); }
+void quant_decode(const DecodeArgs& a, Isa isa, int threads) {
+  const DecodeFn fn = decode_variant(isa);
+  if (!a.sum_rows && one_row(a)) {
+    DecodeArgs s = a;
+    s.row = 0;
+    return run_parts(fn, s, threads);
+  }
+  if (a.row <= 0) {  // a sum of one row of n
+    DecodeArgs s = a;
+    s.sum_rows = false;
+    return run_parts(fn, s, threads);
+  }
+  for (int64_t r = 0; r < a.n / a.row; ++r) run_parts(fn, row_args(a, r), threads);
+}
 
 }  // namespace zero8::quant

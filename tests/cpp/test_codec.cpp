@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstdint>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <random>
@@ -616,7 +618,7 @@ TEST_P(CodecIsa, LargeAlignedTensorsMatchReference) {
   const int64_t nb = (n + block - 1) / block;
   auto aligned = [](size_t bytes) { return std::unique_ptr<void, decltype(&std::free)>(std::aligned_alloc(64, (bytes + 63) / 64 * 64), &std::free); };
   const Tensor x = make_input(Dist::gaussian, DType::f32, n, 2024);
-  auto c_ref = aligned(size_t(n)), c_got = aligned(size_t(n)), s_ref = aligned(size_t(nb) * 4), s_got = aligned(size_t(nb) * 4);
+  auto c_ref = aligned(static_cast<size_t>(n)), c_got = aligned(static_cast<size_t>(n)), s_ref = aligned(size_t(nb) * 4), s_got = aligned(size_t(nb) * 4);
   EncodeArgs a;
   a.x = x.data();
   a.n = n;
@@ -832,6 +834,96 @@ TEST(CodecApi, RoundTripThroughPublicApi) {
   dequantize_blockwise(q, y.data(), DType::bf16);
   const std::vector<float> yf = dequantize_blockwise(q);
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y.bits(i), f32_to_bf16(yf[size_t(i)])) << i;
+}
+
+// ---- rows: quantize_blockwise_rows, dequantize_blockwise_rows ----
+
+// Equal floats, any NaN equal to any NaN (a device's NaN results need not carry the CPU's payload).
+bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || f32_bits(a) == f32_bits(b); }
+
+// One rows call gives what one call per row gives: codes, scales, each row's decode, and the rows' sum,
+// added in row order after y when accumulating; rows of whole blocks and rows that end mid-block.
+TEST(CodecRows, MatchOneCallPerRow) {
+  const auto map = MapKind::dynamic_signed;
+  int trial = 0;
+  for (DType dt : kAllDtypes) {
+    for (int32_t block : {64, 256, 2048}) {
+      for (int64_t rows : {1, 2, 3, 7}) {
+        for (int64_t row : {int64_t(1), int64_t(63), int64_t(block), int64_t(2 * block), int64_t(3 * block + 37)}) {
+          for (bool stochastic : {false, true}) {
+            const Dist dist = kAllDists[size_t(trial++) % std::size(kAllDists)];
+            SCOPED_TRACE(std::string(dtype_name(dt)) + " block " + std::to_string(block) + " rows " +
+                         std::to_string(rows) + " row " + std::to_string(row) + " " + dist_name(dist) +
+                         (stochastic ? " stochastic" : ""));
+            const int64_t n = rows * row, per = quant_num_blocks(row, block), esize = dtype_size(dt);
+            const Tensor x = make_input(dist, dt, n, uint64_t(trial));
+            const char* xb = static_cast<const char*>(x.data());
+            QuantizeOptions opt;
+            opt.stochastic = stochastic;
+            opt.seed = 7;
+            opt.index_base = 100;
+            std::vector<uint8_t> want_codes(static_cast<size_t>(n)), codes(static_cast<size_t>(n));
+            std::vector<float> want_scales(size_t(rows * per)), scales(size_t(rows * per));
+            for (int64_t r = 0; r < rows; ++r) {
+              QuantizeOptions o = opt;
+              o.index_base = opt.index_base + uint64_t(r * row);
+              quantize_blockwise(xb + r * row * esize, dt, row, block, map, want_codes.data() + r * row,
+                                 want_scales.data() + r * per, o);
+            }
+            quantize_blockwise_rows(x.data(), dt, rows, row, block, map, codes.data(), scales.data(), opt);
+            ASSERT_EQ(codes, want_codes);
+            ASSERT_EQ(0, std::memcmp(scales.data(), want_scales.data(), scales.size() * 4));
+
+            Tensor want_y(dt, n), y(dt, n);
+            for (int64_t r = 0; r < rows; ++r) {
+              dequantize_blockwise(codes.data() + r * row, scales.data() + r * per, row, block, map,
+                                   static_cast<char*>(want_y.data()) + r * row * esize, dt);
+            }
+            dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, y.data(), dt);
+            for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y.bits(i), want_y.bits(i)) << "element " << i;
+
+            std::vector<float> each(static_cast<size_t>(n)), base(static_cast<size_t>(row));
+            dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, each.data(), DType::f32);
+            for (int64_t j = 0; j < row; ++j) base[size_t(j)] = float(j % 17) * 0.25f - 2.0f;
+            for (bool accumulate : {false, true}) {
+              std::vector<float> got = base;
+              dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, got.data(), DType::f32,
+                                        true, accumulate);
+              for (int64_t j = 0; j < row; ++j) {
+                float want = accumulate ? base[size_t(j)] + each[size_t(j)] : each[size_t(j)];
+                for (int64_t r = 1; r < rows; ++r) want = want + each[size_t(r * row + j)];
+                ASSERT_TRUE(same_float(got[size_t(j)], want))
+                    << "sum, element " << j << (accumulate ? " accumulating: " : ": ") << got[size_t(j)] << " vs "
+                    << want;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CodecRows, BadArgumentsNameTheArgument) {
+  std::vector<float> x(1024, 0.5f), y(1024), scales(64);
+  std::vector<uint8_t> codes(1024);
+  const auto map = MapKind::dynamic_signed;
+  const auto q = [&](int64_t rows, int64_t row, float* absmax) {
+    quantize_blockwise_rows(x.data(), DType::f32, rows, row, 256, map, codes.data(), absmax);
+  };
+  expect_arg_error([&] { q(-1, 8, scales.data()); }, "rows");
+  expect_arg_error([&] { q(2, -8, scales.data()); }, "row");
+  expect_arg_error([&] { q(4, INT64_MAX / 2, scales.data()); }, "row");
+  expect_arg_error([&] { q(2, 8, nullptr); }, "absmax");
+  const auto d = [&](int64_t rows, int64_t row, DType dt, bool sum, bool accumulate) {
+    dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, 256, map, y.data(), dt, sum, accumulate);
+  };
+  expect_arg_error([&] { d(-2, 8, DType::f32, false, false); }, "rows");
+  expect_arg_error([&] { d(2, 8, DType::bf16, true, false); }, "dtype");
+  expect_arg_error([&] { d(2, 8, DType::f16, false, true); }, "accumulate");
+  expect_arg_error([&] { d(0, 8, DType::f32, true, false); }, "rows");
+  EXPECT_NO_THROW(q(0, 8, nullptr));
+  EXPECT_NO_THROW(d(5, 0, DType::bf16, false, false));
 }
 
 // ---- ZERO8_ISA, ZERO8_AVX512_VBMI ----

@@ -195,6 +195,82 @@ TEST_F(CodecCuda, DecodeMatchesCpuReference) {
 #endif
 }
 
+// The rows entries on the device give the CPU's rows (codes, scales, each row's decode, the rows' sum),
+// in both kernel forms, for rows that end mid-block (one launch of their own) and rows of whole blocks.
+TEST_F(CodecCuda, RowsMatchCpu) {
+#if ZERO8_WITH_CUDA
+  const auto map = MapKind::dynamic_signed;
+  const auto same = [](float a, float b) {  // a device's NaN results need not carry the CPU's payload
+    uint32_t ua, ub;
+    std::memcpy(&ua, &a, 4);
+    std::memcpy(&ub, &b, 4);
+    return (a != a && b != b) || ua == ub;
+  };
+  for (CudaQuantKernels form : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
+    const CudaQuantKernelsScope scope(form);
+    for (DType dt : {DType::f32, DType::bf16}) {
+      for (int32_t block : {64, 2048}) {
+        for (int64_t rows : {1, 3, 8}) {
+          for (int64_t row : {int64_t(100), int64_t(2 * block), int64_t(2 * block + 37)}) {
+            for (bool stochastic : {false, true}) {
+              SCOPED_TRACE(std::string(cuda_quant_kernels_name(form)) + " kernels, " + dtype_name(dt) + " block " +
+                           std::to_string(block) + " rows " + std::to_string(rows) + " row " + std::to_string(row) +
+                           (stochastic ? " stochastic" : ""));
+              const int64_t n = rows * row, per = quant_num_blocks(row, block);
+              const size_t esize = size_t(dtype_size(dt));
+              const std::vector<float> xf = make_input(n, block / 2, uint64_t(n) + uint64_t(dt));
+              const std::vector<uint16_t> xh = to_dtype(xf, dt);
+              const void* host_x = dt == DType::f32 ? static_cast<const void*>(xf.data()) : xh.data();
+              QuantizeOptions opt;
+              opt.stochastic = stochastic;
+              opt.seed = 3;
+              opt.index_base = 11;
+              std::vector<uint8_t> codes(static_cast<size_t>(n));
+              std::vector<float> scales(size_t(rows * per));
+              quantize_blockwise_rows(host_x, dt, rows, row, block, map, codes.data(), scales.data(), opt);
+              DeviceBuffer dx(size_t(n) * esize, host_x), dc(static_cast<size_t>(n)), ds(scales.size() * 4);
+              quantize_blockwise_rows_cuda(dx.p, dt, rows, row, block, map, static_cast<uint8_t*>(dc.p),
+                                           static_cast<float*>(ds.p), opt);
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              ASSERT_EQ(dc.get<uint8_t>(static_cast<size_t>(n)), codes);
+              ASSERT_EQ(0, std::memcmp(ds.get<float>(scales.size()).data(), scales.data(), scales.size() * 4));
+
+              std::vector<uint8_t> each(size_t(n) * esize);  // decoded into the input's dtype
+              dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, each.data(), dt);
+              DeviceBuffer dy(size_t(n) * esize);
+              dequantize_blockwise_rows_cuda(static_cast<const uint8_t*>(dc.p), static_cast<const float*>(ds.p), rows,
+                                             row, block, map, dy.p, dt);
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              const std::vector<uint8_t> got_each = dy.get<uint8_t>(size_t(n) * esize);
+              for (int64_t i = 0; i < n; ++i) {
+                ASSERT_TRUE(same(dtype_load(got_each.data(), dt, i), dtype_load(each.data(), dt, i))) << "element " << i;
+              }
+
+              std::vector<float> base(static_cast<size_t>(row));
+              for (int64_t j = 0; j < row; ++j) base[size_t(j)] = float(j % 13) * 0.5f - 3.0f;
+              for (bool accumulate : {false, true}) {
+                std::vector<float> want = base;
+                dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, want.data(), DType::f32,
+                                          true, accumulate);
+                DeviceBuffer dsum(size_t(row) * 4, base.data());
+                dequantize_blockwise_rows_cuda(static_cast<const uint8_t*>(dc.p), static_cast<const float*>(ds.p),
+                                               rows, row, block, map, dsum.p, DType::f32, true, accumulate);
+                ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+                const std::vector<float> got = dsum.get<float>(static_cast<size_t>(row));
+                for (int64_t j = 0; j < row; ++j) {
+                  ASSERT_TRUE(same(got[size_t(j)], want[size_t(j)]))
+                      << "sum, element " << j << (accumulate ? " accumulating" : "");
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
 // The CUDA entries without CUDA or without a device: a clear zero8::Error, never a crash; and bad
 // arguments are reported as such before any device work.
 TEST(CodecCudaEntry, ExplainsWhenItCannotRun) {

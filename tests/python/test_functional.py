@@ -259,6 +259,32 @@ def test_out_and_absmax_are_filled_in_place():
     assert F.dequantize_blockwise(codes, state, out=y).data_ptr() == y.data_ptr()
 
 
+@pytest.mark.parametrize("rows,row,blocksize", [(1, 300, 64), (3, 300, 64), (4, 256, 64), (5, 1000, 256)])
+def test_rows_in_one_call_are_each_row_coded_on_its_own(rows, row, blocksize):
+    """zero8's int8 exchanges code the pieces of a tensor (one per rank), each in blocks of its own, in one call
+    of the codec: quantize_blockwise's codes and scales for each row, its decode, and the rows' sum in row
+    order."""
+    g = torch.Generator().manual_seed(rows * row)
+    x = torch.randn(rows, row, generator=g) * torch.logspace(-3, 3, rows).reshape(rows, 1)
+    codes = torch.empty(rows, row, dtype=torch.uint8)
+    scales = torch.empty(rows, -(-row // blocksize))
+    kind = _C.MapKind.dynamic_signed
+    F._quantize_rows_into(x, kind, blocksize, codes.data_ptr(), scales.data_ptr())
+    each = torch.empty(rows, row, dtype=torch.bfloat16)
+    F._dequantize_rows_into(codes.data_ptr(), scales.data_ptr(), rows, blocksize, kind, each)
+    total = torch.empty(row)
+    F._dequantize_rows_into(codes.data_ptr(), scales.data_ptr(), rows, blocksize, kind, total, sum=True)
+    want_total = None
+    for r in range(rows):
+        want_codes, state = F.quantize_blockwise(x[r], blocksize=blocksize)
+        assert torch.equal(codes[r], want_codes) and torch.equal(scales[r], state.absmax)
+        out16 = torch.empty(row, dtype=torch.bfloat16)
+        assert torch.equal(each[r], F.dequantize_blockwise(want_codes, state, out=out16))
+        decoded = F.dequantize_blockwise(want_codes, state)
+        want_total = decoded if want_total is None else want_total + decoded
+    assert torch.equal(total, want_total)
+
+
 def test_custom_code_table():
     # Any sorted 256-value map in [-1, 1]: the linear map and a non-standard one (custom table path).
     x = make_inputs(3 * 128 + 1, torch.float32, 128, seed=4)

@@ -73,6 +73,36 @@ DecodeArgs decode_args(const uint8_t* codes, const float* absmax, int64_t n, int
   return a;
 }
 
+// The arguments of the rows entries: rows * row elements in one call (EncodeArgs::row, DecodeArgs::row).
+int64_t rows_elements(int64_t rows, int64_t row, int32_t block) {
+  ZERO8_CHECK_ARG(rows >= 0, "rows", "must be >= 0, got " << rows);
+  ZERO8_CHECK_ARG(row >= 0, "row", "must be >= 0, got " << row);
+  ZERO8_CHECK_ARG(rows == 0 || row <= (INT64_MAX - block) / rows, "row",
+                  rows << " rows of " << row << " elements overflow 64-bit sizes");
+  return rows * row;
+}
+
+EncodeArgs encode_rows_args(const void* x, DType dtype, int64_t rows, int64_t row, int32_t block,
+                            const QuantTable* table, uint8_t* codes, float* absmax, const QuantizeOptions& opt) {
+  const int64_t n = rows_elements(rows, row, block);
+  EncodeArgs a = encode_args(x, dtype, n, block, table, codes, absmax, opt);
+  check_ptr(absmax, "absmax", rows * quant_num_blocks(row, block), 4);
+  a.row = row;
+  return a;
+}
+
+DecodeArgs decode_rows_args(const uint8_t* codes, const float* absmax, int64_t rows, int64_t row, int32_t block,
+                            const QuantTable* table, void* y, DType dtype, bool sum, bool accumulate, int threads) {
+  const int64_t n = rows_elements(rows, row, block);
+  ZERO8_CHECK_ARG(!sum || dtype == DType::f32, "dtype", "the rows' sum is float32, got " << dtype_name(dtype));
+  ZERO8_CHECK_ARG(!sum || rows > 0 || row == 0, "rows", "a sum of rows needs one row at least, got 0");
+  DecodeArgs a = decode_args(codes, absmax, n, block, table, y, dtype, accumulate, threads);
+  check_ptr(absmax, "absmax", rows * quant_num_blocks(row, block), 4);
+  a.row = row;
+  a.sum_rows = sum;
+  return a;
+}
+
 #if !ZERO8_WITH_CUDA
 [[noreturn]] void cuda_unsupported() { ZERO8_THROW(unsupported, "zero8 was not built with CUDA"); }
 #endif
@@ -109,6 +139,19 @@ void dequantize_blockwise(const uint8_t* codes, const float* absmax, int64_t n, 
 void dequantize_blockwise(const uint8_t* codes, const float* absmax, int64_t n, int32_t block, MapKind map,
                           void* y, DType dtype, bool accumulate, int threads) {
   dequantize_blockwise(codes, absmax, n, block, table_get(map), y, dtype, accumulate, threads);
+}
+
+void quantize_blockwise_rows(const void* x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind map,
+                             uint8_t* codes, float* absmax, const QuantizeOptions& opt) {
+  const EncodeArgs a = encode_rows_args(x, dtype, rows, row, block, &table_get(map), codes, absmax, opt);
+  if (a.n > 0) quant_encode(a, isa_active(), opt.threads);
+}
+
+void dequantize_blockwise_rows(const uint8_t* codes, const float* absmax, int64_t rows, int64_t row, int32_t block,
+                               MapKind map, void* y, DType dtype, bool sum, bool accumulate, int threads) {
+  const DecodeArgs a =
+      decode_rows_args(codes, absmax, rows, row, block, &table_get(map), y, dtype, sum, accumulate, threads);
+  if (a.n > 0) quant_decode(a, isa_active(), threads);
 }
 
 Blockwise quantize_blockwise(const void* x, DType dtype, int64_t n, int32_t block, MapKind map,
@@ -175,6 +218,34 @@ void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_
   decode_args(codes, absmax, n, block, &table_get(map), y, dtype, accumulate, 0);  // bad arguments first
 #endif
   dequantize_blockwise_cuda(codes, absmax, n, block, table_get_device(map), y, dtype, accumulate, stream);
+}
+
+void quantize_blockwise_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind map,
+                                  uint8_t* codes, float* absmax, const QuantizeOptions& opt, void* stream) {
+#if ZERO8_WITH_CUDA
+  encode_rows_args(x, dtype, rows, row, block, &table_get(map), codes, absmax, opt);  // bad arguments first
+  const EncodeArgs a = encode_rows_args(x, dtype, rows, row, block, table_get_device(map), codes, absmax, opt);
+  if (a.n > 0) quant_encode_cuda(a, stream);
+#else
+  (void)x, (void)dtype, (void)rows, (void)row, (void)block, (void)map, (void)codes, (void)absmax, (void)opt,
+      (void)stream;
+  cuda_unsupported();
+#endif
+}
+
+void dequantize_blockwise_rows_cuda(const uint8_t* codes, const float* absmax, int64_t rows, int64_t row,
+                                    int32_t block, MapKind map, void* y, DType dtype, bool sum, bool accumulate,
+                                    void* stream) {
+#if ZERO8_WITH_CUDA
+  decode_rows_args(codes, absmax, rows, row, block, &table_get(map), y, dtype, sum, accumulate, 0);  // bad args first
+  const DecodeArgs a =
+      decode_rows_args(codes, absmax, rows, row, block, table_get_device(map), y, dtype, sum, accumulate, 0);
+  if (a.n > 0) quant_decode_cuda(a, stream);
+#else
+  (void)codes, (void)absmax, (void)rows, (void)row, (void)block, (void)map, (void)y, (void)dtype, (void)sum,
+      (void)accumulate, (void)stream;
+  cuda_unsupported();
+#endif
 }
 
 }  // namespace zero8::quant

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._C import Zero8ValueError
-from .functional import _dequantize_into, _quantize_into
+from .functional import _dequantize_rows_into, _quantize_rows_into
 
 BLOCK = 2048  # the engine's default wire block (zero8.wire_block_size)
 _MAP = _C.MapKind.dynamic_signed  # functional.quantize_blockwise's default map: the same codes
@@ -39,21 +39,13 @@ def piece_bytes(numel: int, block: int) -> int:
 
 
 def _encode(pieces: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, pieces' shape) and scales (float32, one row per piece) of the rows of `pieces`, each in
-    blocks of its own (a piece need not hold whole blocks)."""
+    """Codes (uint8, pieces' shape) and scales (float32, one row per piece) of the rows of `pieces` (contiguous),
+    each in blocks of its own (a piece need not hold whole blocks): one call of the codec for all of them."""
     n, size = pieces.shape
     codes = torch.empty(n, size, dtype=torch.uint8, device=pieces.device)
     scales = torch.empty(n, -(-size // block), dtype=torch.float32, device=pieces.device)
-    for j in range(n):  # the codec itself, without the public functions' checks, copies and op dispatch
-        _quantize_into(pieces[j], _MAP, block, codes[j].data_ptr(), scales[j].data_ptr())
+    _quantize_rows_into(pieces, _MAP, block, codes.data_ptr(), scales.data_ptr())
     return codes, scales
-
-
-def _decode_rows(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
-    """out[j] = the values of row j (out: the codes' shape, contiguous, float32, bfloat16 or float16)."""
-    for j in range(codes.shape[0]):
-        _dequantize_into(codes[j].data_ptr(), scales[j].data_ptr(), block, _MAP, out[j])
-    return out
 
 
 def _released(handed: List[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -80,11 +72,9 @@ def reduce_scatter(pieces: torch.Tensor, group: dist.ProcessGroup, block: int) -
     dist.all_to_all_single(got_codes, codes, group=group)
     dist.all_to_all_single(got_scales, scales, group=group)
     total = torch.empty(pieces.shape[1], dtype=torch.float32, device=pieces.device)
-    part = torch.empty_like(total)  # one piece at a time: no float32 copy of the whole input
-    for j in range(pieces.shape[0]):  # in rank order, so that every rank's sum is the same whatever arrives first
-        _dequantize_into(got_codes[j].data_ptr(), got_scales[j].data_ptr(), block, _MAP, total if j == 0 else part)
-        if j:
-            total += part
+    # Summed in rank order, so that every rank's sum is the same whatever arrives first; one pass, no float32
+    # copy of the pieces.
+    _dequantize_rows_into(got_codes.data_ptr(), got_scales.data_ptr(), pieces.shape[0], block, _MAP, total, sum=True)
     handed = [codes, scales, got_codes, got_scales]
     del codes, scales, got_codes, got_scales
     _released(handed, group)
@@ -102,9 +92,8 @@ def all_gather(mine: torch.Tensor, group: dist.ProcessGroup, block: int, out: Op
     all_scales = torch.empty(n, scales.shape[1], dtype=torch.float32, device=mine.device)
     dist.all_gather_into_tensor(all_codes, codes, group=group)
     dist.all_gather_into_tensor(all_scales, scales, group=group)
-    every = _decode_rows(all_codes, all_scales, block,
-                         out if out is not None else torch.empty(n, codes.shape[1], dtype=torch.float32,
-                                                                 device=mine.device))
+    every = out if out is not None else torch.empty(n, codes.shape[1], dtype=torch.float32, device=mine.device)
+    _dequantize_rows_into(all_codes.data_ptr(), all_scales.data_ptr(), n, block, _MAP, every)
     handed = [codes, scales, all_codes, all_scales]
     del codes, scales, all_codes, all_scales
     _released(handed, group)

@@ -288,6 +288,31 @@ def _dequantize_into(codes_ptr: int, absmax_ptr: int, blocksize: int, kind: "_C.
         _C.dequantize_blockwise(*args)
 
 
+def _quantize_rows_into(A: Tensor, kind: "_C.MapKind", blocksize: int, codes_ptr: int, absmax_ptr: int) -> None:
+    """_quantize_into of each row of A (2-d, contiguous), every row blocked on its own (its last block partial
+    when blocksize does not divide it), in one call: row r's codes from r * A.shape[1] on, its scales from
+    r * ceil(A.shape[1] / blocksize) on."""
+    args = (ptr(A), dtype_code(A), A.shape[0], A.shape[1], blocksize, kind, codes_ptr, absmax_ptr)
+    if A.is_cuda:
+        with on_device(A):
+            _C.quantize_blockwise_rows_cuda(*args, stream=cuda_stream(A))
+    else:
+        _C.quantize_blockwise_rows(*args)
+
+
+def _dequantize_rows_into(codes_ptr: int, absmax_ptr: int, rows: int, blocksize: int, kind: "_C.MapKind", out: Tensor,
+                          sum: bool = False) -> None:
+    """The decoding of _quantize_rows_into: into `out` (rows x row, contiguous), or with sum the rows' values
+    added in row order, ((r0 + r1) + r2) ..., into `out` (row float32 values, contiguous)."""
+    row = out.numel() if sum else out.numel() // max(rows, 1)
+    args = (codes_ptr, absmax_ptr, rows, row, blocksize, kind, ptr(out), dtype_code(out), sum)
+    if out.is_cuda:
+        with on_device(out):
+            _C.dequantize_blockwise_rows_cuda(*args, stream=cuda_stream(out))
+    else:
+        _C.dequantize_blockwise_rows(*args)
+
+
 def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int,
                                nonnegative_scales: bool) -> tuple[Tensor, Tensor]:
     """(codes of A's shape, one float32 scale per block), on A's device; nonnegative_scales: the first step

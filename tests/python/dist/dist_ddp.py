@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero8
 import zero8.ddp
+import zero8.functional
 import zero8.optim as zo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # mpirun_util
@@ -113,6 +114,36 @@ def test_on_a_gpu_the_exchange_on_its_side_stream_gives_the_same_bits():
     assert runs[True][2]._streams and not runs[False][2]._streams  # the side stream was used, and only with overlap
     assert runs[True][1] == runs[False][1]
     assert torch.equal(runs[True][0], runs[False][0])
+
+
+def test_the_exchange_codes_each_piece_and_sums_the_pieces_in_rank_order():
+    """Every value of the average, as the exchange is defined, with zero8.functional's public codec: the bucket
+    cut into one piece per rank (the last padded with zeros), each rank's piece j coded in blocks of its own
+    (these pieces end mid-block), rank j summing their decodes in rank order, dividing by the ranks and coding
+    the result once more, which every rank decodes."""
+    block, numel = 64, 1000 + 7 * K
+
+    def bucket(rank: int) -> torch.Tensor:
+        return torch.randn(numel, generator=torch.Generator().manual_seed(50 + rank)) * (rank + 1)
+
+    def coded(x: torch.Tensor) -> torch.Tensor:
+        return zero8.functional.dequantize_blockwise(*zero8.functional.quantize_blockwise(x, blocksize=block))
+
+    flat = bucket(RANK).to(DEVICE)
+    zero8.ddp.Int8AllReduce(block_size=block).average(flat)
+    if K == 1:
+        assert torch.equal(flat.cpu(), bucket(0))
+        return
+    piece = -(-numel // K)
+    assert piece % block, "the pieces must end mid-block"
+    pieces = [torch.cat([bucket(r), torch.zeros(K * piece - numel)]).reshape(K, piece) for r in range(K)]
+    want = []
+    for j in range(K):
+        total = coded(pieces[0][j])
+        for r in range(1, K):
+            total = total + coded(pieces[r][j])
+        want.append(coded(total / K))
+    assert torch.equal(flat.cpu(), torch.cat(want)[:numel])
 
 
 def test_a_non_finite_gradient_stays_non_finite():

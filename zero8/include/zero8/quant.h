@@ -38,6 +38,21 @@ void dequantize_blockwise(const uint8_t* codes, const float* absmax, int64_t n, 
 void dequantize_blockwise(const uint8_t* codes, const float* absmax, int64_t n, int32_t block, MapKind map,
                           void* y, DType dtype, bool accumulate = false, int threads = 0);
 
+// Rows: `rows` tensors of `row` elements each, back to back, each cut into blocks of its own (its last
+// block partial when `block` does not divide `row`): the codes and scales of one quantize_blockwise per
+// row, in one call (one kernel launch on the device; the pieces of a collective, one per rank).
+// codes: rows * row bytes; absmax: rows * quant_num_blocks(row, block) floats, row r's from
+// r * quant_num_blocks(row, block) on. Stochastic rounding numbers the elements across the rows
+// (element i of row r is index_base + r * row + i).
+void quantize_blockwise_rows(const void* x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind map,
+                             uint8_t* codes, float* absmax, const QuantizeOptions& opt = {});
+// y = the rows' decodes (rows * row elements of dtype); with sum, the rows' decodes added element by
+// element in row order, ((r0 + r1) + r2) ..., into `row` float32 values (after y itself with accumulate:
+// the reduce side of an all-to-all, every rank summing in the same order).
+void dequantize_blockwise_rows(const uint8_t* codes, const float* absmax, int64_t rows, int64_t row, int32_t block,
+                               MapKind map, void* y, DType dtype, bool sum = false, bool accumulate = false,
+                               int threads = 0);
+
 // An owning quantized tensor (for tests, tools and small users; the hot paths use the raw entries).
 struct Blockwise {
   int64_t n = 0;
@@ -66,6 +81,13 @@ void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_
 void dequantize_blockwise_cuda(const uint8_t* codes, const float* absmax, int64_t n, int32_t block,
                                const QuantTable* device_table, void* y, DType dtype, bool accumulate = false,
                                void* stream = nullptr);
+// The rows entries on device pointers (see quantize_blockwise_rows / dequantize_blockwise_rows).
+void quantize_blockwise_rows_cuda(const void* x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind map,
+                                  uint8_t* codes, float* absmax, const QuantizeOptions& opt = {},
+                                  void* stream = nullptr);
+void dequantize_blockwise_rows_cuda(const uint8_t* codes, const float* absmax, int64_t rows, int64_t row,
+                                    int32_t block, MapKind map, void* y, DType dtype, bool sum = false,
+                                    bool accumulate = false, void* stream = nullptr);
 // The device copy of a standard map's table: table_get_device (zero8/kernels/quant_map.h).
 
 }  // namespace zero8::quant

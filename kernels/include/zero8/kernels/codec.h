@@ -22,6 +22,8 @@ struct EncodeArgs {
   bool stochastic = false;         // stochastic rounding with rng_uniform(seed, index_base + i)
   uint64_t seed = 0;
   uint64_t index_base = 0;         // global index of element 0 (so a split tensor rounds as a whole)
+  int64_t row = 0;                 // > 0: n / row rows of `row` elements, each cut into blocks of its own
+                                   // (ceil(row / block) scales per row); 0: one row of n
 };
 
 struct DecodeArgs {
@@ -33,6 +35,9 @@ struct DecodeArgs {
   void* y = nullptr;               // n elements of dtype
   DType dtype = DType::f32;
   bool accumulate = false;         // y += decode (dtype must be f32): the reduce side of collectives
+  int64_t row = 0;                 // > 0: n / row rows, blocked as EncodeArgs::row; 0: one row of n
+  bool sum_rows = false;           // with row > 0: y holds `row` float32 values, the rows' decodes summed
+                                   // in row order (((r0 + r1) + r2) ...; after y itself with accumulate)
 };
 
 // Single-threaded variants over the whole range given (blocks [0, ceil(n/block))).
@@ -45,6 +50,8 @@ void quant_decode_avx512(const DecodeArgs& a);
 void quant_encode_avx512vbmi(const EncodeArgs& a);
 void quant_decode_avx512vbmi(const DecodeArgs& a);
 
+// The variants above take one row (row == 0). The entry points below take rows too: row by row on the
+// CPU, in one launch on the device.
 // Dispatching entry points: the active ISA variant, OpenMP across blocks (threads = 0: OpenMP default).
 void quant_encode(const EncodeArgs& a, Isa isa, int threads = 0);
 void quant_decode(const DecodeArgs& a, Isa isa, int threads = 0);
