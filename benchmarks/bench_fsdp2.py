@@ -9,7 +9,10 @@ zero8.fsdp.int8_replicate_all_reduce over its replicate one, alone and with the 
 --where: (2) on two hosts, the ranks in two network namespaces joined by a veth pair, rate-shaped with tc
 (scripts/netns_cluster.sh, as benchmarks/bench_vs_deepspeed.py; needs root), one rank per host (--hsdp: two, a
 host's ranks the shard group, the hosts the replicas); (4) --quality: what the int8 wires cost in loss, the
-pretraining example's GPT trained with each.
+pretraining example's GPT trained with each; (5) --codec-calls, in one process without torchrun: the host
+time of one exchange's codec work (the int8 reduce-scatter's encode and sum, the all-gather's decode) with all
+ranks' pieces in one call of the codec each, as zero8.fsdp and zero8.ddp run it, against one call per piece
+(written out here; what they ran before), alternated, at several rank counts and piece sizes.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py            # (1), CPU, gloo
     torchrun --standalone --nproc_per_node 1 benchmarks/bench_fsdp2.py --device cuda
@@ -19,6 +22,7 @@ pretraining example's GPT trained with each.
     python3 benchmarks/bench_fsdp2.py --where 1gbit,10gbit --hsdp                 # (3) for HSDP, 2 hosts x 2 ranks
     torchrun --standalone --nproc_per_node 4 benchmarks/bench_fsdp2.py --train --hsdp  # (2) for HSDP, one host
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_fsdp2.py --quality --seeds 1234,1235  # (4)
+    python3 benchmarks/bench_fsdp2.py --codec-calls [--device cuda]               # (5)
 
 The model is a stack of MLP blocks (dim x 4 dim and back), every weight sharded by rows over the ranks (--hsdp:
 over the shard group), trained to shrink its output's mean square. Rank 0 prints a table and, last, one JSON line
@@ -70,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="(4): the pretraining example's GPT trained with each wire; validation losses")
     ap.add_argument("--seeds", default="1234", help="(4): comma-separated seeds (initialization and batches)")
     ap.add_argument("--quality-steps", type=int, default=600, help="(4): training steps per run (default 600)")
+    ap.add_argument("--codec-calls", action="store_true",
+                    help="(5): the codec's host time per exchange, one call for all pieces against one per piece")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     if args.ddp and args.hsdp:
@@ -440,9 +446,85 @@ def driver(args) -> None:
             json.dump({"bench": "fsdp2_wire", "scenarios": results}, f)
 
 
+CODEC_CASES = ((2, 4099), (8, 4099), (8, 65539), (64, 1025))  # (ranks, elements per piece): pieces end mid-block
+
+
+def codec_call_cases(device: str, rounds: int, block: int = 2048) -> dict:
+    """(5), also run by bench_gpu.py: per exchange, the reduce-scatter's encode of n pieces and its sum of the n
+    pieces received, and the all-gather's decode of n pieces: three calls of the codec, or (the loop) one call
+    per piece and an add per piece. The best time of each over `rounds` rounds of 50 calls, in microseconds,
+    and their ratio, per case; both ways first checked to give the same bits."""
+    from zero8 import _C
+    from zero8.functional import _dequantize_into, _dequantize_rows_into, _quantize_into, _quantize_rows_into
+    kind, dev = _C.MapKind.dynamic_signed, torch.device(device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    out = {}
+    for n, piece in CODEC_CASES:
+        x = torch.randn(n, piece, device=dev)
+        codes = torch.empty(n, piece, dtype=torch.uint8, device=dev)
+        scales = torch.empty(n, -(-piece // block), device=dev)
+        total, part, every = torch.empty(piece, device=dev), torch.empty(piece, device=dev), torch.empty_like(x)
+
+        def one_call():
+            _quantize_rows_into(x, kind, block, codes.data_ptr(), scales.data_ptr())
+            _dequantize_rows_into(codes.data_ptr(), scales.data_ptr(), n, block, kind, total, sum=True)
+            _dequantize_rows_into(codes.data_ptr(), scales.data_ptr(), n, block, kind, every)
+
+        def per_piece():
+            for j in range(n):
+                _quantize_into(x[j], kind, block, codes[j].data_ptr(), scales[j].data_ptr())
+            for j in range(n):
+                _dequantize_into(codes[j].data_ptr(), scales[j].data_ptr(), block, kind, total if j == 0 else part)
+                if j:
+                    total.add_(part)
+            for j in range(n):
+                _dequantize_into(codes[j].data_ptr(), scales[j].data_ptr(), block, kind, every[j])
+
+        results = []
+        for fn in (per_piece, one_call):  # the same bits both ways, or the comparison means nothing
+            fn()
+            results.append([t.clone() for t in (codes, scales, total, every)])
+        if not all(torch.equal(a, b) for a, b in zip(*results)):
+            raise SystemExit(f"codec calls: {n} x {piece}: one call for all pieces differs from one per piece")
+        times = {"one_call": [], "per_piece": []}
+        for _ in range(rounds):
+            for name, fn in (("per_piece", per_piece), ("one_call", one_call)):
+                fn()
+                sync()
+                reps, t = 50, time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                sync()
+                times[name].append((time.perf_counter() - t) / reps)
+        best = {k: min(v) for k, v in times.items()}
+        out[f"{n}x{piece}"] = {"ranks": n, "piece": piece, "us": {k: v * 1e6 for k, v in best.items()},
+                               "speedup": best["per_piece"] / best["one_call"], "same_bits": True}
+    return out
+
+
+def codec_calls(args) -> None:
+    rounds, block = max(args.rounds, 3), 2048
+    cases = codec_call_cases(args.device, rounds, block)
+    print(f"codec calls per exchange on {args.device} (blocks of {block}; minimum of {rounds} rounds)")
+    print("| ranks x piece | one call per piece | one call for all pieces |\n|---|---|---|")
+    for c in cases.values():
+        print(f"| {c['ranks']} x {c['piece']} | {c['us']['per_piece']:.1f} us | {c['us']['one_call']:.1f} us "
+              f"({c['speedup']:.2f}x) |")
+    line = json.dumps({"bench": "fsdp2_codec_calls", "device": args.device, "cases": cases})
+    print(line)
+    if args.json_out:
+        Path(args.json_out).write_text(line + "\n")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.where is not None:
+    if args.codec_calls:
+        codec_calls(args)
+    elif args.where is not None:
         driver(args)
     else:
         worker(args)

@@ -4,14 +4,17 @@ parameters; zero8.nn.Int8Linear (both GEMM modes, the exact one at blocks 32 and
 forward+backward, the three per-block int8 products of a layer alone, and Linear8bitLt forward,
 against a bfloat16 nn.Linear at transformer shapes; and one training step of zero8's engine (one rank, bf16
 model, fp32 master, 8-bit AdamW states) against PyTorch's mixed precision (fp32 model under bf16 autocast,
-AdamW(fused=True)) on a stack of transformer MLP blocks, with the memory each holds. Times come from CUDA events after warm-ups (median of
-the rounds). A zero8 call that raises (not supported on CUDA yet) makes its rows "not available: <error>";
-the others are still measured. Prints a table and, last, one JSON line (also written to --json-out).
+AdamW(fused=True)) on a stack of transformer MLP blocks, with the memory each holds; and the time of an int8
+exchange's codec work (zero8.ddp/fsdp) with every rank's piece in one call against one call per piece
+(bench_fsdp2.py --codec-calls, host clock). Times come from CUDA events after warm-ups (median of the rounds).
+A zero8 call that raises (not supported on CUDA yet) makes its rows "not available: <error>"; the others are
+still measured. Prints a table and, last, one JSON line (also written to --json-out).
 
     python benchmarks/bench_gpu.py                      # everything, about 2 minutes on an H200
     python benchmarks/bench_gpu.py --only optim --optim-numel 1e8
     python benchmarks/bench_gpu.py --only linear --shapes 4096x16384 --tokens 8192
     python benchmarks/bench_gpu.py --only engine --engine-model 2048x8 --engine-tokens 8192
+    python benchmarks/bench_gpu.py --only wire
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ TARGET_LINEAR = {"shape": (4096, 16384), "tokens": 8192, "ratio": 1.3}
 # no longer bounds it on Hopper (docs/INT8.md, "GPU"), and the vector-wise GEMM.
 LINEAR_VARIANTS = (("exact", 32), ("exact", 128), ("fast", 32))
 HYPER = dict(lr=1e-4, weight_decay=0.01)
-GROUPS = ("optim", "linear", "engine")
+GROUPS = ("optim", "linear", "engine", "wire")
 
 
 def count(s: str) -> int:
@@ -429,6 +432,21 @@ def bench_engine(b: Bench, width: int, blocks: int, tokens: int):
     torch.cuda.empty_cache()
 
 
+def bench_wire(b: Bench, device: str = "cuda"):
+    """bench_fsdp2.py's codec calls per exchange on the GPU: one call for all ranks' pieces / one per piece."""
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        import bench_fsdp2
+    finally:
+        sys.path.pop(0)
+    for c in bench_fsdp2.codec_call_cases(device, rounds=5).values():
+        label = f"{c['ranks']} ranks x {c['piece']} elements"
+        b.row("wire", f"int8 exchange's codec work, one call per piece, {label}", c["us"]["per_piece"], "us")
+        b.row("wire", f"int8 exchange's codec work, speed of one call for all pieces / one per piece, {label}",
+              c["speedup"], "x")
+
+
 def emit(result: dict, json_out) -> None:
     line = json.dumps(result)
     print(line)
@@ -466,6 +484,8 @@ def main(argv=None) -> int:
         w, n = args.engine_model
         plan += [("engine", f"{w}x{n}, {args.engine_tokens} tokens",
                   lambda: bench_engine(b, w, n, args.engine_tokens))]
+    if "wire" in groups:
+        plan += [("wire", "codec calls per exchange", lambda: bench_wire(b))]
     print(f"bench_gpu | zero8 {zero8.__version__} | torch {torch.__version__} | {torch.cuda.get_device_name()} | "
           f"median of {args.repeat} rounds after {args.warmup} warm-ups (CUDA events)", flush=True)
     failed = False

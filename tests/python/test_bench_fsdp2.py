@@ -1,7 +1,7 @@
 """benchmarks/bench_fsdp2.py --where --hsdp at a tiny size (a behaviour check, not a timing): HSDP on a 2 x 2
 mesh of 4 ranks on one host, native against zero8's int8 replicas' all-reduce (alone and with the int8
-reduce-scatter), and the driver's table. Its other modes are run by test_optim_fsdp2.py. About 15 s on 2 cores;
-no root needed (as root the one-host run is in a network namespace of its own).
+reduce-scatter), the driver's table, and --codec-calls. Its other modes are run by test_optim_fsdp2.py. About
+15 s on 2 cores; no root needed (as root the one-host run is in a network namespace of its own).
 """
 
 from __future__ import annotations
@@ -65,3 +65,17 @@ def test_the_table_gives_ratios_to_float32():
     assert "step, int8 replicas' all-reduce (speed-up)" in table[0] and "over the 8 steps" in table[0]
     assert table[2] == "| local | 2000 ms | 1000 ms (2.00x) | (no link) | 0.12% |"
     assert table[3] == "| 1gbit (0.96 Gbit/s) | 2000 ms | 1000 ms (2.00x) | 40.0 -> 10.0 (0.25x) | 0.12% |"
+
+
+def test_codec_calls_compares_the_same_bits_both_ways(tmp_path):
+    """--codec-calls times an exchange's codec work both ways only after checking that they give the same codes,
+    scales, sum and decodes (it exits otherwise), at every rank count and piece size."""
+    out = tmp_path / "codec.json"
+    r = subprocess.run([sys.executable, str(BENCH), "--codec-calls", "--rounds", "1", "--json-out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert sorted(cases) == ["2x4099", "64x1025", "8x4099", "8x65539"]
+    for case in cases.values():
+        assert case["same_bits"] and all(t > 0 for t in case["us"].values()) and case["speedup"] > 0
+    assert "| 64 x 1025 |" in r.stdout

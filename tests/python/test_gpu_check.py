@@ -380,6 +380,19 @@ def test_bench_gpu_engine_comparison_trains_both_systems_on_the_cpu():
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], (name, losses)
 
 
+def test_bench_gpu_wire_rows_on_the_cpu():
+    """The wire group's rows, built as on a GPU but on the CPU: per case the per-piece time and the speed-up of
+    one call for all pieces (bench_fsdp2.py's cases, whose both ways it checks give the same bits)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    b = bench.Bench(bench.parse_args(["--only", "wire"]), None)
+    bench.bench_wire(b, device="cpu")
+    assert len(b.rows) == 8 and all(r["group"] == "wire" and r["error"] is None and r["value"] > 0 for r in b.rows)
+    assert [r["unit"] for r in b.rows] == ["us", "x"] * 4
+    assert "64 ranks x 1025 elements" in b.rows[-1]["figure"]
+
+
 @pytest.mark.skipif(has_gpu(), reason="this machine has a GPU")
 def test_bench_gpu_without_gpu_says_so(tmp_path):
     r = run([sys.executable, str(BENCH), "--json-out", str(tmp_path / "b.json")])
