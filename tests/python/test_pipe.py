@@ -21,6 +21,7 @@ from engine_util import EXACT, FULL8, config, make_data
 from pipe_util import lm_layers, lm_loss, make_tokens, micro_batches, mse, regression_layers, train_plain
 from zero8.config import load_config
 from zero8.engine import PipelineEngine
+from zero8.engine.pipeline import _to_device
 from zero8.engine.training import Zero8Engine
 from zero8.engine.world import world_comm
 from zero8.pipe import (
@@ -157,6 +158,32 @@ def test_a_pipeline_module_makes_the_world_for_this_ranks_gpu_and_moves_there(mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     PipelineModule(regression_layers(), num_stages=1, loss_fn=mse)
     assert asked[-1] == ("auto", torch.device("cpu"))
+
+
+def test_micro_batches_keep_their_structure_on_the_stages_device():
+    """Inputs and labels go to the stage's device as they came: tensors, tuples and lists of them, other values
+    left as they are (the CPU here; on a GPU the next test)."""
+    x, y = torch.randn(3, 4), torch.arange(5)
+    got = _to_device((x, [y, 7], "tag"), torch.device("cpu"))
+    assert isinstance(got, tuple) and isinstance(got[1], list) and got[1][1] == 7 and got[2] == "tag"
+    assert torch.equal(got[0], x) and torch.equal(got[1][0], y)
+
+
+@pytest.mark.cuda
+def test_micro_batches_reach_the_gpu_without_the_host_waiting_for_its_kernels():
+    """A stage's micro-batch goes to its GPU while the kernels queued before it still run: from pageable memory
+    CUDA would sync the stream first and the host would wait for them. Pageable and pinned inputs both, with
+    their values."""
+    from cuda_util import busy
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, y = torch.randn(1000), torch.arange(10).pin_memory()
+    stream = torch.cuda.current_stream(device)
+    busy(stream, 500)
+    got = _to_device((x, [y, 3]), device)
+    assert not stream.query(), "the host waited for the queued kernels"
+    assert got[0].device == device and got[1][0].device == device and got[1][1] == 3
+    assert torch.equal(got[0].cpu(), x) and torch.equal(got[1][0].cpu(), y)
 
 
 # ---- the engine in one process ----
