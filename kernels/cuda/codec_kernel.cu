@@ -4,8 +4,8 @@
 // block (min/max by shuffles, codes by the accelerator), and a decode of two quads per thread in
 // flight, both in vector accesses where the arrays' alignment allows. The element math is the ZERO8_HD
 // code the CPU reference runs (built with --fmad=false), so the device produces the same codes and scales
-// in either form. Rows (EncodeArgs::row) whose blocks do not line up across rows take the block form of the
-// encode and a decode of their own, one launch for all the rows.
+// in either form. Rows (EncodeArgs::row) whose blocks do not line up across rows are encoded in one launch
+// of either form and decoded by a kernel of their own.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -45,19 +45,28 @@ struct MaxOp {
   __device__ __forceinline__ float operator()(float acc, float x) const { return acc < x ? x : acc; }
 };
 
+// Quantization block b's elements [lo, lo + len): of one row of n, or with rows (EncodeArgs::row) block bi
+// of row r, each row blocked on its own (the scale's index is b either way).
+__device__ __forceinline__ void block_span(const EncodeArgs& a, int64_t b, int64_t& lo, int& len) {
+  if (a.row <= 0) {
+    lo = b * a.block;
+    len = int(a.n - lo < a.block ? a.n - lo : a.block);
+    return;
+  }
+  const int64_t per_row = (a.row + a.block - 1) / a.block, r = b / per_row, bi = b - r * per_row;
+  lo = r * a.row + bi * a.block;
+  len = int(a.row - bi * a.block < a.block ? a.row - bi * a.block : a.block);
+}
+
 __global__ void __launch_bounds__(kEncodeThreads) quant_encode_kernel(EncodeArgs a) {
   using Reduce = cub::BlockReduce<float, kEncodeThreads>;
   __shared__ typename Reduce::TempStorage tmp_min, tmp_max;
   __shared__ float block_scale;
   const QuantTable& t = *a.table;
   const int64_t b = blockIdx.x;
-  int64_t lo = b * a.block;
-  int len = int(a.n - lo < a.block ? a.n - lo : a.block);
-  if (a.row > 0) {  // rows, each blocked on its own: block b is block bi of row r
-    const int64_t per_row = (a.row + a.block - 1) / a.block, r = b / per_row, bi = b - r * per_row;
-    lo = r * a.row + bi * a.block;
-    len = int(a.row - bi * a.block < a.block ? a.row - bi * a.block : a.block);
-  }
+  int64_t lo;
+  int len;
+  block_span(a, b, lo, len);
 
   float vmin = 0.0f, vmax = 0.0f;
   int finite = 1;
@@ -141,8 +150,9 @@ __global__ void __launch_bounds__(kWarpThreads, 4) quant_encode_warp_kernel(Enco
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (kWarpThreads / 32);
   for (int64_t b = int64_t(blockIdx.x) * (kWarpThreads / 32) + (threadIdx.x >> 5); b < nblocks; b += warps) {
-    const int64_t lo = b * a.block;
-    const int len = int(a.n - lo < a.block ? a.n - lo : a.block);
+    int64_t lo;
+    int len;
+    block_span(a, b, lo, len);
     const bool whole = vec && len == a.block;
     float vmin = 0.0f, vmax = 0.0f;
     int finite = 1;
@@ -248,11 +258,13 @@ void quant_encode_cuda(const EncodeArgs& args, void* stream) {
   cuda_detail::check_device_ptrs("quant_encode_cuda",
                                  {{a.x, "x"}, {a.table, "table"}, {a.codes, "codes"}, {a.absmax, "absmax"}});
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (cuda_quant_kernels() == CudaQuantKernels::warp && !a.stochastic && a.row == 0) {
-    // Vectors of 4 elements, 2 for blocks of 64 (a warp's width of vectors fits in every block).
+  if (cuda_quant_kernels() == CudaQuantKernels::warp && !a.stochastic) {
+    // Vectors of 4 elements, 2 for blocks of 64 (a warp's width of vectors fits in every block); rows keep
+    // the vectors' alignment when their length is a multiple of the vector.
     const bool four = a.block % (32 * 4) == 0;
     const int kw = four ? 4 : 2;
-    const bool vec = a.block % (32 * kw) == 0 && cuda_detail::vec_aligned(a.x, size_t(kw) * dtype_size(a.dtype)) &&
+    const bool vec = a.block % (32 * kw) == 0 && a.row % kw == 0 &&
+                     cuda_detail::vec_aligned(a.x, size_t(kw) * dtype_size(a.dtype)) &&
                      cuda_detail::vec_aligned(a.codes, size_t(kw));
     static std::atomic<int> resident2[64] = {}, resident4[64] = {};
     // At least 4 blocks per warp: filling a thread block's shared memory reads 26 KiB (from L2).

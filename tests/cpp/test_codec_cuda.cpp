@@ -196,7 +196,8 @@ TEST_F(CodecCuda, DecodeMatchesCpuReference) {
 }
 
 // The rows entries on the device give the CPU's rows (codes, scales, each row's decode, the rows' sum),
-// in both kernel forms, for rows that end mid-block (one launch of their own) and rows of whole blocks.
+// in both kernel forms, for rows that end mid-block (with and without the warp form's vectors) and rows of
+// whole blocks.
 TEST_F(CodecCuda, RowsMatchCpu) {
 #if ZERO8_WITH_CUDA
   const auto map = MapKind::dynamic_signed;
@@ -211,7 +212,7 @@ TEST_F(CodecCuda, RowsMatchCpu) {
     for (DType dt : {DType::f32, DType::bf16}) {
       for (int32_t block : {64, 2048}) {
         for (int64_t rows : {1, 3, 8}) {
-          for (int64_t row : {int64_t(100), int64_t(2 * block), int64_t(2 * block + 37)}) {
+          for (int64_t row : {int64_t(100), int64_t(2 * block), int64_t(2 * block + 4), int64_t(2 * block + 37)}) {
             for (bool stochastic : {false, true}) {
               SCOPED_TRACE(std::string(cuda_quant_kernels_name(form)) + " kernels, " + dtype_name(dt) + " block " +
                            std::to_string(block) + " rows " + std::to_string(rows) + " row " + std::to_string(row) +
@@ -243,7 +244,8 @@ TEST_F(CodecCuda, RowsMatchCpu) {
               ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
               const std::vector<uint8_t> got_each = dy.get<uint8_t>(size_t(n) * esize);
               for (int64_t i = 0; i < n; ++i) {
-                ASSERT_TRUE(same(dtype_load(got_each.data(), dt, i), dtype_load(each.data(), dt, i))) << "element " << i;
+                ASSERT_TRUE(same(dtype_load(got_each.data(), dt, i), dtype_load(each.data(), dt, i)))
+                    << "element " << i;
               }
 
               std::vector<float> base(static_cast<size_t>(row));
