@@ -299,11 +299,14 @@ void quant_decode_cuda(const DecodeArgs& args, void* stream) {
   while ((1 << shift) < a.block) ++shift;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (a.row > 0) {
-    const int64_t rows = a.n / a.row, per_thread_block = kDecodeThreads;
-    const int64_t gx = std::min<int64_t>((a.row + per_thread_block - 1) / per_thread_block, int64_t(1) << 16);
-    const int64_t gy = a.sum_rows ? 1 : std::min<int64_t>(rows, std::max<int64_t>(1, (int64_t(1) << 20) / gx));
-    quant_decode_rows_kernel<<<dim3(unsigned(gx), unsigned(std::min<int64_t>(gy, 65535))), kDecodeThreads, 0, st>>>(
-        a, shift);
+    // x over a row's elements, y over the rows: about 4 elements per thread in all (short rows leave most of
+    // a thread block's x idle), at most 2^20 thread blocks, 65535 in y (the grid-stride loops go on past).
+    const int64_t rows = a.n / a.row;
+    const int64_t gx = std::min<int64_t>((a.row + kDecodeThreads - 1) / kDecodeThreads, int64_t(1) << 16);
+    const int64_t busy = std::max<int64_t>(1, (a.n + 4 * kDecodeThreads - 1) / (4 * kDecodeThreads));
+    const int64_t gy = a.sum_rows ? 1 : std::min<int64_t>({rows, 65535, std::max<int64_t>(1, (int64_t(1) << 20) / gx),
+                                                           std::max<int64_t>(1, busy / gx)});
+    quant_decode_rows_kernel<<<dim3(unsigned(gx), unsigned(gy)), kDecodeThreads, 0, st>>>(a, shift);
     check_launch("quant_decode_rows_kernel");
     return;
   }

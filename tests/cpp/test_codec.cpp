@@ -873,6 +873,13 @@ TEST(CodecRows, MatchOneCallPerRow) {
             quantize_blockwise_rows(x.data(), dt, rows, row, block, map, codes.data(), scales.data(), opt);
             ASSERT_EQ(codes, want_codes);
             ASSERT_EQ(0, std::memcmp(scales.data(), want_scales.data(), scales.size() * 4));
+            QuantizeOptions threaded = opt;  // each row split over threads (parts of whole blocks)
+            threaded.threads = 3;
+            std::vector<uint8_t> codes3(static_cast<size_t>(n));
+            std::vector<float> scales3(scales.size());
+            quantize_blockwise_rows(x.data(), dt, rows, row, block, map, codes3.data(), scales3.data(), threaded);
+            ASSERT_EQ(codes3, want_codes);
+            ASSERT_EQ(0, std::memcmp(scales3.data(), want_scales.data(), scales.size() * 4));
 
             Tensor want_y(dt, n), y(dt, n);
             for (int64_t r = 0; r < rows; ++r) {
@@ -886,9 +893,12 @@ TEST(CodecRows, MatchOneCallPerRow) {
             dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, each.data(), DType::f32);
             for (int64_t j = 0; j < row; ++j) base[size_t(j)] = float(j % 17) * 0.25f - 2.0f;
             for (bool accumulate : {false, true}) {
-              std::vector<float> got = base;
+              std::vector<float> got = base, got3 = base;
               dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, got.data(), DType::f32,
                                         true, accumulate);
+              dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, block, map, got3.data(), DType::f32,
+                                        true, accumulate, 3);
+              ASSERT_EQ(0, std::memcmp(got3.data(), got.data(), got.size() * 4)) << "3 threads";
               for (int64_t j = 0; j < row; ++j) {
                 float want = accumulate ? base[size_t(j)] + each[size_t(j)] : each[size_t(j)];
                 for (int64_t r = 1; r < rows; ++r) want = want + each[size_t(r * row + j)];
@@ -915,6 +925,9 @@ TEST(CodecRows, BadArgumentsNameTheArgument) {
   expect_arg_error([&] { q(2, -8, scales.data()); }, "row");
   expect_arg_error([&] { q(4, INT64_MAX / 2, scales.data()); }, "row");
   expect_arg_error([&] { q(2, 8, nullptr); }, "absmax");
+  expect_arg_error([&] {
+    quantize_blockwise_rows(x.data(), DType::f32, 4, INT64_MAX / 2, -256, map, codes.data(), scales.data());
+  }, "block");
   const auto d = [&](int64_t rows, int64_t row, DType dt, bool sum, bool accumulate) {
     dequantize_blockwise_rows(codes.data(), scales.data(), rows, row, 256, map, y.data(), dt, sum, accumulate);
   };

@@ -209,10 +209,16 @@ TEST_F(CodecCuda, RowsMatchCpu) {
   };
   for (CudaQuantKernels form : {CudaQuantKernels::block, CudaQuantKernels::warp}) {
     const CudaQuantKernelsScope scope(form);
-    for (DType dt : {DType::f32, DType::bf16}) {
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
       for (int32_t block : {64, 2048}) {
-        for (int64_t rows : {1, 3, 8}) {
-          for (int64_t row : {int64_t(100), int64_t(2 * block), int64_t(2 * block + 4), int64_t(2 * block + 37)}) {
+        for (int64_t rows : {1, 3, 8, 4001}) {  // 4001 short rows: more than the decode's grid has in y
+          for (int64_t row : {int64_t(3), int64_t(100), int64_t(2 * block), int64_t(2 * block + 4),
+                              int64_t(2 * block + 37)}) {
+            // The many short rows once (the block form's encode would take a thread block per row).
+            if ((rows > 8) != (row == 3) ||
+                (rows > 8 && (block != 64 || dt != DType::f32 || form != CudaQuantKernels::warp))) {
+              continue;
+            }
             for (bool stochastic : {false, true}) {
               SCOPED_TRACE(std::string(cuda_quant_kernels_name(form)) + " kernels, " + dtype_name(dt) + " block " +
                            std::to_string(block) + " rows " + std::to_string(rows) + " row " + std::to_string(row) +

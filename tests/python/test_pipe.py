@@ -173,17 +173,19 @@ def test_micro_batches_keep_their_structure_on_the_stages_device():
 def test_micro_batches_reach_the_gpu_without_the_host_waiting_for_its_kernels():
     """A stage's micro-batch goes to its GPU while the kernels queued before it still run: from pageable memory
     CUDA would sync the stream first and the host would wait for them. Pageable and pinned inputs both, with
-    their values."""
+    their values, a pinned one's even when its owner refills it at once (the transfer reads a copy)."""
     from cuda_util import busy
 
     device = torch.device("cuda", torch.cuda.current_device())
     x, y = torch.randn(1000), torch.arange(10).pin_memory()
     stream = torch.cuda.current_stream(device)
     busy(stream, 500)
+    want_y = y.clone()
     got = _to_device((x, [y, 3]), device)
     assert not stream.query(), "the host waited for the queued kernels"
+    y.fill_(-1)  # a prefetching loader refilling its pinned buffer
     assert got[0].device == device and got[1][0].device == device and got[1][1] == 3
-    assert torch.equal(got[0].cpu(), x) and torch.equal(got[1][0].cpu(), y)
+    assert torch.equal(got[0].cpu(), x) and torch.equal(got[1][0].cpu(), want_y)
 
 
 # ---- the engine in one process ----

@@ -75,6 +75,7 @@ DecodeArgs decode_args(const uint8_t* codes, const float* absmax, int64_t n, int
 
 // The arguments of the rows entries: rows * row elements in one call (EncodeArgs::row, DecodeArgs::row).
 int64_t rows_elements(int64_t rows, int64_t row, int32_t block) {
+  check_block(block);
   ZERO8_CHECK_ARG(rows >= 0, "rows", "must be >= 0, got " << rows);
   ZERO8_CHECK_ARG(row >= 0, "row", "must be >= 0, got " << row);
   ZERO8_CHECK_ARG(rows == 0 || row <= (INT64_MAX - block) / rows, "row",

@@ -292,6 +292,9 @@ def _quantize_rows_into(A: Tensor, kind: "_C.MapKind", blocksize: int, codes_ptr
     """_quantize_into of each row of A (2-d, contiguous), every row blocked on its own (its last block partial
     when blocksize does not divide it), in one call: row r's codes from r * A.shape[1] on, its scales from
     r * ceil(A.shape[1] / blocksize) on."""
+    if A.dim() != 2 or not A.is_contiguous():
+        raise Zero8ValueError(f"_quantize_rows_into: needs a contiguous 2-d tensor, got shape {tuple(A.shape)}"
+                              f"{'' if A.is_contiguous() else ' (not contiguous)'}")
     args = (ptr(A), dtype_code(A), A.shape[0], A.shape[1], blocksize, kind, codes_ptr, absmax_ptr)
     if A.is_cuda:
         with on_device(A):
@@ -305,6 +308,9 @@ def _dequantize_rows_into(codes_ptr: int, absmax_ptr: int, rows: int, blocksize:
     """The decoding of _quantize_rows_into: into `out` (rows x row, contiguous), or with sum the rows' values
     added in row order, ((r0 + r1) + r2) ..., into `out` (row float32 values, contiguous)."""
     row = out.numel() if sum else out.numel() // max(rows, 1)
+    if not out.is_contiguous() or (not sum and rows * row != out.numel()):
+        raise Zero8ValueError(f"_dequantize_rows_into: `out` must be contiguous and hold {rows} rows of one length, "
+                              f"got shape {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
     args = (codes_ptr, absmax_ptr, rows, row, blocksize, kind, ptr(out), dtype_code(out), sum)
     if out.is_cuda:
         with on_device(out):

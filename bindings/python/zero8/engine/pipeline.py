@@ -527,13 +527,14 @@ class PipelineEngine(PipelineCheckpoints, Zero8Engine):
 
 def _to_device(x, device: torch.device):
     """A micro-batch's inputs or labels on the stage's device: tensors, and tensors in tuples and lists. A host
-    tensor goes to a GPU from pinned memory (pinned here unless it is already, as a DataLoader with pin_memory
-    gives it), queued on the current stream: from pageable memory CUDA syncs the stream before the copy, so the
-    host would wait for every kernel queued so far, at each micro-batch, and the GPU would idle while it queues
-    the next ones. torch's pinned-memory allocator keeps the pinned copy until the transfer is done."""
+    tensor goes to a GPU through a pinned copy of its own, queued on the current stream: from pageable memory
+    CUDA syncs the stream before the copy, so the host would wait for every kernel queued so far, at each
+    micro-batch, and the GPU would idle while it queues the next ones. The copy is ours (even of a pinned
+    tensor, which its owner may refill once we return), and torch's pinned-memory allocator keeps it until the
+    transfer is done."""
     if isinstance(x, torch.Tensor):
         if device.type == "cuda" and x.device.type == "cpu":
-            return (x if x.is_pinned() else x.pin_memory()).to(device, non_blocking=True)
+            return torch.empty_like(x, pin_memory=True).copy_(x).to(device, non_blocking=True)
         return x.to(device)
     if isinstance(x, (tuple, list)):
         out = [_to_device(v, device) for v in x]
