@@ -284,7 +284,7 @@ def test_rows_in_one_call_are_each_row_coded_on_its_own(rows, row, blocksize):
         want_total = decoded if want_total is None else want_total + decoded
     assert torch.equal(total, want_total)
     with pytest.raises(zero8.Zero8ValueError, match="contiguous 2-d tensor, got shape"):
-        F._quantize_rows_into(x.t(), kind, blocksize, codes.data_ptr(), scales.data_ptr())
+        F._quantize_rows_into(x[:, ::2], kind, blocksize, codes.data_ptr(), scales.data_ptr())
     if rows > 1:
         with pytest.raises(zero8.Zero8ValueError, match=f"hold {rows} rows of one length"):
             F._dequantize_rows_into(codes.data_ptr(), scales.data_ptr(), rows, blocksize, kind,
