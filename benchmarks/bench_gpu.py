@@ -33,6 +33,7 @@ TARGET_LINEAR = {"shape": (4096, 16384), "tokens": 8192, "ratio": 1.3}
 # no longer bounds it on Hopper (docs/INT8.md, "GPU"), and the vector-wise GEMM.
 LINEAR_VARIANTS = (("exact", 32), ("exact", 128), ("fast", 32))
 HYPER = dict(lr=1e-4, weight_decay=0.01)
+SMALL_TENSORS, SMALL_NUMEL = 300, 4096  # the optimizers' steps on many small tensors
 GROUPS = ("optim", "linear", "engine", "wire")
 
 
@@ -126,14 +127,17 @@ def zero8_call(what: str, fn):
         return None, f"not available: {what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def bench_optim(b: Bench, numel: int):
+def bench_optim(b: Bench, numel: int, tensor_numel: int = 0):
+    """The optimizers' steps on `numel` parameters in tensors of tensor_numel (default --tensor-numel); with many
+    small tensors the step's host time per tensor is what the CUDA events show."""
     torch = b.torch
     import zero8.optim as zo
 
-    sizes = [b.args.tensor_numel] * (numel // b.args.tensor_numel)
-    if numel % b.args.tensor_numel:
-        sizes.append(numel % b.args.tensor_numel)
-    label = f"{numel:.0e} params in {len(sizes)} tensors".replace("e+0", "e")
+    tensor_numel = tensor_numel or b.args.tensor_numel
+    sizes = [tensor_numel] * (numel // tensor_numel)
+    if numel % tensor_numel:
+        sizes.append(numel % tensor_numel)
+    label = f"{numel:.2g} params in {len(sizes)} tensors".replace("e+0", "e")
     gen = torch.Generator(device="cuda").manual_seed(0)
     # The gradients are shared (neither optimizer writes them); each optimizer has its own parameters.
     grads = [torch.randn(n, device="cuda", generator=gen) * 1e-3 for n in sizes]
@@ -477,6 +481,9 @@ def main(argv=None) -> int:
     plan = []
     if "optim" in groups:
         plan += [("optim", f"{n:.0e} params", lambda n=n: bench_optim(b, n)) for n in args.optim_numel]
+        # a model of many small tensors (norms, biases, small layers): the step's host time per tensor
+        plan += [("optim", f"{SMALL_TENSORS} tensors of {SMALL_NUMEL}",
+                  lambda: bench_optim(b, SMALL_TENSORS * SMALL_NUMEL, SMALL_NUMEL))]
     if "linear" in groups:
         plan += [("linear", f"{i}x{o}, {t} tokens", lambda i=i, o=o, t=t: bench_linear(b, i, o, t))
                  for i, o in args.shapes for t in args.tokens]

@@ -254,6 +254,56 @@ TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
   }
 }
 
+#if ZERO8_WITH_CUDA_SIM
+// zero8.optim's planned steps vouch for their pointers (step_tensor_cuda's pointers_checked): the step then
+// asks the driver nothing about them (a cudaPointerGetAttributes is about a microsecond on a GPU, and an
+// 8-bit AdamW step has eight pointers), and gives the same bits as the checked step.
+TEST(OptimCuda, AStepWithVouchedPointersQueriesNone) {
+  const int64_t n = 3000;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g;
+  std::vector<float> p(static_cast<size_t>(n)), grad(static_cast<size_t>(n));
+  for (float& v : p) v = g(rng);
+  for (float& v : grad) v = g(rng);
+  const int64_t nb = (n + 255) / 256;
+  std::vector<uint8_t> codes(static_cast<size_t>(n), 128);
+  std::vector<float> absmax(static_cast<size_t>(nb), 0.0f);  // scales of 0: every state decodes to 0
+  struct Copy {
+    DevBuf<float> p, g, a1, a2;
+    DevBuf<uint8_t> c1, c2;
+  };
+  Copy checked{DevBuf<float>(p), DevBuf<float>(grad), DevBuf<float>(absmax), DevBuf<float>(absmax),
+               DevBuf<uint8_t>(codes), DevBuf<uint8_t>(codes)};
+  Copy vouched{DevBuf<float>(p), DevBuf<float>(grad), DevBuf<float>(absmax), DevBuf<float>(absmax),
+               DevBuf<uint8_t>(codes), DevBuf<uint8_t>(codes)};
+  auto args = [&](Copy& c) {
+    StepArgs a;
+    a.algo = Algo::adamw;
+    a.h.weight_decay = 0.01f;
+    a.n = n;
+    a.param = c.p.p;
+    a.grad = c.g.p;
+    a.bits = 8;
+    a.block = 256;
+    a.code1 = c.c1.p, a.absmax1 = c.a1.p, a.map1 = quant::table_get_device(quant::MapKind::dynamic_signed);
+    a.code2 = c.c2.p, a.absmax2 = c.a2.p, a.map2 = quant::table_get_device(quant::MapKind::dynamic_unsigned);
+    return a;
+  };
+  const unsigned long long q0 = zero8_cudasim_get_counts().pointer_queries;
+  step_tensor_cuda(args(checked), nullptr, false);
+  const unsigned long long q1 = zero8_cudasim_get_counts().pointer_queries;
+  step_tensor_cuda(args(vouched), nullptr, true);
+  const unsigned long long q2 = zero8_cudasim_get_counts().pointer_queries;
+  EXPECT_GE(q1 - q0, 8u) << "the checked step's queries";
+  EXPECT_EQ(q2 - q1, 0u) << "the vouched step's queries";
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(checked.p.get(), vouched.p.get());
+  EXPECT_EQ(checked.c1.get(), vouched.c1.get());
+  EXPECT_EQ(checked.a2.get(), vouched.a2.get());
+  EXPECT_NE(checked.p.get(), p) << "the step changed nothing";
+}
+#endif
+
 #else  // !ZERO8_WITH_CUDA
 
 TEST(OptimCuda, StepEqualsCpuReferenceBitwise) { GTEST_SKIP() << "zero8 was built without CUDA (ZERO8_CUDA=OFF or no nvcc)"; }

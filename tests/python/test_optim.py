@@ -2041,7 +2041,8 @@ def test_planned_steps_equal_fully_checked_steps_bit_for_bit(make, dtype):
 
 def test_a_planned_step_sees_a_replaced_state_tensor_and_a_rebound_parameter():
     """What a plan took from a parameter and its state is looked at again at each step: a state tensor
-    replaced in the state dict is the one the next step updates (the old one is left alone), and a parameter
+    replaced in the state dict, or rebound to a new storage through .data, is the one the next step updates
+    (the old one is left alone), and a parameter
     rebound to a strided view of its own storage (same pointer and size) is stepped through a contiguous
     copy, as a fully checked step would."""
     (pa, pb), oa, ob = _pair(lambda ps: zo.AdamW8bit(ps, lr=1e-2, min_8bit_size=0), torch.float32)
@@ -2061,6 +2062,15 @@ def test_a_planned_step_sees_a_replaced_state_tensor_and_a_rebound_parameter():
     kept = old.clone()
     step_both()
     assert torch.equal(old, kept), "the replaced state tensor was written"
+    # rebound through .data: the same tensor object on a new storage, which the next step must update
+    rebound = oa.state[pa[0]]["state2"]
+    old_storage = rebound.data
+    kept = old_storage.clone()
+    for opt, p in ((oa, pa[0]), (ob, pb[0])):
+        opt.state[p]["state2"].data = opt.state[p]["state2"].data.clone()
+    step_both()
+    assert oa.state[pa[0]]["state2"] is rebound and torch.equal(old_storage, kept), "the old storage was written"
+    assert not torch.equal(rebound, kept), "the rebound state was not stepped"
     for p in (pa[0], pb[0]):
         p.data = p.data.reshape(48, 64).t()  # a column-major view of the same storage: same pointer and size
     step_both()

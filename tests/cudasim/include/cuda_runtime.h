@@ -90,5 +90,6 @@ struct zero8_cudasim_counts {
   unsigned long long copies_to_host;     // device (or managed) memory to host memory
   unsigned long long copies_to_device;   // host memory to device (or managed) memory
   unsigned long long host_waits;         // cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize
+  unsigned long long pointer_queries;    // cudaPointerGetAttributes (about a microsecond each on a GPU)
 };
 zero8_cudasim_counts zero8_cudasim_get_counts();

@@ -699,6 +699,7 @@ cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, const void* p) {
   if (attr == nullptr) return set_error(cudaErrorInvalidValue);
   Lock l;
+  ++st().counts.pointer_queries;
   *attr = cudaPointerAttributes{};
   attr->device = -2;
   const Alloc* a = find(p);

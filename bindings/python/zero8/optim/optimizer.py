@@ -177,8 +177,10 @@ class _Plan:
     kernel's arguments but the gradient and the step's hyperparameters, and what they were derived from (the
     parameter's storage, dtype and size, its state dict and state tensors). _step_planned uses it while all
     of that is unchanged: a step then costs the gradient's checks and the kernel call, not every check of
-    the parameter and its states again (a model of many small tensors spends most of its step there)."""
-    __slots__ = ("param", "ptr", "dtype", "numel", "cuda", "device", "state", "tensors", "args", "master")
+    the parameter and its states again (a model of many small tensors spends most of its step there). On a GPU
+    the kernel's pointers are then known to be the plan's device memory, and the per-pointer queries of the
+    CUDA entry are skipped (``pointers_checked``)."""
+    __slots__ = ("param", "ptr", "dtype", "numel", "cuda", "device", "state", "slots", "args", "master")
 
     def __init__(self, p: torch.Tensor, state: Dict[str, Any], args: "_C.StepArgs", master) -> None:
         self.param = p
@@ -188,15 +190,22 @@ class _Plan:
         self.cuda = p.is_cuda
         self.device = p.device
         self.state = state
-        self.tensors = tuple(state.get(k) for k in _STATE_TENSORS)
+        # (key, the state's value, its storage's address): what the kernel's arguments were made from
+        self.slots = tuple((k, t, t.data_ptr() if isinstance(t, torch.Tensor) else None)
+                           for k, t in ((k, state.get(k)) for k in _STATE_TENSORS))
         self.args = args
         self.master = master  # a 16-bit parameter's float32 master: its bits are compared at each step
 
     def holds(self, p: torch.Tensor, state: Optional[Dict[str, Any]]) -> bool:
-        """Whether p and its state are still what the plan was made from."""
-        return (self.param is p and state is self.state and p.data_ptr() == self.ptr and p.dtype is self.dtype
-                and p.is_cuda is self.cuda and p.numel() == self.numel and p.is_contiguous()
-                and all(state.get(k) is t for k, t in zip(_STATE_TENSORS, self.tensors)))
+        """Whether p and its state are still what the plan was made from (the state tensors' storage too: a
+        rebound ``.data`` keeps the tensor but not the pointer the kernel's arguments hold)."""
+        if not (self.param is p and state is self.state and p.data_ptr() == self.ptr and p.dtype is self.dtype
+                and p.is_cuda is self.cuda and p.numel() == self.numel and p.is_contiguous()):
+            return False
+        for k, t, ptr in self.slots:  # a plain loop: this runs for every tensor at every step
+            if state.get(k) is not t or (ptr is not None and t.data_ptr() != ptr):
+                return False
+        return True
 
 
 def _check_state_device(state: Dict[str, Any], p: torch.Tensor, name: str) -> None:
@@ -1040,8 +1049,8 @@ class Optimizer8bit(PartitionedStates, torch.optim.Optimizer):
             stream = streams.get(plan.device)
             if stream is None:
                 stream = streams[plan.device] = cuda_stream(p)
-            with on_device(p):
-                _C.step_tensor_cuda(a, stream)
+            with on_device(p):  # every pointer the plan's device memory (holds), the gradient a tensor there
+                _C.step_tensor_cuda(a, stream, pointers_checked=True)
         else:
             _C.step_tensor(a)
         if plan.master is not None:
