@@ -10,6 +10,7 @@
 #include <string>
 
 #include "zero8/error.h"
+#include "zero8/kernels/device.h"
 
 namespace py = pybind11;
 
@@ -33,6 +34,11 @@ Error error_from_python(const py::error_already_set& e);
 
 // A pointer argument: Python passes an address as a non-negative int (0 for none).
 using Ptr = std::uintptr_t;
+
+// POINTERS_CHECKED: every *_cuda entry takes pointers_checked (default false). True: the caller vouches that
+// each pointer is device memory of the current device (zero8's Python side passes it for the data of CUDA
+// tensors it has checked), so the entry makes no per-pointer query (device::VouchedPointers); the other
+// argument checks still run.
 template <class T> T* as_ptr(Ptr p) { return reinterpret_cast<T*>(p); }
 
 // A writable memoryview of `bytes` bytes at `data` (format "B") that keeps `owner` alive for as long

@@ -131,7 +131,7 @@ void init_codec(py::module_& m) {
   // CUDA: device pointers; the kernels are queued on `stream` (a cudaStream_t as an int: Python passes
   // torch.cuda.current_stream(device).cuda_stream) and the call returns without waiting. The current
   // device must be the tensors' (standard maps are uploaded once per device). A build without CUDA raises
-  // Zero8NotSupportedError.
+  // Zero8NotSupportedError. pointers_checked: see POINTERS_CHECKED (bind.h).
   m.def("quant_table_bytes",
         [](const std::vector<float>& values) {
           const auto table = table_for_values(values);
@@ -143,67 +143,78 @@ void init_codec(py::module_& m) {
   m.def(
       "quantize_blockwise_cuda",
       [](Ptr x, DType dtype, int64_t n, int32_t block, MapKind kind, Ptr codes, Ptr absmax, bool stochastic,
-         uint64_t seed, uint64_t index_base, Ptr stream) {
+         uint64_t seed, uint64_t index_base, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         const auto opt = rounding_options<quant::QuantizeOptions>(stochastic, seed, index_base, 0);
         quant::quantize_blockwise_cuda(as_ptr<const void>(x), dtype, n, block, kind, as_ptr<uint8_t>(codes),
                                        as_ptr<float>(absmax), opt, as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("kind"), py::arg("codes_ptr"),
       py::arg("absmax_ptr"), py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("stream") = 0, py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "quantize_blockwise on device pointers, queued on `stream`: the same codes and scales as the CPU.");
   m.def(
       "quantize_blockwise_table_cuda",
       [](Ptr x, DType dtype, int64_t n, int32_t block, Ptr table, Ptr codes, Ptr absmax, bool stochastic,
-         uint64_t seed, uint64_t index_base, Ptr stream) {
+         uint64_t seed, uint64_t index_base, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         const auto opt = rounding_options<quant::QuantizeOptions>(stochastic, seed, index_base, 0);
         quant::quantize_blockwise_cuda(as_ptr<const void>(x), dtype, n, block, as_ptr<const QuantTable>(table),
                                        as_ptr<uint8_t>(codes), as_ptr<float>(absmax), opt, as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("n"), py::arg("block"), py::arg("table_ptr"), py::arg("codes_ptr"),
       py::arg("absmax_ptr"), py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("stream") = 0, py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "quantize_blockwise_cuda over a custom map: table_ptr is device memory holding quant_table_bytes(values).");
   m.def(
       "dequantize_blockwise_cuda",
       [](Ptr codes, Ptr absmax, int64_t n, int32_t block, MapKind kind, Ptr y, DType dtype, bool accumulate,
-         Ptr stream) {
+         Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         quant::dequantize_blockwise_cuda(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), n, block, kind,
                                          as_ptr<void>(y), dtype, accumulate, as_ptr<void>(stream));
       },
       py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("n"), py::arg("block"), py::arg("kind"), py::arg("y_ptr"),
-      py::arg("dtype"), py::arg("accumulate") = false, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("dtype"), py::arg("accumulate") = false, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "dequantize_blockwise on device pointers, queued on `stream`.");
   m.def(
       "dequantize_blockwise_table_cuda",
-      [](Ptr codes, Ptr absmax, int64_t n, int32_t block, Ptr table, Ptr y, DType dtype, bool accumulate, Ptr stream) {
+      [](Ptr codes, Ptr absmax, int64_t n, int32_t block, Ptr table, Ptr y, DType dtype, bool accumulate, Ptr stream,
+         bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         quant::dequantize_blockwise_cuda(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), n, block,
                                          as_ptr<const QuantTable>(table), as_ptr<void>(y), dtype, accumulate,
                                          as_ptr<void>(stream));
       },
       py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("n"), py::arg("block"), py::arg("table_ptr"),
       py::arg("y_ptr"), py::arg("dtype"), py::arg("accumulate") = false, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false,
       py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise_cuda over a custom map (see quant_table_bytes).");
   m.def(
       "quantize_blockwise_rows_cuda",
       [](Ptr x, DType dtype, int64_t rows, int64_t row, int32_t block, MapKind kind, Ptr codes, Ptr absmax,
-         Ptr stream) {
+         Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         quant::quantize_blockwise_rows_cuda(as_ptr<const void>(x), dtype, rows, row, block, kind,
                                             as_ptr<uint8_t>(codes), as_ptr<float>(absmax), {}, as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("row"), py::arg("block"), py::arg("kind"),
-      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("stream") = 0,
+      py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "quantize_blockwise_rows on device pointers, one launch queued on `stream`.");
   m.def(
       "dequantize_blockwise_rows_cuda",
       [](Ptr codes, Ptr absmax, int64_t rows, int64_t row, int32_t block, MapKind kind, Ptr y, DType dtype, bool sum,
-         bool accumulate, Ptr stream) {
+         bool accumulate, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         quant::dequantize_blockwise_rows_cuda(as_ptr<const uint8_t>(codes), as_ptr<const float>(absmax), rows, row,
                                               block, kind, as_ptr<void>(y), dtype, sum, accumulate,
                                               as_ptr<void>(stream));
       },
       py::arg("codes_ptr"), py::arg("absmax_ptr"), py::arg("rows"), py::arg("row"), py::arg("block"), py::arg("kind"),
       py::arg("y_ptr"), py::arg("dtype"), py::arg("sum") = false, py::arg("accumulate") = false, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false,
       py::call_guard<py::gil_scoped_release>(), "dequantize_blockwise_rows on device pointers, one launch queued on "
       "`stream`.");
 }

@@ -140,64 +140,76 @@ void init_int8(py::module_& m) {
   // CUDA: device pointers, the same arguments as the CPU entries (no thread count) plus `stream`, a
   // cudaStream_t as an int (torch.cuda.current_stream(device).cuda_stream); the kernels are queued on it
   // and the calls return without waiting. A build without CUDA raises Zero8NotSupportedError.
+  // pointers_checked: see POINTERS_CHECKED (bind.h).
   m.def(
       "int8_quantize_rows_cuda",
       [](Ptr x, DType dtype, int64_t rows, int64_t cols, Ptr q, Ptr scale, Ptr col_mask, bool stochastic, uint64_t seed,
-         uint64_t index_base, Ptr stream) {
+         uint64_t index_base, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         const auto opt = rounding_options<int8::Int8QuantOptions>(stochastic, seed, index_base, 0);
         int8::int8_quantize_rows_cuda(as_ptr<const void>(x), dtype, rows, cols, as_ptr<int8_t>(q),
                                       as_ptr<float>(scale), as_ptr<const uint8_t>(col_mask), opt, as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("q_ptr"), py::arg("scale_ptr"),
       py::arg("col_mask_ptr") = 0, py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0,
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(), "int8_quantize_rows on device pointers.");
+      py::arg("stream") = 0,
+      py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
+      "int8_quantize_rows on device pointers.");
   m.def(
       "int8_quantize_cols_cuda",
       [](Ptr x, DType dtype, int64_t rows, int64_t cols, Ptr q, Ptr scale, bool stochastic, uint64_t seed,
-         uint64_t index_base, Ptr stream) {
+         uint64_t index_base, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         const auto opt = rounding_options<int8::Int8QuantOptions>(stochastic, seed, index_base, 0);
         int8::int8_quantize_cols_cuda(as_ptr<const void>(x), dtype, rows, cols, as_ptr<int8_t>(q),
                                       as_ptr<float>(scale), opt, as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("q_ptr"), py::arg("scale_ptr"),
       py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index_base") = 0, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false,
       py::call_guard<py::gil_scoped_release>(), "int8_quantize_cols on device pointers.");
   m.def(
       "int8_quantize_blocks_cuda",
       [](Ptr x, DType dtype, int64_t rows, int64_t cols, int32_t block_rows, int32_t block_cols, Ptr q, Ptr scale,
-         bool stochastic, uint64_t seed, uint64_t index_base, Ptr stream) {
+         bool stochastic, uint64_t seed, uint64_t index_base, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         const auto opt = rounding_options<int8::Int8QuantOptions>(stochastic, seed, index_base, 0);
         int8::int8_quantize_blocks_cuda(as_ptr<const void>(x), dtype, rows, cols, block_rows, block_cols,
                                         as_ptr<int8_t>(q), as_ptr<float>(scale), opt, as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("block_rows"),
       py::arg("block_cols"), py::arg("q_ptr"), py::arg("scale_ptr"), py::arg("stochastic") = false,
-      py::arg("seed") = 0, py::arg("index_base") = 0, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("seed") = 0, py::arg("index_base") = 0, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "int8_quantize_blocks on device pointers.");
   m.def(
       "int8_dequantize_blocks_cuda",
       [](Ptr q, Ptr scale, int64_t rows, int64_t cols, int32_t block_rows, int32_t block_cols, Ptr y, DType dtype,
-         Ptr stream) {
+         Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         int8::int8_dequantize_blocks_cuda(as_ptr<const int8_t>(q), as_ptr<const float>(scale), rows, cols, block_rows,
                                           block_cols, as_ptr<void>(y), dtype, as_ptr<void>(stream));
       },
       py::arg("q_ptr"), py::arg("scale_ptr"), py::arg("rows"), py::arg("cols"), py::arg("block_rows"),
       py::arg("block_cols"), py::arg("y_ptr"), py::arg("dtype"), py::arg("stream") = 0,
+      py::arg("pointers_checked") = false,
       py::call_guard<py::gil_scoped_release>(), "int8_dequantize_blocks on device pointers.");
   m.def(
       "int8_outlier_columns_cuda",
-      [](Ptr x, DType dtype, int64_t rows, int64_t cols, float threshold, Ptr mask, Ptr stream) {
+      [](Ptr x, DType dtype, int64_t rows, int64_t cols, float threshold, Ptr mask, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         int8::int8_outlier_columns_cuda(as_ptr<const void>(x), dtype, rows, cols, threshold, as_ptr<uint8_t>(mask),
                                         as_ptr<void>(stream));
       },
       py::arg("x_ptr"), py::arg("dtype"), py::arg("rows"), py::arg("cols"), py::arg("threshold"), py::arg("mask_ptr"),
-      py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("stream") = 0, py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "int8_outlier_columns on device pointers: writes the mask only (count it on the device, mask.sum()).");
   m.def(
       "int8_dequantize_matmul_cuda",
       [](Ptr acc, int64_t rows, int64_t cols, Ptr row_scale, int64_t row_group, int64_t row_stride, Ptr col_scale,
          int64_t col_group, int64_t col_stride, Ptr add, Ptr bias, Ptr out, DType out_dtype, bool accumulate,
-         Ptr stream) {
+         Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         int8::EpilogueArgs a;
         a.acc = as_ptr<const int32_t>(acc);
         a.rows = rows;
@@ -218,22 +230,26 @@ void init_int8(py::module_& m) {
       py::arg("acc_ptr"), py::arg("rows"), py::arg("cols"), py::arg("row_scale_ptr"), py::arg("row_group") = 1,
       py::arg("row_stride") = 1, py::arg("col_scale_ptr") = 0, py::arg("col_group") = 1, py::arg("col_stride") = 1,
       py::arg("add_ptr") = 0, py::arg("bias_ptr") = 0, py::arg("out_ptr") = 0, py::arg("out_dtype") = DType::f32,
-      py::arg("accumulate") = false, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("accumulate") = false, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "int8_dequantize_matmul on device pointers.");
   m.def(
       "int8_gemm_cuda",
-      [](Ptr a, Ptr b, Ptr c, int64_t m, int64_t n, int64_t k, bool b_trans, Ptr stream) {
+      [](Ptr a, Ptr b, Ptr c, int64_t m, int64_t n, int64_t k, bool b_trans, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         int8::int8_gemm_cuda(as_ptr<const int8_t>(a), as_ptr<const int8_t>(b), as_ptr<int32_t>(c), m, n, k, b_trans,
                              as_ptr<void>(stream));
       },
       py::arg("a_ptr"), py::arg("b_ptr"), py::arg("c_ptr"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("b_trans") = true, py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("b_trans") = true, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false, py::call_guard<py::gil_scoped_release>(),
       "int8_gemm on device pointers through cuBLASLt: b_trans = true only, k and n multiples of 4, 4-byte aligned "
       "operands (cuBLASLt's int8 kernels); anything else raises naming the argument.");
   m.def(
       "int8_block_matmul_cuda",
       [](Ptr a, Ptr a_scale, bool a_trans, Ptr b, Ptr b_scale, bool b_trans, int64_t m, int64_t n, int64_t k,
-         int32_t block, Ptr bias, Ptr out, DType out_dtype, Ptr stream) {
+         int32_t block, Ptr bias, Ptr out, DType out_dtype, Ptr stream, bool pointers_checked) {
+        const device::VouchedPointers vouched(pointers_checked);
         int8::BlockGemmArgs g;
         g.a = as_ptr<const int8_t>(a);
         g.a_scale = as_ptr<const float>(a_scale);
@@ -253,6 +269,7 @@ void init_int8(py::module_& m) {
       py::arg("a_ptr"), py::arg("a_scale_ptr"), py::arg("a_trans"), py::arg("b_ptr"), py::arg("b_scale_ptr"),
       py::arg("b_trans"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("block"), py::arg("bias_ptr") = 0,
       py::arg("out_ptr") = 0, py::arg("out_dtype") = DType::f32, py::arg("stream") = 0,
+      py::arg("pointers_checked") = false,
       py::call_guard<py::gil_scoped_release>(), "int8_block_matmul on device pointers: the same bits.");
 }
 

@@ -205,15 +205,15 @@ void init_optim(py::module_& m) {
         const bool q8 = a.bits == 8;
         a.map1 = q8 && optim::optim_uses_state(a.algo, a.h, 1) ? quant::table_get_device(args.map1) : nullptr;
         a.map2 = q8 && optim::optim_uses_state(a.algo, a.h, 2) ? quant::table_get_device(args.map2) : nullptr;
-        optim::step_tensor_cuda(a, as_ptr<void>(stream), pointers_checked);
+        const device::VouchedPointers vouched(pointers_checked);
+        optim::step_tensor_cuda(a, as_ptr<void>(stream));
       },
       py::arg("args"), py::arg("stream") = 0, py::arg("pointers_checked") = false,
       py::call_guard<py::gil_scoped_release>(),
       "step_tensor on device pointers (one tensor: no segments), queued on `stream` (a cudaStream_t as an int, "
       "torch.cuda.current_stream(device).cuda_stream) with no host sync; LAMB/LARS compute their trust ratio on "
-      "the device. The current device must be the tensors'. Same bits as step_tensor. pointers_checked: the "
-      "caller vouches that every pointer is device memory of that device (no per-pointer query). Releases the "
-      "GIL.");
+      "the device. The current device must be the tensors'. Same bits as step_tensor. pointers_checked: see "
+      "POINTERS_CHECKED. Releases the GIL.");
   m.def(
       "state_bytes",
       [](Algo algo, int64_t n, int bits, int32_t block) { return optim::StateLayout(algo, n, bits, block).bytes(); },

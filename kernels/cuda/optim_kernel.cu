@@ -527,17 +527,16 @@ void optim_norms_cuda(const StepArgs& a, NormSums* out_dev, void* stream) {
   norms_to_device(a, optim_consts(a.algo, a.h, a.bits), out_dev, st);
 }
 
-void optim_step_tensor_cuda(const StepArgs& args, void* stream, bool check_ptrs) {
+void optim_step_tensor_cuda(const StepArgs& args, void* stream) {
   if (args.n <= 0) return;
-  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (!algo_has_trust_ratio(args.algo)) {
-    if (check_ptrs) check_step_ptrs(args, "optim_step_tensor_cuda");
-    step_launch(args, st);
+    optim_step_cuda(args, stream);
     return;
   }
   StepArgs a = args;
   a.seg_trust = nullptr;  // any given ratios are ignored: computed below, in device memory
-  if (check_ptrs) check_step_ptrs(a, "optim_step_tensor_cuda");
+  check_step_ptrs(a, "optim_step_tensor_cuda");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int64_t nseg = a.nseg > 0 ? a.nseg : 1;
   NormSums* sums = nullptr;
   float* trust = nullptr;

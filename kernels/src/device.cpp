@@ -23,6 +23,18 @@ const char* mem_space_name(MemSpace m) { return m == MemSpace::device ? "device"
 
 namespace device {
 
+namespace {
+thread_local int vouched_depth = 0;  // VouchedPointers scopes alive on this thread
+}  // namespace
+
+VouchedPointers::VouchedPointers(bool on) : on_(on) {
+  if (on_) ++vouched_depth;
+}
+VouchedPointers::~VouchedPointers() {
+  if (on_) --vouched_depth;
+}
+bool VouchedPointers::active() { return vouched_depth > 0; }
+
 const char* memory_kind_name(MemoryKind k) {
   switch (k) {
     case MemoryKind::host: return "pageable host memory";
@@ -135,7 +147,7 @@ MemoryKind memory_kind(const void* p) {
 }
 
 void check_device_ptr(const void* p, const char* arg, const std::string& where) {
-  if (p == nullptr) return;
+  if (p == nullptr || VouchedPointers::active()) return;
   require_cuda(where);
   cudaPointerAttributes at{};
   const cudaError_t e = cudaPointerGetAttributes(&at, p);

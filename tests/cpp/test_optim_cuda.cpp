@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "zero8/kernels/device.h"
 #include "zero8/kernels/dispatch.h"
 #include "zero8/kernels/optim.h"
 #include "zero8/kernels/quant_map.h"
@@ -255,9 +256,10 @@ TEST(OptimCuda, StepEqualsCpuReferenceBitwise) {
 }
 
 #if ZERO8_WITH_CUDA_SIM
-// zero8.optim's planned steps vouch for their pointers (step_tensor_cuda's pointers_checked): the step then
-// asks the driver nothing about them (a cudaPointerGetAttributes is about a microsecond on a GPU, and an
-// 8-bit AdamW step has eight pointers), and gives the same bits as the checked step.
+// A caller that vouches for its pointers (device::VouchedPointers: the bindings' pointers_checked, which
+// zero8.optim's planned steps and the Python kernels' calls pass) gets a step that asks the driver nothing
+// about them (a cudaPointerGetAttributes is about a microsecond on a GPU, and an 8-bit AdamW step has eight
+// pointers), with the same bits as the checked step.
 TEST(OptimCuda, AStepWithVouchedPointersQueriesNone) {
   const int64_t n = 3000;
   std::mt19937 rng(3);
@@ -290,9 +292,12 @@ TEST(OptimCuda, AStepWithVouchedPointersQueriesNone) {
     return a;
   };
   const unsigned long long q0 = zero8_cudasim_get_counts().pointer_queries;
-  step_tensor_cuda(args(checked), nullptr, false);
+  step_tensor_cuda(args(checked), nullptr);
   const unsigned long long q1 = zero8_cudasim_get_counts().pointer_queries;
-  step_tensor_cuda(args(vouched), nullptr, true);
+  {
+    const device::VouchedPointers scope(true);
+    step_tensor_cuda(args(vouched), nullptr);
+  }
   const unsigned long long q2 = zero8_cudasim_get_counts().pointer_queries;
   EXPECT_GE(q1 - q0, 8u) << "the checked step's queries";
   EXPECT_EQ(q2 - q1, 0u) << "the vouched step's queries";

@@ -64,6 +64,15 @@ def test_binding_exists(name):
     assert hasattr(_C, name), f"zero8._C.{name} is missing"
 
 
+def test_every_cuda_entry_takes_pointers_checked():
+    """zero8's Python side calls the *_cuda entries with pointers_checked=True for tensors it has checked (no
+    driver query per pointer); an entry without the keyword would fail only on a GPU."""
+    names = [n for n in dir(_C) if n.endswith("_cuda") and callable(getattr(_C, n))]
+    assert len(names) >= 15, names
+    missing = [n for n in names if "pointers_checked: bool = False" not in getattr(_C, n).__doc__]
+    assert not missing, missing
+
+
 def test_build_and_version():
     assert zero8.__version__ == _C.version() == importlib.metadata.version("zero8")
     info = _C.build_info()

@@ -383,15 +383,15 @@ void step_tensor(StepArgs a, int threads) {
   optim_step(a, isa, threads);
 }
 
-void step_tensor_cuda(StepArgs a, void* stream, bool pointers_checked) {
+void step_tensor_cuda(StepArgs a, void* stream) {
 #if ZERO8_WITH_CUDA
   // The segment offsets would be device memory, which the validation cannot read.
   ZERO8_CHECK_ARG(a.nseg == 0, "nseg",
                   "step_tensor_cuda steps one whole tensor (nseg = 0), got " << a.nseg << " segments");
   args_validate(a, false);
-  optim_step_tensor_cuda(a, stream, !pointers_checked);
+  optim_step_tensor_cuda(a, stream);
 #else
-  (void)a, (void)stream, (void)pointers_checked;
+  (void)a, (void)stream;
   ZERO8_THROW(unsupported, "zero8 was not built with CUDA");
 #endif
 }

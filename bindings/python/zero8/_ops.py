@@ -231,10 +231,12 @@ def _seed_of(seed: Optional[Tensor]) -> int:
 
 def _run(t: Tensor, name: str, *args):
     """``_C.<name>(*args)`` for CPU tensors, or ``_C.<name>_cuda(*args)`` on t's GPU, queued on torch's
-    current stream (the CUDA entries take the CPU ones' arguments, less the thread count, plus the stream)."""
+    current stream (the CUDA entries take the CPU ones' arguments, less the thread count, plus the stream). The
+    ops' checks have put every tensor whose data the arguments point at on t's device, or made it there, so the
+    entry takes the pointers on trust (``pointers_checked``: no driver query per pointer)."""
     if t.is_cuda:
         with on_device(t):
-            return getattr(_C, name + "_cuda")(*args, stream=cuda_stream(t))
+            return getattr(_C, name + "_cuda")(*args, stream=cuda_stream(t), pointers_checked=True)
     return getattr(_C, name)(*args)
 
 

@@ -269,21 +269,23 @@ def _scales_make_nonnegative(out: torch.Tensor, absmax: torch.Tensor, blocksize:
 
 def _quantize_into(A: Tensor, kind: "_C.MapKind", blocksize: int, codes_ptr: int, absmax_ptr: int) -> None:
     """The codec over a standard map, on A's device: A's codes and one float32 scale per block into the
-    memory at codes_ptr and absmax_ptr (on that device too; CUDA work queued on torch's current stream)."""
+    memory at codes_ptr and absmax_ptr (on that device too, which the caller vouches for: the CUDA entry takes
+    the pointers on trust; CUDA work queued on torch's current stream)."""
     args = (ptr(A), dtype_code(A), A.numel(), blocksize, kind, codes_ptr, absmax_ptr)
     if A.is_cuda:
         with on_device(A):
-            _C.quantize_blockwise_cuda(*args, stream=cuda_stream(A))
+            _C.quantize_blockwise_cuda(*args, stream=cuda_stream(A), pointers_checked=True)
     else:
         _C.quantize_blockwise(*args)
 
 
 def _dequantize_into(codes_ptr: int, absmax_ptr: int, blocksize: int, kind: "_C.MapKind", out: Tensor) -> None:
-    """The decoding of _quantize_into: out.numel() values into `out` (contiguous), on its device."""
+    """The decoding of _quantize_into: out.numel() values into `out` (contiguous), on its device (the codes and
+    scales too, as the caller vouches)."""
     args = (codes_ptr, absmax_ptr, out.numel(), blocksize, kind, ptr(out), dtype_code(out))
     if out.is_cuda:
         with on_device(out):
-            _C.dequantize_blockwise_cuda(*args, stream=cuda_stream(out))
+            _C.dequantize_blockwise_cuda(*args, stream=cuda_stream(out), pointers_checked=True)
     else:
         _C.dequantize_blockwise(*args)
 
@@ -291,14 +293,14 @@ def _dequantize_into(codes_ptr: int, absmax_ptr: int, blocksize: int, kind: "_C.
 def _quantize_rows_into(A: Tensor, kind: "_C.MapKind", blocksize: int, codes_ptr: int, absmax_ptr: int) -> None:
     """_quantize_into of each row of A (2-d, contiguous), every row blocked on its own (its last block partial
     when blocksize does not divide it), in one call: row r's codes from r * A.shape[1] on, its scales from
-    r * ceil(A.shape[1] / blocksize) on."""
+    r * ceil(A.shape[1] / blocksize) on (on A's device, as the caller vouches)."""
     if A.dim() != 2 or not A.is_contiguous():
         raise Zero8ValueError(f"_quantize_rows_into: needs a contiguous 2-d tensor, got shape {tuple(A.shape)}"
                               f"{'' if A.is_contiguous() else ' (not contiguous)'}")
     args = (ptr(A), dtype_code(A), A.shape[0], A.shape[1], blocksize, kind, codes_ptr, absmax_ptr)
     if A.is_cuda:
         with on_device(A):
-            _C.quantize_blockwise_rows_cuda(*args, stream=cuda_stream(A))
+            _C.quantize_blockwise_rows_cuda(*args, stream=cuda_stream(A), pointers_checked=True)
     else:
         _C.quantize_blockwise_rows(*args)
 
@@ -306,7 +308,8 @@ def _quantize_rows_into(A: Tensor, kind: "_C.MapKind", blocksize: int, codes_ptr
 def _dequantize_rows_into(codes_ptr: int, absmax_ptr: int, rows: int, blocksize: int, kind: "_C.MapKind", out: Tensor,
                           sum: bool = False) -> None:
     """The decoding of _quantize_rows_into: into `out` (rows x row, contiguous), or with sum the rows' values
-    added in row order, ((r0 + r1) + r2) ..., into `out` (row float32 values, contiguous)."""
+    added in row order, ((r0 + r1) + r2) ..., into `out` (row float32 values, contiguous); the codes and scales
+    on out's device, as the caller vouches."""
     row = out.numel() if sum else out.numel() // max(rows, 1)
     if not out.is_contiguous() or (not sum and rows * row != out.numel()):
         raise Zero8ValueError(f"_dequantize_rows_into: `out` must be contiguous and hold {rows} rows of one length, "
@@ -314,7 +317,7 @@ def _dequantize_rows_into(codes_ptr: int, absmax_ptr: int, rows: int, blocksize:
     args = (codes_ptr, absmax_ptr, rows, row, blocksize, kind, ptr(out), dtype_code(out), sum)
     if out.is_cuda:
         with on_device(out):
-            _C.dequantize_blockwise_rows_cuda(*args, stream=cuda_stream(out))
+            _C.dequantize_blockwise_rows_cuda(*args, stream=cuda_stream(out), pointers_checked=True)
     else:
         _C.dequantize_blockwise_rows(*args)
 

@@ -109,11 +109,8 @@ void step_tensor(StepArgs a, int threads = 0);
 // device, the maps included (quant::table_get_device). Validated as step_tensor; then queued on
 // `stream` (a cudaStream_t, null for the default stream) without any host sync: LAMB/LARS compute
 // their norms and trust ratio on the device. Throws ErrorCode::unsupported when zero8 was built
-// without CUDA. pointers_checked: the caller vouches that every pointer is device memory of the current
-// device (zero8.optim's planned steps: the states and master are the plan's tensors, the gradient a CUDA
-// tensor of the parameter's device), so the per-pointer cudaPointerGetAttributes queries, about a
-// microsecond each and eight or more per tensor, are skipped; the other checks still run.
-void step_tensor_cuda(StepArgs a, void* stream = nullptr, bool pointers_checked = false);
+// without CUDA.
+void step_tensor_cuda(StepArgs a, void* stream = nullptr);
 
 // Validation used by the entries above (phase2: the step, which needs seg_trust for LAMB/LARS).
 void args_validate(const StepArgs& a, bool phase2);

@@ -32,8 +32,25 @@ inline bool on_device(const void* p) { return device_accessible(memory_kind(p));
 
 // p (argument `arg` of `where`) must be device or managed memory; null passes (the caller decides whether
 // null is allowed). Error(invalid_argument) naming the argument and the memory it got, or Error(unsupported)
-// when CUDA cannot run.
+// when CUDA cannot run. Inside a VouchedPointers scope of this thread it asks nothing.
 void check_device_ptr(const void* p, const char* arg, const std::string& where);
+
+// While one is alive on this thread (and made with true), check_device_ptr takes every pointer on trust: the
+// caller vouches that each pointer it hands the kernels is device memory of the current device, as zero8's
+// Python side does for the data of CUDA tensors it has checked (and zero8.optim for a planned step's). The
+// query it skips (cudaPointerGetAttributes) costs about a microsecond, and a kernel call checks three to
+// eight pointers. Scopes nest.
+class VouchedPointers {
+ public:
+  explicit VouchedPointers(bool on);
+  ~VouchedPointers();
+  VouchedPointers(const VouchedPointers&) = delete;
+  VouchedPointers& operator=(const VouchedPointers&) = delete;
+  static bool active();
+
+ private:
+  bool on_;
+};
 
 // A stream handle (cudaStream_t as void*; null is the legacy default stream) must be valid on the
 // current device: Error(invalid_argument) naming `arg`, or Error(unsupported) when CUDA cannot run.

@@ -138,9 +138,8 @@ void optim_norms_cuda(const StepArgs& a, NormSums* out_dev, void* stream);
 void optim_step_cuda(const StepArgs& a, void* stream);
 // One tensor, or each segment as its own tensor, as step_tensor: LAMB/LARS run norms -> trust ratio
 // (optim_trust_ratio_of, on the device) -> step, all queued on `stream` with no host sync (a.seg_trust
-// is ignored; temporaries are stream-ordered allocations); the others the step. check_ptrs false: the
-// caller has checked that every pointer is device memory (no cudaPointerGetAttributes per pointer).
-void optim_step_tensor_cuda(const StepArgs& a, void* stream, bool check_ptrs = true);
+// is ignored; temporaries are stream-ordered allocations); the others the step.
+void optim_step_tensor_cuda(const StepArgs& a, void* stream);
 // 8-bit states take the form of cuda_quant_kernels() (dispatch.h; its warp form for blocks of 64..256).
 #endif
 
