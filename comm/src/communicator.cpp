@@ -737,18 +737,32 @@ void check_host_memory(const Communicator& c, const std::string& arg, const std:
                        << (alternative.empty() ? "" : ", or " + alternative));
 }
 
+namespace {
+// The device scratch of a *_host helper below: `bytes` (at least 1) on the communicator's device, which is
+// current while the scratch lives; the caller's is current again after the scratch is freed (members are
+// destroyed in reverse order). `where` names the call in errors.
+struct HostScratch {
+  const std::string where;
+  const device::DeviceGuard on;
+  device::Buffer tmp;
+  HostScratch(const Communicator& c, const char* op, int64_t bytes)
+      : where(std::string(op) + " on '" + c.name() + "'"),
+        on(c.device(), where),
+        tmp(std::max<int64_t>(bytes, 1), where) {}
+  char* data() const { return tmp.as<char>(); }
+};
+}  // namespace
+
 void all_gather_host(Communicator& c, const void* send, void* recv, int64_t bytes) {
   if (c.memory() == MemSpace::host) return c.all_gather(send, recv, bytes);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
-  const std::string where = "all_gather_host on '" + c.name() + "'";
-  const device::DeviceGuard on(c.device(), where);
   const int64_t total = bytes * c.size();
-  device::Buffer tmp(std::max<int64_t>(bytes + total, 1), where);
-  char* d = tmp.as<char>();
-  device::copy(d, send, bytes, c.stream(), where);
+  const HostScratch s(c, "all_gather_host", bytes + total);
+  char* d = s.data();
+  device::copy(d, send, bytes, c.stream(), s.where);
   c.all_gather(d, d + bytes, bytes);
-  device::copy(recv, d + bytes, total, c.stream(), where);
-  device::synchronize(c.stream(), where);
+  device::copy(recv, d + bytes, total, c.stream(), s.where);
+  device::synchronize(c.stream(), s.where);
 }
 
 void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, void* recv,
@@ -763,62 +777,52 @@ void all_gather_v_host(Communicator& c, const void* send, int64_t send_bytes, vo
                     "rank " << p << ": " << recv_bytes[p] << " bytes at " << recv_displs[p]);
     total = std::max(total, recv_displs[p] + recv_bytes[p]);
   }
-  const std::string where = "all_gather_v_host on '" + c.name() + "'";
-  const device::DeviceGuard on(c.device(), where);
-  device::Buffer tmp(std::max<int64_t>(total, 1), where);
-  char* d = tmp.as<char>();
+  const HostScratch s(c, "all_gather_v_host", total);
+  char* d = s.data();
   char* mine = d + recv_displs[size_t(c.rank())];
-  device::copy(mine, send, send_bytes, c.stream(), where);
+  device::copy(mine, send, send_bytes, c.stream(), s.where);
   c.all_gather_v(mine, send_bytes, d, recv_bytes, recv_displs);  // in place
   for (size_t p = 0; p < recv_bytes.size(); ++p)
-    device::copy(static_cast<char*>(recv) + recv_displs[p], d + recv_displs[p], recv_bytes[p], c.stream(), where);
-  device::synchronize(c.stream(), where);
+    device::copy(static_cast<char*>(recv) + recv_displs[p], d + recv_displs[p], recv_bytes[p], c.stream(), s.where);
+  device::synchronize(c.stream(), s.where);
 }
 
 void broadcast_host(Communicator& c, void* buf, int64_t bytes, int root) {
   if (c.memory() == MemSpace::host) return c.broadcast(buf, bytes, root);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
-  const std::string where = "broadcast_host on '" + c.name() + "'";
-  const device::DeviceGuard on(c.device(), where);
-  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
-  if (c.rank() == root) device::copy(tmp.data(), buf, bytes, c.stream(), where);
-  c.broadcast(tmp.data(), bytes, root);
-  device::copy(buf, tmp.data(), bytes, c.stream(), where);
-  device::synchronize(c.stream(), where);
+  const HostScratch s(c, "broadcast_host", bytes);
+  if (c.rank() == root) device::copy(s.data(), buf, bytes, c.stream(), s.where);
+  c.broadcast(s.data(), bytes, root);
+  device::copy(buf, s.data(), bytes, c.stream(), s.where);
+  device::synchronize(c.stream(), s.where);
 }
 
 void send_host(Communicator& c, const void* buf, int64_t bytes, int peer, int tag) {
   if (c.memory() == MemSpace::host) return c.send(buf, bytes, peer, tag);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
-  const std::string where = "send_host on '" + c.name() + "'";
-  const device::DeviceGuard on(c.device(), where);
-  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
-  device::copy(tmp.data(), buf, bytes, c.stream(), where);
-  c.send(tmp.data(), bytes, peer, tag);
+  const HostScratch s(c, "send_host", bytes);
+  device::copy(s.data(), buf, bytes, c.stream(), s.where);
+  c.send(s.data(), bytes, peer, tag);
 }
 
 void recv_host(Communicator& c, void* buf, int64_t bytes, int peer, int tag) {
   if (c.memory() == MemSpace::host) return c.recv(buf, bytes, peer, tag);
   ZERO8_CHECK_ARG(bytes >= 0, "bytes", "must be >= 0, got " << bytes);
-  const std::string where = "recv_host on '" + c.name() + "'";
-  const device::DeviceGuard on(c.device(), where);
-  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
-  c.recv(tmp.data(), bytes, peer, tag);
-  device::copy(buf, tmp.data(), bytes, c.stream(), where);
-  device::synchronize(c.stream(), where);
+  const HostScratch s(c, "recv_host", bytes);
+  c.recv(s.data(), bytes, peer, tag);
+  device::copy(buf, s.data(), bytes, c.stream(), s.where);
+  device::synchronize(c.stream(), s.where);
 }
 
 void all_reduce_host(Communicator& c, void* data, int64_t count, ScalarType type, ReduceOp op) {
   if (c.memory() == MemSpace::host) return c.all_reduce(data, data, count, type, op);
   ZERO8_CHECK_ARG(count >= 0, "count", "must be >= 0, got " << count);
-  const std::string where = "all_reduce_host on '" + c.name() + "'";
-  const device::DeviceGuard on(c.device(), where);
   const int64_t bytes = count * scalar_type_size(type);
-  device::Buffer tmp(std::max<int64_t>(bytes, 1), where);
-  device::copy(tmp.data(), data, bytes, c.stream(), where);
-  c.all_reduce(tmp.data(), tmp.data(), count, type, op);
-  device::copy(data, tmp.data(), bytes, c.stream(), where);
-  device::synchronize(c.stream(), where);
+  const HostScratch s(c, "all_reduce_host", bytes);
+  device::copy(s.data(), data, bytes, c.stream(), s.where);
+  c.all_reduce(s.data(), s.data(), count, type, op);
+  device::copy(data, s.data(), bytes, c.stream(), s.where);
+  device::synchronize(c.stream(), s.where);
 }
 
 NodeGroups node_groups(Communicator& world) {
