@@ -102,23 +102,19 @@ bool one_row(const Args& a) {
   return a.row <= 0 || a.row >= a.n || a.row % a.block == 0;
 }
 
-// Row r of a rows call (EncodeArgs::row), as a one-row call.
-EncodeArgs row_args(const EncodeArgs& a, int64_t r) {
-  const Range range{r * a.row, a.row, r * ((a.row + a.block - 1) / a.block)};
-  EncodeArgs s = part_args(a, range);
+// Row r of a rows call (EncodeArgs::row, DecodeArgs::row), as a one-row call.
+template <class Args>
+Args row_args(const Args& a, int64_t r) {
+  Args s = part_args(a, Range{r * a.row, a.row, r * ((a.row + a.block - 1) / a.block)});
   s.row = 0;
   return s;
 }
 
-DecodeArgs row_args(const DecodeArgs& a, int64_t r) {
-  const Range range{r * a.row, a.row, r * ((a.row + a.block - 1) / a.block)};
-  DecodeArgs s = part_args(a, range);
-  s.row = 0;
+DecodeArgs sum_row_args(const DecodeArgs& a, int64_t r) {  // every row into y, the first added only when accumulating
+  DecodeArgs s = row_args(a, r);
   s.sum_rows = false;
-  if (a.sum_rows) {  // every row into y, the first added to y only when accumulating
-    s.y = a.y;
-    s.accumulate = a.accumulate || r > 0;
-  }
+  s.y = a.y;
+  s.accumulate = a.accumulate || r > 0;
   return s;
 }
 
@@ -141,12 +137,11 @@ void quant_decode(const DecodeArgs& a, Isa isa, int threads) {
     s.row = 0;
     return run_parts(fn, s, threads);
   }
-  if (a.row <= 0) {  // a sum of one row of n
-    DecodeArgs s = a;
-    s.sum_rows = false;
-    return run_parts(fn, s, threads);
+  DecodeArgs s = a;
+  if (s.row <= 0) s.row = s.n;  // a sum of one row of n
+  for (int64_t r = 0; r < s.n / s.row; ++r) {
+    run_parts(fn, s.sum_rows ? sum_row_args(s, r) : row_args(s, r), threads);
   }
-  for (int64_t r = 0; r < a.n / a.row; ++r) run_parts(fn, row_args(a, r), threads);
 }
 
 }  // namespace zero8::quant
