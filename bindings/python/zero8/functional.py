@@ -342,7 +342,7 @@ def _quantize_blockwise_kernel(A: Tensor, code: Optional[Tensor], blocksize: int
     elif A.is_cuda:
         with on_device(A):
             _C.quantize_blockwise_table_cuda(ptr(A), dtype_code(A), n, blocksize, ptr(_device_table(values, A.device)),
-                                             ptr(out), ptr(absmax), stream=cuda_stream(A))
+                                             ptr(out), ptr(absmax), stream=cuda_stream(A), pointers_checked=True)
     else:
         _C.quantize_blockwise_values(ptr(A), dtype_code(A), n, blocksize, values, ptr(out), ptr(absmax))
     if nonnegative_scales:
@@ -370,7 +370,8 @@ def _dequantize_blockwise_kernel(A: Tensor, absmax: Tensor, code: Optional[Tenso
     elif A.is_cuda:
         with on_device(A):
             _C.dequantize_blockwise_table_cuda(ptr(A), ptr(absmax), n, blocksize, ptr(_device_table(values, A.device)),
-                                               ptr(out), dtype_code(out), stream=cuda_stream(A))
+                                               ptr(out), dtype_code(out), stream=cuda_stream(A),
+                                               pointers_checked=True)
     else:
         _C.dequantize_blockwise_values(ptr(A), ptr(absmax), n, blocksize, values, ptr(out), dtype_code(out))
     return out
