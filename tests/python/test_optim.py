@@ -2042,9 +2042,8 @@ def test_planned_steps_equal_fully_checked_steps_bit_for_bit(make, dtype):
 def test_a_planned_step_sees_a_replaced_state_tensor_and_a_rebound_parameter():
     """What a plan took from a parameter and its state is looked at again at each step: a state tensor
     replaced in the state dict, or rebound to a new storage through .data, is the one the next step updates
-    (the old one is left alone), and a parameter
-    rebound to a strided view of its own storage (same pointer and size) is stepped through a contiguous
-    copy, as a fully checked step would."""
+    (the old one is left alone), and a parameter rebound to a strided view of its own storage (same pointer
+    and size) is stepped through a contiguous copy, as a fully checked step would."""
     (pa, pb), oa, ob = _pair(lambda ps: zo.AdamW8bit(ps, lr=1e-2, min_8bit_size=0), torch.float32)
     g = torch.Generator().manual_seed(5)
 
